@@ -1,0 +1,112 @@
+"""Named exceptions of capgraph.
+
+Every error carries the context a user needs to find the culprit: the request id, the guide
+type and the backend where they apply. All derive from :class:`CapgraphError`; those caused by
+a bad argument also derive from :class:`ValueError`, so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "CapgraphError",
+    "ConfigError",
+    "GrammarCompileError",
+    "UnsupportedGuideError",
+    "CompileTimeoutError",
+    "MatcherError",
+    "DeadEndError",
+    "RequestError",
+    "LayoutError",
+    "TensorArgError",
+    "TokenizerLoadError",
+]
+
+
+class CapgraphError(Exception):
+    """Base class of every error capgraph raises on purpose."""
+
+
+def _context(**fields: Any) -> str:
+    parts = [f"{k}={v!r}" for k, v in fields.items() if v is not None]
+    return f" [{', '.join(parts)}]" if parts else ""
+
+
+class ConfigError(CapgraphError, ValueError):
+    """A configuration value is invalid (names the field and the value received)."""
+
+
+class GrammarCompileError(CapgraphError, ValueError):
+    """A guide could not be compiled into a grammar by the backend.
+
+    Attributes:
+        guide_type: the :class:`~capgraph.params.GuideType` name of the guide.
+        backend: ``"xgrammar"`` or ``"llguidance"``.
+        detail: the backend's own message.
+        request_id: the request that asked for it, when known.
+    """
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        guide_type: str | None = None,
+        backend: str | None = None,
+        request_id: int | None = None,
+    ) -> None:
+        self.detail = detail
+        self.guide_type = guide_type
+        self.backend = backend
+        self.request_id = request_id
+        super().__init__(
+            f"cannot compile {guide_type or 'guide'} with {backend or 'backend'}: {detail}"
+            + _context(request_id=request_id)
+        )
+
+
+class UnsupportedGuideError(GrammarCompileError):
+    """The backend does not support this guide type (or this guide's features)."""
+
+
+class CompileTimeoutError(GrammarCompileError):
+    """Grammar compilation did not finish within the configured timeout."""
+
+
+class MatcherError(CapgraphError, RuntimeError):
+    """A grammar matcher entered an error state (llguidance's sticky error, for example)."""
+
+    def __init__(self, detail: str, *, backend: str | None = None,
+                 request_id: int | None = None) -> None:
+        self.detail = detail
+        self.backend = backend
+        self.request_id = request_id
+        super().__init__(f"{backend or 'matcher'} error: {detail}"
+                         + _context(request_id=request_id))
+
+
+class DeadEndError(CapgraphError, RuntimeError):
+    """A grammar state allows no token at all (masking it would produce an all -inf row)."""
+
+
+class RequestError(CapgraphError, ValueError):
+    """One request of a batch is malformed (token id out of range, slot out of range, ...)."""
+
+    def __init__(self, detail: str, *, request_id: int | None = None,
+                 seq_slot: int | None = None) -> None:
+        self.detail = detail
+        self.request_id = request_id
+        self.seq_slot = seq_slot
+        super().__init__(detail + _context(request_id=request_id, seq_slot=seq_slot))
+
+
+class LayoutError(CapgraphError, ValueError):
+    """A batch does not fit the decoder's preallocated layout (too many rows, sequences, drafts)."""
+
+
+class TensorArgError(CapgraphError, ValueError):
+    """A tensor argument has the wrong dtype, shape, stride or device; names the argument."""
+
+
+class TokenizerLoadError(CapgraphError, RuntimeError):
+    """A bundled or local tokenizer could not be loaded or converted."""

@@ -1,0 +1,233 @@
+"""The grammar-engine contract: a rollback-able matcher and the factory that compiles guides.
+
+A :class:`GrammarMatcher` is the per-sequence state machine of the seed (four methods). A
+:class:`GrammarMatcherFactory` compiles guides (cached, bounded in bytes, optionally on a thread
+pool so compilation stays off the decode path) and creates matchers from compiled guides.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import CompileTimeoutError, GrammarCompileError
+from ..params import GuidedDecodingConfig, GuidedDecodingParams
+from .cache import ByteLRUCache
+
+__all__ = ["GrammarMatcher", "GrammarMatcherFactory", "CompiledGuide", "CompileHandle",
+           "CompileStats"]
+
+
+class GrammarMatcher(ABC):
+    """A grammar state machine that advances token by token and can roll back.
+
+    The state only moves forward through :meth:`accept_token` and backward through
+    :meth:`rollback`; filling a bitmask never changes it.
+    """
+
+    @abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token. Returns False (state unchanged) if the grammar rejects it."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (a stop token counts as one)."""
+
+    @abstractmethod
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        """Write the tokens allowed next into row ``index`` of a CPU int32 bitmask (1 = allowed)."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """Whether the matcher has accepted a stop token; a terminated matcher masks nothing."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledGuide:
+    """A guide compiled by a backend, ready to create matchers from (shareable, immutable)."""
+
+    params: GuidedDecodingParams
+    backend: str
+    payload: Any  # xgrammar.CompiledGrammar, or llguidance's grammar text
+    nbytes: int
+    compile_s: float
+
+
+@dataclass(slots=True)
+class CompileStats:
+    """Counters of a factory's compile cache (read them for monitoring and tests)."""
+
+    compiled: int = 0  #: compiles actually run
+    cache_hits: int = 0  #: requests served from the cache
+    inflight_hits: int = 0  #: requests that joined a compile already running
+    failures: int = 0  #: compiles that raised
+    compile_s_total: float = 0.0
+    compile_s: list[float] = field(default_factory=list)  #: per compile, bounded list
+
+    def record(self, seconds: float) -> None:
+        self.compiled += 1
+        self.compile_s_total += seconds
+        if len(self.compile_s) < 100_000:
+            self.compile_s.append(seconds)
+
+
+class CompileHandle:
+    """A compile in flight (or done): wait on it with a deadline relative to its start."""
+
+    __slots__ = ("future", "started", "params")
+
+    def __init__(self, future: "Future[CompiledGuide]", params: GuidedDecodingParams) -> None:
+        self.future = future
+        self.started = time.monotonic()
+        self.params = params
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self, timeout_s: float, *, backend: str, request_id: int | None = None
+               ) -> CompiledGuide:
+        """The compiled guide; waits at most until ``started + timeout_s``.
+
+        Raises :class:`CompileTimeoutError` past the deadline and the compile's own
+        :class:`GrammarCompileError` (with ``request_id`` filled in) if it failed.
+        """
+        remaining = self.started + timeout_s - time.monotonic()
+        try:
+            return self.future.result(timeout=max(remaining, 0.0))
+        except FutureTimeout:
+            raise CompileTimeoutError(
+                f"compile did not finish within {timeout_s:g} s",
+                guide_type=self.params.guide_type.name, backend=backend,
+                request_id=request_id) from None
+        except GrammarCompileError as e:
+            if request_id is not None and e.request_id is None:
+                raise type(e)(e.detail, guide_type=e.guide_type, backend=e.backend,
+                              request_id=request_id) from e
+            raise
+
+
+class GrammarMatcherFactory(ABC):
+    """Compiles guides and creates matchers; one per decoder (the seed's name is kept).
+
+    Compilation is cached by ``(guide_type, guide)`` in a byte-bounded LRU cache and can run on
+    a small thread pool (:meth:`compile_async`), started lazily on first use. Concurrent
+    requests for the same guide share one compile.
+    """
+
+    backend_name: str = "?"
+
+    def __init__(self, config: GuidedDecodingConfig) -> None:
+        self.config = config
+        self.cache: ByteLRUCache[tuple[str, str], CompiledGuide] = ByteLRUCache(
+            config.compile_cache_bytes)
+        self.stats = CompileStats()
+        self._lock = threading.Lock()
+        self._inflight: dict[tuple[str, str], Future[CompiledGuide]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- backend hooks -----------------------------------------------------------------------
+    @abstractmethod
+    def _compile(self, params: GuidedDecodingParams) -> tuple[Any, int]:
+        """Compile synchronously; return ``(payload, nbytes)`` or raise GrammarCompileError."""
+
+    @abstractmethod
+    def create_from_compiled(self, compiled: CompiledGuide) -> GrammarMatcher:
+        """A fresh matcher at the start of the grammar."""
+
+    # -- public API -------------------------------------------------------------------------
+    def create(self, params: GuidedDecodingParams) -> GrammarMatcher:
+        """Compile (or reuse) the guide and return a fresh matcher (the seed's entry point)."""
+        return self.create_from_compiled(self.compile(params))
+
+    def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
+        """Compile synchronously on the calling thread, through the cache."""
+        key = (params.guide_type.value, params.guide)
+        with self._lock:
+            hit = self.cache.get(key)
+            if hit is not None:
+                self.stats.cache_hits += 1
+                return hit
+            running = self._inflight.get(key)
+        if running is not None:
+            with self._lock:
+                self.stats.inflight_hits += 1
+            return running.result()
+        return self._compile_and_store(key, params)
+
+    def compile_async(self, params: GuidedDecodingParams) -> CompileHandle:
+        """Start compiling on the factory's thread pool; returns at once.
+
+        A cached guide comes back as an already-completed handle; a guide already being
+        compiled joins that compile.
+        """
+        key = (params.guide_type.value, params.guide)
+        with self._lock:
+            hit = self.cache.get(key)
+            if hit is not None:
+                self.stats.cache_hits += 1
+                done: Future[CompiledGuide] = Future()
+                done.set_result(hit)
+                return CompileHandle(done, params)
+            running = self._inflight.get(key)
+            if running is not None:
+                self.stats.inflight_hits += 1
+                return CompileHandle(running, params)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.config.compile_threads,
+                                                thread_name_prefix="capgraph-compile")
+            future = self._pool.submit(self._compile_and_store, key, params)
+            self._inflight[key] = future
+            return CompileHandle(future, params)
+
+    def batch_fill(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
+                   indices: Sequence[int]) -> None:
+        """Fill ``bitmask[indices[i]]`` from ``matchers[i]`` for every i.
+
+        Backends override this with a multi-threaded fill that releases the GIL.
+        """
+        for matcher, index in zip(matchers, indices):
+            matcher.fill_next_token_bitmask(bitmask, index)
+
+    def close(self) -> None:
+        """Stop the compile pool (running compiles finish in the background)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- internals --------------------------------------------------------------------------
+    def _compile_and_store(self, key: tuple[str, str], params: GuidedDecodingParams
+                           ) -> CompiledGuide:
+        start = time.perf_counter()
+        try:
+            payload, nbytes = self._compile(params)
+        except Exception as e:
+            with self._lock:
+                self.stats.failures += 1
+                self._inflight.pop(key, None)
+            if isinstance(e, GrammarCompileError):
+                raise
+            # any other backend failure becomes a named error carrying the context
+            raise GrammarCompileError(f"{type(e).__name__}: {e}",
+                                      guide_type=params.guide_type.name,
+                                      backend=self.backend_name) from e
+        seconds = time.perf_counter() - start
+        compiled = CompiledGuide(params, self.backend_name, payload, nbytes, seconds)
+        with self._lock:
+            # store before leaving the in-flight table, so no caller sees neither
+            self.stats.record(seconds)
+            self.cache.put(key, compiled, nbytes)
+            self._inflight.pop(key, None)
+        return compiled
+
+    def __del__(self) -> None:  # best effort; pools also die with the interpreter
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,152 @@
+"""llguidance backend (optional extra): JSON schema, regex and Lark grammars, one stop token.
+
+llguidance keeps errors as a sticky state instead of raising; every call here checks it and
+raises :class:`~capgraph.errors.MatcherError`. Termination on the stop token is tracked by the
+wrapper, and :meth:`rollback` counts a stop token llguidance never consumed as one step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import ConfigError, GrammarCompileError, MatcherError, UnsupportedGuideError
+from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
+from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
+
+try:  # optional extra
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch
+except ImportError:  # pragma: no cover - exercised where the extra is absent
+    llguidance = None  # type: ignore[assignment]
+
+__all__ = ["LLGuidanceMatcher", "LLGuidanceMatcherFactory", "available"]
+
+BACKEND = "llguidance"
+
+
+def available() -> bool:
+    """Whether the llguidance extra is installed."""
+    return llguidance is not None
+
+
+class LLGuidanceMatcher(GrammarMatcher):
+    """Wraps ``llguidance.LLMatcher``.
+
+    The stop token reaches a terminated state two ways: consumed by llguidance itself (the
+    grammar could go on but may also end), or — once llguidance has stopped because the grammar
+    cannot go on — accepted by this wrapper alone. Only the second kind is invisible to
+    llguidance, so only it is subtracted by :meth:`rollback` before delegating.
+    """
+
+    __slots__ = ("_matcher", "_eos", "_terminated", "_wrapper_eos")
+
+    def __init__(self, matcher: "llguidance.LLMatcher", eos_token: int) -> None:
+        self._matcher = matcher
+        self._eos = eos_token
+        self._terminated = False
+        self._wrapper_eos = False
+        self._check()
+
+    @property
+    def native(self) -> "llguidance.LLMatcher":
+        return self._matcher
+
+    def _check(self) -> None:
+        if self._matcher.is_error():
+            raise MatcherError(self._matcher.get_error(), backend=BACKEND)
+
+    def accept_token(self, token_id: int) -> bool:
+        if self._terminated:
+            return False
+        if self._matcher.is_stopped():
+            if token_id == self._eos:
+                self._terminated = self._wrapper_eos = True
+                return True
+            return False
+        ok = self._matcher.try_consume_tokens([token_id]) > 0
+        self._check()
+        if ok and token_id == self._eos:
+            self._terminated = True
+        return ok
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        if self._terminated:
+            self._terminated = False
+            if self._wrapper_eos:  # llguidance never saw this stop token
+                self._wrapper_eos = False
+                num_tokens -= 1
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+        self._check()
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, index)
+        self._check()
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+
+class LLGuidanceMatcherFactory(GrammarMatcherFactory):
+    """Builds an ``LLTokenizer`` from the HF tokenizer once; grammars are validated at compile."""
+
+    backend_name = BACKEND
+
+    def __init__(self, config: GuidedDecodingConfig) -> None:
+        if llguidance is None:
+            raise ConfigError("the llguidance backend needs the 'llguidance' extra: "
+                              "pip install 'capgraph[llguidance]'")
+        super().__init__(config)
+        if not config.stop_token_ids or len(config.stop_token_ids) != 1:
+            raise ConfigError("the llguidance backend takes exactly one stop token, got "
+                              f"{config.stop_token_ids}")
+        self.eos_token = config.stop_token_ids[0]
+        self.tokenizer = llguidance.hf.from_tokenizer(
+            config.tokenizer, n_vocab=config.vocab_size_padded, eos_token=self.eos_token)
+
+    def _grammar_text(self, params: GuidedDecodingParams) -> str:
+        gt, guide = params.guide_type, params.guide
+        try:
+            if gt is GuideType.JSON:
+                return llguidance.LLMatcher.grammar_from_json_schema("{}")  # any JSON value
+            if gt is GuideType.JSON_SCHEMA:
+                return llguidance.LLMatcher.grammar_from_json_schema(guide)
+            if gt is GuideType.REGEX:
+                return llguidance.LLMatcher.grammar_from_regex(guide)
+            if gt is GuideType.EBNF_GRAMMAR:
+                # llguidance reads Lark, not GBNF: the same guide type means a different syntax
+                return llguidance.LLMatcher.grammar_from_lark(guide)
+        except Exception as e:
+            raise GrammarCompileError(f"{type(e).__name__}: {e}", guide_type=gt.name,
+                                      backend=BACKEND) from e
+        raise UnsupportedGuideError(f"guide type {gt.name} is not supported by llguidance "
+                                    "(use the xgrammar backend)", guide_type=gt.name,
+                                    backend=BACKEND)
+
+    def _compile(self, params: GuidedDecodingParams) -> tuple[Any, int]:
+        grammar = self._grammar_text(params)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, self.tokenizer)
+        if is_error:
+            detail = messages[0] if messages else "invalid grammar"
+            if params.guide_type is GuideType.EBNF_GRAMMAR and "::=" in params.guide:
+                detail += (" (this looks like GBNF; the llguidance backend takes Lark, the "
+                           "xgrammar backend takes GBNF/EBNF)")
+            raise GrammarCompileError(detail, guide_type=params.guide_type.name,
+                                      backend=BACKEND)
+        return grammar, len(grammar.encode())
+
+    def create_from_compiled(self, compiled: CompiledGuide) -> LLGuidanceMatcher:
+        matcher = llguidance.LLMatcher(self.tokenizer, compiled.payload, log_level=0)
+        return LLGuidanceMatcher(matcher, self.eos_token)
+
+    def batch_fill(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
+                   indices: Sequence[int]) -> None:
+        # llguidance's compute releases the GIL per call; rows are filled in order
+        for matcher, index in zip(matchers, indices):
+            matcher.fill_next_token_bitmask(bitmask, index)

@@ -1,0 +1,231 @@
+"""Guide parameters per request and the decoder-wide configuration.
+
+``GuidedDecodingParams`` says what one request must follow; ``GuidedDecodingConfig`` says how
+grammars are compiled for every request (backend, vocabulary, stop tokens, cache, timeout).
+Both validate in ``__post_init__`` and raise :class:`~capgraph.errors.ConfigError` naming the
+bad field and the value received.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "GuideType",
+    "GuidedDecodingBackend",
+    "GuidedDecodingParams",
+    "GuidedDecodingConfig",
+    "COMPILE_CACHE_ENV",
+    "DEFAULT_COMPILE_CACHE_BYTES",
+]
+
+#: Environment variable that overrides ``GuidedDecodingConfig.compile_cache_bytes`` (bytes;
+#: suffixes K, M, G accepted, e.g. ``512M``).
+COMPILE_CACHE_ENV = "CAPGRAPH_COMPILE_CACHE_BYTES"
+DEFAULT_COMPILE_CACHE_BYTES = 1 << 30
+
+
+class GuideType(enum.Enum):
+    """What kind of constraint a guide string holds."""
+
+    JSON = "json"  #: any JSON value; the guide string is ignored (may be empty)
+    JSON_SCHEMA = "json_schema"  #: a JSON Schema document (text)
+    REGEX = "regex"  #: a regular expression the whole output must match
+    EBNF_GRAMMAR = "ebnf_grammar"  #: GBNF/EBNF for xgrammar, Lark for llguidance
+    STRUCTURAL_TAG = "structural_tag"  #: xgrammar structural tag (JSON text)
+
+
+class GuidedDecodingBackend(enum.Enum):
+    """Grammar engine used to compile guides and match tokens."""
+
+    XGRAMMAR = "xgrammar"
+    LLGUIDANCE = "llguidance"
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedDecodingParams:
+    """The constraint of one request.
+
+    Args:
+        guide_type: the kind of guide (a :class:`GuideType` or its value string, e.g. ``"regex"``).
+        guide: the guide text; ignored for ``GuideType.JSON``, required non-empty otherwise.
+            A JSON schema may also be given as a ``dict``; it is serialised to text.
+    """
+
+    guide_type: GuideType
+    guide: str = ""
+
+    def __post_init__(self) -> None:
+        gt = self.guide_type
+        if isinstance(gt, str):
+            try:
+                gt = GuideType(gt.lower())
+            except ValueError:
+                try:
+                    gt = GuideType[gt.upper()]
+                except KeyError:
+                    raise ConfigError(
+                        f"GuidedDecodingParams.guide_type: unknown guide type {self.guide_type!r}; "
+                        f"expected one of {[t.value for t in GuideType]}") from None
+            object.__setattr__(self, "guide_type", gt)
+        elif not isinstance(gt, GuideType):
+            raise ConfigError(
+                f"GuidedDecodingParams.guide_type: expected GuideType or str, got {gt!r}")
+        guide = self.guide
+        if isinstance(guide, dict) and gt is GuideType.JSON_SCHEMA:
+            import json
+            guide = json.dumps(guide)
+            object.__setattr__(self, "guide", guide)
+        if guide is None:
+            guide = ""
+            object.__setattr__(self, "guide", guide)
+        if not isinstance(guide, str):
+            raise ConfigError(
+                f"GuidedDecodingParams.guide: expected str, got {type(guide).__name__}")
+        if gt is not GuideType.JSON and not guide.strip():
+            raise ConfigError(
+                f"GuidedDecodingParams.guide: empty guide for guide_type {gt.name}; "
+                "only GuideType.JSON takes no guide")
+
+    @classmethod
+    def json_schema(cls, schema: str | dict[str, Any]) -> "GuidedDecodingParams":
+        """A JSON-schema guide from schema text or a dict."""
+        return cls(GuideType.JSON_SCHEMA, schema)  # type: ignore[arg-type]
+
+    @classmethod
+    def regex(cls, pattern: str) -> "GuidedDecodingParams":
+        return cls(GuideType.REGEX, pattern)
+
+    @classmethod
+    def ebnf(cls, grammar: str) -> "GuidedDecodingParams":
+        return cls(GuideType.EBNF_GRAMMAR, grammar)
+
+    @classmethod
+    def json(cls) -> "GuidedDecodingParams":
+        return cls(GuideType.JSON, "")
+
+    @classmethod
+    def structural_tag(cls, tag: str) -> "GuidedDecodingParams":
+        return cls(GuideType.STRUCTURAL_TAG, tag)
+
+
+def _parse_bytes(text: str) -> int:
+    t = text.strip().upper().removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    if scale != 1:
+        t = t[:-1]
+    try:
+        value = float(t) * scale
+    except ValueError:
+        raise ConfigError(f"{COMPILE_CACHE_ENV}={text!r} is not a byte count "
+                          "(examples: 1073741824, 512M, 1G)") from None
+    if value < 0:
+        raise ConfigError(f"{COMPILE_CACHE_ENV}={text!r} must not be negative")
+    return int(value)
+
+
+@dataclass(slots=True)
+class GuidedDecodingConfig:
+    """How guides are compiled and matched, shared by every request of a decoder.
+
+    Args:
+        backend: grammar engine (:class:`GuidedDecodingBackend` or ``"xgrammar"`` /
+            ``"llguidance"``).
+        tokenizer: a Hugging Face tokenizer; the vocabulary and its metadata (vocab type,
+            prefix space) are read from it. Either this or ``encoded_vocab`` is required.
+        encoded_vocab: the vocabulary as strings indexed by token id (xgrammar only, used
+            when no tokenizer is given; read as a raw vocabulary).
+        stop_token_ids: tokens that end a guided output. Defaults to the tokenizer's EOS.
+            llguidance takes exactly one.
+        vocab_size_padded: width of the logits rows (>= the tokenizer's vocabulary). Ids at or
+            above the tokenizer's vocabulary are always masked on guided rows.
+        compile_cache_bytes: byte budget of the compiled-grammar cache; overridden by the
+            environment variable ``CAPGRAPH_COMPILE_CACHE_BYTES``. 0 disables caching.
+        compile_timeout_s: a compile that takes longer fails its request alone.
+        compile_threads: worker threads that compile grammars off the decode path.
+        fill_threads: threads used by the batched bitmask fill (xgrammar); 0 = auto.
+    """
+
+    backend: GuidedDecodingBackend = GuidedDecodingBackend.XGRAMMAR
+    tokenizer: "PreTrainedTokenizerBase | None" = None
+    encoded_vocab: Sequence[str] | None = None
+    stop_token_ids: list[int] | None = None
+    vocab_size_padded: int | None = None
+    compile_cache_bytes: int = DEFAULT_COMPILE_CACHE_BYTES
+    compile_timeout_s: float = 30.0
+    compile_threads: int = 2
+    fill_threads: int = 0
+    tokenizer_vocab_size: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.backend, str):
+            try:
+                self.backend = GuidedDecodingBackend(self.backend.lower())
+            except ValueError:
+                raise ConfigError(
+                    f"GuidedDecodingConfig.backend: unknown backend {self.backend!r}; expected "
+                    f"one of {[b.value for b in GuidedDecodingBackend]}") from None
+        if self.tokenizer is None and self.encoded_vocab is None:
+            raise ConfigError("GuidedDecodingConfig: give a tokenizer or an encoded_vocab")
+        if self.tokenizer is not None:
+            self.tokenizer_vocab_size = len(self.tokenizer)
+        else:
+            self.encoded_vocab = list(self.encoded_vocab)  # type: ignore[arg-type]
+            if not self.encoded_vocab:
+                raise ConfigError("GuidedDecodingConfig.encoded_vocab: empty vocabulary")
+            self.tokenizer_vocab_size = len(self.encoded_vocab)
+            if self.backend is GuidedDecodingBackend.LLGUIDANCE:
+                raise ConfigError("GuidedDecodingConfig: the llguidance backend needs a "
+                                  "tokenizer, not only an encoded_vocab")
+        if self.vocab_size_padded is None:
+            self.vocab_size_padded = self.tokenizer_vocab_size
+        if not isinstance(self.vocab_size_padded, int) or isinstance(self.vocab_size_padded, bool):
+            raise ConfigError(f"GuidedDecodingConfig.vocab_size_padded: expected int, got "
+                              f"{self.vocab_size_padded!r}")
+        if self.vocab_size_padded < self.tokenizer_vocab_size:
+            raise ConfigError(
+                f"GuidedDecodingConfig.vocab_size_padded={self.vocab_size_padded} is smaller "
+                f"than the tokenizer's vocabulary ({self.tokenizer_vocab_size})")
+        if self.stop_token_ids is None:
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            self.stop_token_ids = [eos] if isinstance(eos, int) else []
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        for t in self.stop_token_ids:
+            if not 0 <= t < self.tokenizer_vocab_size:
+                raise ConfigError(
+                    f"GuidedDecodingConfig.stop_token_ids: {t} is outside the vocabulary "
+                    f"[0, {self.tokenizer_vocab_size})")
+        if (self.backend is GuidedDecodingBackend.LLGUIDANCE
+                and len(self.stop_token_ids) != 1):
+            raise ConfigError(
+                "GuidedDecodingConfig.stop_token_ids: the llguidance backend takes exactly one "
+                f"stop token, got {self.stop_token_ids}")
+        env = os.environ.get(COMPILE_CACHE_ENV)
+        if env:
+            self.compile_cache_bytes = _parse_bytes(env)
+        if self.compile_cache_bytes < 0:
+            raise ConfigError(f"GuidedDecodingConfig.compile_cache_bytes="
+                              f"{self.compile_cache_bytes} must be >= 0")
+        if not self.compile_timeout_s > 0:
+            raise ConfigError(f"GuidedDecodingConfig.compile_timeout_s="
+                              f"{self.compile_timeout_s} must be > 0")
+        if self.compile_threads < 1:
+            raise ConfigError(f"GuidedDecodingConfig.compile_threads={self.compile_threads} "
+                              "must be >= 1")
+        if self.fill_threads < 0:
+            raise ConfigError(f"GuidedDecodingConfig.fill_threads={self.fill_threads} "
+                              "must be >= 0")
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: "PreTrainedTokenizerBase", **kwargs: Any
+                       ) -> "GuidedDecodingConfig":
+        """Config for a Hugging Face tokenizer; keyword arguments are the other fields."""
+        return cls(tokenizer=tokenizer, **kwargs)

