@@ -1,0 +1,52 @@
+"""Shared fixtures: real bundled tokenizers and grammar factories, built once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+from capgraph import GuidedDecodingConfig
+from capgraph.grammar import create_matcher_factory
+
+TOKENIZERS = ["tekken", "mistral-sp32k"]
+
+
+@pytest.fixture(scope="session")
+def tokenizer_cache():
+    """Loaded tokenizers by name (conversion happens once, then comes from the disk cache)."""
+    from capgraph.tokenizers import load_tokenizer
+    loaded = {}
+
+    def get(name: str):
+        if name not in loaded:
+            loaded[name] = load_tokenizer(name)
+        return loaded[name]
+    return get
+
+
+@pytest.fixture(scope="session")
+def tekken(tokenizer_cache):
+    return tokenizer_cache("tekken")
+
+
+@pytest.fixture(scope="session")
+def factory_cache(tokenizer_cache):
+    """xgrammar/llguidance factories by (tokenizer, backend, padding), built once."""
+    built = {}
+
+    def get(tok_name: str, backend: str = "xgrammar", pad: int = 0):
+        key = (tok_name, backend, pad)
+        if key not in built:
+            tok = tokenizer_cache(tok_name)
+            config = GuidedDecodingConfig.from_tokenizer(
+                tok, backend=backend, vocab_size_padded=len(tok) + pad)
+            built[key] = create_matcher_factory(config)
+        return built[key]
+    return get
+
+
+def bits_of(row, vocab_size: int):
+    """The allowed-token set of one int32 bitmask row (bit j of word w is token 32*w + j)."""
+    import torch
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = ((row.unsqueeze(-1) >> shifts) & 1).flatten()[:vocab_size]
+    return bits.bool()
