@@ -1,0 +1,62 @@
+"""hostfunc: Python callables as host callbacks on streams, replay-safe inside captured graphs.
+
+On CUDA the callbacks go through cuda-python's driver bindings (a captured launch adds the host
+node itself and ties the callable's lifetime to the graph with a CUDA user object); without a GPU
+the same API runs on a CPU stand-in (HostStream / HostEvent / HostGraph).
+
+Importing this package loads no CUDA library and touches no device.
+
+    import hostfunc
+
+    @hostfunc.hostfunc
+    def build(batch): ...
+
+    build(batch)            # enqueued on the current stream
+    hostfunc.drain()        # waits for it; re-raises what it raised as HostFuncError
+"""
+
+from .api import (
+    HostFunction,
+    check_errors,
+    drain,
+    hostfunc,
+    is_capturing,
+    launch,
+    live_entries,
+    synchronize,
+)
+from .backend import active_backend, cuda_available, use_backend
+from .errors import (
+    HostFuncBaseError,
+    HostFuncError,
+    HostFuncLaunchError,
+    HostFuncTimeoutError,
+    HostFuncUsageError,
+)
+from .host_graph import HostGraph, capture
+from .host_stream import HostEvent, HostStream, current_stream, use_stream
+
+__all__ = [
+    "launch",
+    "hostfunc",
+    "HostFunction",
+    "drain",
+    "synchronize",
+    "check_errors",
+    "is_capturing",
+    "live_entries",
+    "HostStream",
+    "HostEvent",
+    "HostGraph",
+    "use_stream",
+    "current_stream",
+    "capture",
+    "active_backend",
+    "cuda_available",
+    "use_backend",
+    "HostFuncBaseError",
+    "HostFuncError",
+    "HostFuncLaunchError",
+    "HostFuncTimeoutError",
+    "HostFuncUsageError",
+]

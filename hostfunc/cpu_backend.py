@@ -1,0 +1,50 @@
+"""Host callbacks on the CPU stand-in: the current HostStream runs them, or records them into the
+HostGraph it is capturing into. Same contract as the CUDA backend."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .host_stream import all_streams, current_stream
+from .registry import REGISTRY
+
+__all__ = ["CpuBackend"]
+
+
+class CpuBackend:
+    """Launches host callbacks on the calling thread's current :class:`~hostfunc.HostStream`."""
+
+    name = "cpu"
+
+    def launch(self, fn: Callable[..., Any], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> None:
+        """Enqueue ``fn(*args, **kwargs)`` on the current HostStream, or record it into the graph
+        that stream is capturing into (the graph then owns the entry)."""
+        stream = current_stream()
+        graph = stream.capture_graph
+        if graph is not None:
+            graph.add_call(REGISTRY.add(fn, args, kwargs, one_shot=False))
+            return
+        key = REGISTRY.add(fn, args, kwargs, one_shot=True)
+        try:
+            stream.enqueue(functools.partial(REGISTRY.run, key))
+        except BaseException:
+            REGISTRY.release(key)
+            raise
+
+    def is_capturing(self) -> bool:
+        """True while the current HostStream records into a HostGraph."""
+        return current_stream().is_capturing
+
+    def wait_all(self, timeout: float | None) -> None:
+        """Wait until every HostStream has run what was enqueued on it so far (graph replays
+        included); a no-op while the current stream captures."""
+        if self.is_capturing():
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for stream in all_streams():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            stream.synchronize(left)

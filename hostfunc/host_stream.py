@@ -1,0 +1,275 @@
+"""The CPU stand-in for a CUDA stream: an ordered queue of host tasks run by one worker thread.
+
+:class:`HostStream` runs what is enqueued on it in order, one task at a time, on its own thread,
+as a CUDA stream runs its host callbacks. :class:`HostEvent` marks a point in a stream's queue
+that another stream (or the host) can wait for. :func:`use_stream` makes a stream current for the
+calling thread, like ``torch.cuda.stream``; :func:`current_stream` returns it.
+
+Waits (``synchronize``) release the GIL while they wait (``threading.Condition.wait`` does).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from .errors import HostFuncTimeoutError, HostFuncUsageError
+from .registry import REGISTRY
+
+if TYPE_CHECKING:
+    from .host_graph import HostGraph
+
+__all__ = ["HostStream", "HostEvent", "use_stream", "current_stream", "explicit_stream",
+           "all_streams"]
+
+Task = Callable[[], None]
+_POLL_S = 0.05  # how often a blocked worker re-checks whether its stream was closed
+_stream_ids = itertools.count()
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+class _Worker:
+    """The queue and thread of one HostStream; holds no reference to the stream itself, so an
+    unreferenced HostStream is collected and its thread told to stop."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.cond = threading.Condition()
+        self.tasks: deque[Task] = deque()
+        self.enqueued = 0
+        self.completed = 0
+        self.closed = False
+        self.thread: threading.Thread | None = None
+
+    def put(self, task: Task) -> int:
+        with self.cond:
+            if self.closed:
+                raise HostFuncUsageError(f"{self.name} is closed")
+            self.tasks.append(task)
+            self.enqueued += 1
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self.thread.start()
+            self.cond.notify_all()
+            return self.enqueued
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.tasks and not self.closed:
+                    self.cond.wait()
+                if not self.tasks:
+                    return
+                task = self.tasks.popleft()
+            try:
+                task()
+            except BaseException as exc:  # noqa: BLE001 — tasks are ours and should not raise;
+                # if one does, keep the worker alive (drains would hang) and report it.
+                REGISTRY.record_error(f"<{self.name} task>", exc)
+            del task
+            with self.cond:
+                self.completed += 1
+                self.cond.notify_all()
+
+    def wait_for(self, ticket: int, timeout: float | None) -> None:
+        if threading.current_thread() is self.thread:
+            raise HostFuncUsageError(f"{self.name} cannot wait for itself from one of its tasks")
+        deadline = _deadline(timeout)
+        with self.cond:
+            while self.completed < ticket:
+                left = _left(deadline)
+                if left == 0.0:
+                    raise HostFuncTimeoutError(self.name, timeout or 0.0)
+                self.cond.wait(left)
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+class HostStream:
+    """An ordered host work queue run by one worker thread (the stand-in for a CUDA stream).
+
+    Args:
+        name: thread name, shown in errors and debuggers.
+
+    Tasks run one at a time in enqueue order. The worker thread starts on the first enqueue and
+    stops when the stream is closed or collected. A stream that is capturing into a
+    :class:`~hostfunc.HostGraph` records launches instead of running them.
+    """
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or f"HostStream-{next(_stream_ids)}"
+        self._worker = _Worker(self.name)
+        self.capture_graph: HostGraph | None = None
+        weakref.finalize(self, self._worker.close)
+        _ALL_STREAMS.add(self)
+
+    def __repr__(self) -> str:
+        return f"HostStream({self.name!r})"
+
+    def enqueue(self, task: Task) -> int:
+        """Append ``task`` (which must not raise) to the queue; returns its ticket number."""
+        return self._worker.put(task)
+
+    @property
+    def is_capturing(self) -> bool:
+        """True while this stream records into a HostGraph instead of running."""
+        return self.capture_graph is not None
+
+    def query(self) -> bool:
+        """True when everything enqueued so far has run (never blocks)."""
+        w = self._worker
+        with w.cond:
+            return w.completed >= w.enqueued
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Block until every task enqueued so far has run; the GIL is released while waiting.
+
+        Raises:
+            HostFuncTimeoutError: ``timeout`` seconds passed first.
+            HostFuncUsageError: called from one of this stream's own tasks (it would deadlock).
+        """
+        with self._worker.cond:
+            ticket = self._worker.enqueued
+        self._worker.wait_for(ticket, timeout)
+
+    def wait_event(self, event: HostEvent) -> None:
+        """Make later work on this stream wait until ``event``'s latest record has completed."""
+        event.wait(self)
+
+    def close(self) -> None:
+        """Stop the worker once the queue is empty; later enqueues raise."""
+        self._worker.close()
+
+
+class HostEvent:
+    """A marker in a HostStream's queue (the stand-in for a CUDA event).
+
+    ``record(stream)`` places the marker; ``wait(stream)`` makes another stream's later work wait
+    for the marker placed by the latest ``record`` (none recorded yet: no wait, as in CUDA);
+    ``synchronize`` and ``query`` do the same for the host. While ``stream`` is capturing, record
+    and wait are recorded into the graph and happen at each replay.
+    """
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or f"HostEvent-{id(self):x}"
+        self._cond = threading.Condition()
+        self._recorded = 0   # generation of the latest record()
+        self._completed = 0  # highest generation whose marker has been reached
+
+    def __repr__(self) -> str:
+        return f"HostEvent({self.name!r})"
+
+    def record(self, stream: HostStream | None = None) -> None:
+        """Place the marker at the end of ``stream`` (default: the current stream)."""
+        stream = stream or current_stream()
+        if stream.capture_graph is not None:
+            stream.capture_graph.add_step(lambda s: self.record(s))
+            return
+        with self._cond:
+            self._recorded += 1
+            generation = self._recorded
+        stream.enqueue(lambda: self._complete(generation))
+
+    def wait(self, stream: HostStream | None = None) -> None:
+        """Make later work on ``stream`` (default: current) wait for the latest record."""
+        stream = stream or current_stream()
+        if stream.capture_graph is not None:
+            stream.capture_graph.add_step(lambda s: self.wait(s))
+            return
+        with self._cond:
+            generation = self._recorded
+        if generation:
+            stream.enqueue(lambda: self._block_until(generation, stream._worker))
+
+    def query(self) -> bool:
+        """True when the latest record has been reached (or nothing was recorded)."""
+        with self._cond:
+            return self._completed >= self._recorded
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Block the host until the latest record has been reached; the GIL is released.
+
+        Raises:
+            HostFuncTimeoutError: ``timeout`` seconds passed first.
+        """
+        deadline = _deadline(timeout)
+        with self._cond:
+            generation = self._recorded
+            while self._completed < generation:
+                left = _left(deadline)
+                if left == 0.0:
+                    raise HostFuncTimeoutError(self.name, timeout or 0.0)
+                self._cond.wait(left)
+
+    def _complete(self, generation: int) -> None:
+        with self._cond:
+            self._completed = max(self._completed, generation)
+            self._cond.notify_all()
+
+    def _block_until(self, generation: int, waiter: _Worker) -> None:
+        # Runs on the waiting stream's worker; wakes now and then so that close() can end it.
+        with self._cond:
+            while self._completed < generation and not waiter.closed:
+                self._cond.wait(_POLL_S)
+
+
+# ---- the current stream (per thread, like torch's) ----
+
+_ALL_STREAMS: weakref.WeakSet[HostStream] = weakref.WeakSet()
+_local = threading.local()
+_default_lock = threading.Lock()
+_default: list[HostStream] = []
+
+
+def all_streams() -> list[HostStream]:
+    """Every HostStream still alive (the drain waits on all of them)."""
+    return list(_ALL_STREAMS)
+
+
+def explicit_stream() -> HostStream | None:
+    """The stream made current by :func:`use_stream` on this thread, if any."""
+    stack: list[HostStream] = getattr(_local, "stack", [])
+    return stack[-1] if stack else None
+
+
+def current_stream() -> HostStream:
+    """The calling thread's current HostStream: the innermost :func:`use_stream`, else the
+    process's default HostStream (created on first use)."""
+    stream = explicit_stream()
+    if stream is not None:
+        return stream
+    with _default_lock:
+        if not _default:
+            _default.append(HostStream("HostStream-default"))
+        return _default[0]
+
+
+@contextmanager
+def use_stream(stream: HostStream) -> Iterator[HostStream]:
+    """Make ``stream`` the calling thread's current stream inside the block (like
+    ``torch.cuda.stream``). While any HostStream is current, launches use the CPU stand-in even
+    on a machine with a GPU."""
+    if not isinstance(stream, HostStream):
+        raise TypeError(f"use_stream expects a HostStream, got {type(stream).__name__}")
+    stack: list[HostStream] = _local.__dict__.setdefault("stack", [])
+    stack.append(stream)
+    try:
+        yield stream
+    finally:
+        stack.pop()
