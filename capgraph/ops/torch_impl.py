@@ -1,0 +1,143 @@
+"""Pure-torch kernel of ``capgraph::logits_bitmask``: the CPU path, and the CUDA fallback.
+
+Branch-free bit arithmetic instead of ``masked_fill_``: a random 0/1 mask makes masked_fill's
+per-element branch mispredict, about 10x slower on CPU. Here every allowed bit is widened to an
+all-ones integer lane ("keep") by two shifts, and the logits, viewed as integers of their own
+width, are rewritten as ``((x ^ NEG_INF) & keep) ^ NEG_INF``: an allowed entry keeps its exact
+bits (NaN payloads included), a masked one becomes the bit pattern of -inf.
+
+Rows are processed in blocks so that the keep buffer stays cache sized (on CPU) or bounded (on
+accelerators) and is allocated once per call. On CPU a token mask also skips whole blocks and
+trims each block to its active rows; on other devices nothing reads data back to the host
+(inactive rows get an all-ones keep), so the path never synchronises and may be captured in a
+CUDA graph.
+
+Precondition: arguments checked by :func:`capgraph.ops.logits_bitmask`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["apply_logits_bitmask_"]
+
+# float dtype -> (integer view of the same width, bit pattern of -inf in it)
+_INT_VIEW = {
+    torch.float32: (torch.int32, -0x00800000),  # 0xFF800000
+    torch.float16: (torch.int16, -0x0400),  # 0xFC00
+    torch.bfloat16: (torch.int16, -0x0080),  # 0xFF80
+}
+
+# Elements of the keep buffer per block (int32: 1 MB, best of 128K..1M on a 2-core EPYC at
+# V=131072), so that a block stays in cache between its ops; the buffer is allocated once per
+# call.
+_BLOCK_ELEMENTS = 1 << 18
+# On accelerators blocks only bound the scratch memory (64 MB); fewer blocks, fewer launches.
+_DEVICE_BLOCK_ELEMENTS = 1 << 24
+
+
+@functools.lru_cache(maxsize=8)
+def _lane_shifts(device: torch.device) -> torch.Tensor:
+    """``[32]`` int32: a left shift by ``31 - b`` moves bit ``b`` of a word into the sign bit."""
+    return torch.arange(31, -1, -1, dtype=torch.int32, device=device)
+
+
+def _host_readable(token_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The token mask where reading it on the host costs no device synchronisation, else None."""
+    return token_mask if token_mask is not None and token_mask.device.type == "cpu" else None
+
+
+def _row_spans(rows: int, block_rows: int,
+               token_mask: torch.Tensor) -> tuple[list[tuple[int, int]], bool]:
+    """Row ranges to process, at most ``block_rows`` each, and whether all their rows are active.
+
+    Blocks without an active row are dropped and the others trimmed to their first..last
+    active row (vectorised over blocks; small host lists come out). ``token_mask`` is on CPU.
+    """
+    active = token_mask[:rows].ne(0)
+    if rows <= block_rows:  # one block: the common small-batch case, fewest ops
+        index = active.nonzero().flatten().tolist()
+        if not index:
+            return [], True
+        return [(index[0], index[-1] + 1)], len(index) == index[-1] + 1 - index[0]
+    num_blocks = -(-rows // block_rows)
+    padded = torch.zeros(num_blocks * block_rows, dtype=torch.int8)
+    padded[:rows] = active
+    padded = padded.view(num_blocks, block_rows)
+    # first / last active row of each block (argmax returns the first maximum)
+    first = padded.argmax(dim=1)
+    last = block_rows - 1 - padded.flip(1).argmax(dim=1)
+    base = torch.arange(0, num_blocks * block_rows, block_rows)
+    used = padded.any(dim=1)
+    starts = (base + first)[used].tolist()
+    ends = (base + last + 1)[used].tolist()
+    spanned = sum(ends) - sum(starts)
+    return list(zip(starts, ends)), spanned == int(active.sum())
+
+
+def apply_logits_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
+                          token_mask: torch.Tensor | None, d2t: torch.Tensor | None,
+                          col_offset: int) -> None:
+    """Mask ``logits`` in place (semantics: :func:`capgraph.ops.logits_bitmask`)."""
+    rows, width = logits.shape
+    if rows == 0 or width == 0:
+        return
+    int_dtype, neg_inf_bits = _INT_VIEW[logits.dtype]
+    device = logits.device
+
+    words = bitmask[:rows]  # [rows, words]
+    if d2t is None:
+        first_word = col_offset // 32
+        words = words[:, first_word:-(-(col_offset + width) // 32)]
+        bit0 = col_offset - first_word * 32
+        keep_cols = words.shape[1] * 32
+    else:
+        # column j -> target id t = g + d2t[g], g = col_offset + j (draft coordinates)
+        draft_ids = torch.arange(col_offset, col_offset + width, dtype=torch.int32, device=device)
+        targets = d2t[col_offset:col_offset + width] + draft_ids  # [width]
+        word_index = targets >> 5
+        bit_shift = 31 - (targets & 31)
+        keep_cols = width
+
+    budget = _BLOCK_ELEMENTS if device.type == "cpu" else _DEVICE_BLOCK_ELEMENTS
+    block_rows = max(1, budget // keep_cols)
+    host_mask = _host_readable(token_mask)
+    if host_mask is None:  # read nothing back: every block, inactive rows neutralised below
+        spans = [(s, min(s + block_rows, rows)) for s in range(0, rows, block_rows)]
+        all_active = token_mask is None
+    else:
+        spans, all_active = _row_spans(rows, block_rows, host_mask)
+    if not spans:
+        return
+    if not all_active:
+        # inactive rows read as all-allowed: their logits keep every bit
+        words = words.masked_fill(token_mask[:rows].eq(0).unsqueeze(1), -1)
+
+    shifts = _lane_shifts(device)
+    max_block = max(end - start for start, end in spans)
+    # Keys are built in int32 (int16 shifts do not vectorise in torch's CPU kernels) and
+    # narrowed into a second buffer for 16-bit logits.
+    wide = torch.empty(max_block * keep_cols, dtype=torch.int32, device=device)
+    narrow = None if int_dtype == torch.int32 else torch.empty(
+        max_block * width, dtype=int_dtype, device=device)
+    logits_int = logits.view(int_dtype)
+    for start, end in spans:
+        n = end - start
+        if d2t is None:
+            # keep: [n, words, 32] -> [n, words * 32] -> the logits' columns
+            keep = wide[:n * keep_cols].view(n, -1, 32)
+            torch.bitwise_left_shift(words[start:end].unsqueeze(-1), shifts, out=keep)
+            keep = keep.view(n, keep_cols)[:, bit0:bit0 + width]
+        else:
+            keep = wide[:n * keep_cols].view(n, width)
+            torch.index_select(words[start:end], 1, word_index, out=keep)
+            keep.bitwise_left_shift_(bit_shift)
+        keep.bitwise_right_shift_(31)  # arithmetic: sign bit -> all ones / all zeros
+        if narrow is not None:
+            keep = narrow[:n * width].view(n, width).copy_(keep)
+        block = logits_int[start:end]
+        block.bitwise_xor_(neg_inf_bits)
+        block.bitwise_and_(keep)
+        block.bitwise_xor_(neg_inf_bits)
