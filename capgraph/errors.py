@@ -21,6 +21,8 @@ __all__ = [
     "LayoutError",
     "TensorArgError",
     "TokenizerLoadError",
+    "QueueEpochError",
+    "CallbackError",
 ]
 
 
@@ -110,3 +112,18 @@ class TensorArgError(CapgraphError, ValueError):
 
 class TokenizerLoadError(CapgraphError, RuntimeError):
     """A bundled or local tokenizer could not be loaded or converted."""
+
+
+class QueueEpochError(CapgraphError, RuntimeError):
+    """A host callback found the request queue out of step: a replay without its ``add_batch``
+    (missing put) or several batches queued for one fetch (extra put). That step masks nothing."""
+
+
+class CallbackError(CapgraphError, RuntimeError):
+    """A decoder host callback raised; ``request_ids`` are the requests of the affected batch."""
+
+    def __init__(self, detail: str, *, callback: str, request_ids: list[int]) -> None:
+        self.detail = detail
+        self.callback = callback
+        self.request_ids = list(request_ids)
+        super().__init__(f"{callback} failed: {detail} [request_ids={self.request_ids}]")

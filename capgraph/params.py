@@ -152,6 +152,8 @@ class GuidedDecodingConfig:
         compile_timeout_s: a compile that takes longer fails its request alone.
         compile_threads: worker threads that compile grammars off the decode path.
         fill_threads: threads used by the batched bitmask fill (xgrammar); 0 = auto.
+        json_any_whitespace: JSON-schema guides allow any whitespace between tokens (xgrammar);
+            False makes them compact, so a model cannot loop on whitespace.
     """
 
     backend: GuidedDecodingBackend = GuidedDecodingBackend.XGRAMMAR
@@ -163,6 +165,7 @@ class GuidedDecodingConfig:
     compile_timeout_s: float = 30.0
     compile_threads: int = 2
     fill_threads: int = 0
+    json_any_whitespace: bool = True
     tokenizer_vocab_size: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:

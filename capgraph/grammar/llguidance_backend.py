@@ -73,7 +73,9 @@ class LLGuidanceMatcher(GrammarMatcher):
         return ok
 
     def rollback(self, num_tokens: int) -> None:
-        if num_tokens <= 0:
+        if num_tokens < 0:
+            raise ValueError(f"rollback needs num_tokens >= 0, got {num_tokens}")
+        if num_tokens == 0:
             return
         if self._terminated:
             self._terminated = False

@@ -50,7 +50,9 @@ class XGrammarMatcher(GrammarMatcher):
         return self._matcher.accept_token(token_id)
 
     def rollback(self, num_tokens: int) -> None:
-        if num_tokens > 0:
+        if num_tokens < 0:
+            raise ValueError(f"rollback needs num_tokens >= 0, got {num_tokens}")
+        if num_tokens:
             self._matcher.rollback(num_tokens)
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
@@ -71,8 +73,9 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info,
                                              max_threads=max(1, config.compile_threads),
                                              cache_enabled=False)
-        self._batch = xgr.BatchGrammarMatcher(
-            "auto" if config.fill_threads == 0 else config.fill_threads)
+        # "auto" is xgrammar's choice (half the hardware threads). Measured on a 2-core host
+        # (tools/bench_build.py): 2 threads made batch fills ~10x slower than 1.
+        self._batch = xgr.BatchGrammarMatcher(config.fill_threads or "auto")
 
     def _compile(self, params: GuidedDecodingParams) -> tuple[Any, int]:
         gt, guide = params.guide_type, params.guide
@@ -80,7 +83,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
             if gt is GuideType.JSON:
                 compiled = self._compiler.compile_builtin_json_grammar()
             elif gt is GuideType.JSON_SCHEMA:
-                compiled = self._compiler.compile_json_schema(guide)
+                compiled = self._compiler.compile_json_schema(
+                    guide, any_whitespace=self.config.json_any_whitespace)
             elif gt is GuideType.REGEX:
                 compiled = self._compiler.compile_regex(guide)
             elif gt is GuideType.EBNF_GRAMMAR:

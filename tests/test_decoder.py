@@ -1,0 +1,434 @@
+"""GuidedDecoder end to end on CPU: teacher forcing, speculative rollback, mixed batches, dead ends."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from capgraph import (GuidedDecodingConfig, GuidedDecodingParams, GuideType, LayoutError,
+                      TensorArgError)
+from capgraph.bitmask import allocate_host_bitmask
+from capgraph.decoder import GuidedDecoder
+from capgraph.requests import GuidedRequest, GuidedRequests
+from capgraph.tokenizers import encode_continuation
+from cases import CASES
+from conftest import bits_of
+
+TEACHER_CASES = [c for c in CASES if c.params.guide_type in
+                 (GuideType.JSON_SCHEMA, GuideType.REGEX, GuideType.EBNF_GRAMMAR)]
+
+
+@pytest.fixture(scope="module")
+def factory(factory_cache):
+    return factory_cache("tekken")
+
+
+def make_decoder(factory, seqs=8, drafts=0) -> GuidedDecoder:
+    return GuidedDecoder(factory.config, seqs, drafts, factory=factory)
+
+
+def reference_masks(factory, params, tokens):
+    """Masks a matcher driven directly gives before each token (None once terminated)."""
+    V = factory.config.vocab_size_padded
+    matcher = factory.create(params)
+    masks = []
+    for t in list(tokens) + [None]:
+        if matcher.is_terminated():
+            masks.append(None)
+        else:
+            row = allocate_host_bitmask(1, V)
+            matcher.fill_next_token_bitmask(row, 0)
+            masks.append(bits_of(row[0], V))
+        if t is not None:
+            assert matcher.accept_token(t)
+    return masks
+
+
+def step_logits(rows: int, V: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, V, generator=g)
+
+
+# -- teacher forcing -------------------------------------------------------------------------
+
+def test_teacher_forced_batch_masks_equal_a_direct_matcher(factory, tekken):
+    """Step by step over a batch of schema/regex/EBNF requests, the finite logits of every guided
+    row are exactly the tokens a directly driven matcher allows, and the text's next token is
+    always finite."""
+    V = factory.config.vocab_size_padded
+    eos = factory.config.stop_token_ids[0]
+    texts = [encode_continuation(tekken, c.valid) + [eos] for c in TEACHER_CASES]
+    refs = [reference_masks(factory, c.params, t) for c, t in zip(TEACHER_CASES, texts)]
+    dec = make_decoder(factory, seqs=len(TEACHER_CASES))
+    step = 0
+    while True:
+        live = [i for i, t in enumerate(texts) if step <= len(t)]
+        if not live:
+            break
+        reqs = []
+        for i in live:
+            params = TEACHER_CASES[i].params
+            reqs.append(GuidedRequest.context(i, i, params) if step == 0 else
+                        GuidedRequest.generation(i, i, params, texts[i][step - 1]))
+        dec.add_batch(reqs)
+        logits = step_logits(len(reqs), V, step)
+        assert dec.execute(logits) == []
+        for row, i in enumerate(live):
+            expect = refs[i][step]
+            finite = torch.isfinite(logits[row])
+            if expect is None:
+                assert finite.all()
+            else:
+                assert torch.equal(finite, expect), f"request {i} step {step}"
+                assert finite[texts[i][step]], "the text's next token was masked"
+                assert torch.isneginf(logits[row][~expect]).all()
+        step += 1
+    assert all(dec.grammar_matchers[i].is_terminated() for i in range(len(texts)))
+
+
+# -- speculative decoding vs one token per step ----------------------------------------------
+
+def run_plain(factory, params, tokens):
+    """One token per step; returns masks by position and the final matcher."""
+    V = factory.config.vocab_size_padded
+    dec = make_decoder(factory, seqs=1)
+    masks = {}
+    for p in range(len(tokens) + 1):
+        req = (GuidedRequest.context(0, 0, params) if p == 0 else
+               GuidedRequest.generation(0, 0, params, tokens[p - 1]))
+        dec.add_batch([req])
+        assert dec.execute(torch.zeros(1, V)) == []
+        masks[p] = dec.bitmask_host[0].clone() if dec.token_mask_host[0] else None
+        if dec.grammar_matchers[0].is_terminated():
+            break
+    return masks, dec
+
+
+def run_speculative(factory, params, tokens, rng: random.Random, k: int):
+    """Drafts partly from the text, partly random; random acceptance. Returns guided rows by
+    position, the decoder and the failures seen."""
+    V = factory.config.vocab_size_padded
+    tok_vocab = factory.config.tokenizer_vocab_size
+    dec = make_decoder(factory, seqs=2, drafts=k)
+    slot = 1
+    dec.add_batch([GuidedRequest.context(5, slot, params)])
+    failed = dec.execute(torch.zeros(1, V))
+    masks = {0: dec.bitmask_host[0].clone() if dec.token_mask_host[0] else None}
+    p, accepted_prev = 0, 0
+    while p < len(tokens):
+        n_text = rng.randint(0, k)
+        drafts = tokens[p + 1:p + 1 + n_text]
+        drafts += [rng.randrange(tok_vocab) for _ in range(k - len(drafts))]
+        rl = rng.randint(len(drafts) and 1, k) if rng.random() < 0.3 else k
+        req = GuidedRequest.generation(5, slot, params, tokens[p], draft_tokens=drafts[:k],
+                                       num_accepted_draft_tokens=accepted_prev)
+        dec.add_batch([req], runtime_draft_len=rl)
+        dec.rollback_rejected_tokens()
+        failed += dec.execute(torch.zeros(1 + rl, V))
+        # verification: accept drafts equal to the text; past the text's EOS anything goes
+        match = 0
+        while match < rl and p + 1 + match < len(tokens) and drafts[match] == tokens[p + 1 + match]:
+            match += 1
+        ends_in_text = p + 1 + match >= len(tokens)
+        accepted = rng.randint(0, match) if not ends_in_text else rng.randint(match, rl)
+        for i in range(min(accepted, match) + 1):
+            if dec.token_mask_host[i]:
+                masks[p + 1 + i] = dec.bitmask_host[i].clone()
+            else:
+                masks.setdefault(p + 1 + i, None)
+        p += 1 + min(accepted, match)
+        accepted_prev = accepted
+        if ends_in_text:
+            break
+    # the next step's add_batch + rollback settle the last verification
+    dec.add_batch([GuidedRequest.generation(5, slot, params, tokens[-1],
+                                            num_accepted_draft_tokens=accepted_prev)], 0)
+    dec.rollback_rejected_tokens()
+    return masks, dec, failed + dec.take_failed_requests()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=st.sampled_from(TEACHER_CASES), seed=st.integers(0, 2**32 - 1),
+       k=st.integers(1, 4))
+def test_speculative_path_equals_plain_path(factory_cache, case, seed, k):
+    """With random drafts and random acceptance, every verified position's mask and the final
+    matcher state equal those of the one-token-per-step path; EOS inside drafts with
+    acceptance past it is absorbed by the clamp (no failure)."""
+    factory = factory_cache("tekken")
+    tok = factory.config.tokenizer
+    tokens = encode_continuation(tok, case.valid) + [factory.config.stop_token_ids[0]]
+    plain, plain_dec = run_plain(factory, case.params, tokens)
+    spec, spec_dec, failed = run_speculative(factory, case.params, tokens, random.Random(seed), k)
+    assert failed == []
+    for pos, row in spec.items():
+        if row is None:
+            assert plain.get(pos) is None
+        else:
+            assert torch.equal(row, plain[pos]), f"position {pos}"
+    a, b = plain_dec.grammar_matchers[0], spec_dec.grammar_matchers[1]
+    assert a.is_terminated() and b.is_terminated()
+    b.rollback(1)
+    a.rollback(1)
+    V = factory.config.vocab_size_padded
+    ra, rb = allocate_host_bitmask(1, V), allocate_host_bitmask(1, V)
+    a.fill_next_token_bitmask(ra, 0)
+    b.fill_next_token_bitmask(rb, 0)
+    assert torch.equal(ra, rb)
+
+
+def test_eos_inside_drafts_is_clamped(factory, tekken):
+    """Verification accepting drafts past a draft EOS rolls back nothing and fails nothing."""
+    case = TEACHER_CASES[2]  # regex
+    V = factory.config.vocab_size_padded
+    eos = factory.config.stop_token_ids[0]
+    tokens = encode_continuation(tekken, case.valid)
+    dec = make_decoder(factory, seqs=1, drafts=3)
+    dec.add_batch([GuidedRequest.context(1, 0, case.params)])
+    dec.execute(torch.zeros(1, V))
+    # feed all but the last token one by one, then the last with drafts [EOS, x, y]
+    for t in tokens[:-1]:
+        dec.add_batch([GuidedRequest.generation(1, 0, case.params, t)], 0)
+        assert dec.execute(torch.zeros(1, V)) == []
+    dec.add_batch([GuidedRequest.generation(1, 0, case.params, tokens[-1],
+                                            draft_tokens=[eos, 1234, 99])])
+    logits = torch.zeros(4, V)
+    assert dec.execute(logits) == []
+    assert dec.num_advanced_tokens[0] == 2  # golden + EOS; the matcher stopped there
+    assert dec.token_mask_host[:4].tolist() == [1, 0, 0, 0]
+    assert torch.isfinite(logits[1:]).all()
+    dec.add_batch([GuidedRequest.generation(1, 0, case.params, 99,
+                                            num_accepted_draft_tokens=3)], 0)
+    dec.rollback_rejected_tokens()
+    assert dec.take_failed_requests() == []
+    assert dec.grammar_matchers[0].is_terminated()
+
+
+def test_negative_acceptance_fails_only_that_request(factory, tekken):
+    """A negative accepted count is a failed request reported with its id, not an exception."""
+    V = factory.config.vocab_size_padded
+    a, b = TEACHER_CASES[0], TEACHER_CASES[2]
+    ta, tb = (encode_continuation(tekken, c.valid) for c in (a, b))
+    dec = make_decoder(factory, seqs=2, drafts=2)
+    dec.add_batch([GuidedRequest.context(10, 0, a.params), GuidedRequest.context(11, 1, b.params)])
+    dec.execute(torch.zeros(2, V))
+    dec.add_batch([GuidedRequest.generation(10, 0, a.params, ta[0], draft_tokens=ta[1:3]),
+                   GuidedRequest.generation(11, 1, b.params, tb[0], draft_tokens=tb[1:3])])
+    dec.execute(torch.zeros(6, V))
+    dec.add_batch([GuidedRequest.generation(10, 0, a.params, ta[3], num_accepted_draft_tokens=-1),
+                   GuidedRequest.generation(11, 1, b.params, tb[3], draft_tokens=tb[4:6],
+                                            num_accepted_draft_tokens=2)])
+    dec.rollback_rejected_tokens()
+    failed = dec.execute(torch.zeros(6, V))
+    assert [f[0] for f in failed] == [10] and "num_accepted_draft_tokens=-1" in failed[0][1]
+    assert dec.token_mask_host[3:6].tolist() == [1, 1, 1]
+
+
+# -- mixed batches ---------------------------------------------------------------------------
+
+def _mixed_requests(tekken, step: int):
+    """Context, generation with drafts, unguided and guided generation requests in one batch."""
+    a, b, c = TEACHER_CASES[0], TEACHER_CASES[2], TEACHER_CASES[3]
+    ta, tb, tc = (encode_continuation(tekken, x.valid) for x in (a, b, c))
+    if step == 0:
+        return [GuidedRequest.context(1, 0, a.params), GuidedRequest.context(2, 1, None),
+                GuidedRequest.context(3, 2, b.params), GuidedRequest.context(4, 3, c.params)]
+    return [GuidedRequest.generation(1, 0, a.params, ta[0], draft_tokens=ta[1:3]),
+            GuidedRequest.generation(2, 1, None, 5, draft_tokens=[6, 7]),
+            GuidedRequest.context(9, 4, c.params),  # a new request joining
+            GuidedRequest.generation(3, 2, b.params, tb[0], draft_tokens=[tb[1], 17]),
+            GuidedRequest.generation(4, 3, c.params, tc[0])]
+
+
+def test_mixed_batch_rows_equal_each_request_alone(factory, tekken):
+    """Guided/unguided, context/generation, drafting/not in one step: each request's rows are
+    masked exactly as if it ran alone, and unguided rows are untouched."""
+    V = factory.config.vocab_size_padded
+    together = make_decoder(factory, seqs=5, drafts=2)
+    for step in range(2):
+        reqs = _mixed_requests(tekken, step)
+        together.add_batch(reqs)
+        n = together.requests.num_bitmask_tokens
+        logits = step_logits(n, V, 100 + step)
+        before = logits.clone()
+        assert together.execute(logits) == []
+    layout = GuidedRequests(reqs, 2)
+    for req, offset in zip(reqs, layout.offsets):
+        rows = req.num_rows(2)
+        mine = logits[offset:offset + rows]
+        if req.guided_decoding_params is None:
+            assert torch.equal(mine, before[offset:offset + rows])
+            continue
+        alone = make_decoder(factory, seqs=5, drafts=2)
+        solo_steps = [[r for r in _mixed_requests(tekken, s) if r.seq_slot == req.seq_slot]
+                      for s in range(2)]
+        for s, solo in enumerate(solo_steps):
+            if not solo:
+                continue
+            alone.add_batch(solo)
+            solo_logits = step_logits(alone.requests.num_bitmask_tokens, V, 0)
+            alone.execute(solo_logits)
+        assert torch.equal(torch.isfinite(mine), torch.isfinite(solo_logits))
+
+
+def test_layout_offsets_count_unguided_rows():
+    """Offsets follow request order and count unguided and draft-step rows (1 each)."""
+    p = GuidedDecodingParams(GuideType.REGEX, "a+")
+    reqs = [GuidedRequest.context(0, 0, p), GuidedRequest.generation(1, 1, None, 3),
+            GuidedRequest.generation(2, 2, p, 3, draft_tokens=[1, 2])]
+    layout = GuidedRequests(reqs, 3)
+    assert layout.offsets == [0, 1, 5] and layout.num_bitmask_tokens == 9
+    assert [o for _, o in layout.valid_requests_with_offsets()] == [0, 5]
+    drafts = [GuidedRequest(p, 0, 0, is_draft=True, is_generation_in_progress_state=True),
+              GuidedRequest(None, 1, 1, is_draft=True), GuidedRequest(p, 2, 2, is_draft=True)]
+    layout = GuidedRequests(drafts, 3)
+    assert layout.offsets == [0, 1, 2] and layout.num_bitmask_tokens == 3
+
+
+# -- dead ends -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A raw 6-token vocabulary where 'a' 'x' dead-ends after 'a' (no token spells 'x')."""
+    from capgraph.grammar import create_matcher_factory
+    vocab = ["a", "b", "</s>", "ab", "c", "d"]
+    config = GuidedDecodingConfig(encoded_vocab=vocab, stop_token_ids=[2], vocab_size_padded=64)
+    return create_matcher_factory(config)
+
+
+DEAD = GuidedDecodingParams(GuideType.EBNF_GRAMMAR, 'root ::= "a" "x" | "b" "a" "x" | "b"+')
+ALIVE = GuidedDecodingParams(GuideType.EBNF_GRAMMAR, 'root ::= ("a" | "b")+')
+
+
+def test_dead_end_fails_only_that_request(tiny):
+    """A state with no valid token fails its request (reported with its id, row unmasked,
+    never NaN or all -inf) while the other request's row is masked as usual."""
+    dec = GuidedDecoder(tiny.config, 2, 0, factory=tiny)
+    dec.add_batch([GuidedRequest.context(1, 0, DEAD), GuidedRequest.context(2, 1, ALIVE)])
+    dec.execute(torch.zeros(2, 64))
+    dec.add_batch([GuidedRequest.generation(1, 0, DEAD, 0), GuidedRequest.generation(2, 1, ALIVE, 0)])
+    logits = torch.randn(2, 64)
+    failed = dec.execute(logits)
+    assert [f[0] for f in failed] == [1] and "no valid token" in failed[0][1]
+    assert torch.isfinite(logits[0]).all()
+    assert torch.isfinite(logits[1]).tolist()[:6] == [True, True, True, True, False, False]
+    assert not torch.isfinite(logits[1][6:]).any(), "padding ids must stay masked"
+    assert dec.grammar_matchers[0] is None and dec.grammar_matchers[1] is not None
+    assert not torch.isnan(logits).any()
+
+
+def test_draft_dead_end_stops_guiding_and_rolls_back(tiny):
+    """A draft token leading to a dead end leaves later rows unconstrained without failing; a
+    draft-model step in a dead end marks the slot and rollback_draft_tokens restores it."""
+    dec = GuidedDecoder(tiny.config, 1, 2, factory=tiny)
+    dec.add_batch([GuidedRequest.context(1, 0, DEAD)])
+    dec.execute(torch.zeros(1, 64))
+    dec.add_batch([GuidedRequest.generation(1, 0, DEAD, 1, draft_tokens=[0, 1])])
+    logits = torch.randn(3, 64)
+    assert dec.execute(logits) == []
+    # golden 'b' is fine; draft 'a' is accepted but "ba" allows nothing: stop guiding there
+    assert dec.token_mask_host[:3].tolist() == [1, 0, 0]
+    assert dec.num_advanced_tokens[0] == 2
+    assert torch.isfinite(logits[1:]).all() and not torch.isnan(logits).any()
+    # the target rejected the draft: back to "b"
+    dec.add_batch([GuidedRequest.generation(1, 0, DEAD, 1, num_accepted_draft_tokens=0)], 0)
+    dec.rollback_rejected_tokens()
+    assert dec.num_advanced_tokens[0] == 1
+    # draft-model steps: the drafted 'a' leads to a dead end -> the slot's drafting stops
+    draft = dict(is_draft=True, is_generation_in_progress_state=True)
+    dec.add_batch([GuidedRequest(DEAD, 1, 0, new_token=0, **draft)])
+    assert dec.execute(torch.zeros(1, 64)) == []
+    assert dec.is_draft_terminated[0] and dec.num_advanced_draft_tokens[0] == 1
+    dec.add_batch([GuidedRequest(DEAD, 1, 0, new_token=1, **draft)])
+    logits = torch.zeros(1, 64)
+    assert dec.execute(logits) == []
+    assert dec.num_advanced_draft_tokens[0] == 1 and torch.isfinite(logits).all()
+    dec.rollback_draft_tokens()
+    assert not dec.is_draft_terminated[0] and dec.num_advanced_draft_tokens[0] == 0
+    # back at "b": the target's next token 'b' gives "bb", where 'a' is not allowed
+    dec.add_batch([GuidedRequest.generation(1, 0, DEAD, 1)], 0)
+    logits = torch.zeros(1, 64)
+    assert dec.execute(logits) == []
+    assert torch.isfinite(logits[0]).tolist()[:3] == [False, True, True]
+
+
+def test_disaggregated_first_step_creates_the_matcher(factory, tekken):
+    """A generation-only first step gets its matcher from init_disagg_gen_requests."""
+    case = TEACHER_CASES[2]
+    V = factory.config.vocab_size_padded
+    tokens = encode_continuation(tekken, case.valid)
+    dec = make_decoder(factory, seqs=1)
+    req = GuidedRequest(case.params, 3, 0, None, False, False, True, True, tokens[0])
+    dec.add_batch([req])
+    dec.init_disagg_gen_requests()
+    logits = torch.zeros(1, V)
+    assert dec.execute(logits) == []
+    assert torch.equal(torch.isfinite(logits[0]), reference_masks(factory, case.params, tokens)[1])
+
+
+# -- per-request failures and batch-level errors ----------------------------------------------
+
+def test_bad_requests_fail_alone(factory, tekken):
+    """Out-of-vocab tokens, a bad slot, a duplicate slot, too many drafts and a bad guide each
+    fail only their request; the good request is masked as if alone."""
+    V = factory.config.vocab_size_padded
+    good = TEACHER_CASES[2]
+    tokens = encode_continuation(tekken, good.valid)
+    bad_regex = GuidedDecodingParams(GuideType.REGEX, "(unclosed")
+    dec = make_decoder(factory, seqs=4, drafts=1)
+    dec.add_batch([GuidedRequest.context(1, 0, good.params), GuidedRequest.context(2, 1, good.params),
+                   GuidedRequest.context(3, 2, bad_regex)])
+    failed = dec.execute(torch.zeros(3, V))
+    assert [f[0] for f in failed] == [3] and "REGEX" in failed[0][1]
+    dec.add_batch([
+        GuidedRequest.generation(1, 0, good.params, tokens[0]),
+        GuidedRequest.generation(2, 1, good.params, V + 5),
+        GuidedRequest.generation(4, 9, good.params, tokens[0]),
+        GuidedRequest.generation(5, 0, good.params, tokens[0]),
+    ], 0)
+    logits = torch.zeros(4, V)
+    failed = dict(dec.execute(logits))
+    assert set(failed) == {2, 4, 5}
+    assert "outside the vocabulary" in failed[2] and "seq_slot 9" in failed[4]
+    assert "twice" in failed[5]
+    assert dec.grammar_matchers[0] is not None, "a duplicate slot must not drop the owner's matcher"
+    ref = reference_masks(factory, good.params, tokens)[1]
+    assert torch.equal(torch.isfinite(logits[0]), ref)
+    assert torch.isfinite(logits[1:]).all()
+
+
+def test_batch_level_errors_are_named(factory):
+    """Too many requests, a bad runtime draft length and mis-shaped logits raise named errors."""
+    V = factory.config.vocab_size_padded
+    dec = make_decoder(factory, seqs=2, drafts=1)
+    p = TEACHER_CASES[2].params
+    with pytest.raises(LayoutError, match="max_num_sequences=2"):
+        dec.add_batch([GuidedRequest.context(i, i, p) for i in range(3)])
+    with pytest.raises(LayoutError, match="runtime_draft_len=2"):
+        dec.add_batch([GuidedRequest.context(0, 0, p)], 2)
+    dec.add_batch([GuidedRequest.context(0, 0, p)])
+    with pytest.raises(TensorArgError, match="2 rows"):
+        dec.execute(torch.zeros(2, V))
+    with pytest.raises(TensorArgError, match="width"):
+        dec.execute(torch.zeros(1, V - 3))
+    with pytest.raises(TensorArgError, match="2-D"):
+        dec.execute(torch.zeros(V))
+
+
+def test_compile_starts_at_first_sight(factory, tekken):
+    """add_batch of a non-final context chunk already starts the compile; the final chunk's
+    build finds it done."""
+    params = GuidedDecodingParams(GuideType.REGEX, r"[a-z]{3}-first-sight-\d+")
+    dec = make_decoder(factory, seqs=1)
+    dec.add_batch([GuidedRequest.context(1, 0, params, last_chunk=False)])
+    handle = dec._pending_compiles[0]
+    assert dec.execute(torch.zeros(1, factory.config.vocab_size_padded)) == []
+    assert dec.grammar_matchers[0] is None
+    handle.future.result(timeout=30)
+    dec.add_batch([GuidedRequest.context(1, 0, params)])
+    assert dec._pending_compiles[0] is handle
+    assert dec.execute(torch.zeros(1, factory.config.vocab_size_padded)) == []
+    assert dec.grammar_matchers[0] is not None and 0 not in dec._pending_compiles
