@@ -1,0 +1,393 @@
+"""CapturableGuidedDecoder: the guided step as host callbacks that a replayed graph runs.
+
+The host side (:meth:`~CapturableGuidedDecoder.add_batch`) snapshots the step's requests and
+puts them on a queue; everything else is enqueued on streams, so that a CUDA graph (or a
+hostfunc ``HostGraph`` on the CPU stand-in) that captured one :meth:`execute` replays the whole
+step: the side stream waits for the tokens event, the callbacks fetch the batch, create matchers
+for disaggregated requests and build the masks, the mask is copied, the bitmask event joins the
+main stream, and the main stream applies the mask to the logits.
+
+Beyond the reference design: every put carries an epoch that the fetching callback checks
+(a replay without its ``add_batch`` or an extra ``add_batch`` raises
+:class:`~capgraph.errors.QueueEpochError` at the next sync instead of silently reusing or
+skipping a batch); failures and callback exceptions reach the caller through
+:meth:`take_failed_requests` and the drain; captured callbacks are freed with their graph
+(hostfunc); nothing process-wide is changed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+import hostfunc
+
+from ._nvtx import nvtx_range
+from .bitmask import _pin_host
+from .decoder import GuidedDecoder
+from .errors import CallbackError, QueueEpochError, TensorArgError
+from .requests import GuidedRequest, GuidedRequests
+from .streams import make_step_streams
+
+__all__ = ["CapturableGuidedDecoder"]
+
+
+def _callback(name: str) -> Callable:
+    """A decoder method run as a host callback: failures of the batch are recorded with their
+    request ids and the exception is re-raised (hostfunc hands it to the next drain)."""
+    def wrap(fn: Callable) -> hostfunc.HostFunction:
+        def run(self: "CapturableGuidedDecoder", *args) -> None:
+            try:
+                fn(self, *args)
+            except QueueEpochError:
+                raise
+            except Exception as e:
+                batch = self.requests_hostfunc
+                ids = [r.request_id for r in batch.valid_requests()] if batch else []
+                self._record_failed([(i, f"{name}: {type(e).__name__}: {e}") for i in ids])
+                raise CallbackError(f"{type(e).__name__}: {e}", callback=name,
+                                    request_ids=ids) from e
+        run.__name__ = run.__qualname__ = name
+        return hostfunc.hostfunc(nvtx_range(f"CapturableGuidedDecoder.{name}")(run))
+    return wrap
+
+
+class CapturableGuidedDecoder(GuidedDecoder):
+    """A :class:`GuidedDecoder` whose per-step work runs as host callbacks on streams.
+
+    Arguments as for :class:`GuidedDecoder`. Use it the same way per step — ``add_batch``
+    then ``execute`` — and it works unchanged inside ``torch.cuda.graph`` capture (CUDA) or
+    ``hostfunc.capture`` (CPU stand-in): capture one ``execute`` (with its forward and sampling)
+    and, each step, call ``add_batch`` then replay.
+
+    ``execute`` returns nothing (a host callback cannot); call :meth:`take_failed_requests`
+    after the step's sync. Callback exceptions are re-raised by the drain that ends each
+    non-captured ``execute`` (and by ``hostfunc.drain()``), as ``hostfunc.HostFuncError``.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        S, D = self.max_num_sequences, self.max_num_draft_tokens
+        pin = _pin_host()
+        # [position, slot]: the golden token and the drafts of each slot (as in the seed)
+        self.new_tokens = torch.zeros(D + 1, S, dtype=torch.int32, pin_memory=pin)
+        # [batch position]: the token each request's matcher consumes in a draft step
+        self.draft_new_tokens = torch.zeros(S, dtype=torch.int32, pin_memory=pin)
+        # [batch position]: accepted tokens of the last verification, bonus token included
+        self.num_accepted_tokens = torch.zeros(S, dtype=torch.int32, pin_memory=pin)
+        self._new_tokens_np = self.new_tokens.numpy()
+        self.requests_hostfunc: GuidedRequests | None = None  # read and written by callbacks
+        self._draft_requests: GuidedRequests | None = None
+        self._queue: deque[tuple[int, GuidedRequests, bool]] = deque()
+        self._put_epoch = 0  # host side
+        self._fetched_epoch = 0  # callback side
+        self._warmup = 0
+        self._prepared = False
+        self.active = False
+        self._streams = make_step_streams(self.device)
+        if self.device.type == "cuda":  # one set of streams and events for both paths
+            self.stream = self._streams.stream  # type: ignore[attr-defined]
+            self.token_event = self._streams.token_event  # type: ignore[attr-defined]
+            self.bitmask_event = self._streams.bitmask_event  # type: ignore[attr-defined]
+
+    # -- host side ---------------------------------------------------------------------------
+    @nvtx_range("CapturableGuidedDecoder.add_batch")
+    def add_batch(self, requests: Sequence[GuidedRequest], new_tokens: torch.Tensor | None = None,
+                  runtime_draft_len: int | None = None) -> None:
+        """Snapshot this step's requests and queue them for the step's callbacks (host side).
+
+        Args:
+            requests: this step's requests in batch order (copied: later changes by the caller
+                do not reach the callbacks).
+            new_tokens: optional int tensor ``[1 + max_num_draft_tokens, max_num_sequences]``
+                (a trailing dim of 1 is accepted): per slot, the golden token then the drafts,
+                read by the fetch callback instead of the requests' ``new_token`` /
+                ``draft_tokens`` for requests with a ``prev_seq_slot``. Copied without blocking.
+            runtime_draft_len: draft length of this step (default: the maximum).
+        """
+        snapshot = [copy.copy(r) for r in requests]
+        for r in snapshot:
+            if r.draft_tokens is not None:
+                r.draft_tokens = list(r.draft_tokens)
+        super().add_batch(snapshot, runtime_draft_len)
+        batch = self.requests
+        if new_tokens is not None:
+            self._copy_new_tokens(new_tokens)
+        self._put_epoch += 1
+        self._queue.append((self._put_epoch, batch, new_tokens is not None))  # type: ignore[arg-type]
+        self.active = any(True for _ in batch.valid_requests())  # type: ignore[union-attr]
+        if not self._streams.is_capturing():
+            self._streams.record_tokens()  # orders the callbacks after the token copy
+
+    def _copy_new_tokens(self, new_tokens: torch.Tensor) -> None:
+        t = new_tokens.squeeze(-1) if new_tokens.dim() == 3 else new_tokens
+        if t.dim() != 2 or t.shape[0] > self.new_tokens.shape[0] or t.shape[1] != self.max_num_sequences:
+            raise TensorArgError(
+                f"new_tokens has shape {tuple(new_tokens.shape)}; expected [<= "
+                f"{self.new_tokens.shape[0]}, {self.max_num_sequences}] (positions x slots)")
+        self.new_tokens[:t.shape[0]].copy_(t, non_blocking=True)
+
+    def record_tokens_ready(self) -> None:
+        """Record the tokens event on the current stream.
+
+        Call it from the step's input preparation *inside* the captured region, after the
+        step's new tokens are in place, so that each replay's callbacks wait for them.
+        ``add_batch`` also records it (outside capture) after its own token copy.
+        """
+        self._streams.record_tokens()
+
+    @contextmanager
+    def warmup(self) -> Iterator[None]:
+        """Runs inside this block fetch no batch and so mask and advance nothing.
+
+        Graph warm-up runs the step several times before capture for one ``add_batch``; the
+        queued batch is left for the capture (which only needs its shapes) to consume.
+        """
+        self._warmup += 1
+        try:
+            yield
+        finally:
+            self._warmup -= 1
+
+    # -- the step ----------------------------------------------------------------------------
+    @nvtx_range("CapturableGuidedDecoder.prepare")
+    def prepare(self, num_rows: int | None = None) -> None:
+        """Enqueue this step's host work (fetch, init, build, copy) on the side stream now.
+
+        Optional: ``execute`` does it when not done. On the CPU stand-in, call it before the
+        forward so that mask building overlaps the (synchronous) CPU forward; ``execute``
+        after the forward then only waits and applies.
+
+        Args:
+            num_rows: bitmask rows to copy to the device (the logits' rows); default all.
+        """
+        if self._prepared:
+            return
+        with self._streams.side():
+            self._streams.wait_tokens()
+            self.fetch_batch()
+            self.init_disagg_gen_requests_hostfunc()
+            self.build_hostfunc()
+            self.copy_bitmask(num_rows or self.bitmask_host.shape[0])
+            self._streams.record_bitmask()
+        self._prepared = True
+
+    @nvtx_range("CapturableGuidedDecoder.execute")
+    def execute(self, logits: torch.Tensor, d2t: torch.Tensor | None = None) -> None:  # type: ignore[override]
+        """Mask ``logits`` in place for the batch of the latest ``add_batch``: graph-safe.
+
+        Args:
+            logits: ``[rows, W]`` (rows may exceed the layout's rows: padding rows are left
+                untouched); full vocabulary or a tensor-parallel shard, as for GuidedDecoder.
+            d2t: optional draft-to-target table (see GuidedDecoder.execute).
+
+        Returns nothing; failures come from :meth:`take_failed_requests` after the step. When
+        not capturing this drains (waits for the callbacks with the GIL released) and
+        re-raises a callback exception as ``hostfunc.HostFuncError``.
+        """
+        capturing = self._streams.is_capturing()
+        self._check_logits(logits, d2t, None)
+        if capturing:
+            # the batch queued before capture only gave the shapes: no replay will fetch it
+            self._consume_put()
+        elif not self.active and not self._prepared:
+            self._consume_put()  # nothing guided: enqueue nothing at all
+            return
+        self.prepare(logits.shape[0])
+        self._prepared = False
+        self._join_and_apply(logits, d2t)
+
+    def _join_and_apply(self, logits: torch.Tensor, d2t: torch.Tensor | None) -> None:
+        self._streams.wait_bitmask()
+        rows = logits.shape[0]
+        if self.device.type == "cuda":
+            self.apply_bitmask(logits, d2t, rows)
+        else:
+            self.apply_hostfunc(logits, d2t, rows)
+        self._streams.drain()
+
+    # -- speculative decoding ----------------------------------------------------------------
+    def add_draft_batch(self, new_tokens: torch.Tensor, num_accepted_tokens: torch.Tensor | None,
+                        draft_step: int = 0) -> None:
+        """Host side of a draft-model step: the tokens each request's matcher consumes now.
+
+        Args:
+            new_tokens: int ``[batch]`` in batch order: at step 0 the golden (bonus) token, then
+                the token drafted at the previous step.
+            num_accepted_tokens: int ``[batch]`` (step 0): tokens the last verification
+                accepted per request, bonus included; min-clamped to the matcher's advances.
+            draft_step: index of this step in the drafting loop.
+        """
+        n = new_tokens.shape[0]
+        self.draft_new_tokens[:n].copy_(new_tokens.reshape(-1), non_blocking=True)
+        if draft_step == 0 and num_accepted_tokens is not None:
+            self.num_accepted_tokens[:n].copy_(num_accepted_tokens.reshape(-1), non_blocking=True)
+        self._streams.record_tokens()
+
+    @nvtx_range("CapturableGuidedDecoder.execute_draft_batch")
+    def execute_draft_batch(self, logits: torch.Tensor, d2t: torch.Tensor | None = None,
+                            draft_step: int = 0) -> None:
+        """Mask a draft-model step's logits (one row per request); graph-safe.
+
+        At ``draft_step`` 0 the batch of the latest ``add_batch`` is fetched and the tokens the
+        target rejected are rolled back; at the last step of the runtime draft length every
+        draft advance is rolled back (the loop's end follows the runtime length).
+        """
+        requests = self._require_batch()
+        last = requests.max_num_draft_tokens - 1
+        if draft_step == 0 and self._streams.is_capturing():
+            self._consume_put()
+        with self._streams.side():
+            self._streams.wait_tokens()
+            self.fetch_draft_batch(draft_step)
+            if draft_step == 0:
+                self.rollback_rejected_tokens_hostfunc()
+            self.build_draft_hostfunc()
+            if draft_step >= last:
+                self.rollback_draft_tokens_hostfunc()
+            self.copy_bitmask(logits.shape[0])
+            self._streams.record_bitmask()
+        self._join_and_apply(logits, d2t)
+
+    def rollback_rejected_batch(self, num_accepted_tokens: torch.Tensor) -> None:
+        """Roll back the rejected drafts for drafters without a logits loop (graph-safe).
+
+        Args:
+            num_accepted_tokens: int ``[batch]`` indexed by position in the latest
+                ``add_batch``: accepted tokens per request including the bonus token.
+
+        Call after the drafting kernels have been enqueued (the callbacks need the GIL).
+        """
+        n = num_accepted_tokens.shape[0]
+        self.num_accepted_tokens[:n].copy_(num_accepted_tokens.reshape(-1), non_blocking=True)
+        self._streams.record_tokens()
+        with self._streams.side():
+            self._streams.wait_tokens()
+            self.fetch_accepted_batch()
+            self.rollback_rejected_tokens_hostfunc()
+            self._streams.record_bitmask()  # capture needs every fork joined
+        self._streams.wait_bitmask()
+        self._streams.drain()
+
+    # -- callbacks (run on the side stream) --------------------------------------------------
+    def _pop(self) -> None:
+        """Take the next queued batch, checking its epoch."""
+        if self._warmup:  # a warm-up run masks nothing, advances nothing, consumes no put
+            self.requests_hostfunc = None
+            return
+        if not self._queue:
+            self._out_of_step(f"no batch queued for this step (expected epoch "
+                              f"{self._fetched_epoch + 1}): a replay or execute without its "
+                              "add_batch")
+        epoch, batch, has_new_tokens = self._queue.popleft()
+        expected = self._fetched_epoch + 1
+        self._fetched_epoch = epoch
+        if epoch != expected or self._queue:
+            extra = [e for e, _, _ in self._queue]
+            self._queue.clear()
+            self._out_of_step(f"fetched epoch {epoch}, expected {expected}; still queued: "
+                              f"{extra} (an add_batch without its execute)")
+        self.requests_hostfunc = batch
+        if has_new_tokens:
+            tokens = self._new_tokens_np
+            for req in batch.requests:
+                if req.prev_seq_slot is None or req.seq_slot is None \
+                        or not 0 <= req.seq_slot < self.max_num_sequences:
+                    continue
+                column = tokens[:, req.seq_slot].tolist()
+                req.new_token, req.draft_tokens = column[0], column[1:]
+
+    def _out_of_step(self, detail: str) -> None:
+        self.requests_hostfunc = None
+        self._fetched_epoch = self._put_epoch
+        self._token_mask_np[:] = 0
+        raise QueueEpochError(detail)
+
+    def _consume_put(self) -> None:
+        """Host side: an inactive step's put is consumed here instead of by a callback."""
+        if self._queue:
+            self._queue.popleft()
+            self._fetched_epoch += 1
+
+    @_callback("fetch_batch")
+    def fetch_batch(self) -> None:
+        self._pop()
+
+    @_callback("fetch_draft_batch")
+    def fetch_draft_batch(self, draft_step: int) -> None:
+        if draft_step == 0:
+            self._pop()
+            self._take_accepted(self.requests_hostfunc)
+        target = self.requests_hostfunc
+        if target is None:
+            self._draft_requests = None
+            return
+        tokens = self.draft_new_tokens.tolist()
+        drafts = [GuidedRequest(r.guided_decoding_params, r.request_id, r.seq_slot, r.prev_seq_slot,
+                                r.is_context_init_state, r.is_last_context_chunk,
+                                r.is_generation_in_progress_state, False, tokens[i], True)
+                  for i, r in enumerate(target.requests)]
+        self._draft_requests = GuidedRequests(drafts, 0)
+
+    @_callback("fetch_accepted_batch")
+    def fetch_accepted_batch(self) -> None:
+        # the batch whose verification counts these are: queued (not yet fetched) or current
+        batch = self._queue[0][1] if self._queue else self.requests_hostfunc
+        self._take_accepted(batch)
+        self._rollback_batch = batch
+
+    def _take_accepted(self, batch: GuidedRequests | None) -> None:
+        if batch is None:
+            return
+        counts = self.num_accepted_tokens.tolist()
+        for i, req in enumerate(batch.requests):
+            if req.guided_decoding_params is None or not self._slot_ok(req.seq_slot):
+                continue
+            # verification can accept past a draft EOS where the matcher stopped advancing
+            req.num_accepted_draft_tokens = \
+                min(counts[i], self.num_advanced_tokens[req.seq_slot]) - 1  # type: ignore[index]
+
+    @_callback("init_disagg_gen_requests")
+    def init_disagg_gen_requests_hostfunc(self) -> None:
+        if self.requests_hostfunc is not None:
+            self._init_disagg_gen_requests(self.requests_hostfunc)
+
+    @_callback("build")
+    def build_hostfunc(self) -> None:
+        self._build_and_record(self.requests_hostfunc)
+
+    @_callback("build_draft")
+    def build_draft_hostfunc(self) -> None:
+        self._build_and_record(self._draft_requests)
+
+    def _build_and_record(self, batch: GuidedRequests | None) -> None:
+        self._token_mask_np[:] = 0  # rows beyond this batch (graph padding) stay unmasked
+        if batch is None:
+            return
+        self._record_failed(self._build(batch))
+
+    @_callback("rollback_rejected_tokens")
+    def rollback_rejected_tokens_hostfunc(self) -> None:
+        batch = getattr(self, "_rollback_batch", None) or self.requests_hostfunc
+        self._rollback_batch = None
+        if batch is not None:
+            self._rollback_rejected_tokens(batch)
+
+    @_callback("rollback_draft_tokens")
+    def rollback_draft_tokens_hostfunc(self) -> None:
+        if self.requests_hostfunc is not None:
+            self._rollback_draft_tokens(self.requests_hostfunc)
+
+    @_callback("apply")
+    def apply_hostfunc(self, logits: torch.Tensor, d2t: torch.Tensor | None, rows: int) -> None:
+        self.apply_bitmask(logits, d2t, rows)
+
+    def close(self) -> None:
+        super().close()
+        close = getattr(self._streams, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,117 @@
+"""The side stream and two events of a guided step, on CUDA or on hostfunc's CPU stand-in.
+
+The decoder forks host work (fetch, build) and the mask copy onto a side stream that waits for
+the token event, records the bitmask event when done, and joins the main stream back on it.
+On CUDA these are torch streams and events, so a graph capture records the fork and join. On the
+CPU stand-in they are HostStreams and HostEvents; while the main HostStream is capturing into a
+HostGraph there is no fork at all (everything is recorded in order on the capturing stream).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import ContextManager, Iterator
+
+import torch
+
+import hostfunc
+
+__all__ = ["StepStreams", "CudaStepStreams", "HostStepStreams", "make_step_streams"]
+
+
+class StepStreams:
+    """Interface: fork to the side stream, the two events, the join and the drain."""
+
+    def side(self) -> ContextManager[object]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def wait_tokens(self) -> None:
+        """(On the side stream) wait until the step's tokens are ready."""
+
+    def record_tokens(self) -> None:
+        """(On the current stream) mark the step's tokens ready."""
+
+    def record_bitmask(self) -> None:
+        """(On the side stream) mark the host work and the copy done."""
+
+    def wait_bitmask(self) -> None:
+        """(On the main stream) wait for the side stream's work: the join."""
+
+    def is_capturing(self) -> bool:
+        return hostfunc.is_capturing()
+
+    def drain(self) -> None:
+        """Wait (GIL released) until every host callback enqueued so far has run, then re-raise
+        a callback error; a no-op wait while capturing."""
+        hostfunc.drain()
+
+
+class CudaStepStreams(StepStreams):
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device=device)
+        self.token_event = torch.cuda.Event()
+        self.bitmask_event = torch.cuda.Event()
+
+    def side(self) -> ContextManager[object]:
+        return torch.cuda.stream(self.stream)
+
+    def wait_tokens(self) -> None:
+        torch.cuda.current_stream().wait_event(self.token_event)
+
+    def record_tokens(self) -> None:
+        self.token_event.record()
+
+    def record_bitmask(self) -> None:
+        self.bitmask_event.record()
+
+    def wait_bitmask(self) -> None:
+        torch.cuda.current_stream().wait_event(self.bitmask_event)
+
+    def is_capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def drain(self) -> None:
+        # bitmask_event is recorded after every callback the decoder enqueues; waiting on it
+        # releases the GIL, so a pending callback can take it (the deadlock the seed describes).
+        if not self.is_capturing():
+            self.bitmask_event.synchronize()
+        hostfunc.check_errors()
+
+
+class HostStepStreams(StepStreams):
+    def __init__(self) -> None:
+        self.stream = hostfunc.HostStream("capgraph-side")
+        self.token_event = hostfunc.HostEvent("capgraph-tokens")
+        self.bitmask_event = hostfunc.HostEvent("capgraph-bitmask")
+
+    @contextmanager
+    def _fork(self) -> Iterator[object]:
+        with hostfunc.use_stream(self.stream):
+            yield self.stream
+
+    def side(self) -> ContextManager[object]:
+        return nullcontext() if self.is_capturing() else self._fork()
+
+    def wait_tokens(self) -> None:
+        if hostfunc.current_stream() is self.stream:
+            self.stream.wait_event(self.token_event)
+
+    def record_tokens(self) -> None:
+        if not self.is_capturing():
+            self.token_event.record(hostfunc.current_stream())
+
+    def record_bitmask(self) -> None:
+        if hostfunc.current_stream() is self.stream:
+            self.bitmask_event.record(self.stream)
+
+    def wait_bitmask(self) -> None:
+        if not self.is_capturing():
+            hostfunc.current_stream().wait_event(self.bitmask_event)
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+def make_step_streams(device: torch.device) -> StepStreams:
+    """CUDA streams for a CUDA device, the CPU stand-in otherwise."""
+    return CudaStepStreams(device) if device.type == "cuda" else HostStepStreams()

@@ -1,0 +1,373 @@
+"""CapturableGuidedDecoder on hostfunc's CPU stand-in: same results as GuidedDecoder, step for
+step, eagerly and under HostGraph capture/replay; epochs, failures and callback errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hostfunc
+from capgraph import GuidedDecodingParams, GuideType, QueueEpochError
+from capgraph.capturable import CapturableGuidedDecoder
+from capgraph.decoder import GuidedDecoder
+from capgraph.requests import GuidedRequest
+from capgraph.tokenizers import encode_continuation
+from cases import CASES
+
+GUIDED = [c for c in CASES if c.params.guide_type in
+          (GuideType.JSON_SCHEMA, GuideType.REGEX, GuideType.EBNF_GRAMMAR)]
+
+
+@pytest.fixture(scope="module")
+def factory(factory_cache):
+    return factory_cache("tekken")
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical (NaN-safe) comparison of two float tensors."""
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+class Scenario:
+    """Random requests joining and leaving slots, drafting or not, with random acceptance.
+
+    Produces per step the requests (with explicit tokens), the new_tokens tensor for the
+    capturable path, the runtime draft length and the accepted counts of the previous step.
+    """
+
+    def __init__(self, factory, rng: random.Random, slots: int, drafts: int, steps: int):
+        tok = factory.config.tokenizer
+        eos = factory.config.stop_token_ids[0]
+        self.rng, self.slots, self.drafts, self.steps = rng, slots, drafts, steps
+        self.vocab = factory.config.tokenizer_vocab_size
+        self.texts = {c.name: encode_continuation(tok, c.valid) + [eos] for c in GUIDED}
+        self.live: dict[int, dict] = {}
+        self.next_id = 0
+
+    def _new(self, slot: int) -> dict:
+        case = self.rng.choice(GUIDED + [None])
+        self.next_id += 1
+        return {"id": self.next_id, "slot": slot, "params": case and case.params,
+                "text": self.texts[case.name] if case else [7] * 30, "pos": 0, "state": "ctx",
+                "disagg": self.rng.random() < 0.15, "accepted": 0}
+
+    def step(self):
+        for slot in range(self.slots):
+            r = self.live.get(slot)
+            if r is None or r["pos"] >= len(r["text"]) - 1:
+                if self.rng.random() < 0.8:
+                    self.live[slot] = self._new(slot)
+                else:
+                    self.live.pop(slot, None)
+        rl = self.rng.randint(0, self.drafts)
+        reqs, new_tokens = [], torch.zeros(self.drafts + 1, self.slots, dtype=torch.int32)
+        for slot in sorted(self.live):
+            r = self.live[slot]
+            if r["state"] == "ctx" and not r["disagg"]:
+                reqs.append(GuidedRequest.context(r["id"], slot, r["params"]))
+                r["state"] = "gen"
+                r["rows"], r["drafts"] = 1, []
+                continue
+            text, p = r["text"], r["pos"]
+            n_text = self.rng.randint(0, rl)
+            drafts = text[p + 1:p + 1 + n_text]
+            drafts = drafts + [self.rng.randrange(self.vocab) for _ in range(rl - len(drafts))]
+            req = GuidedRequest.generation(r["id"], slot, r["params"], text[p], draft_tokens=drafts,
+                                           num_accepted_draft_tokens=r["accepted"],
+                                           prev_seq_slot=slot)
+            if r["state"] == "ctx":  # disaggregated: first step is generation-only
+                req.is_generation_only_first_iteration = True
+                req.prev_seq_slot = None
+                r["state"] = "gen"
+            new_tokens[0, slot] = text[p]
+            new_tokens[1:1 + len(drafts), slot] = torch.tensor(drafts, dtype=torch.int32)
+            reqs.append(req)
+            r["drafts"] = drafts
+        return reqs, new_tokens, rl
+
+    def verify(self, reqs):
+        """Random acceptance (past the text's end anything goes); advance positions."""
+        counts = []
+        for req in reqs:
+            r = self.live[req.seq_slot]
+            if req.is_context_init_state:
+                counts.append(1)
+                continue
+            text, p, drafts = r["text"], r["pos"], r["drafts"]
+            match = 0
+            while match < len(drafts) and p + 1 + match < len(text) \
+                    and drafts[match] == text[p + 1 + match]:
+                match += 1
+            if p + 1 + match >= len(text):
+                accepted = self.rng.randint(match, len(drafts))
+            else:
+                accepted = self.rng.randint(0, match)
+            r["accepted"] = accepted
+            r["pos"] = min(p + 1 + accepted, len(text) - 1)
+            counts.append(1 + accepted)
+        return counts
+
+
+def run_pair(factory, seed: int, steps: int, drafts: int, slots: int = 4, use_new_tokens=True):
+    rng = random.Random(seed)
+    scenario = Scenario(factory, rng, slots, drafts, steps)
+    V = factory.config.vocab_size_padded
+    eager = GuidedDecoder(factory.config, slots, drafts, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, slots, drafts, factory=factory)
+    counts = None
+    for step in range(steps):
+        reqs, new_tokens, rl = scenario.step()
+        if not reqs:
+            continue
+        eager.add_batch(reqs, rl)
+        eager.rollback_rejected_tokens()
+        eager.init_disagg_gen_requests()
+        capt_reqs = reqs
+        if use_new_tokens:  # the capturable path reads tokens from the pinned buffer
+            capt_reqs = [GuidedRequest(**{f: getattr(r, f) for f in r.__slots__})
+                         for r in reqs]
+            for r in capt_reqs:
+                if r.prev_seq_slot is not None:
+                    r.new_token, r.draft_tokens = None, None
+        capt.add_batch(capt_reqs, new_tokens if use_new_tokens else None, rl)
+        if counts is not None and drafts:
+            capt.rollback_rejected_batch(torch.tensor(
+                [counts.get(r.seq_slot, 1) for r in capt_reqs], dtype=torch.int32))
+        n = eager.requests.num_bitmask_tokens
+        logits = torch.randn(n, V, generator=torch.Generator().manual_seed(step))
+        la, lb = logits.clone(), logits.clone()
+        failed_a = eager.execute(la)
+        capt.execute(lb)
+        failed_b = capt.take_failed_requests()
+        assert sorted(failed_a) == sorted(failed_b), f"step {step}"
+        assert same(la, lb), f"logits differ at step {step}"
+        assert torch.equal(eager.token_mask_host[:n], capt.token_mask_host[:n])
+        verified = scenario.verify(reqs)
+        counts = {r.seq_slot: c for r, c in zip(reqs, verified)}
+        # next step's requests carry these counts; the capturable path gets them as a tensor
+    for slot in range(slots):
+        a, b = eager.grammar_matchers[slot], capt.grammar_matchers[slot]
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.is_terminated() == b.is_terminated()
+    capt.close()
+    return eager, capt
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), drafts=st.sampled_from([0, 2, 3]),
+       use_new_tokens=st.booleans())
+def test_capturable_equals_eager_over_random_steps(factory, seed, drafts, use_new_tokens):
+    """Over random steps of mixed guided/unguided, context/generation, disaggregated and
+    drafting requests (EOS inside drafts included), every mask row, every masked logit, every
+    failure and the final matcher states equal GuidedDecoder's."""
+    run_pair(factory, seed, steps=25, drafts=drafts, use_new_tokens=use_new_tokens)
+
+
+def test_hostgraph_replay_equals_eager(factory, tekken):
+    """Capture the decoder's step once into a HostGraph, then replay it for N steps with an
+    add_batch before each: the masked logits equal the eager decoder's."""
+    V = factory.config.vocab_size_padded
+    cases = GUIDED[:3]
+    texts = [encode_continuation(tekken, c.valid) for c in cases]
+    steps = min(len(t) for t in texts)
+    eager = GuidedDecoder(factory.config, 3, 0, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, 3, 0, factory=factory)
+    static = torch.zeros(3, V)
+
+    def requests(step):
+        if step == 0:
+            return [GuidedRequest.context(i, i, c.params) for i, c in enumerate(cases)]
+        return [GuidedRequest.generation(i, i, c.params, texts[i][step - 1])
+                for i, c in enumerate(cases)]
+
+    capt.add_batch(requests(0))  # shapes for the capture
+    graph = hostfunc.HostGraph()
+    with hostfunc.capture(graph):
+        capt.execute(static)
+    assert graph.num_callbacks >= 3
+    for step in range(steps):
+        logits = torch.randn(3, V, generator=torch.Generator().manual_seed(step))
+        eager.add_batch(requests(step))
+        expect = logits.clone()
+        assert eager.execute(expect) == []
+        capt.add_batch(requests(step))
+        static.copy_(logits)
+        graph.replay()
+        hostfunc.drain()
+        assert capt.take_failed_requests() == []
+        assert same(static, expect), f"step {step}"
+    graph.reset()
+    capt.close()
+    assert hostfunc.live_entries() == 0
+
+
+def test_warmup_replays_change_nothing_and_missing_put_is_reported(factory, tekken):
+    """Replays inside warmup() with an empty queue mask and advance nothing; a replay without
+    its add_batch outside warm-up raises QueueEpochError at the drain; an extra add_batch too;
+    the step after works."""
+    V = factory.config.vocab_size_padded
+    case = GUIDED[2]
+    tokens = encode_continuation(tekken, case.valid)
+    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory)
+    static = torch.zeros(1, V)
+    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
+    graph = hostfunc.HostGraph()
+    with hostfunc.capture(graph):
+        capt.execute(static)
+    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
+    graph.replay()
+    hostfunc.drain()
+    assert capt.num_advanced_tokens[0] == 0 and capt.token_mask_host[0] == 1
+    with capt.warmup():
+        for _ in range(3):
+            static.zero_()
+            graph.replay()
+            hostfunc.drain()
+            assert torch.isfinite(static).all() and capt.token_mask_host[0] == 0
+    static.zero_()
+    graph.replay()  # no add_batch: a missing put
+    with pytest.raises(hostfunc.HostFuncError) as info:
+        hostfunc.drain()
+    assert isinstance(info.value.__cause__, QueueEpochError)
+    assert torch.isfinite(static).all()
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, tokens[0])])
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, tokens[0])])  # extra put
+    graph.replay()
+    with pytest.raises(hostfunc.HostFuncError, match="expected") as info:
+        hostfunc.drain()
+    assert isinstance(info.value.__cause__, QueueEpochError)
+    # the next step works: the matcher never advanced past the context step
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, tokens[0])])
+    static.zero_()
+    graph.replay()
+    hostfunc.drain()
+    assert capt.num_advanced_tokens[0] == 1 and capt.token_mask_host[0] == 1
+    assert torch.isneginf(static).any()
+    graph.reset()
+    capt.close()
+
+
+def test_failed_requests_come_back_with_their_ids(factory, tekken):
+    """Compile errors and dead ends come back from take_failed_requests(); other rows are
+    masked as usual."""
+    V = factory.config.vocab_size_padded
+    good = GUIDED[2]
+    bad = GuidedDecodingParams(GuideType.REGEX, "(unclosed")
+    tokens = encode_continuation(tekken, good.valid)
+    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory)
+    capt.add_batch([GuidedRequest.context(1, 0, good.params), GuidedRequest.context(2, 1, bad)])
+    logits = torch.zeros(2, V)
+    capt.execute(logits)
+    failed = capt.take_failed_requests()
+    assert [f[0] for f in failed] == [2] and "REGEX" in failed[0][1]
+    assert torch.isneginf(logits[0]).any() and torch.isfinite(logits[1]).all()
+    capt.add_batch([GuidedRequest.generation(1, 0, good.params, tokens[0]),
+                    GuidedRequest.generation(2, 1, bad, tokens[0])])
+    capt.execute(torch.zeros(2, V))
+    assert capt.take_failed_requests() == []
+    capt.close()
+
+
+def test_callback_exception_reaches_the_caller_and_the_next_step_works(factory, tekken,
+                                                                       monkeypatch):
+    """An exception injected into the build callback surfaces at the step's drain with its
+    traceback and the batch's request ids; the next step masks normally."""
+    V = factory.config.vocab_size_padded
+    case = GUIDED[2]
+    tokens = encode_continuation(tekken, case.valid)
+    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory)
+    capt.add_batch([GuidedRequest.context(5, 0, case.params)])
+    capt.execute(torch.zeros(1, V))
+    original = GuidedDecoder._build
+
+    def broken(self, requests):
+        raise RuntimeError("injected fault")
+    monkeypatch.setattr(GuidedDecoder, "_build", broken)
+    capt.add_batch([GuidedRequest.generation(5, 0, case.params, tokens[0])])
+    with pytest.raises(hostfunc.HostFuncError, match="injected fault") as info:
+        capt.execute(torch.zeros(1, V))
+    assert "injected fault" in info.value.traceback
+    assert info.value.__cause__.request_ids == [5]
+    assert [f[0] for f in capt.take_failed_requests()] == [5]
+    monkeypatch.setattr(GuidedDecoder, "_build", original)
+    capt.add_batch([GuidedRequest.generation(5, 0, case.params, tokens[0])])
+    logits = torch.zeros(1, V)
+    capt.execute(logits)
+    assert capt.take_failed_requests() == [] and torch.isneginf(logits).any()
+    capt.close()
+
+
+def test_draft_loop_equals_eager(factory, tekken):
+    """add_draft_batch/execute_draft_batch over a drafting loop, then the target step, mask
+    exactly as GuidedDecoder driven through the same loop (draft rows, rollbacks, target rows)."""
+    V = factory.config.vocab_size_padded
+    case = GUIDED[0]
+    text = encode_continuation(tekken, case.valid)
+    K = 3
+    eager = GuidedDecoder(factory.config, 2, K, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, 2, K, factory=factory)
+    ctx = [GuidedRequest.context(1, 1, case.params)]
+    eager.add_batch(ctx)
+    eager.execute(torch.zeros(1, V))
+    capt.add_batch(ctx)
+    capt.execute(torch.zeros(1, V))
+    p, accepted = 0, 0
+    rng = random.Random(3)
+    while p + K + 1 < len(text):
+        golden = text[p]
+        target = GuidedRequest.generation(1, 1, case.params, golden,
+                                          num_accepted_draft_tokens=accepted)
+        # eager drafting loop
+        eager.add_batch([target])
+        eager.rollback_rejected_tokens()
+        capt.add_batch([target])
+        proposals = [golden] + [text[p + 1 + i] if rng.random() < 0.7 else rng.randrange(1000, 9000)
+                                for i in range(K)]
+        for k in range(K):
+            draft = GuidedRequest(case.params, 1, 1, is_draft=True,
+                                  is_generation_in_progress_state=True, new_token=proposals[k])
+            eager.add_batch([draft])
+            la = torch.randn(1, V, generator=torch.Generator().manual_seed(k))
+            lb = la.clone()
+            assert eager.execute(la) == []
+            capt.add_draft_batch(torch.tensor([proposals[k]]),
+                                 torch.tensor([1 + accepted]) if k == 0 else None, k)
+            capt.execute_draft_batch(lb, draft_step=k)
+            assert capt.take_failed_requests() == []
+            assert same(la, lb), f"draft step {k} at position {p}"
+        eager.rollback_draft_tokens()
+        drafts = proposals[1:]
+        target = GuidedRequest.generation(1, 1, case.params, golden, draft_tokens=drafts)
+        eager.add_batch([target])
+        capt.add_batch([target])
+        la = torch.randn(1 + K, V, generator=torch.Generator().manual_seed(p))
+        lb = la.clone()
+        assert eager.execute(la) == []
+        capt.execute(lb)
+        assert same(la, lb), f"target step at position {p}"
+        match = 0
+        while match < K and drafts[match] == text[p + 1 + match]:
+            match += 1
+        accepted = rng.randint(0, match)
+        p += 1 + accepted
+    capt.close()
+
+
+def test_inactive_step_enqueues_nothing(factory):
+    """A step without guided requests (and no capture) enqueues no callback at all."""
+    V = factory.config.vocab_size_padded
+    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory)
+    before = hostfunc.live_entries()
+    capt.add_batch([GuidedRequest.context(1, 0, None), GuidedRequest.context(2, 1, None)])
+    assert not capt.active
+    logits = torch.randn(2, V)
+    expect = logits.clone()
+    capt.execute(logits)
+    assert hostfunc.live_entries() == before and same(logits, expect)
+    capt.close()
