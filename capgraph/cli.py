@@ -1,0 +1,91 @@
+"""The ``capgraph`` command line.
+
+    capgraph info                 versions, devices, backends, bundled tokenizers
+    capgraph tokenizer [NAME]     load (and convert once) a bundled tokenizer, show its facts
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from importlib import metadata
+from typing import Sequence
+
+__all__ = ["main"]
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Print what capgraph runs on; touches no GPU beyond a guarded device count."""
+    import torch
+
+    from .tokenizers import BUNDLED_TOKENIZERS
+    print(f"capgraph      {_version('capgraph')}")
+    print(f"python        {platform.python_version()} on {platform.platform()}")
+    for dist in ("torch", "xgrammar", "llguidance", "cuda-python", "cuda-bindings", "transformers",
+                 "nvtx"):
+        print(f"{dist:<13} {_version(dist)}")
+    cuda = torch.cuda.is_available()
+    devices = torch.cuda.device_count() if cuda else 0
+    print(f"cuda          {'available, ' + str(devices) + ' device(s)' if cuda else 'no device'}")
+    print("tokenizers    " + ", ".join(f"{n} ({s.vocab_size})" for n, s in
+                                       BUNDLED_TOKENIZERS.items()))
+    return 0
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> int:
+    from .tokenizers import load_tokenizer
+    t0 = time.perf_counter()
+    tok = load_tokenizer(args.name)
+    print(f"{args.name}: {len(tok)} tokens, eos={tok.eos_token!r} ({tok.eos_token_id}), "
+          f"loaded in {time.perf_counter() - t0:.2f} s")
+    if args.text:
+        ids = tok.encode(args.text, add_special_tokens=False)
+        print(ids)
+        print(tok.convert_ids_to_tokens(ids))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="capgraph",
+        description="Grammar-guided decoding for CUDA-graph-replayed inference.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("info", help="versions, devices, grammar backends, bundled tokenizers")
+    p.set_defaults(func=cmd_info)
+    p = sub.add_parser("tokenizer", help="load a bundled tokenizer (converted once, cached)")
+    p.add_argument("name", nargs="?", default="tekken",
+                   help="tekken | mistral-sp32k | qwen | a local tokenizer directory")
+    p.add_argument("--text", help="also show how this text tokenizes")
+    p.set_defaults(func=cmd_tokenizer)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a named, readable error instead of a traceback for users
+        from .errors import CapgraphError
+        if isinstance(e, CapgraphError):
+            print(f"capgraph: error: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Project-level promises: clean imports, README and CI in step, packaged CUDA sources."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT.parent)
+
+
+def test_import_compiles_nothing_and_touches_no_gpu():
+    """`import capgraph` / `import hostfunc` load no grammar backend, no NVRTC, no CUDA driver."""
+    code = ("import sys, capgraph, hostfunc\n"
+            "bad = [m for m in ('xgrammar', 'llguidance', 'cuda.core', 'cuda.bindings.nvrtc',"
+            " 'transformers') if m in sys.modules]\n"
+            "print(','.join(bad))")
+    out = _run(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"imported at import time: {out.stdout.strip()}"
+
+
+def test_ci_runs_the_readme_commands():
+    """.ci/run installs and tests with exactly the commands the README shows."""
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    block = re.search(r"```bash\n(.*?)```", readme, re.S).group(1)
+    commands = [line.split("&&")[-1].strip() for line in block.strip().splitlines()]
+    install = next(c for c in commands if "pip install" in c)
+    test = next(c for c in commands if "pytest" in c)
+    assert install in ci and test in ci
+
+
+def test_csrc_is_package_data():
+    """pyproject ships csrc/ inside the wheel as capgraph/csrc (non-editable installs too)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    assert '"capgraph.csrc" = "csrc"' in text
+    assert re.search(r'"capgraph\.csrc" = \[[^\]]*"\*\.cu"', text)
