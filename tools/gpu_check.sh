@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The one script a lent GPU machine runs: build the CUDA kernel, run every GPU test (marker
+# "gpu"), run the GPU benchmarks, and print a short table last.
+#
+# Here first:   PYTHON=.venv/bin/python bash tools/prepare_gpu_run.sh
+# Then, once:   device run  command="bash tools/gpu_check.sh"  carry=[".whl", ".gpu-cache"]
+#               timeout_s=540 (the script budgets itself to about 8 minutes)
+# Logs and JSON land in $OUT (the device tool brings them back) or ./gpu-check-out.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-check-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+if [ -d .whl ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/capgraph-site .whl/*.whl || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/capgraph-site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+[ -d .gpu-cache ] && export CAPGRAPH_CACHE_DIR=$PWD/.gpu-cache
+LOG=$OUT/gpu_check.log
+: > "$LOG"
+SUMMARY=$OUT/summary.txt
+: > "$SUMMARY"
+
+run() {  # run NAME SECONDS CMD...: time-boxed, logged, summarised; never aborts the script
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name: $*" | tee -a "$LOG"
+  timeout "$limit" "$@" >> "$LOG" 2>&1
+  local rc=$?
+  printf '%-16s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$SUMMARY"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
+"$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" | tee -a "$LOG"
+
+run kernel 120 "$PY" -c "
+from capgraph.ops.cuda import load_kernel
+k = load_kernel(); assert k is not None, 'no kernel'; print('kernel compiled and loaded')"
+run gpu-tests 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests \
+    --junitxml="$OUT/gpu_tests.xml"
+[ -f tools/bench_kernel.py ] && run bench-kernel 90 "$PY" tools/bench_kernel.py --json "$OUT/bench_kernel.json"
+run bench-hostfunc 60 "$PY" tools/bench_hostfunc.py
+[ -f tools/bench_loop.py ] && run bench-loop 90 "$PY" tools/bench_loop.py --device cuda --json "$OUT/bench_loop.json"
+
+echo
+echo "---- tails ----"
+grep -E "passed|failed|error" "$LOG" | tail -n 5
+echo
+echo "---- gpu_check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)) ----"
+cat "$SUMMARY"
