@@ -24,14 +24,23 @@ def _attributes(name: str):
     return _domain.get_event_attributes(message=name)
 
 
+def _push(name: str, attributes: object) -> None:
+    """Open a range (a seam for tests, which replace it to record the names)."""
+    _domain.push_range(attributes)
+
+
+def _pop() -> None:
+    _domain.pop_range()
+
+
 @contextmanager
 def annotate(name: str) -> Iterator[None]:
     """A range around a block: ``with annotate("GuidedDecoder.copy"): ...``."""
-    _domain.push_range(_attributes(name))
+    _push(name, _attributes(name))
     try:
         yield
     finally:
-        _domain.pop_range()
+        _pop()
 
 
 def nvtx_range(name: str) -> Callable[[F], F]:
@@ -41,10 +50,10 @@ def nvtx_range(name: str) -> Callable[[F], F]:
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
         def inner(*args, **kwargs):
-            _domain.push_range(attributes)
+            _push(name, attributes)
             try:
                 return fn(*args, **kwargs)
             finally:
-                _domain.pop_range()
+                _pop()
         return inner  # type: ignore[return-value]
     return wrap

@@ -432,3 +432,24 @@ def test_compile_starts_at_first_sight(factory, tekken):
     assert dec._pending_compiles[0] is handle
     assert dec.execute(torch.zeros(1, factory.config.vocab_size_padded)) == []
     assert dec.grammar_matchers[0] is not None and 0 not in dec._pending_compiles
+
+
+def test_every_stage_emits_an_nvtx_range(factory, tekken, monkeypatch):
+    """add_batch, build, copy, apply and the rollbacks each push a named range in the
+    "capgraph" domain, balanced by a pop."""
+    import capgraph._nvtx as cnvtx
+    events = []
+    monkeypatch.setattr(cnvtx, "_push", lambda name, attributes: events.append(("push", name)))
+    monkeypatch.setattr(cnvtx, "_pop", lambda: events.append(("pop", None)))
+    case = TEACHER_CASES[2]
+    V = factory.config.vocab_size_padded
+    dec = make_decoder(factory, seqs=1, drafts=1)
+    dec.add_batch([GuidedRequest.context(1, 0, case.params)])
+    dec.execute(torch.zeros(1, V))
+    dec.rollback_rejected_tokens()
+    dec.rollback_draft_tokens()
+    pushed = [a for kind, a in events if kind == "push"]
+    assert len(pushed) == sum(kind == "pop" for kind, _ in events)
+    for stage in ("add_batch", "execute", "build", "apply_bitmask", "rollback_rejected_tokens",
+                  "rollback_draft_tokens"):
+        assert any(stage in str(p) for p in pushed), stage
