@@ -23,6 +23,7 @@ _LAZY = {
     "create_matcher_factory": "capgraph.grammar",
     "logits_bitmask": "capgraph.ops",
     "load_tokenizer": "capgraph.tokenizers",
+    "generate": "capgraph.runtime",
 }
 
 __all__ = [

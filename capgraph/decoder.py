@@ -79,6 +79,7 @@ class GuidedDecoder:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device={self.device} requested but no CUDA device is available")
+        self._owns_factory = factory is None  # a shared factory is closed by its owner
         self.grammar_matcher_factory = factory or create_matcher_factory(config)
         self.backend = self.grammar_matcher_factory.backend_name
 
@@ -227,18 +228,27 @@ class GuidedDecoder:
     @nvtx_range("GuidedDecoder.apply_bitmask")
     def apply_bitmask(self, logits: torch.Tensor, d2t: torch.Tensor | None,
                       num_rows: int) -> None:
-        """Mask ``logits[:num_rows]`` in place from the device bitmask (shard-aware)."""
+        """Mask ``logits[:num_rows]`` in place from the device bitmask (shard-aware).
+
+        Bitmask rows stay whole, in target-vocabulary coordinates. A tensor-parallel shard of
+        width ``W = full / tp_size`` (``full``: ``vocab_size_padded``, or ``len(d2t)``) reads
+        them from its first column ``rank * W``: a target id without d2t, a draft id with d2t,
+        whose target id ``g + d2t[g]`` the op looks up in the full table. Never the reference
+        design's word slice plus d2t slice, which reads draft ids against a sliced target row.
+        """
         width = logits.shape[1]
         full = self.vocab_size_padded if d2t is None else d2t.shape[0]
         tp_size = full // width
         col_offset = 0
         if tp_size > 1:
-            # Bitmask rows stay whole; a shard reads them at its first column (target-vocab
-            # coordinates without d2t, draft-vocab coordinates through the full d2t table).
-            col_offset = vocab_shard(full, tp_size, self.rank).col_offset
-            if d2t is not None and self.bitmask_size % tp_size:
-                raise LayoutError(f"bitmask words per row ({self.bitmask_size}) is not "
-                                  f"divisible by tp_size ({tp_size})")
+            if self.bitmask_size % tp_size:
+                raise LayoutError(
+                    f"bitmask words per row ({self.bitmask_size} = "
+                    f"ceil({self.vocab_size_padded}/32)) is not divisible by tp_size ({tp_size})")
+            # not vocab_shard(len(d2t), ...) with d2t: it would demand that the DRAFT vocabulary
+            # fill whole bitmask words per shard, which nothing here reads
+            col_offset = (vocab_shard(full, tp_size, self.rank).col_offset if d2t is None
+                          else self.rank * width)
         logits_bitmask(logits[:num_rows], self.bitmask[:num_rows],
                        self.token_mask[:num_rows], d2t, col_offset=col_offset)
 
@@ -327,8 +337,10 @@ class GuidedDecoder:
         self.is_draft_terminated[seq_slot] = False
 
     def close(self) -> None:
-        """Stop the compile pool."""
-        self.grammar_matcher_factory.close()
+        """Release what the decoder owns: the compile pool of a factory it built itself
+        (a factory passed in stays open for its other users)."""
+        if self._owns_factory:
+            self.grammar_matcher_factory.close()
 
     # -- build -------------------------------------------------------------------------------
     @nvtx_range("GuidedDecoder.build")
@@ -566,9 +578,12 @@ class GuidedDecoder:
             what = "vocab_size_padded" if d2t is None else "len(d2t)"
             raise TensorArgError(f"logits width {width} is not the full vocabulary nor a "
                                  f"tensor-parallel shard of it ({what}={full})")
-        if d2t is not None and self.rank >= full // width:
-            raise TensorArgError(f"rank {self.rank} is outside the {full // width} shards "
-                                 f"implied by logits width {width}")
-        if d2t is None and self.rank >= full // width and full // width > 1:
-            raise TensorArgError(f"rank {self.rank} is outside the {full // width} shards "
-                                 f"implied by logits width {width}")
+        tp_size = full // width
+        if tp_size > 1:  # a shard: checked here, before the build advances any matcher
+            if self.rank >= tp_size:
+                raise TensorArgError(f"rank {self.rank} is outside the {tp_size} shards "
+                                     f"implied by logits width {width}")
+            if self.bitmask_size % tp_size:
+                raise LayoutError(
+                    f"bitmask words per row ({self.bitmask_size} = "
+                    f"ceil({self.vocab_size_padded}/32)) is not divisible by tp_size ({tp_size})")

@@ -1,0 +1,354 @@
+"""``generate()``: the reference decode loop — slots, prefill, guided decode steps, drafts.
+
+Per iteration: waiting requests join free slots (prefill, then a context step whose masked
+logits give their first token), then one decode step runs every live sequence: drafts are
+proposed, the target reads the newest token and the drafts (``1 + k`` logits rows per
+sequence), the guided decoder masks the rows, tokens are picked, and verification accepts
+drafts while each equals the target's greedy pick. Sequences leave at a stop token, at
+``max_new_tokens``, or when the guided decoder reports their request as failed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import ConfigError
+from ..params import GuidedDecodingConfig, GuidedDecodingParams
+from .drafter import Drafter, ModelDrafter, NgramDrafter
+from .guide import GuideDriver, StageClock
+from .model import tiny_llama
+from .runner import ModelRunner, graph_batch_sizes
+from .results import GenerationResult, GenerationResults, Timings
+from .sampler import Sampler, SamplingParams
+from .scheduler import Sequence as Seq
+from .scheduler import SlotScheduler
+
+__all__ = ["generate"]
+
+
+def generate(prompts: Sequence[str | Sequence[int]],
+             guides: Sequence[GuidedDecodingParams | None] | GuidedDecodingParams | None = None,
+             *, model: torch.nn.Module | None = None, tokenizer: Any = None,
+             max_new_tokens: int = 64, max_batch_size: int = 8, draft: str = "none",
+             num_draft_tokens: int = 4, draft_model: torch.nn.Module | None = None,
+             decoder: str = "eager", cuda_graph: bool | None = None,
+             device: torch.device | str = "cpu", temperature: float = 0.0, top_k: int = 0,
+             seed: int = 0, progress: bool | Callable[[int, int], None] = False,
+             backend: str = "xgrammar", factory: Any = None) -> GenerationResults:
+    """Generate a continuation of each prompt, each following its own guide.
+
+    Args:
+        prompts: texts (encoded with ``tokenizer``) or token-id lists.
+        guides: one :class:`GuidedDecodingParams` or None per prompt, or one for all.
+        model: a causal LM; default a :func:`tiny_llama` with random weights (seed ``seed``)
+            sized to the tokenizer.
+        tokenizer: a Hugging Face fast tokenizer; default ``load_tokenizer("tekken")``.
+        max_new_tokens: the length limit per request (finish reason ``"length"``).
+        max_batch_size: sequence slots; more requests wait and join as slots free.
+        draft: ``"none"``, ``"model"`` (a second small LM, ``draft_model`` or a random
+            ``tiny_llama``) or ``"ngram"`` (prompt lookup). Needs greedy decoding; the output
+            equals non-speculative greedy output token for token.
+        num_draft_tokens: drafts per sequence per step.
+        decoder: ``"eager"`` (:class:`~capgraph.decoder.GuidedDecoder`) or ``"capturable"``
+            (``capgraph.capturable.CapturableGuidedDecoder``, host work as stream callbacks).
+        cuda_graph: capture the decode step in CUDA graphs (one per batch size); default on
+            when ``device`` is CUDA. With the capturable decoder the graph holds forward, mask
+            and sampling; with the eager one, forward (and sampling when nothing is guided).
+            On CPU, True runs the graph path's padded static-buffer step eagerly instead.
+        device: where the model runs (the model is moved there).
+        temperature, top_k, seed: sampling (``temperature=0`` is greedy).
+        progress: show a progress bar on stderr, or a callable ``(finished, total)``.
+        backend: grammar backend when ``factory`` is None (``"xgrammar"`` / ``"llguidance"``).
+        factory: a matcher factory to reuse (its config must have the model's vocabulary);
+            default: built for ``tokenizer`` with compact JSON (no free whitespace, so a
+            model cannot loop on it).
+
+    Returns:
+        :class:`GenerationResults`: one :class:`GenerationResult` per prompt, in order, with
+        ``.timings``. A request whose guide fails (compile error, dead end) ends with
+        ``finish_reason="error"`` and its message; the others continue.
+    """
+    engine = _Engine(prompts, guides, model=model, tokenizer=tokenizer,
+                     max_new_tokens=max_new_tokens, max_batch_size=max_batch_size, draft=draft,
+                     num_draft_tokens=num_draft_tokens, draft_model=draft_model,
+                     decoder=decoder, cuda_graph=cuda_graph, device=device,
+                     sampling=SamplingParams(temperature, top_k, seed), progress=progress,
+                     backend=backend, factory=factory)
+    try:
+        with torch.no_grad():
+            return engine.run()
+    finally:
+        engine.close()
+
+
+class _Engine:
+    """The state of one ``generate`` call."""
+
+    def __init__(self, prompts, guides, *, model, tokenizer, max_new_tokens, max_batch_size,
+                 draft, num_draft_tokens, draft_model, decoder, cuda_graph, device, sampling,
+                 progress, backend, factory) -> None:
+        if max_new_tokens < 1 or max_batch_size < 1:
+            raise ConfigError(f"max_new_tokens={max_new_tokens} and max_batch_size="
+                              f"{max_batch_size} must be >= 1")
+        if draft not in ("none", "model", "ngram"):
+            raise ConfigError(f"draft={draft!r}: expected 'none', 'model' or 'ngram'")
+        if decoder not in ("eager", "capturable"):
+            raise ConfigError(f"decoder={decoder!r}: expected 'eager' or 'capturable'")
+        self.K = K = num_draft_tokens if draft != "none" else 0
+        if K and not sampling.greedy:
+            raise ConfigError("speculative decoding verifies greedily: use temperature=0")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r} requested but no CUDA device is available")
+        if tokenizer is None:
+            from ..tokenizers import load_tokenizer
+            tokenizer = load_tokenizer("tekken")
+        self.tokenizer = tokenizer
+        self._own_factory = False
+        self.sequences = self._sequences(prompts, guides, max_new_tokens)
+        if model is None:
+            model = tiny_llama(len(tokenizer), seed=sampling.seed,
+                               eos_token_id=tokenizer.eos_token_id)
+        model = model.to(self.device).eval()
+        S = min(max_batch_size, len(self.sequences))
+        max_seq_len = max(len(s.prompt) for s in self.sequences) + max_new_tokens + K + 1
+        self.runner = ModelRunner(model, S, max_seq_len, 1 + K)
+        for s in self.sequences:
+            if not all(0 <= t < self.runner.vocab_size for t in s.prompt):
+                raise ConfigError(f"prompt {s.index} holds token ids outside the model's "
+                                  f"vocabulary [0, {self.runner.vocab_size})")
+        self.sampler = Sampler(sampling, self.device)
+        self.clock = StageClock(self.device, sync=True)
+        self.drafter = self._drafter(draft, draft_model, model, S, max_seq_len, sampling.seed)
+        self.guide = self._guide(decoder, factory, backend, S)
+        self.stop_ids = (list(self.guide.decoder.config.stop_token_ids) if self.guide else
+                         [t for t in [tokenizer.eos_token_id] if t is not None])
+        self.scheduler = SlotScheduler(self.sequences, S)
+        self.steps = 0
+        self.progress = progress
+        self.use_graphs = self.device.type == "cuda" if cuda_graph is None else bool(cuda_graph)
+        self.guide_in_graph = self.use_graphs and self.guide is not None and self.guide.capturable
+        # sampling joins the graph unless an eager decoder must mask the logits first
+        self.sample_in_graph = self.use_graphs and (self.guide is None or self.guide_in_graph)
+        if self.use_graphs:
+            try:
+                self._capture()
+            except BaseException:
+                self.close()
+                raise
+
+    # -- setup -------------------------------------------------------------------------------
+    def _sequences(self, prompts, guides, max_new_tokens) -> list[Seq]:
+        if isinstance(prompts, (str, bytes)) or not len(prompts):
+            raise ConfigError("prompts must be a non-empty list of texts or token-id lists")
+        n = len(prompts)
+        if guides is None or isinstance(guides, GuidedDecodingParams):
+            guides = [guides] * n
+        if len(guides) != n:
+            raise ConfigError(f"{len(guides)} guides for {n} prompts")
+        seqs = []
+        for i, (p, g) in enumerate(zip(prompts, guides)):
+            if g is not None and not isinstance(g, GuidedDecodingParams):
+                raise ConfigError(f"guides[{i}] is {type(g).__name__}, not GuidedDecodingParams")
+            ids = self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) \
+                else [int(t) for t in p]
+            if not ids:
+                bos = self.tokenizer.bos_token_id
+                if bos is None:
+                    raise ConfigError(f"prompt {i} encodes to no tokens")
+                ids = [bos]
+            seqs.append(Seq(i, ids, g, max_new_tokens))
+        return seqs
+
+    def _drafter(self, draft, draft_model, model, S, max_seq_len, seed) -> Drafter | None:
+        if draft == "ngram":
+            return NgramDrafter(self.K)
+        if draft == "model":
+            vocab = self.runner.vocab_size
+            if draft_model is None:
+                draft_model = tiny_llama(vocab, seed=seed + 1, hidden=32, layers=1, heads=2)
+            draft_model = draft_model.to(self.device, self.runner.dtype).eval()
+            drafter = ModelDrafter(draft_model, self.K, S, max_seq_len)
+            if drafter.vocab_size != vocab:
+                raise ConfigError(f"draft model vocabulary {drafter.vocab_size} differs from "
+                                  f"the target's {vocab}")
+            return drafter
+        return None
+
+    def _guide(self, kind, factory, backend, S) -> GuideDriver | None:
+        if all(s.guide is None for s in self.sequences):
+            return None
+        V = self.runner.vocab_size
+        if kind == "capturable":
+            try:
+                from ..capturable import CapturableGuidedDecoder  # type: ignore[import-not-found]
+            except ImportError as e:
+                raise ConfigError("decoder='capturable' needs capgraph.capturable."
+                                  f"CapturableGuidedDecoder, which is not available ({e})") from e
+        self._own_factory = factory is None
+        if factory is None:
+            from ..grammar import create_matcher_factory
+            config = GuidedDecodingConfig.from_tokenizer(
+                self.tokenizer, backend=backend, vocab_size_padded=V, json_any_whitespace=False)
+            factory = create_matcher_factory(config)
+        self._factory = factory
+        if factory.config.vocab_size_padded != V:
+            raise ConfigError(f"the factory's vocab_size_padded={factory.config.vocab_size_padded}"
+                              f" differs from the model's vocabulary ({V})")
+        if kind == "capturable":
+            dec = CapturableGuidedDecoder(factory.config, S, self.K, device=self.device,
+                                          factory=factory)
+        else:
+            from ..decoder import GuidedDecoder
+            dec = GuidedDecoder(factory.config, S, self.K, device=self.device, factory=factory)
+        driver = GuideDriver(dec, self.K)
+        self.clock.instrument(dec, sync=not driver.capturable)
+        return driver
+
+    def _capture(self) -> None:
+        """One graph per batch size: forward [+ mask + sample with the capturable decoder]."""
+        runner, sampler, guide = self.runner, self.sampler, self.guide
+
+        def warmup(bs: int):
+            return sampler(runner.forward_step(bs))
+
+        def step(bs: int):
+            if self.guide_in_graph:
+                guide.tokens_ready()  # type: ignore[union-attr]
+            logits = runner.forward_step(bs)
+            if self.guide_in_graph:
+                guide.apply(logits)  # type: ignore[union-attr]
+            return logits, sampler(logits) if self.sample_in_graph else None
+
+        def before_capture(graph, bs: int) -> None:
+            sampler.register_with(graph)
+            if self.guide_in_graph:
+                guide.begin_capture(bs)  # type: ignore[union-attr]
+
+        runner.capture_cudagraphs(step, graph_batch_sizes(runner.max_num_sequences),
+                                  warmup=warmup, before_capture=before_capture)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> GenerationResults:
+        self.t0 = time.perf_counter()
+        bar = self._progress_bar()
+        finished = 0
+        while not self.scheduler.done:
+            admitted = self.scheduler.admit()
+            if admitted:
+                self._context_step(admitted)
+            live = [s for s in self.scheduler.running if not s.finished]
+            if live:
+                self._decode_step(live)
+            for seq in self.scheduler.retire_finished():
+                if self.guide is not None:
+                    self.guide.release(seq.slot)  # type: ignore[arg-type]
+                finished += 1
+                if bar is not None:
+                    bar.update(1)
+                elif callable(self.progress):
+                    self.progress(finished, len(self.sequences))
+        if bar is not None:
+            bar.close()
+        return self._results()
+
+    def _context_step(self, seqs: list[Seq]) -> None:
+        with self.clock.time("prefill"):
+            logits = torch.cat([self.runner.prefill(s.slot, s.prompt) for s in seqs])
+            if self.drafter is not None:
+                for s in seqs:
+                    self.drafter.start(s.slot, s.prompt)  # type: ignore[arg-type]
+        if self.guide is not None:
+            self.guide.begin_context(seqs)
+            self.guide.apply(logits)
+        with self.clock.time("sample"):
+            tokens = self.sampler(logits).tolist()
+        failed = dict(self.guide.take_failed()) if self.guide is not None else {}
+        for s, t in zip(seqs, tokens):
+            if s.index in failed:
+                s.finish("error", failed[s.index])
+            else:
+                s.append([t], self.stop_ids)
+
+    def _decode_step(self, seqs: list[Seq]) -> None:
+        K, B, runner = self.K, len(seqs), self.runner
+        slots: list[int] = [s.slot for s in seqs]  # type: ignore[misc]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        if self.drafter is not None:
+            with self.clock.time("draft"):
+                drafts = self.drafter.propose(slots, [s.context for s in seqs])
+        bs = runner.graph_batch_size(B) if self.use_graphs else B
+        # each sequence feeds its newest token (not yet in its cache) and its drafts
+        inputs = [[s.output[-1]] + d for s, d in zip(seqs, drafts)]
+        runner.load_step(slots, inputs, [s.num_cached for s in seqs], bs)
+        rows = B * (1 + K)
+        if self.guide is not None:
+            self.guide.begin_decode(seqs, drafts, pad_to=bs if self.guide_in_graph else None)
+        if self.use_graphs:
+            with self.clock.time("forward"):
+                logits, sampled = runner.replay(bs)  # type: ignore[misc]
+            logits = logits[:rows]
+        else:
+            with self.clock.time("forward"):
+                logits = runner.forward_step(B)
+        if not self.guide_in_graph and self.guide is not None:
+            self.guide.apply(logits)
+        if not self.sample_in_graph:
+            with self.clock.time("sample"):
+                sampled = self.sampler(logits)
+        picks = sampled[:rows].view(B, 1 + K).tolist()
+        failed = dict(self.guide.take_failed()) if self.guide is not None else {}
+        self.steps += 1
+        for s, d, p in zip(seqs, drafts, picks):
+            s.num_steps += 1
+            if s.index in failed:
+                s.finish("error", failed[s.index])
+                continue
+            accepted = 0
+            while accepted < K and d[accepted] == p[accepted]:
+                accepted += 1
+            s.accepted_prev = accepted
+            s.num_draft_tokens += K
+            s.num_accepted_draft_tokens += accepted
+            s.append(d[:accepted] + [p[accepted]], self.stop_ids)
+
+    # -- results -------------------------------------------------------------------------------
+    def _progress_bar(self):
+        if self.progress is not True:
+            return None
+        from tqdm import tqdm
+        return tqdm(total=len(self.sequences), desc="generate", unit="req", file=sys.stderr,
+                    leave=False)
+
+    def _results(self) -> GenerationResults:
+        out = GenerationResults()
+        ntok = 0
+        for s in self.sequences:
+            body = s.output[:-1] if s.finish_reason == "stop" else s.output
+            ntok += len(s.output)
+            out.append(GenerationResult(
+                index=s.index, tokens=list(s.output),
+                text=self.tokenizer.decode(body) if body else "",
+                finish_reason=s.finish_reason or "error", error=s.error,
+                prompt_len=len(s.prompt), num_steps=s.num_steps,
+                num_draft_tokens=s.num_draft_tokens,
+                num_accepted_draft_tokens=s.num_accepted_draft_tokens,
+                queue_s=s.t_admitted - self.t0,
+                time_to_first_token_s=(s.t_first_token - self.t0) if s.output else 0.0,
+                latency_s=s.t_finished - self.t0))
+        out.timings = Timings(dict(self.clock.seconds), time.perf_counter() - self.t0,
+                              self.steps, ntok)
+        return out
+
+    def close(self) -> None:
+        if getattr(self, "guide", None) is not None:
+            self.guide.close()  # type: ignore[union-attr]
+            self.guide = None
+            if self._own_factory:
+                self._factory.close()
+        if getattr(self, "runner", None) is not None:
+            self.runner.release_graphs()

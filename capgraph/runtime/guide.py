@@ -1,0 +1,173 @@
+"""How the loop drives a guided decoder each step, and where its stage times come from.
+
+:class:`GuideDriver` turns the loop's sequences into :class:`~capgraph.requests.GuidedRequest`
+snapshots and runs one decoder protocol per step:
+
+* eager :class:`~capgraph.decoder.GuidedDecoder`: ``add_batch`` -> (speculative)
+  ``rollback_rejected_tokens`` -> ``execute(logits)``, failures returned by ``execute``;
+* capturable decoder: ``add_batch`` -> (speculative) ``rollback_rejected_batch(accepted + 1)``
+  (stream callbacks) -> ``prepare()`` when not graphed (the host build is enqueued before the
+  forward, so it overlaps it) -> ``execute(logits)`` after the forward, possibly inside a
+  captured graph that also records ``record_tokens_ready()`` first -> ``take_failed_requests()``.
+
+:class:`StageClock` accumulates wall time per stage; :meth:`StageClock.instrument` wraps a
+decoder instance's build and apply methods (the ones its NVTX ranges cover) to time them.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+
+from ..decoder import FailedRequest, GuidedDecoder
+from ..requests import GuidedRequest
+from .scheduler import Sequence as Seq
+
+__all__ = ["GuideDriver", "StageClock", "is_capturable"]
+
+
+def is_capturable(decoder: GuidedDecoder) -> bool:
+    """Whether ``decoder`` follows the capturable protocol (``execute`` returns nothing)."""
+    try:
+        from ..capturable import CapturableGuidedDecoder  # type: ignore[import-not-found]
+    except ImportError:
+        return False
+    return isinstance(decoder, CapturableGuidedDecoder)
+
+
+class StageClock:
+    """Seconds spent per named stage (``forward``, ``build``, ``apply``, ``sample``, ...).
+
+    On CUDA, ``sync=True`` synchronises the device at the end of each block timed with
+    :meth:`time` so that asynchronous work is charged to the stage that launched it; never
+    while a graph is being captured.
+    """
+
+    def __init__(self, device: torch.device, sync: bool = False) -> None:
+        self.seconds: dict[str, float] = {}
+        self._sync = sync and device.type == "cuda"
+        self._device = device
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+    @contextmanager
+    def time(self, stage: str, sync: bool = True) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if sync and self._sync and not torch.cuda.is_current_stream_capturing():
+                torch.cuda.synchronize(self._device)
+            self.add(stage, time.perf_counter() - t0)
+
+    def instrument(self, decoder: GuidedDecoder, sync: bool = True) -> None:
+        """Time this decoder's host build and its mask application (instance-level wrappers).
+
+        Pass ``sync=False`` for a decoder whose methods run inside host callbacks, where a
+        device synchronisation is not allowed; its apply time is then the launch time only.
+        """
+        for name, stage in (("_build", "build"), ("apply_bitmask", "apply")):
+            method = getattr(decoder, name, None)
+            if method is None or getattr(method, "_capgraph_timed", False):
+                continue
+
+            def timed(*args, _method=method, _stage=stage, **kwargs):
+                with self.time(_stage, sync=sync and _stage == "apply"):
+                    return _method(*args, **kwargs)
+            functools.update_wrapper(timed, method)
+            timed._capgraph_timed = True  # type: ignore[attr-defined]
+            setattr(decoder, name, timed)
+
+
+class GuideDriver:
+    """Runs one guided decoder through the loop's context and decode steps.
+
+    Args:
+        decoder: an eager or capturable guided decoder with ``max_num_sequences`` >= the
+            loop's slots and ``max_num_draft_tokens`` = the loop's draft length.
+        num_draft_tokens: drafts per sequence per decode step (0 without speculation).
+    """
+
+    def __init__(self, decoder: GuidedDecoder, num_draft_tokens: int) -> None:
+        self.decoder = decoder
+        self.num_draft_tokens = num_draft_tokens
+        self.capturable = is_capturable(decoder)
+        self._failed: list[FailedRequest] = []
+
+    # -- the two kinds of step ---------------------------------------------------------------
+    def begin_context(self, seqs: Sequence[Seq]) -> None:
+        """Snapshots of sequences whose prompt was just prefilled (1 logits row each)."""
+        reqs = [GuidedRequest.context(s.index, s.slot, s.guide)  # type: ignore[arg-type]
+                for s in seqs]
+        self._begin(reqs, self.num_draft_tokens, speculative=False)
+
+    def begin_decode(self, seqs: Sequence[Seq], drafts: Sequence[Sequence[int]] | None,
+                     pad_to: int | None = None) -> None:
+        """Snapshots of a decode step: the newest token, this step's drafts, and how many
+        drafts the previous verification accepted. ``pad_to`` adds unguided placeholder
+        requests so the layout matches a padded (graph) batch."""
+        K = self.num_draft_tokens
+        reqs = [GuidedRequest.generation(
+            s.index, s.slot, s.guide, s.output[-1],  # type: ignore[arg-type]
+            draft_tokens=drafts[i] if K else None, num_accepted_draft_tokens=s.accepted_prev)
+            for i, s in enumerate(seqs)]
+        reqs += self._placeholders(len(seqs), pad_to or 0)
+        self._begin(reqs, K, speculative=K > 0, graphed=pad_to is not None)
+
+    def begin_capture(self, batch_size: int) -> None:
+        """Queue a batch of ``batch_size`` unguided placeholders for a graph capture to consume
+        (the capture needs only its shapes)."""
+        self.decoder.add_batch(self._placeholders(0, batch_size),
+                               runtime_draft_len=self.num_draft_tokens)
+
+    def _placeholders(self, start: int, stop: int) -> list[GuidedRequest]:
+        K = self.num_draft_tokens
+        return [GuidedRequest.generation(-1 - i, None, None, 0,  # type: ignore[arg-type]
+                                         draft_tokens=[0] * K if K else None)
+                for i in range(start, stop)]
+
+    def _begin(self, reqs: list[GuidedRequest], draft_len: int, speculative: bool,
+               graphed: bool = False) -> None:
+        dec = self.decoder
+        dec.add_batch(reqs, runtime_draft_len=draft_len)
+        if speculative:
+            # settle the previous verification before this step's build advances the matchers
+            if self.capturable:
+                accepted = [(r.num_accepted_draft_tokens or 0) + 1 for r in reqs]  # bonus too
+                dec.rollback_rejected_batch(torch.tensor(accepted, dtype=torch.int32))
+            else:
+                dec.rollback_rejected_tokens()
+        if self.capturable and not graphed:
+            dec.prepare()  # enqueue the host build now, so it overlaps the forward
+
+    def tokens_ready(self) -> None:
+        """Inside a captured step, before the forward: each replay's callbacks wait for the
+        tokens copied before it (capturable decoder only)."""
+        if self.capturable:
+            self.decoder.record_tokens_ready()
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Mask ``logits`` (one row per layout row) in place; safe in a capture if capturable."""
+        failed = self.decoder.execute(logits)
+        if failed:
+            self._failed.extend(failed)
+
+    def take_failed(self) -> list[FailedRequest]:
+        """Requests that failed since the last call (call after the step has synchronised)."""
+        failed, self._failed = self._failed, []
+        if self.capturable:
+            failed.extend(self.decoder.take_failed_requests())
+        return [(rid, msg) for rid, msg in failed if rid >= 0]
+
+    def release(self, slot: int) -> None:
+        """A sequence left ``slot``: forget its matcher."""
+        self.decoder.release(slot)
+
+    def close(self) -> None:
+        """Release the decoder (a shared matcher factory stays open for its owner)."""
+        self.decoder.close()

@@ -1,0 +1,333 @@
+"""The reference decode loop: slot KV cache, sampler, drafters, generate() end to end.
+
+A tiny random Llama over the 32k sentencepiece vocabulary keeps every forward cheap; guides are
+bounded (string lengths, repetition counts) so that even a random model reaches their end.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from capgraph import GuidedDecodingConfig, GuidedDecodingParams
+from capgraph.grammar import create_matcher_factory
+from capgraph.runtime import (ModelRunner, NgramDrafter, Sampler, SamplingParams, generate,
+                              graph_batch_sizes, tiny_llama)
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+try:
+    from capgraph.capturable import CapturableGuidedDecoder  # noqa: F401
+    HAS_CAPTURABLE = True
+except ImportError:
+    HAS_CAPTURABLE = False
+needs_capturable = pytest.mark.skipif(not HAS_CAPTURABLE,
+                                      reason="capturable decoder not available")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "enum": ["get_weather", "get_time"]},
+        "args": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 8},
+                           "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "args"],
+    "additionalProperties": False,
+}
+DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+KV = 'root ::= pair (";" pair){0,2}\npair ::= [a-z]{1,4} "=" [0-9]{1,3}'
+JSON_G = GuidedDecodingParams.json_schema(SCHEMA)
+DATE_G = GuidedDecodingParams.regex(DATE)
+KV_G = GuidedDecodingParams.ebnf(KV)
+PROMPTS = ["Call a tool:", "The date is", "Settings:", "Once upon a time", "Weather in Oslo:",
+           "Born on", "Config:"]
+GUIDES = [JSON_G, DATE_G, KV_G, None, JSON_G, DATE_G, KV_G]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny matmuls gain nothing from a second thread and stall when another process holds a
+    core; restore the setting for the other test modules."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def sp(tokenizer_cache):
+    return tokenizer_cache("mistral-sp32k")
+
+
+@pytest.fixture(scope="module")
+def factory(sp):
+    f = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(sp, json_any_whitespace=False))
+    yield f
+    f.close()
+
+
+@pytest.fixture(scope="module")
+def model(sp):
+    return tiny_llama(len(sp), seed=0, eos_token_id=sp.eos_token_id)
+
+
+def run(sp, model, factory, prompts=PROMPTS, guides=GUIDES, **kw):
+    kw.setdefault("max_new_tokens", 40)
+    kw.setdefault("max_batch_size", 4)
+    return generate(prompts, guides, model=model, tokenizer=sp, factory=factory, **kw)
+
+
+@pytest.fixture(scope="module")
+def greedy_run(sp, model, factory):
+    return run(sp, model, factory)
+
+
+def check(result, params, factory) -> bool:
+    """Validate an output that ended on its stop token without the decoder that made it."""
+    if params.guide_type.value == "json_schema":
+        import jsonschema
+        try:
+            jsonschema.validate(json.loads(result.text), json.loads(params.guide))
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
+    if params.guide_type.value == "regex":
+        return re.fullmatch(params.guide, result.text) is not None
+    matcher = factory.create(params)
+    return all(matcher.accept_token(t) for t in result.tokens) and matcher.is_terminated()
+
+
+# -- model runner ------------------------------------------------------------------------------
+
+def test_slot_cache_decode_equals_full_forward():
+    """Prefill into slots, then a batched multi-token decode step over slots of different
+    lengths (and a padded batch) gives the logits of a plain cache-free forward."""
+    m = tiny_llama(300, seed=3)
+    r = ModelRunner(m, max_num_sequences=3, max_seq_len=32, tokens_per_seq=3)
+    a, b = [5, 6, 7, 8, 9], [11, 12]
+    with torch.no_grad():
+        la = r.prefill(2, a)
+        r.prefill(0, b)
+        r.prefill(1, [40, 41, 42, 43, 44, 45, 46])  # a neighbour whose keys must not leak
+        ref = lambda ids: m(input_ids=torch.tensor([ids])).logits[0]  # noqa: E731
+        torch.testing.assert_close(la[0], ref(a)[-1])
+        r.load_step([2, 0], [[1, 2, 3], [4, 5, 6]], [5, 2], batch_size=3)
+        got = r.forward_step(3).view(3, 3, -1)
+        torch.testing.assert_close(got[0], ref(a + [1, 2, 3])[-3:])
+        torch.testing.assert_close(got[1], ref(b + [4, 5, 6])[-3:])
+        # a rejected draft left stale keys at positions 3..4 of slot 0: overwriting works
+        r.load_step([0], [[7, 8, 9]], [3])
+        torch.testing.assert_close(r.forward_step(1).view(3, -1), ref(b + [4, 7, 8, 9])[-3:])
+
+
+def test_tiny_llama_is_seeded_and_round_trips_through_a_checkpoint(tmp_path):
+    """The same seed gives the same weights (the global RNG untouched), another seed others,
+    and load_model reads a saved checkpoint back offline with identical logits."""
+    from capgraph.runtime import load_model
+    state = torch.random.get_rng_state()
+    a, b, c = tiny_llama(200, seed=5), tiny_llama(200, seed=5), tiny_llama(200, seed=6)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    wa, wb, wc = (m.model.embed_tokens.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+    a.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, a(input_ids=ids).logits)
+
+
+def test_graph_batch_sizes():
+    """Captured sizes: powers of two up to 8, then multiples of 8, always the maximum."""
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(6) == [1, 2, 4, 6]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+# -- sampler -----------------------------------------------------------------------------------
+
+def test_sampler_never_draws_masked_tokens_and_is_reproducible():
+    """Temperature / top-k draws with a seed repeat exactly, differ across seeds, and never
+    pick a -inf entry, even at extreme temperatures or with top_k above the finite count."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 500, generator=g) * 5
+    allowed = torch.rand(64, 500, generator=g) < 0.02
+    allowed[:, 7] = True
+    logits[~allowed] = float("-inf")
+    for temperature, top_k in ((1.0, 0), (1e-3, 0), (100.0, 0), (1.0, 3), (2.0, 400)):
+        draws = [Sampler(SamplingParams(temperature, top_k, seed=s))(logits) for s in (1, 1, 2)]
+        assert torch.equal(draws[0], draws[1])
+        for d in draws:
+            assert allowed.gather(1, d[:, None]).all(), (temperature, top_k)
+    hot = Sampler(SamplingParams(5.0, 0, seed=1))(logits)
+    assert not torch.equal(hot, Sampler(SamplingParams(5.0, 0, seed=2))(logits))
+    assert torch.equal(Sampler(SamplingParams())(logits), logits.argmax(-1))
+
+
+def test_top_k_keeps_only_the_k_best():
+    """top_k=2 only ever returns one of the two largest logits of a row."""
+    logits = torch.tensor([[0.0, 5.0, 4.9, 1.0, float("-inf")]]).repeat(200, 1)
+    got = Sampler(SamplingParams(10.0, 2, seed=0))(logits)
+    assert set(got.tolist()) == {1, 2}
+
+
+# -- drafters ----------------------------------------------------------------------------------
+
+def test_ngram_drafter_proposes_what_followed_the_latest_match():
+    """The longest matching suffix wins, the latest occurrence wins, short matches are padded
+    with their last token, and no match repeats the last token."""
+    d = NgramDrafter(3, max_ngram=2)
+    assert d.lookup([1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 2, 3]) == [4, 5, 2]
+    assert d.lookup([7, 1, 2, 8, 1, 2]) == [8, 1, 2]
+    assert d.lookup([5, 6, 5]) == [6, 5, 5]
+    assert d.lookup([1, 2, 3]) == [3, 3, 3]
+
+
+# -- generate ----------------------------------------------------------------------------------
+
+def test_guided_outputs_validate(greedy_run, factory):
+    """Every JSON-schema / regex / EBNF output that ends on its stop token validates
+    (jsonschema, re.fullmatch, a fresh matcher); the bounded guides all finish that way; the
+    unguided request runs to the length limit; the timing breakdown covers every stage."""
+    assert [r.index for r in greedy_run] == list(range(len(PROMPTS)))
+    for r, g in zip(greedy_run, GUIDES):
+        if g is None:
+            assert r.finish_reason in ("stop", "length")
+            continue
+        assert r.finish_reason == "stop", (r.index, r.text)
+        assert r.tokens[-1] == factory.config.stop_token_ids[0]
+        assert check(r, g, factory), (r.index, r.text)
+    stages = greedy_run.timings.stages
+    assert all(stages[k] > 0 for k in ("prefill", "forward", "build", "apply", "sample"))
+    assert greedy_run.timings.steps > 0 and greedy_run.timings.tokens == sum(
+        len(r.tokens) for r in greedy_run)
+
+
+@pytest.mark.parametrize("draft,same_weights", [("ngram", False), ("model", False),
+                                                ("model", True)])
+def test_speculative_equals_greedy(sp, model, factory, greedy_run, draft, same_weights):
+    """With the n-gram drafter, a random draft model, or a draft model equal to the target
+    (which gets drafts accepted), outputs equal non-speculative greedy token for token."""
+    draft_model = tiny_llama(len(sp), seed=0) if same_weights else None
+    for k in (1, 3):
+        spec = run(sp, model, factory, draft=draft, num_draft_tokens=k, draft_model=draft_model)
+        assert [r.tokens for r in spec] == [r.tokens for r in greedy_run], (draft, k)
+        assert [r.finish_reason for r in spec] == [r.finish_reason for r in greedy_run]
+        assert spec.timings.steps <= greedy_run.timings.steps
+        if same_weights:
+            assert sum(r.num_accepted_draft_tokens for r in spec) > 0
+
+
+def test_more_requests_than_slots_each_with_its_own_grammar(sp, model, factory):
+    """Seven requests through two slots all complete, in prompt order, each matching its own
+    regex, and with the same tokens as when all run at once."""
+    guides = [GuidedDecodingParams.regex(f"r{i}-[a-z]{{1,3}}") for i in range(7)]
+    prompts = [f"Item {i}:" for i in range(7)]
+    narrow = run(sp, model, factory, prompts, guides, max_batch_size=2)
+    wide = run(sp, model, factory, prompts, guides, max_batch_size=7)
+    for i, r in enumerate(narrow):
+        assert r.index == i and r.finish_reason == "stop"
+        assert re.fullmatch(f"r{i}-[a-z]{{1,3}}", r.text), r.text
+    assert [r.tokens for r in narrow] == [r.tokens for r in wide]
+    assert narrow[-1].queue_s > narrow[0].queue_s  # the last one waited for a free slot
+
+
+def test_bad_guide_fails_alone(sp, model, factory):
+    """A guide that does not compile ends its request with finish_reason 'error' and a message;
+    the other requests produce exactly what they produce without it."""
+    bad = GuidedDecodingParams.regex("(unclosed")
+    prompts, guides = ["a", "b", "c"], [DATE_G, bad, None]
+    mixed = run(sp, model, factory, prompts, guides, max_batch_size=2)
+    assert mixed[1].finish_reason == "error" and "REGEX" in mixed[1].error
+    assert mixed[1].tokens == []
+    alone = run(sp, model, factory, ["a", "c"], [DATE_G, None], max_batch_size=2)
+    assert [mixed[0].tokens, mixed[2].tokens] == [r.tokens for r in alone]
+    assert mixed[0].error is None and mixed[0].finish_reason == "stop"
+
+
+def test_sampled_generation_is_seeded_and_guided(sp, model, factory):
+    """Temperature / top-k sampling repeats exactly with the same seed, differs with another,
+    and guided outputs that finish still validate."""
+    kw = dict(temperature=1.5, top_k=50, max_new_tokens=30)
+    a = run(sp, model, factory, PROMPTS[:4], GUIDES[:4], seed=1, **kw)
+    b = run(sp, model, factory, PROMPTS[:4], GUIDES[:4], seed=1, **kw)
+    c = run(sp, model, factory, PROMPTS[:4], GUIDES[:4], seed=2, **kw)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    assert [r.tokens for r in a] != [r.tokens for r in c]
+    for r, g in zip(a + c, GUIDES[:4] * 2):
+        if g is not None and r.finish_reason == "stop":
+            assert check(r, g, factory), r.text
+
+
+def test_length_limit_and_argument_errors(sp, model, factory):
+    """max_new_tokens caps every request ('length'), token-id prompts work, and bad arguments
+    raise ConfigError naming the value."""
+    from capgraph import ConfigError
+    out = generate([[1, 500, 600], "x"], None, model=model, tokenizer=sp, max_new_tokens=3)
+    assert [len(r.tokens) for r in out] == [3, 3]
+    assert {r.finish_reason for r in out} <= {"length", "stop"}
+    with pytest.raises(ConfigError, match="temperature=0"):
+        generate(["x"], model=model, tokenizer=sp, draft="ngram", temperature=1.0)
+    with pytest.raises(ConfigError, match="draft='beam'"):
+        generate(["x"], model=model, tokenizer=sp, draft="beam")
+    with pytest.raises(ConfigError, match="2 guides for 1 prompts"):
+        generate(["x"], [None, None], model=model, tokenizer=sp)
+    if not HAS_CAPTURABLE:
+        with pytest.raises(ConfigError, match="capturable"):
+            run(sp, model, factory, ["x"], [DATE_G], decoder="capturable")
+
+
+@pytest.mark.parametrize("decoder", ["eager", pytest.param("capturable", marks=needs_capturable)])
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_graph_path_on_cpu_equals_eager(sp, model, factory, greedy_run, decoder, draft):
+    """The graph path's step — static buffers, batches padded to a captured size with dummy
+    slots and unguided placeholder requests — replayed by the CPU stand-in gives the plain
+    eager outputs token for token."""
+    out = run(sp, model, factory, cuda_graph=True, decoder=decoder, draft=draft,
+              num_draft_tokens=2)
+    assert [r.tokens for r in out] == [r.tokens for r in greedy_run]
+
+
+@needs_capturable
+def test_capturable_decoder_equals_eager(sp, model, factory, greedy_run):
+    """The capturable decoder (host build overlapping the forward) gives the eager decoder's
+    outputs token for token, speculative decoding included."""
+    cap = run(sp, model, factory, decoder="capturable")
+    assert [r.tokens for r in cap] == [r.tokens for r in greedy_run]
+    spec = run(sp, model, factory, decoder="capturable", draft="ngram", num_draft_tokens=3)
+    assert [r.tokens for r in spec] == [r.tokens for r in greedy_run]
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_graph_replay_equals_eager_on_gpu(sp, factory, draft):
+    """On CUDA, generation replaying captured decode-step graphs equals eager CUDA generation
+    token for token (eager decoder: the graph holds the forward)."""
+    model = tiny_llama(len(sp), seed=0, eos_token_id=sp.eos_token_id, device="cuda")
+    kw = dict(device="cuda", draft=draft, num_draft_tokens=3)
+    eager = run(sp, model, factory, cuda_graph=False, **kw)
+    graphed = run(sp, model, factory, cuda_graph=True, **kw)
+    assert [r.tokens for r in graphed] == [r.tokens for r in eager]
+    assert all(r.finish_reason == "stop" for r, g in zip(graphed, GUIDES) if g is not None)
+
+
+@needs_cuda
+@needs_capturable
+@pytest.mark.gpu
+def test_captured_guided_step_equals_eager_on_gpu(sp, factory):
+    """With the capturable decoder the graph holds forward, mask and sampling; outputs equal
+    the eager decoder's token for token."""
+    model = tiny_llama(len(sp), seed=0, eos_token_id=sp.eos_token_id, device="cuda")
+    eager = run(sp, model, factory, device="cuda", cuda_graph=False)
+    graphed = run(sp, model, factory, device="cuda", cuda_graph=True, decoder="capturable")
+    assert [r.tokens for r in graphed] == [r.tokens for r in eager]
