@@ -196,6 +196,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._consume_put()
         elif not self.active and not self._prepared:
             self._consume_put()  # nothing guided: enqueue nothing at all
+            self._token_mask_np[:] = 0  # (host view only: nothing reads it this step)
             return
         self.prepare(logits.shape[0])
         self._prepared = False

@@ -345,14 +345,15 @@ class GuidedDecoder:
     # -- build -------------------------------------------------------------------------------
     @nvtx_range("GuidedDecoder.build")
     def _build(self, requests: GuidedRequests) -> list[FailedRequest]:
+        """Init and advance every guided request's matcher, fill its rows, guard dead ends."""
         failed: list[FailedRequest] = []
         self._token_mask_np[:requests.num_bitmask_tokens] = 0
-        active: list[list] = []  # [req, slot, matcher, offset, drafts]
+        entries: list[list] = []  # [req, slot, matcher, offset, drafts, new token or None]
         seen: set[int] = set()
         draft_slots: list[int] = []
         for req, offset in requests.valid_requests_with_offsets():
             try:
-                entry = self._advance(req, offset, requests.max_num_draft_tokens, seen)
+                entry = self._prepare(req, offset, requests.max_num_draft_tokens, seen)
             except Exception as e:
                 failed.append(self._fail(req, e, drop=req.seq_slot not in seen or
                                          not isinstance(e, RequestError)))
@@ -360,15 +361,15 @@ class GuidedDecoder:
             if req.is_draft:
                 draft_slots.append(req.seq_slot)  # type: ignore[arg-type]
             if entry is not None:
-                active.append(entry)
-        self._fill_rounds(active, failed)
+                entries.append(entry)
+        self._fill_rounds(self._accept_new_tokens(entries, failed), failed)
         for slot in draft_slots:
             self.num_advanced_draft_tokens[slot] += self.num_advanced_tokens[slot]
         return failed
 
-    def _advance(self, req: GuidedRequest, offset: int, draft_len: int, seen: set[int]
+    def _prepare(self, req: GuidedRequest, offset: int, draft_len: int, seen: set[int]
                  ) -> list | None:
-        """Init and/or advance one request's matcher by its new token; None if nothing to fill."""
+        """Validate one request and create its matcher if due; None if it has nothing to do."""
         slot = self._check_slot(req)
         if slot in seen:
             raise RequestError(f"seq_slot {slot} appears twice in one batch",
@@ -384,25 +385,50 @@ class GuidedDecoder:
             self.grammar_matchers[slot] = None
             self.grammar_matchers[slot] = self._create_matcher(req)
         matcher = self.grammar_matchers[slot]
-        if advance:
-            # Skipped, not failed: the matcher may have terminated on an EOS inside last step's
-            # drafts, a draft may have left the grammar, or creation failed (reported then).
-            if matcher is None or matcher.is_terminated() or self.is_draft_terminated[slot]:
-                return None
-            token = self._checked_token(req, req.new_token, "new_token")
-            if not matcher.accept_token(token):
-                if req.is_draft:
-                    self.is_draft_terminated[slot] = True
-                    return None
-                raise RequestError(f"new_token {token} is not allowed by the grammar",
-                                   request_id=req.request_id, seq_slot=slot)
-            self.num_advanced_tokens[slot] += 1
-            # only a stop token terminates a matcher: skip the (costly) query otherwise
-            if token in self._stop_ids and matcher.is_terminated():
-                return None
-        elif matcher is None or matcher.is_terminated():
+        if matcher is None or matcher.is_terminated():
             return None
-        return [req, slot, matcher, offset, drafts]
+        if not advance:
+            return [req, slot, matcher, offset, drafts, None]
+        # Skipped, not failed: the drafting loop stopped guiding this slot.
+        if self.is_draft_terminated[slot]:
+            return None
+        return [req, slot, matcher, offset, drafts,
+                self._checked_token(req, req.new_token, "new_token")]
+
+    def _accept_new_tokens(self, entries: list[list], failed: list[FailedRequest]) -> list[list]:
+        """Feed each entry its new token (one batched call); the entries left to fill."""
+        advancing = [e for e in entries if e[5] is not None]
+        if not advancing:
+            return entries
+        matchers, tokens = [e[2] for e in advancing], [e[5] for e in advancing]
+        try:
+            accepted = self.grammar_matcher_factory.batch_accept(matchers, tokens)
+        except Exception:  # find the culprit(s): accept one by one
+            accepted = []
+            for entry in advancing:
+                try:
+                    accepted.append(entry[2].accept_token(entry[5]))
+                except Exception as e:
+                    failed.append(self._fail(entry[0], e))
+                    accepted.append(None)
+        rejected = set()
+        for entry, ok in zip(advancing, accepted):
+            req, slot = entry[0], entry[1]
+            if ok:
+                self.num_advanced_tokens[slot] += 1
+                if entry[2].is_terminated():
+                    rejected.add(id(entry))
+                continue
+            rejected.add(id(entry))
+            if ok is None:
+                continue  # already failed above
+            if req.is_draft:
+                self.is_draft_terminated[slot] = True
+            else:
+                failed.append(self._fail(req, RequestError(
+                    f"new_token {entry[5]} is not allowed by the grammar",
+                    request_id=req.request_id, seq_slot=slot)))
+        return [e for e in entries if id(e) not in rejected]
 
     def _fill_rounds(self, active: list[list], failed: list[FailedRequest]) -> None:
         """Round i fills row ``offset + i`` of every still-guided request with one batch call,
@@ -422,7 +448,7 @@ class GuidedDecoder:
             valid = self._rows_valid(rows)
             guided_rows, survivors = [], []
             for entry, row, ok in zip(active, rows, valid):
-                req, slot, matcher, _, drafts = entry
+                req, slot, matcher, _, drafts, _ = entry
                 if not ok:
                     if i == 0 and not req.is_draft:
                         # the golden token's advance is never verified: exclude it from rollback
@@ -443,7 +469,7 @@ class GuidedDecoder:
                         failed.append(self._fail(req, e))
                         continue
                     self.num_advanced_tokens[slot] += 1
-                    if drafts[i] not in self._stop_ids or not matcher.is_terminated():
+                    if not matcher.is_terminated():
                         survivors.append(entry)
             if len(guided_rows) == 1:
                 self._token_mask_np[guided_rows[0]] = 1

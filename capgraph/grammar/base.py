@@ -195,6 +195,11 @@ class GrammarMatcherFactory(ABC):
         for matcher, index in zip(matchers, indices):
             matcher.fill_next_token_bitmask(bitmask, index)
 
+    def batch_accept(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]
+                     ) -> list[bool]:
+        """``matchers[i].accept_token(tokens[i])`` for every i; backends may batch the calls."""
+        return [m.accept_token(t) for m, t in zip(matchers, tokens)]
+
     def close(self) -> None:
         """Stop the compile pool (running compiles finish in the background)."""
         pool, self._pool = self._pool, None
