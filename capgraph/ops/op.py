@@ -2,11 +2,13 @@
 
 The op is ``torch.ops.capgraph.logits_bitmask`` (schema ``(Tensor(a!) logits, Tensor bitmask,
 Tensor? token_mask, Tensor? d2t, SymInt col_offset) -> ()``) with a fake kernel, so that
-``torch.compile(fullgraph=True)`` traces through it (logits functionalised as mutated). Its one
-real kernel is pure torch (:mod:`capgraph.ops.torch_impl`) and serves every device. On CUDA
-tensors it first asks for a dedicated backend, ``capgraph/ops/cuda.py``, imported on the first
-CUDA call: that module provides ``load_kernel() -> Callable | None`` (None where it cannot run,
-e.g. without NVRTC), the callable taking the op's arguments. Nothing loads before that call."""
+``torch.compile(fullgraph=True)`` traces through it (logits functionalised as mutated). On CPU
+its kernel is vectorised torch (:mod:`capgraph.ops.torch_impl`). On CUDA tensors the first call
+imports :mod:`capgraph.ops.cuda`, which compiles ``csrc/logits_bitmask.cu`` through NVRTC (cached
+in memory and on disk) and launches it on torch's current stream; where that cannot run (no
+NVRTC, sizes past int32) the same torch code serves CUDA tensors too, without host syncs.
+Nothing loads before the first call: run the op once eagerly before capturing a CUDA graph, so
+the compile does not happen inside the capture."""
 
 from __future__ import annotations
 

@@ -1,0 +1,417 @@
+"""CUDA backend of ``logits_bitmask``: ``csrc/logits_bitmask.cu`` compiled by NVRTC on first use.
+
+Nothing happens at import: no CUDA, NVRTC or cuda.core is touched until :func:`load_kernel` is
+called (by :mod:`capgraph.ops.op` on the first CUDA call of the op). ``load_kernel`` returns None
+where the kernel cannot run (no CUDA device, no cuda.core, no NVRTC, an architecture NVRTC does
+not know) and :func:`unavailable_reason` then says why; the op falls back to pure torch.
+
+Compiled code is cached per target architecture in memory and on disk under
+``$CAPGRAPH_CACHE_DIR/kernels`` (default ``~/.cache/capgraph/kernels``), one file per hash of
+(source, target, NVRTC version, options), written under a file lock.
+
+A launch reads only tensor metadata (pointers, strides, shapes) and enqueues the kernel on
+torch's current stream: no host synchronisation, no device allocation, no host-device copy, so
+it is recorded by ``torch.cuda.graph`` capture like any torch kernel.
+
+Verification status: the source compiles with ``nvcc -c -arch=sm_90`` and with NVRTC (checked
+on CPU-only CI by tests/test_kernel_compile.py, which also runs the kernel's arithmetic on the
+host through a C++ emulation of the launch grid, driven by :func:`plan_launch` and by the
+launcher below with cuda.core faked). Everything that talks to a GPU -- module loading, the
+launch through cuda.core, stream and context handling, capture and replay, speed -- is
+exercised only by tests/test_ops_gpu.py and tools/bench_kernel.py on a machine with a GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+__all__ = [
+    "THREADS_PER_BLOCK",
+    "BITS_PER_THREAD",
+    "LaunchPlan",
+    "entry_points",
+    "kernel_name",
+    "kernel_source",
+    "plan_launch",
+    "compile_kernel",
+    "load_kernel",
+    "unavailable_reason",
+]
+
+THREADS_PER_BLOCK = 256
+#: Columns per thread, one kernel instantiation each; the smallest that fits is chosen.
+BITS_PER_THREAD = (4, 8, 16, 32)
+# Target residency of the launch heuristic: 2048 threads (8 blocks of 256) per SM.
+_THREADS_PER_SM = 2048
+_MAX_GRID_Y = 65535  # rows past it are covered by the kernel's grid-stride loop
+_INT32_MAX = 2**31 - 1
+_DTYPE_TAGS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_SOURCE_NAME = "logits_bitmask.cu"
+_NVRTC_OPTIONS = {"std": "c++17"}  # part of the cache key
+_LOCK_TIMEOUT_S = 300.0
+
+
+# -- entry points and launch planning (pure host arithmetic, tested on CPU) -----------------
+
+def kernel_name(dtype: torch.dtype, bits_per_thread: int, pack: int) -> str:
+    """The extern "C" entry point for one (dtype, columns per thread, columns per access)."""
+    return f"capgraph_logits_bitmask_{_DTYPE_TAGS[dtype]}_b{bits_per_thread}_p{pack}"
+
+
+def _max_pack(dtype: torch.dtype) -> int:
+    return 16 // dtype.itemsize  # 16-byte accesses at most
+
+
+def entry_points() -> list[str]:
+    """Every entry point the source defines (pack <= bits per thread, <= 16 bytes)."""
+    names = []
+    for dtype in _DTYPE_TAGS:
+        packs = [p for p in (1, 2, 4, 8) if p <= _max_pack(dtype)]
+        names += [kernel_name(dtype, b, p) for b in BITS_PER_THREAD for p in packs if p <= b]
+    return names
+
+
+class LaunchPlan(NamedTuple):
+    """One launch: entry point, grid ``(x, y)`` of 256-thread blocks, and kernel arguments.
+
+    ``args`` follow the kernel signature: ``(logits, logits_row_stride, bitmask,
+    bitmask_row_stride, token_mask, d2t, rows, width, col_offset)``, pointers as ints (0 for
+    null). Every parameter is 64-bit on the device side, matching Python ints.
+    """
+
+    kernel: str
+    grid: tuple[int, int]
+    args: tuple[int, ...]
+
+
+def _pack_width(logits: torch.Tensor) -> int:
+    """Widest access (elements) that divides the width and the row stride and that the base
+    pointer is aligned to: logits may be a column slice of a wider tensor."""
+    rows, width = logits.shape
+    size = logits.element_size()
+    pack = _max_pack(logits.dtype)
+    while pack > 1:
+        if (width % pack == 0 and logits.data_ptr() % (pack * size) == 0
+                and (rows == 1 or logits.stride(0) % pack == 0)):
+            break
+        pack //= 2
+    return pack
+
+
+def _bits_per_thread(rows: int, width: int, pack: int, sm_count: int) -> int:
+    """Columns per thread: fill the GPU (8 blocks per SM) across all rows, then give each
+    thread as few columns as that allows, never fewer than one packed access."""
+    blocks_per_row = -(-(_THREADS_PER_SM // THREADS_PER_BLOCK) * sm_count // rows)
+    needed = -(-width // (THREADS_PER_BLOCK * blocks_per_row))
+    for bits in BITS_PER_THREAD:
+        if needed <= bits and pack <= bits:
+            return bits
+    return BITS_PER_THREAD[-1]
+
+
+def plan_launch(logits: torch.Tensor, bitmask: torch.Tensor, token_mask: torch.Tensor | None,
+                d2t: torch.Tensor | None, col_offset: int, sm_count: int) -> LaunchPlan:
+    """The launch for these (already checked) arguments; reads metadata only, never data.
+
+    Preconditions (``kernel_fits``): ``rows >= 1``, ``width >= 1``, ``col_offset + width`` in
+    int32; ``token_mask`` and ``d2t`` contiguous.
+    """
+    rows, width = logits.shape
+    pack = _pack_width(logits)
+    bits = _bits_per_thread(rows, width, pack, sm_count)
+    grid = (-(-width // (THREADS_PER_BLOCK * bits)), min(rows, _MAX_GRID_Y))
+    args = (logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0),
+            0 if token_mask is None else token_mask.data_ptr(),
+            0 if d2t is None else d2t.data_ptr(), rows, width, col_offset)
+    return LaunchPlan(kernel_name(logits.dtype, bits, pack), grid, args)
+
+
+def kernel_fits(logits: torch.Tensor, col_offset: int) -> bool:
+    """Whether the kernel's int32 column arithmetic covers these columns."""
+    return col_offset + logits.shape[1] + THREADS_PER_BLOCK * BITS_PER_THREAD[-1] <= _INT32_MAX
+
+
+# -- source and compilation (needs NVRTC, not a GPU) ----------------------------------------
+
+def kernel_source() -> bytes:
+    """The CUDA source: package data ``capgraph.csrc`` when installed, else the repo's csrc/."""
+    try:
+        resource = importlib.resources.files("capgraph.csrc") / _SOURCE_NAME
+        if resource.is_file():
+            return resource.read_bytes()
+    except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError):
+        pass
+    return (Path(__file__).resolve().parents[2] / "csrc" / _SOURCE_NAME).read_bytes()
+
+
+def _cuda_core():
+    """cuda.core's namespace (1.x at top level, 0.x under ``experimental``)."""
+    import cuda.core as core
+    if not hasattr(core, "Program"):
+        import cuda.core.experimental as core  # type: ignore[no-redef]
+    return core
+
+
+def _nvrtc_version() -> tuple[int, int]:
+    from cuda.bindings import nvrtc
+    err, major, minor = nvrtc.nvrtcVersion()
+    if int(err) != 0:
+        raise RuntimeError(f"nvrtcVersion failed: {err}")
+    return int(major), int(minor)
+
+
+def _nvrtc_archs() -> list[int]:
+    from cuda.bindings import nvrtc
+    err, archs = nvrtc.nvrtcGetSupportedArchs()
+    if int(err) != 0:
+        raise RuntimeError(f"nvrtcGetSupportedArchs failed: {err}")
+    return sorted(int(a) for a in archs)
+
+
+class _UnsupportedArch(RuntimeError):
+    pass
+
+
+def _target_for(cc: int, supported: list[int]) -> tuple[str, str]:
+    """(format, arch) to compile for compute capability ``cc`` (e.g. 90): a cubin where NVRTC
+    knows the architecture, else PTX for the newest older one, which the driver JIT-compiles."""
+    if cc in supported:
+        return "cubin", f"sm_{cc}"
+    older = [a for a in supported if a < cc]
+    if not older:
+        raise _UnsupportedArch(f"NVRTC supports sm_{supported[0]}..sm_{supported[-1]}, "
+                               f"the device is sm_{cc}")
+    return "ptx", f"compute_{older[-1]}"
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("CAPGRAPH_CACHE_DIR") or "~/.cache/capgraph"
+    return Path(base).expanduser() / "kernels"
+
+
+_binaries: dict[tuple[str, str], bytes] = {}
+_binaries_lock = threading.Lock()
+
+
+def compile_kernel(arch: str = "sm_90", fmt: str = "cubin", *, use_cache: bool = True) -> bytes:
+    """NVRTC-compile the source for ``arch`` (``sm_90`` for a cubin, ``compute_80`` for PTX).
+
+    Needs NVRTC only, no GPU. Cached in memory and, unless ``use_cache`` is False, on disk
+    under ``$CAPGRAPH_CACHE_DIR/kernels/<sha256>.<fmt>`` (written atomically under a file
+    lock; an unwritable cache directory only costs the caching).
+    """
+    source = kernel_source()
+    with _binaries_lock:
+        if use_cache and (arch, fmt) in _binaries:
+            return _binaries[(arch, fmt)]
+        major, minor = _nvrtc_version()
+        key = hashlib.sha256(b"\0".join([
+            source, arch.encode(), fmt.encode(), f"nvrtc-{major}.{minor}".encode(),
+            repr(sorted(_NVRTC_OPTIONS.items())).encode()])).hexdigest()
+        path = _cache_dir() / f"{key}.{fmt}"
+        binary = _read_or_compile(path, source, arch, fmt) if use_cache else \
+            _nvrtc_compile(source, arch, fmt)
+        if use_cache:
+            _binaries[(arch, fmt)] = binary
+        return binary
+
+
+def _nvrtc_compile(source: bytes, arch: str, fmt: str) -> bytes:
+    core = _cuda_core()
+    options = core.ProgramOptions(arch=arch, name=_SOURCE_NAME, **_NVRTC_OPTIONS)
+    program = core.Program(source.decode(), "c++", options)
+    try:
+        return bytes(program.compile(fmt).code)
+    finally:
+        getattr(program, "close", lambda: None)()
+
+
+def _read_or_compile(path: Path, source: bytes, arch: str, fmt: str) -> bytes:
+    import filelock
+
+    if path.is_file():
+        return path.read_bytes()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with filelock.FileLock(f"{path}.lock", timeout=_LOCK_TIMEOUT_S):
+            if path.is_file():  # another process compiled it meanwhile
+                return path.read_bytes()
+            binary = _nvrtc_compile(source, arch, fmt)
+            partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+            partial.write_bytes(binary)
+            os.replace(partial, path)
+            return binary
+    except (OSError, filelock.Timeout):  # no usable cache directory: compile uncached
+        return _nvrtc_compile(source, arch, fmt)
+
+
+# -- loading and launching: the host logic is tested on CPU against a fake cuda.core; the real
+# driver calls (module load, launch, streams, contexts, capture) only by tests/test_ops_gpu.py.
+
+class _DeviceKernels:
+    """The loaded module of one device, its SM count, and small caches for launches."""
+
+    def __init__(self, core: Any, index: int) -> None:
+        props = torch.cuda.get_device_properties(index)
+        fmt, arch = _target_for(props.major * 10 + props.minor, _nvrtc_archs())
+        binary = compile_kernel(arch, fmt)
+        loader = core.ObjectCode.from_cubin if fmt == "cubin" else core.ObjectCode.from_ptx
+        try:
+            self._code = loader(binary, name=_SOURCE_NAME)  # keeps the library loaded
+        except TypeError:  # cuda.core 0.x: no name
+            self._code = loader(binary)
+        self.kernels = {name: self._code.get_kernel(name) for name in entry_points()}
+        self.sm_count = props.multi_processor_count
+        self._core = core
+        self._configs: dict[tuple[int, int], Any] = {}
+        self._streams: dict[int, Any] = {}
+
+    def config(self, grid: tuple[int, int]) -> Any:
+        config = self._configs.get(grid)
+        if config is None:
+            config = self._configs[grid] = self._core.LaunchConfig(
+                grid=grid, block=THREADS_PER_BLOCK)
+        return config
+
+    def stream(self, torch_stream: torch.cuda.Stream) -> Any:
+        """cuda.core's view of a torch stream, cached by handle (torch pools its streams)."""
+        handle = torch_stream.cuda_stream
+        stream = self._streams.get(handle)
+        if stream is None:
+            if len(self._streams) > 1024:
+                self._streams.clear()
+            from_handle = getattr(self._core.Stream, "from_handle", None)
+            if handle == 0 and hasattr(self._core, "LEGACY_DEFAULT_STREAM"):
+                stream = self._core.LEGACY_DEFAULT_STREAM  # torch's default stream is stream 0
+            elif from_handle is not None:
+                stream = from_handle(handle)
+            else:  # older cuda.core: launch() takes any object with __cuda_stream__ (torch's do)
+                stream = torch_stream
+            self._streams[handle] = stream
+        return stream
+
+
+class _CudaLogitsBitmask:
+    """The callable :func:`load_kernel` returns: ``(logits, bitmask, token_mask, d2t,
+    col_offset) -> None``, arguments already checked by :func:`capgraph.ops.logits_bitmask`."""
+
+    def __init__(self, core: Any) -> None:
+        self._core = core
+        self._devices: dict[int, _DeviceKernels] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.local()  # devices whose context this thread made current
+
+    def device(self, index: int) -> _DeviceKernels:
+        """Compile (or read from cache) and load the module of device ``index`` once."""
+        kernels = self._devices.get(index)
+        if kernels is None:
+            with self._lock:
+                kernels = self._devices.get(index)
+                if kernels is None:
+                    with torch.cuda.device(index):
+                        kernels = self._devices[index] = _DeviceKernels(self._core, index)
+        return kernels
+
+    def _ensure_context(self, index: int) -> None:
+        # The driver launch needs a current context; torch's runtime calls make the primary
+        # context current lazily, so a thread that has not run a CUDA runtime call yet may
+        # have none. Once per thread and device; the primary context is the one torch uses.
+        seen = getattr(self._thread, "devices", None)
+        if seen is None:
+            seen = self._thread.devices = set()
+        if index not in seen:
+            from cuda.bindings import driver
+            err, ctx = driver.cuCtxGetCurrent()
+            if int(err) != 0 or int(ctx) == 0:
+                self._core.Device(index).set_current()
+            seen.add(index)
+
+    def __call__(self, logits: torch.Tensor, bitmask: torch.Tensor,
+                 token_mask: torch.Tensor | None, d2t: torch.Tensor | None,
+                 col_offset: int) -> None:
+        if not kernel_fits(logits, col_offset):
+            from .torch_impl import apply_logits_bitmask_
+            apply_logits_bitmask_(logits, bitmask, token_mask, d2t, col_offset)
+            return
+        # 1-D views with a stride are legal op arguments; the kernel indexes them densely
+        # (a copy only for that unusual case).
+        if token_mask is not None and token_mask.stride(0) != 1:
+            token_mask = token_mask.contiguous()
+        if d2t is not None and d2t.stride(0) != 1:
+            d2t = d2t.contiguous()
+        index = logits.device.index
+        if index is None:
+            index = torch.cuda.current_device()
+        if index != torch.cuda.current_device():
+            with torch.cuda.device(index):  # makes that device's primary context current
+                self._launch(index, logits, bitmask, token_mask, d2t, col_offset)
+            return
+        self._ensure_context(index)
+        self._launch(index, logits, bitmask, token_mask, d2t, col_offset)
+
+    def _launch(self, index: int, logits: torch.Tensor, bitmask: torch.Tensor,
+                token_mask: torch.Tensor | None, d2t: torch.Tensor | None,
+                col_offset: int) -> None:
+        kernels = self.device(index)
+        plan = plan_launch(logits, bitmask, token_mask, d2t, col_offset, kernels.sm_count)
+        stream = kernels.stream(torch.cuda.current_stream(index))
+        self._core.launch(stream, kernels.config(plan.grid), kernels.kernels[plan.kernel],
+                          *plan.args)
+
+
+_load_lock = threading.Lock()
+_loaded: list[Any] = []  # [kernel or None, reason or None] once load_kernel has run
+
+
+def _load() -> tuple[Callable[..., None] | None, str | None]:
+    if not torch.cuda.is_available():
+        return None, "no CUDA device: torch.cuda.is_available() is False"
+    try:
+        core = _cuda_core()
+    except ImportError as exc:
+        return None, f"cuda.core is not importable ({exc})"
+    try:
+        _nvrtc_version()
+    except Exception as exc:  # library not found, or a broken install
+        return None, f"NVRTC is unavailable ({type(exc).__name__}: {exc})"
+    kernel = _CudaLogitsBitmask(core)
+    try:
+        # Compile and load for the current device now, so that a first call inside a graph
+        # capture does not compile or load a module.
+        kernel.device(torch.cuda.current_device())
+    except _UnsupportedArch as exc:
+        return None, f"NVRTC cannot target this GPU ({exc})"
+    return kernel, None
+
+
+def load_kernel() -> Callable[..., None] | None:
+    """The CUDA ``logits_bitmask`` kernel as a callable, or None where it cannot run.
+
+    The first call compiles (or reads the cached binary) and loads the module for the current
+    device; later calls return the same object. Call it (or run the op once eagerly) before
+    capturing a CUDA graph, so that no compilation or module load happens inside the capture
+    (a device first used inside a capture loads its module there: unverified on a GPU). Where
+    a GPU exists but the kernel cannot be used a RuntimeWarning names the reason once (the op
+    then runs its pure-torch kernel).
+    """
+    with _load_lock:
+        if not _loaded:
+            kernel, reason = _load()
+            _loaded[:] = [kernel, reason]
+            if kernel is None and torch.cuda.is_available():
+                warnings.warn(f"capgraph: CUDA logits_bitmask kernel unavailable, using the "
+                              f"pure-torch kernel: {reason}", RuntimeWarning, stacklevel=2)
+        return _loaded[0]
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load_kernel` returned None (None if it loaded or has not been called)."""
+    return _loaded[1] if _loaded else None

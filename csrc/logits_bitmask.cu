@@ -1,0 +1,183 @@
+// logits_bitmask: set the logits of disallowed tokens to -inf, in place.
+//
+// Semantics (the same as capgraph/ops/reference.py): row r, column j of the logits stands for
+//   * without d2t: global id  t = col_offset + j
+//   * with d2t:    draft id   g = col_offset + j, global (target) id t = g + d2t[g]
+// and is masked (written as -inf) where bit (t % 32) of word (t / 32) of bitmask row r is 0.
+// Rows whose token_mask entry is 0 are not touched. token_mask and d2t may be null.
+//
+// Grid: x = blocks along the row (each covers kThreads * kBitsPerThread columns), y = rows
+// (a grid-stride loop over rows past 65535). Each thread handles groups of kPack adjacent
+// columns, one packed (up to 16-byte) load/store per group, and classifies each group:
+//   all allowed -> no logits traffic at all; all masked -> one store of -inf, nothing read;
+//   mixed       -> read, patch the masked lanes, write back.
+//
+// The kernel works on the raw bits of the logits (uint32 for fp32, uint16 for fp16/bf16), so
+// -inf is an exact bit pattern in every dtype and allowed entries keep every bit (NaN payloads
+// included). That also keeps the file free of includes: it compiles with NVRTC (no include path)
+// and with `nvcc -c`.
+//
+// Entry points are extern "C" (unmangled, so NVRTC needs no name expressions):
+//   capgraph_logits_bitmask_<f32|f16|bf16>_b<4|8|16|32>_p<1|2|4|8>
+// b = bits (columns) per thread, p = columns per packed access (p * element size <= 16 bytes,
+// p <= b). Every scalar parameter is 64-bit so that a launcher passing plain Python ints
+// (pointer-sized) matches the ABI without per-argument type annotations.
+//
+// Host contract (capgraph/ops/cuda.py checks it before choosing an entry point): p divides
+// width and the logits row stride, the logits base pointer is aligned to p * element size,
+// width and col_offset + width fit in int32, every id a column reads lies inside its bitmask row.
+
+namespace capgraph {
+
+constexpr int kThreads = 256;
+constexpr int kWordBits = 32;
+
+// Raw storage of one packed group: the widest plain load/store of that many bytes.
+template <int kBytes> struct PackStorage;
+template <> struct PackStorage<16> { typedef uint4 type; };
+template <> struct PackStorage<8> { typedef uint2 type; };
+template <> struct PackStorage<4> { typedef unsigned int type; };
+template <> struct PackStorage<2> { typedef unsigned short type; };
+
+// kPack elements of raw bits E, viewed either as one storage word or element by element.
+template <typename E, int kPack>
+union Pack {
+    typename PackStorage<int(sizeof(E)) * kPack>::type raw;
+    E element[kPack];
+};
+
+// Allowed bits of the kPack global ids starting at `bit` (bit i of the result: id bit + i).
+// col_offset need not be a multiple of 32 (or of kPack), so a group may straddle two words; the
+// second word is read only then, and it always holds a column's bit, so it lies inside the row.
+template <int kPack>
+__device__ __forceinline__ unsigned allowed_bits(const unsigned* __restrict__ row_words,
+                                                 long long bit) {
+    const long long word = bit >> 5;
+    const int shift = int(bit & (kWordBits - 1));
+    unsigned bits = row_words[word] >> shift;
+    if (kPack > 1 && shift + kPack > kWordBits) {
+        bits |= row_words[word + 1] << (kWordBits - shift);  // shift > 24 here: no UB
+    }
+    return bits & ((1u << kPack) - 1u);
+}
+
+// Allowed bits through the draft-to-target table: one bit lookup per column.
+template <int kPack>
+__device__ __forceinline__ unsigned allowed_bits_d2t(const unsigned* __restrict__ row_words,
+                                                     const int* __restrict__ d2t,
+                                                     long long draft_id) {
+    unsigned bits = 0;
+#pragma unroll
+    for (int i = 0; i < kPack; ++i) {
+        const long long g = draft_id + i;
+        const long long t = g + d2t[g];
+        bits |= ((row_words[t >> 5] >> int(t & (kWordBits - 1))) & 1u) << i;
+    }
+    return bits;
+}
+
+template <typename E, E kNegInf, int kBitsPerThread, int kPack>
+__device__ __forceinline__ void mask_logits(E* __restrict__ logits, long long logits_row_stride,
+                                            const unsigned* __restrict__ bitmask,
+                                            long long bitmask_row_stride,
+                                            const int* __restrict__ token_mask,
+                                            const int* __restrict__ d2t, long long rows,
+                                            long long width, long long col_offset) {
+    static_assert(kBitsPerThread % kPack == 0, "a thread handles whole packed groups");
+    static_assert(int(sizeof(E)) * kPack <= 16, "at most 16 bytes per access");
+    typedef Pack<E, kPack> PackT;
+    constexpr unsigned kAllMasked = (1u << kPack) - 1u;
+    const int width32 = int(width);
+    const int block_col = int(blockIdx.x) * (kThreads * kBitsPerThread);
+
+    for (long long row = blockIdx.y; row < rows; row += gridDim.y) {
+        // The cheapest line of the kernel: an inactive row costs one load per block.
+        if (token_mask != nullptr && token_mask[row] == 0) {
+            continue;
+        }
+        E* row_logits = logits + row * logits_row_stride;
+        const unsigned* row_words = bitmask + row * bitmask_row_stride;
+#pragma unroll
+        for (int step = 0; step < kBitsPerThread / kPack; ++step) {
+            // consecutive threads take consecutive groups: coalesced logits accesses, and the
+            // 32 / kPack threads that share a bitmask word read it from the same cache line
+            const int col = block_col + (step * kThreads + int(threadIdx.x)) * kPack;
+            if (col >= width32) {
+                break;
+            }
+            const unsigned allowed = d2t == nullptr
+                ? allowed_bits<kPack>(row_words, col_offset + col)
+                : allowed_bits_d2t<kPack>(row_words, d2t, col_offset + col);
+            const unsigned masked = ~allowed & kAllMasked;
+            if (masked == 0) {
+                continue;  // all allowed: no memory traffic
+            }
+            PackT* where = reinterpret_cast<PackT*>(row_logits + col);
+            PackT pack;
+            if (masked == kAllMasked) {  // all masked: write -inf, read nothing
+#pragma unroll
+                for (int i = 0; i < kPack; ++i) {
+                    pack.element[i] = kNegInf;
+                }
+            } else {  // mixed: read-modify-write
+                pack.raw = where->raw;
+#pragma unroll
+                for (int i = 0; i < kPack; ++i) {
+                    if ((masked >> i) & 1u) {
+                        pack.element[i] = kNegInf;
+                    }
+                }
+            }
+            where->raw = pack.raw;
+        }
+    }
+}
+
+// Bit patterns of -inf: IEEE binary32, binary16, bfloat16.
+constexpr unsigned kNegInfF32 = 0xFF800000u;
+constexpr unsigned short kNegInfF16 = 0xFC00u;
+constexpr unsigned short kNegInfBF16 = 0xFF80u;
+
+}  // namespace capgraph
+
+#define CAPGRAPH_LOGITS_BITMASK_ENTRY(DTYPE, E, NEG_INF, BITS, PACK)                          \
+    extern "C" __global__ void __launch_bounds__(capgraph::kThreads)                          \
+        capgraph_logits_bitmask_##DTYPE##_b##BITS##_p##PACK(                                  \
+            E* __restrict__ logits, long long logits_row_stride,                              \
+            const unsigned* __restrict__ bitmask, long long bitmask_row_stride,               \
+            const int* __restrict__ token_mask, const int* __restrict__ d2t, long long rows,  \
+            long long width, long long col_offset) {                                          \
+        capgraph::mask_logits<E, NEG_INF, BITS, PACK>(logits, logits_row_stride, bitmask,     \
+                                                      bitmask_row_stride, token_mask, d2t,    \
+                                                      rows, width, col_offset);               \
+    }
+
+// fp32: packs of 1, 2, 4 elements (4, 8, 16 bytes)
+#define CAPGRAPH_F32_ENTRIES(BITS)                                                            \
+    CAPGRAPH_LOGITS_BITMASK_ENTRY(f32, unsigned, capgraph::kNegInfF32, BITS, 1)               \
+    CAPGRAPH_LOGITS_BITMASK_ENTRY(f32, unsigned, capgraph::kNegInfF32, BITS, 2)               \
+    CAPGRAPH_LOGITS_BITMASK_ENTRY(f32, unsigned, capgraph::kNegInfF32, BITS, 4)
+
+// 16-bit dtypes: packs of 1, 2, 4 elements, and 8 (16 bytes) where a thread covers >= 8 bits
+#define CAPGRAPH_16BIT_ENTRIES(DTYPE, NEG_INF, BITS)                                          \
+    CAPGRAPH_LOGITS_BITMASK_ENTRY(DTYPE, unsigned short, NEG_INF, BITS, 1)                    \
+    CAPGRAPH_LOGITS_BITMASK_ENTRY(DTYPE, unsigned short, NEG_INF, BITS, 2)                    \
+    CAPGRAPH_LOGITS_BITMASK_ENTRY(DTYPE, unsigned short, NEG_INF, BITS, 4)
+#define CAPGRAPH_16BIT_ENTRIES_WIDE(DTYPE, NEG_INF, BITS)                                     \
+    CAPGRAPH_16BIT_ENTRIES(DTYPE, NEG_INF, BITS)                                              \
+    CAPGRAPH_LOGITS_BITMASK_ENTRY(DTYPE, unsigned short, NEG_INF, BITS, 8)
+
+CAPGRAPH_F32_ENTRIES(4)
+CAPGRAPH_F32_ENTRIES(8)
+CAPGRAPH_F32_ENTRIES(16)
+CAPGRAPH_F32_ENTRIES(32)
+
+CAPGRAPH_16BIT_ENTRIES(f16, capgraph::kNegInfF16, 4)
+CAPGRAPH_16BIT_ENTRIES_WIDE(f16, capgraph::kNegInfF16, 8)
+CAPGRAPH_16BIT_ENTRIES_WIDE(f16, capgraph::kNegInfF16, 16)
+CAPGRAPH_16BIT_ENTRIES_WIDE(f16, capgraph::kNegInfF16, 32)
+
+CAPGRAPH_16BIT_ENTRIES(bf16, capgraph::kNegInfBF16, 4)
+CAPGRAPH_16BIT_ENTRIES_WIDE(bf16, capgraph::kNegInfBF16, 8)
+CAPGRAPH_16BIT_ENTRIES_WIDE(bf16, capgraph::kNegInfBF16, 16)
+CAPGRAPH_16BIT_ENTRIES_WIDE(bf16, capgraph::kNegInfBF16, 32)

@@ -1,0 +1,430 @@
+"""csrc/logits_bitmask.cu without a GPU: it compiles (nvcc, NVRTC), its arithmetic is right
+(run on the host through a C++ emulation of the launch grid), the launch planning is right, and
+importing the CUDA backend loads nothing."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from capgraph.bitmask import words_per_row
+from capgraph.ops import cuda as cuda_backend
+from capgraph.ops import logits_bitmask_reference
+from capgraph.ops.cuda import THREADS_PER_BLOCK, entry_points, kernel_name, plan_launch
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE = REPO / "csrc" / "logits_bitmask.cu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+_INT_OF = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT_OF[t.dtype])
+
+
+def _nvrtc_unavailable() -> str | None:
+    try:
+        cuda_backend._nvrtc_version()
+        cuda_backend._cuda_core()
+    except Exception as exc:  # noqa: BLE001 - any failure means "cannot compile here"
+        return (f"NVRTC cannot be loaded ({type(exc).__name__}: {exc}); "
+                "pip install nvidia-cuda-nvrtc")
+    return None
+
+
+# ---- compilation ---------------------------------------------------------------------------
+
+
+def test_nvcc_compiles_for_sm90(tmp_path):
+    """`nvcc -c -arch=sm_90 csrc/logits_bitmask.cu` succeeds and defines every entry point the
+    loader looks up."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    obj = tmp_path / "logits_bitmask.o"
+    run = subprocess.run([nvcc, "-c", "-arch=sm_90", str(SOURCE), "-o", str(obj)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    data = obj.read_bytes()
+    missing = [name for name in entry_points() if name.encode() not in data]
+    assert not missing, missing
+
+
+def test_nvrtc_compiles_and_caches(tmp_path, monkeypatch):
+    """NVRTC (through cuda.core, no GPU needed) compiles the source to an sm_90 cubin holding
+    every entry point; the cubin lands in $CAPGRAPH_CACHE_DIR/kernels and a later load reads it
+    from there instead of compiling."""
+    reason = _nvrtc_unavailable()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv("CAPGRAPH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cuda_backend, "_binaries", {})
+    cubin = cuda_backend.compile_kernel("sm_90")
+    assert cubin[:4] == b"\x7fELF"
+    missing = [name for name in entry_points() if name.encode() not in cubin]
+    assert not missing, missing
+    cached = list((tmp_path / "kernels").glob("*.cubin"))
+    assert len(cached) == 1 and cached[0].read_bytes() == cubin
+
+    monkeypatch.setattr(cuda_backend, "_binaries", {})
+    monkeypatch.setattr(cuda_backend, "_nvrtc_compile",
+                        lambda *a: pytest.fail("compiled again despite the disk cache"))
+    assert cuda_backend.compile_kernel("sm_90") == cubin
+
+
+def test_source_defines_exactly_the_entry_points():
+    """The entry points the loader expects are the ones the macros in the source expand to."""
+    text = SOURCE.read_text()
+    defined = set()
+    for bits_ in re.findall(r"^CAPGRAPH_F32_ENTRIES\((\d+)\)", text, re.M):
+        defined |= {f"capgraph_logits_bitmask_f32_b{bits_}_p{p}" for p in (1, 2, 4)}
+    for macro, dtype, bits_ in re.findall(r"^CAPGRAPH_16BIT_ENTRIES(_WIDE)?\((\w+), \S+, (\d+)\)",
+                                          text, re.M):
+        packs = (1, 2, 4, 8) if macro else (1, 2, 4)
+        defined |= {f"capgraph_logits_bitmask_{dtype}_b{bits_}_p{p}" for p in packs}
+    assert defined == set(entry_points())
+
+
+def test_import_loads_nothing():
+    """Importing capgraph.ops.cuda imports neither cuda.core nor NVRTC and compiles nothing."""
+    code = textwrap.dedent("""
+        import sys
+        import capgraph.ops.cuda
+        bad = [m for m in sys.modules if m.startswith(("cuda.core", "cuda.bindings.nvrtc"))]
+        assert not bad, bad
+        assert capgraph.ops.cuda.unavailable_reason() is None
+        print("ok")
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_load_kernel_is_none_without_gpu():
+    """Without a CUDA device load_kernel() returns None and says why; the op still works on
+    CPU tensors."""
+    assert cuda_backend.load_kernel() is None
+    assert cuda_backend.unavailable_reason().startswith("no CUDA device")
+
+
+# ---- launch planning -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows,width,pack,sms,expected_bits", [
+    (1, 128000, 1, 132, 4),     # 1056 blocks per row wanted: 1 column per thread would do
+    (1, 128000, 8, 132, 8),     # ... but a thread covers at least one 8-wide access
+    (8, 128000, 4, 132, 4),     # 132 blocks per row -> 4 columns per thread
+    (16, 128000, 4, 132, 8),    # 66 -> ceil(128000 / (256 * 66)) = 8
+    (32, 128000, 4, 132, 16),   # 33 -> 16
+    (64, 128000, 4, 132, 32),   # 17 -> 30 -> 32
+    (4096, 128000, 4, 132, 32),
+    (2, 1000, 1, 1, 4),         # 4 blocks per row -> 1 column per thread -> 4
+])
+def test_bits_per_thread_follow_the_sm_heuristic(rows, width, pack, sms, expected_bits):
+    """blocks_per_row = ceil(8 * SMs / rows); bits = smallest of 4/8/16/32 covering
+    ceil(width / (256 * blocks_per_row)) and the pack width."""
+    assert cuda_backend._bits_per_thread(rows, width, pack, sms) == expected_bits
+
+
+def test_pack_width_follows_width_stride_and_alignment():
+    """Packs are 16 bytes where width, row stride and base pointer allow, narrower otherwise."""
+    parent = torch.zeros(4, 1024)
+    assert cuda_backend._pack_width(parent) == 4
+    assert cuda_backend._pack_width(parent[:, 2:1022]) == 2   # 8-byte aligned start
+    assert cuda_backend._pack_width(parent[:, 1:1021]) == 1   # 4-byte aligned start
+    assert cuda_backend._pack_width(parent[:, :1022]) == 2    # width 1022
+    assert cuda_backend._pack_width(torch.zeros(4, 1030)[:, :1024]) == 2  # row stride 1030
+    assert cuda_backend._pack_width(torch.zeros(1, 1030)[:, :1024]) == 4  # one row: no stride
+    half = torch.zeros(3, 128001, dtype=torch.bfloat16)
+    assert cuda_backend._pack_width(half) == 1
+    assert cuda_backend._pack_width(torch.zeros(3, 131072, dtype=torch.float16)) == 8
+
+
+@pytest.mark.parametrize("rows", [1, 7, 512, 70000])
+@pytest.mark.parametrize("width", [1, 255, 32000, 128001, 151936])
+def test_grid_covers_every_column_and_row(rows, width):
+    """grid.x * 256 * bits >= width, grid.y = min(rows, 65535) (the kernel strides over the
+    rest), and the named entry point exists."""
+    logits = torch.empty(1).expand(rows, width)  # metadata only: nothing is launched
+    bitmask = torch.empty(1, dtype=torch.int32).expand(rows, words_per_row(width))
+    plan = plan_launch(logits, bitmask, None, None, 0, 132)
+    b = int(re.search(r"_b(\d+)_", plan.kernel).group(1))
+    assert plan.grid[0] * THREADS_PER_BLOCK * b >= width
+    assert (plan.grid[0] - 1) * THREADS_PER_BLOCK * b < width
+    assert plan.grid[1] == min(rows, 65535)
+    assert plan.kernel in entry_points()
+
+
+# ---- the kernel's arithmetic, run on the host ----------------------------------------------
+
+_PRELUDE = """
+// Host emulation of the CUDA built-ins the kernel uses. The kernel has no shared memory and
+// no synchronisation, and every packed group is owned by one thread, so running the threads of
+// the grid one after another gives the result a GPU gives.
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
+struct EmuDim3 { unsigned x, y, z; };
+static EmuDim3 blockIdx, threadIdx, gridDim;
+"""
+
+_DRIVER = """
+typedef void (*EmuKernel)(void*, long long, const unsigned*, long long, const int*, const int*,
+                          long long, long long, long long);
+extern "C" void emu_launch(void* kernel, unsigned grid_x, unsigned grid_y, void* logits,
+                           long long logits_stride, const unsigned* bitmask,
+                           long long bitmask_stride, const int* token_mask, const int* d2t,
+                           long long rows, long long width, long long col_offset) {
+    EmuKernel k = (EmuKernel)kernel;
+    gridDim = {grid_x, grid_y, 1};
+    for (unsigned by = 0; by < grid_y; ++by)
+        for (unsigned bx = 0; bx < grid_x; ++bx)
+            for (unsigned t = 0; t < capgraph::kThreads; ++t) {
+                blockIdx = {bx, by, 0};
+                threadIdx = {t, 0, 0};
+                k(logits, logits_stride, bitmask, bitmask_stride, token_mask, d2t, rows, width,
+                  col_offset);
+            }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """The kernel source built for the host (g++) with a driver that runs a launch grid."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ is not installed")
+    work = tmp_path_factory.mktemp("kernel_emu")
+    src = work / "emu.cpp"
+    src.write_text(f'{_PRELUDE}\n#include "{SOURCE}"\n{_DRIVER}')
+    lib = work / "emu.so"
+    run = subprocess.run([gxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-Werror",
+                          "-Wno-unknown-pragmas", str(src), "-o", str(lib)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    so = ctypes.CDLL(str(lib))
+    so.emu_launch.restype = None
+    so.emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
+                              ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong,
+                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
+                              ctypes.c_longlong, ctypes.c_longlong]
+
+    def launch(plan):
+        kernel = ctypes.cast(getattr(so, plan.kernel), ctypes.c_void_p).value
+        so.emu_launch(kernel, *plan.grid, *plan.args)
+    return launch
+
+
+def _random_bitmask(g, rows, words):
+    """[rows, words] int32 with an explicit row stride; dense, empty and random words."""
+    buf = torch.randint(-2**31, 2**31 - 1, (rows + 1, words + 3), generator=g,
+                        dtype=torch.int32)
+    buf[:, ::3] = -1
+    buf[:, 1::5] = 0
+    return buf[:, 1:1 + words]
+
+
+def _random_d2t(g, draft, target):
+    targets = torch.randperm(target, generator=g)[:draft]
+    return (targets - torch.arange(draft)).to(torch.int32)
+
+
+def _logits(g, rows, width, dtype, layout):
+    """(parent, view): view is [rows, width] inside parent, with inf/-inf/nan sprinkled."""
+    extra = {"contiguous": 0, "shift1": 9, "shift2": 10, "row_step": 0}[layout]
+    parent = torch.randn(rows * (2 if layout == "row_step" else 1), width + extra, generator=g)
+    flat = parent.view(-1)
+    for value in (float("inf"), float("-inf"), float("nan")):
+        flat[torch.randint(flat.numel(), (max(1, flat.numel() // 64),), generator=g)] = value
+    parent = parent.to(dtype)
+    if layout == "row_step":
+        return parent, parent[::2]
+    start = {"contiguous": 0, "shift1": 1, "shift2": 2}[layout]
+    return parent, parent[:, start:start + width]
+
+
+def _run_and_check(launch, g, rows, width, dtype, layout, col_offset, use_d2t, use_tm, sms):
+    parent, view = _logits(g, rows, width, dtype, layout)
+    token_mask = torch.randint(0, 2, (rows,), generator=g, dtype=torch.int32) if use_tm else None
+    if use_d2t:
+        target = col_offset + width + 45
+        d2t = _random_d2t(g, col_offset + width, target)
+        bitmask = _random_bitmask(g, rows, words_per_row(target))
+    else:
+        d2t = None
+        bitmask = _random_bitmask(g, rows, words_per_row(col_offset + width))
+    expected = logits_bitmask_reference(view, bitmask, token_mask, d2t, col_offset=col_offset)
+    before = parent.clone()
+    plan = plan_launch(view, bitmask, token_mask, d2t, col_offset, sms)
+    launch(plan)
+    assert torch.equal(bits(view), bits(expected)), plan
+    outside = torch.ones_like(parent, dtype=torch.bool)
+    if layout == "row_step":
+        outside[::2] = False
+    else:
+        outside[:, view.storage_offset():view.storage_offset() + width] = False
+    assert torch.equal(bits(parent)[outside], bits(before)[outside]), "wrote outside the view"
+    return plan
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["contiguous", "shift1", "shift2", "row_step"])
+@pytest.mark.parametrize("col_offset,use_d2t", [(0, False), (37, False), (29, False),
+                                                (0, True), (13, True)])
+def test_emulated_kernel_matches_reference(emulated, dtype, layout, col_offset, use_d2t):
+    """Bit-exact against the brute-force reference for every dtype, strided/misaligned logits,
+    non-word-aligned col_offset (packed groups straddling two words), d2t and token_mask, under
+    launch plans of several SM counts (so several bits-per-thread/pack instantiations)."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{dtype}{layout}{col_offset}{use_d2t}".encode()))
+    used = set()
+    for rows, width, sms in [(3, 2048, 132), (5, 2000, 1), (3, 8192, 1), (2, 4104, 1),
+                             (4, 16384, 1), (1, 776, 4)]:
+        plan = _run_and_check(emulated, g, rows, width, dtype, layout, col_offset, use_d2t,
+                              use_tm=rows > 1, sms=sms)
+        used.add(plan.kernel)
+    assert len({re.search(r"_b(\d+)_", k).group(1) for k in used}) >= 3, used
+
+
+def test_emulated_every_entry_point(emulated):
+    """Each of the 42 entry points, forced, gives the reference result on a case where its
+    packed groups straddle words (col_offset 29) and where they do not (col_offset 0)."""
+    g = torch.Generator().manual_seed(7)
+    for name in entry_points():
+        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[
+            name.split("_")[3]]
+        b, p = (int(x) for x in re.search(r"_b(\d+)_p(\d+)$", name).groups())
+        for col_offset, use_d2t in ((0, False), (29, False), (3, True)):
+            rows, width = 3, 8 * 97
+            parent, view = _logits(g, rows, width, dtype, "contiguous")
+            token_mask = torch.tensor([1, 0, 1], dtype=torch.int32)
+            if use_d2t:
+                d2t = _random_d2t(g, col_offset + width, col_offset + width + 40)
+                bitmask = _random_bitmask(g, rows, words_per_row(col_offset + width + 40))
+            else:
+                d2t = None
+                bitmask = _random_bitmask(g, rows, words_per_row(col_offset + width))
+            expected = logits_bitmask_reference(view, bitmask, token_mask, d2t,
+                                                col_offset=col_offset)
+            plan = plan_launch(view, bitmask, token_mask, d2t, col_offset, 132)
+            grid = (-(-width // (THREADS_PER_BLOCK * b)), rows)
+            emulated(plan._replace(kernel=kernel_name(dtype, b, p), grid=grid))
+            assert torch.equal(bits(view), bits(expected)), (name, col_offset, use_d2t)
+
+
+def test_emulated_rows_beyond_grid_y(emulated, monkeypatch):
+    """More rows than grid.y: the kernel's row loop covers the rest (grid.y capped at 3 here
+    instead of 65535 to keep the emulation small)."""
+    monkeypatch.setattr(cuda_backend, "_MAX_GRID_Y", 3)
+    g = torch.Generator().manual_seed(3)
+    plan = _run_and_check(emulated, g, 11, 300, torch.float16, "contiguous", 5, False,
+                          use_tm=True, sms=132)
+    assert plan.grid[1] == 3
+
+
+def test_emulated_all_allowed_and_all_masked_rows(emulated):
+    """An all-ones row leaves every bit of the logits (NaN payloads too); an all-zero row
+    becomes exactly -inf in each dtype."""
+    for dtype in DTYPES:
+        logits = torch.tensor([[1.0, float("nan"), float("inf"), -0.0] * 64] * 2).to(dtype)
+        before = logits.clone()
+        bitmask = torch.tensor([[-1] * 8, [0] * 8], dtype=torch.int32)
+        emulated(plan_launch(logits, bitmask, None, None, 0, 132))
+        assert torch.equal(bits(logits[0]), bits(before[0]))
+        assert torch.equal(bits(logits[1]), bits(torch.full_like(logits[1], float("-inf"))))
+
+
+def test_kernel_fits_guards_int32_columns():
+    """Column arithmetic is int32 in the kernel; wider problems go to the torch path."""
+    meta = torch.empty(1).expand(2, 1000)
+    assert cuda_backend.kernel_fits(meta, 0)
+    assert not cuda_backend.kernel_fits(meta, 2**31 - 1000)
+
+
+def test_kernel_source_is_found():
+    """The loader finds the source (package data capgraph.csrc, or the repository's csrc/)."""
+    assert cuda_backend.kernel_source() == SOURCE.read_bytes()
+    assert os.path.basename(SOURCE) == "logits_bitmask.cu"
+
+
+def test_launcher_host_path_with_a_fake_cuda_core(emulated, monkeypatch):
+    """The launcher's host code end to end without a GPU: cuda.core and torch.cuda are faked,
+    each launch's (stream, grid, block, entry point, arguments) is recorded and run at once (as
+    a stream would, before the launcher's temporaries go) by the host emulation, which must
+    give the reference result. Pins: torch's current stream is the
+    launch stream, module load and SM count once per device, launch configs cached, a strided
+    token mask made dense, an int32-overflowing problem sent to the torch path."""
+    from types import SimpleNamespace
+
+    launches, loads = [], []
+
+    class FakeCore:
+        class ObjectCode:
+            @staticmethod
+            def from_cubin(binary, name=""):
+                loads.append(binary)
+                return SimpleNamespace(get_kernel=lambda n: n)
+
+        class LaunchConfig:
+            def __init__(self, grid, block):
+                self.grid, self.block = grid, block
+
+        class Stream:
+            @staticmethod
+            def from_handle(handle):
+                return ("stream", handle)
+
+        @staticmethod
+        def launch(stream, config, kernel, *args):
+            launches.append((stream, config, kernel, args))
+            emulated(cuda_backend.LaunchPlan(kernel, config.grid, args))
+
+    props = SimpleNamespace(major=9, minor=0, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda i: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda i=None: SimpleNamespace(
+        cuda_stream=0xABC))
+    monkeypatch.setattr(cuda_backend, "_nvrtc_archs", lambda: [75, 80, 90])
+    monkeypatch.setattr(cuda_backend, "compile_kernel", lambda arch, fmt: f"{fmt}:{arch}")
+    kernel = cuda_backend._CudaLogitsBitmask(FakeCore)
+    monkeypatch.setattr(kernel, "_ensure_context", lambda index: None)
+
+    g = torch.Generator().manual_seed(21)
+    for dtype, col_offset, use_d2t in [(torch.float32, 0, False), (torch.bfloat16, 29, False),
+                                       (torch.float16, 7, True)]:
+        parent, view = _logits(g, 6, 4000, dtype, "shift2")
+        token_mask = torch.randint(0, 2, (12,), generator=g, dtype=torch.int32)[::2]
+        d2t = _random_d2t(g, 4100, 5000) if use_d2t else None
+        bitmask = _random_bitmask(g, 6, words_per_row(5000))
+        expected = logits_bitmask_reference(view, bitmask, token_mask, d2t,
+                                            col_offset=col_offset)
+        kernel(view, bitmask, token_mask, d2t, col_offset)
+        stream, config, _, args = launches[-1]
+        assert stream == ("stream", 0xABC) and config.block == THREADS_PER_BLOCK
+        assert args[4] != token_mask.data_ptr()  # the strided mask was made dense
+        assert torch.equal(bits(view), bits(expected)), (dtype, col_offset, use_d2t)
+    assert loads == ["cubin:sm_90"]
+    for _ in range(2):
+        kernel(torch.zeros(2, 2048), torch.zeros(2, 64, dtype=torch.int32), None, None, 0)
+    assert launches[-1][1] is launches[-2][1]  # config cached per grid
+
+    n = len(launches)
+    huge = torch.zeros(1, 64)
+    no_bits = torch.zeros(1, 1, dtype=torch.int32).expand(1, 2**26)  # metadata-sized only
+    kernel(huge, no_bits, None, None, 2**31 - 64)
+    assert len(launches) == n and torch.isneginf(huge).all()  # torch path, not the kernel

@@ -1,0 +1,204 @@
+"""The NVRTC-compiled CUDA kernel of logits_bitmask on a GPU: bit-exact against the CPU
+implementation over batch sizes, vocabularies, dtypes and layouts, with token_mask, d2t and
+non-word-aligned col_offset; sync-free and allocation-free; captured in a CUDA graph and replayed
+with new inputs. Skipped where there is no CUDA device; tools/gpu_check.sh runs it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from capgraph.bitmask import words_per_row
+from capgraph.ops import logits_bitmask
+from capgraph.ops import op as op_module
+
+HAS_CUDA = torch.cuda.is_available()
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not HAS_CUDA,
+                                 reason="no CUDA device: torch.cuda.is_available() is False")]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BATCHES = [1, 64, 512]
+VOCABS = [32000, 128000, 128001, 131072, 151936]
+_INT_OF = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT_OF[t.dtype])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_kernel():
+    """The dedicated kernel must load on a GPU machine (a missing NVRTC is a failure here)."""
+    from capgraph.ops.cuda import load_kernel, unavailable_reason
+    kernel = load_kernel()
+    assert kernel is not None, f"CUDA kernel did not load: {unavailable_reason()}"
+    return kernel
+
+
+@pytest.fixture(autouse=True)
+def no_torch_fallback(monkeypatch):
+    """Every CUDA call in these tests must run the NVRTC kernel, not the pure-torch path (which
+    still computes the CPU expectations)."""
+    pure_torch = op_module.apply_logits_bitmask_
+
+    def cpu_only(logits, *args):
+        assert logits.device.type == "cpu", "the pure-torch fallback ran on CUDA"
+        return pure_torch(logits, *args)
+    monkeypatch.setattr(op_module, "apply_logits_bitmask_", cpu_only)
+
+
+def random_logits(gen, rows, width, dtype, pad=0):
+    """[rows, width + pad] on the GPU with inf/-inf/nan sprinkled."""
+    t = torch.randn(rows, width + pad, generator=gen, device="cuda")
+    flat = t.view(-1)
+    for value in (float("inf"), float("-inf"), float("nan")):
+        idx = torch.randint(flat.numel(), (max(1, flat.numel() // 97),), generator=gen,
+                            device="cuda")
+        flat[idx] = value
+    return t.to(dtype)
+
+
+def random_bitmask(gen, rows, words):
+    """[rows, words] int32 on the GPU, a column slice (explicit row stride), with all-ones,
+    all-zero and random words."""
+    buf = torch.randint(-2**31, 2**31 - 1, (rows, words + 2), generator=gen, dtype=torch.int32,
+                        device="cuda")
+    buf[:, ::3] = -1
+    buf[:, 1::5] = 0
+    return buf[:, 1:1 + words]
+
+
+def random_d2t(gen, draft, target):
+    """Full draft-to-target table (non-monotone, distinct targets), on the GPU."""
+    targets = torch.randperm(target, generator=gen, device="cuda")[:draft]
+    return (targets - torch.arange(draft, device="cuda")).to(torch.int32)
+
+
+def expect_cpu(logits, bitmask, token_mask=None, d2t=None, col_offset=0):
+    """The CPU implementation's result (itself pinned to the brute-force reference)."""
+    out = logits.cpu()
+    cpu = [None if t is None else t.cpu() for t in (bitmask, token_mask, d2t)]
+    logits_bitmask(out, *cpu, col_offset=col_offset)
+    return out
+
+
+def check(logits, *args, **kwargs):
+    expected = expect_cpu(logits, *args, **kwargs)
+    logits_bitmask(logits, *args, **kwargs)
+    assert torch.equal(bits(logits.cpu()), bits(expected))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_matches_cpu(batch, vocab, dtype):
+    """Contiguous logits (widest packed path the width allows) and a misaligned strided view
+    with a token mask: bit-exact with the CPU implementation."""
+    gen = torch.Generator(device="cuda").manual_seed(batch * 7 + vocab)
+    bitmask = random_bitmask(gen, batch, words_per_row(vocab))
+    check(random_logits(gen, batch, vocab, dtype), bitmask)
+
+    parent = random_logits(gen, batch, vocab, dtype, pad=3)
+    token_mask = torch.randint(0, 2, (batch,), generator=gen, dtype=torch.int32, device="cuda")
+    view = parent[:, 1:1 + vocab]
+    before = parent.clone()
+    check(view, bitmask, token_mask)
+    assert torch.equal(bits(parent[:, 0]), bits(before[:, 0]))
+    assert torch.equal(bits(parent[:, 1 + vocab:]), bits(before[:, 1 + vocab:]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab", [32000, 128000, 151936])
+def test_d2t_and_tp_shards(vocab, dtype):
+    """A pruned draft vocabulary (V/4, non-monotone d2t), whole and as 2 and 4 TP shards with
+    col_offset = shard start in draft coordinates, reads bits of the full target row."""
+    gen = torch.Generator(device="cuda").manual_seed(vocab + 1)
+    draft, rows = vocab // 4, 64
+    d2t = random_d2t(gen, draft, vocab)
+    bitmask = random_bitmask(gen, rows, words_per_row(vocab))
+    token_mask = torch.randint(0, 2, (rows,), generator=gen, dtype=torch.int32, device="cuda")
+    for tp in (1, 2, 4):
+        width = draft // tp
+        for rank in range(tp):
+            check(random_logits(gen, rows, width, dtype), bitmask, token_mask, d2t,
+                  col_offset=rank * width)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("width,col_offset", [(32000, 37), (64000, 5), (40000, 29),
+                                              (16001, 61), (8, 31), (131072 // 3 * 2, 1)])
+def test_unaligned_col_offset(width, col_offset, dtype):
+    """col_offset not a multiple of 32 (nor of the pack width): packed groups straddle two
+    bitmask words."""
+    gen = torch.Generator(device="cuda").manual_seed(width + col_offset)
+    rows = 33
+    bitmask = random_bitmask(gen, rows, words_per_row(col_offset + width) + 1)
+    check(random_logits(gen, rows, width, dtype), bitmask, col_offset=col_offset)
+
+
+def test_many_rows_beyond_grid_y():
+    """More rows than the 65535 blocks of grid.y: the kernel's row loop covers the rest."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    rows = 70000
+    check(random_logits(gen, rows, 40, torch.float16), random_bitmask(gen, rows, 2))
+
+
+def test_no_sync_no_allocation():
+    """A call never synchronises with the host and allocates no device memory."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    logits = random_logits(gen, 8, 1000, torch.bfloat16)
+    bitmask = random_bitmask(gen, 8, words_per_row(1250))
+    token_mask = torch.ones(8, dtype=torch.int32, device="cuda")
+    d2t = random_d2t(gen, 1000, 1250)
+    logits_bitmask(logits, bitmask, token_mask, d2t)  # warm-up
+    torch.cuda.synchronize()
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits_bitmask(logits, bitmask, token_mask, d2t)
+        logits_bitmask(logits[:, 3:900], bitmask, token_mask, col_offset=3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
+
+
+def test_graph_capture_and_replay_with_new_inputs():
+    """Captured once, replayed three times with new logits, bitmask, token mask and d2t
+    contents copied into the static buffers: each replay gives that step's CPU result. The
+    capture holds launch variants not launched eagerly before (other shapes, packs)."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    rows, vocab, draft = 16, 32000, 8000
+    logits_a = torch.empty(rows, vocab, dtype=torch.bfloat16, device="cuda")
+    logits_b = torch.empty(rows, 4001, dtype=torch.float32, device="cuda")  # pack 1, offset 9
+    logits_c = torch.empty(rows, draft, dtype=torch.float16, device="cuda")  # d2t
+    bitmask = torch.empty(rows, words_per_row(vocab), dtype=torch.int32, device="cuda")
+    token_mask = torch.empty(rows, dtype=torch.int32, device="cuda")
+    d2t = torch.empty(draft, dtype=torch.int32, device="cuda")
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits_bitmask(logits_a, bitmask, token_mask)
+        logits_bitmask(logits_b, bitmask, token_mask, col_offset=9)
+        logits_bitmask(logits_c, bitmask, token_mask, d2t)
+
+    for step in range(3):
+        new = {"a": random_logits(gen, rows, vocab, torch.bfloat16),
+               "b": random_logits(gen, rows, 4001, torch.float32),
+               "c": random_logits(gen, rows, draft, torch.float16)}
+        bm = random_bitmask(gen, rows, words_per_row(vocab))
+        tm = torch.randint(0, 2, (rows,), generator=gen, dtype=torch.int32, device="cuda")
+        tm[step] = 1
+        table = random_d2t(gen, draft, vocab)
+        expected = {"a": expect_cpu(new["a"], bm, tm),
+                    "b": expect_cpu(new["b"], bm, tm, col_offset=9),
+                    "c": expect_cpu(new["c"], bm, tm, table)}
+        for static, name in ((logits_a, "a"), (logits_b, "b"), (logits_c, "c")):
+            static.copy_(new[name])
+        bitmask.copy_(bm)
+        token_mask.copy_(tm)
+        d2t.copy_(table)
+        graph.replay()
+        torch.cuda.synchronize()
+        for static, name in ((logits_a, "a"), (logits_b, "b"), (logits_c, "c")):
+            assert torch.equal(bits(static.cpu()), bits(expected[name])), (step, name)
