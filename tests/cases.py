@@ -123,3 +123,20 @@ factor: /[0-9]+/ | "(" expr ")"
 LLG_CASES = [c for c in CASES if c.params.guide_type in (GuideType.JSON_SCHEMA, GuideType.REGEX)]
 LLG_CASES.append(Case("lark_arith", GuidedDecodingParams(GuideType.EBNF_GRAMMAR, ARITH_LARK),
                       "(12+3)*4-56/7", "(12+)"))
+
+
+def public_cases(categories=("BFCL", "Glaiveai2K", "JME", "Kubernetes", "JsonSchemaStore",
+                             "WashingtonPost", "Github_medium", "Snowplow")) -> list[Case]:
+    """One public schema per category with its first valid instance (JSONSchemaBench subset
+    shipped in capgraph/data, MIT; see jsonschemabench.NOTICE)."""
+    from importlib import resources
+    text = resources.files("capgraph").joinpath("data/jsonschemabench.jsonl").read_text()
+    taken: dict[str, Case] = {}
+    for line in text.splitlines():
+        rec = json.loads(line)
+        if rec["category"] in categories and rec["category"] not in taken:
+            taken[rec["category"]] = Case(
+                f"public_{rec['id']}", GuidedDecodingParams(GuideType.JSON_SCHEMA,
+                                                            json.dumps(rec["schema"])),
+                json.dumps(rec["instances"][0]), "")
+    return list(taken.values())
