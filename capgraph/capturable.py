@@ -94,6 +94,13 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self.token_event = self._streams.token_event  # type: ignore[attr-defined]
             self.bitmask_event = self._streams.bitmask_event  # type: ignore[attr-defined]
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes held by the decoder's buffers, the pinned token buffers included."""
+        sizes = super().memory_bytes()
+        sizes["host"] += (self.new_tokens.nbytes + self.draft_new_tokens.nbytes
+                          + self.num_accepted_tokens.nbytes)
+        return sizes
+
     # -- host side ---------------------------------------------------------------------------
     @nvtx_range("CapturableGuidedDecoder.add_batch")
     def add_batch(self, requests: Sequence[GuidedRequest], new_tokens: torch.Tensor | None = None,

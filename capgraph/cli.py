@@ -2,6 +2,8 @@
 
     capgraph info                 versions, devices, backends, bundled tokenizers
     capgraph tokenizer [NAME]     load (and convert once) a bundled tokenizer, show its facts
+    capgraph demo                 guided generation end to end, outputs validated
+    capgraph bench BENCHMARK      the benchmark suite (build, tail, apply, memory, loop, all)
     capgraph demo [OPTIONS]       guided generation with a tiny random Llama, outputs validated
 """
 
@@ -60,6 +62,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run
+    return run(args, args.argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="capgraph",
@@ -82,12 +89,22 @@ def build_parser() -> argparse.ArgumentParser:
                     "breakdown (forward, build, apply, sample). Exits 1 if an output fails.")
     add_demo_arguments(p)
     p.set_defaults(func=cmd_demo)
+    from .bench import add_arguments as add_bench_arguments
+    p = sub.add_parser(
+        "bench", help="benchmark suite (build, tail, apply, memory, loop): tables and JSON",
+        description="Each sub-benchmark measures capgraph next to its baseline in one run, "
+                    "prints a table and writes every figure with the machine and versions to "
+                    "JSON (default results/<name>-<UTC timestamp>.json).")
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -43,6 +43,7 @@ k = load_kernel(); assert k is not None, 'no kernel'; print('kernel compiled and
 run gpu-tests 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests \
     --junitxml="$OUT/gpu_tests.xml"
 [ -f tools/bench_kernel.py ] && run bench-kernel 90 "$PY" tools/bench_kernel.py --json "$OUT/bench_kernel.json"
+run bench-apply 90 "$PY" -m capgraph.bench apply --json "$OUT/bench_apply.json"
 run bench-hostfunc 60 "$PY" tools/bench_hostfunc.py
 [ -f tools/bench_loop.py ] && run bench-loop 90 "$PY" tools/bench_loop.py --device cuda --json "$OUT/bench_loop.json"
 
