@@ -7,10 +7,10 @@ width, are rewritten as ``((x ^ NEG_INF) & keep) ^ NEG_INF``: an allowed entry k
 bits (NaN payloads included), a masked one becomes the bit pattern of -inf.
 
 Rows are processed in blocks so that the keep buffer stays cache sized (on CPU) or bounded (on
-accelerators) and is allocated once per call. On CPU a token mask also skips whole blocks and
-trims each block to its active rows; on other devices nothing reads data back to the host
-(inactive rows get an all-ones keep), so the path never synchronises and may be captured in a
-CUDA graph.
+accelerators); the buffer is a per-thread workspace that only grows, so steady-state calls
+allocate no scratch. On CPU a token mask is read through NumPy and only runs of active rows are
+touched; on other devices nothing reads data back to the host (inactive rows get an all-ones
+keep), so the path never synchronises and may be captured in a CUDA graph.
 
 Precondition: arguments checked by :func:`capgraph.ops.logits_bitmask`.
 """
@@ -18,7 +18,9 @@ Precondition: arguments checked by :func:`capgraph.ops.logits_bitmask`.
 from __future__ import annotations
 
 import functools
+import threading
 
+import numpy as np
 import torch
 
 __all__ = ["apply_logits_bitmask_"]
@@ -50,31 +52,41 @@ def _host_readable(token_mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _row_spans(rows: int, block_rows: int,
-               token_mask: torch.Tensor) -> tuple[list[tuple[int, int]], bool]:
-    """Row ranges to process, at most ``block_rows`` each, and whether all their rows are active.
+               token_mask: torch.Tensor) -> list[tuple[int, int]]:
+    """Runs of consecutive active rows, cut to at most ``block_rows`` each.
 
-    Blocks without an active row are dropped and the others trimmed to their first..last
-    active row (vectorised over blocks; small host lists come out). ``token_mask`` is on CPU.
+    ``token_mask`` is on CPU; it is read through NumPy (no torch allocation), and only active
+    rows are ever touched, so inactive rows need no neutralising copy of the bitmask.
     """
-    active = token_mask[:rows].ne(0)
-    if rows <= block_rows:  # one block: the common small-batch case, fewest ops
-        index = active.nonzero().flatten().tolist()
-        if not index:
-            return [], True
-        return [(index[0], index[-1] + 1)], len(index) == index[-1] + 1 - index[0]
-    num_blocks = -(-rows // block_rows)
-    padded = torch.zeros(num_blocks * block_rows, dtype=torch.int8)
-    padded[:rows] = active
-    padded = padded.view(num_blocks, block_rows)
-    # first / last active row of each block (argmax returns the first maximum)
-    first = padded.argmax(dim=1)
-    last = block_rows - 1 - padded.flip(1).argmax(dim=1)
-    base = torch.arange(0, num_blocks * block_rows, block_rows)
-    used = padded.any(dim=1)
-    starts = (base + first)[used].tolist()
-    ends = (base + last + 1)[used].tolist()
-    spanned = sum(ends) - sum(starts)
-    return list(zip(starts, ends)), spanned == int(active.sum())
+    active = token_mask[:rows].numpy() != 0
+    if active.all():
+        runs = [(0, rows)]
+    else:
+        edges = np.flatnonzero(np.diff(active.astype(np.int8), prepend=0, append=0))
+        runs = list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+    return [(s, min(s + block_rows, e)) for start, e in runs
+            for s in range(start, e, block_rows)]
+
+
+_local = threading.local()
+
+
+def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A scratch buffer of at least ``numel`` elements, kept per thread, device and dtype, so
+    that steady-state calls allocate nothing (it only grows)."""
+    cache: dict = _local.__dict__.setdefault("workspaces", {})
+    key = (device, dtype)
+    buf = cache.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = cache[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf
+
+
+@functools.lru_cache(maxsize=32)
+def _scalar(value: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-dim constant tensor: passing it instead of a Python int spares torch wrapping the
+    number into a fresh tensor on every call."""
+    return torch.tensor(value, dtype=dtype, device=device)
 
 
 def apply_logits_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
@@ -106,22 +118,22 @@ def apply_logits_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
     host_mask = _host_readable(token_mask)
     if host_mask is None:  # read nothing back: every block, inactive rows neutralised below
         spans = [(s, min(s + block_rows, rows)) for s in range(0, rows, block_rows)]
-        all_active = token_mask is None
+        if token_mask is not None:
+            # inactive rows read as all-allowed: their logits keep every bit
+            words = words.masked_fill(token_mask[:rows].eq(0).unsqueeze(1), -1)
     else:
-        spans, all_active = _row_spans(rows, block_rows, host_mask)
+        spans = _row_spans(rows, block_rows, host_mask)
     if not spans:
         return
-    if not all_active:
-        # inactive rows read as all-allowed: their logits keep every bit
-        words = words.masked_fill(token_mask[:rows].eq(0).unsqueeze(1), -1)
 
     shifts = _lane_shifts(device)
     max_block = max(end - start for start, end in spans)
     # Keys are built in int32 (int16 shifts do not vectorise in torch's CPU kernels) and
     # narrowed into a second buffer for 16-bit logits.
-    wide = torch.empty(max_block * keep_cols, dtype=torch.int32, device=device)
-    narrow = None if int_dtype == torch.int32 else torch.empty(
-        max_block * width, dtype=int_dtype, device=device)
+    wide = _workspace(max_block * keep_cols, torch.int32, device)
+    narrow = None if int_dtype == torch.int32 else _workspace(max_block * width, int_dtype, device)
+    neg_inf = _scalar(neg_inf_bits, int_dtype, device)
+    sign = _scalar(31, torch.int32, device)
     logits_int = logits.view(int_dtype)
     for start, end in spans:
         n = end - start
@@ -134,10 +146,10 @@ def apply_logits_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
             keep = wide[:n * keep_cols].view(n, width)
             torch.index_select(words[start:end], 1, word_index, out=keep)
             keep.bitwise_left_shift_(bit_shift)
-        keep.bitwise_right_shift_(31)  # arithmetic: sign bit -> all ones / all zeros
+        keep.bitwise_right_shift_(sign)  # arithmetic: sign bit -> all ones / all zeros
         if narrow is not None:
             keep = narrow[:n * width].view(n, width).copy_(keep)
         block = logits_int[start:end]
-        block.bitwise_xor_(neg_inf_bits)
+        block.bitwise_xor_(neg_inf)
         block.bitwise_and_(keep)
-        block.bitwise_xor_(neg_inf_bits)
+        block.bitwise_xor_(neg_inf)
