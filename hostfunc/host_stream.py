@@ -10,6 +10,7 @@ Waits (``synchronize``) release the GIL while they wait (``threading.Condition.w
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import threading
 import time
@@ -53,6 +54,7 @@ class _Worker:
         self.completed = 0
         self.closed = False
         self.thread: threading.Thread | None = None
+        _ALL_WORKERS.add(self)
 
     def put(self, task: Task) -> int:
         with self.cond:
@@ -95,10 +97,29 @@ class _Worker:
                     raise HostFuncTimeoutError(self.name, timeout or 0.0)
                 self.cond.wait(left)
 
-    def close(self) -> None:
+    def close(self, join: bool = False, timeout: float | None = 5.0) -> None:
+        """Stop the worker once its queue is empty; with ``join``, wait for its thread to end
+        (never from the worker itself)."""
         with self.cond:
             self.closed = True
             self.cond.notify_all()
+            thread = self.thread
+        if join and thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+
+# Workers are daemon threads; one still running Python (dropping a tensor, say) while the
+# interpreter finalizes can abort the process (exit 134). Close and join every worker at exit.
+_ALL_WORKERS: weakref.WeakSet[_Worker] = weakref.WeakSet()
+
+
+@atexit.register
+def _join_workers_at_exit() -> None:
+    workers = list(_ALL_WORKERS)
+    for worker in workers:
+        worker.close()
+    for worker in workers:
+        worker.close(join=True)
 
 
 class HostStream:
@@ -152,9 +173,10 @@ class HostStream:
         """Make later work on this stream wait until ``event``'s latest record has completed."""
         event.wait(self)
 
-    def close(self) -> None:
-        """Stop the worker once the queue is empty; later enqueues raise."""
-        self._worker.close()
+    def close(self, join: bool = True) -> None:
+        """Stop the worker once the queue is empty (later enqueues raise); by default wait for
+        its thread to end, so nothing of this stream runs after ``close`` returns."""
+        self._worker.close(join=join)
 
 
 class HostEvent:

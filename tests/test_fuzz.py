@@ -53,22 +53,6 @@ def _named(message: str) -> bool:
     return parts[0] in NAMED or (len(parts) > 1 and parts[1] in NAMED)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def host_stream_workers_joined_at_exit():
-    """Workaround for bug 11 (docs/RELIABILITY.md): at the end of the session close every
-    HostStream and join its daemon worker, so none is still running Python (dropping a tensor)
-    when the interpreter finalizes — that aborts the process with exit code 134."""
-    yield
-    from hostfunc.host_stream import all_streams
-    streams = all_streams()
-    for stream in streams:
-        stream.close()
-    for stream in streams:
-        thread = stream._worker.thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(5.0)
-
-
 # -- guide texts -------------------------------------------------------------------------------
 
 # No digits: a random "a{99999}" would be a legitimately slow compile, not a bug.

@@ -42,22 +42,6 @@ TOOL = GuidedDecodingParams.json_schema(TOOL_CALL_SCHEMA)
 TOOL_TEXT = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
 
 
-@pytest.fixture(scope="session", autouse=True)
-def host_stream_workers_joined_at_exit():
-    """Workaround for bug 11 (docs/RELIABILITY.md): at the end of the session close every
-    HostStream and join its daemon worker, so none is still running Python (dropping a tensor)
-    when the interpreter finalizes — that aborts the process with exit code 134."""
-    yield
-    from hostfunc.host_stream import all_streams
-    streams = all_streams()
-    for stream in streams:
-        stream.close()
-    for stream in streams:
-        thread = stream._worker.thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(5.0)
-
-
 # -- helpers -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -1047,16 +1031,6 @@ def test_concurrent_creates_of_one_guide_share_one_compile(tiny):
     assert factory.stats.compiled == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: HostStream.close() (and so CapturableGuidedDecoder.close()) does not join the stream's "
-    "daemon worker thread. A worker still exiting when the interpreter finalizes can drop a torch "
-    "tensor there: torch releases and retakes the GIL, CPython ends the thread with pthread_exit, "
-    "the forced unwind hits libtorch's noexcept frames and the process aborts ('terminate called "
-    "without an active exception', exit code 134) — 2 to 4 runs in 8 of `tools/soak.py --steps "
-    "150 --decoder graph` before the workaround in tools/soak.py; gdb: the exiting thread in "
-    "THPVariable_dealloc -> PyEval_RestoreThread -> PyThread_exit_thread. Fix: join the worker in "
-    "close() when called from another thread, and close+join every HostStream in an atexit hook "
-    "(hostfunc/host_stream.py _Worker.close / HostStream.close)"))
 def test_closing_a_capturable_decoder_ends_its_worker_thread(xf):
     """After close() returns, the decoder's host-stream worker thread has ended, so nothing of
     the decoder runs on during interpreter shutdown."""

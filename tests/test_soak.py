@@ -30,22 +30,6 @@ def _load_soak():
 soak = _load_soak()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def host_stream_workers_joined_at_exit():
-    """Workaround for bug 11 (docs/RELIABILITY.md): at the end of the session close every
-    HostStream and join its daemon worker, so none is still running Python (dropping a tensor)
-    when the interpreter finalizes — that aborts the process with exit code 134."""
-    yield
-    from hostfunc.host_stream import all_streams
-    streams = all_streams()
-    for stream in streams:
-        stream.close()
-    for stream in streams:
-        thread = stream._worker.thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(5.0)
-
-
 @pytest.fixture(autouse=True)
 def one_torch_thread():
     """One intra-op thread while soaking: on 2 cores torch's OpenMP threads contend with the
