@@ -329,7 +329,14 @@ class GuidedDecoder:
                     self._record_failed([self._fail(req, e)])
 
     def release(self, seq_slot: int) -> None:
-        """Forget the matcher and counters of a slot whose request has finished."""
+        """Forget the matcher and counters of a slot whose request has finished.
+
+        Raises:
+            RequestError: ``seq_slot`` is outside ``[0, max_num_sequences)``.
+        """
+        if not isinstance(seq_slot, int) or not self._slot_ok(seq_slot):
+            raise RequestError(f"release: seq_slot {seq_slot!r} is outside [0, "
+                               f"max_num_sequences={self.max_num_sequences})", seq_slot=seq_slot)
         self.grammar_matchers[seq_slot] = None
         self._pending_compiles.pop(seq_slot, None)
         self.num_advanced_tokens[seq_slot] = self.num_guided_tokens[seq_slot] = 0
@@ -352,11 +359,11 @@ class GuidedDecoder:
         seen: set[int] = set()
         draft_slots: list[int] = []
         for req, offset in requests.valid_requests_with_offsets():
+            duplicate = req.seq_slot in seen  # then the slot's matcher belongs to another request
             try:
                 entry = self._prepare(req, offset, requests.max_num_draft_tokens, seen)
             except Exception as e:
-                failed.append(self._fail(req, e, drop=req.seq_slot not in seen or
-                                         not isinstance(e, RequestError)))
+                failed.append(self._fail(req, e, drop=not duplicate))
                 continue
             if req.is_draft:
                 draft_slots.append(req.seq_slot)  # type: ignore[arg-type]
@@ -401,28 +408,21 @@ class GuidedDecoder:
         if not advancing:
             return entries
         matchers, tokens = [e[2] for e in advancing], [e[5] for e in advancing]
-        try:
-            accepted = self.grammar_matcher_factory.batch_accept(matchers, tokens)
-        except Exception:  # find the culprit(s): accept one by one
-            accepted = []
-            for entry in advancing:
-                try:
-                    accepted.append(entry[2].accept_token(entry[5]))
-                except Exception as e:
-                    failed.append(self._fail(entry[0], e))
-                    accepted.append(None)
+        # one result per matcher: True / False, or the exception that matcher raised (a
+        # matcher is never fed its token twice)
+        accepted = self.grammar_matcher_factory.batch_accept(matchers, tokens)
         rejected = set()
         for entry, ok in zip(advancing, accepted):
             req, slot = entry[0], entry[1]
-            if ok:
+            if ok is True:
                 self.num_advanced_tokens[slot] += 1
                 if entry[2].is_terminated():
                     rejected.add(id(entry))
                 continue
             rejected.add(id(entry))
-            if ok is None:
-                continue  # already failed above
-            if req.is_draft:
+            if isinstance(ok, BaseException):
+                failed.append(self._fail(req, ok))
+            elif req.is_draft:
                 self.is_draft_terminated[slot] = True
             else:
                 failed.append(self._fail(req, RequestError(
@@ -598,6 +598,19 @@ class GuidedDecoder:
             raise TensorArgError(f"logits have {logits.shape[0]} rows, the batch layout has "
                                  f"{rows} (1 per context request, 1 + draft length per "
                                  "generation request)")
+        if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TensorArgError(f"logits must be float32, float16 or bfloat16, got "
+                                 f"{logits.dtype}")
+        if d2t is not None:
+            if not isinstance(d2t, torch.Tensor) or d2t.dim() != 1:
+                raise TensorArgError(f"d2t must be a 1-D tensor, got shape "
+                                     f"{tuple(getattr(d2t, 'shape', ()))}")
+            if d2t.dtype != torch.int32:
+                raise TensorArgError(f"d2t must be int32, got {d2t.dtype}")
+            if d2t.device != logits.device:
+                raise TensorArgError(f"d2t is on {d2t.device}, logits on {logits.device}")
+        # (all of this is checked before the build advances any matcher: a retry after the
+        # error must find the matchers where they were)
         full = self.vocab_size_padded if d2t is None else d2t.shape[0]
         width = logits.shape[1]
         if width == 0 or full % width:

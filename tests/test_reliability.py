@@ -341,11 +341,11 @@ def _batch_errors(V: int):
                                               torch.zeros(1000, dtype=torch.int32)),
                        TensorArgError, "len(d2t)=1000", True),
         "d2t_dtype": (lambda d, r: d.execute(torch.zeros(2, 1024), d2t_ok.long()),
-                      TensorArgError, "d2t must be int32, got torch.int64", False),
+                      TensorArgError, "d2t must be int32, got torch.int64", True),
         "d2t_on_meta": (lambda d, r: d.execute(torch.zeros(2, 1024), d2t_ok.to("meta")),
-                        TensorArgError, "d2t is on meta, logits on cpu", False),
+                        TensorArgError, "d2t is on meta, logits on cpu", True),
         "logits_float64": (lambda d, r: d.execute(torch.zeros(2, V, dtype=torch.float64)),
-                           TensorArgError, "logits must be float32, float16 or bfloat16", False),
+                           TensorArgError, "logits must be float32, float16 or bfloat16", True),
     }
 
 
@@ -401,10 +401,6 @@ def test_batch_level_mistake_raises_named_error_and_next_step_works(name, kind, 
     assert same(logits, expect)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: GuidedDecoder.execute checks d2t dtype/device and the logits dtype only inside "
-    "logits_bitmask, after _build has advanced the matchers; a TensorArgError then leaves them "
-    "advanced and a retry advances them twice (capgraph/decoder.py execute/_check_logits)"))
 @pytest.mark.parametrize("name", ["d2t_dtype", "d2t_on_meta", "logits_float64"])
 def test_execute_rejects_bad_tensors_before_advancing_any_matcher(name, xf, letters, make):
     """A TensorArgError from execute leaves every matcher where it was, so a retry with good
@@ -442,10 +438,6 @@ def test_ops_logits_bitmask_rejects_bad_d2t(d2t, fragment):
     assert same(logits, before)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: GuidedDecoder.release(seq_slot) does not check the slot: -1 silently releases the last "
-    "slot's matcher (Python negative index) and max_num_sequences raises a bare IndexError "
-    "(capgraph/decoder.py release)"))
 def test_release_rejects_an_out_of_range_slot(xf, make):
     """release() with a slot outside [0, max_num_sequences) raises a named error and never
     touches another slot's matcher."""
@@ -472,12 +464,6 @@ def test_add_draft_batch_with_too_many_tokens_is_a_named_error(xf, make):
         dec.add_draft_batch(torch.zeros(5, dtype=torch.int32), None, 0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: after a RequestError (token out of vocabulary / not allowed / bad draft) the slot's "
-    "matcher is kept, unlike every other failure: _build computes drop=`req.seq_slot not in seen` "
-    "after _advance has already added the slot to `seen`, so only duplicates were meant to keep "
-    "it (capgraph/decoder.py _build). The failed request is then still masked next step from a "
-    "state that missed its unconstrained token"))
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_failed_request_is_no_longer_guided(kind, xf, letters, make):
     """Once a request is reported failed (here: an out-of-vocabulary new_token), its matcher is
@@ -524,17 +510,10 @@ class FaultyMatcher(GrammarMatcher):
         return self.inner.is_terminated()
 
 
-ACCEPT_FAULT_BUG = pytest.mark.xfail(strict=True, reason=(
-    "BUG: GuidedDecoder._accept_new_tokens falls back to accepting one by one when "
-    "factory.batch_accept raises, but batch_accept is not atomic (base class, and xgrammar below 4 "
-    "matchers, loop over the matchers): those before the raising one have already accepted "
-    "their token and accept it AGAIN, silently corrupting the other requests of the step "
-    "(capgraph/decoder.py _accept_new_tokens). llguidance's accept_token raises MatcherError, so "
-    "a real matcher error triggers it too"))
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("fault", [pytest.param("accept_token", marks=ACCEPT_FAULT_BUG),
+@pytest.mark.parametrize("fault", ["accept_token",
                                    "fill_next_token_bitmask", "rollback"])
 def test_matcher_fault_fails_only_its_request(fault, kind, xf, letters, make):
     """A matcher method that raises (advance, mask fill — which also breaks the batched fill —

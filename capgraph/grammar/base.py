@@ -196,9 +196,19 @@ class GrammarMatcherFactory(ABC):
             matcher.fill_next_token_bitmask(bitmask, index)
 
     def batch_accept(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]
-                     ) -> list[bool]:
-        """``matchers[i].accept_token(tokens[i])`` for every i; backends may batch the calls."""
-        return [m.accept_token(t) for m, t in zip(matchers, tokens)]
+                     ) -> list[bool | Exception]:
+        """``matchers[i].accept_token(tokens[i])`` for every i, each called exactly once.
+
+        Returns one result per matcher: its bool, or the exception it raised (one failing
+        matcher neither stops the others nor gets retried). Backends may batch the calls.
+        """
+        results: list[bool | Exception] = []
+        for m, t in zip(matchers, tokens):
+            try:
+                results.append(bool(m.accept_token(t)))
+            except Exception as e:
+                results.append(e)
+        return results
 
     def close(self) -> None:
         """Stop the compile pool (running compiles finish in the background)."""

@@ -120,17 +120,17 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         return XGrammarMatcher(xgr.GrammarMatcher(compiled.payload), self._stop_ids)
 
     def batch_accept(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]
-                     ) -> list[bool]:
+                     ) -> list[bool | Exception]:
         """One foreign call accepts a token for every matcher (vs one call each)."""
         if len(matchers) < 4:
-            return [m.accept_token(t) for m, t in zip(matchers, tokens)]
+            return super().batch_accept(matchers, tokens)
         natives = [m._matcher for m in matchers]  # type: ignore[attr-defined]
         accepted = xgr.BatchGrammarMatcher.batch_accept_token(natives, list(tokens))
         stops = self._stop_ids
         for m, t, ok in zip(matchers, tokens, accepted):
             if ok and t in stops:
                 m._terminated = m._matcher.is_terminated()  # type: ignore[attr-defined]
-        return accepted
+        return list(accepted)
 
     def batch_fill(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
                    indices: Sequence[int]) -> None:
