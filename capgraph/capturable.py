@@ -43,7 +43,7 @@ def _callback(name: str) -> Callable:
         def run(self: "CapturableGuidedDecoder", *args) -> None:
             try:
                 fn(self, *args)
-            except QueueEpochError:
+            except (QueueEpochError, CallbackError):
                 raise
             except Exception as e:
                 batch = self.requests_hostfunc
@@ -230,11 +230,24 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 accepted per request, bonus included; min-clamped to the matcher's advances.
             draft_step: index of this step in the drafting loop.
         """
-        n = new_tokens.shape[0]
-        self.draft_new_tokens[:n].copy_(new_tokens.reshape(-1), non_blocking=True)
+        tokens = self._per_request("new_tokens", new_tokens)
+        self.draft_new_tokens[:tokens.shape[0]].copy_(tokens, non_blocking=True)
         if draft_step == 0 and num_accepted_tokens is not None:
-            self.num_accepted_tokens[:n].copy_(num_accepted_tokens.reshape(-1), non_blocking=True)
+            counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
+            self.num_accepted_tokens[:counts.shape[0]].copy_(counts, non_blocking=True)
         self._streams.record_tokens()
+
+    def _per_request(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """A ``[batch]`` integer tensor of at most ``max_num_sequences`` entries, flattened."""
+        if not isinstance(values, torch.Tensor) or values.dtype.is_floating_point \
+                or values.dtype == torch.bool:
+            raise TensorArgError(f"{name} must be an integer tensor, got "
+                                 f"{getattr(values, 'dtype', type(values))}")
+        flat = values.reshape(-1)
+        if flat.shape[0] > self.max_num_sequences:
+            raise TensorArgError(f"{name} has {flat.shape[0]} entries, more than "
+                                 f"max_num_sequences={self.max_num_sequences}")
+        return flat
 
     @nvtx_range("CapturableGuidedDecoder.execute_draft_batch")
     def execute_draft_batch(self, logits: torch.Tensor, d2t: torch.Tensor | None = None,
@@ -270,8 +283,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
         Call after the drafting kernels have been enqueued (the callbacks need the GIL).
         """
-        n = num_accepted_tokens.shape[0]
-        self.num_accepted_tokens[:n].copy_(num_accepted_tokens.reshape(-1), non_blocking=True)
+        counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
+        self.num_accepted_tokens[:counts.shape[0]].copy_(counts, non_blocking=True)
         self._streams.record_tokens()
         with self._streams.side():
             self._streams.wait_tokens()
@@ -292,6 +305,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                               f"{self._fetched_epoch + 1}): a replay or execute without its "
                               "add_batch")
         epoch, batch, has_new_tokens = self._queue.popleft()
+        self.requests_hostfunc = batch  # from here on, a fault is reported with these ids
         expected = self._fetched_epoch + 1
         self._fetched_epoch = epoch
         if epoch != expected or self._queue:
@@ -323,7 +337,24 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     @_callback("fetch_batch")
     def fetch_batch(self) -> None:
-        self._pop()
+        before = self.requests_hostfunc
+        try:
+            self._pop()
+        except QueueEpochError:
+            raise
+        except Exception as e:
+            # A fault before the pop would leave this step's batch queued (the next step then
+            # out of step) and blame the previous batch: take it off the queue and name it.
+            batch = self.requests_hostfunc
+            if batch is before and self._queue:
+                _, batch, _ = self._queue.popleft()
+                self._fetched_epoch += 1
+            ids = [r.request_id for r in batch.valid_requests()] if batch is not None else []
+            self._record_failed([(i, f"fetch_batch: {type(e).__name__}: {e}") for i in ids])
+            self.requests_hostfunc = None  # the step masks nothing
+            self._token_mask_np[:] = 0
+            raise CallbackError(f"{type(e).__name__}: {e}", callback="fetch_batch",
+                                request_ids=ids) from e
 
     @_callback("fetch_draft_batch")
     def fetch_draft_batch(self, draft_step: int) -> None:

@@ -10,16 +10,17 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..errors import CompileTimeoutError, GrammarCompileError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams
 from .cache import ByteLRUCache
+from .compile_pool import CompilePool
 
 __all__ = ["GrammarMatcher", "GrammarMatcherFactory", "CompiledGuide", "CompileHandle",
            "CompileStats"]
@@ -81,12 +82,14 @@ class CompileStats:
 class CompileHandle:
     """A compile in flight (or done): wait on it with a deadline relative to its start."""
 
-    __slots__ = ("future", "started", "params")
+    __slots__ = ("future", "started", "params", "_on_timeout")
 
-    def __init__(self, future: "Future[CompiledGuide]", params: GuidedDecodingParams) -> None:
+    def __init__(self, future: "Future[CompiledGuide]", params: GuidedDecodingParams,
+                 on_timeout: Callable[[Future], None] | None = None) -> None:
         self.future = future
         self.started = time.monotonic()
         self.params = params
+        self._on_timeout = on_timeout
 
     def done(self) -> bool:
         return self.future.done()
@@ -102,6 +105,8 @@ class CompileHandle:
         try:
             return self.future.result(timeout=max(remaining, 0.0))
         except FutureTimeout:
+            if self._on_timeout is not None:  # free its slot for the compiles queued behind
+                self._on_timeout(self.future)
             raise CompileTimeoutError(
                 f"compile did not finish within {timeout_s:g} s",
                 guide_type=self.params.guide_type.name, backend=backend,
@@ -116,9 +121,10 @@ class CompileHandle:
 class GrammarMatcherFactory(ABC):
     """Compiles guides and creates matchers; one per decoder (the seed's name is kept).
 
-    Compilation is cached by ``(guide_type, guide)`` in a byte-bounded LRU cache and can run on
-    a small thread pool (:meth:`compile_async`), started lazily on first use. Concurrent
-    requests for the same guide share one compile.
+    Compilation is cached by ``(guide_type, guide)`` in a byte-bounded LRU cache and runs off
+    the caller's thread (:meth:`compile_async`, at most ``compile_threads`` at once; see
+    :mod:`capgraph.grammar.compile_pool`). Concurrent requests for the same guide share one
+    compile; a compile whose waiter timed out gives its slot to the next one.
     """
 
     backend_name: str = "?"
@@ -130,7 +136,7 @@ class GrammarMatcherFactory(ABC):
         self.stats = CompileStats()
         self._lock = threading.Lock()
         self._inflight: dict[tuple[str, str], Future[CompiledGuide]] = {}
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = CompilePool(config.compile_threads)
 
     # -- backend hooks -----------------------------------------------------------------------
     @abstractmethod
@@ -147,19 +153,9 @@ class GrammarMatcherFactory(ABC):
         return self.create_from_compiled(self.compile(params))
 
     def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
-        """Compile synchronously on the calling thread, through the cache."""
-        key = (params.guide_type.value, params.guide)
-        with self._lock:
-            hit = self.cache.get(key)
-            if hit is not None:
-                self.stats.cache_hits += 1
-                return hit
-            running = self._inflight.get(key)
-        if running is not None:
-            with self._lock:
-                self.stats.inflight_hits += 1
-            return running.result()
-        return self._compile_and_store(key, params)
+        """Compile and wait (no timeout), through the cache; concurrent callers for the same
+        guide share one compile."""
+        return self.compile_async(params).future.result()
 
     def compile_async(self, params: GuidedDecodingParams) -> CompileHandle:
         """Start compiling on the factory's thread pool; returns at once.
@@ -178,13 +174,16 @@ class GrammarMatcherFactory(ABC):
             running = self._inflight.get(key)
             if running is not None:
                 self.stats.inflight_hits += 1
-                return CompileHandle(running, params)
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.config.compile_threads,
-                                                thread_name_prefix="capgraph-compile")
-            future = self._pool.submit(self._compile_and_store, key, params)
+                return CompileHandle(running, params, self._pool.abandon)
+            future = self._pool.submit(lambda: self._compile_and_store(key, params))
             self._inflight[key] = future
-            return CompileHandle(future, params)
+        future.add_done_callback(lambda f: self._forget(key, f))
+        return CompileHandle(future, params, self._pool.abandon)
+
+    def _forget(self, key: tuple[str, str], future: Future) -> None:
+        with self._lock:  # done (stored, failed or cancelled): later requests start afresh
+            if self._inflight.get(key) is future:
+                del self._inflight[key]
 
     def batch_fill(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
                    indices: Sequence[int]) -> None:
@@ -211,10 +210,9 @@ class GrammarMatcherFactory(ABC):
         return results
 
     def close(self) -> None:
-        """Stop the compile pool (running compiles finish in the background)."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        """Cancel the compiles still waiting for a slot (they fail with GrammarCompileError);
+        running compiles finish in the background. The factory stays usable."""
+        self._pool.close()
 
     # -- internals --------------------------------------------------------------------------
     def _compile_and_store(self, key: tuple[str, str], params: GuidedDecodingParams
@@ -225,7 +223,6 @@ class GrammarMatcherFactory(ABC):
         except Exception as e:
             with self._lock:
                 self.stats.failures += 1
-                self._inflight.pop(key, None)
             if isinstance(e, GrammarCompileError):
                 raise
             # any other backend failure becomes a named error carrying the context
@@ -235,10 +232,10 @@ class GrammarMatcherFactory(ABC):
         seconds = time.perf_counter() - start
         compiled = CompiledGuide(params, self.backend_name, payload, nbytes, seconds)
         with self._lock:
-            # store before leaving the in-flight table, so no caller sees neither
+            # cached before the future completes: a new request finds it in one place or the
+            # other, never in neither
             self.stats.record(seconds)
             self.cache.put(key, compiled, nbytes)
-            self._inflight.pop(key, None)
         return compiled
 
     def __del__(self) -> None:  # best effort; pools also die with the interpreter

@@ -61,6 +61,7 @@ class LLGuidanceMatcher(GrammarMatcher):
     def accept_token(self, token_id: int) -> bool:
         if self._terminated:
             return False
+        self._check()  # an errored matcher also reports is_stopped(): raise, never accept EOS
         if self._matcher.is_stopped():
             if token_id == self._eos:
                 self._terminated = self._wrapper_eos = True

@@ -1,0 +1,94 @@
+"""Compiles off the decode path: one thread per compile, at most ``slots`` compiling at once.
+
+A plain thread pool starves when a compile times out: the C++ compile cannot be cancelled, so
+its worker stays busy and every compile queued behind it times out too. Here a compile whose
+waiter gave up (:meth:`CompilePool.abandon`) gives its slot back at once and finishes in the
+background (its result still lands in the cache); at most ``max_abandoned`` such compiles run
+past their slot, so hostile guides cannot pile up threads without bound (past that, an
+abandoned compile keeps its slot until it ends).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Callable
+
+from ..errors import GrammarCompileError
+
+__all__ = ["CompilePool"]
+
+
+class CompilePool:
+    """Runs compile jobs on threads of their own, ``slots`` at a time.
+
+    Args:
+        slots: compiles that may run at once (``GuidedDecodingConfig.compile_threads``).
+        max_abandoned: abandoned compiles allowed to run beyond the slots.
+    """
+
+    def __init__(self, slots: int, max_abandoned: int | None = None) -> None:
+        self.slots = slots
+        self.max_abandoned = 4 * slots if max_abandoned is None else max_abandoned
+        self._cv = threading.Condition()
+        self._holding: set[Future] = set()  # futures whose compile holds a slot
+        self._abandoned: set[Future] = set()  # running past their slot
+        self._generation = 0  # bumped by close(): waiting jobs of older generations cancel
+
+    @property
+    def running(self) -> int:
+        """Compiles holding a slot now."""
+        with self._cv:
+            return len(self._holding)
+
+    @property
+    def abandoned(self) -> int:
+        """Compiles still running after their waiter gave up."""
+        with self._cv:
+            return len(self._abandoned)
+
+    def submit(self, job: Callable[[], object], name: str = "capgraph-compile") -> Future:
+        """Run ``job`` on a new daemon thread once a slot is free; its result or exception
+        completes the returned future."""
+        future: Future = Future()
+        with self._cv:
+            generation = self._generation
+        threading.Thread(target=self._run, args=(job, future, generation), name=name,
+                         daemon=True).start()
+        return future
+
+    def abandon(self, future: Future) -> None:
+        """The waiter of ``future`` gave up: give its slot to the next compile (bounded)."""
+        with self._cv:
+            if future in self._holding and len(self._abandoned) < self.max_abandoned:
+                self._holding.discard(future)
+                self._abandoned.add(future)
+                self._cv.notify()
+
+    def close(self) -> None:
+        """Cancel the compiles still waiting for a slot (their futures fail with a
+        GrammarCompileError); running compiles finish. The pool stays usable."""
+        with self._cv:
+            self._generation += 1
+            self._cv.notify_all()
+
+    def _run(self, job: Callable[[], object], future: Future, generation: int) -> None:
+        with self._cv:
+            while len(self._holding) >= self.slots and generation == self._generation:
+                self._cv.wait()
+            if generation != self._generation:
+                future.set_exception(GrammarCompileError(
+                    "compile cancelled: the matcher factory was closed before it started"))
+                return
+            self._holding.add(future)
+        try:
+            result = job()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            future.set_exception(e)
+        else:
+            future.set_result(result)
+        finally:
+            with self._cv:
+                self._holding.discard(future)
+                self._abandoned.discard(future)
+                self._cv.notify()
