@@ -90,3 +90,37 @@ def test_soak_llguidance(factory_cache, xgr):
     assert rep.problems == [], "\n".join(rep.problems[:10])
     assert sum(rep.finished_valid.values()) >= 15, rep.summary()
     assert rep.matchers_end == 0 and rep.live_entries_end == rep.live_entries_start
+
+
+def test_soak_through_the_reference_loop(tokenizer_cache):
+    """generate() — the reference decode loop — over rounds of requests of mixed grammars that
+    join and leave 4 slots, with n-gram speculative drafts (acceptance is whatever the target's
+    greedy verification keeps) and the capturable decoder: every output that stops validates,
+    no hostfunc entry is left behind, and resident memory stays flat across rounds."""
+    import hostfunc
+    from capgraph import GuidedDecodingConfig
+    from capgraph.demo import bundled_schema, demo_guides, validate
+    from capgraph.grammar import create_matcher_factory
+    from capgraph.runtime import generate, tiny_llama
+    tok = tokenizer_cache("mistral-sp32k")
+    model = tiny_llama(len(tok), seed=1)
+    factory = create_matcher_factory(
+        GuidedDecodingConfig.from_tokenizer(tok, json_any_whitespace=False))
+    guides = demo_guides(bundled_schema())
+    rss, stops = [], 0
+    for round_ in range(4):
+        prompts = [f"Request {round_}.{i}:" for i in range(12)]
+        chosen = [guides[(i + round_) % 3] for i in range(12)]
+        results = generate(prompts, chosen, model=model, tokenizer=tok, max_new_tokens=40,
+                           max_batch_size=4, draft="ngram", num_draft_tokens=3,
+                           decoder="capturable", factory=factory)
+        for result, params in zip(results, chosen):
+            assert result.finish_reason in ("stop", "length"), result.error
+            verdict = validate(result, params, factory)
+            assert verdict.ok is not False, (params.guide_type, result.text, verdict.detail)
+            stops += result.finish_reason == "stop"
+        rss.append(soak.rss_bytes())
+    factory.close()
+    assert stops >= 12, f"only {stops} of 48 outputs finished on their stop token"
+    assert hostfunc.live_entries() == 0
+    assert rss[-1] - rss[1] < RSS_GROWTH_LIMIT, [r >> 20 for r in rss]
