@@ -176,9 +176,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             return
         with self._streams.side():
             self._streams.wait_tokens()
-            self.fetch_batch()
-            self.init_disagg_gen_requests_hostfunc()
-            self.build_hostfunc()
+            self.host_step()  # fetch, init, build: one host callback
             self.copy_bitmask(num_rows or self.bitmask_host.shape[0])
             self._streams.record_bitmask()
         self._prepared = True
@@ -210,13 +208,24 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._join_and_apply(logits, d2t)
 
     def _join_and_apply(self, logits: torch.Tensor, d2t: torch.Tensor | None) -> None:
-        self._streams.wait_bitmask()
         rows = logits.shape[0]
+        streams = self._streams
+        if self.device.type == "cpu" and not streams.is_capturing():
+            # CPU stand-in, not capturing: wait for the side stream on the host (GIL released)
+            # and apply here, rather than hand the apply to another worker thread and drain it
+            self._sync_side()
+            self.apply_bitmask(logits, d2t, rows)
+            hostfunc.check_errors()
+            return
+        streams.wait_bitmask()
         if self.device.type == "cuda":
             self.apply_bitmask(logits, d2t, rows)
-        else:
+        else:  # recorded into the HostGraph, so every replay applies
             self.apply_hostfunc(logits, d2t, rows)
-        self._streams.drain()
+        streams.drain()
+
+    def _sync_side(self) -> None:
+        self._streams.bitmask_event.synchronize()  # type: ignore[attr-defined]
 
     # -- speculative decoding ----------------------------------------------------------------
     def add_draft_batch(self, new_tokens: torch.Tensor, num_accepted_tokens: torch.Tensor | None,
@@ -264,12 +273,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._consume_put()
         with self._streams.side():
             self._streams.wait_tokens()
-            self.fetch_draft_batch(draft_step)
-            if draft_step == 0:
-                self.rollback_rejected_tokens_hostfunc()
-            self.build_draft_hostfunc()
-            if draft_step >= last:
-                self.rollback_draft_tokens_hostfunc()
+            self.draft_host_step(draft_step, draft_step == 0, draft_step >= last)
             self.copy_bitmask(logits.shape[0])
             self._streams.record_bitmask()
         self._join_and_apply(logits, d2t)
@@ -288,13 +292,50 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._streams.record_tokens()
         with self._streams.side():
             self._streams.wait_tokens()
-            self.fetch_accepted_batch()
-            self.rollback_rejected_tokens_hostfunc()
+            self.accepted_host_step()
             self._streams.record_bitmask()  # capture needs every fork joined
+        if self.device.type == "cpu" and not self._streams.is_capturing():
+            self._sync_side()
+            hostfunc.check_errors()
+            return
         self._streams.wait_bitmask()
         self._streams.drain()
 
     # -- callbacks (run on the side stream) --------------------------------------------------
+    # Each stage below is a host callback of its own; a step enqueues them fused (one hand-off
+    # per step instead of one per stage), each stage keeping its own error handling.
+    def _stages(self, *stages: tuple) -> None:
+        first: Exception | None = None
+        for stage, *args in stages:
+            try:
+                stage.__wrapped__(self, *args)
+            except Exception as e:  # later stages still run (a failed fetch masks nothing)
+                first = first or e
+        if first is not None:
+            raise first
+
+    @hostfunc.hostfunc
+    def host_step(self) -> None:
+        """fetch_batch, init_disagg_gen_requests, build."""
+        cls = CapturableGuidedDecoder
+        self._stages((cls.fetch_batch,), (cls.init_disagg_gen_requests_hostfunc,),
+                     (cls.build_hostfunc,))
+
+    @hostfunc.hostfunc
+    def draft_host_step(self, draft_step: int, first: bool, last: bool) -> None:
+        """fetch_draft_batch, [rollback_rejected_tokens], build_draft, [rollback_draft_tokens]."""
+        cls = CapturableGuidedDecoder
+        self._stages((cls.fetch_draft_batch, draft_step),
+                     *([(cls.rollback_rejected_tokens_hostfunc,)] if first else []),
+                     (cls.build_draft_hostfunc,),
+                     *([(cls.rollback_draft_tokens_hostfunc,)] if last else []))
+
+    @hostfunc.hostfunc
+    def accepted_host_step(self) -> None:
+        """fetch_accepted_batch, rollback_rejected_tokens."""
+        cls = CapturableGuidedDecoder
+        self._stages((cls.fetch_accepted_batch,), (cls.rollback_rejected_tokens_hostfunc,))
+
     def _pop(self) -> None:
         """Take the next queued batch, checking its epoch."""
         if self._warmup:  # a warm-up run masks nothing, advances nothing, consumes no put

@@ -190,7 +190,7 @@ def test_hostgraph_replay_equals_eager(factory, tekken):
     graph = hostfunc.HostGraph()
     with hostfunc.capture(graph):
         capt.execute(static)
-    assert graph.num_callbacks >= 3
+    assert graph.num_callbacks >= 2  # the fused host step and the apply
     for step in range(steps):
         logits = torch.randn(3, V, generator=torch.Generator().manual_seed(step))
         eager.add_batch(requests(step))
