@@ -4,7 +4,7 @@
 #
 # Here first:   PYTHON=.venv/bin/python bash tools/prepare_gpu_run.sh
 # Then, once:   device run  command="bash tools/gpu_check.sh"  carry=[".whl", ".gpu-cache"]
-#               timeout_s=540 (the script budgets itself to about 8 minutes)
+#               timeout_s=600 (the steps' time boxes add up to 560 s; most finish far sooner)
 # Logs and JSON land in $OUT (the device tool brings them back) or ./gpu-check-out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,15 +37,15 @@ run() {  # run NAME SECONDS CMD...: time-boxed, logged, summarised; never aborts
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
 "$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" | tee -a "$LOG"
 
-run kernel 120 "$PY" -c "
+run kernel 60 "$PY" -c "
 from capgraph.ops.cuda import load_kernel
 k = load_kernel(); assert k is not None, 'no kernel'; print('kernel compiled and loaded')"
-run gpu-tests 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests \
+run gpu-tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests \
     --junitxml="$OUT/gpu_tests.xml"
-[ -f tools/bench_kernel.py ] && run bench-kernel 90 "$PY" tools/bench_kernel.py --json "$OUT/bench_kernel.json"
-run bench-apply 90 "$PY" -m capgraph.bench apply --json "$OUT/bench_apply.json"
-run bench-hostfunc 60 "$PY" tools/bench_hostfunc.py
-[ -f tools/bench_loop.py ] && run bench-loop 90 "$PY" tools/bench_loop.py --device cuda --json "$OUT/bench_loop.json"
+[ -f tools/bench_kernel.py ] && run bench-kernel 80 "$PY" tools/bench_kernel.py --json "$OUT/bench_kernel.json"
+run bench-apply 60 "$PY" -m capgraph.bench apply --json "$OUT/bench_apply.json"
+run bench-hostfunc 30 "$PY" tools/bench_hostfunc.py
+run bench-replay 90 "$PY" tools/bench_graph_replay.py --batch 8 64 --json "$OUT/bench_replay.json"
 
 echo
 echo "---- tails ----"
