@@ -154,6 +154,11 @@ class GuidedDecodingConfig:
         fill_threads: threads used by the batched bitmask fill (xgrammar); 0 = auto.
         json_any_whitespace: JSON-schema guides allow any whitespace between tokens (xgrammar);
             False makes them compact, so a model cannot loop on whitespace.
+        json_unenforced_keywords: ``"error"`` (default): a JSON schema using a keyword the
+            backend would accept but not enforce (xgrammar: ``not``, ``if``/``then``/``else``,
+            ``dependentSchemas``, ``dependentRequired``, ``uniqueItems``, ``contains``, remote
+            ``$ref``) fails to compile, naming the keyword and where; ``"ignore"`` compiles it
+            with those keywords unenforced.
     """
 
     backend: GuidedDecodingBackend = GuidedDecodingBackend.XGRAMMAR
@@ -166,6 +171,7 @@ class GuidedDecodingConfig:
     compile_threads: int = 2
     fill_threads: int = 0
     json_any_whitespace: bool = True
+    json_unenforced_keywords: str = "error"
     tokenizer_vocab_size: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -223,6 +229,9 @@ class GuidedDecodingConfig:
         if self.compile_threads < 1:
             raise ConfigError(f"GuidedDecodingConfig.compile_threads={self.compile_threads} "
                               "must be >= 1")
+        if self.json_unenforced_keywords not in ("error", "ignore"):
+            raise ConfigError("GuidedDecodingConfig.json_unenforced_keywords="
+                              f"{self.json_unenforced_keywords!r}; expected 'error' or 'ignore'")
         if self.fill_threads < 0:
             raise ConfigError(f"GuidedDecodingConfig.fill_threads={self.fill_threads} "
                               "must be >= 0")

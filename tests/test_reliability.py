@@ -226,15 +226,46 @@ def test_empty_guide_and_unknown_type_are_config_errors(guide_type, guide, fragm
     assert fragment in str(info.value) and "GuidedDecodingParams.guide" in str(info.value)
 
 
-def test_xgrammar_silently_ignores_some_schema_keywords(xf, tekken):
-    """Pins a backend limitation (documented in docs/RELIABILITY.md): xgrammar 0.2.9 compiles
-    ``not``, ``if/then``, ``dependentSchemas`` and ``uniqueItems`` without error and does not
-    enforce them, so output that violates them is allowed. llguidance rejects them instead."""
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}},
-              "not": {"required": ["a"]}, "dependentSchemas": {"a": {"required": ["b"]}}}
-    matcher = xf.create(GuidedDecodingParams.json_schema(schema))
-    assert all(matcher.accept_token(t) for t in encode_continuation(tekken, '{"a": 1}'))
-    assert matcher.accept_token(xf.config.stop_token_ids[0])  # violates both keywords
+UNENFORCED_SCHEMAS = {
+    "not": ({"type": "object", "properties": {"a": {"type": "integer"}},
+             "not": {"required": ["a"]}}, {"a": 1}, "'not' at /"),
+    "if_then": ({"type": "object", "properties": {"a": {"type": "integer"},
+                                                  "b": {"type": "integer"}},
+                 "if": {"required": ["a"]}, "then": {"required": ["b"]}}, {"a": 1}, "'if' at /"),
+    "dependentRequired": ({"type": "object", "properties": {"a": {"type": "integer"},
+                                                            "b": {"type": "integer"}},
+                           "dependentRequired": {"a": ["b"]}}, {"a": 1}, "'dependentRequired'"),
+    "uniqueItems_nested": ({"type": "object", "properties": {"tags": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}},
+        {"tags": [1, 1]}, "'uniqueItems' at /properties/tags"),
+    "contains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}},
+                 [1, 2], "'contains' at /"),
+    "remote_ref": ({"$ref": "https://example.com/s.json"}, 1, "'$ref (remote)' at /"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNENFORCED_SCHEMAS))
+def test_keywords_xgrammar_would_not_enforce_are_refused(name, xf, tekken):
+    """xgrammar 0.2.9 compiles these keywords and then accepts output that violates them (pinned
+    with json_unenforced_keywords='ignore'); by default capgraph refuses such a schema with an
+    UnsupportedGuideError naming the keyword and its JSON pointer."""
+    schema, violating, fragment = UNENFORCED_SCHEMAS[name]
+    with pytest.raises(UnsupportedGuideError) as info:
+        xf.compile(GuidedDecodingParams.json_schema(schema))
+    assert fragment in str(info.value) and "json_unenforced_keywords" in str(info.value)
+    lenient = create_matcher_factory(dataclasses.replace(xf.config,
+                                                         json_unenforced_keywords="ignore"))
+    matcher = lenient.create(GuidedDecodingParams.json_schema(schema))
+    assert all(matcher.accept_token(t)
+               for t in encode_continuation(tekken, json.dumps(violating)))
+    assert matcher.accept_token(xf.config.stop_token_ids[0])  # the violation goes through
+
+
+def test_property_names_that_spell_keywords_are_not_refused(xf):
+    """A property literally named "not" or "contains" is a name, not a keyword."""
+    schema = {"type": "object", "properties": {"not": {"type": "string"},
+                                               "contains": {"type": "integer"}}}
+    xf.compile(GuidedDecodingParams.json_schema(schema))
 
 
 # -- bad-input matrix: requests inside a batch --------------------------------------------------

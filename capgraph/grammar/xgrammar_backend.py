@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Sequence
 
@@ -11,6 +12,7 @@ import xgrammar as xgr
 from ..errors import GrammarCompileError, UnsupportedGuideError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
+from .schema_check import unenforced_keywords
 
 __all__ = ["XGrammarMatcher", "XGrammarMatcherFactory", "build_tokenizer_info"]
 
@@ -95,6 +97,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
             if gt is GuideType.JSON:
                 compiled = self._compiler.compile_builtin_json_grammar()
             elif gt is GuideType.JSON_SCHEMA:
+                if self.config.json_unenforced_keywords == "error":
+                    self._refuse_unenforced(guide)
                 compiled = self._compiler.compile_json_schema(
                     guide, any_whitespace=self.config.json_any_whitespace)
             elif gt is GuideType.REGEX:
@@ -115,6 +119,22 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                            "'root ::= ...' rule, the llguidance backend takes Lark)")
             raise GrammarCompileError(detail, guide_type=gt.name, backend=BACKEND) from e
         return compiled, int(compiled.memory_size_bytes)
+
+    @staticmethod
+    def _refuse_unenforced(guide: str) -> None:
+        try:
+            schema = json.loads(guide)
+        except ValueError:
+            return  # malformed: xgrammar's own error says where
+        found = list(unenforced_keywords(schema))
+        if found:
+            where = ", ".join(f"'{k}' at {p}" for k, p in found[:5])
+            more = f" (+{len(found) - 5} more)" if len(found) > 5 else ""
+            raise UnsupportedGuideError(
+                f"xgrammar would accept but not enforce {where}{more}; remove them, use the "
+                "llguidance backend, or set GuidedDecodingConfig(json_unenforced_keywords="
+                "'ignore') to generate with them unenforced", guide_type="JSON_SCHEMA",
+                backend=BACKEND)
 
     def create_from_compiled(self, compiled: CompiledGuide) -> XGrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled.payload), self._stop_ids)
