@@ -31,7 +31,7 @@ from .bitmask import _pin_host
 from .decoder import GuidedDecoder
 from .errors import CallbackError, QueueEpochError, TensorArgError
 from .requests import GuidedRequest, GuidedRequests
-from .streams import make_step_streams
+from .streams import HostStepStreams
 
 __all__ = ["CapturableGuidedDecoder"]
 
@@ -88,11 +88,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._warmup = 0
         self._prepared = False
         self.active = False
-        self._streams = make_step_streams(self.device)
-        if self.device.type == "cuda":  # one set of streams and events for both paths
-            self.stream = self._streams.stream  # type: ignore[attr-defined]
-            self.token_event = self._streams.token_event  # type: ignore[attr-defined]
-            self.bitmask_event = self._streams.bitmask_event  # type: ignore[attr-defined]
+        if self.device.type == "cpu":  # on CUDA the base class made the torch streams
+            self._streams = HostStepStreams()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held by the decoder's buffers, the pinned token buffers included."""

@@ -26,6 +26,7 @@ from .grammar import CompileHandle, GrammarMatcher, GrammarMatcherFactory, creat
 from .ops import logits_bitmask
 from .params import GuidedDecodingConfig
 from .requests import GuidedRequest, GuidedRequests
+from .streams import CudaStepStreams
 
 __all__ = ["GuidedDecoder", "FailedRequest"]
 
@@ -92,9 +93,11 @@ class GuidedDecoder:
         else:
             self.bitmask = torch.zeros_like(self.bitmask_host, device=self.device)
             self.token_mask = torch.zeros_like(self.token_mask_host, device=self.device)
-            self.stream = torch.cuda.Stream(device=self.device)
-            self.token_event = torch.cuda.Event()
-            self.bitmask_event = torch.cuda.Event()
+            # the side stream and its two events (capgraph.streams), shared by both decoders
+            self._streams = CudaStepStreams(self.device)
+            self.stream = self._streams.stream
+            self.token_event = self._streams.token_event
+            self.bitmask_event = self._streams.bitmask_event
 
         # Per-slot bookkeeping (plain lists: read and written per request on the host).
         self.grammar_matchers: list[GrammarMatcher | None] = [None] * max_num_sequences

@@ -16,7 +16,7 @@ import torch
 
 import hostfunc
 
-__all__ = ["StepStreams", "CudaStepStreams", "HostStepStreams", "make_step_streams"]
+__all__ = ["StepStreams", "CudaStepStreams", "HostStepStreams"]
 
 
 class StepStreams:
@@ -110,8 +110,3 @@ class HostStepStreams(StepStreams):
 
     def close(self) -> None:
         self.stream.close()
-
-
-def make_step_streams(device: torch.device) -> StepStreams:
-    """CUDA streams for a CUDA device, the CPU stand-in otherwise."""
-    return CudaStepStreams(device) if device.type == "cuda" else HostStepStreams()
