@@ -24,6 +24,8 @@ _LAZY = {
     "logits_bitmask": "capgraph.ops",
     "load_tokenizer": "capgraph.tokenizers",
     "generate": "capgraph.runtime",
+    "compare_eager_and_replay": "capgraph.testing",
+    "record_host_callbacks": "capgraph.testing",
 }
 
 __all__ = [
