@@ -23,6 +23,10 @@ _LAZY = {
     "create_matcher_factory": "capgraph.grammar",
     "logits_bitmask": "capgraph.ops",
     "load_tokenizer": "capgraph.tokenizers",
+    "GuidedRequest": "capgraph.requests",
+    "GuidedRequests": "capgraph.requests",
+    "GuidedDecoder": "capgraph.decoder",
+    "CapturableGuidedDecoder": "capgraph.capturable",
     "generate": "capgraph.runtime",
     "compare_eager_and_replay": "capgraph.testing",
     "record_host_callbacks": "capgraph.testing",
@@ -46,4 +50,9 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:  # pragma: no cover
     from .grammar import GrammarMatcher, GrammarMatcherFactory, create_matcher_factory
     from .ops import logits_bitmask
+    from .capturable import CapturableGuidedDecoder
+    from .decoder import GuidedDecoder
+    from .requests import GuidedRequest, GuidedRequests
+    from .runtime import generate
+    from .testing import compare_eager_and_replay, record_host_callbacks
     from .tokenizers import load_tokenizer
