@@ -20,7 +20,7 @@ import torch
 
 from ._nvtx import nvtx_range
 from .bitmask import (allocate_host_bitmask, allocate_host_token_mask, bitmask_dtype,
-                      rows_have_valid_token, token_mask_dtype, vocab_shard, words_per_row)
+                      token_mask_dtype, vocab_shard, words_per_row)
 from .errors import (ConfigError, DeadEndError, LayoutError, RequestError, TensorArgError)
 from .grammar import CompileHandle, GrammarMatcher, GrammarMatcherFactory, create_matcher_factory
 from .ops import logits_bitmask
@@ -436,7 +436,7 @@ class GuidedDecoder:
     def _fill_rounds(self, active: list[list], failed: list[FailedRequest]) -> None:
         """Round i fills row ``offset + i`` of every still-guided request with one batch call,
         checks dead ends for all of them at once, then feeds each its i-th draft token."""
-        bitmask, V = self.bitmask_host, self.vocab_size_padded
+        bitmask = self.bitmask_host
         factory = self.grammar_matcher_factory
         i = 0
         while active:
