@@ -44,6 +44,18 @@ def factory_cache(tokenizer_cache):
     return get
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch intra-op thread for a module, restored afterwards: on 2 cores torch's OpenMP
+    threads contend with xgrammar's fill threads (and with other processes), and the tiny
+    matmuls of these tests gain nothing from a second thread. Results are the same."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def bits_of(row, vocab_size: int):
     """The allowed-token set of one int32 bitmask row (bit j of word w is token 32*w + j)."""
     import torch

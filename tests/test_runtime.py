@@ -52,14 +52,7 @@ PROMPTS = ["Call a tool:", "The date is", "Settings:", "Once upon a time", "Weat
 GUIDES = [JSON_G, DATE_G, KV_G, None, JSON_G, DATE_G, KV_G]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matmuls gain nothing from a second thread and stall when another process holds a
-    core; restore the setting for the other test modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RSS_GROWTH_LIMIT = 64 << 20  # generous: steady state measured at ~1 MiB over 300 steps
@@ -29,14 +28,7 @@ def _load_soak():
 soak = _load_soak()
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One intra-op thread while soaking: on 2 cores torch's OpenMP threads contend with the
-    batch fill's threads and the eager path runs ~10x slower (correctness is the same)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
