@@ -28,6 +28,7 @@ __all__ = [
     "allocate_host_bitmask",
     "allocate_token_mask",
     "allocate_host_token_mask",
+    "split_last_word",
     "row_has_valid_token",
     "rows_have_valid_token",
     "VocabShard",
@@ -85,8 +86,9 @@ def allocate_host_token_mask(rows: int, *, pin: bool | None = None) -> torch.Ten
     return torch.zeros(rows, dtype=token_mask_dtype, pin_memory=pin)
 
 
-def _tail(vocab_size_padded: int) -> tuple[int, int]:
-    """(full words, mask of the valid bits of the last partial word or 0)."""
+def split_last_word(vocab_size_padded: int) -> tuple[int, int]:
+    """(full words, mask of the valid bits of the last partial word or 0): the bits that count
+    for a row of ``vocab_size_padded`` tokens (the rest of the last word is padding)."""
     full, tail_bits = divmod(vocab_size_padded, BITS_PER_WORD)
     return full, (1 << tail_bits) - 1
 
@@ -102,7 +104,7 @@ def row_has_valid_token(row: torch.Tensor, vocab_size_padded: int) -> bool:
         row: ``[>= ceil(V/32)]`` int32 words. Meant for host rows; on a device this synchronises.
         vocab_size_padded: ``V``.
     """
-    full, tail_mask = _tail(vocab_size_padded)
+    full, tail_mask = split_last_word(vocab_size_padded)
     # bitmask: [words]
     if bool(row[:full].any()):
         return True
@@ -118,7 +120,7 @@ def rows_have_valid_token(bitmask_rows: torch.Tensor, vocab_size_padded: int) ->
         bitmask_rows: ``[rows, >= ceil(V/32)]`` int32.
         vocab_size_padded: ``V``.
     """
-    full, tail_mask = _tail(vocab_size_padded)
+    full, tail_mask = split_last_word(vocab_size_padded)
     # bitmask_rows: [rows, words] -> valid: [rows]
     valid = bitmask_rows[:, :full].ne(0).any(dim=1)
     if tail_mask:

@@ -20,6 +20,7 @@ import torch
 
 from ._nvtx import nvtx_range
 from .bitmask import (allocate_host_bitmask, allocate_host_token_mask, bitmask_dtype,
+                      split_last_word,
                       token_mask_dtype, vocab_shard, words_per_row)
 from .errors import (ConfigError, DeadEndError, LayoutError, RequestError, TensorArgError)
 from .grammar import CompileHandle, GrammarMatcher, GrammarMatcherFactory, create_matcher_factory
@@ -116,8 +117,9 @@ class GuidedDecoder:
         # while the batch fill's threads hold the cores.
         self._bitmask_np = self.bitmask_host.numpy()
         self._token_mask_np = self.token_mask_host.numpy()
-        self._full_words, tail_bits = divmod(V, 32)
-        self._tail_word_mask = np.int32((1 << tail_bits) - 1) if tail_bits else None
+        # the same split as bitmask.row_has_valid_token: only bits below V count
+        self._full_words, tail_mask = split_last_word(V)
+        self._tail_word_mask = np.int32(tail_mask) if tail_mask else None
         self._zero_words = bytes(4 * self._full_words)
         self._stop_ids = frozenset(config.stop_token_ids or ())
 

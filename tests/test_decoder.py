@@ -468,3 +468,29 @@ def test_every_stage_emits_an_nvtx_range(factory, tekken, monkeypatch):
     for stage in ("add_batch", "execute", "build", "apply_bitmask", "rollback_rejected_tokens",
                   "rollback_draft_tokens"):
         assert any(stage in str(p) for p in pushed), stage
+
+
+@pytest.mark.parametrize("V", [64, 100, 131072, 128001])
+def test_the_decoders_dead_end_guard_agrees_with_row_has_valid_token(factory_cache, V):
+    """The decoder's fast guard (bytes comparison / uint32 max over NumPy views) answers exactly
+    like bitmask.row_has_valid_token, padding-bit garbage included, for small and large batches."""
+    from capgraph.bitmask import row_has_valid_token
+    config = GuidedDecodingConfig(encoded_vocab=[chr(97 + i % 26) * (1 + i // 26)
+                                                 for i in range(50)], vocab_size_padded=V)
+    dec = GuidedDecoder(config, 40, 0)
+    g = torch.Generator().manual_seed(V)
+    W = dec.bitmask_size
+    rows = dec.bitmask_host
+    rows.zero_()
+    for r in range(40):  # dead rows, single bits anywhere, garbage only in the padding bits
+        kind = r % 4
+        if kind == 1:
+            bit = int(torch.randint(0, V, (1,), generator=g))
+            rows[r, bit // 32] = 1 << (bit % 32) if bit % 32 != 31 else -(1 << 31)
+        elif kind == 2 and V % 32:
+            rows[r, W - 1] = -(1 << (V % 32))  # only bits >= V set
+        elif kind == 3:
+            rows[r] = torch.randint(-2**31, 2**31 - 1, (W,), generator=g, dtype=torch.int32)
+    for subset in ([3], list(range(8)), list(range(0, 40, 2)), list(range(40))):
+        expect = [row_has_valid_token(rows[r], V) for r in subset]
+        assert dec._rows_valid(subset) == expect
