@@ -121,6 +121,9 @@ class GuidedDecoder:
         self._full_words, tail_mask = split_last_word(V)
         self._tail_word_mask = np.int32(tail_mask) if tail_mask else None
         self._zero_words = bytes(4 * self._full_words)
+        # the dead-end guard's first look: the 16-word window holding most likely-allowed ids
+        self._probe = _probe_window(self.grammar_matcher_factory.likely_allowed_token_ids(),
+                                    self._full_words)
         self._stop_ids = frozenset(config.stop_token_ids or ())
 
     # -- properties --------------------------------------------------------------------------
@@ -357,31 +360,74 @@ class GuidedDecoder:
     # -- build -------------------------------------------------------------------------------
     @nvtx_range("GuidedDecoder.build")
     def _build(self, requests: GuidedRequests) -> list[FailedRequest]:
-        """Init and advance every guided request's matcher, fill its rows, guard dead ends."""
+        """Init and advance every guided request's matcher, fill its rows, guard dead ends.
+
+        This runs on every decode step, so it is written for the common request (a target
+        request generating, with a valid slot and token), which is checked inline; everything
+        else takes :meth:`_prepare`. The work is kept in columns (:class:`_Active`) so that each
+        stage is one batched backend call plus a few C-level list operations, and requests are
+        dropped from the columns only when something unusual happens to them.
+        """
         failed: list[FailedRequest] = []
         self._token_mask_np[:requests.num_bitmask_tokens] = 0
-        entries: list[list] = []  # [req, slot, matcher, offset, drafts, new token or None]
+        act = _Active()
+        reqs, slots, matchers, offsets, drafts, tokens = act.columns
         seen: set[int] = set()
         draft_slots: list[int] = []
-        for req, offset in requests.valid_requests_with_offsets():
-            duplicate = req.seq_slot in seen  # then the slot's matcher belongs to another request
+        nseq, V, draft_len = self.max_num_sequences, self.vocab_size_padded, \
+            requests.max_num_draft_tokens
+        grammar_matchers, advanced, guided = (self.grammar_matchers, self.num_advanced_tokens,
+                                              self.num_guided_tokens)
+        draft_terminated = self.is_draft_terminated
+        for req, offset in zip(requests.requests, requests.offsets):
+            if req.guided_decoding_params is None:
+                continue
+            slot, token = req.seq_slot, req.new_token
+            if (req.is_generation_in_progress_state and not req.is_draft
+                    and not req.is_context_init_state and type(slot) is int
+                    and 0 <= slot < nseq and slot not in seen
+                    and type(token) is int and 0 <= token < V):
+                seen.add(slot)
+                advanced[slot] = guided[slot] = 0
+                req_drafts = req.draft_tokens
+                if req_drafts:
+                    try:
+                        req_drafts = self._checked_drafts(req, draft_len)
+                    except Exception as e:
+                        failed.append(self._fail(req, e))
+                        continue
+                matcher = grammar_matchers[slot]
+                if matcher is None or matcher.is_terminated() or draft_terminated[slot]:
+                    continue
+                reqs.append(req)
+                slots.append(slot)
+                matchers.append(matcher)
+                offsets.append(offset)
+                drafts.append(req_drafts or ())
+                tokens.append(token)
+                continue
+            duplicate = slot in seen  # then the slot's matcher belongs to another request
             try:
-                entry = self._prepare(req, offset, requests.max_num_draft_tokens, seen)
+                entry = self._prepare(req, offset, draft_len, seen)
             except Exception as e:
                 failed.append(self._fail(req, e, drop=not duplicate))
                 continue
             if req.is_draft:
-                draft_slots.append(req.seq_slot)  # type: ignore[arg-type]
+                draft_slots.append(slot)  # type: ignore[arg-type]
             if entry is not None:
-                entries.append(entry)
-        self._fill_rounds(self._accept_new_tokens(entries, failed), failed)
+                for column, value in zip(act.columns, entry):
+                    column.append(value)
+        if reqs:
+            self._fill_rounds(self._accept_new_tokens(act, failed), failed, draft_len)
         for slot in draft_slots:
-            self.num_advanced_draft_tokens[slot] += self.num_advanced_tokens[slot]
+            self.num_advanced_draft_tokens[slot] += advanced[slot]
         return failed
 
     def _prepare(self, req: GuidedRequest, offset: int, draft_len: int, seen: set[int]
-                 ) -> list | None:
-        """Validate one request and create its matcher if due; None if it has nothing to do."""
+                 ) -> tuple | None:
+        """Validate one request and create its matcher if due; None if it has nothing to do,
+        else its :class:`_Active` row ``(req, slot, matcher, offset, drafts, new token or
+        None)``."""
         slot = self._check_slot(req)
         if slot in seen:
             raise RequestError(f"seq_slot {slot} appears twice in one batch",
@@ -400,125 +446,179 @@ class GuidedDecoder:
         if matcher is None or matcher.is_terminated():
             return None
         if not advance:
-            return [req, slot, matcher, offset, drafts, None]
+            return (req, slot, matcher, offset, drafts, None)
         # Skipped, not failed: the drafting loop stopped guiding this slot.
         if self.is_draft_terminated[slot]:
             return None
-        return [req, slot, matcher, offset, drafts,
-                self._checked_token(req, req.new_token, "new_token")]
+        return (req, slot, matcher, offset, drafts,
+                self._checked_token(req, req.new_token, "new_token"))
 
-    def _accept_new_tokens(self, entries: list[list], failed: list[FailedRequest]) -> list[list]:
-        """Feed each entry its new token (one batched call); the entries left to fill."""
-        advancing = [e for e in entries if e[5] is not None]
-        if not advancing:
-            return entries
-        matchers, tokens = [e[2] for e in advancing], [e[5] for e in advancing]
-        # one result per matcher: True / False, or the exception that matcher raised (a
-        # matcher is never fed its token twice)
-        accepted = self.grammar_matcher_factory.batch_accept(matchers, tokens)
-        rejected = set()
-        for entry, ok in zip(advancing, accepted):
-            req, slot = entry[0], entry[1]
+    def _accept(self, matchers: list[GrammarMatcher], tokens: list[int]) -> list | None:
+        """One batched accept; None when every token was accepted and none was a stop token
+        (the common case, checked with C-level list operations), else the per-matcher results.
+        A matcher terminates only by accepting a stop token (see ``GrammarMatcher``)."""
+        results = self.grammar_matcher_factory.batch_accept(matchers, tokens)
+        if results.count(True) == len(results) and self._stop_ids.isdisjoint(tokens):
+            return None
+        return results
+
+    def _accept_new_tokens(self, act: "_Active", failed: list[FailedRequest]) -> "_Active":
+        """Feed each request its new token (one batched call); the requests left to fill."""
+        reqs, slots, matchers, _, _, tokens = act.columns
+        advanced = self.num_advanced_tokens
+        if None in tokens:  # matchers created this step fill without advancing
+            idx = [k for k, t in enumerate(tokens) if t is not None]
+            if not idx:
+                return act
+            adv = _Active.select(act, idx)
+        else:
+            idx, adv = None, act
+        results = self._accept(adv.matchers, adv.tokens)
+        if results is None:
+            for slot in adv.slots:
+                advanced[slot] += 1
+            return act
+        keep = [k for k, t in enumerate(tokens) if t is None]
+        stops = self._stop_ids
+        for j, ok in enumerate(results):
+            k = j if idx is None else idx[j]
+            req, slot = reqs[k], slots[k]
             if ok is True:
-                self.num_advanced_tokens[slot] += 1
-                if entry[2].is_terminated():
-                    rejected.add(id(entry))
-                continue
-            rejected.add(id(entry))
-            if isinstance(ok, BaseException):
+                advanced[slot] += 1
+                if tokens[k] not in stops or not matchers[k].is_terminated():
+                    keep.append(k)
+            elif isinstance(ok, BaseException):
                 failed.append(self._fail(req, ok))
             elif req.is_draft:
                 self.is_draft_terminated[slot] = True
             else:
                 failed.append(self._fail(req, RequestError(
-                    f"new_token {entry[5]} is not allowed by the grammar",
+                    f"new_token {tokens[k]} is not allowed by the grammar",
                     request_id=req.request_id, seq_slot=slot)))
-        return [e for e in entries if id(e) not in rejected]
+        keep.sort()
+        return _Active.select(act, keep)
 
-    def _fill_rounds(self, active: list[list], failed: list[FailedRequest]) -> None:
+    def _fill_rounds(self, act: "_Active", failed: list[FailedRequest], draft_len: int
+                     ) -> None:
         """Round i fills row ``offset + i`` of every still-guided request with one batch call,
-        checks dead ends for all of them at once, then feeds each its i-th draft token."""
+        checks dead ends for all of them at once, then feeds each its i-th draft token
+        (at most ``draft_len`` rounds after the first)."""
         bitmask = self.bitmask_host
         factory = self.grammar_matcher_factory
+        guided, advanced = self.num_guided_tokens, self.num_advanced_tokens
+        token_mask = self._token_mask_np
         i = 0
-        while active:
-            rows = [e[3] + i for e in active]
+        while act.reqs:
+            rows = act.offsets if i == 0 else [o + i for o in act.offsets]
             try:
-                factory.batch_fill([e[2] for e in active], bitmask, rows)
+                factory.batch_fill(act.matchers, bitmask, rows)
             except Exception:  # find the culprit(s): fill one by one
-                active, rows = self._fill_each(active, rows, i, failed)
-                if not active:
+                keep = self._fill_each(act, rows, failed)
+                act, rows = _Active.select(act, keep), [rows[k] for k in keep]
+                if not rows:
                     return
-            self._clear_tail(rows)
-            valid = self._rows_valid(rows)
-            guided_rows, survivors = [], []
-            for entry, row, ok in zip(active, rows, valid):
-                req, slot, matcher, _, drafts, _ = entry
-                if not ok:
-                    if i == 0 and not req.is_draft:
-                        # the golden token's advance is never verified: exclude it from rollback
-                        self.num_advanced_tokens[slot] = 0
-                        failed.append(self._fail(req, DeadEndError(
-                            f"request {req.request_id} at slot {slot} reached a grammar state "
-                            "with no valid token")))
-                    elif i == 0:
-                        self.is_draft_terminated[slot] = True
-                    continue  # a dead draft position is left unconstrained
-                guided_rows.append(row)
-                self.num_guided_tokens[slot] += 1
-                if i < len(drafts):
-                    try:
-                        if not matcher.accept_token(drafts[i]):
-                            continue
-                    except Exception as e:
-                        failed.append(self._fail(req, e))
-                        continue
-                    self.num_advanced_tokens[slot] += 1
-                    if not matcher.is_terminated():
-                        survivors.append(entry)
-            if len(guided_rows) == 1:
-                self._token_mask_np[guided_rows[0]] = 1
-            elif guided_rows:
-                self._token_mask_np[guided_rows] = 1
-            active = survivors
+            if self._tail is not None:
+                self._clear_tail(rows)
+            dead = self._dead_rows(rows)
+            if dead:
+                keep = self._drop_dead(act, dead, i, failed)
+                act, rows = _Active.select(act, keep), [rows[k] for k in keep]
+            for slot in act.slots:
+                guided[slot] += 1
+            if len(rows) == 1:
+                token_mask[rows[0]] = 1
+            elif rows:
+                token_mask[rows] = 1
+            if i >= draft_len:  # no request has a draft token left
+                return
+            # feed each request its i-th draft token; the ones that took it go on
+            drafts = act.drafts
+            idx = [k for k, d in enumerate(drafts) if len(d) > i]
+            if not idx:
+                return
+            nxt = act if len(idx) == len(drafts) else _Active.select(act, idx)
+            tokens = [d[i] for d in nxt.drafts]
+            results = self._accept(nxt.matchers, tokens)
+            if results is not None:
+                keep = []
+                for k, ok in enumerate(results):
+                    if ok is True:
+                        advanced[nxt.slots[k]] += 1
+                        if tokens[k] not in self._stop_ids or not nxt.matchers[k].is_terminated():
+                            keep.append(k)
+                    elif isinstance(ok, BaseException):
+                        failed.append(self._fail(nxt.reqs[k], ok))
+                    # False: the draft left the grammar; its later positions stay unguided
+                nxt = _Active.select(nxt, keep)
+            else:
+                for slot in nxt.slots:
+                    advanced[slot] += 1
+            act = nxt
             i += 1
 
-    def _fill_each(self, active, rows, i, failed):
-        kept, kept_rows = [], []
-        for entry, row in zip(active, rows):
+    def _drop_dead(self, act: "_Active", dead: list[int], i: int,
+                   failed: list[FailedRequest]) -> list[int]:
+        """Handle the requests whose row ``i`` allows no token: a target request's golden row
+        fails the request; a draft-step row stops guiding that draft; a dead draft position
+        is left unconstrained (the verification rejects it). Returns the positions kept."""
+        for k in dead:
+            req, slot = act.reqs[k], act.slots[k]
+            if i == 0 and not req.is_draft:
+                # the golden token's advance is never verified: exclude it from rollback
+                self.num_advanced_tokens[slot] = 0
+                failed.append(self._fail(req, DeadEndError(
+                    f"request {req.request_id} at slot {slot} reached a grammar state "
+                    "with no valid token")))
+            elif i == 0:
+                self.is_draft_terminated[slot] = True
+        gone = set(dead)
+        return [k for k in range(len(act.reqs)) if k not in gone]
+
+    def _fill_each(self, act: "_Active", rows: list[int], failed: list[FailedRequest]
+                   ) -> list[int]:
+        """Fill row by row after a batch fill raised; the positions that filled."""
+        keep = []
+        for k, (matcher, row) in enumerate(zip(act.matchers, rows)):
             try:
-                entry[2].fill_next_token_bitmask(self.bitmask_host, row)
+                matcher.fill_next_token_bitmask(self.bitmask_host, row)
             except Exception as e:
-                failed.append(self._fail(entry[0], e))
+                failed.append(self._fail(act.reqs[k], e))
                 continue
-            kept.append(entry)
-            kept_rows.append(row)
-        return kept, kept_rows
+            keep.append(k)
+        return keep
 
-    def _row_block(self, rows: list[int]) -> np.ndarray:
-        """The bitmask rows as a NumPy view when evenly spaced (the common layout), else a copy."""
-        bm = self._bitmask_np
-        if len(rows) == 1:
-            return bm[rows[0]:rows[0] + 1]
-        step = rows[1] - rows[0]
-        if step > 0 and all(b - a == step for a, b in zip(rows, rows[1:])):
-            return bm[rows[0]:rows[-1] + 1:step]
-        return bm[rows]
+    def _dead_rows(self, rows: list[int]) -> list[int]:
+        """Dead-end guard: positions in ``rows`` whose row allows no token below
+        ``vocab_size_padded`` (usually none).
 
-    def _rows_valid(self, rows: list[int]) -> list[bool]:
-        """Dead-end guard: does each row allow a token below vocab_size_padded?"""
-        bm, full, tail = self._bitmask_np, self._full_words, self._tail_word_mask
-        if len(rows) <= 16:
-            # a bytes comparison per row (memcmp, ~1 us) beats a NumPy reduction's call cost
-            zero = self._zero_words
-            return [bm[r, :full].tobytes() != zero
-                    or (tail is not None and bool(bm[r, full] & tail)) for r in rows]
-        block = self._row_block(rows)
-        # max over uint32 is a vectorised reduction (~10x faster than any() on int32 here)
-        valid = block[:, :full].view(np.uint32).max(axis=1) != 0
-        if tail is not None:
-            valid |= (block[:, full] & tail) != 0
-        return valid.tolist()
+        Few rows: one bytes comparison per row (a memcmp, ~0.3 us at V = 131072) beats any
+        NumPy reduction's call cost. Many rows: first a look at the few words that hold most
+        of the factory's likely-allowed ids (single-byte tokens, set in almost every state),
+        then a full scan of only the rows where none of them is set.
+        """
+        bm, full, zero, tail = (self._bitmask_np, self._full_words, self._zero_words,
+                                self._tail_word_mask)
+        n = len(rows)
+        if n == 1:
+            r = rows[0]
+            if bm[r, :full].tobytes() != zero or (tail is not None and bm[r, full] & tail):
+                return []
+            return [0]
+        candidates: Sequence[int] = range(n)
+        if n > 16 and self._probe is not None:
+            lo, hi = self._probe
+            r0, step = rows[0], rows[1] - rows[0]
+            if step > 0 and rows[-1] == r0 + step * (n - 1) and \
+                    rows == list(range(r0, rows[-1] + 1, step)):
+                window = bm[r0:rows[-1] + 1:step, lo:hi]  # a view: the common layout
+            else:
+                window = bm[np.asarray(rows), lo:hi]
+            hit = window.any(axis=1)
+            if hit.all():
+                return []
+            candidates = np.flatnonzero(~hit).tolist()
+        return [k for k in candidates if bm[rows[k], :full].tobytes() == zero
+                and (tail is None or not bm[rows[k], full] & tail)]
 
     def _clear_tail(self, rows: list[int]) -> None:
         """Clear bits of ids >= the tokenizer's vocabulary (padding ids are never allowed)."""
@@ -631,3 +731,46 @@ class GuidedDecoder:
                 raise LayoutError(
                     f"bitmask words per row ({self.bitmask_size} = "
                     f"ceil({self.vocab_size_padded}/32)) is not divisible by tp_size ({tp_size})")
+
+
+def _probe_window(token_ids: Sequence[int], full_words: int, width: int = 16
+                  ) -> tuple[int, int] | None:
+    """The ``[lo, hi)`` run of at most ``width`` bitmask words (below ``full_words``) that
+    holds the most of ``token_ids``; None if none of them lies there."""
+    words = sorted({t // 32 for t in token_ids if 0 <= t // 32 < full_words})
+    if not words:
+        return None
+    best, best_lo, j = 0, words[0], 0
+    for k, lo in enumerate(words):  # two pointers over the sorted words
+        while j < len(words) and words[j] < lo + width:
+            j += 1
+        if j - k > best:
+            best, best_lo = j - k, lo
+    return best_lo, min(best_lo + width, full_words)
+
+
+class _Active:
+    """The requests still being guided in a build, as parallel columns (one row each):
+    ``reqs``, ``slots``, ``matchers``, ``offsets`` (first bitmask row), ``drafts``, ``tokens``
+    (the new token, or None for a matcher created this step)."""
+
+    __slots__ = ("reqs", "slots", "matchers", "offsets", "drafts", "tokens")
+
+    def __init__(self, reqs: list | None = None, slots: list | None = None,
+                 matchers: list | None = None, offsets: list | None = None,
+                 drafts: list | None = None, tokens: list | None = None) -> None:
+        self.reqs: list[GuidedRequest] = [] if reqs is None else reqs
+        self.slots: list[int] = [] if slots is None else slots
+        self.matchers: list[GrammarMatcher] = [] if matchers is None else matchers
+        self.offsets: list[int] = [] if offsets is None else offsets
+        self.drafts: list[Sequence[int]] = [] if drafts is None else drafts
+        self.tokens: list[int | None] = [] if tokens is None else tokens
+
+    @property
+    def columns(self) -> tuple[list, list, list, list, list, list]:
+        return self.reqs, self.slots, self.matchers, self.offsets, self.drafts, self.tokens
+
+    @staticmethod
+    def select(act: "_Active", idx: Sequence[int]) -> "_Active":
+        """The rows ``idx`` of ``act``, in that order."""
+        return _Active(*([column[k] for k in idx] for column in act.columns))

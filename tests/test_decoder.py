@@ -472,8 +472,9 @@ def test_every_stage_emits_an_nvtx_range(factory, tekken, monkeypatch):
 
 @pytest.mark.parametrize("V", [64, 100, 131072, 128001])
 def test_the_decoders_dead_end_guard_agrees_with_row_has_valid_token(factory_cache, V):
-    """The decoder's fast guard (bytes comparison / uint32 max over NumPy views) answers exactly
-    like bitmask.row_has_valid_token, padding-bit garbage included, for small and large batches."""
+    """The decoder's fast guard (bytes comparisons, a first look at the likely-allowed words)
+    answers exactly like bitmask.row_has_valid_token, padding-bit garbage included, for one
+    row, small and large batches, evenly and unevenly spaced rows."""
     from capgraph.bitmask import row_has_valid_token
     config = GuidedDecodingConfig(encoded_vocab=[chr(97 + i % 26) * (1 + i // 26)
                                                  for i in range(50)], vocab_size_padded=V)
@@ -491,6 +492,31 @@ def test_the_decoders_dead_end_guard_agrees_with_row_has_valid_token(factory_cac
             rows[r, W - 1] = -(1 << (V % 32))  # only bits >= V set
         elif kind == 3:
             rows[r] = torch.randint(-2**31, 2**31 - 1, (W,), generator=g, dtype=torch.int32)
-    for subset in ([3], list(range(8)), list(range(0, 40, 2)), list(range(40))):
-        expect = [row_has_valid_token(rows[r], V) for r in subset]
-        assert dec._rows_valid(subset) == expect
+    rows[5, 0] = 1  # a row whose only allowed token lies in the guard's first look
+    uneven = [0, 1, 2, 4, 5, 7, 8, 11, 13, 14, 17, 19, 20, 22, 25, 26, 29, 31, 33, 38]
+    for subset in ([3], [5], list(range(8)), list(range(0, 40, 2)), list(range(40)), uneven,
+                   uneven[::-1]):
+        expect = [k for k, r in enumerate(subset) if not row_has_valid_token(rows[r], V)]
+        assert dec._dead_rows(subset) == expect, subset
+
+
+def test_probe_window_picks_the_densest_run_of_words():
+    from capgraph.decoder import _probe_window
+    # Tekken-like: stop token in word 0, 256 byte tokens at ids 1000..1255 (words 31..39)
+    assert _probe_window([2, *range(1000, 1256)], 4096) == (31, 47)
+    assert _probe_window([2, *range(1000, 1256)], 40) == (31, 40)  # clipped to full words
+    assert _probe_window([5, 40, 70, 5000], 4096) == (0, 16)
+    assert _probe_window([], 4096) is None
+    assert _probe_window([10_000], 100) is None  # only padding words: nothing to look at
+
+
+def test_xgrammar_matchers_take_the_ffi_route_on_the_pinned_version(factory_cache):
+    """The per-call saving relies on xgrammar's wrappers keeping their FFI object in
+    ``_handle``; if an upgrade drops it the public methods are used (correct, slower) and
+    this test says so."""
+    from capgraph.grammar.xgrammar_backend import XGrammarMatcher
+    factory = factory_cache("mistral-sp32k")
+    m = factory.create(GuidedDecodingParams.regex("[a-c]+"))
+    assert isinstance(m, XGrammarMatcher)
+    assert m._handle is not None, "xgrammar.GrammarMatcher._handle is gone: public route used"
+    assert factory._batch_fill_ffi is not None

@@ -137,6 +137,7 @@ class GrammarMatcherFactory(ABC):
         self._lock = threading.Lock()
         self._inflight: dict[tuple[str, str], Future[CompiledGuide]] = {}
         self._pool = CompilePool(config.compile_threads)
+        self._likely_allowed: tuple[int, ...] | None = None
 
     # -- backend hooks -----------------------------------------------------------------------
     @abstractmethod
@@ -184,6 +185,22 @@ class GrammarMatcherFactory(ABC):
         with self._lock:  # done (stored, failed or cancelled): later requests start afresh
             if self._inflight.get(key) is future:
                 del self._inflight[key]
+
+    def likely_allowed_token_ids(self) -> Sequence[int]:
+        """Token ids that most grammar states allow: the stop tokens, and for backends that
+        know the vocabulary's bytes, every single-byte token.
+
+        The decoder's dead-end guard looks at the bitmask words holding these ids first and
+        scans a whole row only when none of them is set, so the answer affects speed only.
+        Computed once per factory.
+        """
+        if self._likely_allowed is None:
+            self._likely_allowed = tuple(sorted(set(self._likely_allowed_ids())))
+        return self._likely_allowed
+
+    def _likely_allowed_ids(self) -> Sequence[int]:
+        """Backend hook for :meth:`likely_allowed_token_ids` (default: the stop tokens)."""
+        return list(self.config.stop_token_ids or ())
 
     def batch_fill(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
                    indices: Sequence[int]) -> None:
