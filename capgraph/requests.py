@@ -111,10 +111,11 @@ class GuidedRequests:
     def __post_init__(self) -> None:
         if self.max_num_draft_tokens < 0:
             raise LayoutError(f"runtime draft length must be >= 0, got {self.max_num_draft_tokens}")
-        offsets, row = [], 0
-        for req in self.requests:
-            offsets.append(row)
-            row += req.num_rows(self.max_num_draft_tokens)
+        offsets: list[int] = []
+        append, row, generation_rows = offsets.append, 0, 1 + self.max_num_draft_tokens
+        for req in self.requests:  # GuidedRequest.num_rows, inline: this runs every step
+            append(row)
+            row += 1 if req.is_draft or req.is_context_init_state else generation_rows
         self.offsets = offsets
         self.num_bitmask_tokens = row
 
