@@ -17,7 +17,6 @@ skipping a batch); failures and callback exceptions reach the caller through
 
 from __future__ import annotations
 
-import copy
 from collections import deque
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
@@ -113,11 +112,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 ``draft_tokens`` for requests with a ``prev_seq_slot``. Copied without blocking.
             runtime_draft_len: draft length of this step (default: the maximum).
         """
-        snapshot = [copy.copy(r) for r in requests]
-        for r in snapshot:
-            if r.draft_tokens is not None:
-                r.draft_tokens = list(r.draft_tokens)
-        super().add_batch(snapshot, runtime_draft_len)
+        snapshot = GuidedRequest.snapshot
+        super().add_batch([snapshot(r) for r in requests], runtime_draft_len)
         batch = self.requests
         if new_tokens is not None:
             self._copy_new_tokens(new_tokens)

@@ -520,3 +520,21 @@ def test_xgrammar_matchers_take_the_ffi_route_on_the_pinned_version(factory_cach
     assert isinstance(m, XGrammarMatcher)
     assert m._handle is not None, "xgrammar.GrammarMatcher._handle is gone: public route used"
     assert factory._batch_fill_ffi is not None
+
+
+def test_request_snapshot_copies_every_field_and_owns_its_drafts():
+    """GuidedRequest.snapshot lists the fields by hand (for speed): a field added to the
+    dataclass but not to snapshot fails here."""
+    import dataclasses
+    values = {}
+    for i, f in enumerate(dataclasses.fields(GuidedRequest)):
+        values[f.name] = {"guided_decoding_params": GuidedDecodingParams.regex("a+"),
+                          "draft_tokens": [7, 8, 9]}.get(f.name, 1000 + i)
+    original = GuidedRequest(**values)
+    copy = GuidedRequest.snapshot(original)
+    assert copy == original and copy is not original
+    assert copy.draft_tokens is not original.draft_tokens
+    original.draft_tokens.append(10)
+    original.new_token = 5
+    assert copy.draft_tokens == [7, 8, 9] and copy.new_token != 5
+    assert GuidedRequest.snapshot(GuidedRequest()).draft_tokens is None
