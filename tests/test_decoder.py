@@ -538,3 +538,14 @@ def test_request_snapshot_copies_every_field_and_owns_its_drafts():
     original.new_token = 5
     assert copy.draft_tokens == [7, 8, 9] and copy.new_token != 5
     assert GuidedRequest.snapshot(GuidedRequest()).draft_tokens is None
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_both_backends_name_the_single_byte_tokens_for_the_guard(factory_cache, backend):
+    """The dead-end guard's first look (speed only) covers Tekken's 256 byte tokens
+    (ids 1000-1255) and the stop token with either backend."""
+    factory = factory_cache("tekken", backend)
+    ids = set(factory.likely_allowed_token_ids())
+    assert factory.config.stop_token_ids[0] in ids
+    assert len(ids & set(range(1000, 1256))) >= 255
+    assert len(ids) < 400

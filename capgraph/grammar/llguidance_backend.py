@@ -112,6 +112,12 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
         self.tokenizer = llguidance.hf.from_tokenizer(
             config.tokenizer, n_vocab=config.vocab_size_padded, eos_token=self.eos_token)
 
+    def _likely_allowed_ids(self) -> Sequence[int]:
+        t = self.tokenizer
+        single_byte = [i for i in range(t.vocab_size)
+                       if not t.is_special_token(i) and len(t.decode_bytes([i])) == 1]
+        return [self.eos_token, *single_byte]
+
     def _grammar_text(self, params: GuidedDecodingParams) -> str:
         gt, guide = params.guide_type, params.guide
         try:
