@@ -27,7 +27,7 @@ import hostfunc
 
 from ._nvtx import nvtx_range
 from .bitmask import _pin_host
-from .decoder import GuidedDecoder
+from .decoder import GuidedDecoder, _request_id
 from .errors import CallbackError, QueueEpochError, TensorArgError
 from .requests import GuidedRequest, GuidedRequests
 from .streams import HostStepStreams
@@ -46,7 +46,7 @@ def _callback(name: str) -> Callable:
                 raise
             except Exception as e:
                 batch = self.requests_hostfunc
-                ids = [r.request_id for r in batch.valid_requests()] if batch else []
+                ids = [_request_id(r) for r in batch.valid_requests()] if batch else []
                 self._record_failed([(i, f"{name}: {type(e).__name__}: {e}") for i in ids])
                 raise CallbackError(f"{type(e).__name__}: {e}", callback=name,
                                     request_ids=ids) from e
@@ -99,8 +99,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     # -- host side ---------------------------------------------------------------------------
     @nvtx_range("CapturableGuidedDecoder.add_batch")
-    def add_batch(self, requests: Sequence[GuidedRequest], new_tokens: torch.Tensor | None = None,
-                  runtime_draft_len: int | None = None) -> None:
+    def add_batch(  # type: ignore[override]  # DESIGN.md's order: new_tokens second
+            self, requests: Sequence[GuidedRequest], new_tokens: torch.Tensor | None = None,
+            runtime_draft_len: int | None = None) -> None:
         """Snapshot this step's requests and queue them for the step's callbacks (host side).
 
         Args:
@@ -112,6 +113,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 ``draft_tokens`` for requests with a ``prev_seq_slot``. Copied without blocking.
             runtime_draft_len: draft length of this step (default: the maximum).
         """
+        if new_tokens is not None and not isinstance(new_tokens, torch.Tensor):
+            raise TensorArgError(
+                f"new_tokens must be a tensor or None, got {type(new_tokens).__name__} "
+                f"{new_tokens!r}; CapturableGuidedDecoder.add_batch takes (requests, new_tokens, "
+                "runtime_draft_len): pass runtime_draft_len by keyword")
         snapshot = GuidedRequest.snapshot
         super().add_batch([snapshot(r) for r in requests], runtime_draft_len)
         batch = self.requests
@@ -383,7 +389,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             if batch is before and self._queue:
                 _, batch, _ = self._queue.popleft()
                 self._fetched_epoch += 1
-            ids = [r.request_id for r in batch.valid_requests()] if batch is not None else []
+            ids = [_request_id(r) for r in batch.valid_requests()] if batch is not None else []
             self._record_failed([(i, f"fetch_batch: {type(e).__name__}: {e}") for i in ids])
             self.requests_hostfunc = None  # the step masks nothing
             self._token_mask_np[:] = 0

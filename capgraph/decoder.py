@@ -13,7 +13,7 @@ request's rows are left unmasked; the other rows are masked exactly as without i
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import Sequence, TypeGuard, cast
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from .grammar import CompileHandle, GrammarMatcher, GrammarMatcherFactory, creat
 from .ops import logits_bitmask
 from .params import GuidedDecodingConfig
 from .requests import GuidedRequest, GuidedRequests
-from .streams import CudaStepStreams
+from .streams import CudaStepStreams, StepStreams
 
 __all__ = ["GuidedDecoder", "FailedRequest"]
 
@@ -95,7 +95,7 @@ class GuidedDecoder:
             self.bitmask = torch.zeros_like(self.bitmask_host, device=self.device)
             self.token_mask = torch.zeros_like(self.token_mask_host, device=self.device)
             # the side stream and its two events (capgraph.streams), shared by both decoders
-            self._streams = CudaStepStreams(self.device)
+            self._streams: StepStreams = CudaStepStreams(self.device)
             self.stream = self._streams.stream
             self.token_event = self._streams.token_event
             self.bitmask_event = self._streams.bitmask_event
@@ -476,7 +476,7 @@ class GuidedDecoder:
             adv = _Active.select(act, idx)
         else:
             idx, adv = None, act
-        results = self._accept(adv.matchers, adv.tokens)
+        results = self._accept(adv.matchers, cast("list[int]", adv.tokens))  # no None left
         if results is None:
             for slot in adv.slots:
                 advanced[slot] += 1
@@ -666,7 +666,7 @@ class GuidedDecoder:
             self._checked_token(req, t, "draft token")
         return drafts
 
-    def _slot_ok(self, slot: int | None) -> bool:
+    def _slot_ok(self, slot: int | None) -> TypeGuard[int]:
         return slot is not None and 0 <= slot < self.max_num_sequences
 
     def _check_slot(self, req: GuidedRequest) -> int:
@@ -681,8 +681,7 @@ class GuidedDecoder:
         """Record a request's failure; its matcher is dropped so later steps leave it unmasked."""
         if drop and self._slot_ok(req.seq_slot):
             self.grammar_matchers[req.seq_slot] = None  # type: ignore[index]
-        rid = req.request_id if req.request_id is not None else -1
-        return rid, f"{type(error).__name__}: {error}"
+        return _request_id(req), f"{type(error).__name__}: {error}"
 
     def _require_batch(self) -> GuidedRequests:
         if self.requests is None:
@@ -734,6 +733,11 @@ class GuidedDecoder:
                 raise LayoutError(
                     f"bitmask words per row ({self.bitmask_size} = "
                     f"ceil({self.vocab_size_padded}/32)) is not divisible by tp_size ({tp_size})")
+
+
+def _request_id(req: GuidedRequest) -> int:
+    """The id reported for a request: its ``request_id``, or -1 when it has none."""
+    return req.request_id if req.request_id is not None else -1
 
 
 def _probe_window(token_ids: Sequence[int], full_words: int, width: int = 16

@@ -64,13 +64,14 @@ class GuidedDecodingParams:
     guide: str = ""
 
     def __post_init__(self) -> None:
-        gt = self.guide_type
+        gt: GuideType | str = self.guide_type
         if isinstance(gt, str):
+            name = gt
             try:
-                gt = GuideType(gt.lower())
+                gt = GuideType(name.lower())
             except ValueError:
                 try:
-                    gt = GuideType[gt.upper()]
+                    gt = GuideType[name.upper()]
                 except KeyError:
                     raise ConfigError(
                         f"GuidedDecodingParams.guide_type: unknown guide type {self.guide_type!r}; "
@@ -145,7 +146,8 @@ class GuidedDecodingConfig:
             when no tokenizer is given; read as a raw vocabulary).
         stop_token_ids: tokens that end a guided output. Defaults to the tokenizer's EOS.
             llguidance takes exactly one.
-        vocab_size_padded: width of the logits rows (>= the tokenizer's vocabulary). Ids at or
+        vocab_size_padded: width of the logits rows (>= the tokenizer's vocabulary); 0 (the
+            default; ``None`` is read the same) means the tokenizer's vocabulary. Ids at or
             above the tokenizer's vocabulary are always masked on guided rows.
         compile_cache_bytes: byte budget of the compiled-grammar cache; overridden by the
             environment variable ``CAPGRAPH_COMPILE_CACHE_BYTES``. 0 disables caching.
@@ -165,7 +167,7 @@ class GuidedDecodingConfig:
     tokenizer: "PreTrainedTokenizerBase | None" = None
     encoded_vocab: Sequence[str] | None = None
     stop_token_ids: list[int] | None = None
-    vocab_size_padded: int | None = None
+    vocab_size_padded: int = 0
     compile_cache_bytes: int = DEFAULT_COMPILE_CACHE_BYTES
     compile_timeout_s: float = 30.0
     compile_threads: int = 2
@@ -194,7 +196,7 @@ class GuidedDecodingConfig:
             if self.backend is GuidedDecodingBackend.LLGUIDANCE:
                 raise ConfigError("GuidedDecodingConfig: the llguidance backend needs a "
                                   "tokenizer, not only an encoded_vocab")
-        if self.vocab_size_padded is None:
+        if self.vocab_size_padded is None or self.vocab_size_padded == 0:
             self.vocab_size_padded = self.tokenizer_vocab_size
         if not isinstance(self.vocab_size_padded, int) or isinstance(self.vocab_size_padded, bool):
             raise ConfigError(f"GuidedDecodingConfig.vocab_size_padded: expected int, got "

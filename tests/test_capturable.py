@@ -371,3 +371,21 @@ def test_inactive_step_enqueues_nothing(factory):
     capt.execute(logits)
     assert hostfunc.live_entries() == before and same(logits, expect)
     capt.close()
+
+
+def test_runtime_draft_len_passed_positionally_is_a_named_error(factory_cache):
+    """CapturableGuidedDecoder.add_batch takes (requests, new_tokens, runtime_draft_len), as
+    DESIGN.md specifies; GuidedDecoder's second argument is runtime_draft_len. Code written
+    for the eager decoder that passes it positionally gets a clear error, and nothing queued."""
+    from capgraph.errors import TensorArgError
+    factory = factory_cache("mistral-sp32k")
+    capt = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory)
+    try:
+        reqs = [GuidedRequest.context(1, 0, GuidedDecodingParams.regex("a+"))]
+        with pytest.raises(TensorArgError, match="runtime_draft_len by keyword"):
+            capt.add_batch(reqs, 0)
+        assert capt.requests is None and not capt._queue
+        capt.add_batch(reqs, runtime_draft_len=0)  # the keyword form works
+        assert len(capt._queue) == 1
+    finally:
+        capt.close()

@@ -172,6 +172,8 @@ def test_compile_errors_keep_the_request_id(factory_cache):
 @pytest.mark.parametrize("kwargs,field", [
     (dict(backend="tensorrt"), "backend"),
     (dict(vocab_size_padded=10), "vocab_size_padded"),
+    (dict(vocab_size_padded=-5), "vocab_size_padded"),
+    (dict(vocab_size_padded=131072.0), "vocab_size_padded"),
     (dict(stop_token_ids=[10**9]), "stop_token_ids"),
     (dict(compile_timeout_s=0), "compile_timeout_s"),
     (dict(compile_threads=0), "compile_threads"),
@@ -181,6 +183,15 @@ def test_config_validation_names_the_field(tekken, kwargs, field):
     """GuidedDecodingConfig rejects bad values with a ConfigError naming the field."""
     with pytest.raises(ConfigError, match=field):
         GuidedDecodingConfig.from_tokenizer(tekken, **kwargs)
+
+
+def test_vocab_size_padded_defaults_to_the_tokenizers_vocabulary(tekken):
+    """0 (the default) and None both mean the tokenizer's vocabulary; the attribute is an int."""
+    for kwargs in ({}, dict(vocab_size_padded=0), dict(vocab_size_padded=None)):
+        config = GuidedDecodingConfig.from_tokenizer(tekken, **kwargs)
+        assert config.vocab_size_padded == len(tekken) == config.tokenizer_vocab_size
+    assert GuidedDecodingConfig.from_tokenizer(
+        tekken, vocab_size_padded=len(tekken) + 64).vocab_size_padded == len(tekken) + 64
 
 
 def test_cache_env_override(tekken, monkeypatch):
