@@ -141,14 +141,16 @@ def _sync(device: torch.device) -> None:
     hostfunc.drain()
 
 
-def _capture(harness: StepHarness, device: torch.device, warmup: int):
+def _capture(harness: StepHarness, device: torch.device, warmup: int
+             ) -> "hostfunc.HostGraph | torch.cuda.CUDAGraph":
     if device.type != "cuda":
-        graph = hostfunc.HostGraph()
-        with hostfunc.capture(graph):
+        host_graph = hostfunc.HostGraph()
+        with hostfunc.capture(host_graph):
             harness.step()
-        return graph
+        return host_graph
     decoder = getattr(harness, "decoder", None)
-    warm = decoder.warmup() if hasattr(decoder, "warmup") else _nothing()
+    warmup_fn = getattr(decoder, "warmup", None)
+    warm = warmup_fn() if warmup_fn is not None else _nothing()
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side), warm:

@@ -253,7 +253,8 @@ def _convert_sentencepiece(source: Path) -> PreTrainedTokenizerFast:
     from transformers.convert_slow_tokenizer import SentencePieceExtractor, SpmConverter
 
     extractor = SentencePieceExtractor(str(source))
-    vocab = extractor.extract(BPE)["vocab"]
+    # (transformers annotates extract() as a tuple; with a model class it returns a dict)
+    vocab = extractor.extract(BPE)["vocab"]  # type: ignore[call-overload]
     # Built from the model's own normalizer spec and piece scores, this encodes exactly like
     # SentencePieceProcessor.encode, dummy-prefix space included (LlamaTokenizer does not).
     backend = SpmConverter.build_tokenizer_from_spm_proto(proto=extractor.proto, vocab=vocab,

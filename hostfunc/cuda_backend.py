@@ -201,7 +201,7 @@ class CudaBackend:
                 self._wait(d, stream, handle, deadline, timeout)
             except HostFuncLaunchError as exc:
                 # A stream launched on earlier may since have been destroyed by its owner.
-                if handle == current or int(exc.result) != _INVALID_HANDLE:
+                if handle == current or exc.code != _INVALID_HANDLE:
                     raise
         with self._lock:
             self._launched_on -= handles

@@ -54,12 +54,17 @@ class HostFuncLaunchError(HostFuncBaseError):
     Attributes:
         call: the driver entry point that failed, e.g. ``"cuGraphAddHostNode"``.
         result: the driver's result code (its enum name where known).
+        code: the result as an int (``CUDA_ERROR_*`` value), or -1 when it has none.
         fn_name: the callback being enqueued.
     """
 
     def __init__(self, call: str, result: object, fn_name: str, detail: str = "") -> None:
         self.call = call
         self.result = result
+        try:
+            self.code = int(result)  # type: ignore[call-overload]  # a CUresult enum or int
+        except (TypeError, ValueError):
+            self.code = -1
         self.fn_name = fn_name
         name = getattr(result, "name", None) or repr(result)
         extra = f": {detail}" if detail else ""

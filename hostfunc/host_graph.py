@@ -108,7 +108,9 @@ class HostGraph:
         """Record the registry entry ``key``; the graph now owns it (called by the backend)."""
         with self._own.lock:
             self._own.keys.append(key)
-        self._steps.append(lambda s: s.enqueue(functools.partial(REGISTRY.run, key)))
+        def step(stream: HostStream) -> None:
+            stream.enqueue(functools.partial(REGISTRY.run, key))
+        self._steps.append(step)
 
     def add_step(self, step: Step) -> None:
         """Record an action to perform on the replay stream at each replay (events use this)."""

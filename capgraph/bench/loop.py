@@ -179,7 +179,7 @@ def measure(tokenizer: str, batch: int, steps: int, warmup: int, model_kind: str
         if dec is not None:
             dec.add_batch([GuidedRequest.generation(i, i, params, t)
                            for i, t in enumerate(tokens)])
-            if variant == "capturable":
+            if isinstance(dec, CapturableGuidedDecoder):
                 dec.prepare()  # the host build overlaps the forward (host-stream thread)
         logits = model.forward(batch)
         failed = dec.execute(logits) if dec is not None else None

@@ -183,6 +183,8 @@ class StepLoop:
     def step(self) -> None:
         import hostfunc
 
+        from capgraph.capturable import CapturableGuidedDecoder
+
         s = self.step_index
         self.step_index += 1
         self.logits.copy_(self.source)
@@ -190,7 +192,7 @@ class StepLoop:
         dec.add_batch(self._requests(s))
         if self.kind == "eager":
             failed = dec.execute(self.logits)
-        elif self.kind == "capturable":
+        elif isinstance(dec, CapturableGuidedDecoder):
             dec.prepare()
             dec.execute(self.logits)
             failed = dec.take_failed_requests()
@@ -277,7 +279,7 @@ def count_python_allocations(loop: StepLoop, steps: int, settle: int = 5) -> dic
         tracemalloc.stop()
     ignore = [tracemalloc.Filter(False, tracemalloc.__file__)]
     snapshots = [snap.filter_traces(ignore) for snap in snapshots]
-    windows = []
+    windows: list[dict[str, Any]] = []
     for before, after in zip(snapshots, snapshots[1:]):
         # by allocating line: the same live object reached through another caller is no change
         diff = after.compare_to(before, "lineno")

@@ -114,8 +114,8 @@ def measure(records: list[dict], tok, factory, repeat: int, timeout: float) -> d
 
     dec = GuidedDecoder(factory.config, 1, 0, factory=factory)
     compile_s: list[float] = []
-    samples = {"xgrammar": [], "capgraph": []}  # first pass, every token
-    best = {"xgrammar": [], "capgraph": []}  # per token, fastest of `repeat` passes
+    samples: dict[str, list[float]] = {"xgrammar": [], "capgraph": []}  # first pass
+    best: dict[str, list[float]] = {"xgrammar": [], "capgraph": []}  # fastest of `repeat`
     counts = {"schemas": len(records), "compile_failed": 0, "compile_timeout": 0,
               "instances": 0, "instances_invalid": 0, "instances_rejected": 0, "tokens": 0,
               "masks": 0}
@@ -141,7 +141,7 @@ def measure(records: list[dict], tok, factory, repeat: int, timeout: float) -> d
         compile_s.append(compiled.compile_s)
         for inst in instances:
             ids = encode_continuation(tok, json.dumps(inst))
-            passes = {"xgrammar": [], "capgraph": []}
+            passes: dict[str, list[list[float]]] = {"xgrammar": [], "capgraph": []}
             for _ in range(repeat):
                 xs, rejected_x = _xgrammar_pass(compiled.payload, ids, factory)
                 cs, rejected_c = _capgraph_pass(dec, params, ids)

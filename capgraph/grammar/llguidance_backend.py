@@ -105,12 +105,16 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
             raise ConfigError("the llguidance backend needs the 'llguidance' extra: "
                               "pip install 'capgraph[llguidance]'")
         super().__init__(config)
+        if config.tokenizer is None:
+            raise ConfigError("the llguidance backend needs a tokenizer, not only an "
+                              "encoded_vocab")
         if not config.stop_token_ids or len(config.stop_token_ids) != 1:
             raise ConfigError("the llguidance backend takes exactly one stop token, got "
                               f"{config.stop_token_ids}")
         self.eos_token = config.stop_token_ids[0]
-        self.tokenizer = llguidance.hf.from_tokenizer(
-            config.tokenizer, n_vocab=config.vocab_size_padded, eos_token=self.eos_token)
+        self.tokenizer = llguidance.hf.from_tokenizer(  # a fast tokenizer; its error if not
+            config.tokenizer, n_vocab=config.vocab_size_padded,  # type: ignore[arg-type]
+            eos_token=self.eos_token)
 
     def _likely_allowed_ids(self) -> Sequence[int]:
         t = self.tokenizer

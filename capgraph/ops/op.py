@@ -118,8 +118,8 @@ def _check_args(logits: torch.Tensor, bitmask: torch.Tensor, token_mask: torch.T
 def _check_d2t_targets(d2t: torch.Tensor, col_offset: int, width: int, words: int) -> None:
     """On CPU: every target id the columns read lies in [0, 32*words)."""
     ids = torch.arange(col_offset, col_offset + width, dtype=torch.int64)
-    lo, hi = torch.aminmax(d2t[col_offset:col_offset + width].to(torch.int64) + ids)
-    lo, hi = int(lo), int(hi)
+    lo_t, hi_t = torch.aminmax(d2t[col_offset:col_offset + width].to(torch.int64) + ids)
+    lo, hi = int(lo_t), int(hi_t)
     if lo < 0 or hi >= words * BITS_PER_WORD:
         raise _fail("d2t", f"maps columns [{col_offset}, {col_offset + width}) to target ids "
                     f"[{lo}, {hi}], outside the bitmask's [0, {words * BITS_PER_WORD})")

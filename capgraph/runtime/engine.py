@@ -16,6 +16,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..capturable import CapturableGuidedDecoder
+from ..decoder import GuidedDecoder
 from ..errors import ConfigError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams
 from .drafter import Drafter, ModelDrafter, NgramDrafter
@@ -125,7 +127,7 @@ class _Engine:
         self.clock = StageClock(self.device, sync=True)
         self.drafter = self._drafter(draft, draft_model, model, S, max_seq_len, sampling.seed)
         self.guide = self._guide(decoder, factory, backend, S)
-        self.stop_ids = (list(self.guide.decoder.config.stop_token_ids) if self.guide else
+        self.stop_ids = (list(self.guide.decoder.config.stop_token_ids or []) if self.guide else
                          [t for t in [tokenizer.eos_token_id] if t is not None])
         self.scheduler = SlotScheduler(self.sequences, S)
         self.steps = 0
@@ -183,12 +185,6 @@ class _Engine:
         if all(s.guide is None for s in self.sequences):
             return None
         V = self.runner.vocab_size
-        if kind == "capturable":
-            try:
-                from ..capturable import CapturableGuidedDecoder  # type: ignore[import-not-found]
-            except ImportError as e:
-                raise ConfigError("decoder='capturable' needs capgraph.capturable."
-                                  f"CapturableGuidedDecoder, which is not available ({e})") from e
         self._own_factory = factory is None
         if factory is None:
             from ..grammar import create_matcher_factory
@@ -199,11 +195,11 @@ class _Engine:
         if factory.config.vocab_size_padded != V:
             raise ConfigError(f"the factory's vocab_size_padded={factory.config.vocab_size_padded}"
                               f" differs from the model's vocabulary ({V})")
+        dec: GuidedDecoder
         if kind == "capturable":
             dec = CapturableGuidedDecoder(factory.config, S, self.K, device=self.device,
                                           factory=factory)
         else:
-            from ..decoder import GuidedDecoder
             dec = GuidedDecoder(factory.config, S, self.K, device=self.device, factory=factory)
         driver = GuideDriver(dec, self.K)
         self.clock.instrument(dec, sync=not driver.capturable)
@@ -258,7 +254,7 @@ class _Engine:
 
     def _context_step(self, seqs: list[Seq]) -> None:
         with self.clock.time("prefill"):
-            logits = torch.cat([self.runner.prefill(s.slot, s.prompt) for s in seqs])
+            logits = torch.cat([self.runner.prefill(s.seq_slot, s.prompt) for s in seqs])
             if self.drafter is not None:
                 for s in seqs:
                     self.drafter.start(s.slot, s.prompt)  # type: ignore[arg-type]
@@ -276,12 +272,16 @@ class _Engine:
 
     def _decode_step(self, seqs: list[Seq]) -> None:
         K, B, runner = self.K, len(seqs), self.runner
-        slots: list[int] = [s.slot for s in seqs]  # type: ignore[misc]
+        slots = [s.seq_slot for s in seqs]
         drafts: list[list[int]] = [[] for _ in seqs]
         if self.drafter is not None:
             with self.clock.time("draft"):
                 drafts = self.drafter.propose(slots, [s.context for s in seqs])
-        bs = runner.graph_batch_size(B) if self.use_graphs else B
+        fitting = runner.graph_batch_size(B) if self.use_graphs else B
+        if fitting is None:
+            raise RuntimeError(f"no captured CUDA graph holds a batch of {B} (captured: "
+                               f"{sorted(runner.graphs)})")
+        bs = fitting
         # each sequence feeds its newest token (not yet in its cache) and its drafts
         inputs = [[s.output[-1]] + d for s, d in zip(seqs, drafts)]
         runner.load_step(slots, inputs, [s.num_cached for s in seqs], bs)
@@ -290,7 +290,7 @@ class _Engine:
             self.guide.begin_decode(seqs, drafts, pad_to=bs if self.guide_in_graph else None)
         if self.use_graphs:
             with self.clock.time("forward"):
-                logits, sampled = runner.replay(bs)  # type: ignore[misc]
+                logits, sampled = runner.replay(bs)
             logits = logits[:rows]
         else:
             with self.clock.time("forward"):

@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from ..capturable import CapturableGuidedDecoder
 from ..decoder import FailedRequest, GuidedDecoder
 from ..requests import GuidedRequest
 from .scheduler import Sequence as Seq
@@ -32,10 +33,6 @@ __all__ = ["GuideDriver", "StageClock", "is_capturable"]
 
 def is_capturable(decoder: GuidedDecoder) -> bool:
     """Whether ``decoder`` follows the capturable protocol (``execute`` returns nothing)."""
-    try:
-        from ..capturable import CapturableGuidedDecoder  # type: ignore[import-not-found]
-    except ImportError:
-        return False
     return isinstance(decoder, CapturableGuidedDecoder)
 
 
@@ -97,6 +94,8 @@ class GuideDriver:
         self.decoder = decoder
         self.num_draft_tokens = num_draft_tokens
         self.capturable = is_capturable(decoder)
+        # the same decoder, typed for the capturable protocol's calls (None if eager)
+        self._capt = decoder if isinstance(decoder, CapturableGuidedDecoder) else None
         self._failed: list[FailedRequest] = []
 
     # -- the two kinds of step ---------------------------------------------------------------
@@ -113,8 +112,9 @@ class GuideDriver:
         requests so the layout matches a padded (graph) batch."""
         K = self.num_draft_tokens
         reqs = [GuidedRequest.generation(
-            s.index, s.slot, s.guide, s.output[-1],  # type: ignore[arg-type]
-            draft_tokens=drafts[i] if K else None, num_accepted_draft_tokens=s.accepted_prev)
+            s.index, s.seq_slot, s.guide, s.output[-1],
+            draft_tokens=drafts[i] if K and drafts is not None else None,
+            num_accepted_draft_tokens=s.accepted_prev)
             for i, s in enumerate(seqs)]
         reqs += self._placeholders(len(seqs), pad_to or 0)
         self._begin(reqs, K, speculative=K > 0, graphed=pad_to is not None)
@@ -137,19 +137,19 @@ class GuideDriver:
         dec.add_batch(reqs, runtime_draft_len=draft_len)
         if speculative:
             # settle the previous verification before this step's build advances the matchers
-            if self.capturable:
+            if self._capt is not None:
                 accepted = [(r.num_accepted_draft_tokens or 0) + 1 for r in reqs]  # bonus too
-                dec.rollback_rejected_batch(torch.tensor(accepted, dtype=torch.int32))
+                self._capt.rollback_rejected_batch(torch.tensor(accepted, dtype=torch.int32))
             else:
                 dec.rollback_rejected_tokens()
-        if self.capturable and not graphed:
-            dec.prepare()  # enqueue the host build now, so it overlaps the forward
+        if self._capt is not None and not graphed:
+            self._capt.prepare()  # enqueue the host build now, so it overlaps the forward
 
     def tokens_ready(self) -> None:
         """Inside a captured step, before the forward: each replay's callbacks wait for the
         tokens copied before it (capturable decoder only)."""
-        if self.capturable:
-            self.decoder.record_tokens_ready()
+        if self._capt is not None:
+            self._capt.record_tokens_ready()
 
     def apply(self, logits: torch.Tensor) -> None:
         """Mask ``logits`` (one row per layout row) in place; safe in a capture if capturable."""

@@ -50,7 +50,8 @@ def tiny_llama(vocab_size: int, seed: int = 0, *, hidden: int = 64, layers: int 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    return model.to(device=device, dtype=dtype).eval()
+    # (transformers types PreTrainedModel.to through a decorator mypy misreads)
+    return model.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]
 
 
 def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
@@ -62,7 +63,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
         raise ConfigError(f"load_model: {os.fspath(path)!r} is not a directory")
     model = AutoModelForCausalLM.from_pretrained(os.fspath(path), local_files_only=True,
                                                  attn_implementation="sdpa", dtype=dtype)
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]  # (as in tiny_llama)
 
 
 class _WriteTarget:
@@ -89,8 +90,9 @@ class _SlotLayer(CacheLayerMixin):
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.target = target
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        # typed references: the base class declares keys/values Optional
+        self.slot_keys = self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.slot_values = self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.device = device
         self.max_cache_len = shape[1]
         self.is_initialized = True
@@ -102,10 +104,14 @@ class _SlotLayer(CacheLayerMixin):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states: [B, kv_heads, T, hd]; indices [B, 1] x [B, T] address [B, T, kv_heads, hd]
         slots, pos = self.target.slot_ids, self.target.positions
-        self.keys.index_put_((slots[:, None], pos), key_states.transpose(1, 2))
-        self.values.index_put_((slots[:, None], pos), value_states.transpose(1, 2))
+        if slots is None or pos is None:
+            raise RuntimeError("SlotKVCache: set cache.target.slot_ids and .positions before "
+                               "the forward")
+        keys, values = self.slot_keys, self.slot_values
+        keys.index_put_((slots[:, None], pos), key_states.transpose(1, 2))
+        values.index_put_((slots[:, None], pos), value_states.transpose(1, 2))
         # this step's slots, whole rows: [B, kv_heads, max_seq_len, hd]
-        return self.keys[slots].transpose(1, 2), self.values[slots].transpose(1, 2)
+        return keys[slots].transpose(1, 2), values[slots].transpose(1, 2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
@@ -137,11 +143,13 @@ class SlotKVCache(Cache):
         self.target = _WriteTarget()
         shape = (num_slots, max_seq_len, kv_heads, head_dim)
         device = torch.device(device)
-        super().__init__(layers=[_SlotLayer(self.target, shape, dtype, device)
-                                 for _ in range(text.num_hidden_layers)])
+        self.slot_layers = [_SlotLayer(self.target, shape, dtype, device)
+                            for _ in range(text.num_hidden_layers)]
+        super().__init__(layers=list(self.slot_layers))
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
+        return sum(layer.slot_keys.nbytes + layer.slot_values.nbytes
+                   for layer in self.slot_layers)

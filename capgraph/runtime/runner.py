@@ -10,7 +10,7 @@ points the unused rows of a padded batch at a dummy slot, so a graph captured fo
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 
@@ -61,7 +61,8 @@ class ModelRunner:
         param = next(model.parameters())
         self.model = model
         self.device, self.dtype = param.device, param.dtype
-        self.vocab_size: int = model.config.get_text_config(decoder=True).vocab_size
+        config: Any = model.config  # a transformers model's config
+        self.vocab_size: int = config.get_text_config(decoder=True).vocab_size
         self.max_num_sequences = max_num_sequences
         self.max_seq_len = max_seq_len
         self.tokens_per_seq = T = tokens_per_seq
@@ -81,7 +82,7 @@ class ModelRunner:
         self._kv_positions = torch.arange(max_seq_len, device=self.device)
         self._pinned = self.device.type == "cuda"
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Any]] = {}
-        self.graph_pool = None
+        self.graph_pool: Any = None  # the shared memory pool, set by the first capture
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
@@ -204,7 +205,7 @@ class ModelRunner:
     def replay(self, bs: int) -> Any:
         """Replay the graph captured for ``bs``; returns its static outputs."""
         graph, outputs = self.graphs[bs]
-        replayed = graph.replay()
+        replayed = cast(Any, graph).replay()  # a CPU stand-in graph returns its outputs
         return outputs if outputs is not None else replayed
 
     def release_graphs(self) -> None:

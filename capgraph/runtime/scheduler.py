@@ -43,6 +43,13 @@ class Sequence:
         return self.finish_reason is not None
 
     @property
+    def seq_slot(self) -> int:
+        """The slot of a scheduled sequence."""
+        if self.slot is None:
+            raise RuntimeError(f"sequence {self.index} is not scheduled into a slot")
+        return self.slot
+
+    @property
     def context(self) -> list[int]:
         """Prompt and output so far (what a drafter continues)."""
         return self.prompt + self.output
