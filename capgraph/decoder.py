@@ -125,6 +125,7 @@ class GuidedDecoder:
         self._probe = _probe_window(self.grammar_matcher_factory.likely_allowed_token_ids(),
                                     self._full_words)
         self._stop_ids = frozenset(config.stop_token_ids or ())
+        self._masked_rows = False  # the last build set some token_mask entry
 
     # -- properties --------------------------------------------------------------------------
     @property
@@ -204,8 +205,7 @@ class GuidedDecoder:
             torch.cuda.current_stream(self.device).wait_event(self.bitmask_event)
             self.apply_bitmask(logits, d2t, n)
             self.token_event.record()
-        elif any(self.num_guided_tokens[r.seq_slot] for r in requests.valid_requests()
-                 if r.seq_slot is not None and 0 <= r.seq_slot < self.max_num_sequences):
+        elif self._masked_rows:  # on CPU a step that masks nothing costs nothing more
             self.apply_bitmask(logits, d2t, n)
         self._record_failed(failed)
         return self.take_failed_requests()
@@ -370,6 +370,7 @@ class GuidedDecoder:
         """
         failed: list[FailedRequest] = []
         self._token_mask_np[:requests.num_bitmask_tokens] = 0
+        self._masked_rows = False
         act = _Active()
         reqs, slots, matchers, offsets, drafts, tokens = act.columns
         seen: set[int] = set()
@@ -532,6 +533,8 @@ class GuidedDecoder:
                 token_mask[rows[0]] = 1
             elif rows:
                 token_mask[rows] = 1
+            if rows:
+                self._masked_rows = True
             if i >= draft_len:  # no request has a draft token left
                 return
             # feed each request its i-th draft token; the ones that took it go on
