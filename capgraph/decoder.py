@@ -371,8 +371,13 @@ class GuidedDecoder:
         failed: list[FailedRequest] = []
         self._token_mask_np[:requests.num_bitmask_tokens] = 0
         self._masked_rows = False
-        act = _Active()
-        reqs, slots, matchers, offsets, drafts, tokens = act.columns
+        reqs: list[GuidedRequest] = []
+        slots: list[int] = []
+        matchers: list[GrammarMatcher] = []
+        offsets: list[int] = []
+        drafts: list[Sequence[int]] = []
+        tokens: list[int | None] = []
+        act = _Active(reqs, slots, matchers, offsets, drafts, tokens)
         seen: set[int] = set()
         draft_slots: list[int] = []
         nseq, V, draft_len = self.max_num_sequences, self.vocab_size_padded, \
@@ -766,15 +771,11 @@ class _Active:
 
     __slots__ = ("reqs", "slots", "matchers", "offsets", "drafts", "tokens")
 
-    def __init__(self, reqs: list | None = None, slots: list | None = None,
-                 matchers: list | None = None, offsets: list | None = None,
-                 drafts: list | None = None, tokens: list | None = None) -> None:
-        self.reqs: list[GuidedRequest] = [] if reqs is None else reqs
-        self.slots: list[int] = [] if slots is None else slots
-        self.matchers: list[GrammarMatcher] = [] if matchers is None else matchers
-        self.offsets: list[int] = [] if offsets is None else offsets
-        self.drafts: list[Sequence[int]] = [] if drafts is None else drafts
-        self.tokens: list[int | None] = [] if tokens is None else tokens
+    def __init__(self, reqs: list[GuidedRequest], slots: list[int],
+                 matchers: list[GrammarMatcher], offsets: list[int],
+                 drafts: list[Sequence[int]], tokens: list[int | None]) -> None:
+        self.reqs, self.slots, self.matchers = reqs, slots, matchers
+        self.offsets, self.drafts, self.tokens = offsets, drafts, tokens
 
     @property
     def columns(self) -> tuple[list, list, list, list, list, list]:
