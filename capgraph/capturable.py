@@ -86,6 +86,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._fetched_epoch = 0  # callback side
         self._warmup = 0
         self._prepared = False
+        self._tokens_recorded_in_capture = False  # record_tokens_ready() ran in this capture
         self.active = False
         if self.device.type == "cpu":  # on CUDA the base class made the torch streams
             self._streams = HostStepStreams()
@@ -120,6 +121,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 "runtime_draft_len): pass runtime_draft_len by keyword")
         snapshot = GuidedRequest.snapshot
         super().add_batch([snapshot(r) for r in requests], runtime_draft_len)
+        self._tokens_recorded_in_capture = False
         batch = self.requests
         if new_tokens is not None:
             self._copy_new_tokens(new_tokens)
@@ -141,10 +143,15 @@ class CapturableGuidedDecoder(GuidedDecoder):
         """Record the tokens event on the current stream.
 
         Call it from the step's input preparation *inside* the captured region, after the
-        step's new tokens are in place, so that each replay's callbacks wait for them.
-        ``add_batch`` also records it (outside capture) after its own token copy.
+        step's new tokens are in place, so that each replay's callbacks wait for them (and
+        no longer: the host work then overlaps the forward). ``add_batch`` also records it
+        (outside capture) after its own token copy. A capture without it still works: the
+        step's ``prepare`` / ``execute`` records it where it is called, so the host work waits
+        for everything enqueued before it.
         """
         self._streams.record_tokens()
+        if self._streams.is_capturing():
+            self._tokens_recorded_in_capture = True
 
     @contextmanager
     def warmup(self) -> Iterator[None]:
@@ -173,6 +180,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
         """
         if self._prepared:
             return
+        if self._streams.is_capturing() and not self._tokens_recorded_in_capture:
+            # the side stream must wait on an event recorded inside this capture: one recorded
+            # before it would leave the host work outside the graph (and CUDA rejects the join)
+            self._streams.record_tokens()
+        self._tokens_recorded_in_capture = False
         with self._streams.side():
             self._streams.wait_tokens()
             self.host_step()  # fetch, init, build: one host callback

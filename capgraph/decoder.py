@@ -18,6 +18,8 @@ from typing import Sequence, TypeGuard, cast
 import numpy as np
 import torch
 
+import hostfunc
+
 from ._nvtx import nvtx_range
 from .bitmask import (allocate_host_bitmask, allocate_host_token_mask, bitmask_dtype,
                       split_last_word,
@@ -25,6 +27,7 @@ from .bitmask import (allocate_host_bitmask, allocate_host_token_mask, bitmask_d
 from .errors import (ConfigError, DeadEndError, LayoutError, RequestError, TensorArgError)
 from .grammar import CompileHandle, GrammarMatcher, GrammarMatcherFactory, create_matcher_factory
 from .ops import logits_bitmask
+from .ops.op import _cuda_kernel
 from .params import GuidedDecodingConfig
 from .requests import GuidedRequest, GuidedRequests
 from .streams import CudaStepStreams, StepStreams
@@ -44,7 +47,9 @@ class GuidedDecoder:
         vocab_size_padded: width of full logits rows; defaults to ``config.vocab_size_padded``
             and must equal it.
         device: where logits live. On CUDA, masks are copied on a side stream ordered by two
-            events; on CPU the device buffers are the host buffers (no copy).
+            events, and the constructor loads the mask kernel (compiled through NVRTC on the
+            machine's first use, then read from the disk cache) so that no step compiles; on
+            CPU the device buffers are the host buffers (no copy).
         rank: this process's rank inside the tensor-parallel group (not the global rank),
             used when the logits are a vocab shard.
         factory: an existing matcher factory to share (its config must match); built from
@@ -99,6 +104,11 @@ class GuidedDecoder:
             self.stream = self._streams.stream
             self.token_event = self._streams.token_event
             self.bitmask_event = self._streams.bitmask_event
+            # what a first step must not do inside a graph capture: compile or load the mask
+            # kernel (once per machine, then cached on disk), probe the driver for hostfunc
+            with torch.cuda.device(self.device):
+                _cuda_kernel()
+            hostfunc.cuda_available()
 
         # Per-slot bookkeeping (plain lists: read and written per request on the host).
         self.grammar_matchers: list[GrammarMatcher | None] = [None] * max_num_sequences

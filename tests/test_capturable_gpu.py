@@ -58,6 +58,7 @@ def _decode(decoder_cls, factory, params, batch, steps, graph: bool):
     for step in range(steps):
         dec.add_batch(requests(step))
         if graph and cuda_graph is None:
+            tokens = model.tokens.clone()  # the warm-up steps sample; the replay starts here
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side), dec.warmup():
@@ -66,8 +67,9 @@ def _decode(decoder_cls, factory, params, batch, steps, graph: bool):
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             cuda_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(cuda_graph):
+            with torch.cuda.graph(cuda_graph):  # no record_tokens_ready(): execute records it
                 step_fn()
+            model.tokens.copy_(tokens)
             dec.add_batch(requests(step))  # the capture consumed the shape-giving batch
         if graph:
             cuda_graph.replay()
@@ -143,7 +145,7 @@ def test_gil_holding_sync_after_execute_does_not_deadlock(tmp_path):
     script.write_text(DEADLOCK_SCRIPT.format(tests=str(Path(__file__).parent)))
     try:
         out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                             timeout=120)
+                             timeout=60)
     except subprocess.TimeoutExpired:
         pytest.fail("deadlock: the GIL-holding synchronize never returned")
     assert out.returncode == 0 and "done" in out.stdout, out.stderr[-2000:]

@@ -132,6 +132,12 @@ def main() -> None:
         bench_cuda(args)
     else:
         print("cuda     skipped: no CUDA device (or torch is a CPU build)")
+    # A reset graph's entries are freed by the driver from its own thread: wait for that
+    # before the interpreter shuts down (a callback into a finalizing interpreter ends the
+    # calling thread, a driver thread here).
+    deadline = time.monotonic() + 30
+    while hostfunc.live_entries() and time.monotonic() < deadline:
+        time.sleep(0.01)
     live = hostfunc.live_entries()
     print(f"live entries at exit: {live}")
 

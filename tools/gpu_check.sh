@@ -4,7 +4,7 @@
 #
 # Here first:   PYTHON=.venv/bin/python bash tools/prepare_gpu_run.sh
 # Then, once:   device run  command="bash tools/gpu_check.sh"  carry=[".whl", ".gpu-cache"]
-#               timeout_s=600 (the steps' time boxes add up to 560 s; most finish far sooner)
+#               timeout_s=600 (the steps' time boxes add up to 540 s; most finish far sooner)
 # Logs and JSON land in $OUT (the device tool brings them back) or ./gpu-check-out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +29,9 @@ run() {  # run NAME SECONDS CMD...: time-boxed, logged, summarised; never aborts
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
   echo "=== $name: $*" | tee -a "$LOG"
-  timeout "$limit" "$@" >> "$LOG" 2>&1
+  # SIGINT first (pytest still writes its junit XML and summary, the benchmarks keep the JSON
+  # written so far), SIGKILL 15 s later if that did not end it
+  timeout -s INT -k 15 "$limit" "$@" >> "$LOG" 2>&1
   local rc=$?
   printf '%-16s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$SUMMARY"
 }
@@ -37,15 +39,26 @@ run() {  # run NAME SECONDS CMD...: time-boxed, logged, summarised; never aborts
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
 "$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" | tee -a "$LOG"
 
-run kernel 60 "$PY" -c "
+# a per-test limit where pytest-timeout is installed, so one hang cannot eat the whole box
+PER_TEST=()
+"$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout=90)
+
+# Time boxes add up to 540 s. Each step writes its results as it goes; xgrammar's CUDA kernel
+# (built with nvcc on first use, about a minute) comes last, so a slow build costs nothing else.
+run kernel 45 "$PY" -c "
 from capgraph.ops.cuda import load_kernel
 k = load_kernel(); assert k is not None, 'no kernel'; print('kernel compiled and loaded')"
-run gpu-tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests \
+run gpu-tests 210 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs ${PER_TEST[@]+"${PER_TEST[@]}"} tests \
     --junitxml="$OUT/gpu_tests.xml"
-[ -f tools/bench_kernel.py ] && run bench-kernel 80 "$PY" tools/bench_kernel.py --json "$OUT/bench_kernel.json"
-run bench-apply 60 "$PY" -m capgraph.bench apply --json "$OUT/bench_apply.json"
-run bench-hostfunc 30 "$PY" tools/bench_hostfunc.py
+[ -f tools/bench_kernel.py ] && run bench-kernel 70 "$PY" tools/bench_kernel.py \
+    --no-xgrammar-cuda --repeat 20 --json "$OUT/bench_kernel.json"
+run bench-apply 40 "$PY" -m capgraph.bench apply --no-cpu --no-xgrammar-cuda \
+    --json "$OUT/bench_apply.json"
+run bench-hostfunc 25 "$PY" tools/bench_hostfunc.py
 run bench-replay 90 "$PY" tools/bench_graph_replay.py --batch 8 64 --json "$OUT/bench_replay.json"
+[ -f tools/bench_kernel.py ] && run xgr-cuda 60 "$PY" tools/bench_kernel.py \
+    --dtypes bf16 --patterns random --batches 1,64,1024,4096 --repeat 20 \
+    --json "$OUT/bench_kernel_xgr_cuda.json"
 
 echo
 echo "---- tails ----"

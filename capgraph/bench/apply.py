@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, help="timed calls per method (default 20)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-cuda", action="store_true", help="skip the CUDA section")
+    p.add_argument("--no-cpu", action="store_true", help="skip the CPU section")
+    p.add_argument("--no-xgrammar-cuda", action="store_true",
+                   help="leave out xgrammar's CUDA kernel (its first use builds a torch "
+                        "extension with nvcc, which can take a minute)")
 
 
 def _torch_dtype(name: str):
@@ -65,7 +69,7 @@ def cpu_methods() -> dict[str, Callable]:
             "xgr_torch_native": xgrammar_backend("torch_native")}
 
 
-def cuda_methods() -> dict[str, Callable]:
+def cuda_methods(xgrammar_cuda: bool = True) -> dict[str, Callable]:
     """The CUDA set: capgraph, xgrammar's cuda and triton kernels, and the copy floor."""
     methods = cpu_methods()
     del methods["xgr_cpu"]
@@ -77,7 +81,8 @@ def cuda_methods() -> dict[str, Callable]:
                                             backend=backend)
         return apply
 
-    methods["xgr_cuda"] = xgrammar_backend("cuda")
+    if xgrammar_cuda:
+        methods["xgr_cuda"] = xgrammar_backend("cuda")
     methods["xgr_triton"] = xgrammar_backend("triton")
     return methods
 
@@ -158,14 +163,15 @@ def _summarize(row: dict, samples: dict[str, list[float]]) -> None:
                                       / row["d2d_copy_floor"]["median_ms"])
 
 
-def bench(device: str, batches, vocab: int, dtypes, repeat: int) -> list[dict]:
+def bench(device: str, batches, vocab: int, dtypes, repeat: int,
+          xgrammar_cuda: bool = True) -> list[dict]:
     """Every (dtype, batch) case on ``device``; one dict of figures per case."""
     import torch
     gen = torch.Generator().manual_seed(0)
     rows = []
     for dtype_name in dtypes:
         for batch in batches:
-            methods = cpu_methods() if device == "cpu" else cuda_methods()
+            methods = cpu_methods() if device == "cpu" else cuda_methods(xgrammar_cuda)
             original, bitmask, token_mask, indices = _inputs(batch, vocab, dtype_name, device,
                                                              gen)
             args = (bitmask, token_mask, indices, vocab)
@@ -212,11 +218,16 @@ def run(args: argparse.Namespace) -> dict:
     repeat = pick(args.repeat, q, 5, 20)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = bench("cpu", batches, vocab, dtypes, repeat)
-    print_table(CPU_COLUMNS, rows)
+    rows: list[dict] = []
+    if args.no_cpu:
+        print("cpu: skipped (--no-cpu)")
+    else:
+        rows = bench("cpu", batches, vocab, dtypes, repeat)
+        print_table(CPU_COLUMNS, rows)
     cuda_rows: list[dict] = []
     if torch.cuda.is_available() and not args.no_cuda:
-        cuda_rows = bench("cuda", batches, vocab, dtypes, repeat)
+        cuda_rows = bench("cuda", batches, vocab, dtypes, repeat,
+                          xgrammar_cuda=not args.no_xgrammar_cuda)
         print_table(CUDA_COLUMNS, cuda_rows)
     else:
         print("cuda: skipped (" + ("--no-cuda" if args.no_cuda else "no CUDA device") + ")")

@@ -85,8 +85,9 @@ def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
 @functools.lru_cache(maxsize=32)
 def _scalar(value: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A 0-dim constant tensor: passing it instead of a Python int spares torch wrapping the
-    number into a fresh tensor on every call."""
-    return torch.tensor(value, dtype=dtype, device=device)
+    number into a fresh tensor on every call. Made by a fill, not ``torch.tensor`` (a blocking
+    host-to-device copy that a CUDA graph capture forbids)."""
+    return torch.full((), value, dtype=dtype, device=device)
 
 
 def apply_logits_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
