@@ -389,3 +389,52 @@ def test_runtime_draft_len_passed_positionally_is_a_named_error(factory_cache):
         assert len(capt._queue) == 1
     finally:
         capt.close()
+
+
+class _StreamLog:
+    """A StepStreams stand-in that logs the protocol's calls (capturing or not)."""
+
+    def __init__(self, capturing: bool) -> None:
+        self.capturing, self.calls = capturing, []
+
+    def is_capturing(self) -> bool:
+        return self.capturing
+
+    def side(self):
+        import contextlib
+        self.calls.append("side")
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name):  # wait_tokens, record_tokens, record_bitmask, ...
+        return lambda *a: self.calls.append(name)
+
+
+@pytest.mark.parametrize("capturing,ready,expect", [
+    # inside a capture the side stream must wait on an event recorded in that capture
+    (True, False, ["record_tokens", "side", "wait_tokens", "record_bitmask"]),
+    # ... but not a second time when the caller marked the tokens ready (keeps the overlap)
+    (True, True, ["record_tokens", "side", "wait_tokens", "record_bitmask"]),
+    # outside a capture add_batch recorded it already
+    (False, False, ["side", "wait_tokens", "record_bitmask"]),
+])
+def test_prepare_records_the_tokens_event_inside_a_capture_once(factory_cache, capturing,
+                                                               ready, expect):
+    factory = factory_cache("mistral-sp32k")
+    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory)
+    try:
+        capt.add_batch([GuidedRequest.context(1, 0, GuidedDecodingParams.regex("a+"))])
+        original, capt._streams = capt._streams, _StreamLog(capturing)
+        log = capt._streams
+        capt.host_step = lambda: None
+        capt.copy_bitmask = lambda n: None
+        if ready:
+            capt.record_tokens_ready()
+        capt.prepare()
+        assert log.calls == expect
+        capt._prepared = False
+        log.calls.clear()
+        capt.prepare()  # a later step: the mark was for the previous one, so the same calls
+        assert log.calls == expect
+    finally:
+        capt._streams = original
+        capt.close()
