@@ -33,6 +33,13 @@ class StepHarness(Protocol):
     ``prepare(i)`` does the host-side work before step ``i`` (``add_batch``, copying inputs
     into static buffers); ``step()`` is the part that is captured; ``outputs()`` returns the
     tensors to compare after a step (they are cloned).
+
+    Optional, used on CUDA when present: a ``decoder`` attribute (a capturable decoder: the
+    warm-up runs inside its ``warmup()``); a ``generators`` attribute, the CUDA
+    ``torch.Generator`` objects the step draws from (registered with the graph so that replays
+    advance them, and their states restored after the warm-up); a ``reset()`` method, called
+    after the warm-up to put back any other state the warm-up steps changed (sampled tokens,
+    counters), so that the captured instance starts where the eager one does.
     """
 
     def prepare(self, step: int) -> None: ...
@@ -151,6 +158,8 @@ def _capture(harness: StepHarness, device: torch.device, warmup: int
     decoder = getattr(harness, "decoder", None)
     warmup_fn = getattr(decoder, "warmup", None)
     warm = warmup_fn() if warmup_fn is not None else _nothing()
+    generators = list(getattr(harness, "generators", ()))
+    states = [g.get_state() for g in generators]
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side), warm:
@@ -158,7 +167,14 @@ def _capture(harness: StepHarness, device: torch.device, warmup: int
             harness.step()
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
+    for g, state in zip(generators, states):  # the warm-up's draws did not happen
+        g.set_state(state)
+    reset = getattr(harness, "reset", None)
+    if reset is not None:
+        reset()
     graph = torch.cuda.CUDAGraph()
+    for g in generators:
+        graph.register_generator_state(g)
     with torch.cuda.graph(graph):
         harness.step()
     return graph

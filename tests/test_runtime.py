@@ -317,10 +317,57 @@ def test_graph_replay_equals_eager_on_gpu(sp, factory, draft):
 @needs_cuda
 @needs_capturable
 @pytest.mark.gpu
-def test_captured_guided_step_equals_eager_on_gpu(sp, factory):
+@pytest.mark.parametrize("draft", ["none", "ngram", "model"])
+def test_captured_guided_step_equals_eager_on_gpu(sp, factory, draft):
     """With the capturable decoder the graph holds forward, mask and sampling; outputs equal
-    the eager decoder's token for token."""
+    the eager decoder's token for token, with speculative decoding too (drafts verified and
+    rolled back by callbacks inside the graph)."""
     model = tiny_llama(len(sp), seed=0, eos_token_id=sp.eos_token_id, device="cuda")
-    eager = run(sp, model, factory, device="cuda", cuda_graph=False)
-    graphed = run(sp, model, factory, device="cuda", cuda_graph=True, decoder="capturable")
+    kw = dict(device="cuda", draft=draft, num_draft_tokens=3)
+    eager = run(sp, model, factory, cuda_graph=False, **kw)
+    graphed = run(sp, model, factory, cuda_graph=True, decoder="capturable", **kw)
     assert [r.tokens for r in graphed] == [r.tokens for r in eager]
+
+
+@needs_cuda
+@needs_capturable
+@pytest.mark.gpu
+def test_sampling_inside_the_graph_is_seeded_and_guided_on_gpu(sp, factory):
+    """Temperature / top-k sampling captured in the graph (its generator registered with every
+    captured batch size) repeats exactly with the same seed, and guided outputs that stop
+    validate."""
+    model = tiny_llama(len(sp), seed=0, eos_token_id=sp.eos_token_id, device="cuda")
+    kw = dict(device="cuda", cuda_graph=True, decoder="capturable", temperature=1.5, top_k=50,
+              max_new_tokens=30)
+    a = run(sp, model, factory, PROMPTS[:4], GUIDES[:4], seed=1, **kw)
+    b = run(sp, model, factory, PROMPTS[:4], GUIDES[:4], seed=1, **kw)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    for r, g in zip(a, GUIDES[:4]):
+        assert r.finish_reason != "error", r.error
+        if g is not None and r.finish_reason == "stop":
+            assert check(r, g, factory), r.text
+
+
+@needs_capturable
+def test_take_failed_reraises_a_callback_error_of_the_step(factory):
+    """A replayed step reaches no drain: GuideDriver.take_failed (called after the step's
+    synchronisation) re-raises a host callback's exception then, not at a later, unrelated
+    drain. Eager drivers have no callbacks and do not look."""
+    import hostfunc
+    from capgraph.capturable import CapturableGuidedDecoder
+    from capgraph.decoder import GuidedDecoder
+    from capgraph.runtime.guide import GuideDriver
+
+    capt = GuideDriver(CapturableGuidedDecoder(factory.config, 2, 0, factory=factory), 0)
+    eager = GuideDriver(GuidedDecoder(factory.config, 2, 0, factory=factory), 0)
+    try:
+        hostfunc.launch(lambda: 1 / 0)  # stands in for a replayed callback that raised
+        hostfunc.current_stream().synchronize(30)
+        assert eager.take_failed() == []
+        with pytest.raises(hostfunc.HostFuncError) as info:
+            capt.take_failed()
+        assert isinstance(info.value.__cause__, ZeroDivisionError)
+        assert capt.take_failed() == []  # reported once
+    finally:
+        capt.close()
+        eager.close()

@@ -115,6 +115,9 @@ def run(args: argparse.Namespace) -> dict:
             print(f"  batch {batch}: " + ", ".join(
                 f"{v} {row[v + '_ms']:.2f} ms" for v in VARIANTS), flush=True)
     print_table(COLUMNS, rows)
+    if args.device == "cuda":
+        print("(cuda: 'eager build/apply ms' are host times; the apply column is the kernel "
+              "launch, its GPU time is in the step time)")
     return {"rows": rows, "model": model_kind, "hidden": args.hidden, "layers": args.layers,
             "device": args.device,
             "method": "median step time over steps; variants alternate within each step; "
@@ -221,7 +224,8 @@ def measure(tokenizer: str, batch: int, steps: int, warmup: int, model_kind: str
 
 def _time_stages(decoder) -> dict[str, list[float]]:
     """Wrap this decoder instance's host build and mask application with timers (about a
-    microsecond each); returns the lists they fill, one entry per call."""
+    microsecond each); returns the lists they fill, one entry per call. Host time: on CUDA
+    the apply is its kernel launch (no synchronisation is added to measure it)."""
     stages: dict[str, list[float]] = {"build": [], "apply": []}
     for name, stage in (("_build", "build"), ("apply_bitmask", "apply")):
         method = getattr(decoder, name)

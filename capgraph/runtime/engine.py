@@ -210,7 +210,12 @@ class _Engine:
         runner, sampler, guide = self.runner, self.sampler, self.guide
 
         def warmup(bs: int):
-            return sampler(runner.forward_step(bs))
+            logits = runner.forward_step(bs)
+            if self.guide_in_graph:
+                # the mask kernel's first launch on this stream happens here, not in the
+                # capture (every token_mask row is still 0: nothing changes)
+                guide.decoder.apply_bitmask(logits, None, logits.shape[0])  # type: ignore[union-attr]
+            return sampler(logits)
 
         def step(bs: int):
             if self.guide_in_graph:

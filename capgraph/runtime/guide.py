@@ -23,6 +23,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+import hostfunc
+
 from ..capturable import CapturableGuidedDecoder
 from ..decoder import FailedRequest, GuidedDecoder
 from ..requests import GuidedRequest
@@ -158,7 +160,15 @@ class GuideDriver:
             self._failed.extend(failed)
 
     def take_failed(self) -> list[FailedRequest]:
-        """Requests that failed since the last call (call after the step has synchronised)."""
+        """Requests that failed since the last call (call after the step has synchronised).
+
+        With the capturable decoder this is also where a host callback's exception from this
+        step's graph replay is re-raised (``hostfunc.HostFuncError``): nothing else in a
+        replayed step reaches a drain, and a pending error would otherwise surface at a later,
+        unrelated one.
+        """
+        if self._capt is not None:
+            hostfunc.check_errors()
         failed, self._failed = self._failed, []
         if self.capturable:
             failed.extend(self.decoder.take_failed_requests())
