@@ -549,3 +549,43 @@ def test_both_backends_name_the_single_byte_tokens_for_the_guard(factory_cache, 
     assert factory.config.stop_token_ids[0] in ids
     assert len(ids & set(range(1000, 1256))) >= 255
     assert len(ids) < 400
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_sequential_and_round_fills_agree(tiny, seed):
+    """The two ways a build fills rows (request by request for small batches, in rounds for
+    larger ones) leave identical masks, token masks, counters, failures and matchers, over
+    random steps with dead ends, invalid tokens, drafts, runtime draft lengths and
+    rollbacks."""
+    rng = random.Random(seed)
+    K, slots = 3, 4
+    decs = [GuidedDecoder(tiny.config, slots, K, factory=tiny) for _ in range(2)]
+    decs[0].sequential_fill_max, decs[1].sequential_fill_max = 0, 1000
+    guides = [rng.choice([DEAD, ALIVE]) for _ in range(slots)]
+    ctx = [GuidedRequest.context(10 + s, s, guides[s]) for s in range(slots)]
+    steps = [ctx] + [None] * 10
+    for step in steps:
+        if step is None:
+            n = rng.randint(1, slots)
+            chosen = rng.sample(range(slots), n)
+            step = [GuidedRequest.generation(
+                10 + s, s, guides[s], rng.choice([0, 1, 1, 3, 4]),
+                draft_tokens=[rng.choice([0, 1, 3, 4]) for _ in range(rng.randint(0, K))],
+                num_accepted_draft_tokens=rng.randint(0, K)) for s in chosen]
+        draft_len = rng.randint(0, K)
+        outcomes = []
+        for dec in decs:
+            dec.add_batch(step, runtime_draft_len=draft_len)
+            dec.rollback_rejected_tokens()
+            rows = dec.requests.num_bitmask_tokens
+            failed = dec.execute(torch.zeros(rows, 64))
+            tm = dec.token_mask_host[:rows].clone()
+            outcomes.append((sorted(failed), tm.tolist(),
+                             dec.bitmask_host[:rows][tm.bool()].clone(),
+                             list(dec.num_advanced_tokens), list(dec.num_guided_tokens),
+                             list(dec.is_draft_terminated),
+                             [m is None for m in dec.grammar_matchers]))
+        a, b = outcomes
+        assert a[0] == b[0] and a[1] == b[1] and a[3:] == b[3:]
+        assert torch.equal(a[2], b[2])
