@@ -257,11 +257,34 @@ def _convert_sentencepiece(source: Path) -> PreTrainedTokenizerFast:
     vocab = extractor.extract(BPE)["vocab"]  # type: ignore[call-overload]
     # Built from the model's own normalizer spec and piece scores, this encodes exactly like
     # SentencePieceProcessor.encode, dummy-prefix space included (LlamaTokenizer does not).
-    backend = SpmConverter.build_tokenizer_from_spm_proto(proto=extractor.proto, vocab=vocab,
-                                                          legacy=True)
+    # (legacy=True is the default where the parameter exists; older releases lack it)
+    backend = SpmConverter.build_tokenizer_from_spm_proto(proto=extractor.proto, vocab=vocab)
     trainer = extractor.proto.trainer_spec
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=trainer.bos_piece,
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=trainer.bos_piece,
                                    eos_token=trainer.eos_piece, unk_token=trainer.unk_piece)
+    _check_against_sentencepiece(fast, source)
+    return fast
+
+
+# Leading, doubled and trailing spaces, a newline, digits, punctuation, non-ASCII: where
+# converters that ignore the model's normalizer settings (dummy prefix, whitespace) go wrong.
+_SPM_PROBE = ' Hello  world!\n{"qty": 27, "note": "café"}  '
+
+
+def _check_against_sentencepiece(fast: PreTrainedTokenizerFast, source: Path) -> None:
+    """Refuse a conversion that does not encode like sentencepiece itself. transformers before
+    5.24 builds these tokenizers without the model's own normalizer settings, which changes
+    the ids of texts with leading spaces; caching that would mislead every later load."""
+    import sentencepiece
+    import transformers
+
+    reference = sentencepiece.SentencePieceProcessor(model_file=str(source))
+    ours = fast.encode(_SPM_PROBE, add_special_tokens=False)
+    if ours != reference.encode(_SPM_PROBE):
+        raise TokenizerLoadError(
+            f"converting {source.name} with transformers {transformers.__version__} gives "
+            "different token ids than sentencepiece itself; this conversion needs "
+            "transformers >= 5.24 (pip install -U transformers)")
 
 
 def _convert_qwen(source: Path) -> PreTrainedTokenizerFast:

@@ -371,3 +371,24 @@ def test_take_failed_reraises_a_callback_error_of_the_step(factory):
     finally:
         capt.close()
         eager.close()
+
+
+def test_the_runner_passes_the_cache_under_the_models_own_keyword():
+    """transformers 5.24 renamed the KV-cache argument (``past_key_values`` -> ``cache``) and a
+    wrong name is silently ignored (the model then runs without the cache): the runner reads
+    the name from the model's signature, and refuses a model that takes neither."""
+    from capgraph import ConfigError
+    from capgraph.runtime.runner import cache_keyword
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, **kw): ...
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kw): ...
+
+    class Neither(torch.nn.Module):
+        def forward(self, x): ...
+
+    assert cache_keyword(New()) == "cache" and cache_keyword(Old()) == "past_key_values"
+    with pytest.raises(ConfigError, match="neither 'cache' nor 'past_key_values'"):
+        cache_keyword(Neither())

@@ -185,3 +185,14 @@ def test_default_tokenizer_name(monkeypatch: pytest.MonkeyPatch) -> None:
     assert default_tokenizer_name() == "tekken"
     monkeypatch.setenv("CAPGRAPH_TOKENIZER", "qwen")
     assert default_tokenizer_name() == "qwen"
+
+
+def test_a_conversion_that_encodes_unlike_sentencepiece_is_refused() -> None:
+    """The sentencepiece conversion is checked against sentencepiece itself before it is
+    cached (transformers before 5.24 drops the model's normalizer settings): a tokenizer that
+    encodes differently is refused with a named error, the right one passes."""
+    pytest.importorskip("sentencepiece")
+    source = BUNDLED_TOKENIZERS["mistral-sp32k"].source_path()
+    tokenizers._check_against_sentencepiece(load_tokenizer("mistral-sp32k"), source)
+    with pytest.raises(TokenizerLoadError, match="different token ids than sentencepiece"):
+        tokenizers._check_against_sentencepiece(load_tokenizer("tekken"), source)

@@ -10,6 +10,7 @@ points the unused rows of a padded batch at a dummy slot, so a graph captured fo
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence, cast
 
 import torch
@@ -39,6 +40,19 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
     return sorted(set(sizes + [max_batch_size]))
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The name under which ``model``'s forward takes its KV cache: ``cache`` (transformers
+    5.2x renamed it) or ``past_key_values`` (earlier releases). Passing the wrong one is not an
+    error there: the model silently runs without the cache."""
+    params = inspect.signature(model.forward).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    raise ConfigError(f"{type(model).__name__}.forward takes neither 'cache' nor "
+                      "'past_key_values': not a transformers causal LM this runner can drive")
+
+
 class ModelRunner:
     """Runs ``model`` over a slot-indexed static KV cache.
 
@@ -60,6 +74,7 @@ class ModelRunner:
                               "must be >= 1, >= 2, >= 1")
         param = next(model.parameters())
         self.model = model
+        self._cache_kwarg = cache_keyword(model)
         self.device, self.dtype = param.device, param.dtype
         config: Any = model.config  # a transformers model's config
         self.vocab_size: int = config.get_text_config(decoder=True).vocab_size
@@ -101,7 +116,8 @@ class ModelRunner:
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
         out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
-                         cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+                         use_cache=True, logits_to_keep=1 if last_only else 0,
+                         **{self._cache_kwarg: self.cache})
         return out.logits.reshape(-1, out.logits.shape[-1])
 
     @torch.no_grad()
