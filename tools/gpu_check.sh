@@ -38,6 +38,8 @@ run() {  # run NAME SECONDS CMD...: time-boxed, logged, summarised; never aborts
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
 "$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" | tee -a "$LOG"
+# the versions that decide which code paths run (the image's, or the carried wheels')
+"$PY" -m pip list 2>/dev/null | grep -iE "^(torch|transformers|tokenizers|cuda-core|cuda-bindings|cuda-python|nvidia-cuda-nvrtc|triton|xgrammar|llguidance|apache-tvm-ffi) " | tee -a "$LOG"
 
 # a per-test limit where pytest-timeout is installed, so one hang cannot eat the whole box
 PER_TEST=()
