@@ -78,3 +78,17 @@ def test_core_modules_type_check():
          "--no-error-summary", *TYPED_CORE],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_readme_decode_loop_example_runs():
+    """The README's Python example runs as printed, and masks as it says."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Using it in a decode loop\s+```python\n(.*?)```", readme, re.S)
+    assert block, "the README lost its decode-loop example"
+    namespace: dict = {}
+    exec(compile(block.group(1), "README.md", "exec"), namespace)
+    assert namespace["failed"] == []
+    logits = namespace["logits"]
+    allowed = logits[0].isfinite()
+    assert 0 < int(allowed.sum()) < logits.shape[1]  # the schema's first tokens only
+    assert allowed[namespace["next_token"]]
