@@ -5,7 +5,8 @@
 # Here first:   PYTHON=.venv/bin/python bash tools/prepare_gpu_run.sh
 # Then, once:   device run  command="bash tools/gpu_check.sh"  carry=[".whl", ".gpu-cache"]
 #               timeout_s=600 (the steps' time boxes add up to 540 s; most finish far sooner)
-# Logs and JSON land in $OUT (the device tool brings them back) or ./gpu-check-out.
+# Logs and JSON land in $OUT (the device tool brings them back) or ./gpu-check-out; the
+# Markdown tables and target verdicts (tools/gpu_report.py) are printed and kept in report.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -62,6 +63,9 @@ run bench-replay 90 "$PY" tools/bench_graph_replay.py --batch 8 64 --json "$OUT/
     --dtypes bf16 --patterns random --batches 1,64,1024,4096 --repeat 20 \
     --json "$OUT/bench_kernel_xgr_cuda.json"
 
+echo
+echo "---- report (Markdown for docs/BENCHMARKS.md; also in report.md) ----"
+"$PY" tools/gpu_report.py "$OUT" | tee "$OUT/report.md"
 echo
 echo "---- tails ----"
 grep -E "passed|failed|error" "$LOG" | tail -n 5

@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""Turn what tools/gpu_check.sh brought back into Markdown for docs/BENCHMARKS.md.
+
+Reads the output folder of one GPU run (``summary.txt``, ``gpu_tests.xml``,
+``bench_kernel.json``, ``bench_kernel_xgr_cuda.json``, ``bench_apply.json``,
+``bench_replay.json``; any of them may be missing) and prints, in Markdown: the step summary,
+the test counts with every failing test, one table per benchmark, and the verdict on each GPU
+target of the issues:
+
+* kernel bandwidth: at batch >= 256, at least 80% of the device-to-device copy's bandwidth
+  measured in the same run, counting the bytes actually moved (every dtype and pattern);
+* kernel speed: never slower than xgrammar's fastest kernel (CUDA or Triton) at any batch;
+* graph replay: a replayed guided step costs at most 1.05x a replayed unguided one at batch 64.
+
+    python tools/gpu_report.py OUT_DIR > /tmp/gpu_tables.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+BANDWIDTH_TARGET = 0.80  # of the copy's bandwidth, at batch >= 256
+BANDWIDTH_MIN_BATCH = 256
+REPLAY_TARGET = 1.05  # guided / unguided replayed step, at batch 64
+REPLAY_BATCH = 64
+
+
+def _load(path: Path) -> Any | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:  # a step killed mid-write leaves a truncated file
+        return {"error": f"{path.name} is not readable JSON ({exc})"}
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table; numbers right-aligned, None shown as '-'."""
+    def cell(v: Any) -> str:
+        return "-" if v is None else str(v)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---:|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None, spec: str) -> str | None:
+    return None if value is None else format(value, spec)
+
+
+def tests_section(xml_path: Path) -> tuple[str, dict]:
+    """Counts from pytest's junit XML and the names of failing tests."""
+    if not xml_path.is_file():
+        return "GPU tests: no junit XML (the step did not finish)", {"ran": False}
+    root = ET.parse(xml_path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts: dict[str, Any] = {k: sum(int(s.get(k, 0)) for s in suites)
+                              for k in ("tests", "failures", "errors", "skipped")}
+    failing = []
+    for case in root.iter("testcase"):
+        for kind in ("failure", "error"):
+            node = case.find(kind)
+            if node is not None:
+                message = (node.get("message") or "").splitlines()[0][:160] if \
+                    node.get("message") else ""
+                failing.append(f"{case.get('classname')}::{case.get('name')} ({kind}: "
+                               f"{message})")
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    text = (f"GPU tests: {passed} passed, {counts['failures']} failed, {counts['errors']} "
+            f"errors, {counts['skipped']} skipped")
+    if failing:
+        text += "\n\n" + "\n".join(f"- {f}" for f in failing)
+    counts.update(passed=passed, failing=failing, ran=True)
+    return text, counts
+
+
+def kernel_section(data: dict | None, title: str) -> tuple[str, dict]:
+    """bench_kernel.py's rows as a table, and the two kernel targets over them."""
+    if data is None:
+        return f"{title}: no results", {}
+    if "error" in data:
+        return f"{title}: {data['error']}", {}
+    rows, verdict = [], {"min_pct_copy_large": None, "max_ratio_vs_xgrammar": None}
+    for r in data.get("rows", []):
+        pct = 100 * r["ours_GBps"] / r["copy_GBps"] if r.get("copy_GBps") else None
+        theirs = [r[k] for k in ("xgr_cuda_s", "xgr_triton_s") if r.get(k)]
+        ratio = r["ours_s"] / min(theirs) if theirs else None
+        if pct is not None and r["batch"] >= BANDWIDTH_MIN_BATCH:
+            prev = verdict["min_pct_copy_large"]
+            verdict["min_pct_copy_large"] = pct if prev is None else min(prev, pct)
+        if ratio is not None:
+            prev = verdict["max_ratio_vs_xgrammar"]
+            verdict["max_ratio_vs_xgrammar"] = ratio if prev is None else max(prev, ratio)
+        us: Callable[[str], str | None] = lambda k: _fmt(  # noqa: E731
+            r[k] * 1e6 if r.get(k) else None, ".1f")
+        rows.append([r["dtype"], r["pattern"], r["batch"], us("ours_s"),
+                     _fmt(r.get("ours_GBps"), ".0f"), _fmt(r.get("copy_GBps"), ".0f"),
+                     _fmt(pct, ".1f"), us("xgr_cuda_s"), us("xgr_triton_s"),
+                     _fmt(ratio, ".2f")])
+    head = (f"{title} ({data.get('device', '?')}, V = {data.get('vocab', '?')}, "
+            f"{data.get('date', '?')})")
+    unavailable = data.get("unavailable") or {}
+    if unavailable:
+        head += "\n\n" + "\n".join(f"- {k}: {v}" for k, v in unavailable.items())
+    errors = sorted({f"{k}: {v}" for r in data.get("rows", []) for k, v in r.items()
+                     if k.endswith("_error")})
+    if errors:
+        head += "\n\n" + "\n".join(f"- {e}" for e in errors)
+    return head + "\n\n" + table(
+        ["dtype", "pattern", "B", "capgraph us", "GB/s", "copy GB/s", "% of copy",
+         "xgr cuda us", "xgr triton us", "capgraph / best xgr"], rows), verdict
+
+
+def apply_section(data: dict | None) -> str:
+    if data is None:
+        return "capgraph bench apply (CUDA): no results"
+    rows = []
+    for r in data.get("cuda_rows", []):
+        ms: Callable[[str], str | None] = lambda k: _fmt(  # noqa: E731
+            r[k]["median_ms"] if k in r else None, ".4f")
+        rows.append([r["dtype"], r["batch"], r.get("active_rows"), ms("capgraph"),
+                     ms("xgr_cuda"), ms("xgr_triton"), ms("xgr_torch_native"),
+                     ms("d2d_copy_floor"), _fmt(r.get("ratio_vs_best_xgrammar"), ".2f"),
+                     _fmt(r.get("ratio_vs_copy_floor"), ".2f")])
+    if not rows:
+        return "capgraph bench apply (CUDA): no CUDA rows"
+    return "capgraph bench apply (CUDA, V = 131072)\n\n" + table(
+        ["dtype", "B", "active", "capgraph ms", "xgr cuda ms", "xgr triton ms",
+         "xgr torch ms", "d2d copy ms", "capgraph/best", "capgraph/copy"], rows)
+
+
+def replay_section(data: dict | None) -> tuple[str, dict]:
+    if data is None:
+        return "bench_graph_replay: no results", {}
+    rows, verdict = [], {"ratio_at_64": None}
+    for r in data.get("rows", []):
+        rows.append([r["batch"], f"{r['unguided_steps']}/{r['guided_steps']}",
+                     _fmt(r["unguided_ms_per_step"], ".3f"), _fmt(r["guided_ms_per_step"], ".3f"),
+                     _fmt(r["ratio"], ".3f")])
+        if r["batch"] == REPLAY_BATCH:
+            verdict["ratio_at_64"] = r["ratio"]
+    return (f"bench_graph_replay ({data.get('device', '?')})\n\n" + table(
+        ["batch", "steps unguided/guided", "unguided ms/step", "guided ms/step", "ratio"],
+        rows)), verdict
+
+
+def targets_section(kernel: dict, replay: dict) -> str:
+    def line(name: str, value: float | None, ok: Callable[[float], bool], shown: str) -> str:
+        if value is None:
+            return f"| {name} | not measured | - |"
+        return f"| {name} | {shown.format(value)} | {'yes' if ok(value) else 'no'} |"
+    return "\n".join([
+        "| target | measured | met? |", "|---|---|---|",
+        line(f"kernel >= {BANDWIDTH_TARGET:.0%} of copy bandwidth at batch >= "
+             f"{BANDWIDTH_MIN_BATCH}", kernel.get("min_pct_copy_large"),
+             lambda v: v >= 100 * BANDWIDTH_TARGET, "lowest {:.1f}%"),
+        line("kernel no slower than xgrammar's fastest at any batch",
+             kernel.get("max_ratio_vs_xgrammar"), lambda v: v <= 1.0, "worst {:.2f}x"),
+        line(f"replayed guided step <= {REPLAY_TARGET}x unguided at batch {REPLAY_BATCH}",
+             replay.get("ratio_at_64"), lambda v: v <= REPLAY_TARGET, "{:.3f}x"),
+    ])
+
+
+def report(out: Path) -> str:
+    parts = []
+    summary = out / "summary.txt"
+    if summary.is_file():
+        parts.append("Steps (name, exit code, seconds):\n\n```\n" + summary.read_text().strip()
+                     + "\n```")
+    parts.append(tests_section(out / "gpu_tests.xml")[0])
+    kernel_text, kernel = kernel_section(_load(out / "bench_kernel.json"), "bench_kernel")
+    parts.append(kernel_text)
+    xgr_text, xgr = kernel_section(_load(out / "bench_kernel_xgr_cuda.json"),
+                                   "bench_kernel with xgrammar's CUDA kernel")
+    parts.append(xgr_text)
+    parts.append(apply_section(_load(out / "bench_apply.json")))
+    replay_text, replay = replay_section(_load(out / "bench_replay.json"))
+    parts.append(replay_text)
+    # the speed verdict over both kernel runs (the second adds xgrammar's CUDA kernel)
+    ratios = [v for v in (kernel.get("max_ratio_vs_xgrammar"), xgr.get("max_ratio_vs_xgrammar"))
+              if v is not None]
+    kernel["max_ratio_vs_xgrammar"] = max(ratios) if ratios else None
+    parts.append(targets_section(kernel, replay))
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path, help="the folder gpu_check.sh wrote ($OUT)")
+    args = ap.parse_args(argv)
+    if not args.out.is_dir():
+        print(f"gpu_report: {args.out} is not a folder", file=sys.stderr)
+        return 2
+    sys.stdout.write(report(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
