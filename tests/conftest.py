@@ -62,3 +62,16 @@ def bits_of(row, vocab_size: int):
     shifts = torch.arange(32, dtype=torch.int32)
     bits = ((row.unsqueeze(-1) >> shifts) & 1).flatten()[:vocab_size]
     return bits.bool()
+
+
+@pytest.fixture(autouse=True)
+def no_callback_error_left_behind():
+    """A host callback error is process-wide until a drain reports it: one left behind by a
+    test would fail whichever test drains next. Report it against the test that left it."""
+    import hostfunc
+    from hostfunc import HostFuncError
+    yield
+    try:
+        hostfunc.check_errors()
+    except HostFuncError as exc:
+        pytest.fail(f"a host callback raised during this test and nothing reported it: {exc}")
