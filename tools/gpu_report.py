@@ -52,6 +52,16 @@ def _fmt(value: float | None, spec: str) -> str | None:
     return None if value is None else format(value, spec)
 
 
+def _us(row: dict, key: str) -> str | None:
+    """A seconds figure of a bench_kernel row in microseconds (None when absent)."""
+    return _fmt(row[key] * 1e6 if row.get(key) else None, ".1f")
+
+
+def _ms(row: dict, method: str) -> str | None:
+    """A method's median of a bench-apply row in milliseconds (None when absent)."""
+    return _fmt(row[method]["median_ms"] if method in row else None, ".4f")
+
+
 def tests_section(xml_path: Path) -> tuple[str, dict]:
     """Counts from pytest's junit XML and the names of failing tests."""
     if not xml_path.is_file():
@@ -95,11 +105,9 @@ def kernel_section(data: dict | None, title: str) -> tuple[str, dict]:
         if ratio is not None:
             prev = verdict["max_ratio_vs_xgrammar"]
             verdict["max_ratio_vs_xgrammar"] = ratio if prev is None else max(prev, ratio)
-        us: Callable[[str], str | None] = lambda k: _fmt(  # noqa: E731
-            r[k] * 1e6 if r.get(k) else None, ".1f")
-        rows.append([r["dtype"], r["pattern"], r["batch"], us("ours_s"),
+        rows.append([r["dtype"], r["pattern"], r["batch"], _us(r, "ours_s"),
                      _fmt(r.get("ours_GBps"), ".0f"), _fmt(r.get("copy_GBps"), ".0f"),
-                     _fmt(pct, ".1f"), us("xgr_cuda_s"), us("xgr_triton_s"),
+                     _fmt(pct, ".1f"), _us(r, "xgr_cuda_s"), _us(r, "xgr_triton_s"),
                      _fmt(ratio, ".2f")])
     head = (f"{title} ({data.get('device', '?')}, V = {data.get('vocab', '?')}, "
             f"{data.get('date', '?')})")
@@ -120,11 +128,9 @@ def apply_section(data: dict | None) -> str:
         return "capgraph bench apply (CUDA): no results"
     rows = []
     for r in data.get("cuda_rows", []):
-        ms: Callable[[str], str | None] = lambda k: _fmt(  # noqa: E731
-            r[k]["median_ms"] if k in r else None, ".4f")
-        rows.append([r["dtype"], r["batch"], r.get("active_rows"), ms("capgraph"),
-                     ms("xgr_cuda"), ms("xgr_triton"), ms("xgr_torch_native"),
-                     ms("d2d_copy_floor"), _fmt(r.get("ratio_vs_best_xgrammar"), ".2f"),
+        rows.append([r["dtype"], r["batch"], r.get("active_rows"), _ms(r, "capgraph"),
+                     _ms(r, "xgr_cuda"), _ms(r, "xgr_triton"), _ms(r, "xgr_torch_native"),
+                     _ms(r, "d2d_copy_floor"), _fmt(r.get("ratio_vs_best_xgrammar"), ".2f"),
                      _fmt(r.get("ratio_vs_copy_floor"), ".2f")])
     if not rows:
         return "capgraph bench apply (CUDA): no CUDA rows"

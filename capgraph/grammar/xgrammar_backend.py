@@ -199,16 +199,12 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         """One call into xgrammar's batch matcher: threads in C++, GIL released."""
         if not matchers:
             return
-        exact = [type(m) is XGrammarMatcher for m in matchers]
-        if exact.count(True) != len(exact):  # subclasses or wrappers: their own methods
+        # one pass: the FFI object of every plain XGrammarMatcher, None for subclasses and
+        # wrappers (their own methods run) or where xgrammar exposes none
+        handles = [m._handle if type(m) is XGrammarMatcher else None  # type: ignore[attr-defined]
+                   for m in matchers]
+        if len(handles) == 1 or None in handles or self._batch_fill_ffi is None:
+            # one row: the thread hand-off would cost more than it saves
             super().batch_fill(matchers, bitmask, indices)
             return
-        if len(matchers) == 1:  # the thread hand-off costs more than it saves for one row
-            matchers[0]._fill(bitmask, indices[0], False)  # type: ignore[attr-defined]
-            return
-        handles = [m._handle for m in matchers]  # type: ignore[attr-defined]
-        if self._batch_fill_ffi is not None and None not in handles:
-            self._batch_fill_ffi(handles, bitmask, list(indices), False)
-            return
-        natives = [m._matcher for m in matchers]  # type: ignore[attr-defined]
-        self._batch.batch_fill_next_token_bitmask(natives, bitmask, list(indices))
+        self._batch_fill_ffi(handles, bitmask, list(indices), False)
