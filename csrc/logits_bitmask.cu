@@ -4,13 +4,22 @@
 //   * without d2t: global id  t = col_offset + j
 //   * with d2t:    draft id   g = col_offset + j, global (target) id t = g + d2t[g]
 // and is masked (written as -inf) where bit (t % 32) of word (t / 32) of bitmask row r is 0.
-// Rows whose token_mask entry is 0 are not touched. token_mask and d2t may be null.
+// Rows whose token_mask entry is 0 are not touched. token_mask may be null.
 //
 // Grid: x = blocks along the row (each covers kThreads * kBitsPerThread columns), y = rows
 // (a grid-stride loop over rows past 65535). Each thread handles groups of kPack adjacent
 // columns, one packed (up to 16-byte) load/store per group, and classifies each group:
-//   all allowed -> no logits traffic at all; all masked -> one store of -inf, nothing read;
+//   all allowed -> no logits traffic at all;
+//   all masked  -> one packed store of -inf, nothing read;
 //   mixed       -> read, patch the masked lanes, write back.
+// (Measured on an H200 and not kept: storing single masked lanes without a read in mixed groups
+// was 13-15% faster on 98%-allowed rows but 6-13% slower on random and 2%-allowed rows, even
+// when each warp voted for one way; see docs/BENCHMARKS.md.)
+//
+// Measured on an H200 (docs/BENCHMARKS.md): with the d2t lookups compiled into the same entry
+// point, the plain path used up to 100 registers, a quarter of full occupancy, and ran at half
+// the bandwidth it reaches alone; d2t therefore has entry points of its own. 32 columns per
+// thread was slower than 16 at every large batch size measured.
 //
 // The kernel works on the raw bits of the logits (uint32 for fp32, uint16 for fp16/bf16), so
 // -inf is an exact bit pattern in every dtype and allowed entries keep every bit (NaN payloads
@@ -18,10 +27,11 @@
 // and with `nvcc -c`.
 //
 // Entry points are extern "C" (unmangled, so NVRTC needs no name expressions):
-//   capgraph_logits_bitmask_<f32|f16|bf16>_b<4|8|16|32>_p<1|2|4|8>
+//   capgraph_logits_bitmask_<f32|f16|bf16>_b<4|8|16>_p<1|2|4|8>[_d2t]
 // b = bits (columns) per thread, p = columns per packed access (p * element size <= 16 bytes,
-// p <= b). Every scalar parameter is 64-bit so that a launcher passing plain Python ints
-// (pointer-sized) matches the ABI without per-argument type annotations.
+// p <= b); the _d2t entries read the draft-to-target table, the others ignore that argument.
+// Every scalar parameter is 64-bit so that a launcher passing plain Python ints (pointer-sized)
+// matches the ABI without per-argument type annotations.
 //
 // Host contract (capgraph/ops/cuda.py checks it before choosing an entry point): p divides
 // width and the logits row stride, the logits base pointer is aligned to p * element size,
@@ -76,7 +86,7 @@ __device__ __forceinline__ unsigned allowed_bits_d2t(const unsigned* __restrict_
     return bits;
 }
 
-template <typename E, E kNegInf, int kBitsPerThread, int kPack>
+template <typename E, E kNegInf, int kBitsPerThread, int kPack, bool kD2t>
 __device__ __forceinline__ void mask_logits(E* __restrict__ logits, long long logits_row_stride,
                                             const unsigned* __restrict__ bitmask,
                                             long long bitmask_row_stride,
@@ -105,9 +115,9 @@ __device__ __forceinline__ void mask_logits(E* __restrict__ logits, long long lo
             if (col >= width32) {
                 break;
             }
-            const unsigned allowed = d2t == nullptr
-                ? allowed_bits<kPack>(row_words, col_offset + col)
-                : allowed_bits_d2t<kPack>(row_words, d2t, col_offset + col);
+            const unsigned allowed = kD2t
+                ? allowed_bits_d2t<kPack>(row_words, d2t, col_offset + col)
+                : allowed_bits<kPack>(row_words, col_offset + col);
             const unsigned masked = ~allowed & kAllMasked;
             if (masked == 0) {
                 continue;  // all allowed: no memory traffic
@@ -140,17 +150,24 @@ constexpr unsigned short kNegInfBF16 = 0xFF80u;
 
 }  // namespace capgraph
 
-#define CAPGRAPH_LOGITS_BITMASK_ENTRY(DTYPE, E, NEG_INF, BITS, PACK)                          \
-    extern "C" __global__ void __launch_bounds__(capgraph::kThreads)                          \
-        capgraph_logits_bitmask_##DTYPE##_b##BITS##_p##PACK(                                  \
-            E* __restrict__ logits, long long logits_row_stride,                              \
-            const unsigned* __restrict__ bitmask, long long bitmask_row_stride,               \
-            const int* __restrict__ token_mask, const int* __restrict__ d2t, long long rows,  \
-            long long width, long long col_offset) {                                          \
-        capgraph::mask_logits<E, NEG_INF, BITS, PACK>(logits, logits_row_stride, bitmask,     \
-                                                      bitmask_row_stride, token_mask, d2t,    \
-                                                      rows, width, col_offset);               \
+#define CAPGRAPH_LOGITS_BITMASK_KERNEL(NAME, E, NEG_INF, BITS, PACK, D2T)                     \
+    extern "C" __global__ void __launch_bounds__(capgraph::kThreads) NAME(                    \
+        E* __restrict__ logits, long long logits_row_stride,                                  \
+        const unsigned* __restrict__ bitmask, long long bitmask_row_stride,                   \
+        const int* __restrict__ token_mask, const int* __restrict__ d2t, long long rows,      \
+        long long width, long long col_offset) {                                              \
+        capgraph::mask_logits<E, NEG_INF, BITS, PACK, D2T>(logits, logits_row_stride,         \
+                                                           bitmask, bitmask_row_stride,       \
+                                                           token_mask, d2t, rows, width,      \
+                                                           col_offset);                       \
     }
+
+// one (dtype, bits, pack): the plain entry point and its d2t twin
+#define CAPGRAPH_LOGITS_BITMASK_ENTRY(DTYPE, E, NEG_INF, BITS, PACK)                          \
+    CAPGRAPH_LOGITS_BITMASK_KERNEL(capgraph_logits_bitmask_##DTYPE##_b##BITS##_p##PACK, E,    \
+                                   NEG_INF, BITS, PACK, false)                                \
+    CAPGRAPH_LOGITS_BITMASK_KERNEL(capgraph_logits_bitmask_##DTYPE##_b##BITS##_p##PACK##_d2t, \
+                                   E, NEG_INF, BITS, PACK, true)
 
 // fp32: packs of 1, 2, 4 elements (4, 8, 16 bytes)
 #define CAPGRAPH_F32_ENTRIES(BITS)                                                            \
@@ -170,14 +187,11 @@ constexpr unsigned short kNegInfBF16 = 0xFF80u;
 CAPGRAPH_F32_ENTRIES(4)
 CAPGRAPH_F32_ENTRIES(8)
 CAPGRAPH_F32_ENTRIES(16)
-CAPGRAPH_F32_ENTRIES(32)
 
 CAPGRAPH_16BIT_ENTRIES(f16, capgraph::kNegInfF16, 4)
 CAPGRAPH_16BIT_ENTRIES_WIDE(f16, capgraph::kNegInfF16, 8)
 CAPGRAPH_16BIT_ENTRIES_WIDE(f16, capgraph::kNegInfF16, 16)
-CAPGRAPH_16BIT_ENTRIES_WIDE(f16, capgraph::kNegInfF16, 32)
 
 CAPGRAPH_16BIT_ENTRIES(bf16, capgraph::kNegInfBF16, 4)
 CAPGRAPH_16BIT_ENTRIES_WIDE(bf16, capgraph::kNegInfBF16, 8)
 CAPGRAPH_16BIT_ENTRIES_WIDE(bf16, capgraph::kNegInfBF16, 16)
-CAPGRAPH_16BIT_ENTRIES_WIDE(bf16, capgraph::kNegInfBF16, 32)
