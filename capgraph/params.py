@@ -153,7 +153,11 @@ class GuidedDecodingConfig:
             environment variable ``CAPGRAPH_COMPILE_CACHE_BYTES``. 0 disables caching.
         compile_timeout_s: a compile that takes longer fails its request alone.
         compile_threads: worker threads that compile grammars off the decode path.
-        fill_threads: threads used by the batched bitmask fill (xgrammar); 0 = auto.
+        fill_threads: threads of xgrammar's batched bitmask fill; 1 (default) fills in the
+            calling thread, 0 lets xgrammar choose (half the hardware threads). Measured with
+            batches of 8 and 64 on a 2-core and a 16-core host, every thread count above 1 made
+            the fill slower (docs/BENCHMARKS.md): the hand-off to the pool's threads costs more
+            than the rows it spreads.
         json_any_whitespace: JSON-schema guides allow any whitespace between tokens (xgrammar);
             False makes them compact, so a model cannot loop on whitespace.
         json_unenforced_keywords: ``"error"`` (default): a JSON schema using a keyword the
@@ -171,7 +175,7 @@ class GuidedDecodingConfig:
     compile_cache_bytes: int = DEFAULT_COMPILE_CACHE_BYTES
     compile_timeout_s: float = 30.0
     compile_threads: int = 2
-    fill_threads: int = 0
+    fill_threads: int = 1
     json_any_whitespace: bool = True
     json_unenforced_keywords: str = "error"
     tokenizer_vocab_size: int = field(init=False, default=0)

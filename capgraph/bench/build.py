@@ -59,8 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", nargs="+",
                    help="bundled tokenizers (default tekken mistral-sp32k)")
     p.add_argument("--steps", type=int, help="timed steps per case (default 40)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="capgraph batch-fill threads (0 = xgrammar's auto)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="capgraph batch-fill threads (default 1, the library default; "
+                        "0 = xgrammar's auto)")
 
 
 def run(args: argparse.Namespace) -> dict:

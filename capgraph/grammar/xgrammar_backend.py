@@ -109,8 +109,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info,
                                              max_threads=max(1, config.compile_threads),
                                              cache_enabled=False)
-        # "auto" is xgrammar's choice (half the hardware threads). Measured on a 2-core host
-        # (tools/bench_build.py): 2 threads made batch fills ~10x slower than 1.
+        # fill_threads 0 is xgrammar's "auto" (half the hardware threads); 1, the default, was
+        # the fastest measured on a 2-core and a 16-core host (GuidedDecodingConfig).
         self._batch = xgr.BatchGrammarMatcher(config.fill_threads or "auto")
         batch_ffi = _ffi(self._batch, "batch_fill_next_token_bitmask")
         self._batch_fill_ffi = None if batch_ffi is None else \
