@@ -85,3 +85,28 @@ def test_missing_and_truncated_files_are_said(gpu_report, tmp_path):
     assert "bench_graph_replay: no results" in text
     assert text.count("not measured") == 3
     assert gpu_report.main([str(tmp_path / "nowhere")]) == 2
+
+
+def test_bench_kernel_counts_the_bytes_of_32_byte_sectors():
+    """tools/bench_kernel.py's byte count, on a hand-made row of fp32 logits (8 per sector):
+    an all-allowed sector moves nothing, an all-masked one 32 bytes (written), a mixed one 64
+    (read and written), a partial last sector its masked tokens twice; plus the bitmask."""
+    spec = importlib.util.spec_from_file_location("bench_kernel", ROOT / "tools" / "bench_kernel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import torch
+
+    vocab = 4 * 8 + 3  # four full sectors and three tokens of a fifth
+    allowed = torch.zeros(64, dtype=torch.int64)
+    allowed[0:8] = 1          # sector 0: all allowed -> 0
+    #                           sector 1: all masked  -> 32
+    allowed[16:23] = 1        # sector 2: one masked  -> 64
+    allowed[24] = 1           # sector 3: one allowed -> 64
+    allowed[32:34] = 1        # tail: 1 of 3 masked   -> 2 * 4
+    allowed[35:] = 1          # (past the vocabulary: ignored)
+    words = [int(sum(int(allowed[w * 32 + b]) << b for b in range(32))) for w in range(2)]
+    bitmask = torch.tensor([[w - (1 << 32) if w >= 1 << 31 else w for w in words]],
+                           dtype=torch.int32)
+    assert module._bytes_moved(bitmask, vocab, 4) == 32 + 64 + 64 + 8 + 2 * 4
+    # bf16: 16 tokens per sector; the first 32 tokens are sectors 0 (half allowed: mixed) and 1
+    assert module._bytes_moved(bitmask, 32, 2) == 64 + 64 + 8

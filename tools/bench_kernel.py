@@ -4,9 +4,10 @@ For each batch B (V = 128000 by default) and bitmask pattern, times one masking 
 and reports:
 
 * time per call (median of CUDA-event timings, L2 flushed before each call);
-* achieved bandwidth counting the bytes the kernel actually moves: per packed group of p
-  columns, nothing if all are allowed, p elements written if all are masked, p read and p
-  written if mixed; plus the bitmask words read;
+* achieved bandwidth counting the bytes the memory system must move, whatever the kernel: per
+  32-byte sector of logits (DRAM's unit of transfer on this hardware), nothing if every token
+  in it is allowed, 32 bytes written if every one is masked, 32 read and 32 written if mixed;
+  plus the bitmask words read. The same count serves every kernel compared;
 * the bandwidth of a device-to-device copy of the same number of bytes, measured in the same
   run, as the ceiling to compare with;
 * xgrammar's CUDA and Triton kernels (``xgrammar.apply_token_bitmask_inplace(...,
@@ -48,15 +49,20 @@ def _bitmask(rows: int, vocab: int, density: float, gen: torch.Generator) -> tor
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
-def _bytes_moved(bitmask: torch.Tensor, vocab: int, element_size: int, pack: int) -> int:
-    """Bytes the three-way kernel moves: per pack group 0 / p writes / p reads + p writes."""
+def _bytes_moved(bitmask: torch.Tensor, vocab: int, element_size: int) -> int:
+    """Bytes any masking kernel must move: per 32-byte sector of a logits row, 0 (all allowed),
+    32 (all masked: written only) or 64 (mixed: read and written); plus the bitmask read."""
     rows, words = bitmask.shape
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(rows, words * 32)[:, :vocab]
-    groups = allowed.view(rows, vocab // pack, pack).sum(-1)
-    all_masked = int((groups == 0).sum())
-    mixed = int(((groups > 0) & (groups < pack)).sum())
-    return (all_masked + 2 * mixed) * pack * element_size + bitmask.numel() * 4
+    per_sector = 32 // element_size
+    full = vocab // per_sector * per_sector
+    sectors = allowed[:, :full].reshape(rows, -1, per_sector).sum(-1)
+    all_masked = int((sectors == 0).sum())
+    mixed = int(((sectors > 0) & (sectors < per_sector)).sum())
+    tail = allowed[:, full:]  # a partial last sector: bytes of its masked tokens, read+written
+    tail_bytes = 2 * int((tail == 0).sum()) * element_size
+    return all_masked * 32 + mixed * 64 + tail_bytes + bitmask.numel() * 4
 
 
 def _time(fn, flush: torch.Tensor, repeat: int) -> float:
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
               "measure")
         return 0
     from capgraph.ops import logits_bitmask
-    from capgraph.ops.cuda import _pack_width, load_kernel, unavailable_reason
+    from capgraph.ops.cuda import load_kernel, unavailable_reason
 
     if load_kernel() is None:
         print(f"bench_kernel: the CUDA kernel is unavailable: {unavailable_reason()}")
@@ -148,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         for pattern in args.patterns.split(","):
             for batch in batches:
                 row = _bench_one(batch, vocab, dtype, _DENSITY[pattern], gen, flush, xgr,
-                                 args.repeat, logits_bitmask, _pack_width)
+                                 args.repeat, logits_bitmask)
                 row.update(dtype=dtype_name, pattern=pattern, batch=batch)
                 result["rows"].append(row)
                 xc, xt = row.get("xgr_cuda_s"), row.get("xgr_triton_s")
@@ -163,15 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _bench_one(batch, vocab, dtype, density, gen, flush, xgr, repeat, logits_bitmask,
-               pack_width) -> dict:
+def _bench_one(batch, vocab, dtype, density, gen, flush, xgr, repeat, logits_bitmask) -> dict:
     original = torch.randn(batch, vocab, generator=gen, device="cuda").to(dtype)
     bitmask = _bitmask(batch, vocab, density, gen)
     logits = original.clone()
     expected = original.clone()
     logits_bitmask(expected, bitmask)
     row: dict = {}
-    moved = _bytes_moved(bitmask, vocab, original.element_size(), pack_width(logits))
+    moved = _bytes_moved(bitmask, vocab, original.element_size())
     row["ours_s"] = _time(lambda: logits_bitmask(logits, bitmask), flush, repeat)
     row["bytes_moved"] = moved
     row["ours_GBps"] = moved / row["ours_s"] / 1e9
