@@ -21,9 +21,11 @@ The bindings release the GIL inside every driver call; the trampolines take it (
 VERIFICATION STATUS: the call sequence, argument passing (raw fn pointer and integer userData
 reaching the driver unchanged), GIL release during the calls, replay running the bound call each
 time and the destructor handing the key back were checked against the fake libcuda in
-tests/test_hostfunc_fake_driver.py. NOT yet confirmed on a GPU (tests/test_hostfunc_gpu.py):
-that a real capture accepts the user object and host node as issued here, that the destructor
-fires on torch's ``CUDAGraph.reset()``, and deadlock-freedom with real driver threads.
+tests/test_hostfunc_fake_driver.py. On a GPU (an H200, 2026-11-30), tests/test_hostfunc_gpu.py
+passed: a real capture accepts the user object and host node as issued here, a captured pair
+replayed ten times runs ten times, the destructor fires on torch's ``CUDAGraph.reset()`` (the
+entries and their arguments are freed), a second launch while a callback waits for the GIL
+does not deadlock, and cuda-python's one-shot wrapper fails replay where this route does not.
 """
 
 from __future__ import annotations
