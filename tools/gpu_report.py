@@ -151,11 +151,12 @@ def replay_section(data: dict | None) -> tuple[str, dict]:
     for r in data.get("rows", []):
         row = [r["batch"], f"{r['unguided_steps']}/{r['guided_steps']}",
                _fmt(r["unguided_ms_per_step"], ".3f"), _fmt(r["guided_ms_per_step"], ".3f"),
-               _fmt(r["ratio"], ".3f")]
+               _fmt(r["ratio"], ".3f"), _fmt(r.get("host_build_ms_per_step"), ".3f")]
         rows.append(([r.get("model", "?")] if models else []) + row)
         if r["batch"] == REPLAY_BATCH:
             verdict["ratio_at_64"][r.get("model") if models else None] = r["ratio"]
-    headers = ["batch", "steps unguided/guided", "unguided ms/step", "guided ms/step", "ratio"]
+    headers = ["batch", "steps unguided/guided", "unguided ms/step", "guided ms/step", "ratio",
+               "host build ms/step"]
     return (f"bench_graph_replay ({data.get('device', '?')})\n\n" + table(
         (["model"] if models else []) + headers, rows)), verdict
 
