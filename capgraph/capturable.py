@@ -90,6 +90,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self.active = False
         if self.device.type == "cpu":  # on CUDA the base class made the torch streams
             self._streams = HostStepStreams()
+        else:  # probe the driver for hostfunc now, not inside a first graph capture
+            hostfunc.cuda_available()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held by the decoder's buffers, the pinned token buffers included."""
@@ -365,7 +367,6 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._queue.clear()
             self._out_of_step(f"fetched epoch {epoch}, expected {expected}; still queued: "
                               f"{extra} (an add_batch without its execute)")
-        self.requests_hostfunc = batch
         if has_new_tokens:
             tokens = self._new_tokens_np
             for req in batch.requests:

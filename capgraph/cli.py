@@ -2,7 +2,6 @@
 
     capgraph info                 versions, devices, backends, bundled tokenizers
     capgraph tokenizer [NAME]     load (and convert once) a bundled tokenizer, show its facts
-    capgraph demo                 guided generation end to end, outputs validated
     capgraph bench BENCHMARK      the benchmark suite (build, tail, apply, memory, loop, all)
     capgraph demo [OPTIONS]       guided generation with a tiny random Llama, outputs validated
 """

@@ -18,8 +18,6 @@ from typing import Sequence, TypeGuard, cast
 import numpy as np
 import torch
 
-import hostfunc
-
 from ._nvtx import nvtx_range
 from .bitmask import (allocate_host_bitmask, allocate_host_token_mask, bitmask_dtype,
                       split_last_word,
@@ -108,10 +106,9 @@ class GuidedDecoder:
             self.token_event = self._streams.token_event
             self.bitmask_event = self._streams.bitmask_event
             # what a first step must not do inside a graph capture: compile or load the mask
-            # kernel (once per machine, then cached on disk), probe the driver for hostfunc
+            # kernel (once per machine, then cached on disk)
             with torch.cuda.device(self.device):
                 _cuda_kernel()
-            hostfunc.cuda_available()
 
         # Per-slot bookkeeping (plain lists: read and written per request on the host).
         self.grammar_matchers: list[GrammarMatcher | None] = [None] * max_num_sequences

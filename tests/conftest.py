@@ -56,6 +56,20 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+def bits(t):
+    """Integer view of a float tensor, so that NaNs compare equal to themselves and -0.0
+    differs from 0.0."""
+    import torch
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def random_d2t(g, draft_vocab: int, target_vocab: int, device: str = "cpu"):
+    """Full d2t table: draft id i -> a distinct random (non-monotone) target id, as offsets."""
+    import torch
+    targets = torch.randperm(target_vocab, generator=g, device=device)[:draft_vocab]
+    return (targets - torch.arange(draft_vocab, device=device)).to(torch.int32)
+
+
 def bits_of(row, vocab_size: int):
     """The allowed-token set of one int32 bitmask row (bit j of word w is token 32*w + j)."""
     import torch

@@ -17,19 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import bits, random_d2t
 from capgraph.bitmask import words_per_row
 from capgraph.ops import cuda as cuda_backend
 from capgraph.ops import logits_bitmask_reference
-from capgraph.ops.cuda import THREADS_PER_BLOCK, entry_points, kernel_name, plan_launch
+from capgraph.ops.cuda import THREADS_PER_BLOCK, entry_points, plan_launch
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "csrc" / "logits_bitmask.cu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-_INT_OF = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_INT_OF[t.dtype])
 
 
 def _nvrtc_unavailable() -> str | None:
@@ -242,11 +238,6 @@ def _random_bitmask(g, rows, words):
     return buf[:, 1:1 + words]
 
 
-def _random_d2t(g, draft, target):
-    targets = torch.randperm(target, generator=g)[:draft]
-    return (targets - torch.arange(draft)).to(torch.int32)
-
-
 def _logits(g, rows, width, dtype, layout):
     """(parent, view): view is [rows, width] inside parent, with inf/-inf/nan sprinkled."""
     extra = {"contiguous": 0, "shift1": 9, "shift2": 10, "row_step": 0}[layout]
@@ -266,7 +257,7 @@ def _run_and_check(launch, g, rows, width, dtype, layout, col_offset, use_d2t, u
     token_mask = torch.randint(0, 2, (rows,), generator=g, dtype=torch.int32) if use_tm else None
     if use_d2t:
         target = col_offset + width + 45
-        d2t = _random_d2t(g, col_offset + width, target)
+        d2t = random_d2t(g, col_offset + width, target)
         bitmask = _random_bitmask(g, rows, words_per_row(target))
     else:
         d2t = None
@@ -322,7 +313,7 @@ def test_emulated_every_entry_point(emulated):
             parent, view = _logits(g, rows, width, dtype, "contiguous")
             token_mask = torch.tensor([1, 0, 1], dtype=torch.int32)
             if use_d2t:
-                d2t = _random_d2t(g, col_offset + width, col_offset + width + 40)
+                d2t = random_d2t(g, col_offset + width, col_offset + width + 40)
                 bitmask = _random_bitmask(g, rows, words_per_row(col_offset + width + 40))
             else:
                 d2t = None
@@ -418,7 +409,7 @@ def test_launcher_host_path_with_a_fake_cuda_core(emulated, monkeypatch):
                                        (torch.float16, 7, True)]:
         parent, view = _logits(g, 6, 4000, dtype, "shift2")
         token_mask = torch.randint(0, 2, (12,), generator=g, dtype=torch.int32)[::2]
-        d2t = _random_d2t(g, 4100, 5000) if use_d2t else None
+        d2t = random_d2t(g, 4100, 5000) if use_d2t else None
         bitmask = _random_bitmask(g, 6, words_per_row(5000))
         expected = logits_bitmask_reference(view, bitmask, token_mask, d2t,
                                             col_offset=col_offset)

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import bits, random_d2t
 from capgraph import TensorArgError
 from capgraph.bitmask import vocab_shard, words_per_row
 from capgraph.ops import logits_bitmask, logits_bitmask_reference
@@ -16,14 +17,8 @@ from capgraph.ops import torch_impl
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LAYOUTS = ["contiguous", "col_slice", "row_step"]
-_INT_OF = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 HAS_CUDA = torch.cuda.is_available()
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Integer view, so that NaNs compare equal to themselves and -0.0 differs from 0.0."""
-    return t.view(_INT_OF[t.dtype])
 
 
 def make_logits(g, rows, width, dtype, layout):
@@ -51,12 +46,6 @@ def random_words(g, rows, words):
     buf[:, ::3] = -1
     buf[:, 1::5] = 0
     return buf[:, 2:2 + words]
-
-
-def random_d2t(g, draft_vocab, target_vocab):
-    """Full d2t table: draft id i -> a distinct random (non-monotone) target id, as offsets."""
-    targets = torch.randperm(target_vocab, generator=g)[:draft_vocab]
-    return (targets - torch.arange(draft_vocab)).to(torch.int32)
 
 
 def check_against_reference(parent, idx, bitmask, token_mask=None, d2t=None, col_offset=0):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import bits, random_d2t
 from capgraph.bitmask import words_per_row
 from capgraph.ops import logits_bitmask
 from capgraph.ops import op as op_module
@@ -20,11 +21,6 @@ pytestmark = [pytest.mark.gpu,
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BATCHES = [1, 64, 512]
 VOCABS = [32000, 128000, 128001, 131072, 151936]
-_INT_OF = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_INT_OF[t.dtype])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -69,12 +65,6 @@ def random_bitmask(gen, rows, words):
     return buf[:, 1:1 + words]
 
 
-def random_d2t(gen, draft, target):
-    """Full draft-to-target table (non-monotone, distinct targets), on the GPU."""
-    targets = torch.randperm(target, generator=gen, device="cuda")[:draft]
-    return (targets - torch.arange(draft, device="cuda")).to(torch.int32)
-
-
 def expect_cpu(logits, bitmask, token_mask=None, d2t=None, col_offset=0):
     """The CPU implementation's result (itself pinned to the brute-force reference)."""
     out = logits.cpu()
@@ -115,7 +105,7 @@ def test_d2t_and_tp_shards(vocab, dtype):
     col_offset = shard start in draft coordinates, reads bits of the full target row."""
     gen = torch.Generator(device="cuda").manual_seed(vocab + 1)
     draft, rows = vocab // 4, 64
-    d2t = random_d2t(gen, draft, vocab)
+    d2t = random_d2t(gen, draft, vocab, device="cuda")
     bitmask = random_bitmask(gen, rows, words_per_row(vocab))
     token_mask = torch.randint(0, 2, (rows,), generator=gen, dtype=torch.int32, device="cuda")
     for tp in (1, 2, 4):

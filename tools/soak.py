@@ -580,24 +580,7 @@ def main(argv: list[str] | None = None) -> int:
             print("  PROBLEM", p)
         failed |= bool(rep.problems)
     factory.close()
-    _join_host_stream_workers()
     return 1 if failed else 0
-
-
-def _join_host_stream_workers(timeout: float = 5.0) -> None:
-    """Close every HostStream and wait for its worker thread to end.
-
-    Workaround: hostfunc's worker threads are daemons that HostStream.close() does not join; one
-    still exiting when the interpreter finalizes can drop a torch tensor there and abort the
-    process (std::terminate, exit code 134) — see docs/RELIABILITY.md.
-    """
-    import threading
-    from hostfunc.host_stream import all_streams
-    for stream in all_streams():
-        stream.close()
-    for thread in threading.enumerate():
-        if thread.daemon and thread is not threading.current_thread():
-            thread.join(timeout)
 
 
 if __name__ == "__main__":

@@ -50,40 +50,34 @@ def _bits(t):
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-def cpu_methods() -> dict[str, Callable]:
-    """name -> fn(logits, bitmask, token_mask, indices, vocab) masking in place."""
+def _xgrammar_backend(backend: str) -> Callable:
+    """xgrammar's ``apply_token_bitmask_inplace`` with one backend, in the methods' signature."""
     import xgrammar as xgr
 
+    def apply(logits, bitmask, token_mask, indices, vocab):
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=indices,
+                                        backend=backend)
+    return apply
+
+
+def cpu_methods() -> dict[str, Callable]:
+    """name -> fn(logits, bitmask, token_mask, indices, vocab) masking in place."""
     from capgraph.ops import logits_bitmask
 
     def ours(logits, bitmask, token_mask, indices, vocab):
         logits_bitmask(logits, bitmask, token_mask)
 
-    def xgrammar_backend(backend: str) -> Callable:
-        def apply(logits, bitmask, token_mask, indices, vocab):
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=indices,
-                                            backend=backend)
-        return apply
-
-    return {"capgraph": ours, "xgr_cpu": xgrammar_backend("cpu"),
-            "xgr_torch_native": xgrammar_backend("torch_native")}
+    return {"capgraph": ours, "xgr_cpu": _xgrammar_backend("cpu"),
+            "xgr_torch_native": _xgrammar_backend("torch_native")}
 
 
 def cuda_methods(xgrammar_cuda: bool = True) -> dict[str, Callable]:
     """The CUDA set: capgraph, xgrammar's cuda and triton kernels, and the copy floor."""
     methods = cpu_methods()
     del methods["xgr_cpu"]
-    import xgrammar as xgr
-
-    def xgrammar_backend(backend: str) -> Callable:
-        def apply(logits, bitmask, token_mask, indices, vocab):
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=indices,
-                                            backend=backend)
-        return apply
-
     if xgrammar_cuda:
-        methods["xgr_cuda"] = xgrammar_backend("cuda")
-    methods["xgr_triton"] = xgrammar_backend("triton")
+        methods["xgr_cuda"] = _xgrammar_backend("cuda")
+    methods["xgr_triton"] = _xgrammar_backend("triton")
     return methods
 
 

@@ -50,7 +50,7 @@ __all__ = [
 
 THREADS_PER_BLOCK = 256
 #: Columns per thread, one kernel instantiation each; the smallest that fits is chosen (32 was
-#: slower than 16 at every batch size measured on an H200: docs/BENCHMARKS.md).
+#: slower than 16 at every large batch size measured on an H200: docs/BENCHMARKS.md).
 BITS_PER_THREAD = (4, 8, 16)
 # Target residency of the launch heuristic: 2048 threads (8 blocks of 256) per SM.
 _THREADS_PER_SM = 2048
@@ -215,10 +215,10 @@ def compile_kernel(arch: str = "sm_90", fmt: str = "cubin", *, use_cache: bool =
     under ``$CAPGRAPH_CACHE_DIR/kernels/<sha256>.<fmt>`` (written atomically under a file
     lock; an unwritable cache directory only costs the caching).
     """
-    source = kernel_source()
     with _binaries_lock:
         if use_cache and (arch, fmt) in _binaries:
             return _binaries[(arch, fmt)]
+        source = kernel_source()
         major, minor = _nvrtc_version()
         key = hashlib.sha256(b"\0".join([
             source, arch.encode(), fmt.encode(), f"nvrtc-{major}.{minor}".encode(),

@@ -95,9 +95,9 @@ class GuideDriver:
     def __init__(self, decoder: GuidedDecoder, num_draft_tokens: int) -> None:
         self.decoder = decoder
         self.num_draft_tokens = num_draft_tokens
-        self.capturable = is_capturable(decoder)
         # the same decoder, typed for the capturable protocol's calls (None if eager)
         self._capt = decoder if isinstance(decoder, CapturableGuidedDecoder) else None
+        self.capturable = self._capt is not None
         self._failed: list[FailedRequest] = []
 
     # -- the two kinds of step ---------------------------------------------------------------
