@@ -13,6 +13,7 @@ request's rows are left unmasked; the other rows are masked exactly as without i
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Sequence, TypeGuard, cast
 
 import numpy as np
@@ -24,6 +25,8 @@ from .bitmask import (allocate_host_bitmask, allocate_host_token_mask, bitmask_d
                       token_mask_dtype, vocab_shard, words_per_row)
 from .errors import (ConfigError, DeadEndError, LayoutError, RequestError, TensorArgError)
 from .grammar import CompileHandle, GrammarMatcher, GrammarMatcherFactory, create_matcher_factory
+from .grammar.native import (STATUS_DEAD_END, STATUS_FAULT, STATUS_REJECTED, TERMINATED,
+                             NativeBuilder, NativeBuildError)
 from .ops import logits_bitmask
 from .ops.op import _cuda_kernel
 from .params import GuidedDecodingConfig
@@ -136,8 +139,34 @@ class GuidedDecoder:
                                     self._full_words)
         self._stop_ids = frozenset(config.stop_token_ids or ())
         self._masked_rows = False  # the last build set some token_mask entry
+        # the every-step loop in C++ where it builds (GuidedDecodingConfig.native_build)
+        self._native: NativeBuilder | None = self._load_native(tail_mask)
+
+    def _load_native(self, tail_mask: int) -> NativeBuilder | None:
+        mode = self.config.native_build
+        if mode == "off":
+            return None
+        try:
+            builder = self.grammar_matcher_factory.native_builder(
+                self.bitmask_host, self.token_mask_host, self.max_num_sequences,
+                self._full_words, tail_mask, self._tail)
+        except NativeBuildError as e:
+            if mode == "on":
+                raise
+            _warn_native_unavailable(str(e))
+            return None
+        if builder is None and mode == "on":
+            raise ConfigError(f"GuidedDecodingConfig.native_build='on' needs the xgrammar "
+                              f"backend with fill_threads=1 (backend={self.backend!r}, "
+                              f"fill_threads={self.config.fill_threads})")
+        return builder
 
     # -- properties --------------------------------------------------------------------------
+    @property
+    def native_build(self) -> bool:
+        """Whether this decoder's build runs the C++ loop (:mod:`capgraph.grammar.native`)."""
+        return self._native is not None
+
     @property
     def num_active_matchers(self) -> int:
         """Slots that currently hold a matcher."""
@@ -379,7 +408,6 @@ class GuidedDecoder:
         dropped from the columns only when something unusual happens to them.
         """
         failed: list[FailedRequest] = []
-        self._token_mask_np[:requests.num_bitmask_tokens] = 0
         self._masked_rows = False
         reqs: list[GuidedRequest] = []
         slots: list[int] = []
@@ -437,7 +465,17 @@ class GuidedDecoder:
                 for column, value in zip(act.columns, entry):
                     column.append(value)
         if reqs:
-            self._fill_rounds(self._accept_new_tokens(act, failed), failed, draft_len)
+            native = self._native
+            handles = None if native is None else \
+                self.grammar_matcher_factory.native_handles(matchers)
+            if handles is not None:  # (it clears the token mask first)
+                self._build_native(native, handles, act, failed, draft_len,  # type: ignore[arg-type]
+                                   requests.num_bitmask_tokens)
+            else:
+                self._token_mask_np[:requests.num_bitmask_tokens] = 0
+                self._fill_rounds(self._accept_new_tokens(act, failed), failed, draft_len)
+        else:
+            self._token_mask_np[:requests.num_bitmask_tokens] = 0
         for slot in draft_slots:
             self.num_advanced_draft_tokens[slot] += advanced[slot]
         return failed
@@ -620,6 +658,54 @@ class GuidedDecoder:
                     break
                 i += 1
 
+    def _build_native(self, native: NativeBuilder, handles: list, act: "_Active",
+                      failed: list[FailedRequest], draft_len: int, num_rows: int) -> None:
+        """The work of :meth:`_accept_new_tokens` + :meth:`_fill_sequential` in one C++ call
+        (``csrc/host_build.cc``), which first clears the token mask's ``num_rows`` layout
+        rows: same rows, masks, counters and failures (in request order)."""
+        tokens = act.tokens
+        if None in tokens:  # matchers created this step fill without advancing
+            tokens = [-1 if t is None else t for t in tokens]
+        if draft_len:
+            drafts = act.drafts
+            num_drafts = [len(d) for d in drafts]
+            flat = [t for d in drafts for t in d]
+        else:
+            num_drafts = flat = []
+        unusual = native.step(handles, tokens, act.offsets, num_drafts, flat, draft_len,
+                              num_rows)
+        out = native.out[:len(handles)].tolist()
+        advanced, guided = self.num_advanced_tokens, self.num_guided_tokens
+        masked = False
+        for slot, (_, a, g) in zip(act.slots, out):
+            advanced[slot] += a
+            if g:
+                guided[slot] += g
+                masked = True
+        if masked:
+            self._masked_rows = True
+        if not unusual:
+            return
+        errors = iter(native.errors())
+        for k, (status, _, _) in enumerate(out):
+            if not status:
+                continue
+            req, slot = act.reqs[k], act.slots[k]
+            if status & TERMINATED:
+                act.matchers[k].sync_state()
+            status &= ~TERMINATED
+            if status == STATUS_REJECTED:
+                if req.is_draft:
+                    self.is_draft_terminated[slot] = True
+                else:
+                    failed.append(self._fail(req, RequestError(
+                        f"new_token {act.tokens[k]} is not allowed by the grammar",
+                        request_id=req.request_id, seq_slot=slot)))
+            elif status == STATUS_DEAD_END:
+                self._dead_end(req, slot, 0, failed)
+            elif status == STATUS_FAULT:
+                failed.append(self._fail_message(req, next(errors)))
+
     def _drop_dead(self, act: "_Active", dead: list[int], i: int,
                    failed: list[FailedRequest]) -> list[int]:
         """Handle the requests whose row ``i`` allows no token: a target request's golden row
@@ -744,9 +830,13 @@ class GuidedDecoder:
     def _fail(self, req: GuidedRequest, error: BaseException, drop: bool = True
               ) -> FailedRequest:
         """Record a request's failure; its matcher is dropped so later steps leave it unmasked."""
+        return self._fail_message(req, f"{type(error).__name__}: {error}", drop)
+
+    def _fail_message(self, req: GuidedRequest, message: str, drop: bool = True
+                      ) -> FailedRequest:
         if drop and self._slot_ok(req.seq_slot):
             self.grammar_matchers[req.seq_slot] = None  # type: ignore[index]
-        return _request_id(req), f"{type(error).__name__}: {error}"
+        return _request_id(req), message
 
     def _require_batch(self) -> GuidedRequests:
         if self.requests is None:
@@ -798,6 +888,20 @@ class GuidedDecoder:
                 raise LayoutError(
                     f"bitmask words per row ({self.bitmask_size} = "
                     f"ceil({self.vocab_size_padded}/32)) is not divisible by tp_size ({tp_size})")
+
+
+_native_warned = False
+
+
+def _warn_native_unavailable(reason: str) -> None:
+    """Say once per process that the Python build runs instead of the C++ one."""
+    global _native_warned
+    if not _native_warned:
+        _native_warned = True
+        warnings.warn(f"capgraph: the C++ host build is unavailable, the Python build runs "
+                      f"instead (same results, slower per step at small batch; set "
+                      f"GuidedDecodingConfig.native_build='off' or CAPGRAPH_NATIVE_BUILD=off "
+                      f"to silence this): {reason}", RuntimeWarning, stacklevel=3)
 
 
 def _request_id(req: GuidedRequest) -> int:

@@ -24,12 +24,15 @@ __all__ = [
     "GuidedDecodingParams",
     "GuidedDecodingConfig",
     "COMPILE_CACHE_ENV",
+    "NATIVE_BUILD_ENV",
     "DEFAULT_COMPILE_CACHE_BYTES",
 ]
 
 #: Environment variable that overrides ``GuidedDecodingConfig.compile_cache_bytes`` (bytes;
 #: suffixes K, M, G accepted, e.g. ``512M``).
 COMPILE_CACHE_ENV = "CAPGRAPH_COMPILE_CACHE_BYTES"
+#: Environment variable that overrides ``GuidedDecodingConfig.native_build`` (auto, on, off).
+NATIVE_BUILD_ENV = "CAPGRAPH_NATIVE_BUILD"
 DEFAULT_COMPILE_CACHE_BYTES = 1 << 30
 
 
@@ -158,6 +161,12 @@ class GuidedDecodingConfig:
             batches of 8 and 64 on a 2-core and a 16-core host, every thread count above 1 made
             the fill slower (docs/BENCHMARKS.md): the hand-off to the pool's threads costs more
             than the rows it spreads.
+        native_build: the every-step build loop in C++ (:mod:`capgraph.grammar.native`,
+            xgrammar backend with ``fill_threads=1``): ``"auto"`` (default) compiles it on the
+            first decoder of the machine (a few seconds, then cached on disk) and falls back to
+            the Python loop, with one warning, where it cannot; ``"on"`` makes that an error;
+            ``"off"`` always runs the Python loop. Both give the same masks, counters and
+            failures. Overridden by the environment variable ``CAPGRAPH_NATIVE_BUILD``.
         json_any_whitespace: JSON-schema guides allow any whitespace between tokens (xgrammar);
             False makes them compact, so a model cannot loop on whitespace.
         json_unenforced_keywords: ``"error"`` (default): a JSON schema using a keyword the
@@ -176,6 +185,7 @@ class GuidedDecodingConfig:
     compile_timeout_s: float = 30.0
     compile_threads: int = 2
     fill_threads: int = 1
+    native_build: str = "auto"
     json_any_whitespace: bool = True
     json_unenforced_keywords: str = "error"
     tokenizer_vocab_size: int = field(init=False, default=0)
@@ -241,6 +251,13 @@ class GuidedDecodingConfig:
         if self.fill_threads < 0:
             raise ConfigError(f"GuidedDecodingConfig.fill_threads={self.fill_threads} "
                               "must be >= 0")
+        env = os.environ.get(NATIVE_BUILD_ENV)
+        if env:
+            self.native_build = env.strip().lower()
+        if self.native_build not in ("auto", "on", "off"):
+            source = f"{NATIVE_BUILD_ENV}={env!r}" if env else \
+                f"GuidedDecodingConfig.native_build={self.native_build!r}"
+            raise ConfigError(f"{source}; expected 'auto', 'on' or 'off'")
 
     @classmethod
     def from_tokenizer(cls, tokenizer: "PreTrainedTokenizerBase", **kwargs: Any

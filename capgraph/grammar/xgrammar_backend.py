@@ -12,6 +12,7 @@ import xgrammar as xgr
 from ..errors import GrammarCompileError, UnsupportedGuideError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
+from .native import NativeBuilder, NativeBuildError, matcher_methods
 from .schema_check import unenforced_keywords
 
 __all__ = ["XGrammarMatcher", "XGrammarMatcherFactory", "build_tokenizer_info"]
@@ -96,6 +97,9 @@ class XGrammarMatcher(GrammarMatcher):
 
     def is_terminated(self) -> bool:
         return self._terminated
+
+    def sync_state(self) -> None:
+        self._terminated = self._matcher.is_terminated()
 
 
 class XGrammarMatcherFactory(GrammarMatcherFactory):
@@ -193,6 +197,26 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 continue
             append(bool(ok))
         return results
+
+    def native_builder(self, bitmask: torch.Tensor, token_mask: torch.Tensor,
+                       max_requests: int, full_words: int, tail_mask: int,
+                       clear: tuple[int, int] | None) -> NativeBuilder | None:
+        """The C++ loop (:mod:`capgraph.grammar.native`) with xgrammar's own FFI methods;
+        None with ``fill_threads`` other than 1 (that asks for xgrammar's threaded batch fill,
+        which the Python build calls)."""
+        if self.config.fill_threads != 1:
+            return None
+        ffi_type = getattr(getattr(xgr.matcher, "_core", None), "GrammarMatcher", None)
+        if ffi_type is None:
+            raise NativeBuildError("this xgrammar exposes no FFI matcher type "
+                                   "(xgrammar.matcher._core.GrammarMatcher)")
+        return NativeBuilder(matcher_methods(ffi_type), bitmask, token_mask, max_requests,
+                             sorted(self._stop_ids), full_words, tail_mask, clear)
+
+    def native_handles(self, matchers: Sequence[GrammarMatcher]) -> list | None:
+        handles = [m._handle if type(m) is XGrammarMatcher else None  # type: ignore[attr-defined]
+                   for m in matchers]
+        return None if None in handles else handles
 
     def batch_fill(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
                    indices: Sequence[int]) -> None:

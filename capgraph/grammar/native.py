@@ -1,0 +1,233 @@
+"""The host build's every-step loop in C++ (``csrc/host_build.cc``), for the xgrammar backend.
+
+Why: at batch 1-32 a decode step's host build is a few microseconds of xgrammar work per
+request, and calling it from Python costs about as much again (docs/BENCHMARKS.md, "build").
+The C++ loop calls xgrammar's own FFI methods (tvm-ffi Functions, handed in from Python) with
+no Python in between, and reports per request a status and two counts; everything else --
+which requests take it, failures, counters -- stays in :class:`capgraph.GuidedDecoder`.
+
+Nothing compiles at import. :func:`load` compiles the source on first use with the machine's
+C++ compiler (``$CXX``, else ``c++``) against tvm-ffi's headers (xgrammar's own FFI layer,
+installed with it) and caches the shared library on disk under
+``$CAPGRAPH_CACHE_DIR/native`` (default ``~/.cache/capgraph/native``), keyed by a hash of the
+source, compiler, flags and tvm-ffi version, written under a file lock. A first compile takes
+a few seconds; later processes load the cached file.
+
+``GuidedDecodingConfig.native_build`` (or the environment variable ``CAPGRAPH_NATIVE_BUILD``)
+chooses: ``"auto"`` uses the loop where it compiles and warns once where it does not (the
+Python build then runs, with the same results), ``"on"`` makes a failure an error, ``"off"``
+never compiles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import os
+import shlex
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import CapgraphError
+
+__all__ = ["NativeBuildError", "NativeBuilder", "load", "unavailable_reason", "source_path",
+           "STATUS_OK", "STATUS_REJECTED", "STATUS_DEAD_END", "STATUS_FAULT", "TERMINATED"]
+
+# what csrc/host_build.cc reports per request (out[k, 0]); TERMINATED is a flag on any status
+STATUS_OK, STATUS_REJECTED, STATUS_DEAD_END, STATUS_FAULT, TERMINATED = 0, 1, 2, 3, 8
+
+_SOURCE = "host_build.cc"
+_CFLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden")
+_LOCK_TIMEOUT_S = 300.0
+
+
+class NativeBuildError(CapgraphError, RuntimeError):
+    """The C++ host build could not be compiled or loaded (the message says which step)."""
+
+
+def source_path() -> Path:
+    """``host_build.cc``: from the installed package (``capgraph/csrc``) or the source tree."""
+    try:
+        res = importlib.resources.files("capgraph.csrc") / _SOURCE
+        if res.is_file():
+            return Path(str(res))
+    except ModuleNotFoundError:  # pragma: no cover - capgraph.csrc is part of the package
+        pass
+    return Path(__file__).resolve().parents[2] / "csrc" / _SOURCE
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("CAPGRAPH_CACHE_DIR") or "~/.cache/capgraph"
+    return Path(base).expanduser() / "native"
+
+
+def _compiler() -> list[str]:
+    cxx = shlex.split(os.environ.get("CXX") or "c++")
+    if not cxx or shutil.which(cxx[0]) is None:
+        raise NativeBuildError(f"no C++ compiler: {' '.join(cxx) or '$CXX'!r} is not on PATH "
+                               "(install g++ or set CXX)")
+    return cxx
+
+
+def _compiler_version(cxx: list[str]) -> str:
+    try:
+        out = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise NativeBuildError(f"{' '.join(cxx)} --version failed: {e}") from e
+    return out.stdout.splitlines()[0] if out.stdout else ""
+
+
+def _tvm_ffi_paths() -> tuple[list[str], str]:
+    import tvm_ffi.libinfo as libinfo
+
+    includes = [libinfo.find_include_path(), libinfo.find_dlpack_include_path()]
+    return includes, libinfo.find_libtvm_ffi()
+
+
+def _compile(source: Path, out: Path, cxx: list[str], includes: list[str], lib: str) -> None:
+    libdir = os.path.dirname(lib)
+    cmd = [*cxx, *_CFLAGS, *(f"-I{p}" for p in includes), str(source), "-o", str(out),
+           f"-L{libdir}", "-ltvm_ffi", f"-Wl,-rpath,{libdir}"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_LOCK_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise NativeBuildError(f"compiling {source.name} failed: {e}") from e
+    if proc.returncode:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise NativeBuildError(f"compiling {source.name} failed (exit {proc.returncode}): "
+                               f"{' '.join(cmd)}\n{tail}")
+
+
+def _build_library() -> Path:
+    """The shared library's path: read from the disk cache or compiled into it."""
+    import filelock
+    import tvm_ffi
+
+    source = source_path()
+    if not source.is_file():
+        raise NativeBuildError(f"{source} is missing from the installation")
+    cxx = _compiler()
+    includes, lib = _tvm_ffi_paths()
+    key = hashlib.sha256(b"\0".join(s.encode() if isinstance(s, str) else s for s in [
+        source.read_bytes(), " ".join(cxx), _compiler_version(cxx), " ".join(_CFLAGS),
+        getattr(tvm_ffi, "__version__", "?"), lib])).hexdigest()[:24]
+    path = _cache_dir() / f"host_build-{key}.so"
+    if path.is_file():
+        return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with filelock.FileLock(f"{path}.lock", timeout=_LOCK_TIMEOUT_S):
+            if not path.is_file():  # another process may have compiled it meanwhile
+                partial = path.with_name(f"{path.stem}.partial-{os.getpid()}.so")
+                _compile(source, partial, cxx, includes, lib)
+                os.replace(partial, path)
+        return path
+    except (OSError, filelock.Timeout) as e:
+        raise NativeBuildError(f"cannot write the native cache {path.parent}: {e}") from e
+
+
+_lock = threading.Lock()
+_module: Any = None
+_error: NativeBuildError | None = None
+
+
+def load() -> Any:
+    """The loaded module (compiled on the first call of the machine); raises
+    :class:`NativeBuildError` where it cannot be built. A failure is remembered."""
+    global _module, _error
+    with _lock:
+        if _module is not None:
+            return _module
+        if _error is not None:
+            raise _error
+        try:
+            import tvm_ffi
+
+            path = _build_library()
+            try:
+                _module = tvm_ffi.load_module(str(path))
+            except Exception as e:
+                raise NativeBuildError(f"loading {path} failed: {type(e).__name__}: {e}") from e
+        except NativeBuildError as e:
+            _error = e
+            raise
+        except ImportError as e:
+            _error = NativeBuildError(f"tvm-ffi (installed with xgrammar) is missing: {e}")
+            raise _error from e
+        return _module
+
+
+def unavailable_reason() -> str | None:
+    """None if :func:`load` succeeds, else why it does not (compiling if needed)."""
+    try:
+        load()
+    except NativeBuildError as e:
+        return str(e)
+    return None
+
+
+def matcher_methods(ffi_type: type) -> tuple[Any, Any, Any]:
+    """xgrammar's ``accept_token``, ``fill_next_token_bitmask`` and ``is_terminated`` as
+    tvm-ffi Functions, read from the type information of its matcher's FFI class."""
+    info = getattr(ffi_type, "__tvm_ffi_type_info__", None)
+    methods = {m.name: m.func for m in getattr(info, "methods", ())}
+    try:
+        return (methods["accept_token"], methods["fill_next_token_bitmask"],
+                methods["is_terminated"])
+    except KeyError as e:
+        raise NativeBuildError(f"xgrammar's matcher type {ffi_type.__name__} has no FFI "
+                               f"method {e}; this xgrammar is not supported by the native "
+                               "build") from None
+
+
+class NativeBuilder:
+    """One decoder's C++ build loop, bound to its host bitmask and token mask.
+
+    Args:
+        methods: ``(accept_token, fill_next_token_bitmask, is_terminated)`` callables taking
+            the matcher's FFI object first (:func:`matcher_methods`; tests wrap them).
+        bitmask: the host bitmask ``[rows, words]`` int32 (contiguous, CPU).
+        token_mask: the host token mask ``[>= rows]`` int32.
+        max_requests: most requests in one step.
+        stop_ids: the stop tokens (accepting one may terminate a matcher).
+        full_words, tail_mask: the bits that count for ``vocab_size_padded``
+            (:func:`capgraph.bitmask.split_last_word`).
+        clear: ``(word, bits)`` of the tokenizer's vocabulary when it is smaller than
+            ``vocab_size_padded`` (ids from there on are cleared on every filled row), or None.
+    """
+
+    def __init__(self, methods: Sequence[Any], bitmask: torch.Tensor, token_mask: torch.Tensor,
+                 max_requests: int, stop_ids: Sequence[int], full_words: int, tail_mask: int,
+                 clear: tuple[int, int] | None) -> None:
+        import tvm_ffi
+
+        module = load()
+        self._out = torch.zeros((max(1, max_requests), 3), dtype=torch.int32)
+        self.out = self._out.numpy()  # [status, accepted, guided] per request of the last step
+        clear_word, clear_keep = (-1, 0) if clear is None else (
+            clear[0], (1 << clear[1]) - 1 if clear[1] else 0)
+        accept, fill, is_terminated = methods
+        try:
+            self.step, self._errors = module.make_builder(
+                accept, fill, is_terminated, tvm_ffi.from_dlpack(bitmask),
+                tvm_ffi.from_dlpack(token_mask), tvm_ffi.from_dlpack(self._out),
+                [int(t) for t in stop_ids], int(full_words), int(tail_mask) & 0xFFFFFFFF,
+                int(clear_word), int(clear_keep))
+        except Exception as e:
+            raise NativeBuildError(f"the native build refused its buffers: "
+                                   f"{type(e).__name__}: {e}") from e
+        self._keep = (bitmask, token_mask)  # the C++ side views their memory
+
+    def errors(self) -> list[str]:
+        """Messages of the last step's faulted requests, in request order."""
+        return [str(e) for e in self._errors()]
+
+    def results(self, n: int) -> np.ndarray:
+        """``[n, 3]`` view of the last step's results."""
+        return self.out[:n]

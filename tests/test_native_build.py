@@ -1,0 +1,336 @@
+"""The C++ host build (csrc/host_build.cc through capgraph.grammar.native): same results as the
+Python build, faults per request, and a clear story when it cannot be built."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from capgraph import ConfigError, GuidedDecodingConfig, GuidedDecodingParams, GuideType
+from capgraph.decoder import GuidedDecoder
+from capgraph.grammar import create_matcher_factory
+from capgraph.grammar import native
+from capgraph.grammar.native import NativeBuildError, NativeBuilder
+from capgraph.requests import GuidedRequest
+from capgraph.tokenizers import encode_continuation
+
+pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
+                                reason=f"C++ host build unavailable: "
+                                       f"{native.unavailable_reason()}")
+
+VOCAB = ["a", "b", "</s>", "ab", "c", "d"]
+# 'a' 'x' dead-ends after 'a' (no token spells 'x'); "b"+ may stop
+DEAD = GuidedDecodingParams(GuideType.EBNF_GRAMMAR, 'root ::= "a" "x" | "b" "a" "x" | "b"+')
+ALIVE = GuidedDecodingParams(GuideType.EBNF_GRAMMAR, 'root ::= ("a" | "b")+')
+SHORT = GuidedDecodingParams(GuideType.EBNF_GRAMMAR, 'root ::= "a" "b"?')
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A 6-token raw vocabulary padded to 64 ids (the padding ids exercise the tail clear)."""
+    config = GuidedDecodingConfig(encoded_vocab=VOCAB, stop_token_ids=[2], vocab_size_padded=64,
+                                  native_build="off")
+    factory = create_matcher_factory(config)
+    yield factory
+    factory.close()
+
+
+def _decoder(factory, slots, drafts, mode, sequential_max=None):
+    config = dataclasses.replace(factory.config, native_build=mode)
+    dec = GuidedDecoder(config, slots, drafts, factory=factory)
+    if sequential_max is not None:
+        dec.sequential_fill_max = sequential_max
+    return dec
+
+
+class _StatelessFlaky:
+    """Python-path twin of :func:`_flaky_methods`: accepting "c" (id 4) raises, and so does
+    filling ``bad_row``. Stateless, so every build path meets the same faults."""
+
+    def __init__(self, inner, bad_row: int) -> None:
+        self.inner, self.bad_row = inner, bad_row
+
+    def accept_token(self, token_id):
+        if token_id == 4:
+            raise RuntimeError("flaky accept")
+        return self.inner.accept_token(token_id)
+
+    def fill_next_token_bitmask(self, bitmask, index):
+        if index == self.bad_row:
+            raise RuntimeError("flaky fill")
+        self.inner.fill_next_token_bitmask(bitmask, index)
+
+    def rollback(self, num_tokens):
+        self.inner.rollback(num_tokens)
+
+    def is_terminated(self):
+        return self.inner.is_terminated()
+
+
+def _flaky_methods(dec: GuidedDecoder, flaky_slot: int, bad_row: int):
+    """xgrammar's FFI methods, wrapped so that the matcher now in ``flaky_slot`` fails like
+    :class:`_StatelessFlaky` (tvm-ffi turns the raised error into a C++ one and back)."""
+    import xgrammar as xgr
+
+    accept, fill, is_terminated = native.matcher_methods(xgr.matcher._core.GrammarMatcher)
+    target = dec.grammar_matchers[flaky_slot]._handle
+
+    def flaky_accept(handle, token, debug):
+        if token == 4 and handle.same_as(target):
+            raise RuntimeError("flaky accept")
+        return accept(handle, token, debug)
+
+    def flaky_fill(handle, bitmask, index, debug):
+        if index == bad_row and handle.same_as(target):
+            raise RuntimeError("flaky fill")
+        return fill(handle, bitmask, index, debug)
+
+    return flaky_accept, flaky_fill, is_terminated
+
+
+def _rebind(dec: GuidedDecoder, methods) -> None:
+    """Give ``dec`` a native loop calling ``methods`` (the wrapped ones of a test)."""
+    from capgraph.bitmask import split_last_word
+
+    full, tail = split_last_word(dec.vocab_size_padded)
+    dec._native = NativeBuilder(methods, dec.bitmask_host, dec.token_mask_host,
+                                dec.max_num_sequences, dec.config.stop_token_ids, full, tail,
+                                dec._tail)
+
+
+def _outcome(dec: GuidedDecoder, failed, rows: int):
+    tm = dec.token_mask_host[:rows].clone()
+    return (sorted(failed), tm.tolist(), dec.bitmask_host[:rows][tm.bool()].clone(),
+            list(dec.num_advanced_tokens), list(dec.num_guided_tokens),
+            list(dec.is_draft_terminated), [m is None for m in dec.grammar_matchers],
+            [m is not None and m.is_terminated() for m in dec.grammar_matchers])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_native_and_python_builds_agree(tiny, seed):
+    """Over random steps -- dead ends, rejected and stop tokens (in golden and draft
+    positions), drafts, runtime draft lengths, rollbacks, re-initialised slots, a matcher that
+    raises in some calls -- the C++ build leaves the same masks, token masks, counters,
+    failures, termination and matchers as both Python fills."""
+    rng = random.Random(seed)
+    K, slots = 3, 4
+    decs = [_decoder(tiny, slots, K, "off", 0), _decoder(tiny, slots, K, "off", 1000),
+            _decoder(tiny, slots, K, "on")]
+    assert [d.native_build for d in decs] == [False, False, True]
+    guides = [rng.choice([DEAD, ALIVE, SHORT]) for _ in range(slots)]
+    flaky, bad_row = rng.randrange(slots), rng.randrange(slots * (K + 1))
+    steps: list = [[GuidedRequest.context(10 + s, s, guides[s]) for s in range(slots)]]
+    steps += [None] * 10
+    for n, step in enumerate(steps):
+        if n == 1:
+            for dec in decs[:2]:
+                if dec.grammar_matchers[flaky] is not None:
+                    dec.grammar_matchers[flaky] = _StatelessFlaky(dec.grammar_matchers[flaky],
+                                                                  bad_row)
+            if decs[2].grammar_matchers[flaky] is not None:
+                _rebind(decs[2], _flaky_methods(decs[2], flaky, bad_row))
+        if step is None:
+            chosen = rng.sample(range(slots), rng.randint(1, slots))
+            step = []
+            for s in chosen:
+                if n > 1 and s != flaky and rng.random() < 0.1:  # a fresh matcher (token None)
+                    step.append(GuidedRequest.context(10 + s, s, guides[s]))
+                    continue
+                step.append(GuidedRequest.generation(
+                    10 + s, s, guides[s], rng.choice([0, 1, 1, 2, 3, 4]),
+                    draft_tokens=[rng.choice([0, 1, 2, 3, 4])
+                                  for _ in range(rng.randint(0, K))],
+                    num_accepted_draft_tokens=rng.randint(0, K)))
+        draft_len = rng.randint(0, K)
+        outcomes = []
+        for dec in decs:
+            dec.add_batch(step, runtime_draft_len=draft_len)
+            dec.rollback_rejected_tokens()
+            rows = dec.requests.num_bitmask_tokens
+            failed = dec.execute(torch.zeros(rows, 64))
+            outcomes.append(_outcome(dec, failed, rows))
+        for other in outcomes[1:]:
+            a, b = outcomes[0], other
+            assert a[0] == b[0] and a[1] == b[1] and a[3:] == b[3:]
+            assert torch.equal(a[2], b[2])
+
+
+def test_native_build_teacher_forced_equals_python(factory_cache):
+    """A JSON-schema text on Tekken, fed with drafts of four: the native decoder's rows equal
+    the Python decoder's at every step, and every golden token stays allowed."""
+    factory = factory_cache("tekken")
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "tags": {"type": "array",
+                                                        "items": {"type": "integer"}}},
+              "required": ["name", "tags"]}
+    params = GuidedDecodingParams(GuideType.JSON_SCHEMA, json.dumps(schema))
+    text = encode_continuation(factory.config.tokenizer,
+                               json.dumps({"name": "ab cd", "tags": [1, 22, 333]}))
+    eos = factory.config.stop_token_ids[0]
+    tokens = list(text) + [eos]
+    decs = [_decoder(factory, 2, 4, mode) for mode in ("off", "on")]
+    assert [d.native_build for d in decs] == [False, True]
+    for dec in decs:
+        dec.add_batch([GuidedRequest.context(1, 1, params)])
+        assert dec.build() == []
+    pos, accepted = 0, 0
+    while pos < len(tokens) - 1:
+        drafts = tokens[pos + 1:pos + 5]
+        rows = []
+        for dec in decs:
+            dec.add_batch([GuidedRequest.generation(
+                1, 1, params, tokens[pos], draft_tokens=drafts,
+                num_accepted_draft_tokens=accepted)], runtime_draft_len=4)
+            dec.rollback_rejected_tokens()  # the verifier took every draft: nothing rolls back
+            assert dec.build() == []
+            n = dec.requests.num_bitmask_tokens
+            rows.append((dec.bitmask_host[:n].clone(), dec.token_mask_host[:n].clone(),
+                         dec.num_advanced_tokens[1], dec.num_guided_tokens[1]))
+        (bm_a, tm_a, adv_a, g_a), (bm_b, tm_b, adv_b, g_b) = rows
+        assert torch.equal(tm_a, tm_b) and (adv_a, g_a) == (adv_b, g_b)
+        assert torch.equal(bm_a[tm_a.bool()], bm_b[tm_b.bool()])
+        for i, t in enumerate(drafts[:g_b]):  # each guided row allows the next text token
+            word = int(bm_b[i, t // 32]) & 0xFFFFFFFF
+            assert word >> (t % 32) & 1, f"token {t} masked at step {pos} row {i}"
+        pos, accepted = pos + 1 + len(drafts), len(drafts)
+    assert all(d.grammar_matchers[1].is_terminated() for d in decs)
+
+
+def test_native_fault_fails_only_its_request(tiny):
+    """A matcher call that raises inside the C++ loop fails that request alone, with the
+    error's type and text; the other request's row is masked as usual."""
+    dec = _decoder(tiny, 2, 0, "on")
+    dec.add_batch([GuidedRequest.context(1, 0, ALIVE), GuidedRequest.context(2, 1, ALIVE)])
+    assert dec.build() == []
+    _rebind(dec, _flaky_methods(dec, 0, bad_row=-1))
+    dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 4),  # "c": the flaky accept raises
+                   GuidedRequest.generation(2, 1, ALIVE, 0)])
+    logits = torch.zeros(2, 64)
+    failed = dec.execute(logits)
+    assert failed == [(1, "RuntimeError: flaky accept")]
+    assert dec.grammar_matchers[0] is None and dec.grammar_matchers[1] is not None
+    assert torch.isfinite(logits[0]).all()
+    assert torch.isfinite(logits[1]).tolist()[:6] == [True, True, True, True, False, False]
+    assert torch.isinf(logits[1, 6:]).all()  # padding ids stay masked
+
+
+def test_native_rejects_bad_buffers(tiny):
+    """The C++ side checks what it is bound to and says what was wrong."""
+    import xgrammar as xgr
+
+    methods = native.matcher_methods(xgr.matcher._core.GrammarMatcher)
+    bitmask = torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(NativeBuildError, match="bitmask must be a 2-D int32 CPU tensor"):
+        NativeBuilder(methods, bitmask.float(), torch.zeros(4, dtype=torch.int32), 4, [2],
+                      2, 0, None)
+    with pytest.raises(NativeBuildError, match="token_mask has fewer rows"):
+        NativeBuilder(methods, bitmask, torch.zeros(2, dtype=torch.int32), 4, [2], 2, 0, None)
+    with pytest.raises(NativeBuildError, match="must be contiguous"):
+        NativeBuilder(methods, torch.zeros(2, 4, dtype=torch.int32).t(),
+                      torch.zeros(4, dtype=torch.int32), 4, [2], 2, 0, None)
+    b = NativeBuilder(methods, bitmask, torch.zeros(4, dtype=torch.int32), 4, [2], 2, 0, None)
+    with pytest.raises(ValueError, match="column lengths differ"):
+        b.step([], [1], [0], [], [], 0, 0)
+    with pytest.raises(ValueError, match="clear_rows 9 is outside"):
+        b.step([], [], [], [], [], 0, 9)
+
+
+def test_native_build_modes(tiny, monkeypatch):
+    """'on' with a backend setting that has no native loop is a named error; the environment
+    variable overrides the config; a bad value names where it came from."""
+    with pytest.raises(ConfigError, match="needs the xgrammar backend with fill_threads=1"):
+        config = dataclasses.replace(tiny.config, native_build="on", fill_threads=2)
+        GuidedDecoder(config, 1, 0, factory=create_matcher_factory(config))
+    with pytest.raises(ConfigError, match="native_build='maybe'"):
+        GuidedDecodingConfig(encoded_vocab=VOCAB, native_build="maybe")
+    monkeypatch.setenv("CAPGRAPH_NATIVE_BUILD", "OFF")
+    assert GuidedDecodingConfig(encoded_vocab=VOCAB, native_build="on").native_build == "off"
+    monkeypatch.setenv("CAPGRAPH_NATIVE_BUILD", "sometimes")
+    with pytest.raises(ConfigError, match="CAPGRAPH_NATIVE_BUILD='sometimes'"):
+        GuidedDecodingConfig(encoded_vocab=VOCAB)
+
+
+def test_unbuildable_native_falls_back_once_or_fails(tiny, monkeypatch, tmp_path):
+    """Without a compiler: 'auto' warns once and builds in Python (same masks); 'on' raises
+    NativeBuildError naming the compiler; nothing compiles at import."""
+    import capgraph.decoder as decoder_module
+
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_error", None)
+    monkeypatch.setenv("CAPGRAPH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    monkeypatch.setattr(decoder_module, "_native_warned", False)
+    with pytest.warns(RuntimeWarning, match="no-such-compiler-xyz"):
+        dec = _decoder(tiny, 1, 0, "auto")
+    assert not dec.native_build
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second decoder says nothing
+        assert not _decoder(tiny, 1, 0, "auto").native_build
+    dec.add_batch([GuidedRequest.context(1, 0, ALIVE)])
+    assert dec.build() == [] and dec.token_mask_host[0] == 1
+    with pytest.raises(NativeBuildError, match="no C\\+\\+ compiler"):
+        _decoder(tiny, 1, 0, "on")
+    assert not list(tmp_path.iterdir())  # nothing was written
+
+
+def test_native_library_is_cached_on_disk(monkeypatch, tmp_path):
+    """The first load compiles into $CAPGRAPH_CACHE_DIR/native; a later process (here: a
+    cleared in-memory state) loads the file without compiling."""
+    calls = []
+    real = native._compile
+    monkeypatch.setattr(native, "_compile", lambda *a: (calls.append(a), real(*a)))
+    monkeypatch.setenv("CAPGRAPH_CACHE_DIR", str(tmp_path))
+    for _ in range(2):
+        monkeypatch.setattr(native, "_module", None)
+        monkeypatch.setattr(native, "_error", None)
+        assert native.load() is not None
+    assert len(calls) == 1
+    files = [p.name for p in (tmp_path / "native").iterdir() if p.suffix == ".so"]
+    assert len(files) == 1 and files[0].startswith("host_build-")
+
+
+def test_compile_error_is_reported_with_the_compiler_output(monkeypatch, tmp_path):
+    """A source that does not compile gives NativeBuildError with the command and the
+    compiler's own message (not a bare exit code)."""
+    bad = tmp_path / "host_build.cc"
+    bad.write_text("this is not C++;\n")
+    monkeypatch.setattr(native, "source_path", lambda: bad)
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_error", None)
+    monkeypatch.setenv("CAPGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(NativeBuildError, match="compiling host_build.cc failed.*error"):
+        native.load()
+    assert "error" in str(native.unavailable_reason())  # remembered, not recompiled
+
+
+def test_native_clears_padding_ids_a_backend_sets(tiny):
+    """Ids at or above the tokenizer's vocabulary (6 here, padded to 64) are cleared on every
+    row the C++ loop fills, even when the engine's fill sets them (xgrammar itself does not;
+    the clear guards against an engine that does)."""
+    import xgrammar as xgr
+
+    accept, fill, is_terminated = native.matcher_methods(xgr.matcher._core.GrammarMatcher)
+
+    def dirty_fill(handle, bitmask, index, debug):
+        result = fill(handle, bitmask, index, debug)
+        torch.from_dlpack(bitmask)[index] |= torch.tensor([-64, -1], dtype=torch.int32)
+        return result
+
+    dec = _decoder(tiny, 1, 2, "on")
+    _rebind(dec, (accept, dirty_fill, is_terminated))
+    dec.add_batch([GuidedRequest.context(1, 0, ALIVE)])
+    assert dec.build() == []
+    dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 0, draft_tokens=[1, 3])])
+    assert dec.build() == []
+    assert dec.token_mask_host[:3].tolist() == [1, 1, 1]
+    rows = dec.bitmask_host[:3]
+    # exactly the grammar's own bits after "a" / "ab" / "abab": a, b, </s>, ab
+    assert rows[:, 1].tolist() == [0, 0, 0] and rows[:, 0].tolist() == [0b1111] * 3
