@@ -21,6 +21,23 @@ LAYOUTS = ["contiguous", "col_slice", "row_step"]
 HAS_CUDA = torch.cuda.is_available()
 
 
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def cpu_impl(request, monkeypatch):
+    """Every test runs with both CPU implementations: the one-pass C++ mask
+    (csrc/host_build.cc, used where it builds) and the torch code (the fallback, and the CUDA
+    fallback's code)."""
+    from capgraph.grammar import native
+
+    if request.param == "native":
+        reason = native.unavailable_reason()
+        if reason is not None:
+            pytest.skip(f"C++ CPU mask unavailable: {reason}")
+        assert torch_impl.cpu_apply() is not None
+    else:
+        monkeypatch.setattr(torch_impl, "cpu_apply", lambda: None)
+    return request.param
+
+
 def make_logits(g, rows, width, dtype, layout):
     """(parent, idx): parent[idx] is [rows, width] inside the parent; inf/-inf/nan sprinkled."""
     if layout == "contiguous":

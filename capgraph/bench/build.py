@@ -3,15 +3,18 @@
 Both sides advance the same JSON-schema requests through the same valid texts (encoded with
 :func:`capgraph.tokenizers.encode_continuation`), one golden token plus ``draft`` draft tokens
 per request per step, and fill one bitmask row per guided position. The plain loop does it
-serially with ``xgrammar.GrammarMatcher``; the decoder with its bookkeeping, dead-end guard and
-multi-threaded batch fill. The two alternate step by step (so a change of machine load hits
-both) and the figures are medians over steps; capgraph / plain is the figure of merit (< 1:
-capgraph is faster).
+serially with ``xgrammar.GrammarMatcher``; the decoder with its bookkeeping and dead-end guard,
+through its C++ build loop (``GuidedDecodingConfig.native_build``) and, in the same run, through
+its Python build. They alternate step by step (so a change of machine load hits all) and the
+figures are medians over steps; capgraph / plain is the figure of merit (< 1: capgraph is
+faster).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import time
 
@@ -84,21 +87,26 @@ def run(args: argparse.Namespace) -> dict:
                 for batch in batches:
                     row = measure(tok, name, factory, batch, draft, steps)
                     rows.append(row)
+                    py = "" if row["python_ms"] is None else \
+                        f", python build {row['python_ms']:.3f} ms ({row['python_ratio']:.2f})"
                     print(f"  {name} V={row['vocab']} batch={batch} draft={draft}: plain "
                           f"{row['plain_ms']:.3f} ms, capgraph {row['capgraph_ms']:.3f} ms, "
-                          f"ratio {row['ratio']:.2f}", flush=True)
+                          f"ratio {row['ratio']:.2f}{py}", flush=True)
         finally:
             factory.close()
     print_table(COLUMNS, rows)
     return {"rows": rows, "schema": SCHEMA,
             "method": "median over steps of host time per step; plain = serial "
                       "xgrammar.GrammarMatcher accept_token + fill_next_token_bitmask; "
-                      "capgraph = GuidedDecoder.add_batch + build; steps alternate"}
+                      "capgraph = GuidedDecoder.add_batch + build (C++ build loop where it "
+                      "builds); python = the same with native_build='off'; steps alternate"}
 
 
 COLUMNS = [Column("tokenizer", "tokenizer"), Column("vocab", "V"), Column("batch", "batch"),
            Column("draft", "draft"), Column("plain_ms", "plain xgrammar ms", ".3f"),
-           Column("capgraph_ms", "capgraph ms", ".3f"), Column("ratio", "capgraph/plain", ".2f")]
+           Column("capgraph_ms", "capgraph ms", ".3f"), Column("ratio", "capgraph/plain", ".2f"),
+           Column("python_ms", "python build ms", ".3f"),
+           Column("python_ratio", "python/plain", ".2f")]
 
 
 def measure(tok, tokenizer_name: str, factory, batch: int, draft: int, steps: int) -> dict:
@@ -118,24 +126,29 @@ def measure(tok, tokenizer_name: str, factory, batch: int, draft: int, steps: in
     V = factory.config.vocab_size_padded
 
     dec = GuidedDecoder(factory.config, batch, draft, factory=factory)
-    dec.add_batch([GuidedRequest.context(i, i, params) for i in range(batch)])
-    failed = dec.build()
-    if failed:
-        raise RuntimeError(f"capgraph context step failed: {failed}")
+    decs = [dec]
+    if dec.native_build:  # the Python build too, for the before/after in one run
+        decs.append(GuidedDecoder(dataclasses.replace(factory.config, native_build="off"),
+                                  batch, draft, factory=factory))
+    for d in decs:
+        d.add_batch([GuidedRequest.context(i, i, params) for i in range(batch)])
+        failed = d.build()
+        if failed:
+            raise RuntimeError(f"capgraph context step failed: {failed}")
 
     matchers = [xgr.GrammarMatcher(factory.compile(params).payload) for _ in range(batch)]
     bitmask = allocate_host_bitmask(batch * stride, V)
     for i, m in enumerate(matchers):
         m.fill_next_token_bitmask(bitmask, i * stride)
 
-    def ours(s: int) -> float:
+    def ours(s: int, d: GuidedDecoder) -> float:
         reqs = [GuidedRequest.generation(i, i, params, t[s * stride],
                                          draft_tokens=t[s * stride + 1:(s + 1) * stride],
                                          num_accepted_draft_tokens=draft)
                 for i, t in enumerate(texts)]
         t0 = time.perf_counter()
-        dec.add_batch(reqs)
-        failed = dec.build()
+        d.add_batch(reqs)
+        failed = d.build()
         elapsed = time.perf_counter() - t0
         if failed:
             raise RuntimeError(f"capgraph step {s} failed: {failed}")
@@ -150,17 +163,21 @@ def measure(tok, tokenizer_name: str, factory, batch: int, draft: int, steps: in
                 m.fill_next_token_bitmask(bitmask, i * stride + j)
         return time.perf_counter() - t0
 
-    ours_s, plain_s = [], []
-    for s in range(steps):
-        if s % 2:
-            plain_s.append(plain(s))
-            ours_s.append(ours(s))
-        else:
-            ours_s.append(ours(s))
-            plain_s.append(plain(s))
+    samples: list[list[float]] = [[] for _ in range(len(decs) + 1)]  # plain, decs...
+    runs = [plain] + [functools.partial(ours, d=d) for d in decs]
+    for s in range(steps):  # rotate the order so that no side always runs first
+        for j in range(len(runs)):
+            k = (s + j) % len(runs)
+            samples[k].append(runs[k](s))
+    plain_s, ours_s = samples[0], samples[1]
     o, p = median(ours_s), median(plain_s)
+    py = median(samples[2]) if len(decs) > 1 else None
     return {"tokenizer": tokenizer_name, "vocab": V, "batch": batch, "draft": draft,
-            "steps": steps, "capgraph_ms": o * 1e3, "plain_ms": p * 1e3, "ratio": o / p,
+            "steps": steps, "native_build": dec.native_build,
+            "capgraph_ms": o * 1e3, "plain_ms": p * 1e3, "ratio": o / p,
+            "python_ms": None if py is None else py * 1e3,
+            "python_ratio": None if py is None else py / p,
+            "python_steps_ms": [round(x * 1e3, 4) for x in samples[2]] if py else [],
             "capgraph_p90_ms": percentile(ours_s, 90) * 1e3,
             "plain_p90_ms": percentile(plain_s, 90) * 1e3,
             "capgraph_steps_ms": [round(x * 1e3, 4) for x in ours_s],

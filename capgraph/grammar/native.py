@@ -4,7 +4,8 @@ Why: at batch 1-32 a decode step's host build is a few microseconds of xgrammar 
 request, and calling it from Python costs about as much again (docs/BENCHMARKS.md, "build").
 The C++ loop calls xgrammar's own FFI methods (tvm-ffi Functions, handed in from Python) with
 no Python in between, and reports per request a status and two counts; everything else --
-which requests take it, failures, counters -- stays in :class:`capgraph.GuidedDecoder`.
+which requests take it, failures, counters -- stays in :class:`capgraph.GuidedDecoder`. The
+same library holds a one-pass CPU mask (:func:`cpu_apply`) for :func:`capgraph.ops.logits_bitmask`.
 
 Nothing compiles at import. :func:`load` compiles the source on first use with the machine's
 C++ compiler (``$CXX``, else ``c++``) against tvm-ffi's headers (xgrammar's own FFI layer,
@@ -37,6 +38,7 @@ import torch
 from ..errors import CapgraphError
 
 __all__ = ["NativeBuildError", "NativeBuilder", "load", "unavailable_reason", "source_path",
+           "cpu_apply",
            "STATUS_OK", "STATUS_REJECTED", "STATUS_DEAD_END", "STATUS_FAULT", "TERMINATED"]
 
 # what csrc/host_build.cc reports per request (out[k, 0]); TERMINATED is a flag on any status
@@ -170,6 +172,25 @@ def unavailable_reason() -> str | None:
     except NativeBuildError as e:
         return str(e)
     return None
+
+
+_cpu_apply: Any = None
+
+
+def cpu_apply() -> Any:
+    """The library's one-pass CPU mask, ``apply_bitmask(logits, bitmask, token_mask,
+    col_offset)``, or None where the library cannot be built or ``CAPGRAPH_NATIVE_BUILD=off``
+    (:func:`capgraph.ops.logits_bitmask` then runs its torch code; the decoder is the one that
+    warns about a missing compiler)."""
+    global _cpu_apply
+    if _cpu_apply is None:
+        if (os.environ.get("CAPGRAPH_NATIVE_BUILD") or "").strip().lower() == "off":
+            return None
+        try:
+            _cpu_apply = load().apply_bitmask
+        except NativeBuildError:
+            _cpu_apply = False
+    return _cpu_apply or None
 
 
 def matcher_methods(ffi_type: type) -> tuple[Any, Any, Any]:

@@ -23,6 +23,8 @@ import threading
 import numpy as np
 import torch
 
+from ..grammar.native import cpu_apply
+
 __all__ = ["apply_logits_bitmask_"]
 
 # float dtype -> (integer view of the same width, bit pattern of -inf in it)
@@ -97,6 +99,12 @@ def apply_logits_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
     rows, width = logits.shape
     if rows == 0 or width == 0:
         return
+    if (d2t is None and logits.device.type == "cpu" and logits.stride(1) == 1
+            and bitmask.stride(1) == 1 and (token_mask is None or token_mask.stride(0) == 1)):
+        native = cpu_apply()  # the same, in one pass over the logits (csrc/host_build.cc)
+        if native is not None:
+            native(logits, bitmask, token_mask, col_offset)
+            return
     int_dtype, neg_inf_bits = _INT_VIEW[logits.dtype]
     device = logits.device
 
