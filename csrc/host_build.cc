@@ -263,9 +263,10 @@ void MaskRow(T* row, const int32_t* words, int64_t width, int64_t col_offset, T 
       T* out = row + w * 32;
       if (m == 0) {
         for (int b = 0; b < 32; ++b) out[b] = neg_inf;
-      } else {
+      } else {  // branch-free: a random word would mispredict a branch per bit
         for (int b = 0; b < 32; ++b) {
-          if (!((m >> b) & 1u)) out[b] = neg_inf;
+          const T keep = static_cast<T>(T(0) - static_cast<T>((m >> b) & 1u));
+          out[b] = static_cast<T>((out[b] & keep) | (neg_inf & static_cast<T>(~keep)));
         }
       }
     }

@@ -64,10 +64,15 @@ def cpu_methods() -> dict[str, Callable]:
     """name -> fn(logits, bitmask, token_mask, indices, vocab) masking in place."""
     from capgraph.ops import logits_bitmask
 
+    from capgraph.ops.torch_impl import apply_logits_bitmask_torch_
+
     def ours(logits, bitmask, token_mask, indices, vocab):
         logits_bitmask(logits, bitmask, token_mask)
 
-    return {"capgraph": ours, "xgr_cpu": _xgrammar_backend("cpu"),
+    def ours_torch(logits, bitmask, token_mask, indices, vocab):  # the no-compiler fallback
+        apply_logits_bitmask_torch_(logits, bitmask, token_mask, None, 0)
+
+    return {"capgraph": ours, "capgraph_torch": ours_torch, "xgr_cpu": _xgrammar_backend("cpu"),
             "xgr_torch_native": _xgrammar_backend("torch_native")}
 
 
@@ -189,6 +194,7 @@ def _ms(name: str) -> Callable[[dict], float | None]:
 
 CPU_COLUMNS = [Column("dtype", "dtype"), Column("batch", "B"), Column("active_rows", "active"),
                Column(_ms("capgraph"), "capgraph ms", ".3f"),
+               Column(_ms("capgraph_torch"), "capgraph torch ms", ".3f"),
                Column(_ms("xgr_cpu"), "xgr cpu ms", ".3f"),
                Column(_ms("xgr_torch_native"), "xgr torch ms", ".3f"),
                Column("ratio_vs_best_xgrammar", "capgraph/best", ".2f")]

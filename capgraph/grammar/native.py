@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
+import logging
 import os
 import shlex
 import shutil
@@ -45,8 +46,9 @@ __all__ = ["NativeBuildError", "NativeBuilder", "load", "unavailable_reason", "s
 STATUS_OK, STATUS_REJECTED, STATUS_DEAD_END, STATUS_FAULT, TERMINATED = 0, 1, 2, 3, 8
 
 _SOURCE = "host_build.cc"
-_CFLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden")
+_CFLAGS = ("-std=c++17", "-O3", "-fPIC", "-shared", "-fvisibility=hidden")
 _LOCK_TIMEOUT_S = 300.0
+_log = logging.getLogger(__name__)
 
 
 class NativeBuildError(CapgraphError, RuntimeError):
@@ -127,6 +129,8 @@ def _build_library() -> Path:
         with filelock.FileLock(f"{path}.lock", timeout=_LOCK_TIMEOUT_S):
             if not path.is_file():  # another process may have compiled it meanwhile
                 partial = path.with_name(f"{path.stem}.partial-{os.getpid()}.so")
+                _log.info("compiling %s with %s (once per machine, a few seconds) into %s",
+                          source.name, " ".join(cxx), path.parent)
                 _compile(source, partial, cxx, includes, lib)
                 os.replace(partial, path)
         return path

@@ -25,7 +25,7 @@ import torch
 
 from ..grammar.native import cpu_apply
 
-__all__ = ["apply_logits_bitmask_"]
+__all__ = ["apply_logits_bitmask_", "apply_logits_bitmask_torch_"]
 
 # float dtype -> (integer view of the same width, bit pattern of -inf in it)
 _INT_VIEW = {
@@ -105,6 +105,16 @@ def apply_logits_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
         if native is not None:
             native(logits, bitmask, token_mask, col_offset)
             return
+    apply_logits_bitmask_torch_(logits, bitmask, token_mask, d2t, col_offset)
+
+
+def apply_logits_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor,
+                                token_mask: torch.Tensor | None, d2t: torch.Tensor | None,
+                                col_offset: int) -> None:
+    """The torch code of :func:`apply_logits_bitmask_` (any device, d2t, no compiler)."""
+    rows, width = logits.shape
+    if rows == 0 or width == 0:
+        return
     int_dtype, neg_inf_bits = _INT_VIEW[logits.dtype]
     device = logits.device
 
