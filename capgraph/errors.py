@@ -23,6 +23,7 @@ __all__ = [
     "TokenizerLoadError",
     "QueueEpochError",
     "CallbackError",
+    "NativeBuildError",
 ]
 
 
@@ -127,3 +128,8 @@ class CallbackError(CapgraphError, RuntimeError):
         self.callback = callback
         self.request_ids = list(request_ids)
         super().__init__(f"{callback} failed: {detail} [request_ids={self.request_ids}]")
+
+
+class NativeBuildError(CapgraphError, RuntimeError):
+    """The C++ host build (``csrc/host_build.cc``) could not be compiled or loaded; the message
+    says which step and, for a compile, shows the compiler's own output."""

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..errors import CapgraphError
+from ..errors import NativeBuildError
 
 __all__ = ["NativeBuildError", "NativeBuilder", "load", "unavailable_reason", "source_path",
            "cpu_apply",
@@ -49,10 +49,6 @@ _SOURCE = "host_build.cc"
 _CFLAGS = ("-std=c++17", "-O3", "-fPIC", "-shared", "-fvisibility=hidden")
 _LOCK_TIMEOUT_S = 300.0
 _log = logging.getLogger(__name__)
-
-
-class NativeBuildError(CapgraphError, RuntimeError):
-    """The C++ host build could not be compiled or loaded (the message says which step)."""
 
 
 def source_path() -> Path:
