@@ -546,12 +546,8 @@ class GuidedDecoder:
                     keep.append(k)
             elif isinstance(ok, BaseException):
                 failed.append(self._fail(req, ok))
-            elif req.is_draft:
-                self.is_draft_terminated[slot] = True
             else:
-                failed.append(self._fail(req, RequestError(
-                    f"new_token {tokens[k]} is not allowed by the grammar",
-                    request_id=req.request_id, seq_slot=slot)))
+                self._new_token_rejected(req, slot, tokens[k], failed)
         keep.sort()
         return _Active.select(act, keep)
 
@@ -695,16 +691,22 @@ class GuidedDecoder:
                 act.matchers[k].sync_state()
             status &= ~TERMINATED
             if status == STATUS_REJECTED:
-                if req.is_draft:
-                    self.is_draft_terminated[slot] = True
-                else:
-                    failed.append(self._fail(req, RequestError(
-                        f"new_token {act.tokens[k]} is not allowed by the grammar",
-                        request_id=req.request_id, seq_slot=slot)))
+                self._new_token_rejected(req, slot, act.tokens[k], failed)
             elif status == STATUS_DEAD_END:
                 self._dead_end(req, slot, 0, failed)
             elif status == STATUS_FAULT:
                 failed.append(self._fail_message(req, next(errors)))
+
+    def _new_token_rejected(self, req: GuidedRequest, slot: int, token: int | None,
+                            failed: list[FailedRequest]) -> None:
+        """The grammar refused ``req``'s new token: a draft step stops guiding its draft; a
+        target request fails (its matcher is dropped)."""
+        if req.is_draft:
+            self.is_draft_terminated[slot] = True
+        else:
+            failed.append(self._fail(req, RequestError(
+                f"new_token {token} is not allowed by the grammar",
+                request_id=req.request_id, seq_slot=slot)))
 
     def _drop_dead(self, act: "_Active", dead: list[int], i: int,
                    failed: list[FailedRequest]) -> list[int]:
