@@ -464,18 +464,16 @@ class GuidedDecoder:
             if entry is not None:
                 for column, value in zip(act.columns, entry):
                     column.append(value)
-        if reqs:
-            native = self._native
-            handles = None if native is None else \
-                self.grammar_matcher_factory.native_handles(matchers)
-            if handles is not None:  # (it clears the token mask first)
-                self._build_native(native, handles, act, failed, draft_len,  # type: ignore[arg-type]
-                                   requests.num_bitmask_tokens)
-            else:
-                self._token_mask_np[:requests.num_bitmask_tokens] = 0
-                self._fill_rounds(self._accept_new_tokens(act, failed), failed, draft_len)
+        native = self._native
+        handles = None if native is None or not reqs else \
+            self.grammar_matcher_factory.native_handles(matchers)
+        if handles is not None:  # (the C++ step clears the token mask first)
+            self._build_native(native, handles, act, failed, draft_len,  # type: ignore[arg-type]
+                               requests.num_bitmask_tokens)
         else:
             self._token_mask_np[:requests.num_bitmask_tokens] = 0
+            if reqs:
+                self._fill_rounds(self._accept_new_tokens(act, failed), failed, draft_len)
         for slot in draft_slots:
             self.num_advanced_draft_tokens[slot] += advanced[slot]
         return failed

@@ -93,6 +93,13 @@ class GuidedRequest:
                    request.num_accepted_draft_tokens)
 
     @classmethod
+    def placeholder(cls, request_id: int, num_draft_tokens: int = 0) -> "GuidedRequest":
+        """An unguided generation request with no slot: it takes ``1 + draft length`` rows
+        and is never masked (padding of a graph batch; a capture needs only the shapes)."""
+        return cls(None, request_id, None, None, False, False, True, False, 0, False,
+                   [0] * num_draft_tokens if num_draft_tokens else None, 0)
+
+    @classmethod
     def context(cls, request_id: int, seq_slot: int, params: GuidedDecodingParams | None,
                 *, last_chunk: bool = True, new_token: int | None = None) -> "GuidedRequest":
         """A request in its prefill step (convenience for engines and tests)."""

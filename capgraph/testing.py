@@ -14,7 +14,7 @@ its host callbacks (the capturable decoder's whole step is, the apply included).
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol, Sequence
 
@@ -157,7 +157,7 @@ def _capture(harness: StepHarness, device: torch.device, warmup: int
         return host_graph
     decoder = getattr(harness, "decoder", None)
     warmup_fn = getattr(decoder, "warmup", None)
-    warm = warmup_fn() if warmup_fn is not None else _nothing()
+    warm = warmup_fn() if warmup_fn is not None else nullcontext()
     generators = list(getattr(harness, "generators", ()))
     states = [g.get_state() for g in generators]
     side = torch.cuda.Stream(device)
@@ -181,11 +181,6 @@ def _capture(harness: StepHarness, device: torch.device, warmup: int
 
 
 @contextmanager
-def _nothing() -> Iterator[None]:
-    yield
-
-
-@contextmanager
 def record_host_callbacks() -> Iterator[list[str]]:
     """Record the name of every host callback launched inside the block, in the order they
     run (eager runs, and replays of graphs captured inside the block).
@@ -198,9 +193,8 @@ def record_host_callbacks() -> Iterator[list[str]]:
     """
     names: list[str] = []
     lock = threading.Lock()
-    original = hostfunc.api.launch
 
-    def launch(fn, /, *args, **kwargs):
+    def wrap(fn):
         name = getattr(fn, "__name__", repr(fn))
 
         def recorded(*a, **k):
@@ -208,10 +202,11 @@ def record_host_callbacks() -> Iterator[list[str]]:
                 names.append(name)
             return fn(*a, **k)
         recorded.__name__ = name
-        original(recorded, *args, **kwargs)
+        return recorded
 
-    hostfunc.api.launch = launch
+    # at the launch itself, so hostfunc.launch and @hostfunc methods are both seen
+    hostfunc.api.LAUNCH_WRAPPERS.append(wrap)
     try:
         yield names
     finally:
-        hostfunc.api.launch = original
+        hostfunc.api.LAUNCH_WRAPPERS.remove(wrap)

@@ -19,6 +19,10 @@ __all__ = ["launch", "hostfunc", "HostFunction", "drain", "synchronize", "check_
 
 P = ParamSpec("P")
 
+#: Wrappers applied to every launched callable, in order (``capgraph.testing.
+#: record_host_callbacks`` adds one for its block); empty in normal use.
+LAUNCH_WRAPPERS: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = []
+
 
 def launch(fn: Callable[P, object], /, *args: P.args, **kwargs: P.kwargs) -> None:
     """Enqueue ``fn(*args, **kwargs)`` on the current stream; return at once.
@@ -36,6 +40,8 @@ def launch(fn: Callable[P, object], /, *args: P.args, **kwargs: P.kwargs) -> Non
         HostFuncLaunchError: the driver refused the launch (nothing was enqueued).
     """
     REGISTRY.collect()  # release what finished or what destroyed graphs handed back
+    for wrap in LAUNCH_WRAPPERS:
+        fn = wrap(fn)  # type: ignore[assignment]
     active_backend().launch(fn, args, kwargs)
 
 

@@ -89,3 +89,28 @@ def no_callback_error_left_behind():
         hostfunc.check_errors()
     except HostFuncError as exc:
         pytest.fail(f"a host callback raised during this test and nothing reported it: {exc}")
+
+
+def assert_steps_agree(decoders, step, draft_len: int) -> None:
+    """Run one step on each decoder (add_batch, rollback of rejected drafts, execute on zero
+    logits) and assert that all leave the same failures, token mask, masked bitmask rows,
+    counters, draft termination, dropped and terminated matchers (the differential tests of
+    the build paths)."""
+    import torch
+
+    outcomes = []
+    for dec in decoders:
+        dec.add_batch(step, runtime_draft_len=draft_len)
+        dec.rollback_rejected_tokens()
+        rows = dec.requests.num_bitmask_tokens
+        failed = dec.execute(torch.zeros(rows, dec.vocab_size_padded))
+        tm = dec.token_mask_host[:rows].clone()
+        outcomes.append((sorted(failed), tm.tolist(), dec.bitmask_host[:rows][tm.bool()].clone(),
+                         list(dec.num_advanced_tokens), list(dec.num_guided_tokens),
+                         list(dec.is_draft_terminated),
+                         [m is None for m in dec.grammar_matchers],
+                         [m is not None and m.is_terminated() for m in dec.grammar_matchers]))
+    first = outcomes[0]
+    for other in outcomes[1:]:
+        assert first[:2] == other[:2] and first[3:] == other[3:]
+        assert torch.equal(first[2], other[2])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -16,7 +17,7 @@ from capgraph.decoder import GuidedDecoder
 from capgraph.requests import GuidedRequest, GuidedRequests
 from capgraph.tokenizers import encode_continuation
 from cases import CASES, public_cases
-from conftest import bits_of
+from conftest import assert_steps_agree, bits_of
 
 TEACHER_CASES = [c for c in CASES if c.params.guide_type in
                  (GuideType.JSON_SCHEMA, GuideType.REGEX, GuideType.EBNF_GRAMMAR)]
@@ -586,10 +587,12 @@ def test_sequential_and_round_fills_agree(tiny, seed):
     """The two ways a build fills rows (request by request for small batches, in rounds for
     larger ones) leave identical masks, token masks, counters, failures and matchers, over
     random steps with dead ends, invalid tokens, drafts, runtime draft lengths, rollbacks and
-    a matcher that raises in some states."""
+    a matcher that raises in some states. (The Python build only: the C++ one is tied to both
+    fills by tests/test_native_build.py.)"""
     rng = random.Random(seed)
     K, slots = 3, 4
-    decs = [GuidedDecoder(tiny.config, slots, K, factory=tiny) for _ in range(2)]
+    config = dataclasses.replace(tiny.config, native_build="off")
+    decs = [GuidedDecoder(config, slots, K, factory=tiny) for _ in range(2)]
     decs[0].sequential_fill_max, decs[1].sequential_fill_max = 0, 1000
     guides = [rng.choice([DEAD, ALIVE]) for _ in range(slots)]
     ctx = [GuidedRequest.context(10 + s, s, guides[s]) for s in range(slots)]
@@ -601,25 +604,23 @@ def test_sequential_and_round_fills_agree(tiny, seed):
                 if dec.grammar_matchers[flaky] is not None:
                     dec.grammar_matchers[flaky] = _Flaky(dec.grammar_matchers[flaky])
         if step is None:
-            n = rng.randint(1, slots)
-            chosen = rng.sample(range(slots), n)
+            chosen = rng.sample(range(slots), rng.randint(1, slots))
             step = [GuidedRequest.generation(
                 10 + s, s, guides[s], rng.choice([0, 1, 1, 3, 4]),
                 draft_tokens=[rng.choice([0, 1, 3, 4]) for _ in range(rng.randint(0, K))],
                 num_accepted_draft_tokens=rng.randint(0, K)) for s in chosen]
-        draft_len = rng.randint(0, K)
-        outcomes = []
-        for dec in decs:
-            dec.add_batch(step, runtime_draft_len=draft_len)
-            dec.rollback_rejected_tokens()
-            rows = dec.requests.num_bitmask_tokens
-            failed = dec.execute(torch.zeros(rows, 64))
-            tm = dec.token_mask_host[:rows].clone()
-            outcomes.append((sorted(failed), tm.tolist(),
-                             dec.bitmask_host[:rows][tm.bool()].clone(),
-                             list(dec.num_advanced_tokens), list(dec.num_guided_tokens),
-                             list(dec.is_draft_terminated),
-                             [m is None for m in dec.grammar_matchers]))
-        a, b = outcomes
-        assert a[0] == b[0] and a[1] == b[1] and a[3:] == b[3:]
-        assert torch.equal(a[2], b[2])
+        assert_steps_agree(decs, step, rng.randint(0, K))
+
+
+def test_placeholder_takes_generation_rows_and_is_never_masked(tiny):
+    """GuidedRequest.placeholder pads a batch: 1 + draft length rows, unguided, no slot."""
+    p = GuidedRequest.placeholder(-3, 2)
+    assert (p.request_id, p.seq_slot, p.guided_decoding_params, p.draft_tokens) == \
+        (-3, None, None, [0, 0])
+    assert GuidedRequest.placeholder(-1).draft_tokens is None
+    dec = GuidedDecoder(tiny.config, 2, 2, factory=tiny)
+    dec.add_batch([GuidedRequest.context(1, 0, ALIVE), p], runtime_draft_len=2)
+    assert dec.requests.offsets == [0, 1] and dec.requests.num_bitmask_tokens == 4
+    logits = torch.zeros(4, 64)
+    assert dec.execute(logits) == []
+    assert torch.isinf(logits[0]).any() and torch.isfinite(logits[1:]).all()

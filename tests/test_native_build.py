@@ -20,6 +20,7 @@ from capgraph.grammar import native
 from capgraph.grammar.native import NativeBuildError, NativeBuilder
 from capgraph.requests import GuidedRequest
 from capgraph.tokenizers import encode_continuation
+from conftest import assert_steps_agree
 
 pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
                                 reason=f"C++ host build unavailable: "
@@ -105,14 +106,6 @@ def _rebind(dec: GuidedDecoder, methods) -> None:
                                 dec._tail)
 
 
-def _outcome(dec: GuidedDecoder, failed, rows: int):
-    tm = dec.token_mask_host[:rows].clone()
-    return (sorted(failed), tm.tolist(), dec.bitmask_host[:rows][tm.bool()].clone(),
-            list(dec.num_advanced_tokens), list(dec.num_guided_tokens),
-            list(dec.is_draft_terminated), [m is None for m in dec.grammar_matchers],
-            [m is not None and m.is_terminated() for m in dec.grammar_matchers])
-
-
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1))
 def test_native_and_python_builds_agree(tiny, seed):
@@ -149,18 +142,7 @@ def test_native_and_python_builds_agree(tiny, seed):
                     draft_tokens=[rng.choice([0, 1, 2, 3, 4])
                                   for _ in range(rng.randint(0, K))],
                     num_accepted_draft_tokens=rng.randint(0, K)))
-        draft_len = rng.randint(0, K)
-        outcomes = []
-        for dec in decs:
-            dec.add_batch(step, runtime_draft_len=draft_len)
-            dec.rollback_rejected_tokens()
-            rows = dec.requests.num_bitmask_tokens
-            failed = dec.execute(torch.zeros(rows, 64))
-            outcomes.append(_outcome(dec, failed, rows))
-        for other in outcomes[1:]:
-            a, b = outcomes[0], other
-            assert a[0] == b[0] and a[1] == b[1] and a[3:] == b[3:]
-            assert torch.equal(a[2], b[2])
+        assert_steps_agree(decs, step, rng.randint(0, K))
 
 
 def test_native_build_teacher_forced_equals_python(factory_cache):
@@ -246,9 +228,11 @@ def test_native_rejects_bad_buffers(tiny):
 def test_native_build_modes(tiny, monkeypatch):
     """'on' with a backend setting that has no native loop is a named error; the environment
     variable overrides the config; a bad value names where it came from."""
+    config = dataclasses.replace(tiny.config, native_build="on", fill_threads=2)
+    factory = create_matcher_factory(config)
     with pytest.raises(ConfigError, match="needs the xgrammar backend with fill_threads=1"):
-        config = dataclasses.replace(tiny.config, native_build="on", fill_threads=2)
-        GuidedDecoder(config, 1, 0, factory=create_matcher_factory(config))
+        GuidedDecoder(config, 1, 0, factory=factory)
+    factory.close()
     with pytest.raises(ConfigError, match="native_build='maybe'"):
         GuidedDecodingConfig(encoded_vocab=VOCAB, native_build="maybe")
     monkeypatch.setenv("CAPGRAPH_NATIVE_BUILD", "OFF")

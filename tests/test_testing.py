@@ -82,3 +82,22 @@ def test_host_callbacks_are_recorded_in_order(factory_cache, tekken):
             hostfunc.drain()
     graph.reset()
     assert names == ["host_step", "apply", "host_step", "apply"]
+
+
+def test_records_plain_hostfunc_launches_and_stops_after_the_block():
+    """Callbacks launched with ``hostfunc.launch`` (not only decorated methods) are recorded;
+    after the block nothing is wrapped any more."""
+    import hostfunc.api
+
+    ran = []
+
+    def probe(x):
+        ran.append(x)
+
+    with record_host_callbacks() as names:
+        hostfunc.launch(probe, 1)
+        hostfunc.drain()
+    hostfunc.launch(probe, 2)
+    hostfunc.drain()
+    assert names == ["probe"] and ran == [1, 2]
+    assert hostfunc.api.LAUNCH_WRAPPERS == []

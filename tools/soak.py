@@ -277,9 +277,7 @@ class Soak:
         if decoder == "graph":
             self.static = torch.zeros(slots * (drafts + 1), self.V)
             # unguided placeholders: the capture only needs the batch's shapes
-            placeholders = [GuidedRequest.generation(-1 - i, None, None, 0,  # type: ignore
-                                                     draft_tokens=[0] * drafts)
-                            for i in range(slots)]
+            placeholders = [GuidedRequest.placeholder(-1 - i, drafts) for i in range(slots)]
             self.decoder.add_batch(placeholders, runtime_draft_len=drafts)
             self.graph = hostfunc.HostGraph()
             with hostfunc.capture(self.graph):

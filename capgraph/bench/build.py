@@ -177,7 +177,7 @@ def measure(tok, tokenizer_name: str, factory, batch: int, draft: int, steps: in
             "capgraph_ms": o * 1e3, "plain_ms": p * 1e3, "ratio": o / p,
             "python_ms": None if py is None else py * 1e3,
             "python_ratio": None if py is None else py / p,
-            "python_steps_ms": [round(x * 1e3, 4) for x in samples[2]] if py else [],
+            "python_steps_ms": [round(x * 1e3, 4) for x in samples[2]] if py is not None else [],
             "capgraph_p90_ms": percentile(ours_s, 90) * 1e3,
             "plain_p90_ms": percentile(plain_s, 90) * 1e3,
             "capgraph_steps_ms": [round(x * 1e3, 4) for x in ours_s],

@@ -33,7 +33,6 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from ..errors import NativeBuildError
@@ -183,13 +182,14 @@ def cpu_apply() -> Any:
     (:func:`capgraph.ops.logits_bitmask` then runs its torch code; the decoder is the one that
     warns about a missing compiler)."""
     global _cpu_apply
-    if _cpu_apply is None:
+    if _cpu_apply is None:  # decided once per process: this runs on every CPU mask
         if (os.environ.get("CAPGRAPH_NATIVE_BUILD") or "").strip().lower() == "off":
-            return None
-        try:
-            _cpu_apply = load().apply_bitmask
-        except NativeBuildError:
             _cpu_apply = False
+        else:
+            try:
+                _cpu_apply = load().apply_bitmask
+            except NativeBuildError:
+                _cpu_apply = False
     return _cpu_apply or None
 
 
@@ -248,7 +248,3 @@ class NativeBuilder:
     def errors(self) -> list[str]:
         """Messages of the last step's faulted requests, in request order."""
         return [str(e) for e in self._errors()]
-
-    def results(self, n: int) -> np.ndarray:
-        """``[n, 3]`` view of the last step's results."""
-        return self.out[:n]

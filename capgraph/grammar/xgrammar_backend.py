@@ -214,6 +214,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                              sorted(self._stop_ids), full_words, tail_mask, clear)
 
     def native_handles(self, matchers: Sequence[GrammarMatcher]) -> list | None:
+        """The FFI object of every plain ``XGrammarMatcher``; None if one of ``matchers`` is a
+        subclass or wrapper (its own methods must run) or xgrammar exposes no FFI object."""
         handles = [m._handle if type(m) is XGrammarMatcher else None  # type: ignore[attr-defined]
                    for m in matchers]
         return None if None in handles else handles
@@ -223,11 +225,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         """One call into xgrammar's batch matcher: threads in C++, GIL released."""
         if not matchers:
             return
-        # one pass: the FFI object of every plain XGrammarMatcher, None for subclasses and
-        # wrappers (their own methods run) or where xgrammar exposes none
-        handles = [m._handle if type(m) is XGrammarMatcher else None  # type: ignore[attr-defined]
-                   for m in matchers]
-        if len(handles) == 1 or None in handles or self._batch_fill_ffi is None:
+        handles = self.native_handles(matchers)
+        if handles is None or len(handles) == 1 or self._batch_fill_ffi is None:
             # one row: the thread hand-off would cost more than it saves
             super().batch_fill(matchers, bitmask, indices)
             return

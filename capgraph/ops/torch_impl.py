@@ -96,9 +96,6 @@ def apply_logits_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
                           token_mask: torch.Tensor | None, d2t: torch.Tensor | None,
                           col_offset: int) -> None:
     """Mask ``logits`` in place (semantics: :func:`capgraph.ops.logits_bitmask`)."""
-    rows, width = logits.shape
-    if rows == 0 or width == 0:
-        return
     if (d2t is None and logits.device.type == "cpu" and logits.stride(1) == 1
             and bitmask.stride(1) == 1 and (token_mask is None or token_mask.stride(0) == 1)):
         native = cpu_apply()  # the same, in one pass over the logits (csrc/host_build.cc)

@@ -247,7 +247,7 @@ class _Engine:
                 self._decode_step(live)
             for seq in self.scheduler.retire_finished():
                 if self.guide is not None:
-                    self.guide.release(seq.slot)  # type: ignore[arg-type]
+                    self.guide.release(seq.seq_slot)
                 finished += 1
                 if bar is not None:
                     bar.update(1)
@@ -262,7 +262,7 @@ class _Engine:
             logits = torch.cat([self.runner.prefill(s.seq_slot, s.prompt) for s in seqs])
             if self.drafter is not None:
                 for s in seqs:
-                    self.drafter.start(s.slot, s.prompt)  # type: ignore[arg-type]
+                    self.drafter.start(s.seq_slot, s.prompt)
         if self.guide is not None:
             self.guide.begin_context(seqs)
             self.guide.apply(logits)

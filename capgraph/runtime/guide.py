@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import time
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Iterator, Sequence, TypeGuard
 
 import torch
 
@@ -33,7 +33,7 @@ from .scheduler import Sequence as Seq
 __all__ = ["GuideDriver", "StageClock", "is_capturable"]
 
 
-def is_capturable(decoder: GuidedDecoder) -> bool:
+def is_capturable(decoder: GuidedDecoder) -> TypeGuard[CapturableGuidedDecoder]:
     """Whether ``decoder`` follows the capturable protocol (``execute`` returns nothing)."""
     return isinstance(decoder, CapturableGuidedDecoder)
 
@@ -96,15 +96,18 @@ class GuideDriver:
         self.decoder = decoder
         self.num_draft_tokens = num_draft_tokens
         # the same decoder, typed for the capturable protocol's calls (None if eager)
-        self._capt = decoder if isinstance(decoder, CapturableGuidedDecoder) else None
-        self.capturable = self._capt is not None
+        self._capt = decoder if is_capturable(decoder) else None
         self._failed: list[FailedRequest] = []
+
+    @property
+    def capturable(self) -> bool:
+        """Whether the decoder follows the capturable protocol."""
+        return self._capt is not None
 
     # -- the two kinds of step ---------------------------------------------------------------
     def begin_context(self, seqs: Sequence[Seq]) -> None:
         """Snapshots of sequences whose prompt was just prefilled (1 logits row each)."""
-        reqs = [GuidedRequest.context(s.index, s.slot, s.guide)  # type: ignore[arg-type]
-                for s in seqs]
+        reqs = [GuidedRequest.context(s.index, s.seq_slot, s.guide) for s in seqs]
         self._begin(reqs, self.num_draft_tokens, speculative=False)
 
     def begin_decode(self, seqs: Sequence[Seq], drafts: Sequence[Sequence[int]] | None,
@@ -128,9 +131,7 @@ class GuideDriver:
                                runtime_draft_len=self.num_draft_tokens)
 
     def _placeholders(self, start: int, stop: int) -> list[GuidedRequest]:
-        K = self.num_draft_tokens
-        return [GuidedRequest.generation(-1 - i, None, None, 0,  # type: ignore[arg-type]
-                                         draft_tokens=[0] * K if K else None)
+        return [GuidedRequest.placeholder(-1 - i, self.num_draft_tokens)
                 for i in range(start, stop)]
 
     def _begin(self, reqs: list[GuidedRequest], draft_len: int, speculative: bool,
@@ -170,8 +171,8 @@ class GuideDriver:
         if self._capt is not None:
             hostfunc.check_errors()
         failed, self._failed = self._failed, []
-        if self.capturable:
-            failed.extend(self.decoder.take_failed_requests())
+        if self._capt is not None:
+            failed.extend(self._capt.take_failed_requests())
         return [(rid, msg) for rid, msg in failed if rid >= 0]
 
     def release(self, slot: int) -> None:

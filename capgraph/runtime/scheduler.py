@@ -110,5 +110,5 @@ class SlotScheduler:
         if gone:
             self.running = [s for s in self.running if not s.finished]
             for s in gone:
-                self.free_slots.append(s.slot)  # type: ignore[arg-type]
+                self.free_slots.append(s.seq_slot)
         return gone
