@@ -68,6 +68,16 @@ class _Worker:
             self.cond.notify_all()
             return self.enqueued
 
+    def put_unless_idle(self, task: Task) -> bool:
+        """Enqueue ``task`` if the stream has work queued or running; False (nothing
+        enqueued) when it is idle, so that the caller can run a marker's effect inline."""
+        with self.cond:
+            if self.closed:
+                raise HostFuncUsageError(f"{self.name} is closed")
+            if self.completed >= self.enqueued:
+                return False
+        return self.put(task) > 0
+
     def _loop(self) -> None:
         while True:
             with self.cond:
@@ -206,7 +216,10 @@ class HostEvent:
         with self._cond:
             self._recorded += 1
             generation = self._recorded
-        stream.enqueue(lambda: self._complete(generation))
+        # On an idle stream the marker is reached at once (as a CUDA event recorded on an idle
+        # stream): complete it here rather than wake the stream's thread for it.
+        if not stream._worker.put_unless_idle(lambda: self._complete(generation)):
+            self._complete(generation)
 
     def wait(self, stream: HostStream | None = None) -> None:
         """Make later work on ``stream`` (default: current) wait for the latest record."""
@@ -216,7 +229,8 @@ class HostEvent:
             return
         with self._cond:
             generation = self._recorded
-        if generation:
+            reached = self._completed >= generation
+        if not reached:  # (a wait for a marker already reached is no wait, as in CUDA)
             stream.enqueue(lambda: self._block_until(generation, stream._worker))
 
     def query(self) -> bool:

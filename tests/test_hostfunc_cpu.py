@@ -124,6 +124,33 @@ def test_event_wait_before_any_record_does_not_block() -> None:
     assert done == [1]
 
 
+def test_event_on_an_idle_stream_completes_without_waking_its_thread() -> None:
+    """Pins: record() on a stream with nothing queued or running completes the marker at once
+    (a CUDA event on an idle stream), without starting the stream's worker thread; a later
+    wait() on the reached marker enqueues nothing; a record() behind pending work still waits
+    for that work."""
+    idle, other = HostStream("idle"), HostStream("other")
+    event = HostEvent()
+    event.record(idle)
+    assert event.query() and idle._worker.thread is None and idle._worker.enqueued == 0
+    event.wait(other)
+    assert other._worker.enqueued == 0 and other._worker.thread is None
+    gate = Gate()
+    with hostfunc.use_stream(idle):
+        hostfunc.launch(gate)
+    event.record(idle)  # behind the gate: pending until it opens
+    assert not event.query()
+    order: list[str] = []
+    event.wait(other)
+    with hostfunc.use_stream(other):
+        hostfunc.launch(order.append, "after")
+    time.sleep(0.05)
+    assert order == [] and other._worker.enqueued == 2
+    gate.opened.set()
+    other.synchronize(WAIT_S)
+    assert order == ["after"] and event.query()
+
+
 def test_capture_then_replay_runs_each_callback_per_replay_with_bound_args() -> None:
     """Pins: launches inside capture() do not run; each replay runs every recorded callback once,
     in order, with the very argument objects bound at capture (mutations visible); is_capturing
