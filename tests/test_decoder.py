@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 
 import pytest
@@ -450,25 +451,59 @@ def test_compile_starts_at_first_sight(factory, tekken):
     assert dec.grammar_matchers[0] is not None and 0 not in dec._pending_compiles
 
 
-def test_every_stage_emits_an_nvtx_range(factory, tekken, monkeypatch):
-    """add_batch, build, copy, apply and the rollbacks each push a named range in the
-    "capgraph" domain, balanced by a pop."""
-    import capgraph._nvtx as cnvtx
-    events = []
-    monkeypatch.setattr(cnvtx, "_push", lambda name, attributes: events.append(("push", name)))
-    monkeypatch.setattr(cnvtx, "_pop", lambda: events.append(("pop", None)))
-    case = TEACHER_CASES[2]
-    V = factory.config.vocab_size_padded
-    dec = make_decoder(factory, seqs=1, drafts=1)
-    dec.add_batch([GuidedRequest.context(1, 0, case.params)])
-    dec.execute(torch.zeros(1, V))
-    dec.rollback_rejected_tokens()
-    dec.rollback_draft_tokens()
+_NVTX_SCRIPT = """
+import json, sys, torch
+import capgraph._nvtx as cnvtx
+from capgraph import GuidedDecodingConfig, GuidedDecodingParams
+from capgraph.decoder import GuidedDecoder
+from capgraph.requests import GuidedRequest
+events = []
+cnvtx._push = lambda name, attributes: events.append(("push", name))
+cnvtx._pop = lambda: events.append(("pop", None))
+config = GuidedDecodingConfig(encoded_vocab=["a", "b", "c", "</s>"], vocab_size_padded=64,
+                              stop_token_ids=[3])
+dec = GuidedDecoder(config, 1, 1)
+dec.add_batch([GuidedRequest.context(1, 0, GuidedDecodingParams.regex("a+b"))])
+assert dec.execute(torch.zeros(1, 64)) == []
+dec.rollback_rejected_tokens()
+dec.rollback_draft_tokens()
+print(json.dumps({"active": cnvtx.ACTIVE, "events": events}))
+"""
+
+
+def test_every_stage_emits_an_nvtx_range():
+    """With ranges on (a tool attached; here CAPGRAPH_NVTX=always, in a fresh process since
+    the choice is made at import), add_batch, build, copy, apply and the rollbacks each push a
+    named range in the "capgraph" domain, balanced by a pop."""
+    import json
+    import subprocess
+    import sys
+    env = dict(os.environ, CAPGRAPH_NVTX="always")
+    out = subprocess.run([sys.executable, "-c", _NVTX_SCRIPT], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["active"] is True
+    events = result["events"]
     pushed = [a for kind, a in events if kind == "push"]
     assert len(pushed) == sum(kind == "pop" for kind, _ in events)
     for stage in ("add_batch", "execute", "build", "apply_bitmask", "rollback_rejected_tokens",
                   "rollback_draft_tokens"):
         assert any(stage in str(p) for p in pushed), stage
+
+
+def test_no_tool_no_range_wrappers():
+    """Without an NVTX tool (and without CAPGRAPH_NVTX=always) the per-step methods are the
+    undecorated functions: ranges cost nothing when nobody records them."""
+    import capgraph._nvtx as cnvtx
+    from capgraph.capturable import CapturableGuidedDecoder
+    methods = [GuidedDecoder.add_batch, GuidedDecoder.execute, GuidedDecoder._build,
+               GuidedDecoder.apply_bitmask, CapturableGuidedDecoder.prepare]
+    for fn in methods:
+        assert hasattr(fn, "__wrapped__") is cnvtx.ACTIVE, fn.__qualname__
+    expect_active = (type(cnvtx._domain).__name__ != "DummyDomain"
+                     or os.environ.get("CAPGRAPH_NVTX", "").lower() == "always")
+    assert cnvtx.ACTIVE is expect_active
 
 
 @pytest.mark.parametrize("V", [64, 100, 131072, 128001])
