@@ -268,7 +268,17 @@ class HostEvent:
 # ---- the current stream (per thread, like torch's) ----
 
 _ALL_STREAMS: weakref.WeakSet[HostStream] = weakref.WeakSet()
-_local = threading.local()
+
+
+class _Stack(threading.local):
+    """Per-thread stack of use_stream() streams (set up on each thread's first access:
+    a getattr with a default on a bare threading.local costs 0.3 us per miss)."""
+
+    def __init__(self) -> None:
+        self.stack: list[HostStream] = []
+
+
+_local = _Stack()
 _default_lock = threading.Lock()
 _default: list[HostStream] = []
 
@@ -280,16 +290,18 @@ def all_streams() -> list[HostStream]:
 
 def explicit_stream() -> HostStream | None:
     """The stream made current by :func:`use_stream` on this thread, if any."""
-    stack: list[HostStream] = getattr(_local, "stack", [])
+    stack = _local.stack
     return stack[-1] if stack else None
 
 
 def current_stream() -> HostStream:
     """The calling thread's current HostStream: the innermost :func:`use_stream`, else the
     process's default HostStream (created on first use)."""
-    stream = explicit_stream()
-    if stream is not None:
-        return stream
+    stack = _local.stack
+    if stack:
+        return stack[-1]
+    if _default:  # (the lock only guards creation)
+        return _default[0]
     with _default_lock:
         if not _default:
             _default.append(HostStream("HostStream-default"))
@@ -303,7 +315,7 @@ def use_stream(stream: HostStream) -> Iterator[HostStream]:
     on a machine with a GPU."""
     if not isinstance(stream, HostStream):
         raise TypeError(f"use_stream expects a HostStream, got {type(stream).__name__}")
-    stack: list[HostStream] = _local.__dict__.setdefault("stack", [])
+    stack = _local.stack
     stack.append(stream)
     try:
         yield stream
