@@ -141,6 +141,8 @@ class GuidedDecoder:
         self._masked_rows = False  # the last build set some token_mask entry
         # the every-step loop in C++ where it builds (GuidedDecodingConfig.native_build)
         self._native: NativeBuilder | None = self._load_native(tail_mask)
+        # its CPython entry, which reads a steady-state batch itself: (fast_step, state)
+        self._fast: tuple | None = self._bind_fast()
 
     def _load_native(self, tail_mask: int) -> NativeBuilder | None:
         mode = self.config.native_build
@@ -160,6 +162,15 @@ class GuidedDecoder:
                               f"backend with fill_threads=1 (backend={self.backend!r}, "
                               f"fill_threads={self.config.fill_threads})")
         return builder
+
+    def _bind_fast(self) -> tuple | None:
+        matcher_type = self.grammar_matcher_factory.native_matcher_type()
+        if self._native is None or matcher_type is None:
+            return None
+        return self._native.bind_fast(self.grammar_matchers, self.is_draft_terminated,
+                                      self.num_advanced_tokens, self.num_guided_tokens,
+                                      matcher_type, self.vocab_size_padded,
+                                      self.max_num_draft_tokens)
 
     # -- properties --------------------------------------------------------------------------
     @property
@@ -402,12 +413,30 @@ class GuidedDecoder:
         """Init and advance every guided request's matcher, fill its rows, guard dead ends.
 
         This runs on every decode step, so it is written for the common request (a target
-        request generating, with a valid slot and token), which is checked inline; everything
-        else takes :meth:`_prepare`. The work is kept in columns (:class:`_Active`) so that each
-        stage is one batched backend call plus a few C-level list operations, and requests are
-        dropped from the columns only when something unusual happens to them.
+        request generating, with a valid slot and token). With the C++ build's CPython entry
+        (:meth:`NativeBuilder.bind_fast`), a batch of only such requests (unguided ones
+        aside) is read and built in C++ in one call, the GIL released while xgrammar works;
+        any other batch, or a decoder without that entry, runs the loop below, where the
+        common request is checked inline and everything else takes :meth:`_prepare`. The
+        work is kept in columns (:class:`_Active`) so that each stage is one batched backend
+        call plus a few C-level list operations, and requests are dropped from the columns
+        only when something unusual happens to them.
         """
-        failed: list[FailedRequest] = []
+        fast = self._fast
+        if fast is not None:  # the whole step in C++ when every guided request is plain
+            result = fast[0](fast[1], requests.requests, requests.offsets,
+                             requests.max_num_draft_tokens, requests.num_bitmask_tokens)
+            if result is not None:
+                self._masked_rows, unusual = result
+                if unusual is None:
+                    return []
+                failed: list[FailedRequest] = []
+                for i, status, message in unusual:
+                    req = requests.requests[i]
+                    self._native_outcome(req, req.seq_slot, req.new_token, status, message,
+                                         failed)
+                return failed
+        failed = []
         self._masked_rows = False
         reqs: list[GuidedRequest] = []
         slots: list[int] = []
@@ -682,18 +711,25 @@ class GuidedDecoder:
             return
         errors = iter(native.errors())
         for k, (status, _, _) in enumerate(out):
-            if not status:
-                continue
-            req, slot = act.reqs[k], act.slots[k]
-            if status & TERMINATED:
-                act.matchers[k].sync_state()
-            status &= ~TERMINATED
-            if status == STATUS_REJECTED:
-                self._new_token_rejected(req, slot, act.tokens[k], failed)
-            elif status == STATUS_DEAD_END:
-                self._dead_end(req, slot, 0, failed)
-            elif status == STATUS_FAULT:
-                failed.append(self._fail_message(req, next(errors)))
+            if status:
+                self._native_outcome(act.reqs[k], act.slots[k], act.tokens[k], status,
+                                     next(errors) if status & ~TERMINATED == STATUS_FAULT
+                                     else None, failed)
+
+    def _native_outcome(self, req: GuidedRequest, slot: int, token: int | None, status: int,
+                        message: str | None, failed: list[FailedRequest]) -> None:
+        """What a C++ step's status other than plain OK means for ``req`` (its counters are
+        already written): a terminated matcher re-reads its state; a refused token, a dead
+        end or a fault (``message``) is handled as the Python build handles it."""
+        if status & TERMINATED:
+            self.grammar_matchers[slot].sync_state()  # type: ignore[union-attr]
+        status &= ~TERMINATED
+        if status == STATUS_REJECTED:
+            self._new_token_rejected(req, slot, token, failed)
+        elif status == STATUS_DEAD_END:
+            self._dead_end(req, slot, 0, failed)
+        elif status == STATUS_FAULT:
+            failed.append(self._fail_message(req, message or "native build fault"))
 
     def _new_token_rejected(self, req: GuidedRequest, slot: int, token: int | None,
                             failed: list[FailedRequest]) -> None:

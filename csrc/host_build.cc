@@ -17,6 +17,17 @@
 //
 // Compiled at run time by capgraph/grammar/native.py (a C++17 compiler and tvm-ffi's headers,
 // cached on disk), never at import.
+//
+// With CAPGRAPH_WITH_PYTHON (where Python's headers are installed) the same file is also a
+// CPython extension module, capgraph_host_build, whose fast_step() reads a whole steady-state
+// batch of GuidedRequest objects itself and runs the loop with the GIL released: at batch 1
+// the Python around the loop cost twice the loop (docs/BENCHMARKS.md, "build").
+
+#ifdef CAPGRAPH_WITH_PYTHON
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>  // first, as Python's documentation asks
+#include <structmember.h>  // PyMemberDef (in descrobject.h from Python 3.12)
+#endif
 
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/tensor.h>
@@ -25,6 +36,7 @@
 #include <tvm/ffi/optional.h>
 #include <tvm/ffi/string.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -98,6 +110,71 @@ struct Builder {
     return ok;
   }
 
+  // One request: accept `token` (< 0: none, the matcher was created this step), fill its
+  // rows from `offset`, then follow its `nd` drafts (draft_at(i) is the i-th). Writes
+  // {status, accepted, guided} to o3; a fault's message is appended to `errors`.
+  template <typename DraftAt>
+  void RunOne(const ObjectRef& m, int64_t token, int64_t offset, int64_t nd, DraftAt draft_at,
+              int64_t draft_len, int64_t rows, int32_t* mask, int32_t* o3) {
+    int32_t status = kOk;
+    int32_t accepted = 0, guided = 0;
+    bool terminated = false;
+    try {
+      bool go = true;
+      if (token >= 0) {
+        if (!Accept(m, token, &terminated)) {
+          status = kRejected;
+          go = false;
+        } else {
+          ++accepted;
+          go = !terminated;
+        }
+      }
+      for (int64_t i = 0; go; ++i) {
+        const int64_t row = offset + i;
+        if (row < 0 || row >= rows) {
+          TVM_FFI_THROW(IndexError) << "host build: row " << row << " is outside the " << rows
+                                    << "-row bitmask";
+        }
+        fill(m, bitmask, row, false);
+        ClearTail(row);
+        if (!HasValidToken(row)) {
+          if (i == 0) status = kDeadEnd;
+          break;  // a dead draft position stays unguided (decoder._dead_end)
+        }
+        ++guided;
+        mask[row] = 1;
+        if (i >= draft_len || i >= nd) break;
+        if (!Accept(m, draft_at(i), &terminated)) break;  // the draft left the grammar
+        ++accepted;
+        if (terminated) break;
+      }
+    } catch (const tvm::ffi::Error& e) {
+      status = kFault;
+      errors.push_back(e.kind() + ": " + e.message());
+    } catch (const std::exception& e) {
+      status = kFault;
+      errors.push_back(std::string("RuntimeError: ") + e.what());
+    }
+    if (terminated) status |= kTerminated;
+    o3[0] = status;
+    o3[1] = accepted;
+    o3[2] = guided;
+  }
+
+  // Zero token_mask[:clear_rows] (the step's layout rows start unmasked) and the errors.
+  int32_t* BeginStep(int64_t clear_rows) {
+    const int64_t rows = bitmask.size(0);
+    if (clear_rows < 0 || clear_rows > rows) {
+      TVM_FFI_THROW(ValueError) << "host build: clear_rows " << clear_rows << " is outside [0, "
+                                << rows << "]";
+    }
+    int32_t* mask = static_cast<int32_t*>(token_mask.data_ptr());
+    std::memset(mask, 0, static_cast<size_t>(clear_rows) * sizeof(int32_t));
+    errors.clear();
+    return mask;
+  }
+
   // One step over n requests. tokens[k] < 0: the matcher was created this step (fill only).
   int64_t Step(const Array<ObjectRef>& matchers, const Array<int64_t>& tokens,
                const Array<int64_t>& offsets, const Array<int64_t>& num_drafts,
@@ -114,70 +191,18 @@ struct Builder {
                                 << out.size(0) << " output rows";
     }
     int32_t* o = static_cast<int32_t*>(out.data_ptr());
-    int32_t* mask = static_cast<int32_t*>(token_mask.data_ptr());
+    int32_t* mask = BeginStep(clear_rows);
     const int64_t rows = bitmask.size(0);
-    if (clear_rows < 0 || clear_rows > rows) {
-      TVM_FFI_THROW(ValueError) << "host build: clear_rows " << clear_rows << " is outside [0, "
-                                << rows << "]";
-    }
-    // the step's layout rows start unmasked; the loop marks the rows it guides
-    std::memset(mask, 0, static_cast<size_t>(clear_rows) * sizeof(int32_t));
-    errors.clear();
     int64_t unusual = 0;
     int64_t draft_pos = 0;
     for (int64_t k = 0; k < n; ++k) {
-      const ObjectRef& m = matchers[k];
       const int64_t nd = num_drafts.size() ? num_drafts[k] : 0;
       const int64_t first_draft = draft_pos;
       draft_pos += nd;
-      const int64_t offset = offsets[k];
-      int32_t status = kOk;
-      int32_t accepted = 0, guided = 0;
-      bool terminated = false;
-      try {
-        const int64_t token = tokens[k];
-        bool go = true;
-        if (token >= 0) {
-          if (!Accept(m, token, &terminated)) {
-            status = kRejected;
-            go = false;
-          } else {
-            ++accepted;
-            go = !terminated;
-          }
-        }
-        for (int64_t i = 0; go; ++i) {
-          const int64_t row = offset + i;
-          if (row < 0 || row >= rows) {
-            TVM_FFI_THROW(IndexError) << "host build: row " << row << " is outside the "
-                                      << rows << "-row bitmask";
-          }
-          fill(m, bitmask, row, false);
-          ClearTail(row);
-          if (!HasValidToken(row)) {
-            if (i == 0) status = kDeadEnd;
-            break;  // a dead draft position stays unguided (decoder._dead_end)
-          }
-          ++guided;
-          mask[row] = 1;
-          if (i >= draft_len || i >= nd) break;
-          const int64_t token_i = drafts[first_draft + i];
-          if (!Accept(m, token_i, &terminated)) break;  // the draft left the grammar
-          ++accepted;
-          if (terminated) break;
-        }
-      } catch (const tvm::ffi::Error& e) {
-        status = kFault;
-        errors.push_back(e.kind() + ": " + e.message());
-      } catch (const std::exception& e) {
-        status = kFault;
-        errors.push_back(std::string("RuntimeError: ") + e.what());
-      }
-      if (terminated) status |= kTerminated;
-      if (status != kOk) ++unusual;
-      o[k * 3 + 0] = status;
-      o[k * 3 + 1] = accepted;
-      o[k * 3 + 2] = guided;
+      RunOne(matchers[k], tokens[k], offsets[k], nd,
+             [&](int64_t i) -> int64_t { return drafts[first_draft + i]; }, draft_len, rows,
+             mask, o + k * 3);
+      if (o[k * 3] != kOk) ++unusual;
     }
     return unusual;
   }
@@ -196,11 +221,12 @@ void CheckInt32(const Tensor& t, int ndim, const char* what) {
 }
 
 // make_builder(accept, fill, is_terminated, bitmask, token_mask, out, stop_ids, full_words,
-//              tail_mask, clear_word, clear_keep) -> [step, errors]
+//              tail_mask, clear_word, clear_keep) -> [step, errors, address]
 //   step(matchers, tokens, offsets, num_drafts, drafts, draft_len, clear_rows)
 //     -> how many requests are not plainly OK; token_mask[:clear_rows] is zeroed first
 //   errors() -> the messages of the last step's faults, in request order
-Array<Function> MakeBuilder(Function accept, Function fill, Function is_terminated,
+//   address: the Builder's address for the Python module's make_fast (kept alive by step)
+Array<Any> MakeBuilder(Function accept, Function fill, Function is_terminated,
                             Tensor bitmask, Tensor token_mask, Tensor out,
                             Array<int64_t> stop_ids, int64_t full_words, int64_t tail_mask,
                             int64_t clear_word, int64_t clear_keep) {
@@ -243,7 +269,8 @@ Array<Function> MakeBuilder(Function accept, Function fill, Function is_terminat
     for (const std::string& e : b->errors) result.push_back(String(e));
     return result;
   });
-  return Array<Function>{step, errors};
+  const int64_t address = static_cast<int64_t>(reinterpret_cast<intptr_t>(b.get()));
+  return Array<Any>{step, errors, address};
 }
 
 // apply_bitmask(logits, bitmask, token_mask, col_offset): the CPU mask in one pass.
@@ -335,3 +362,376 @@ void ApplyBitmask(Tensor logits, Tensor bitmask, tvm::ffi::Optional<Tensor> toke
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(make_builder, MakeBuilder);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(apply_bitmask, ApplyBitmask);
+
+#ifdef CAPGRAPH_WITH_PYTHON
+// ---------------------------------------------------------------------------------------------
+// capgraph_host_build: GuidedDecoder._build's steady state without Python in the loop.
+//
+// make_fast(address, keep, matchers, draft_terminated, advanced, guided, matcher_type,
+//           request_type, num_slots, vocab_size, max_num_draft_tokens) -> state
+//   binds a Builder (make_builder's address; `keep` is its step Function, held so the Builder
+//   outlives the state) to a decoder's per-slot lists, which the decoder mutates in place.
+// fast_step(state, requests, offsets, draft_len, clear_rows) -> None | (masked, unusual)
+//   None: some guided request is not the plain case (not a target request generating with a
+//   valid unseen slot, int new token in the vocabulary, int drafts within bounds; or its
+//   matcher is not exactly matcher_type), and nothing was touched: the Python build runs.
+//   Else the step ran as GuidedDecoder._build's native path would run it, counters written;
+//   masked: some row was guided; unusual: None, or [(batch index, status, fault message or
+//   None)] for every request whose status is not plainly OK, in request order.
+namespace {
+
+// The attributes read, by index into g_names and FastState::offset: the request's, then the
+// matcher's (from kMatcherFields on).
+enum FieldId {
+  kFieldParams, kFieldSlot, kFieldToken, kFieldGenerating, kFieldIsDraft, kFieldContext, kFieldDrafts,  // GuidedRequest
+  kFieldTerminated, kFieldChandle,                                           // XGrammarMatcher
+  kNumFields
+};
+constexpr int kMatcherFields = kFieldTerminated;
+const char* const kFieldNames[kNumFields] = {
+    "guided_decoding_params", "seq_slot", "new_token", "is_generation_in_progress_state",
+    "is_draft", "is_context_init_state", "draft_tokens", "_terminated", "_chandle"};
+PyObject* g_names[kNumFields];  // interned at module init
+
+struct FastEntry {
+  ObjectRef matcher;
+  int64_t slot, token, offset, first_draft, num_drafts, index;
+};
+
+struct FastState {
+  Builder* builder = nullptr;
+  PyObject* keep = nullptr;
+  PyObject* matchers = nullptr;
+  PyObject* draft_terminated = nullptr;
+  PyObject* advanced = nullptr;
+  PyObject* guided = nullptr;
+  PyObject* matcher_type = nullptr;
+  PyObject* request_type = nullptr;
+  // where each field lives inside an exact instance of its type (a __slots__ member), or -1:
+  // read through PyObject_GetAttr (subclasses and look-alike objects always are)
+  Py_ssize_t offset[kNumFields];
+  int64_t num_slots = 0, vocab_size = 0, max_drafts = 0;
+  std::vector<FastEntry> entries;
+  std::vector<int64_t> drafts;
+  std::vector<int64_t> seen_slots;
+  std::vector<uint8_t> seen;
+  std::vector<int32_t> out;
+};
+
+
+constexpr const char* kCapsule = "capgraph_host_build.FastState";
+
+void DestroyState(PyObject* capsule) {
+  auto* st = static_cast<FastState*>(PyCapsule_GetPointer(capsule, kCapsule));
+  if (st == nullptr) return;
+  Py_XDECREF(st->keep);
+  Py_XDECREF(st->matchers);
+  Py_XDECREF(st->draft_terminated);
+  Py_XDECREF(st->advanced);
+  Py_XDECREF(st->guided);
+  Py_XDECREF(st->matcher_type);
+  Py_XDECREF(st->request_type);
+  delete st;
+}
+
+// The __slots__ offset of `name` in `type`, or -1 where it is not a plain object slot.
+Py_ssize_t SlotOffset(PyObject* type, PyObject* name) {
+  PyObject* d = PyObject_GetAttr(type, name);
+  if (d == nullptr) {
+    PyErr_Clear();
+    return -1;
+  }
+  Py_ssize_t offset = -1;
+  if (Py_TYPE(d) == &PyMemberDescr_Type) {
+    const PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+    if (m->type == 16 /* T_OBJECT_EX: a __slots__ member */) offset = m->offset;
+  }
+  Py_DECREF(d);
+  return offset;
+}
+
+// obj.<field> as a new reference, or nullptr (unset or missing; never leaves an error set).
+PyObject* GetField(const FastState* st, PyObject* obj, int id) {
+  PyObject* owner = id < kMatcherFields ? st->request_type : st->matcher_type;
+  const Py_ssize_t offset = st->offset[id];
+  if (offset >= 0 && reinterpret_cast<PyObject*>(Py_TYPE(obj)) == owner) {
+    PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset);
+    Py_XINCREF(v);
+    return v;
+  }
+  PyObject* v = PyObject_GetAttr(obj, g_names[id]);
+  if (v == nullptr) PyErr_Clear();
+  return v;
+}
+
+// An exact int in [0, bound) read from obj.<field>, or -1 (missing, not an exact int, out of
+// range); never leaves an exception set.
+int64_t IndexField(const FastState* st, PyObject* obj, int id, int64_t bound) {
+  PyObject* v = GetField(st, obj, id);
+  if (v == nullptr) return -1;
+  int64_t r = -1;
+  if (PyLong_CheckExact(v)) {
+    int overflow = 0;
+    const long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (!overflow && x >= 0 && x < bound) r = static_cast<int64_t>(x);
+    if (PyErr_Occurred()) PyErr_Clear();
+  }
+  Py_DECREF(v);
+  return r;
+}
+
+// obj.<field>'s truth value: 1, 0, or -1 (missing, or a failing __bool__; cleared).
+int TruthField(const FastState* st, PyObject* obj, int id) {
+  PyObject* v = GetField(st, obj, id);
+  if (v == nullptr) return -1;
+  const int t = v == Py_True ? 1 : v == Py_False ? 0 : PyObject_IsTrue(v);
+  Py_DECREF(v);
+  if (t < 0) PyErr_Clear();
+  return t;
+}
+
+// Read the batch into st->entries; false where some guided request is not the plain case.
+bool Collect(FastState* st, PyObject* requests, PyObject* offsets, int64_t draft_len) {
+  const Py_ssize_t n = PyList_GET_SIZE(requests);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* req = PyList_GET_ITEM(requests, i);
+    PyObject* params = GetField(st, req, kFieldParams);
+    if (params == nullptr) return false;
+    const bool unguided = params == Py_None;
+    Py_DECREF(params);
+    if (unguided) continue;
+    if (TruthField(st, req, kFieldGenerating) != 1 || TruthField(st, req, kFieldIsDraft) != 0 ||
+        TruthField(st, req, kFieldContext) != 0) {
+      return false;
+    }
+    const int64_t slot = IndexField(st, req, kFieldSlot, st->num_slots);
+    if (slot < 0 || st->seen[slot]) return false;
+    const int64_t token = IndexField(st, req, kFieldToken, st->vocab_size);
+    if (token < 0) return false;
+    PyObject* offset_obj = PyList_GET_ITEM(offsets, i);
+    const long long offset = PyLong_AsLongLong(offset_obj);
+    if (offset == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+    // drafts: as GuidedDecoder._checked_drafts, the plain case only
+    const int64_t first_draft = static_cast<int64_t>(st->drafts.size());
+    int64_t nd = 0;
+    PyObject* drafts = GetField(st, req, kFieldDrafts);
+    if (drafts == nullptr) return false;
+    if (drafts != Py_None) {
+      if (!PyList_CheckExact(drafts) || PyList_GET_SIZE(drafts) > st->max_drafts) {
+        Py_DECREF(drafts);
+        return false;
+      }
+      nd = std::min<int64_t>(PyList_GET_SIZE(drafts), draft_len);
+      for (int64_t j = 0; j < nd; ++j) {
+        PyObject* t = PyList_GET_ITEM(drafts, j);
+        int overflow = 0;
+        const long long x = PyLong_CheckExact(t) ? PyLong_AsLongLongAndOverflow(t, &overflow) : -1;
+        if (overflow || x < 0 || x >= st->vocab_size) {
+          if (PyErr_Occurred()) PyErr_Clear();
+          Py_DECREF(drafts);
+          return false;
+        }
+        st->drafts.push_back(x);
+      }
+    }
+    Py_DECREF(drafts);
+    st->seen[slot] = 1;
+    st->seen_slots.push_back(slot);
+    // skipped, not failed: no matcher, a terminated one, or a draft loop that stopped guiding
+    PyObject* matcher = PyList_GET_ITEM(st->matchers, slot);
+    if (matcher == Py_None) continue;
+    if (reinterpret_cast<PyObject*>(Py_TYPE(matcher)) != st->matcher_type) return false;
+    const int terminated = TruthField(st, matcher, kFieldTerminated);
+    if (terminated < 0) return false;
+    const int stopped = PyObject_IsTrue(PyList_GET_ITEM(st->draft_terminated, slot));
+    if (stopped < 0) {
+      PyErr_Clear();
+      return false;
+    }
+    if (terminated || stopped) continue;
+    PyObject* address = GetField(st, matcher, kFieldChandle);
+    if (address == nullptr) return false;
+    void* handle = PyLong_CheckExact(address) ? PyLong_AsVoidPtr(address) : nullptr;
+    Py_DECREF(address);
+    if (handle == nullptr) {
+      if (PyErr_Occurred()) PyErr_Clear();
+      return false;
+    }
+    // a counted reference: the GIL is released while the loop runs
+    ObjectRef ref = tvm::ffi::detail::ObjectUnsafe::ObjectRefFromObjectPtr<ObjectRef>(
+        tvm::ffi::detail::ObjectUnsafe::ObjectPtrFromUnowned<tvm::ffi::Object>(
+            static_cast<TVMFFIObject*>(handle)));
+    st->entries.push_back(FastEntry{std::move(ref), slot, token, static_cast<int64_t>(offset),
+                                    first_draft, nd, static_cast<int64_t>(i)});
+  }
+  return true;
+}
+
+bool SetCount(PyObject* list, int64_t slot, int32_t value) {
+  PyObject* v = PyLong_FromLong(value);
+  return v != nullptr && PyList_SetItem(list, slot, v) == 0;  // (steals v)
+}
+
+PyObject* FastStep(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError,
+                    "fast_step(state, requests, offsets, draft_len, clear_rows) takes 5 arguments");
+    return nullptr;
+  }
+  auto* st = static_cast<FastState*>(PyCapsule_GetPointer(args[0], kCapsule));
+  if (st == nullptr) return nullptr;
+  PyObject* requests = args[1];
+  PyObject* offsets = args[2];
+  const long long draft_len = PyLong_AsLongLong(args[3]);
+  const long long clear_rows = PyLong_AsLongLong(args[4]);
+  if (PyErr_Occurred()) return nullptr;
+  if (!PyList_CheckExact(requests) || !PyList_CheckExact(offsets) ||
+      PyList_GET_SIZE(offsets) != PyList_GET_SIZE(requests) ||
+      PyList_GET_SIZE(st->matchers) != st->num_slots ||
+      PyList_GET_SIZE(st->draft_terminated) != st->num_slots ||
+      PyList_GET_SIZE(st->advanced) != st->num_slots ||
+      PyList_GET_SIZE(st->guided) != st->num_slots || draft_len < 0) {
+    Py_RETURN_NONE;
+  }
+  st->entries.clear();
+  st->drafts.clear();
+  st->seen_slots.clear();
+  const bool plain = Collect(st, requests, offsets, draft_len);
+  for (int64_t slot : st->seen_slots) st->seen[slot] = 0;
+  if (!plain) {
+    st->entries.clear();  // (drops the references taken)
+    Py_RETURN_NONE;
+  }
+  Builder* b = st->builder;
+  int32_t* mask = nullptr;
+  try {
+    mask = b->BeginStep(clear_rows);
+  } catch (const tvm::ffi::Error& e) {
+    PyErr_SetString(PyExc_ValueError, e.message().c_str());
+    return nullptr;
+  }
+  for (int64_t slot : st->seen_slots) {  // as the Python build: every plain request's counters
+    if (!SetCount(st->advanced, slot, 0) || !SetCount(st->guided, slot, 0)) return nullptr;
+  }
+  const int64_t n = static_cast<int64_t>(st->entries.size());
+  st->out.assign(static_cast<size_t>(n) * 3, 0);
+  const int64_t rows = b->bitmask.size(0);
+  Py_BEGIN_ALLOW_THREADS
+  for (int64_t k = 0; k < n; ++k) {
+    const FastEntry& e = st->entries[k];
+    const int64_t* drafts = st->drafts.data() + e.first_draft;
+    b->RunOne(e.matcher, e.token, e.offset, e.num_drafts,
+              [drafts](int64_t i) -> int64_t { return drafts[i]; }, draft_len, rows, mask,
+              st->out.data() + k * 3);
+  }
+  Py_END_ALLOW_THREADS
+  bool masked = false;
+  PyObject* unusual = nullptr;
+  size_t next_error = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const FastEntry& e = st->entries[k];
+    const int32_t* o = st->out.data() + k * 3;
+    if (o[1] && !SetCount(st->advanced, e.slot, o[1])) return nullptr;
+    if (o[2]) {
+      if (!SetCount(st->guided, e.slot, o[2])) return nullptr;
+      masked = true;
+    }
+    if (o[0] == kOk) continue;
+    if (unusual == nullptr && (unusual = PyList_New(0)) == nullptr) return nullptr;
+    PyObject* message = Py_None;
+    Py_INCREF(message);
+    if ((o[0] & ~kTerminated) == kFault && next_error < b->errors.size()) {
+      Py_DECREF(message);
+      const std::string& text = b->errors[next_error++];
+      message = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()),
+                                     "replace");
+      if (message == nullptr) {
+        Py_DECREF(unusual);
+        return nullptr;
+      }
+    }
+    PyObject* item = Py_BuildValue("(LiN)", static_cast<long long>(e.index), o[0], message);
+    if (item == nullptr || PyList_Append(unusual, item) < 0) {
+      Py_XDECREF(item);
+      Py_DECREF(unusual);
+      return nullptr;
+    }
+    Py_DECREF(item);
+  }
+  st->entries.clear();
+  PyObject* result = Py_BuildValue("(ON)", masked ? Py_True : Py_False,
+                                   unusual != nullptr ? unusual : (Py_INCREF(Py_None), Py_None));
+  return result;
+}
+
+PyObject* MakeFast(PyObject*, PyObject* args) {
+  long long address = 0, num_slots = 0, vocab_size = 0, max_drafts = 0;
+  PyObject *keep, *matchers, *draft_terminated, *advanced, *guided, *matcher_type, *request_type;
+  if (!PyArg_ParseTuple(args, "LOO!O!O!O!OOLLL", &address, &keep, &PyList_Type, &matchers,
+                        &PyList_Type, &draft_terminated, &PyList_Type, &advanced, &PyList_Type,
+                        &guided, &matcher_type, &request_type, &num_slots, &vocab_size,
+                        &max_drafts)) {
+    return nullptr;
+  }
+  if (!PyList_CheckExact(matchers) || address == 0 || num_slots < 1 || vocab_size < 1 ||
+      max_drafts < 0 || !PyType_Check(matcher_type) || !PyType_Check(request_type)) {
+    PyErr_SetString(PyExc_ValueError, "make_fast: bad arguments");
+    return nullptr;
+  }
+  auto* st = new FastState();
+  st->builder = reinterpret_cast<Builder*>(static_cast<intptr_t>(address));
+  st->num_slots = num_slots;
+  st->vocab_size = vocab_size;
+  st->max_drafts = max_drafts;
+  st->seen.assign(static_cast<size_t>(num_slots), 0);
+  for (int id = 0; id < kNumFields; ++id) {
+    st->offset[id] = SlotOffset(id < kMatcherFields ? request_type : matcher_type, g_names[id]);
+  }
+  for (PyObject* o :
+       {keep, matchers, draft_terminated, advanced, guided, matcher_type, request_type}) {
+    Py_INCREF(o);
+  }
+  st->keep = keep;
+  st->matchers = matchers;
+  st->draft_terminated = draft_terminated;
+  st->advanced = advanced;
+  st->guided = guided;
+  st->matcher_type = matcher_type;
+  st->request_type = request_type;
+  PyObject* capsule = PyCapsule_New(st, kCapsule, DestroyState);
+  if (capsule == nullptr) {
+    for (PyObject* o :
+         {keep, matchers, draft_terminated, advanced, guided, matcher_type, request_type}) {
+      Py_DECREF(o);
+    }
+    delete st;
+  }
+  return capsule;
+}
+
+PyMethodDef g_methods[] = {
+    {"make_fast", reinterpret_cast<PyCFunction>(MakeFast), METH_VARARGS,
+     "Bind a host builder to a decoder's per-slot lists."},
+    {"fast_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(FastStep)),
+     METH_FASTCALL, "Run a steady-state build step, or return None (see host_build.cc)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef g_module = {PyModuleDef_HEAD_INIT, "capgraph_host_build",
+                        "capgraph's host build loop, called from Python without a Python loop.",
+                        -1, g_methods, nullptr, nullptr, nullptr, nullptr};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) PyObject* PyInit_capgraph_host_build() {
+  for (int id = 0; id < kNumFields; ++id) {
+    if (g_names[id] == nullptr &&
+        (g_names[id] = PyUnicode_InternFromString(kFieldNames[id])) == nullptr) {
+      return nullptr;
+    }
+  }
+  return PyModule_Create(&g_module);
+}
+#endif  // CAPGRAPH_WITH_PYTHON

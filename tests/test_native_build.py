@@ -104,20 +104,24 @@ def _rebind(dec: GuidedDecoder, methods) -> None:
     dec._native = NativeBuilder(methods, dec.bitmask_host, dec.token_mask_host,
                                 dec.max_num_sequences, dec.config.stop_token_ids, full, tail,
                                 dec._tail)
+    dec._fast = dec._bind_fast()  # the CPython entry runs the same loop
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1))
 def test_native_and_python_builds_agree(tiny, seed):
     """Over random steps -- dead ends, rejected and stop tokens (in golden and draft
-    positions), drafts, runtime draft lengths, rollbacks, re-initialised slots, a matcher that
-    raises in some calls -- the C++ build leaves the same masks, token masks, counters,
-    failures, termination and matchers as both Python fills."""
+    positions), drafts, runtime draft lengths, rollbacks, re-initialised slots, unguided
+    requests between guided ones, a matcher that raises in some calls -- the C++ build (with
+    and without its CPython entry) leaves the same masks, token masks, counters, failures,
+    termination and matchers as both Python fills."""
     rng = random.Random(seed)
     K, slots = 3, 4
     decs = [_decoder(tiny, slots, K, "off", 0), _decoder(tiny, slots, K, "off", 1000),
-            _decoder(tiny, slots, K, "on")]
-    assert [d.native_build for d in decs] == [False, False, True]
+            _decoder(tiny, slots, K, "on"), _decoder(tiny, slots, K, "on")]
+    assert [d.native_build for d in decs] == [False, False, True, True]
+    decs[3]._fast = None  # the tvm-ffi step only, without the CPython entry
+    assert decs[2]._fast is not None
     guides = [rng.choice([DEAD, ALIVE, SHORT]) for _ in range(slots)]
     flaky, bad_row = rng.randrange(slots), rng.randrange(slots * (K + 1))
     steps: list = [[GuidedRequest.context(10 + s, s, guides[s]) for s in range(slots)]]
@@ -128,8 +132,12 @@ def test_native_and_python_builds_agree(tiny, seed):
                 if dec.grammar_matchers[flaky] is not None:
                     dec.grammar_matchers[flaky] = _StatelessFlaky(dec.grammar_matchers[flaky],
                                                                   bad_row)
-            if decs[2].grammar_matchers[flaky] is not None:
-                _rebind(decs[2], _flaky_methods(decs[2], flaky, bad_row))
+            for dec in decs[2:]:
+                if dec.grammar_matchers[flaky] is not None:
+                    fast = dec._fast
+                    _rebind(dec, _flaky_methods(dec, flaky, bad_row))
+                    if fast is None:
+                        dec._fast = None
         if step is None:
             chosen = rng.sample(range(slots), rng.randint(1, slots))
             step = []
@@ -142,6 +150,9 @@ def test_native_and_python_builds_agree(tiny, seed):
                     draft_tokens=[rng.choice([0, 1, 2, 3, 4])
                                   for _ in range(rng.randint(0, K))],
                     num_accepted_draft_tokens=rng.randint(0, K)))
+            if len(step) < slots and rng.random() < 0.2:  # unguided rows between guided ones
+                step.insert(rng.randint(0, len(step)),
+                            GuidedRequest.placeholder(99, rng.randint(0, K)))
         assert_steps_agree(decs, step, rng.randint(0, K))
 
 
@@ -184,6 +195,66 @@ def test_native_build_teacher_forced_equals_python(factory_cache):
             assert word >> (t % 32) & 1, f"token {t} masked at step {pos} row {i}"
         pos, accepted = pos + 1 + len(drafts), len(drafts)
     assert all(d.grammar_matchers[1].is_terminated() for d in decs)
+
+
+class _Spy:
+    """Wraps a decoder's CPython entry, recording whether each step took it (a result) or
+    declined it (None: the Python loop around the tvm-ffi step ran instead)."""
+
+    def __init__(self, dec: GuidedDecoder) -> None:
+        self.step, self.state = dec._fast
+        self.taken: list[bool] = []
+        dec._fast = (self, self.state)
+
+    def __call__(self, *args):
+        result = self.step(*args)
+        self.taken.append(result is not None)
+        return result
+
+
+class _RequestSubclass(GuidedRequest):
+    __slots__ = ()
+
+
+def test_cpython_entry_takes_plain_batches_and_declines_the_rest(tiny):
+    """The CPython entry runs a batch only when every guided request is the plain case and
+    otherwise touches nothing, so that the Python build decides: a context request, a
+    duplicate slot, a token that is not an exact int or lies outside the vocabulary, a draft
+    request, too many drafts, a matcher that is not exactly XGrammarMatcher. A request
+    subclass or unguided request does not stop it. Each step's outcome equals the Python
+    build's."""
+    import numpy as np
+
+    decs = [_decoder(tiny, 4, 2, "off"), _decoder(tiny, 4, 2, "on")]
+    spy = _Spy(decs[1])
+
+    def step(reqs, draft_len=2):
+        assert_steps_agree(decs, reqs, draft_len)
+        return spy.taken.pop()
+
+    gen = GuidedRequest.generation
+    assert not step([GuidedRequest.context(s, s, ALIVE) for s in range(4)])
+    assert step([gen(s, s, ALIVE, 0, draft_tokens=[1, 0]) for s in range(4)])
+    assert step([GuidedRequest.placeholder(9, 2), gen(0, 0, ALIVE, 1),
+                 _RequestSubclass(ALIVE, 1, 1, None, False, False, True, False, 3, False,
+                                  [0], 0)])
+    declined = [
+        [gen(0, 0, ALIVE, 0), GuidedRequest.context(1, 1, ALIVE)],
+        [gen(0, 0, ALIVE, 0), gen(1, 0, ALIVE, 1)],
+        [gen(0, 0, ALIVE, np.int64(1))],
+        [gen(0, 0, ALIVE, True)],
+        [gen(0, 0, ALIVE, 64)],
+        [gen(0, 0, ALIVE, 1, draft_tokens=[0, 0, 0])],
+        [gen(0, 0, ALIVE, 1, draft_tokens=[np.int64(0)])],
+        [dataclasses.replace(gen(0, 0, ALIVE, 1), is_draft=True)],
+    ]
+    for reqs in declined:
+        assert not step(reqs), reqs
+    assert step([gen(s, s, ALIVE, 1) for s in range(4)])
+    for dec in decs:  # a wrapped matcher must run its own methods
+        dec.grammar_matchers[2] = _StatelessFlaky(dec.grammar_matchers[2], bad_row=-1)
+    assert not step([gen(2, 2, ALIVE, 0), gen(3, 3, ALIVE, 0)])
+    assert step([gen(3, 3, ALIVE, 0)])
 
 
 def test_native_fault_fails_only_its_request(tiny):
@@ -279,6 +350,24 @@ def test_native_library_is_cached_on_disk(monkeypatch, tmp_path):
     assert len(calls) == 1
     files = [p.name for p in (tmp_path / "native").iterdir() if p.suffix == ".so"]
     assert len(files) == 1 and files[0].startswith("host_build-")
+
+
+def test_library_without_python_headers_serves_the_tvm_ffi_step(tiny, monkeypatch, tmp_path):
+    """Where Python's headers are missing (CAPGRAPH_NATIVE_PYTHON=off builds as if they were)
+    the library has no CPython entry: the decoder runs the tvm-ffi step, with the same
+    results as the Python build."""
+    monkeypatch.setenv("CAPGRAPH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CAPGRAPH_NATIVE_PYTHON", "off")
+    for name in ("_module", "_error", "_python_module"):
+        monkeypatch.setattr(native, name, None)
+    assert native._python_flags() == []
+    assert native.python_module() is None and native.load() is not None
+    decs = [_decoder(tiny, 2, 0, "off"), _decoder(tiny, 2, 0, "on")]
+    assert decs[1].native_build and decs[1]._fast is None
+    assert_steps_agree(decs, [GuidedRequest.context(1, 0, ALIVE),
+                              GuidedRequest.context(2, 1, SHORT)], 0)
+    assert_steps_agree(decs, [GuidedRequest.generation(1, 0, ALIVE, 0),
+                              GuidedRequest.generation(2, 1, SHORT, 0)], 0)
 
 
 def test_compile_error_is_reported_with_the_compiler_output(monkeypatch, tmp_path):

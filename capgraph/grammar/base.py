@@ -226,6 +226,12 @@ class GrammarMatcherFactory(ABC):
         :class:`~capgraph.grammar.native.NativeBuildError`."""
         return None
 
+    def native_matcher_type(self) -> type | None:
+        """The matcher class whose instances the C++ fast path may read directly (their
+        ``_terminated`` flag and ``_chandle``, the address of their FFI object); None where
+        this backend has none."""
+        return None
+
     def native_handles(self, matchers: Sequence[GrammarMatcher]) -> list | None:
         """What the native loop takes for each of ``matchers``, or None when one of them must
         take the Python path (another backend, a subclass or a wrapper)."""

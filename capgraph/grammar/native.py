@@ -29,6 +29,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sysconfig
 import threading
 from pathlib import Path
 from typing import Any, Sequence
@@ -37,8 +38,8 @@ import torch
 
 from ..errors import NativeBuildError
 
-__all__ = ["NativeBuildError", "NativeBuilder", "load", "unavailable_reason", "source_path",
-           "cpu_apply",
+__all__ = ["NativeBuildError", "NativeBuilder", "load", "python_module", "unavailable_reason",
+           "source_path", "cpu_apply",
            "STATUS_OK", "STATUS_REJECTED", "STATUS_DEAD_END", "STATUS_FAULT", "TERMINATED"]
 
 # what csrc/host_build.cc reports per request (out[k, 0]); TERMINATED is a flag on any status
@@ -89,9 +90,21 @@ def _tvm_ffi_paths() -> tuple[list[str], str]:
     return includes, libinfo.find_libtvm_ffi()
 
 
-def _compile(source: Path, out: Path, cxx: list[str], includes: list[str], lib: str) -> None:
+def _python_flags() -> list[str]:
+    """What makes the library also a CPython extension module (its ``fast_step``): Python's
+    include folder and a define, where Python's headers are installed; else nothing (the
+    decoder then runs its Python loop around the tvm-ffi step)."""
+    include = sysconfig.get_paths().get("include") or ""
+    if (os.environ.get("CAPGRAPH_NATIVE_PYTHON") or "").strip().lower() == "off" or \
+            not os.path.isfile(os.path.join(include, "Python.h")):
+        return []
+    return ["-DCAPGRAPH_WITH_PYTHON", f"-I{include}"]
+
+
+def _compile(source: Path, out: Path, cxx: list[str], includes: list[str], lib: str,
+             extra: Sequence[str] = ()) -> None:
     libdir = os.path.dirname(lib)
-    cmd = [*cxx, *_CFLAGS, *(f"-I{p}" for p in includes), str(source), "-o", str(out),
+    cmd = [*cxx, *_CFLAGS, *extra, *(f"-I{p}" for p in includes), str(source), "-o", str(out),
            f"-L{libdir}", "-ltvm_ffi", f"-Wl,-rpath,{libdir}"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_LOCK_TIMEOUT_S)
@@ -113,9 +126,11 @@ def _build_library() -> Path:
         raise NativeBuildError(f"{source} is missing from the installation")
     cxx = _compiler()
     includes, lib = _tvm_ffi_paths()
+    extra = _python_flags()
     key = hashlib.sha256(b"\0".join(s.encode() if isinstance(s, str) else s for s in [
         source.read_bytes(), " ".join(cxx), _compiler_version(cxx), " ".join(_CFLAGS),
-        getattr(tvm_ffi, "__version__", "?"), lib])).hexdigest()[:24]
+        getattr(tvm_ffi, "__version__", "?"), lib, " ".join(extra),
+        str(sysconfig.get_config_var("EXT_SUFFIX"))])).hexdigest()[:24]
     path = _cache_dir() / f"host_build-{key}.so"
     if path.is_file():
         return path
@@ -126,7 +141,7 @@ def _build_library() -> Path:
                 partial = path.with_name(f"{path.stem}.partial-{os.getpid()}.so")
                 _log.info("compiling %s with %s (once per machine, a few seconds) into %s",
                           source.name, " ".join(cxx), path.parent)
-                _compile(source, partial, cxx, includes, lib)
+                _compile(source, partial, cxx, includes, lib, extra)
                 os.replace(partial, path)
         return path
     except (OSError, filelock.Timeout) as e:
@@ -135,6 +150,7 @@ def _build_library() -> Path:
 
 _lock = threading.Lock()
 _module: Any = None
+_python_module: Any = None  # the same library as a CPython extension, or False
 _error: NativeBuildError | None = None
 
 
@@ -152,9 +168,12 @@ def load() -> Any:
 
             path = _build_library()
             try:
-                _module = tvm_ffi.load_module(str(path))
+                module = tvm_ffi.load_module(str(path))
             except Exception as e:
                 raise NativeBuildError(f"loading {path} failed: {type(e).__name__}: {e}") from e
+            global _python_module
+            _python_module = _load_python_module(path)
+            _module = module
         except NativeBuildError as e:
             _error = e
             raise
@@ -162,6 +181,36 @@ def load() -> Any:
             _error = NativeBuildError(f"tvm-ffi (installed with xgrammar) is missing: {e}")
             raise _error from e
         return _module
+
+
+def _load_python_module(path: Path) -> Any:
+    """The library's CPython module (``fast_step``), or False where it was built without
+    Python's headers (or fails to load: then logged, and the tvm-ffi step still serves)."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.ExtensionFileLoader("capgraph_host_build", str(path))
+    spec = importlib.util.spec_from_file_location("capgraph_host_build", str(path),
+                                                  loader=loader)
+    if spec is None:  # pragma: no cover - the file exists
+        return False
+    try:
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except ImportError as e:  # no PyInit_: compiled without Python's headers
+        _log.debug("no CPython entry in %s: %s", path, e)
+        return False
+    return module
+
+
+def python_module() -> Any:
+    """The CPython side of the library (``make_fast`` / ``fast_step``), or None where the
+    library was built without Python's headers or cannot be built."""
+    try:
+        load()
+    except NativeBuildError:
+        return None
+    return _python_module or None
 
 
 def unavailable_reason() -> str | None:
@@ -235,7 +284,7 @@ class NativeBuilder:
             clear[0], (1 << clear[1]) - 1 if clear[1] else 0)
         accept, fill, is_terminated = methods
         try:
-            self.step, self._errors = module.make_builder(
+            self.step, self._errors, self._address = module.make_builder(
                 accept, fill, is_terminated, tvm_ffi.from_dlpack(bitmask),
                 tvm_ffi.from_dlpack(token_mask), tvm_ffi.from_dlpack(self._out),
                 [int(t) for t in stop_ids], int(full_words), int(tail_mask) & 0xFFFFFFFF,
@@ -248,3 +297,21 @@ class NativeBuilder:
     def errors(self) -> list[str]:
         """Messages of the last step's faulted requests, in request order."""
         return [str(e) for e in self._errors()]
+
+    def bind_fast(self, matchers: list, draft_terminated: list, advanced: list, guided: list,
+                  matcher_type: type, vocab_size: int, max_num_draft_tokens: int
+                  ) -> tuple[Any, Any] | None:
+        """The CPython fast path bound to a decoder's per-slot lists (mutated in place only):
+        ``(fast_step, state)``, called ``fast_step(state, requests, offsets, draft_len,
+        clear_rows)`` as :meth:`capgraph.GuidedDecoder._build` does; None where the library
+        has no CPython side. ``matcher_type``'s instances must carry ``_terminated`` and
+        ``_chandle`` (their FFI object's address), as ``XGrammarMatcher`` does."""
+        module = python_module()
+        if module is None:
+            return None
+        from ..requests import GuidedRequest
+
+        state = module.make_fast(int(self._address), self.step, matchers, draft_terminated,
+                                 advanced, guided, matcher_type, GuidedRequest, len(matchers),
+                                 int(vocab_size), int(max_num_draft_tokens))
+        return module.fast_step, state

@@ -59,7 +59,8 @@ class XGrammarMatcher(GrammarMatcher):
     asking xgrammar costs a foreign call (~1.5 us) on every request of every step otherwise.
     """
 
-    __slots__ = ("_matcher", "_stop_ids", "_terminated", "_handle", "_accept", "_fill")
+    __slots__ = ("_matcher", "_stop_ids", "_terminated", "_handle", "_chandle", "_accept",
+                 "_fill")
 
     def __init__(self, matcher: xgr.GrammarMatcher, stop_ids: frozenset[int] = frozenset()) -> None:
         self._matcher = matcher
@@ -67,6 +68,9 @@ class XGrammarMatcher(GrammarMatcher):
         self._terminated = matcher.is_terminated()
         handle = _ffi(matcher, "accept_token", "fill_next_token_bitmask")
         self._handle = handle  # what BatchGrammarMatcher's FFI object takes, or None
+        # its address, for the C++ fast path (capgraph.grammar.native; 0: none)
+        chandle = getattr(handle, "__chandle__", None)
+        self._chandle: int = int(chandle()) if chandle is not None else 0
         if handle is not None:  # (token, debug_print) / (bitmask, index, debug_print)
             self._accept = handle.accept_token
             self._fill = handle.fill_next_token_bitmask
@@ -212,6 +216,9 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                                    "(xgrammar.matcher._core.GrammarMatcher)")
         return NativeBuilder(matcher_methods(ffi_type), bitmask, token_mask, max_requests,
                              sorted(self._stop_ids), full_words, tail_mask, clear)
+
+    def native_matcher_type(self) -> type | None:
+        return XGrammarMatcher
 
     def native_handles(self, matchers: Sequence[GrammarMatcher]) -> list | None:
         """The FFI object of every plain ``XGrammarMatcher``; None if one of ``matchers`` is a
