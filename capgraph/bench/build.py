@@ -103,9 +103,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 COLUMNS = [Column("tokenizer", "tokenizer"), Column("vocab", "V"), Column("batch", "batch"),
-           Column("draft", "draft"), Column("plain_ms", "plain xgrammar ms", ".3f"),
-           Column("capgraph_ms", "capgraph ms", ".3f"), Column("ratio", "capgraph/plain", ".2f"),
-           Column("python_ms", "python build ms", ".3f"),
+           Column("draft", "draft"), Column("plain_ms", "plain xgrammar ms", ".4f"),
+           Column("capgraph_ms", "capgraph ms", ".4f"), Column("ratio", "capgraph/plain", ".2f"),
+           Column("python_ms", "python build ms", ".4f"),
            Column("python_ratio", "python/plain", ".2f")]
 
 
