@@ -7,6 +7,13 @@ no Python in between, and reports per request a status and two counts; everythin
 which requests take it, failures, counters -- stays in :class:`capgraph.GuidedDecoder`. The
 same library holds a one-pass CPU mask (:func:`cpu_apply`) for :func:`capgraph.ops.logits_bitmask`.
 
+Where Python's headers are installed the library is also a CPython extension module
+(:func:`python_module`): its ``fast_step`` reads a steady-state batch of
+:class:`~capgraph.GuidedRequest` objects itself and runs the same loop with the GIL released
+(:meth:`NativeBuilder.bind_fast`), so a plain decode step makes one call from Python; any other
+batch is declined untouched and takes the tvm-ffi step above. ``CAPGRAPH_NATIVE_PYTHON=off``
+builds without it.
+
 Nothing compiles at import. :func:`load` compiles the source on first use with the machine's
 C++ compiler (``$CXX``, else ``c++``) against tvm-ffi's headers (xgrammar's own FFI layer,
 installed with it) and caches the shared library on disk under
