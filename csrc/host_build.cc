@@ -279,8 +279,20 @@ Array<Any> MakeBuilder(Function accept, Function fill, Function is_terminated,
 //   a row reads bit col_offset + j. Disallowed entries become -inf; the rest keep their bits.
 //   capgraph/ops/torch_impl.py checks the arguments (capgraph.ops.logits_bitmask) and calls
 //   this for CPU tensors without d2t.
+// The mask is bound by its stores: a fully disallowed word writes 32 -inf values, 8 stores of
+// 16 bytes with the baseline x86-64 instruction set. MaskRowsWide below is compiled again for
+// AVX2 and AVX-512 (GCC/Clang target_clones; the loader picks the clone this CPU runs), so
+// the same source writes 64-byte vectors where the CPU has them. Inlined into each clone.
+#define CAPGRAPH_INLINE inline __attribute__((always_inline))
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#define CAPGRAPH_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define CAPGRAPH_CLONES
+#endif
+
 template <typename T>
-void MaskRow(T* row, const int32_t* words, int64_t width, int64_t col_offset, T neg_inf) {
+CAPGRAPH_INLINE void MaskRow(T* row, const int32_t* words, int64_t width, int64_t col_offset,
+                             T neg_inf) {
   if ((col_offset & 31) == 0) {  // word-aligned: whole words at a time
     const int32_t* w0 = words + (col_offset >> 5);
     const int64_t full = width >> 5;
@@ -309,8 +321,8 @@ void MaskRow(T* row, const int32_t* words, int64_t width, int64_t col_offset, T 
 }
 
 template <typename T>
-void MaskRows(const Tensor& logits, const Tensor& bitmask, const int32_t* token_mask,
-              int64_t col_offset, T neg_inf) {
+CAPGRAPH_INLINE void MaskRows(const Tensor& logits, const Tensor& bitmask,
+                              const int32_t* token_mask, int64_t col_offset, T neg_inf) {
   const int64_t rows = logits.size(0), width = logits.size(1);
   const int64_t ls = logits.stride(0), bs = bitmask.stride(0);
   T* base = static_cast<T*>(logits.data_ptr());
@@ -319,6 +331,18 @@ void MaskRows(const Tensor& logits, const Tensor& bitmask, const int32_t* token_
     if (token_mask != nullptr && token_mask[r] == 0) continue;
     MaskRow<T>(base + r * ls, words + r * bs, width, col_offset, neg_inf);
   }
+}
+
+CAPGRAPH_CLONES void MaskRowsWide32(const Tensor& logits, const Tensor& bitmask,
+                                    const int32_t* token_mask, int64_t col_offset,
+                                    uint32_t neg_inf) {
+  MaskRows<uint32_t>(logits, bitmask, token_mask, col_offset, neg_inf);
+}
+
+CAPGRAPH_CLONES void MaskRowsWide16(const Tensor& logits, const Tensor& bitmask,
+                                    const int32_t* token_mask, int64_t col_offset,
+                                    uint16_t neg_inf) {
+  MaskRows<uint16_t>(logits, bitmask, token_mask, col_offset, neg_inf);
 }
 
 void ApplyBitmask(Tensor logits, Tensor bitmask, tvm::ffi::Optional<Tensor> token_mask,
@@ -348,11 +372,11 @@ void ApplyBitmask(Tensor logits, Tensor bitmask, tvm::ffi::Optional<Tensor> toke
   }
   const DLDataType lt = logits.dtype();
   if (lt.code == kDLFloat && lt.bits == 32) {
-    MaskRows<uint32_t>(logits, bitmask, tm, col_offset, 0xFF800000u);
+    MaskRowsWide32(logits, bitmask, tm, col_offset, 0xFF800000u);
   } else if (lt.code == kDLFloat && lt.bits == 16) {
-    MaskRows<uint16_t>(logits, bitmask, tm, col_offset, 0xFC00u);
+    MaskRowsWide16(logits, bitmask, tm, col_offset, 0xFC00u);
   } else if (lt.code == kDLBfloat && lt.bits == 16) {
-    MaskRows<uint16_t>(logits, bitmask, tm, col_offset, 0xFF80u);
+    MaskRowsWide16(logits, bitmask, tm, col_offset, 0xFF80u);
   } else {
     TVM_FFI_THROW(TypeError) << "apply_bitmask: float32, float16 or bfloat16 logits expected";
   }
