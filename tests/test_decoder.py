@@ -659,3 +659,32 @@ def test_placeholder_takes_generation_rows_and_is_never_masked(tiny):
     logits = torch.zeros(4, 64)
     assert dec.execute(logits) == []
     assert torch.isinf(logits[0]).any() and torch.isfinite(logits[1:]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cpu_apply_calls_the_native_pass_directly_with_the_ops_result(dtype):
+    """On CPU, full-width rows without d2t go straight to the op's C++ pass (no custom-op
+    dispatch): same logits as logits_bitmask; other shapes (fewer rows than passed, a shard)
+    still take the op."""
+    from capgraph.ops import logits_bitmask
+    V = 256
+    config = GuidedDecodingConfig(encoded_vocab=["a", "b", "c", "</s>"], vocab_size_padded=V,
+                                  stop_token_ids=[3])
+    dec = GuidedDecoder(config, 4, 0)
+    if dec._cpu_apply is None:
+        pytest.skip("the C++ library is unavailable here: only the op path exists")
+    g = torch.Generator().manual_seed(1)
+    dec.bitmask_host.copy_(torch.randint(-2**31, 2**31 - 1, dec.bitmask_host.shape,
+                                         generator=g, dtype=torch.int32))
+    dec.token_mask_host.copy_(torch.tensor([1, 0, 1, 1], dtype=torch.int32))
+    calls = []
+    native = dec._cpu_apply
+    dec._cpu_apply = lambda *a: (calls.append(a[0].shape), native(*a))
+    for rows, width in [(4, V), (3, V), (4, V // 2)]:
+        logits = torch.randn(4, width, generator=g).to(dtype)
+        expect = logits.clone()
+        logits_bitmask(expect[:rows], dec.bitmask[:rows], dec.token_mask[:rows], None,
+                       col_offset=dec.rank * width if width < V else 0)
+        dec.apply_bitmask(logits[:rows] if rows < 4 else logits, None, rows)
+        assert torch.equal(logits[:rows], expect[:rows]), (rows, width)
+    assert calls == [torch.Size([4, V]), torch.Size([3, V])]
