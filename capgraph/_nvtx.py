@@ -4,7 +4,8 @@ A profiler (nsys, or any NVTX tool) attaches when the process starts; ``nvtx`` t
 a live domain, and every decorated method pushes and pops its named range. Without one the
 domain is nvtx's no-op ``DummyDomain`` and :func:`nvtx_range` returns the method undecorated,
 as nvtx's own ``annotate`` does, so the per-step API pays nothing for its ranges (a no-op range
-still cost 0.12 us per call through the wrapper: 6% of a batch-1 host build).
+still cost 0.12 us per call through the wrapper, two per step: about 5% of a batch-1 host
+build).
 
 ``CAPGRAPH_NVTX=always`` keeps the wrappers without a tool (tests record the ranges that way).
 """

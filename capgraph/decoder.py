@@ -28,7 +28,7 @@ from .grammar import CompileHandle, GrammarMatcher, GrammarMatcherFactory, creat
 from .grammar.native import (STATUS_DEAD_END, STATUS_FAULT, STATUS_REJECTED, TERMINATED,
                              NativeBuilder, NativeBuildError, cpu_apply)
 from .ops import logits_bitmask
-from .ops.op import _cuda_kernel
+from .ops.op import _FLOAT_DTYPES, _cuda_kernel
 from .params import GuidedDecodingConfig
 from .requests import GuidedRequest, GuidedRequests
 from .streams import CudaStepStreams, StepStreams
@@ -36,7 +36,6 @@ from .streams import CudaStepStreams, StepStreams
 __all__ = ["GuidedDecoder", "FailedRequest"]
 
 FailedRequest = tuple[int, str]  # (request_id, message)
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class GuidedDecoder:
@@ -910,7 +909,7 @@ class GuidedDecoder:
             raise TensorArgError(f"logits have {logits.shape[0]} rows, the batch layout has "
                                  f"{rows} (1 per context request, 1 + draft length per "
                                  "generation request)")
-        if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if logits.dtype not in _FLOAT_DTYPES:
             raise TensorArgError(f"logits must be float32, float16 or bfloat16, got "
                                  f"{logits.dtype}")
         if d2t is not None:

@@ -24,7 +24,8 @@ a few seconds; later processes load the cached file.
 ``GuidedDecodingConfig.native_build`` (or the environment variable ``CAPGRAPH_NATIVE_BUILD``)
 chooses: ``"auto"`` uses the loop where it compiles and warns once where it does not (the
 Python build then runs, with the same results), ``"on"`` makes a failure an error, ``"off"``
-never compiles.
+keeps that decoder on the Python loop. The CPU mask (:func:`cpu_apply`) is process-wide and
+follows only the environment variable: ``CAPGRAPH_NATIVE_BUILD=off`` compiles nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import NativeBuildError
+from ..params import NATIVE_BUILD_ENV
 
 __all__ = ["NativeBuildError", "NativeBuilder", "load", "python_module", "unavailable_reason",
            "source_path", "cpu_apply",
@@ -239,7 +241,7 @@ def cpu_apply() -> Any:
     warns about a missing compiler)."""
     global _cpu_apply
     if _cpu_apply is None:  # decided once per process: this runs on every CPU mask
-        if (os.environ.get("CAPGRAPH_NATIVE_BUILD") or "").strip().lower() == "off":
+        if (os.environ.get(NATIVE_BUILD_ENV) or "").strip().lower() == "off":
             _cpu_apply = False
         else:
             try:
