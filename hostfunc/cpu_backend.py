@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import backend as _backend
 from .host_stream import all_streams, current_stream
 from .registry import REGISTRY
 
@@ -27,6 +28,14 @@ class CpuBackend:
         graph = stream.capture_graph
         if graph is not None:
             graph.add_call(REGISTRY.add(fn, args, kwargs, one_shot=False))
+            return
+        if stream.claim_inline():  # run now on this thread, as on the worker: no registry entry
+            local = _backend._local
+            saved, local.stack = local.stack, []  # (no backend forced, as on the worker)
+            try:
+                stream.run_claimed(fn, args, kwargs)
+            finally:
+                local.stack = saved
             return
         key = REGISTRY.add(fn, args, kwargs, one_shot=True)
         try:

@@ -16,8 +16,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .errors import HostFuncTimeoutError, HostFuncUsageError
@@ -53,6 +52,7 @@ class _Worker:
         self.enqueued = 0
         self.completed = 0
         self.closed = False
+        self.inline = False  # a task runs on the thread that launched it (claim_if_idle)
         self.thread: threading.Thread | None = None
         _ALL_WORKERS.add(self)
 
@@ -73,10 +73,35 @@ class _Worker:
             self.cond.notify_all()
             return self.enqueued
 
+    def idle(self) -> bool:
+        """Nothing queued or running (without the lock: ``completed`` is read first, and only
+        grows up to ``enqueued``, so a busy stream never reads as idle)."""
+        completed = self.completed
+        return completed >= self.enqueued
+
+    def claim_if_idle(self) -> bool:
+        """With nothing queued or running, count one task as running on the calling thread
+        (later ones queue behind it) and return True; the caller runs it, then calls
+        :meth:`finish_inline`. Else False."""
+        with self.cond:
+            if self.closed:
+                raise HostFuncUsageError(f"{self.name} is closed")
+            if self.completed < self.enqueued:
+                return False
+            self.enqueued += 1
+            self.inline = True
+            return True
+
+    def finish_inline(self) -> None:
+        with self.cond:
+            self.inline = False
+            self.completed += 1
+            self.cond.notify_all()
+
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not self.tasks and not self.closed:
+                while self.inline or (not self.tasks and not self.closed):
                     self.cond.wait()
                 if not self.tasks:
                     return
@@ -136,10 +161,19 @@ class HostStream:
     Tasks run one at a time in enqueue order. The worker thread starts on the first enqueue and
     stops when the stream is closed or collected. A stream that is capturing into a
     :class:`~hostfunc.HostGraph` records launches instead of running them.
+
+    With ``inline_when_idle``, a host callback launched while the stream has nothing queued or
+    running runs at once on the launching thread (with no stream or backend made current, as
+    on the worker), and the launch returns when it has run; anything launched meanwhile
+    queues behind it. Its failure is kept for the next drain as on the worker. For a
+    stream whose callbacks hand their heavy work to threads of their own: a Python worker
+    thread then only adds a GIL hand-off beside the caller's (CPU) work, which on a small
+    machine costs more than the callback's Python.
     """
 
-    def __init__(self, name: str | None = None) -> None:
+    def __init__(self, name: str | None = None, *, inline_when_idle: bool = False) -> None:
         self.name = name or f"HostStream-{next(_stream_ids)}"
+        self.inline_when_idle = inline_when_idle
         self._worker = _Worker(self.name)
         self.capture_graph: HostGraph | None = None
         weakref.finalize(self, self._worker.close)
@@ -151,6 +185,21 @@ class HostStream:
     def enqueue(self, task: Task) -> int:
         """Append ``task`` (which must not raise) to the queue; returns its ticket number."""
         return self._worker.put(task)
+
+    def claim_inline(self) -> bool:
+        """True (and the stream counts as busy until :meth:`run_claimed`) when this stream runs
+        idle launches inline (``inline_when_idle``) and has nothing queued or running."""
+        return self.inline_when_idle and self._worker.claim_if_idle()
+
+    def run_claimed(self, fn: Callable[..., object], args: tuple, kwargs: dict) -> None:
+        """Run a callback on this thread after :meth:`claim_inline` returned True, as the
+        worker would: no stream made current, a failure kept for the next drain."""
+        saved, _local.stack = _local.stack, []
+        try:
+            REGISTRY.call(fn, args, kwargs)
+        finally:
+            _local.stack = saved
+            self._worker.finish_inline()
 
     @property
     def is_capturing(self) -> bool:
@@ -198,6 +247,7 @@ class HostEvent:
         self._cond = threading.Condition()
         self._recorded = 0   # generation of the latest record()
         self._completed = 0  # highest generation whose marker has been reached
+        self._waiting = 0    # threads waiting on _cond (a record with none notifies nobody)
 
     def __repr__(self) -> str:
         return f"HostEvent({self.name!r})"
@@ -207,6 +257,13 @@ class HostEvent:
         stream = stream or current_stream()
         if stream.capture_graph is not None:
             stream.capture_graph.add_step(lambda s: self.record(s))
+            return
+        if stream._worker.idle():  # reached at once (below: the same, checked under the lock)
+            with self._cond:
+                self._recorded += 1
+                self._completed = self._recorded
+                if self._waiting:
+                    self._cond.notify_all()
             return
         with self._cond:
             self._recorded += 1
@@ -239,14 +296,20 @@ class HostEvent:
         Raises:
             HostFuncTimeoutError: ``timeout`` seconds passed first.
         """
+        if self._completed >= self._recorded:  # (read in this order: see _Worker.idle)
+            return
         deadline = _deadline(timeout)
         with self._cond:
             generation = self._recorded
-            while self._completed < generation:
-                left = _left(deadline)
-                if left == 0.0:
-                    raise HostFuncTimeoutError(self.name, timeout or 0.0)
-                self._cond.wait(left)
+            self._waiting += 1
+            try:
+                while self._completed < generation:
+                    left = _left(deadline)
+                    if left == 0.0:
+                        raise HostFuncTimeoutError(self.name, timeout or 0.0)
+                    self._cond.wait(left)
+            finally:
+                self._waiting -= 1
 
     def _complete(self, generation: int) -> None:
         with self._cond:
@@ -256,8 +319,12 @@ class HostEvent:
     def _block_until(self, generation: int, waiter: _Worker) -> None:
         # Runs on the waiting stream's worker; wakes now and then so that close() can end it.
         with self._cond:
-            while self._completed < generation and not waiter.closed:
-                self._cond.wait(_POLL_S)
+            self._waiting += 1
+            try:
+                while self._completed < generation and not waiter.closed:
+                    self._cond.wait(_POLL_S)
+            finally:
+                self._waiting -= 1
 
 
 # ---- the current stream (per thread, like torch's) ----
@@ -304,16 +371,28 @@ def current_stream() -> HostStream:
         return _default[0]
 
 
-@contextmanager
-def use_stream(stream: HostStream) -> Iterator[HostStream]:
+class use_stream:  # noqa: N801 - used as a function, like torch.cuda.stream
     """Make ``stream`` the calling thread's current stream inside the block (like
     ``torch.cuda.stream``). While any HostStream is current, launches use the CPU stand-in even
-    on a machine with a GPU."""
-    if not isinstance(stream, HostStream):
-        raise TypeError(f"use_stream expects a HostStream, got {type(stream).__name__}")
-    stack = _local.stack
-    stack.append(stream)
-    try:
-        yield stream
-    finally:
-        stack.pop()
+    on a machine with a GPU.
+
+    Example::
+
+        with hostfunc.use_stream(side):
+            hostfunc.launch(work)   # enqueued on ``side``
+    """
+
+    __slots__ = ("stream", "stack")
+
+    def __init__(self, stream: HostStream) -> None:
+        if not isinstance(stream, HostStream):
+            raise TypeError(f"use_stream expects a HostStream, got {type(stream).__name__}")
+        self.stream = stream
+
+    def __enter__(self) -> HostStream:
+        self.stack = _local.stack
+        self.stack.append(self.stream)
+        return self.stream
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.pop()

@@ -76,17 +76,23 @@ class Registry:
             self.record_error(f"<entry {key}>", LookupError(
                 f"no live hostfunc entry under key {key}: it was released before it ran"))
             return
-        one_shot = entry.one_shot
         try:
-            entry.fn(*entry.args, **entry.kwargs)
+            self.call(entry.fn, entry.args, entry.kwargs, entry.name)
+        finally:
+            # Only a one-shot entry goes back here; a graph's entries go back with the graph.
+            if entry.one_shot:
+                self.defer_release(key)
+
+    def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+             name: str | None = None) -> None:
+        """Run ``fn(*args, **kwargs)`` as a callback; never raises (a failure is kept for the
+        next drain under ``name``, default :func:`callable_name`)."""
+        try:
+            fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 — a callback must never let one escape
             if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
                 exc = exc.with_traceback(exc.__traceback__.tb_next)  # start at the callback
-            self.record_error(entry.name, exc)
-        finally:
-            # Only a one-shot entry goes back here; a graph's entries go back with the graph.
-            if one_shot:
-                self.defer_release(key)
+            self.record_error(name or callable_name(fn), exc)
 
     def defer_release(self, key: int) -> None:
         """Queue ``key`` for release by the next :meth:`collect`; safe from any thread."""
@@ -95,6 +101,8 @@ class Registry:
     def collect(self) -> int:
         """Release every queued key on the calling thread; return how many entries went."""
         released = 0
+        if not self._to_release:  # (every launch and drain comes here)
+            return released
         while True:
             try:
                 key = self._to_release.popleft()
@@ -126,6 +134,8 @@ class Registry:
 
     def raise_pending(self) -> None:
         """Raise the oldest kept callback error (the others ride along in ``later_errors``)."""
+        if not self._errors:  # (every check comes here; an error appended meanwhile waits)
+            return
         with self._lock:
             errors, self._errors = self._errors, []
         if errors:

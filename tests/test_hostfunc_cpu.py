@@ -18,6 +18,7 @@ import pytest
 
 import hostfunc
 from hostfunc import HostEvent, HostGraph, HostStream
+from hostfunc.host_stream import explicit_stream
 
 WAIT_S = 10.0
 
@@ -149,6 +150,83 @@ def test_event_on_an_idle_stream_completes_without_waking_its_thread() -> None:
     gate.opened.set()
     other.synchronize(WAIT_S)
     assert order == ["after"] and event.query()
+
+
+def test_synchronize_wakes_when_a_later_record_is_reached_at_once() -> None:
+    """Pins: a thread waiting on an event (its marker behind pending work) wakes when the
+    event is recorded again on an idle stream: CUDA waits for the latest record only."""
+    busy, idle = HostStream("busy"), HostStream("idle")
+    event = HostEvent()
+    gate = Gate()
+    with hostfunc.use_stream(busy):
+        hostfunc.launch(gate)
+    event.record(busy)
+    woke = threading.Event()
+    waiter = threading.Thread(target=lambda: (event.synchronize(WAIT_S), woke.set()))
+    waiter.start()
+    time.sleep(0.05)
+    assert not woke.is_set()
+    event.record(idle)  # reached at once: the waiter must be told
+    assert woke.wait(WAIT_S / 2), "synchronize() missed the record on the idle stream"
+    gate.opened.set()
+    waiter.join(WAIT_S)
+
+
+def test_inline_stream_runs_an_idle_launch_on_the_launching_thread() -> None:
+    """Pins (``inline_when_idle``): a launch on an idle stream runs before ``launch``
+    returns, on the calling thread, with no stream or backend made current (as on the
+    worker), and starts no worker thread; its failure is kept for the drain."""
+    stream = HostStream("inline", inline_when_idle=True)
+    seen: list[tuple] = []
+
+    def probe(x: int) -> None:
+        seen.append((x, threading.current_thread().name, explicit_stream(),
+                     list(hostfunc.backend._local.stack)))
+
+    with hostfunc.use_stream(stream):  # (and the fixture's use_backend("cpu"))
+        hostfunc.launch(probe, 1)
+        assert seen == [(1, threading.current_thread().name, None, [])]
+        assert hostfunc.current_stream() is stream and hostfunc.backend._local.stack
+        hostfunc.launch(_raise_value_error, "inline boom")
+    assert stream._worker.thread is None and stream.query()
+    with pytest.raises(hostfunc.HostFuncError, match="inline boom"):
+        hostfunc.drain(WAIT_S)
+
+
+def _raise_value_error(message: str) -> None:
+    raise ValueError(message)
+
+
+def test_inline_stream_queues_behind_pending_work_in_order() -> None:
+    """Pins: on a busy ``inline_when_idle`` stream launches queue on its worker in order;
+    and while an inline callback runs, a launch from another thread queues behind it (the
+    worker does not start it early)."""
+    stream = HostStream("inline", inline_when_idle=True)
+    order: list[str] = []
+    gate = Gate()
+    stream.enqueue(gate)  # (a launch would run it inline: the stream is idle)
+    with hostfunc.use_stream(stream):
+        hostfunc.launch(order.append, "queued")  # behind the gate: not inline
+    assert order == []
+    gate.opened.set()
+    stream.synchronize(WAIT_S)
+    assert order == ["queued"]
+
+    def launch_from_another_thread() -> None:
+        with hostfunc.use_backend("cpu"), hostfunc.use_stream(stream):
+            hostfunc.launch(order.append, "other thread")
+
+    def inline() -> None:
+        other = threading.Thread(target=launch_from_another_thread)
+        other.start()
+        other.join(WAIT_S)
+        time.sleep(0.05)  # the worker would have run it by now, were it allowed to
+        order.append("inline")
+
+    with hostfunc.use_stream(stream):
+        hostfunc.launch(inline)
+    stream.synchronize(WAIT_S)
+    assert order == ["queued", "inline", "other thread"]
 
 
 def test_capture_then_replay_runs_each_callback_per_replay_with_bound_args() -> None:
