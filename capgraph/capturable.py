@@ -89,7 +89,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._tokens_recorded_in_capture = False  # record_tokens_ready() ran in this capture
         self.active = False
         if self.device.type == "cpu":  # on CUDA the base class made the torch streams
-            self._streams = HostStepStreams()
+            # with the C++ build's own thread, no Python thread runs beside a CPU forward
+            self._streams = HostStepStreams(inline_when_idle=self._fast is not None)
         else:  # probe the driver for hostfunc now, not inside a first graph capture
             hostfunc.cuda_available()
 
@@ -122,14 +123,15 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 f"{new_tokens!r}; CapturableGuidedDecoder.add_batch takes (requests, new_tokens, "
                 "runtime_draft_len): pass runtime_draft_len by keyword")
         snapshot = GuidedRequest.snapshot
-        super().add_batch([snapshot(r) for r in requests], runtime_draft_len)
+        snapshots = [snapshot(r) for r in requests]
+        super().add_batch(snapshots, runtime_draft_len)
         self._tokens_recorded_in_capture = False
         batch = self.requests
         if new_tokens is not None:
             self._copy_new_tokens(new_tokens)
         self._put_epoch += 1
         self._queue.append((self._put_epoch, batch, new_tokens is not None))  # type: ignore[arg-type]
-        self.active = any(True for _ in batch.valid_requests())  # type: ignore[union-attr]
+        self.active = [r.guided_decoding_params for r in snapshots].count(None) < len(snapshots)
         if not self._streams.is_capturing():
             self._streams.record_tokens()  # orders the callbacks after the token copy
 
@@ -180,16 +182,27 @@ class CapturableGuidedDecoder(GuidedDecoder):
         Args:
             num_rows: bitmask rows to copy to the device (the logits' rows); default all.
         """
-        if self._prepared:
-            return
-        if self._streams.is_capturing() and not self._tokens_recorded_in_capture:
+        if not self._prepared:
+            self._enqueue_step(num_rows, self._streams.is_capturing())
+
+    def _enqueue_step(self, num_rows: int | None, capturing: bool) -> None:
+        if capturing and not self._tokens_recorded_in_capture:
             # the side stream must wait on an event recorded inside this capture: one recorded
             # before it would leave the host work outside the graph (and CUDA rejects the join)
             self._streams.record_tokens()
         self._tokens_recorded_in_capture = False
+        # On the CPU stand-in, outside capture, the build's xgrammar work runs on the C++
+        # build's own thread, which never takes the GIL and yields to the caller's threads,
+        # beside the forward; the mask application waits for it (GuidedDecoder._finish_build).
+        # The host step's Python runs on this thread (the side stream runs idle launches
+        # inline): a Python thread beside a CPU forward costs more in GIL hand-offs than that
+        # Python (docs/BENCHMARKS.md, "loop"). A captured step builds synchronously: its
+        # replays run the apply right after it.
+        asynchronous = (not capturing and self.bitmask is self.bitmask_host
+                        and self._fast is not None)
         with self._streams.side():
             self._streams.wait_tokens()
-            self.host_step()  # fetch, init, build: one host callback
+            self.host_step(asynchronous)  # fetch, init, build: one host callback
             self.copy_bitmask(num_rows or self.bitmask_host.shape[0])
             self._streams.record_bitmask()
         self._prepared = True
@@ -216,14 +229,16 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._consume_put()  # nothing guided: enqueue nothing at all
             self._token_mask_np[:] = 0  # (host view only: nothing reads it this step)
             return
-        self.prepare(logits.shape[0])
+        if not self._prepared:
+            self._enqueue_step(logits.shape[0], capturing)
         self._prepared = False
-        self._join_and_apply(logits, d2t)
+        self._join_and_apply(logits, d2t, capturing)
 
-    def _join_and_apply(self, logits: torch.Tensor, d2t: torch.Tensor | None) -> None:
+    def _join_and_apply(self, logits: torch.Tensor, d2t: torch.Tensor | None,
+                        capturing: bool) -> None:
         rows = logits.shape[0]
         streams = self._streams
-        if self.device.type == "cpu" and not streams.is_capturing():
+        if not capturing and self.device.type == "cpu":
             # CPU stand-in, not capturing: wait for the side stream on the host (GIL released)
             # and apply here, rather than hand the apply to another worker thread and drain it
             self._sync_side()
@@ -289,7 +304,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self.draft_host_step(draft_step, draft_step == 0, draft_step >= last)
             self.copy_bitmask(logits.shape[0])
             self._streams.record_bitmask()
-        self._join_and_apply(logits, d2t)
+        self._join_and_apply(logits, d2t, self._streams.is_capturing())
 
     def rollback_rejected_batch(self, num_accepted_tokens: torch.Tensor) -> None:
         """Roll back the rejected drafts for drafters without a logits loop (graph-safe).
@@ -328,11 +343,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
             raise first
 
     @hostfunc.hostfunc
-    def host_step(self) -> None:
-        """fetch_batch, init_disagg_gen_requests, build."""
+    def host_step(self, asynchronous: bool = False) -> None:
+        """fetch_batch, init_disagg_gen_requests, build (``asynchronous``: see ``_build``)."""
         cls = CapturableGuidedDecoder
         self._stages((cls.fetch_batch,), (cls.init_disagg_gen_requests_hostfunc,),
-                     (cls.build_hostfunc,))
+                     (cls.build_hostfunc, asynchronous))
 
     @hostfunc.hostfunc
     def draft_host_step(self, draft_step: int, first: bool, last: bool) -> None:
@@ -449,18 +464,23 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._init_disagg_gen_requests(self.requests_hostfunc)
 
     @_callback("build")
-    def build_hostfunc(self) -> None:
-        self._build_and_record(self.requests_hostfunc)
+    def build_hostfunc(self, asynchronous: bool = False) -> None:
+        self._build_and_record(self.requests_hostfunc, asynchronous)
 
     @_callback("build_draft")
     def build_draft_hostfunc(self) -> None:
         self._build_and_record(self._draft_requests)
 
-    def _build_and_record(self, batch: GuidedRequests | None) -> None:
-        self._token_mask_np[:] = 0  # rows beyond this batch (graph padding) stay unmasked
+    def _build_and_record(self, batch: GuidedRequests | None, asynchronous: bool = False
+                          ) -> None:
         if batch is None:
+            if self._inflight is not None:
+                self._finish_build()  # (before the token mask is cleared under it)
+            self._token_mask_np[:] = 0
             return
-        self._record_failed(self._build(batch))
+        # every row is cleared, not only the layout's: rows beyond this batch (graph padding)
+        # stay unmasked
+        self._record_failed(self._build(batch, asynchronous, self._token_mask_np.shape[0]))
 
     @_callback("rollback_rejected_tokens")
     def rollback_rejected_tokens_hostfunc(self) -> None:

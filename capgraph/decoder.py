@@ -26,7 +26,7 @@ from .bitmask import (allocate_host_bitmask, allocate_host_token_mask, bitmask_d
 from .errors import (ConfigError, DeadEndError, LayoutError, RequestError, TensorArgError)
 from .grammar import CompileHandle, GrammarMatcher, GrammarMatcherFactory, create_matcher_factory
 from .grammar.native import (STATUS_DEAD_END, STATUS_FAULT, STATUS_REJECTED, TERMINATED,
-                             NativeBuilder, NativeBuildError, cpu_apply)
+                             FastPath, NativeBuilder, NativeBuildError, cpu_apply)
 from .ops import logits_bitmask
 from .ops.op import _FLOAT_DTYPES, _cuda_kernel
 from .params import GuidedDecodingConfig
@@ -141,8 +141,10 @@ class GuidedDecoder:
         self._masked_rows = False  # the last build set some token_mask entry
         # the every-step loop in C++ where it builds (GuidedDecodingConfig.native_build)
         self._native: NativeBuilder | None = self._load_native(tail_mask)
-        # its CPython entry, which reads a steady-state batch itself: (fast_step, state)
-        self._fast: tuple | None = self._bind_fast()
+        # its CPython entry, which reads a steady-state batch itself
+        self._fast: FastPath | None = self._bind_fast()
+        # a build the CPython entry runs on its own thread (_build(asynchronous)): its batch
+        self._inflight: tuple[GuidedRequests, FastPath] | None = None
         # the one-pass C++ CPU mask, called without the custom op's dispatch (see apply_bitmask)
         self._cpu_apply = cpu_apply() if self.device.type == "cpu" else None
 
@@ -165,7 +167,7 @@ class GuidedDecoder:
                               f"fill_threads={self.config.fill_threads})")
         return builder
 
-    def _bind_fast(self) -> tuple | None:
+    def _bind_fast(self) -> FastPath | None:
         matcher_type = self.grammar_matcher_factory.native_matcher_type()
         if self._native is None or matcher_type is None:
             return None
@@ -264,6 +266,8 @@ class GuidedDecoder:
 
     def take_failed_requests(self) -> list[FailedRequest]:
         """Failures recorded since the last call, then forgets them."""
+        if self._inflight is not None:
+            self._finish_build()
         with self._failed_lock:
             failed, self._failed = self._failed, []
         return failed
@@ -300,6 +304,8 @@ class GuidedDecoder:
         directly: the custom op's dispatch and three slices cost 8 us a step, more than the
         pass itself at batch 1.
         """
+        if self._inflight is not None:
+            self._finish_build()
         fast = self._cpu_apply
         if (fast is not None and d2t is None and logits.shape[0] == num_rows
                 and logits.shape[1] == self.vocab_size_padded and logits.dtype in _FLOAT_DTYPES
@@ -337,6 +343,8 @@ class GuidedDecoder:
         self._rollback_rejected_tokens(self._require_batch())
 
     def _rollback_rejected_tokens(self, requests: GuidedRequests) -> None:
+        if self._inflight is not None:
+            self._finish_build()
         if self.max_num_draft_tokens <= 0:
             return
         for req in requests.valid_requests():
@@ -366,6 +374,8 @@ class GuidedDecoder:
         self._rollback_draft_tokens(self._require_batch())
 
     def _rollback_draft_tokens(self, requests: GuidedRequests) -> None:
+        if self._inflight is not None:
+            self._finish_build()
         if self.max_num_draft_tokens <= 0:
             return
         for req in requests.valid_requests():
@@ -391,8 +401,11 @@ class GuidedDecoder:
         self._init_disagg_gen_requests(self._require_batch())
 
     def _init_disagg_gen_requests(self, requests: GuidedRequests) -> None:
-        for req in requests.valid_requests():
-            if req.is_generation_only_first_iteration and not req.is_draft:
+        if self._inflight is not None:
+            self._finish_build()
+        for req in requests.requests:
+            if (req.is_generation_only_first_iteration and not req.is_draft
+                    and req.guided_decoding_params is not None):
                 try:
                     self._check_slot(req)
                     self.grammar_matchers[req.seq_slot] = self._create_matcher(req)  # type: ignore[index]
@@ -408,6 +421,8 @@ class GuidedDecoder:
         if not isinstance(seq_slot, int) or not self._slot_ok(seq_slot):
             raise RequestError(f"release: seq_slot {seq_slot!r} is outside [0, "
                                f"max_num_sequences={self.max_num_sequences})", seq_slot=seq_slot)
+        if self._inflight is not None:
+            self._finish_build()
         self.grammar_matchers[seq_slot] = None
         self._pending_compiles.pop(seq_slot, None)
         self.num_advanced_tokens[seq_slot] = self.num_guided_tokens[seq_slot] = 0
@@ -416,13 +431,18 @@ class GuidedDecoder:
 
     def close(self) -> None:
         """Release what the decoder owns: the compile pool of a factory it built itself
-        (a factory passed in stays open for its other users)."""
+        (a factory passed in stays open for its other users) and the C++ build's thread."""
+        if self._inflight is not None:
+            self._finish_build()
+        if self._fast is not None:
+            self._fast.close(self._fast.state)
         if self._owns_factory:
             self.grammar_matcher_factory.close()
 
     # -- build -------------------------------------------------------------------------------
     @nvtx_range("GuidedDecoder.build")
-    def _build(self, requests: GuidedRequests) -> list[FailedRequest]:
+    def _build(self, requests: GuidedRequests, asynchronous: bool = False,
+               clear_rows: int | None = None) -> list[FailedRequest]:
         """Init and advance every guided request's matcher, fill its rows, guard dead ends.
 
         This runs on every decode step, so it is written for the common request (a target
@@ -434,22 +454,32 @@ class GuidedDecoder:
         work is kept in columns (:class:`_Active`) so that each stage is one batched backend
         call plus a few C-level list operations, and requests are dropped from the columns
         only when something unusual happens to them.
+
+        ``asynchronous`` (the capturable decoder's CPU host step): where the CPython entry
+        takes the batch, its xgrammar work runs on the entry's own thread, which never takes
+        the GIL, and this returns at once; :meth:`_finish_build` ends it, and everything that
+        reads the matchers, counters or masks calls that first (the mask application, the
+        rollbacks, ``take_failed_requests``, the next build). Its failures are recorded then.
+        ``clear_rows``: token-mask rows zeroed first (default: the batch layout's rows).
         """
+        if self._inflight is not None:
+            self._finish_build()
+        clear = requests.num_bitmask_tokens if clear_rows is None else clear_rows
         fast = self._fast
         if fast is not None:  # the whole step in C++ when every guided request is plain
-            result = fast[0](fast[1], requests.requests, requests.offsets,
-                             requests.max_num_draft_tokens, requests.num_bitmask_tokens)
-            if result is not None:
-                self._masked_rows, unusual = result
-                if unusual is None:
+            args = (fast.state, requests.requests, requests.offsets,
+                    requests.max_num_draft_tokens, clear)
+            if asynchronous:
+                if fast.begin(*args):
+                    self._inflight = (requests, fast)
+                    self._masked_rows = True  # (until the join says: the token mask decides)
                     return []
-                failed: list[FailedRequest] = []
-                for i, status, message in unusual:
-                    req = requests.requests[i]
-                    self._native_outcome(req, req.seq_slot, req.new_token, status, message,
-                                         failed)
-                return failed
-        failed = []
+            else:
+                result = fast.step(*args)
+                if result is not None:
+                    return self._fast_outcome(requests, result)
+        self._token_mask_np[:clear] = 0  # first: a build that fails part-way masks nothing
+        failed: list[FailedRequest] = []
         self._masked_rows = False
         reqs: list[GuidedRequest] = []
         slots: list[int] = []
@@ -509,16 +539,34 @@ class GuidedDecoder:
         native = self._native
         handles = None if native is None or not reqs else \
             self.grammar_matcher_factory.native_handles(matchers)
-        if handles is not None:  # (the C++ step clears the token mask first)
+        if handles is not None:
             self._build_native(native, handles, act, failed, draft_len,  # type: ignore[arg-type]
-                               requests.num_bitmask_tokens)
-        else:
-            self._token_mask_np[:requests.num_bitmask_tokens] = 0
-            if reqs:
-                self._fill_rounds(self._accept_new_tokens(act, failed), failed, draft_len)
+                               clear)
+        elif reqs:
+            self._fill_rounds(self._accept_new_tokens(act, failed), failed, draft_len)
         for slot in draft_slots:
             self.num_advanced_draft_tokens[slot] += advanced[slot]
         return failed
+
+    def _fast_outcome(self, requests: GuidedRequests, result: tuple) -> list[FailedRequest]:
+        """The failures (and counters, flags) of a step the CPython entry ran."""
+        self._masked_rows, unusual = result
+        if unusual is None:
+            return []
+        failed: list[FailedRequest] = []
+        for i, status, message in unusual:
+            req = requests.requests[i]
+            self._native_outcome(req, req.seq_slot, req.new_token, status, message, failed)
+        return failed
+
+    def _finish_build(self) -> None:
+        """Wait for the build ``_build(asynchronous=True)`` started (GIL released) and record
+        its failures; a no-op when none is in flight."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        requests, fast = inflight
+        self._record_failed(self._fast_outcome(requests, fast.end(fast.state)))
 
     def _prepare(self, req: GuidedRequest, offset: int, draft_len: int, seen: set[int]
                  ) -> tuple | None:

@@ -9,8 +9,8 @@ HostGraph there is no fork at all (everything is recorded in order on the captur
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
-from typing import ContextManager, Iterator
+from contextlib import nullcontext
+from typing import ContextManager
 
 import torch
 
@@ -79,26 +79,30 @@ class CudaStepStreams(StepStreams):
 
 
 class HostStepStreams(StepStreams):
-    def __init__(self) -> None:
-        self.stream = hostfunc.HostStream("capgraph-side")
+    """``inline_when_idle``: the side stream's host step runs on the calling thread when the
+    stream is idle (see :class:`hostfunc.HostStream`); its xgrammar work then goes to the C++
+    build's own thread, which never takes the GIL (``CapturableGuidedDecoder.prepare``)."""
+
+    def __init__(self, inline_when_idle: bool = False) -> None:
+        self.stream = hostfunc.HostStream("capgraph-side", inline_when_idle=inline_when_idle)
         self.token_event = hostfunc.HostEvent("capgraph-tokens")
         self.bitmask_event = hostfunc.HostEvent("capgraph-bitmask")
 
-    @contextmanager
-    def _fork(self) -> Iterator[object]:
-        with hostfunc.use_stream(self.stream):
-            yield self.stream
-
     def side(self) -> ContextManager[object]:
-        return nullcontext() if self.is_capturing() else self._fork()
+        return nullcontext() if self.is_capturing() else hostfunc.use_stream(self.stream)
+
+    def is_capturing(self) -> bool:
+        """True while the calling thread's current HostStream records into a HostGraph."""
+        return hostfunc.current_stream().capture_graph is not None
 
     def wait_tokens(self) -> None:
         if hostfunc.current_stream() is self.stream:
             self.stream.wait_event(self.token_event)
 
     def record_tokens(self) -> None:
-        if not self.is_capturing():
-            self.token_event.record(hostfunc.current_stream())
+        stream = hostfunc.current_stream()
+        if stream.capture_graph is None:
+            self.token_event.record(stream)
 
     def record_bitmask(self) -> None:
         if hostfunc.current_stream() is self.stream:

@@ -27,6 +27,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>  // first, as Python's documentation asks
 #include <structmember.h>  // PyMemberDef (in descrobject.h from Python 3.12)
+#include <pthread.h>  // pthread_setname_np
+#include <sys/resource.h>  // setpriority: fast_begin's thread yields to the caller's
+#include <sys/syscall.h>
+#include <unistd.h>  // getpid: a forked child starts its own build thread
 #endif
 
 #include <tvm/ffi/container/array.h>
@@ -37,10 +41,13 @@
 #include <tvm/ffi/string.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -417,6 +424,17 @@ const char* const kFieldNames[kNumFields] = {
     "is_draft", "is_context_init_state", "draft_tokens", "_terminated", "_chandle"};
 PyObject* g_names[kNumFields];  // interned at module init
 
+constexpr const char* kThreadName = "capgraph-build";
+
+// fast_begin's thread and the handshake with it (one job at a time).
+struct Runner {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool queued = false, done = true, stop = false;
+  std::thread thread;
+  pid_t pid = 0;  // a forked child has no such thread: it starts its own
+};
+
 struct FastEntry {
   ObjectRef matcher;
   int64_t slot, token, offset, first_draft, num_drafts, index;
@@ -440,14 +458,40 @@ struct FastState {
   std::vector<int64_t> seen_slots;
   std::vector<uint8_t> seen;
   std::vector<int32_t> out;
+  // the step between Begin and Finish
+  int64_t job_draft_len = 0, job_rows = 0;
+  int32_t* job_mask = nullptr;
+  bool in_flight = false;  // fast_begin took a step that fast_end has not ended
+  Runner* runner = nullptr;  // the build thread, started by the first fast_begin
 };
 
 
 constexpr const char* kCapsule = "capgraph_host_build.FastState";
 
+// End the state's build thread, if it has one (a job in flight runs to its end first).
+void StopRunner(FastState* st) {
+  Runner* r = st->runner;
+  st->runner = nullptr;
+  if (r == nullptr || r->pid != getpid()) return;  // (a forked child: the parent's, leaked)
+  {
+    std::lock_guard<std::mutex> lock(r->mu);
+    r->stop = true;
+  }
+  r->cv.notify_all();
+  if (st->in_flight) {  // a job may still call a matcher method that takes the GIL
+    Py_BEGIN_ALLOW_THREADS
+    r->thread.join();
+    Py_END_ALLOW_THREADS
+  } else {
+    r->thread.join();
+  }
+  delete r;
+}
+
 void DestroyState(PyObject* capsule) {
   auto* st = static_cast<FastState*>(PyCapsule_GetPointer(capsule, kCapsule));
   if (st == nullptr) return;
+  StopRunner(st);
   Py_XDECREF(st->keep);
   Py_XDECREF(st->matchers);
   Py_XDECREF(st->draft_terminated);
@@ -599,26 +643,32 @@ bool SetCount(PyObject* list, int64_t slot, int32_t value) {
   return v != nullptr && PyList_SetItem(list, slot, v) == 0;  // (steals v)
 }
 
-PyObject* FastStep(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// The first half of a step, with the GIL held: check and read the batch, clear the token mask,
+// zero the counters. 1: taken (the job is in st->entries); 0: declined, nothing touched;
+// -1: an error is set.
+int Begin(FastState* st, PyObject* const* args, Py_ssize_t nargs, const char* name) {
   if (nargs != 5) {
-    PyErr_SetString(PyExc_TypeError,
-                    "fast_step(state, requests, offsets, draft_len, clear_rows) takes 5 arguments");
-    return nullptr;
+    PyErr_Format(PyExc_TypeError, "%s(state, requests, offsets, draft_len, clear_rows) takes 5 "
+                 "arguments", name);
+    return -1;
   }
-  auto* st = static_cast<FastState*>(PyCapsule_GetPointer(args[0], kCapsule));
-  if (st == nullptr) return nullptr;
+  if (st->in_flight) {
+    PyErr_Format(PyExc_RuntimeError, "%s: a build started by fast_begin has not been ended "
+                 "(fast_end)", name);
+    return -1;
+  }
   PyObject* requests = args[1];
   PyObject* offsets = args[2];
   const long long draft_len = PyLong_AsLongLong(args[3]);
   const long long clear_rows = PyLong_AsLongLong(args[4]);
-  if (PyErr_Occurred()) return nullptr;
+  if (PyErr_Occurred()) return -1;
   if (!PyList_CheckExact(requests) || !PyList_CheckExact(offsets) ||
       PyList_GET_SIZE(offsets) != PyList_GET_SIZE(requests) ||
       PyList_GET_SIZE(st->matchers) != st->num_slots ||
       PyList_GET_SIZE(st->draft_terminated) != st->num_slots ||
       PyList_GET_SIZE(st->advanced) != st->num_slots ||
       PyList_GET_SIZE(st->guided) != st->num_slots || draft_len < 0) {
-    Py_RETURN_NONE;
+    return 0;
   }
   st->entries.clear();
   st->drafts.clear();
@@ -627,68 +677,216 @@ PyObject* FastStep(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   for (int64_t slot : st->seen_slots) st->seen[slot] = 0;
   if (!plain) {
     st->entries.clear();  // (drops the references taken)
-    Py_RETURN_NONE;
+    return 0;
   }
   Builder* b = st->builder;
-  int32_t* mask = nullptr;
   try {
-    mask = b->BeginStep(clear_rows);
+    st->job_mask = b->BeginStep(clear_rows);
   } catch (const tvm::ffi::Error& e) {
+    st->entries.clear();
     PyErr_SetString(PyExc_ValueError, e.message().c_str());
-    return nullptr;
+    return -1;
   }
   for (int64_t slot : st->seen_slots) {  // as the Python build: every plain request's counters
-    if (!SetCount(st->advanced, slot, 0) || !SetCount(st->guided, slot, 0)) return nullptr;
+    if (!SetCount(st->advanced, slot, 0) || !SetCount(st->guided, slot, 0)) {
+      st->entries.clear();
+      return -1;
+    }
   }
+  st->out.assign(st->entries.size() * 3, 0);
+  st->job_draft_len = draft_len;
+  st->job_rows = b->bitmask.size(0);
+  return 1;
+}
+
+// The xgrammar work of a taken step: no Python object is touched (any thread, GIL or not).
+void RunJob(FastState* st) {
+  Builder* b = st->builder;
   const int64_t n = static_cast<int64_t>(st->entries.size());
-  st->out.assign(static_cast<size_t>(n) * 3, 0);
-  const int64_t rows = b->bitmask.size(0);
-  Py_BEGIN_ALLOW_THREADS
   for (int64_t k = 0; k < n; ++k) {
     const FastEntry& e = st->entries[k];
     const int64_t* drafts = st->drafts.data() + e.first_draft;
     b->RunOne(e.matcher, e.token, e.offset, e.num_drafts,
-              [drafts](int64_t i) -> int64_t { return drafts[i]; }, draft_len, rows, mask,
-              st->out.data() + k * 3);
+              [drafts](int64_t i) -> int64_t { return drafts[i]; }, st->job_draft_len,
+              st->job_rows, st->job_mask, st->out.data() + k * 3);
   }
-  Py_END_ALLOW_THREADS
+}
+
+// The second half, with the GIL held: write the counters back, report what was unusual,
+// drop the matcher references. Returns (masked, unusual) or nullptr with an error set.
+PyObject* Finish(FastState* st) {
+  Builder* b = st->builder;
+  const int64_t n = static_cast<int64_t>(st->entries.size());
   bool masked = false;
   PyObject* unusual = nullptr;
+  PyObject* result = nullptr;
   size_t next_error = 0;
   for (int64_t k = 0; k < n; ++k) {
     const FastEntry& e = st->entries[k];
     const int32_t* o = st->out.data() + k * 3;
-    if (o[1] && !SetCount(st->advanced, e.slot, o[1])) return nullptr;
+    if (o[1] && !SetCount(st->advanced, e.slot, o[1])) goto fail;
     if (o[2]) {
-      if (!SetCount(st->guided, e.slot, o[2])) return nullptr;
+      if (!SetCount(st->guided, e.slot, o[2])) goto fail;
       masked = true;
     }
     if (o[0] == kOk) continue;
-    if (unusual == nullptr && (unusual = PyList_New(0)) == nullptr) return nullptr;
-    PyObject* message = Py_None;
-    Py_INCREF(message);
-    if ((o[0] & ~kTerminated) == kFault && next_error < b->errors.size()) {
-      Py_DECREF(message);
-      const std::string& text = b->errors[next_error++];
-      message = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()),
-                                     "replace");
-      if (message == nullptr) {
-        Py_DECREF(unusual);
-        return nullptr;
+    if (unusual == nullptr && (unusual = PyList_New(0)) == nullptr) goto fail;
+    {
+      PyObject* message = Py_None;
+      Py_INCREF(message);
+      if ((o[0] & ~kTerminated) == kFault && next_error < b->errors.size()) {
+        Py_DECREF(message);
+        const std::string& text = b->errors[next_error++];
+        message = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()),
+                                       "replace");
+        if (message == nullptr) goto fail;
       }
+      PyObject* item = Py_BuildValue("(LiN)", static_cast<long long>(e.index), o[0], message);
+      if (item == nullptr) goto fail;
+      const int appended = PyList_Append(unusual, item);
+      Py_DECREF(item);
+      if (appended < 0) goto fail;
     }
-    PyObject* item = Py_BuildValue("(LiN)", static_cast<long long>(e.index), o[0], message);
-    if (item == nullptr || PyList_Append(unusual, item) < 0) {
-      Py_XDECREF(item);
-      Py_DECREF(unusual);
+  }
+  result = Py_BuildValue("(ON)", masked ? Py_True : Py_False,
+                         unusual != nullptr ? unusual : (Py_INCREF(Py_None), Py_None));
+  unusual = nullptr;  // (stolen by the tuple, or dropped by Py_BuildValue on failure)
+fail:
+  Py_XDECREF(unusual);
+  st->entries.clear();
+  return result;
+}
+
+// fast_step: the whole step on the calling thread, the GIL released around the xgrammar work.
+PyObject* FastStep(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  auto* st = nargs > 0 ? static_cast<FastState*>(PyCapsule_GetPointer(args[0], kCapsule))
+                       : nullptr;
+  if (st == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "fast_step: no state");
+    return nullptr;
+  }
+  const int taken = Begin(st, args, nargs, "fast_step");
+  if (taken < 0) return nullptr;
+  if (taken == 0) Py_RETURN_NONE;
+  Py_BEGIN_ALLOW_THREADS
+  RunJob(st);
+  Py_END_ALLOW_THREADS
+  return Finish(st);
+}
+
+// The state's build thread: one job at a time, started by fast_begin, ended by fast_end.
+// It runs at the lowest priority (nice 19, this thread only): woken while the caller's threads
+// keep every core busy (a CPU forward), it must not preempt them -- at normal priority it did,
+// at once, and the build ran on the caller's time after all. It runs where a core idles, and
+// at the latest when the caller blocks in fast_end.
+void Serve(Runner* r, FastState* st) {
+#ifdef __linux__
+  setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);  // (best effort)
+  pthread_setname_np(pthread_self(), kThreadName);  // as profilers and /proc show it
+#endif
+  std::unique_lock<std::mutex> lock(r->mu);
+  for (;;) {
+    r->cv.wait(lock, [r] { return r->queued || r->stop; });
+    if (!r->queued) return;
+    r->queued = false;
+    lock.unlock();
+    RunJob(st);
+    lock.lock();
+    r->done = true;
+    r->cv.notify_all();
+  }
+}
+
+// fast_begin: as fast_step, but the xgrammar work runs on the state's own thread, which never
+// takes the GIL; True (in flight: end it with fast_end before anything else reads the
+// decoder's matchers, counters or masks) or None (declined, nothing touched).
+PyObject* FastBegin(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  auto* st = nargs > 0 ? static_cast<FastState*>(PyCapsule_GetPointer(args[0], kCapsule))
+                       : nullptr;
+  if (st == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "fast_begin: no state");
+    return nullptr;
+  }
+  const int taken = Begin(st, args, nargs, "fast_begin");
+  if (taken < 0) return nullptr;
+  if (taken == 0) Py_RETURN_NONE;
+  st->in_flight = true;
+  if (st->entries.empty()) Py_RETURN_TRUE;  // nothing for xgrammar to do: no hand-off
+  Runner* r = st->runner;
+  if (r != nullptr && r->pid != getpid()) r = st->runner = nullptr;  // forked: (leaked) parent's
+  if (r == nullptr) {
+    try {
+      r = new Runner();
+      r->pid = getpid();
+      r->thread = std::thread(Serve, r, st);
+    } catch (const std::exception& e) {
+      delete r;
+      st->in_flight = false;
+      st->entries.clear();
+      PyErr_Format(PyExc_RuntimeError, "fast_begin: cannot start the build thread: %s",
+                   e.what());
       return nullptr;
     }
-    Py_DECREF(item);
+    st->runner = r;
   }
-  st->entries.clear();
-  PyObject* result = Py_BuildValue("(ON)", masked ? Py_True : Py_False,
-                                   unusual != nullptr ? unusual : (Py_INCREF(Py_None), Py_None));
-  return result;
+  {
+    std::lock_guard<std::mutex> lock(r->mu);
+    r->done = false;
+    r->queued = true;
+  }
+  r->cv.notify_all();
+  Py_RETURN_TRUE;
+}
+
+// fast_close: end the build thread (after the step in flight, which fast_end must still end);
+// a later fast_begin starts a new one.
+PyObject* FastClose(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  auto* st = nargs == 1 ? static_cast<FastState*>(PyCapsule_GetPointer(args[0], kCapsule))
+                        : nullptr;
+  if (st == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "fast_close(state) takes 1 argument");
+    return nullptr;
+  }
+  if (st->in_flight && !st->entries.empty() && st->runner != nullptr) {
+    Runner* r = st->runner;  // wait for the job first, so that fast_end finds it done
+    Py_BEGIN_ALLOW_THREADS
+    std::unique_lock<std::mutex> lock(r->mu);
+    r->cv.wait(lock, [r] { return r->done; });
+    Py_END_ALLOW_THREADS
+  }
+  StopRunner(st);
+  Py_RETURN_NONE;
+}
+
+// fast_end: wait (GIL released) for the step fast_begin started; then as fast_step's result.
+PyObject* FastEnd(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  auto* st = nargs == 1 ? static_cast<FastState*>(PyCapsule_GetPointer(args[0], kCapsule))
+                        : nullptr;
+  if (st == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "fast_end(state) takes 1 argument");
+    return nullptr;
+  }
+  if (!st->in_flight) {
+    PyErr_SetString(PyExc_RuntimeError, "fast_end: no build in flight (fast_begin declined "
+                    "or was not called)");
+    return nullptr;
+  }
+  Runner* r = st->runner;
+  if (!st->entries.empty() && r != nullptr) {
+    bool done;
+    {
+      std::lock_guard<std::mutex> lock(r->mu);
+      done = r->done;
+    }
+    if (!done) {  // (done already, the usual case behind a forward: the GIL stays held)
+      Py_BEGIN_ALLOW_THREADS
+      std::unique_lock<std::mutex> lock(r->mu);
+      r->cv.wait(lock, [r] { return r->done; });
+      Py_END_ALLOW_THREADS
+    }
+  }
+  st->in_flight = false;
+  return Finish(st);
 }
 
 PyObject* MakeFast(PyObject*, PyObject* args) {
@@ -741,6 +939,12 @@ PyMethodDef g_methods[] = {
      "Bind a host builder to a decoder's per-slot lists."},
     {"fast_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(FastStep)),
      METH_FASTCALL, "Run a steady-state build step, or return None (see host_build.cc)."},
+    {"fast_begin", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(FastBegin)),
+     METH_FASTCALL, "Start a steady-state build step on the state's thread: True, or None."},
+    {"fast_end", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(FastEnd)),
+     METH_FASTCALL, "Wait for the step fast_begin started and return fast_step's result."},
+    {"fast_close", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(FastClose)),
+     METH_FASTCALL, "End the state's build thread (fast_begin starts it again)."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef g_module = {PyModuleDef_HEAD_INIT, "capgraph_host_build",

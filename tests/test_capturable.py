@@ -118,6 +118,10 @@ def run_pair(factory, seed: int, steps: int, drafts: int, slots: int = 4, use_ne
     V = factory.config.vocab_size_padded
     eager = GuidedDecoder(factory.config, slots, drafts, factory=factory)
     capt = CapturableGuidedDecoder(factory.config, slots, drafts, factory=factory)
+    taken: list = []  # the CPython entry's asynchronous builds (the CPU host step's path)
+    if capt._fast is not None:
+        begin = capt._fast.begin
+        capt._fast = capt._fast._replace(begin=lambda *a: taken.append(begin(*a)) or taken[-1])
     counts = None
     for step in range(steps):
         reqs, new_tokens, rl = scenario.step()
@@ -154,6 +158,8 @@ def run_pair(factory, seed: int, steps: int, drafts: int, slots: int = 4, use_ne
         assert (a is None) == (b is None)
         if a is not None:
             assert a.is_terminated() == b.is_terminated()
+    if capt._fast is not None:  # plain steps built on the C++ thread, no Python worker ran
+        assert any(taken) and capt._streams.stream._worker.thread is None
     capt.close()
     return eager, capt
 
@@ -286,7 +292,7 @@ def test_callback_exception_reaches_the_caller_and_the_next_step_works(factory, 
     capt.execute(torch.zeros(1, V))
     original = GuidedDecoder._build
 
-    def broken(self, requests):
+    def broken(self, requests, *args):
         raise RuntimeError("injected fault")
     monkeypatch.setattr(GuidedDecoder, "_build", broken)
     capt.add_batch([GuidedRequest.generation(5, 0, case.params, tokens[0])])
@@ -425,7 +431,7 @@ def test_prepare_records_the_tokens_event_inside_a_capture_once(factory_cache, c
         capt.add_batch([GuidedRequest.context(1, 0, GuidedDecodingParams.regex("a+"))])
         original, capt._streams = capt._streams, _StreamLog(capturing)
         log = capt._streams
-        capt.host_step = lambda: None
+        capt.host_step = lambda *args: None
         capt.copy_bitmask = lambda n: None
         if ready:
             capt.record_tokens_ready()

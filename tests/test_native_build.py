@@ -43,9 +43,17 @@ def tiny():
     factory.close()
 
 
-def _decoder(factory, slots, drafts, mode, sequential_max=None):
+class _AsyncBuildDecoder(GuidedDecoder):
+    """Builds as the capturable decoder's CPU host step does: the CPython entry's xgrammar
+    work on its own thread, left in flight until whatever reads the decoder next joins it."""
+
+    def _build(self, requests, asynchronous=False, clear_rows=None):
+        return super()._build(requests, True, clear_rows)
+
+
+def _decoder(factory, slots, drafts, mode, sequential_max=None, cls=GuidedDecoder):
     config = dataclasses.replace(factory.config, native_build=mode)
-    dec = GuidedDecoder(config, slots, drafts, factory=factory)
+    dec = cls(config, slots, drafts, factory=factory)
     if sequential_max is not None:
         dec.sequential_fill_max = sequential_max
     return dec
@@ -113,13 +121,14 @@ def test_native_and_python_builds_agree(tiny, seed):
     """Over random steps -- dead ends, rejected and stop tokens (in golden and draft
     positions), drafts, runtime draft lengths, rollbacks, re-initialised slots, unguided
     requests between guided ones, a matcher that raises in some calls -- the C++ build (with
-    and without its CPython entry) leaves the same masks, token masks, counters, failures,
-    termination and matchers as both Python fills."""
+    and without its CPython entry, whose work also runs on its own thread) leaves the same
+    masks, token masks, counters, failures, termination and matchers as both Python fills."""
     rng = random.Random(seed)
     K, slots = 3, 4
     decs = [_decoder(tiny, slots, K, "off", 0), _decoder(tiny, slots, K, "off", 1000),
-            _decoder(tiny, slots, K, "on"), _decoder(tiny, slots, K, "on")]
-    assert [d.native_build for d in decs] == [False, False, True, True]
+            _decoder(tiny, slots, K, "on"), _decoder(tiny, slots, K, "on"),
+            _decoder(tiny, slots, K, "on", cls=_AsyncBuildDecoder)]
+    assert [d.native_build for d in decs] == [False, False, True, True, True]
     decs[3]._fast = None  # the tvm-ffi step only, without the CPython entry
     assert decs[2]._fast is not None
     guides = [rng.choice([DEAD, ALIVE, SHORT]) for _ in range(slots)]
@@ -202,9 +211,9 @@ class _Spy:
     declined it (None: the Python loop around the tvm-ffi step ran instead)."""
 
     def __init__(self, dec: GuidedDecoder) -> None:
-        self.step, self.state = dec._fast
+        self.step = dec._fast.step
         self.taken: list[bool] = []
-        dec._fast = (self, self.state)
+        dec._fast = dec._fast._replace(step=self)
 
     def __call__(self, *args):
         result = self.step(*args)
@@ -255,6 +264,83 @@ def test_cpython_entry_takes_plain_batches_and_declines_the_rest(tiny):
         dec.grammar_matchers[2] = _StatelessFlaky(dec.grammar_matchers[2], bad_row=-1)
     assert not step([gen(2, 2, ALIVE, 0), gen(3, 3, ALIVE, 0)])
     assert step([gen(3, 3, ALIVE, 0)])
+
+
+_READERS = {
+    "apply_bitmask": lambda d: d.apply_bitmask(torch.zeros(d.requests.num_bitmask_tokens, 64),
+                                               None, d.requests.num_bitmask_tokens),
+    "take_failed_requests": lambda d: d.take_failed_requests(),
+    "rollback_rejected_tokens": lambda d: d.rollback_rejected_tokens(),
+    "rollback_draft_tokens": lambda d: d.rollback_draft_tokens(),
+    "init_disagg_gen_requests": lambda d: d.init_disagg_gen_requests(),
+    "release": lambda d: d.release(3),
+    "build": lambda d: d.build(),
+    "close": lambda d: d.close(),
+}
+
+
+@pytest.mark.parametrize("reader", list(_READERS))
+def test_asynchronous_build_is_ended_before_anything_reads_the_decoder(tiny, reader):
+    """A build left on the CPython entry's thread (the capturable decoder's CPU host step)
+    is ended by whatever next reads the matchers, counters or masks, and then equals the
+    synchronous build: failures, counters, token mask and bitmask rows."""
+    sync, later = _decoder(tiny, 4, 2, "on"), _decoder(tiny, 4, 2, "on")
+    gen = GuidedRequest.generation
+    context = [GuidedRequest.context(s, s, ALIVE if s else SHORT) for s in range(4)]
+    # slot 0 (SHORT) rejects "a" after "a": a failure that must not be lost
+    steps = [context, [gen(0, 0, SHORT, 0)] + [gen(s, s, ALIVE, 1, draft_tokens=[0, 4])
+                                                for s in (1, 2)] + [gen(3, 3, ALIVE, 0)],
+             [gen(0, 0, SHORT, 0)] + [gen(s, s, ALIVE, 0, draft_tokens=[1])
+                                      for s in (1, 2, 3)]]
+    for n, reqs in enumerate(steps):
+        for dec in (sync, later):
+            dec.add_batch(reqs, runtime_draft_len=2)
+        expected = sync.build()
+        assert later._build(later.requests, asynchronous=True) == []
+        assert (later._inflight is not None) == (n > 0)  # (a context step is declined)
+        rows = sync.requests.num_bitmask_tokens
+        state = (list(sync.num_advanced_tokens), list(sync.num_guided_tokens),
+                 sync.token_mask_host[:rows].tolist(), sync.bitmask_host[:rows].clone())
+        result = _READERS[reader](later) if n else None
+        assert later._inflight is None
+        failed = result if n and reader == "take_failed_requests" else \
+            later.take_failed_requests()
+        assert failed == expected
+        if reader in ("apply_bitmask", "take_failed_requests", "close") or not n:
+            got = (list(later.num_advanced_tokens), list(later.num_guided_tokens),
+                   later.token_mask_host[:rows].tolist())
+            assert got == state[:3]
+            assert torch.equal(later.bitmask_host[:rows][later.token_mask_host[:rows].bool()],
+                               state[3][sync.token_mask_host[:rows].bool()])
+        if n and reader not in ("apply_bitmask", "take_failed_requests", "close"):
+            return  # the reader changed the decoder on purpose (rollback, release, rebuild)
+
+
+def test_fast_begin_and_end_are_paired(tiny):
+    """fast_begin / fast_end misuse raises a clear error and touches nothing; fast_close
+    ends the thread and a later fast_begin starts another."""
+    dec = _decoder(tiny, 2, 0, "on")
+    dec.add_batch([GuidedRequest.context(1, 0, ALIVE)])
+    assert dec.build() == []
+    fast = dec._fast
+    with pytest.raises(RuntimeError, match="no build in flight"):
+        fast.end(fast.state)
+    dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 0)])
+    reqs = dec.requests
+    args = (fast.state, reqs.requests, reqs.offsets, 0, reqs.num_bitmask_tokens)
+    assert fast.begin(*args) is True
+    for call in (lambda: fast.begin(*args), lambda: fast.step(*args)):
+        with pytest.raises(RuntimeError, match="has not been ended"):
+            call()
+    assert fast.end(fast.state) == (True, None)
+    assert dec.num_advanced_tokens[0] == 1 and dec.num_guided_tokens[0] == 1
+    fast.close(fast.state)
+    fast.close(fast.state)  # (nothing to end twice)
+    dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 1)])
+    assert fast.begin(fast.state, reqs.requests[:0], [], 0, 1) is True  # nothing to build
+    assert fast.end(fast.state) == (False, None)
+    assert dec._build(dec.requests, asynchronous=True) == []
+    assert dec.take_failed_requests() == [] and dec.num_advanced_tokens[0] == 1
 
 
 def test_native_fault_fails_only_its_request(tiny):

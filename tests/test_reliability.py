@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 import time
 import uuid
@@ -1012,15 +1013,46 @@ def test_concurrent_creates_of_one_guide_share_one_compile(tiny):
     assert factory.stats.compiled == 1
 
 
-def test_closing_a_capturable_decoder_ends_its_worker_thread(xf):
-    """After close() returns, the decoder's host-stream worker thread has ended, so nothing of
-    the decoder runs on during interpreter shutdown."""
-    dec = CapturableGuidedDecoder(xf.config, 1, 0, factory=xf)
-    step(dec, [GuidedRequest.context(1, 0, EMAIL)], torch.zeros(1, xf.config.vocab_size_padded))
+def _build_threads() -> list[str]:
+    """Ids of this process's threads named as the C++ build's thread (Linux /proc)."""
+    found = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == "capgraph-build":
+                    found.append(tid)
+        except OSError:  # the thread ended meanwhile
+            pass
+    return found
+
+
+@pytest.mark.parametrize("native_build", ["off", "auto"])
+def test_closing_a_capturable_decoder_ends_its_threads(xf, tekken, native_build):
+    """After close() returns, no thread of the decoder runs on (nothing of it runs during
+    interpreter shutdown): its host-stream worker where the build is Python, the C++ build's
+    own thread where the CPython entry builds (the side stream then runs the host step on
+    the calling thread and starts no worker)."""
+    config = dataclasses.replace(xf.config, native_build=native_build)
+    dec = CapturableGuidedDecoder(config, 1, 0, factory=xf)
+    fast = native_build == "auto"
+    if fast and dec._fast is None:
+        pytest.skip("the C++ build's CPython entry is not built here (no Python headers)")
+    if fast and not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs Linux /proc to see a thread Python did not start")
+    before = set(_build_threads())
+    V = xf.config.vocab_size_padded
+    step(dec, [GuidedRequest.context(1, 0, EMAIL)], torch.zeros(1, V))
+    first = encode_continuation(tekken, "ab")[0]
+    assert not step(dec, [GuidedRequest.generation(1, 0, EMAIL, first)], torch.zeros(1, V))
     worker = dec._streams.stream._worker.thread
-    assert worker is not None and worker.is_alive()
+    started = set(_build_threads()) - before
+    if fast:
+        assert worker is None and len(started) == 1
+    else:
+        assert worker is not None and worker.is_alive() and not started
     dec.close()
-    assert not worker.is_alive()
+    assert worker is None or not worker.is_alive()
+    assert not started & set(_build_threads())
 
 
 def _run_bounded(target, timeout: float) -> list[BaseException]:

@@ -11,8 +11,11 @@ Where Python's headers are installed the library is also a CPython extension mod
 (:func:`python_module`): its ``fast_step`` reads a steady-state batch of
 :class:`~capgraph.GuidedRequest` objects itself and runs the same loop with the GIL released
 (:meth:`NativeBuilder.bind_fast`), so a plain decode step makes one call from Python; any other
-batch is declined untouched and takes the tvm-ffi step above. ``CAPGRAPH_NATIVE_PYTHON=off``
-builds without it.
+batch is declined untouched and takes the tvm-ffi step above. Its ``fast_begin`` / ``fast_end``
+split the same step in two around a thread of the library's own, which never takes the GIL:
+the capturable decoder's CPU host step starts the xgrammar work there and returns, so that no
+Python thread competes with a CPU forward for the GIL (see :class:`FastPath`).
+``CAPGRAPH_NATIVE_PYTHON=off`` builds without it.
 
 Nothing compiles at import. :func:`load` compiles the source on first use with the machine's
 C++ compiler (``$CXX``, else ``c++``) against tvm-ffi's headers (xgrammar's own FFI layer,
@@ -40,14 +43,14 @@ import subprocess
 import sysconfig
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
 from ..errors import NativeBuildError
 from ..params import NATIVE_BUILD_ENV
 
-__all__ = ["NativeBuildError", "NativeBuilder", "load", "python_module", "unavailable_reason",
+__all__ = ["FastPath", "NativeBuildError", "NativeBuilder", "load", "python_module", "unavailable_reason",
            "source_path", "cpu_apply",
            "STATUS_OK", "STATUS_REJECTED", "STATUS_DEAD_END", "STATUS_FAULT", "TERMINATED"]
 
@@ -309,11 +312,10 @@ class NativeBuilder:
 
     def bind_fast(self, matchers: list, draft_terminated: list, advanced: list, guided: list,
                   matcher_type: type, vocab_size: int, max_num_draft_tokens: int
-                  ) -> tuple[Any, Any] | None:
-        """The CPython fast path bound to a decoder's per-slot lists (mutated in place only):
-        ``(fast_step, state)``, called ``fast_step(state, requests, offsets, draft_len,
-        clear_rows)`` as :meth:`capgraph.GuidedDecoder._build` does; None where the library
-        has no CPython side. ``matcher_type``'s instances must carry ``_terminated`` and
+                  ) -> FastPath | None:
+        """The CPython fast path bound to a decoder's per-slot lists (mutated in place only),
+        as :meth:`capgraph.GuidedDecoder._build` calls it; None where the library has no
+        CPython side. ``matcher_type``'s instances must carry ``_terminated`` and
         ``_chandle`` (their FFI object's address), as ``XGrammarMatcher`` does."""
         module = python_module()
         if module is None:
@@ -323,4 +325,28 @@ class NativeBuilder:
         state = module.make_fast(int(self._address), self.step, matchers, draft_terminated,
                                  advanced, guided, matcher_type, GuidedRequest, len(matchers),
                                  int(vocab_size), int(max_num_draft_tokens))
-        return module.fast_step, state
+        return FastPath(module.fast_step, module.fast_begin, module.fast_end, module.fast_close,
+                        state)
+
+
+class FastPath(NamedTuple):
+    """The C++ build's CPython entry bound to one decoder (:meth:`NativeBuilder.bind_fast`).
+
+    ``step(state, requests, offsets, draft_len, clear_rows)`` reads a steady-state batch of
+    :class:`~capgraph.requests.GuidedRequest` objects and builds it, the GIL released while
+    xgrammar works: ``(masked, unusual)``, or None where some guided request is not the
+    plain case (nothing was touched; the Python loop then runs). ``begin`` takes the same
+    arguments and declines the same batches, but hands the xgrammar work to the state's own
+    thread, which never takes the GIL, and returns True at once; ``end(state)`` waits for
+    that work (GIL released) and returns what ``step`` would have. Between the two nothing
+    may read the decoder's matchers, counters or masks (``GuidedDecoder._finish_build``).
+    That thread runs at the lowest priority (nice 19) so that it never preempts the caller's
+    threads; ``close(state)`` ends it (``GuidedDecoder.close``), and a later ``begin`` would
+    start another.
+    """
+
+    step: Callable[..., Any]
+    begin: Callable[..., Any]
+    end: Callable[..., Any]
+    close: Callable[..., Any]
+    state: Any
