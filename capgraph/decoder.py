@@ -88,6 +88,7 @@ class GuidedDecoder:
         self.vocab_size_padded: int = V  # type: ignore[assignment]
         self.rank = rank
         self.device = torch.device(device)
+        self._on_cpu = self.device.type == "cpu"
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device={self.device} requested but no CUDA device is available")
         self._owns_factory = factory is None  # a shared factory is closed by its owner
@@ -942,19 +943,25 @@ class GuidedDecoder:
 
     def _check_logits(self, logits: torch.Tensor, d2t: torch.Tensor | None,
                       rows: int | None) -> None:
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        # (every step runs this: each tensor attribute read below is a call into torch)
+        if not isinstance(logits, torch.Tensor) or len(shape := logits.shape) != 2:
             raise TensorArgError(f"logits must be a 2-D tensor, got "
                                  f"{getattr(logits, 'shape', type(logits))}")
-        if logits.device != self.device and not (
-                logits.device.type == self.device.type == "cuda" and self.device.index is None):
+        if self._on_cpu:
+            misplaced = not logits.is_cpu
+        else:
+            device = logits.device
+            misplaced = device != self.device and not (
+                device.type == "cuda" and self.device.index is None)
+        if misplaced:
             raise TensorArgError(f"logits are on {logits.device}, the decoder on {self.device}")
         if rows is None:  # capturable: static rows, at least the layout's (padding allowed)
             rows = self._require_batch().num_bitmask_tokens
-            if logits.shape[0] < rows:
-                raise TensorArgError(f"logits have {logits.shape[0]} rows, fewer than the "
+            if shape[0] < rows:
+                raise TensorArgError(f"logits have {shape[0]} rows, fewer than the "
                                      f"batch layout's {rows}")
-        elif logits.shape[0] != rows:
-            raise TensorArgError(f"logits have {logits.shape[0]} rows, the batch layout has "
+        elif shape[0] != rows:
+            raise TensorArgError(f"logits have {shape[0]} rows, the batch layout has "
                                  f"{rows} (1 per context request, 1 + draft length per "
                                  "generation request)")
         if logits.dtype not in _FLOAT_DTYPES:
@@ -971,7 +978,7 @@ class GuidedDecoder:
         # (all of this is checked before the build advances any matcher: a retry after the
         # error must find the matchers where they were)
         full = self.vocab_size_padded if d2t is None else d2t.shape[0]
-        width = logits.shape[1]
+        width = shape[1]
         if width == 0 or full % width:
             what = "vocab_size_padded" if d2t is None else "len(d2t)"
             raise TensorArgError(f"logits width {width} is not the full vocabulary nor a "

@@ -99,13 +99,17 @@ class HostStepStreams(StepStreams):
         if hostfunc.current_stream() is self.stream:
             self.stream.wait_event(self.token_event)
 
+    # Outside capture, an event recorded on an idle stream is reached at once; where its
+    # latest record is reached already, not recording it changes nothing any wait sees, and
+    # the every-step path skips the event's locks.
     def record_tokens(self) -> None:
         stream = hostfunc.current_stream()
-        if stream.capture_graph is None:
+        if stream.capture_graph is None and not (stream.is_idle() and self.token_event.query()):
             self.token_event.record(stream)
 
     def record_bitmask(self) -> None:
-        if hostfunc.current_stream() is self.stream:
+        if hostfunc.current_stream() is self.stream and not (
+                self.stream.is_idle() and self.bitmask_event.query()):
             self.bitmask_event.record(self.stream)
 
     def wait_bitmask(self) -> None:

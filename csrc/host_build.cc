@@ -777,8 +777,9 @@ PyObject* FastStep(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // The state's build thread: one job at a time, started by fast_begin, ended by fast_end.
 // It runs at the lowest priority (nice 19, this thread only): woken while the caller's threads
 // keep every core busy (a CPU forward), it must not preempt them -- at normal priority it did,
-// at once, and the build ran on the caller's time after all. It runs where a core idles, and
-// at the latest when the caller blocks in fast_end.
+// at once, and the build ran on the caller's time after all. It runs where a core idles; a
+// job it has not started when fast_end comes runs there, on the caller's thread, rather than
+// wait for this thread to be woken and scheduled.
 void Serve(Runner* r, FastState* st) {
 #ifdef __linux__
   setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);  // (best effort)
@@ -847,13 +848,7 @@ PyObject* FastClose(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "fast_close(state) takes 1 argument");
     return nullptr;
   }
-  if (st->in_flight && !st->entries.empty() && st->runner != nullptr) {
-    Runner* r = st->runner;  // wait for the job first, so that fast_end finds it done
-    Py_BEGIN_ALLOW_THREADS
-    std::unique_lock<std::mutex> lock(r->mu);
-    r->cv.wait(lock, [r] { return r->done; });
-    Py_END_ALLOW_THREADS
-  }
+  // (a job in flight runs to its end on the thread first: fast_end then finds it done)
   StopRunner(st);
   Py_RETURN_NONE;
 }
@@ -873,12 +868,22 @@ PyObject* FastEnd(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   Runner* r = st->runner;
   if (!st->entries.empty() && r != nullptr) {
-    bool done;
+    bool done, steal = false;
     {
       std::lock_guard<std::mutex> lock(r->mu);
       done = r->done;
+      if (!done && r->queued) {  // not started (nothing else ran it yet): run it here rather
+        r->queued = false;       // than wait for the thread to be woken and scheduled
+        steal = true;
+      }
     }
-    if (!done) {  // (done already, the usual case behind a forward: the GIL stays held)
+    if (steal) {
+      Py_BEGIN_ALLOW_THREADS
+      RunJob(st);
+      Py_END_ALLOW_THREADS
+      std::lock_guard<std::mutex> lock(r->mu);
+      r->done = true;
+    } else if (!done) {  // (done already, the usual case behind a forward: the GIL stays held)
       Py_BEGIN_ALLOW_THREADS
       std::unique_lock<std::mutex> lock(r->mu);
       r->cv.wait(lock, [r] { return r->done; });

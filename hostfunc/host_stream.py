@@ -206,6 +206,10 @@ class HostStream:
         """True while this stream records into a HostGraph instead of running."""
         return self.capture_graph is not None
 
+    def is_idle(self) -> bool:
+        """True when nothing is queued or running (as :meth:`query`, without the lock)."""
+        return self._worker.idle()
+
     def query(self) -> bool:
         """True when everything enqueued so far has run (never blocks)."""
         w = self._worker
@@ -279,6 +283,8 @@ class HostEvent:
         if stream.capture_graph is not None:
             stream.capture_graph.add_step(lambda s: self.wait(s))
             return
+        if self._completed >= self._recorded:  # reached: no wait (read in this order: see
+            return                              # _Worker.idle)
         with self._cond:
             generation = self._recorded
             reached = self._completed >= generation
@@ -287,8 +293,8 @@ class HostEvent:
 
     def query(self) -> bool:
         """True when the latest record has been reached (or nothing was recorded)."""
-        with self._cond:
-            return self._completed >= self._recorded
+        completed = self._completed  # (without the lock, read in this order: see _Worker.idle)
+        return completed >= self._recorded
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Block the host until the latest record has been reached; the GIL is released.

@@ -334,9 +334,13 @@ def test_fast_begin_and_end_are_paired(tiny):
             call()
     assert fast.end(fast.state) == (True, None)
     assert dec.num_advanced_tokens[0] == 1 and dec.num_guided_tokens[0] == 1
-    fast.close(fast.state)
-    fast.close(fast.state)  # (nothing to end twice)
     dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 1)])
+    reqs = dec.requests
+    assert fast.begin(fast.state, reqs.requests, reqs.offsets, 0, 1) is True
+    fast.close(fast.state)  # with a job in flight: it runs to its end first
+    assert fast.end(fast.state) == (True, None) and dec.num_advanced_tokens[0] == 1
+    fast.close(fast.state)  # (nothing to end twice)
+    dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 0)])
     assert fast.begin(fast.state, reqs.requests[:0], [], 0, 1) is True  # nothing to build
     assert fast.end(fast.state) == (False, None)
     assert dec._build(dec.requests, asynchronous=True) == []
