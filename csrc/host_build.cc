@@ -424,7 +424,7 @@ const char* const kFieldNames[kNumFields] = {
     "is_draft", "is_context_init_state", "draft_tokens", "_terminated", "_chandle"};
 PyObject* g_names[kNumFields];  // interned at module init
 
-constexpr const char* kThreadName = "capgraph-build";
+constexpr const char* kThreadName = "capgraph-build";  // as profilers and /proc show it
 
 // fast_begin's thread and the handshake with it (one job at a time).
 struct Runner {
@@ -783,7 +783,6 @@ PyObject* FastStep(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 void Serve(Runner* r, FastState* st) {
 #ifdef __linux__
   setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);  // (best effort)
-  pthread_setname_np(pthread_self(), kThreadName);  // as profilers and /proc show it
 #endif
   std::unique_lock<std::mutex> lock(r->mu);
   for (;;) {
@@ -820,6 +819,9 @@ PyObject* FastBegin(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       r = new Runner();
       r->pid = getpid();
       r->thread = std::thread(Serve, r, st);
+#ifdef __linux__
+      pthread_setname_np(r->thread.native_handle(), kThreadName);  // (seen before it runs)
+#endif
     } catch (const std::exception& e) {
       delete r;
       st->in_flight = false;
