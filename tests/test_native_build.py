@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
+import signal
 import warnings
 
 import pytest
@@ -345,6 +347,37 @@ def test_fast_begin_and_end_are_paired(tiny):
     assert fast.end(fast.state) == (False, None)
     assert dec._build(dec.requests, asynchronous=True) == []
     assert dec.take_failed_requests() == [] and dec.num_advanced_tokens[0] == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_starts_its_own_build_thread(tiny):
+    """A child forked after the parent's build thread started has no such thread: its
+    asynchronous builds run on a thread of its own, and closing the decoder there ends that
+    one without touching the parent's (which a join would wait for forever)."""
+    dec = _decoder(tiny, 2, 0, "on")
+    dec.add_batch([GuidedRequest.context(1, 0, ALIVE)])
+    assert dec.build() == []
+    for token in (0, 1):
+        dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, token)])
+        assert dec._build(dec.requests, asynchronous=True) == []
+        assert dec.take_failed_requests() == []  # (ended: the parent's thread is running)
+    for build_first in (True, False):
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit code only
+            signal.alarm(20)  # a hang ends the child with SIGALRM
+            try:
+                ok = True
+                if build_first:
+                    dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 0)])
+                    ok = dec._build(dec.requests, asynchronous=True) == [] and \
+                        dec.take_failed_requests() == [] and dec.num_advanced_tokens[0] == 1
+                dec.close()  # ends the child's thread, leaves the parent's (not here) alone
+            except BaseException:
+                ok = False
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, \
+            f"child (build_first={build_first}) status {status:#x}"
 
 
 def test_native_fault_fails_only_its_request(tiny):
