@@ -646,12 +646,7 @@ bool SetCount(PyObject* list, int64_t slot, int32_t value) {
 // The first half of a step, with the GIL held: check and read the batch, clear the token mask,
 // zero the counters. 1: taken (the job is in st->entries); 0: declined, nothing touched;
 // -1: an error is set.
-int Begin(FastState* st, PyObject* const* args, Py_ssize_t nargs, const char* name) {
-  if (nargs != 5) {
-    PyErr_Format(PyExc_TypeError, "%s(state, requests, offsets, draft_len, clear_rows) takes 5 "
-                 "arguments", name);
-    return -1;
-  }
+int Begin(FastState* st, PyObject* const* args, const char* name) {
   if (st->in_flight) {
     PyErr_Format(PyExc_RuntimeError, "%s: a build started by fast_begin has not been ended "
                  "(fast_end)", name);
@@ -757,15 +752,28 @@ fail:
   return result;
 }
 
-// fast_step: the whole step on the calling thread, the GIL released around the xgrammar work.
-PyObject* FastStep(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  auto* st = nargs > 0 ? static_cast<FastState*>(PyCapsule_GetPointer(args[0], kCapsule))
-                       : nullptr;
-  if (st == nullptr) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "fast_step: no state");
+// The state (args[0]) of `name`(state) or, with `step`, of `name`(state, requests, offsets,
+// draft_len, clear_rows); nullptr with an error set.
+FastState* StateArg(PyObject* const* args, Py_ssize_t nargs, bool step, const char* name) {
+  if (nargs != (step ? 5 : 1)) {
+    PyErr_Format(PyExc_TypeError, step ? "%s(state, requests, offsets, draft_len, clear_rows) "
+                 "takes 5 arguments" : "%s(state) takes 1 argument", name);
     return nullptr;
   }
-  const int taken = Begin(st, args, nargs, "fast_step");
+  return static_cast<FastState*>(PyCapsule_GetPointer(args[0], kCapsule));
+}
+
+// fast_step / fast_begin up to Begin: the state, and Begin's verdict (-1: error set,
+// 0: declined, 1: taken).
+int BeginCall(PyObject* const* args, Py_ssize_t nargs, const char* name, FastState** st) {
+  *st = StateArg(args, nargs, true, name);
+  return *st == nullptr ? -1 : Begin(*st, args, name);
+}
+
+// fast_step: the whole step on the calling thread, the GIL released around the xgrammar work.
+PyObject* FastStep(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  FastState* st = nullptr;
+  const int taken = BeginCall(args, nargs, "fast_step", &st);
   if (taken < 0) return nullptr;
   if (taken == 0) Py_RETURN_NONE;
   Py_BEGIN_ALLOW_THREADS
@@ -801,13 +809,8 @@ void Serve(Runner* r, FastState* st) {
 // takes the GIL; True (in flight: end it with fast_end before anything else reads the
 // decoder's matchers, counters or masks) or None (declined, nothing touched).
 PyObject* FastBegin(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  auto* st = nargs > 0 ? static_cast<FastState*>(PyCapsule_GetPointer(args[0], kCapsule))
-                       : nullptr;
-  if (st == nullptr) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "fast_begin: no state");
-    return nullptr;
-  }
-  const int taken = Begin(st, args, nargs, "fast_begin");
+  FastState* st = nullptr;
+  const int taken = BeginCall(args, nargs, "fast_begin", &st);
   if (taken < 0) return nullptr;
   if (taken == 0) Py_RETURN_NONE;
   st->in_flight = true;
@@ -844,12 +847,8 @@ PyObject* FastBegin(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // fast_close: end the build thread (after the step in flight, which fast_end must still end);
 // a later fast_begin starts a new one.
 PyObject* FastClose(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  auto* st = nargs == 1 ? static_cast<FastState*>(PyCapsule_GetPointer(args[0], kCapsule))
-                        : nullptr;
-  if (st == nullptr) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "fast_close(state) takes 1 argument");
-    return nullptr;
-  }
+  FastState* st = StateArg(args, nargs, false, "fast_close");
+  if (st == nullptr) return nullptr;
   // (a job in flight runs to its end on the thread first: fast_end then finds it done)
   StopRunner(st);
   Py_RETURN_NONE;
@@ -857,12 +856,8 @@ PyObject* FastClose(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // fast_end: wait (GIL released) for the step fast_begin started; then as fast_step's result.
 PyObject* FastEnd(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  auto* st = nargs == 1 ? static_cast<FastState*>(PyCapsule_GetPointer(args[0], kCapsule))
-                        : nullptr;
-  if (st == nullptr) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "fast_end(state) takes 1 argument");
-    return nullptr;
-  }
+  FastState* st = StateArg(args, nargs, false, "fast_end");
+  if (st == nullptr) return nullptr;
   if (!st->in_flight) {
     PyErr_SetString(PyExc_RuntimeError, "fast_end: no build in flight (fast_begin declined "
                     "or was not called)");
