@@ -480,7 +480,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
             return
         # every row is cleared, not only the layout's: rows beyond this batch (graph padding)
         # stay unmasked
-        self._record_failed(self._build(batch, asynchronous, self._token_mask_np.shape[0]))
+        try:
+            self._record_failed(self._build(batch, asynchronous, self._token_mask_np.shape[0]))
+        except BaseException:
+            self._token_mask_np[:] = 0  # a build that raised masks nothing this step
+            raise
 
     @_callback("rollback_rejected_tokens")
     def rollback_rejected_tokens_hostfunc(self) -> None:

@@ -283,7 +283,8 @@ def test_failed_requests_come_back_with_their_ids(factory, tekken):
 def test_callback_exception_reaches_the_caller_and_the_next_step_works(factory, tekken,
                                                                        monkeypatch):
     """An exception injected into the build callback surfaces at the step's drain with its
-    traceback and the batch's request ids; the next step masks normally."""
+    traceback and the batch's request ids, and that step masks nothing (not the previous
+    step's rows); the next step masks normally."""
     V = factory.config.vocab_size_padded
     case = GUIDED[2]
     tokens = encode_continuation(tekken, case.valid)
@@ -296,8 +297,10 @@ def test_callback_exception_reaches_the_caller_and_the_next_step_works(factory, 
         raise RuntimeError("injected fault")
     monkeypatch.setattr(GuidedDecoder, "_build", broken)
     capt.add_batch([GuidedRequest.generation(5, 0, case.params, tokens[0])])
+    faulted = torch.zeros(1, V)
     with pytest.raises(hostfunc.HostFuncError, match="injected fault") as info:
-        capt.execute(torch.zeros(1, V))
+        capt.execute(faulted)
+    assert torch.isfinite(faulted).all()
     assert "injected fault" in info.value.traceback
     assert info.value.__cause__.request_ids == [5]
     assert [f[0] for f in capt.take_failed_requests()] == [5]
