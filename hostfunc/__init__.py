@@ -2,7 +2,9 @@
 
 On CUDA the callbacks go through cuda-python's driver bindings (a captured launch adds the host
 node itself and ties the callable's lifetime to the graph with a CUDA user object); without a GPU
-the same API runs on a CPU stand-in (HostStream / HostEvent / HostGraph).
+the same API runs on a CPU stand-in (HostStream / HostEvent / HostGraph). A HostStream made with
+``inline_when_idle=True`` runs a launch on an idle stream on the launching thread instead of its
+worker (for callbacks that hand their heavy work to threads of their own).
 
 Importing this package loads no CUDA library and touches no device.
 
