@@ -93,23 +93,19 @@ class HostStepStreams(StepStreams):
 
     def is_capturing(self) -> bool:
         """True while the calling thread's current HostStream records into a HostGraph."""
-        return hostfunc.current_stream().capture_graph is not None
+        return hostfunc.current_stream().is_capturing
 
     def wait_tokens(self) -> None:
         if hostfunc.current_stream() is self.stream:
             self.stream.wait_event(self.token_event)
 
-    # Outside capture, an event recorded on an idle stream is reached at once; where its
-    # latest record is reached already, not recording it changes nothing any wait sees, and
-    # the every-step path skips the event's locks.
     def record_tokens(self) -> None:
         stream = hostfunc.current_stream()
-        if stream.capture_graph is None and not (stream.is_idle() and self.token_event.query()):
+        if not stream.is_capturing:
             self.token_event.record(stream)
 
     def record_bitmask(self) -> None:
-        if hostfunc.current_stream() is self.stream and not (
-                self.stream.is_idle() and self.bitmask_event.query()):
+        if hostfunc.current_stream() is self.stream:
             self.bitmask_event.record(self.stream)
 
     def wait_bitmask(self) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import backend as _backend
+from . import host_stream as _host_stream
 from .host_stream import all_streams, current_stream
 from .registry import REGISTRY
 
@@ -29,13 +30,18 @@ class CpuBackend:
         if graph is not None:
             graph.add_call(REGISTRY.add(fn, args, kwargs, one_shot=False))
             return
-        if stream.claim_inline():  # run now on this thread, as on the worker: no registry entry
-            local = _backend._local
-            saved, local.stack = local.stack, []  # (no backend forced, as on the worker)
+        worker = stream._worker
+        if stream.inline_when_idle and worker.claim_if_idle():
+            # run now on this thread as the worker would (no registry entry, no stream or
+            # backend made current, a failure kept for the drain); Ctrl-C still stops the caller
+            streams, backends = _host_stream._local, _backend._local
+            saved = streams.stack, backends.stack
+            streams.stack, backends.stack = [], []
             try:
-                stream.run_claimed(fn, args, kwargs)
+                REGISTRY.call(fn, args, kwargs, reraise=(KeyboardInterrupt, SystemExit))
             finally:
-                local.stack = saved
+                streams.stack, backends.stack = saved
+                worker.finish_inline()
             return
         key = REGISTRY.add(fn, args, kwargs, one_shot=True)
         try:

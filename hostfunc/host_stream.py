@@ -52,19 +52,15 @@ class _Worker:
         self.enqueued = 0
         self.completed = 0
         self.closed = False
-        self.inline = False  # a task runs on the thread that launched it (claim_if_idle)
+        self.inline: int | None = None  # ident of the thread running a task inline, if any
         self.thread: threading.Thread | None = None
         _ALL_WORKERS.add(self)
 
-    def put(self, task: Task, unless_idle: bool = False) -> int:
-        """Append ``task``; returns its ticket number. With ``unless_idle``, enqueue nothing
-        and return 0 when the stream has no work queued or running (the caller then runs a
-        marker's effect inline)."""
+    def put(self, task: Task) -> int:
+        """Append ``task``; returns its ticket number."""
         with self.cond:
             if self.closed:
                 raise HostFuncUsageError(f"{self.name} is closed")
-            if unless_idle and self.completed >= self.enqueued:
-                return 0
             self.tasks.append(task)
             self.enqueued += 1
             if self.thread is None:
@@ -89,19 +85,24 @@ class _Worker:
             if self.completed < self.enqueued:
                 return False
             self.enqueued += 1
-            self.inline = True
+            self.inline = threading.get_ident()
             return True
 
     def finish_inline(self) -> None:
         with self.cond:
-            self.inline = False
+            self.inline = None
             self.completed += 1
             self.cond.notify_all()
+
+    def _in_own_task(self) -> bool:
+        """True on this stream's worker thread, or inside a task it runs inline."""
+        return (threading.current_thread() is self.thread
+                or self.inline == threading.get_ident())
 
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while self.inline or (not self.tasks and not self.closed):
+                while self.inline is not None or (not self.tasks and not self.closed):
                     self.cond.wait()
                 if not self.tasks:
                     return
@@ -117,7 +118,7 @@ class _Worker:
                 self.cond.notify_all()
 
     def wait_for(self, ticket: int, timeout: float | None) -> None:
-        if threading.current_thread() is self.thread:
+        if self._in_own_task():
             raise HostFuncUsageError(f"{self.name} cannot wait for itself from one of its tasks")
         deadline = _deadline(timeout)
         with self.cond:
@@ -134,7 +135,7 @@ class _Worker:
             self.closed = True
             self.cond.notify_all()
             thread = self.thread
-        if join and thread is not None and thread is not threading.current_thread():
+        if join and thread is not None and not self._in_own_task():
             thread.join(timeout)
 
 
@@ -186,35 +187,14 @@ class HostStream:
         """Append ``task`` (which must not raise) to the queue; returns its ticket number."""
         return self._worker.put(task)
 
-    def claim_inline(self) -> bool:
-        """True (and the stream counts as busy until :meth:`run_claimed`) when this stream runs
-        idle launches inline (``inline_when_idle``) and has nothing queued or running."""
-        return self.inline_when_idle and self._worker.claim_if_idle()
-
-    def run_claimed(self, fn: Callable[..., object], args: tuple, kwargs: dict) -> None:
-        """Run a callback on this thread after :meth:`claim_inline` returned True, as the
-        worker would: no stream made current, a failure kept for the next drain."""
-        saved, _local.stack = _local.stack, []
-        try:
-            REGISTRY.call(fn, args, kwargs)
-        finally:
-            _local.stack = saved
-            self._worker.finish_inline()
-
     @property
     def is_capturing(self) -> bool:
         """True while this stream records into a HostGraph instead of running."""
         return self.capture_graph is not None
 
-    def is_idle(self) -> bool:
-        """True when nothing is queued or running (as :meth:`query`, without the lock)."""
-        return self._worker.idle()
-
     def query(self) -> bool:
         """True when everything enqueued so far has run (never blocks)."""
-        w = self._worker
-        with w.cond:
-            return w.completed >= w.enqueued
+        return self._worker.idle()
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Block until every task enqueued so far has run; the GIL is released while waiting.
@@ -251,7 +231,6 @@ class HostEvent:
         self._cond = threading.Condition()
         self._recorded = 0   # generation of the latest record()
         self._completed = 0  # highest generation whose marker has been reached
-        self._waiting = 0    # threads waiting on _cond (a record with none notifies nobody)
 
     def __repr__(self) -> str:
         return f"HostEvent({self.name!r})"
@@ -262,20 +241,23 @@ class HostEvent:
         if stream.capture_graph is not None:
             stream.capture_graph.add_step(lambda s: self.record(s))
             return
-        if stream._worker.idle():  # reached at once (below: the same, checked under the lock)
-            with self._cond:
-                self._recorded += 1
-                self._completed = self._recorded
-                if self._waiting:
+        worker = stream._worker
+        if worker.closed:
+            raise HostFuncUsageError(f"{worker.name} is closed")
+        if worker.idle():
+            # On an idle stream the marker is reached at once (as a CUDA event recorded on an
+            # idle stream): complete it here rather than wake the stream's thread for it; and
+            # where the latest record is reached already, a new one changes nothing a wait sees.
+            if not self.query():
+                with self._cond:
+                    self._recorded += 1
+                    self._completed = self._recorded
                     self._cond.notify_all()
             return
-        with self._cond:
-            self._recorded += 1
-            generation = self._recorded
-        # On an idle stream the marker is reached at once (as a CUDA event recorded on an idle
-        # stream): complete it here rather than wake the stream's thread for it.
-        if not stream._worker.put(lambda: self._complete(generation), unless_idle=True):
-            self._complete(generation)
+        with self._cond:  # (the marker counts only once it is enqueued: a closed stream refuses)
+            generation = self._recorded + 1
+            worker.put(lambda: self._complete(generation))
+            self._recorded = generation
 
     def wait(self, stream: HostStream | None = None) -> None:
         """Make later work on ``stream`` (default: current) wait for the latest record."""
@@ -307,15 +289,11 @@ class HostEvent:
         deadline = _deadline(timeout)
         with self._cond:
             generation = self._recorded
-            self._waiting += 1
-            try:
-                while self._completed < generation:
-                    left = _left(deadline)
-                    if left == 0.0:
-                        raise HostFuncTimeoutError(self.name, timeout or 0.0)
-                    self._cond.wait(left)
-            finally:
-                self._waiting -= 1
+            while self._completed < generation:
+                left = _left(deadline)
+                if left == 0.0:
+                    raise HostFuncTimeoutError(self.name, timeout or 0.0)
+                self._cond.wait(left)
 
     def _complete(self, generation: int) -> None:
         with self._cond:
@@ -325,12 +303,8 @@ class HostEvent:
     def _block_until(self, generation: int, waiter: _Worker) -> None:
         # Runs on the waiting stream's worker; wakes now and then so that close() can end it.
         with self._cond:
-            self._waiting += 1
-            try:
-                while self._completed < generation and not waiter.closed:
-                    self._cond.wait(_POLL_S)
-            finally:
-                self._waiting -= 1
+            while self._completed < generation and not waiter.closed:
+                self._cond.wait(_POLL_S)
 
 
 # ---- the current stream (per thread, like torch's) ----
@@ -388,7 +362,7 @@ class use_stream:  # noqa: N801 - used as a function, like torch.cuda.stream
             hostfunc.launch(work)   # enqueued on ``side``
     """
 
-    __slots__ = ("stream", "stack")
+    __slots__ = ("stream",)
 
     def __init__(self, stream: HostStream) -> None:
         if not isinstance(stream, HostStream):
@@ -396,9 +370,8 @@ class use_stream:  # noqa: N801 - used as a function, like torch.cuda.stream
         self.stream = stream
 
     def __enter__(self) -> HostStream:
-        self.stack = _local.stack
-        self.stack.append(self.stream)
+        _local.stack.append(self.stream)
         return self.stream
 
     def __exit__(self, *exc: object) -> None:
-        self.stack.pop()
+        _local.stack.pop()

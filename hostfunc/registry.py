@@ -84,11 +84,14 @@ class Registry:
                 self.defer_release(key)
 
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-             name: str | None = None) -> None:
-        """Run ``fn(*args, **kwargs)`` as a callback; never raises (a failure is kept for the
-        next drain under ``name``, default :func:`callable_name`)."""
+             name: str | None = None,
+             reraise: tuple[type[BaseException], ...] = ()) -> None:
+        """Run ``fn(*args, **kwargs)`` as a callback; raises only what ``reraise`` names (a
+        failure is kept for the next drain under ``name``, default :func:`callable_name`)."""
         try:
             fn(*args, **kwargs)
+        except reraise:
+            raise
         except BaseException as exc:  # noqa: BLE001 — a callback must never let one escape
             if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
                 exc = exc.with_traceback(exc.__traceback__.tb_next)  # start at the callback

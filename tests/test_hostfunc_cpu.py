@@ -193,6 +193,40 @@ def test_inline_stream_runs_an_idle_launch_on_the_launching_thread() -> None:
         hostfunc.drain(WAIT_S)
 
 
+def test_inline_callback_cannot_wait_for_its_own_stream_and_ctrl_c_stops_the_caller() -> None:
+    """Pins: inside a callback run inline, waiting for its own stream is the usage error the
+    worker gives (not a hang), closing the stream does not wait for the worker; a
+    KeyboardInterrupt leaves the launch at once and the stream stays usable. Recording an
+    event on a closed stream is refused."""
+    stream = HostStream("inline", inline_when_idle=True)
+    stream.enqueue(lambda: None)
+    stream.synchronize(WAIT_S)  # (the worker thread exists)
+    errors: list[BaseException] = []
+
+    def wait_for_own_stream() -> None:
+        try:
+            stream.synchronize(WAIT_S)
+        except hostfunc.HostFuncUsageError as e:
+            errors.append(e)
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    with hostfunc.use_stream(stream):
+        hostfunc.launch(wait_for_own_stream)
+        assert len(errors) == 1 and "cannot wait for itself" in str(errors[0])
+        with pytest.raises(KeyboardInterrupt):
+            hostfunc.launch(interrupt)
+        hostfunc.launch(errors.append, "after")
+    assert errors[-1] == "after" and stream.query()
+    started = time.monotonic()
+    with hostfunc.use_stream(stream):
+        hostfunc.launch(stream.close)
+    assert time.monotonic() - started < 1.0, "close() from an inline callback waited"
+    with pytest.raises(hostfunc.HostFuncUsageError, match="closed"):
+        HostEvent().record(stream)
+
+
 def _raise_value_error(message: str) -> None:
     raise ValueError(message)
 
