@@ -93,6 +93,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._streams = HostStepStreams(inline_when_idle=self._fast is not None)
         else:  # probe the driver for hostfunc now, not inside a first graph capture
             hostfunc.cuda_available()
+        # the CPU step outside capture builds on that thread (see _enqueue_step)
+        self._async_build = self.bitmask is self.bitmask_host and self._fast is not None
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held by the decoder's buffers, the pinned token buffers included."""
@@ -123,15 +125,14 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 f"{new_tokens!r}; CapturableGuidedDecoder.add_batch takes (requests, new_tokens, "
                 "runtime_draft_len): pass runtime_draft_len by keyword")
         snapshot = GuidedRequest.snapshot
-        snapshots = [snapshot(r) for r in requests]
-        super().add_batch(snapshots, runtime_draft_len)
+        super().add_batch([snapshot(r) for r in requests], runtime_draft_len)
         self._tokens_recorded_in_capture = False
         batch = self.requests
         if new_tokens is not None:
             self._copy_new_tokens(new_tokens)
         self._put_epoch += 1
         self._queue.append((self._put_epoch, batch, new_tokens is not None))  # type: ignore[arg-type]
-        self.active = [r.guided_decoding_params for r in snapshots].count(None) < len(snapshots)
+        self.active = next(batch.valid_requests(), None) is not None  # type: ignore[union-attr]
         if not self._streams.is_capturing():
             self._streams.record_tokens()  # orders the callbacks after the token copy
 
@@ -198,11 +199,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         # inline): a Python thread beside a CPU forward costs more in GIL hand-offs than that
         # Python (docs/BENCHMARKS.md, "loop"). A captured step builds synchronously: its
         # replays run the apply right after it.
-        asynchronous = (not capturing and self.bitmask is self.bitmask_host
-                        and self._fast is not None)
         with self._streams.side():
             self._streams.wait_tokens()
-            self.host_step(asynchronous)  # fetch, init, build: one host callback
+            self.host_step(self._async_build and not capturing)  # fetch, init, build: one callback
             self.copy_bitmask(num_rows or self.bitmask_host.shape[0])
             self._streams.record_bitmask()
         self._prepared = True
@@ -448,6 +447,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._rollback_batch = batch
 
     def _take_accepted(self, batch: GuidedRequests | None) -> None:
+        if self._inflight is not None:
+            self._finish_build()  # (the counters read below)
         if batch is None:
             return
         counts = self.num_accepted_tokens.tolist()
@@ -503,7 +504,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self.apply_bitmask(logits, d2t, rows)
 
     def close(self) -> None:
-        super().close()
+        # the side stream first: a host step still queued on it may start a build, which the
+        # base close then ends before it stops the C++ build's thread
         close = getattr(self._streams, "close", None)
         if close is not None:
             close()
+        super().close()

@@ -404,9 +404,8 @@ class GuidedDecoder:
     def _init_disagg_gen_requests(self, requests: GuidedRequests) -> None:
         if self._inflight is not None:
             self._finish_build()
-        for req in requests.requests:
-            if (req.is_generation_only_first_iteration and not req.is_draft
-                    and req.guided_decoding_params is not None):
+        for req in requests.valid_requests():
+            if req.is_generation_only_first_iteration and not req.is_draft:
                 try:
                     self._check_slot(req)
                     self.grammar_matchers[req.seq_slot] = self._create_matcher(req)  # type: ignore[index]
@@ -541,8 +540,7 @@ class GuidedDecoder:
         handles = None if native is None or not reqs else \
             self.grammar_matcher_factory.native_handles(matchers)
         if handles is not None:
-            self._build_native(native, handles, act, failed, draft_len,  # type: ignore[arg-type]
-                               clear)
+            self._build_native(native, handles, act, failed, draft_len)  # type: ignore[arg-type]
         elif reqs:
             self._fill_rounds(self._accept_new_tokens(act, failed), failed, draft_len)
         for slot in draft_slots:
@@ -567,7 +565,12 @@ class GuidedDecoder:
         if inflight is None:
             return
         requests, fast = inflight
-        self._record_failed(self._fast_outcome(requests, fast.end(fast.state)))
+        try:
+            failed = self._fast_outcome(requests, fast.end(fast.state))
+        except BaseException:
+            self._token_mask_np[:] = 0  # as a build that raises: this step masks nothing
+            raise
+        self._record_failed(failed)
 
     def _prepare(self, req: GuidedRequest, offset: int, draft_len: int, seen: set[int]
                  ) -> tuple | None:
@@ -744,10 +747,10 @@ class GuidedDecoder:
                 i += 1
 
     def _build_native(self, native: NativeBuilder, handles: list, act: "_Active",
-                      failed: list[FailedRequest], draft_len: int, num_rows: int) -> None:
+                      failed: list[FailedRequest], draft_len: int) -> None:
         """The work of :meth:`_accept_new_tokens` + :meth:`_fill_sequential` in one C++ call
-        (``csrc/host_build.cc``), which first clears the token mask's ``num_rows`` layout
-        rows: same rows, masks, counters and failures (in request order)."""
+        (``csrc/host_build.cc``): same rows, masks, counters and failures (in request order).
+        The token mask is already cleared (``_build``), so the step clears no rows."""
         tokens = act.tokens
         if None in tokens:  # matchers created this step fill without advancing
             tokens = [-1 if t is None else t for t in tokens]
@@ -757,8 +760,7 @@ class GuidedDecoder:
             flat = [t for d in drafts for t in d]
         else:
             num_drafts = flat = []
-        unusual = native.step(handles, tokens, act.offsets, num_drafts, flat, draft_len,
-                              num_rows)
+        unusual = native.step(handles, tokens, act.offsets, num_drafts, flat, draft_len, 0)
         out = native.out[:len(handles)].tolist()
         advanced, guided = self.num_advanced_tokens, self.num_guided_tokens
         masked = False

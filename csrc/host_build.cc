@@ -864,7 +864,16 @@ PyObject* FastEnd(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   Runner* r = st->runner;
-  if (!st->entries.empty() && r != nullptr) {
+  if (!st->entries.empty() && r != nullptr && r->pid != getpid() && !r->done) {
+    // forked while the step was in flight: the thread running it is not in this process (its
+    // flags are read unlocked: no other thread of this process touches them)
+    st->in_flight = false;
+    st->entries.clear();
+    PyErr_SetString(PyExc_RuntimeError, "fast_end: the process forked while this build was "
+                    "in flight; its thread is not in this process and the step is lost");
+    return nullptr;
+  }
+  if (!st->entries.empty() && r != nullptr && r->pid == getpid()) {
     bool done, steal = false;
     {
       std::lock_guard<std::mutex> lock(r->mu);
@@ -882,8 +891,10 @@ PyObject* FastEnd(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       r->done = true;
     } else if (!done) {  // (done already, the usual case behind a forward: the GIL stays held)
       Py_BEGIN_ALLOW_THREADS
-      std::unique_lock<std::mutex> lock(r->mu);
-      r->cv.wait(lock, [r] { return r->done; });
+      {  // (the lock is released before the GIL is taken back: never mutex -> GIL)
+        std::unique_lock<std::mutex> lock(r->mu);
+        r->cv.wait(lock, [r] { return r->done; });
+      }
       Py_END_ALLOW_THREADS
     }
   }

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import signal
+import time
 import warnings
 
 import pytest
@@ -349,6 +350,61 @@ def test_fast_begin_and_end_are_paired(tiny):
     assert dec.take_failed_requests() == [] and dec.num_advanced_tokens[0] == 1
 
 
+def test_capturable_rollback_after_prepare_reads_the_finished_build(tiny):
+    """rollback_rejected_batch after prepare(): the accepted counts are clamped to the
+    counters of the build prepare() started, which it waits for (not to the zeros the build
+    starts from): no failure, the same counters as with the Python build."""
+    from capgraph.capturable import CapturableGuidedDecoder
+
+    results = []
+    for mode in ("on", "off"):
+        config = dataclasses.replace(tiny.config, native_build=mode)
+        dec = CapturableGuidedDecoder(config, 2, 2, factory=tiny)
+        dec.add_batch([GuidedRequest.context(1, 0, ALIVE)], runtime_draft_len=2)
+        dec.execute(torch.zeros(1, 64))
+        assert dec.take_failed_requests() == []
+        dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 0, draft_tokens=[0, 1])],
+                      runtime_draft_len=2)
+        dec.prepare()
+        dec.rollback_rejected_batch(torch.tensor([2]))
+        dec.execute(torch.zeros(3, 64))
+        results.append((dec.take_failed_requests(), list(dec.num_advanced_tokens)))
+        dec.close()
+    assert results[0] == results[1] and results[0][0] == []
+
+
+def test_capturable_close_ends_a_build_still_queued_on_its_side_stream(tiny):
+    """close() while the side stream still holds the step's host step: the step runs, its
+    build ends, and the C++ build's thread is stopped afterwards (none is left running)."""
+    from capgraph.capturable import CapturableGuidedDecoder
+
+    config = dataclasses.replace(tiny.config, native_build="on")
+    dec = CapturableGuidedDecoder(config, 2, 0, factory=tiny)
+    if dec._fast is None:
+        pytest.skip("the C++ build's CPython entry is not built here (no Python headers)")
+    dec.add_batch([GuidedRequest.context(1, 0, ALIVE)])
+    dec.execute(torch.zeros(1, 64))
+    dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 0)])
+    dec._streams.stream.enqueue(lambda: time.sleep(0.2))  # the side stream is busy
+    dec.prepare()  # the host step queues behind it, on the stream's worker
+    dec.close()
+    assert dec._inflight is None and dec._fast.state is not None
+    assert dec.take_failed_requests() == [] and dec.num_advanced_tokens[0] == 1
+    assert not any(t.startswith("capgraph-build") for t in _thread_names())
+
+
+def _thread_names() -> list[str]:
+    names = []
+    if os.path.isdir("/proc/self/task"):
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    names.append(f.read().strip())
+            except OSError:
+                pass
+    return names
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_forked_child_starts_its_own_build_thread(tiny):
     """A child forked after the parent's build thread started has no such thread: its
@@ -378,6 +434,24 @@ def test_forked_child_starts_its_own_build_thread(tiny):
         _, status = os.waitpid(pid, 0)
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, \
             f"child (build_first={build_first}) status {status:#x}"
+    # forked with a build in flight: the child gets the result (the parent's thread finished
+    # it before the fork) or a clear error, never a hang
+    dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 1)])
+    assert dec._build(dec.requests, asynchronous=True) == []
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)
+        try:
+            dec._finish_build()
+            ok = True
+        except RuntimeError as e:
+            ok = "forked while this build was in flight" in str(e) and dec._inflight is None
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status:#x}"
+    assert dec.take_failed_requests() == [] and dec.num_advanced_tokens[0] == 1
 
 
 def test_native_fault_fails_only_its_request(tiny):
