@@ -25,6 +25,7 @@ __all__ = [
     "GuidedDecodingConfig",
     "COMPILE_CACHE_ENV",
     "NATIVE_BUILD_ENV",
+    "native_build_env",
     "DEFAULT_COMPILE_CACHE_BYTES",
 ]
 
@@ -33,6 +34,13 @@ __all__ = [
 COMPILE_CACHE_ENV = "CAPGRAPH_COMPILE_CACHE_BYTES"
 #: Environment variable that overrides ``GuidedDecodingConfig.native_build`` (auto, on, off).
 NATIVE_BUILD_ENV = "CAPGRAPH_NATIVE_BUILD"
+
+
+def native_build_env() -> str | None:
+    """``$CAPGRAPH_NATIVE_BUILD`` lower-cased, or None when unset or empty (it overrides
+    ``GuidedDecodingConfig.native_build``; ``"off"`` also stops the CPU mask pass)."""
+    env = os.environ.get(NATIVE_BUILD_ENV, "").strip().lower()
+    return env or None
 DEFAULT_COMPILE_CACHE_BYTES = 1 << 30
 
 
@@ -251,9 +259,9 @@ class GuidedDecodingConfig:
         if self.fill_threads < 0:
             raise ConfigError(f"GuidedDecodingConfig.fill_threads={self.fill_threads} "
                               "must be >= 0")
-        env = os.environ.get(NATIVE_BUILD_ENV)
+        env = native_build_env()
         if env:
-            self.native_build = env.strip().lower()
+            self.native_build = env
         if self.native_build not in ("auto", "on", "off"):
             source = f"{NATIVE_BUILD_ENV}={env!r}" if env else \
                 f"GuidedDecodingConfig.native_build={self.native_build!r}"

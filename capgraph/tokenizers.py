@@ -26,6 +26,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from ._cache import cache_dir
 from .errors import TokenizerLoadError
 
 if TYPE_CHECKING:
@@ -140,8 +141,7 @@ def load_tokenizer(name_or_path: str | os.PathLike[str] = "tekken", *,
 
 
 def _default_cache_root() -> Path:
-    base = os.environ.get("CAPGRAPH_CACHE_DIR") or "~/.cache/capgraph"
-    return Path(base).expanduser() / "tokenizers"
+    return cache_dir("tokenizers")
 
 
 @functools.lru_cache(maxsize=None)

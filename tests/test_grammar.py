@@ -112,9 +112,17 @@ def test_padded_vocab_tail_is_always_masked(factory_cache, tekken):
         assert not bits[len(tekken):].any()
 
 
-def test_batch_fill_equals_serial_fill(factory_cache, tekken):
-    """The multi-threaded batch fill writes the same rows as filling matchers one by one."""
+@pytest.mark.parametrize("ffi", [True, False])
+def test_batch_fill_equals_serial_fill(factory_cache, tekken, monkeypatch, ffi):
+    """The multi-threaded batch fill writes the same rows as filling matchers one by one,
+    through xgrammar's FFI objects or (an xgrammar without them) its Python batch call."""
     factory = factory_cache("tekken")
+    if not ffi:
+        monkeypatch.setattr(factory, "_batch_fill_ffi", None)
+        calls = []
+        batch_call = factory._batch.batch_fill_next_token_bitmask
+        monkeypatch.setattr(factory._batch, "batch_fill_next_token_bitmask",
+                            lambda *a: (calls.append(1), batch_call(*a)))
     V = factory.config.vocab_size_padded
     matchers = []
     for case in CASES:
@@ -129,6 +137,8 @@ def test_batch_fill_equals_serial_fill(factory_cache, tekken):
         m.fill_next_token_bitmask(serial, r)
     factory.batch_fill(matchers, batch, rows)
     assert torch.equal(serial, batch)
+    if not ffi:
+        assert calls == [1]  # threaded, not the one-by-one loop
 
 
 # -- named errors ----------------------------------------------------------------------------

@@ -161,9 +161,6 @@ class StepLoop:
         self.logits = self.source.clone()  # static: the replayed graph masks this tensor
         cls = GuidedDecoder if kind == "eager" else CapturableGuidedDecoder
         self.dec = cls(factory.config, batch, 0, factory=factory)
-        # the same decoder, typed for the capturable calls (eager use only; None otherwise)
-        self._capt = (self.dec if kind == "capturable"
-                      and isinstance(self.dec, CapturableGuidedDecoder) else None)
         self.step_index = 0
         self.graph = None
         if kind == "replay":
@@ -185,6 +182,7 @@ class StepLoop:
 
     def step(self) -> None:
         import hostfunc
+        from capgraph.capturable import CapturableGuidedDecoder
 
         s = self.step_index
         self.step_index += 1
@@ -193,10 +191,10 @@ class StepLoop:
         dec.add_batch(self._requests(s))
         if self.kind == "eager":
             failed = dec.execute(self.logits)
-        elif self._capt is not None:
-            self._capt.prepare()
-            self._capt.execute(self.logits)
-            failed = self._capt.take_failed_requests()
+        elif self.kind == "capturable" and isinstance(dec, CapturableGuidedDecoder):
+            dec.prepare()
+            dec.execute(self.logits)
+            failed = dec.take_failed_requests()
         else:
             self.graph.replay()  # type: ignore[union-attr]
             hostfunc.drain()

@@ -47,15 +47,17 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from .._cache import cache_dir, publish_once
 from ..errors import NativeBuildError
-from ..params import NATIVE_BUILD_ENV
+from ..params import native_build_env
 
-__all__ = ["FastPath", "NativeBuildError", "NativeBuilder", "load", "python_module", "unavailable_reason",
-           "source_path", "cpu_apply",
-           "STATUS_OK", "STATUS_REJECTED", "STATUS_DEAD_END", "STATUS_FAULT", "TERMINATED"]
+__all__ = ["FastPath", "NativeBuildError", "NativeBuilder", "load", "python_module",
+           "unavailable_reason", "source_path", "cpu_apply",
+           "STATUS_REJECTED", "STATUS_DEAD_END", "STATUS_FAULT", "TERMINATED"]
 
 # what csrc/host_build.cc reports per request (out[k, 0]); TERMINATED is a flag on any status
-STATUS_OK, STATUS_REJECTED, STATUS_DEAD_END, STATUS_FAULT, TERMINATED = 0, 1, 2, 3, 8
+# (0 is a plain OK, which the C++ steps do not report)
+STATUS_REJECTED, STATUS_DEAD_END, STATUS_FAULT, TERMINATED = 1, 2, 3, 8
 
 _SOURCE = "host_build.cc"
 _CFLAGS = ("-std=c++17", "-O3", "-fPIC", "-shared", "-fvisibility=hidden")
@@ -72,11 +74,6 @@ def source_path() -> Path:
     except ModuleNotFoundError:  # pragma: no cover - capgraph.csrc is part of the package
         pass
     return Path(__file__).resolve().parents[2] / "csrc" / _SOURCE
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("CAPGRAPH_CACHE_DIR") or "~/.cache/capgraph"
-    return Path(base).expanduser() / "native"
 
 
 def _compiler() -> list[str]:
@@ -143,21 +140,18 @@ def _build_library() -> Path:
         source.read_bytes(), " ".join(cxx), _compiler_version(cxx), " ".join(_CFLAGS),
         getattr(tvm_ffi, "__version__", "?"), lib, " ".join(extra),
         str(sysconfig.get_config_var("EXT_SUFFIX"))])).hexdigest()[:24]
-    path = _cache_dir() / f"host_build-{key}.so"
-    if path.is_file():
-        return path
+    path = cache_dir("native") / f"host_build-{key}.so"
+
+    def compile_into(partial: Path) -> None:
+        _log.info("compiling %s with %s (once per machine, a few seconds) into %s",
+                  source.name, " ".join(cxx), path.parent)
+        _compile(source, partial, cxx, includes, lib, extra)
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with filelock.FileLock(f"{path}.lock", timeout=_LOCK_TIMEOUT_S):
-            if not path.is_file():  # another process may have compiled it meanwhile
-                partial = path.with_name(f"{path.stem}.partial-{os.getpid()}.so")
-                _log.info("compiling %s with %s (once per machine, a few seconds) into %s",
-                          source.name, " ".join(cxx), path.parent)
-                _compile(source, partial, cxx, includes, lib, extra)
-                os.replace(partial, path)
-        return path
+        publish_once(path, compile_into, _LOCK_TIMEOUT_S)
     except (OSError, filelock.Timeout) as e:
         raise NativeBuildError(f"cannot write the native cache {path.parent}: {e}") from e
+    return path
 
 
 _lock = threading.Lock()
@@ -244,7 +238,7 @@ def cpu_apply() -> Any:
     warns about a missing compiler)."""
     global _cpu_apply
     if _cpu_apply is None:  # decided once per process: this runs on every CPU mask
-        if (os.environ.get(NATIVE_BUILD_ENV) or "").strip().lower() == "off":
+        if native_build_env() == "off":
             _cpu_apply = False
         else:
             try:

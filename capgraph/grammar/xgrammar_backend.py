@@ -232,9 +232,14 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         """One call into xgrammar's batch matcher: threads in C++, GIL released."""
         if not matchers:
             return
-        handles = self.native_handles(matchers)
-        if handles is None or len(handles) == 1 or self._batch_fill_ffi is None:
-            # one row: the thread hand-off would cost more than it saves
+        if len(matchers) == 1 or any(type(m) is not XGrammarMatcher for m in matchers):
+            # one row: the thread hand-off would cost more than it saves; subclasses or
+            # wrappers: their own methods must run
             super().batch_fill(matchers, bitmask, indices)
             return
-        self._batch_fill_ffi(handles, bitmask, list(indices), False)
+        handles = self.native_handles(matchers)
+        if handles is not None and self._batch_fill_ffi is not None:
+            self._batch_fill_ffi(handles, bitmask, list(indices), False)
+        else:  # an xgrammar without the FFI objects: its Python batch call, threads all the same
+            self._batch.batch_fill_next_token_bitmask(
+                [m._matcher for m in matchers], bitmask, list(indices))  # type: ignore[attr-defined]

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
-import os
 import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import torch
+
+from .._cache import cache_dir, publish_once
 
 __all__ = [
     "THREADS_PER_BLOCK",
@@ -199,11 +200,6 @@ def _target_for(cc: int, supported: list[int]) -> tuple[str, str]:
     return "ptx", f"compute_{older[-1]}"
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("CAPGRAPH_CACHE_DIR") or "~/.cache/capgraph"
-    return Path(base).expanduser() / "kernels"
-
-
 _binaries: dict[tuple[str, str], bytes] = {}
 _binaries_lock = threading.Lock()
 
@@ -223,7 +219,7 @@ def compile_kernel(arch: str = "sm_90", fmt: str = "cubin", *, use_cache: bool =
         key = hashlib.sha256(b"\0".join([
             source, arch.encode(), fmt.encode(), f"nvrtc-{major}.{minor}".encode(),
             repr(sorted(_NVRTC_OPTIONS.items())).encode()])).hexdigest()
-        path = _cache_dir() / f"{key}.{fmt}"
+        path = cache_dir("kernels") / f"{key}.{fmt}"
         binary = _read_or_compile(path, source, arch, fmt) if use_cache else \
             _nvrtc_compile(source, arch, fmt)
         if use_cache:
@@ -244,20 +240,17 @@ def _nvrtc_compile(source: bytes, arch: str, fmt: str) -> bytes:
 def _read_or_compile(path: Path, source: bytes, arch: str, fmt: str) -> bytes:
     import filelock
 
-    if path.is_file():
-        return path.read_bytes()
+    made: list[bytes] = []
+
+    def compile_into(partial: Path) -> None:
+        made.append(_nvrtc_compile(source, arch, fmt))
+        partial.write_bytes(made[0])
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with filelock.FileLock(f"{path}.lock", timeout=_LOCK_TIMEOUT_S):
-            if path.is_file():  # another process compiled it meanwhile
-                return path.read_bytes()
-            binary = _nvrtc_compile(source, arch, fmt)
-            partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
-            partial.write_bytes(binary)
-            os.replace(partial, path)
-            return binary
+        publish_once(path, compile_into, _LOCK_TIMEOUT_S)
+        return made[0] if made else path.read_bytes()
     except (OSError, filelock.Timeout):  # no usable cache directory: compile uncached
-        return _nvrtc_compile(source, arch, fmt)
+        return made[0] if made else _nvrtc_compile(source, arch, fmt)
 
 
 # -- loading and launching: the host logic is tested on CPU against a fake cuda.core; the real
