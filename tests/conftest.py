@@ -114,3 +114,20 @@ def assert_steps_agree(decoders, step, draft_len: int) -> None:
     for other in outcomes[1:]:
         assert first[:2] == other[:2] and first[3:] == other[3:]
         assert torch.equal(first[2], other[2])
+
+
+def build_threads() -> set[str]:
+    """Ids of this process's threads named as the C++ build's thread, ``capgraph-build``
+    (Linux /proc; empty elsewhere)."""
+    import os
+
+    found = set()
+    if os.path.isdir("/proc/self/task"):
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().strip() == "capgraph-build":
+                        found.add(tid)
+            except OSError:  # the thread ended meanwhile
+                pass
+    return found

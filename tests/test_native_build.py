@@ -23,7 +23,7 @@ from capgraph.grammar import native
 from capgraph.grammar.native import NativeBuildError, NativeBuilder
 from capgraph.requests import GuidedRequest
 from capgraph.tokenizers import encode_continuation
-from conftest import assert_steps_agree
+from conftest import assert_steps_agree, build_threads
 
 pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
                                 reason=f"C++ host build unavailable: "
@@ -382,6 +382,7 @@ def test_capturable_close_ends_a_build_still_queued_on_its_side_stream(tiny):
     dec = CapturableGuidedDecoder(config, 2, 0, factory=tiny)
     if dec._fast is None:
         pytest.skip("the C++ build's CPython entry is not built here (no Python headers)")
+    before = build_threads()  # (other tests' decoders may still hold theirs)
     dec.add_batch([GuidedRequest.context(1, 0, ALIVE)])
     dec.execute(torch.zeros(1, 64))
     dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 0)])
@@ -390,19 +391,8 @@ def test_capturable_close_ends_a_build_still_queued_on_its_side_stream(tiny):
     dec.close()
     assert dec._inflight is None and dec._fast.state is not None
     assert dec.take_failed_requests() == [] and dec.num_advanced_tokens[0] == 1
-    assert not any(t.startswith("capgraph-build") for t in _thread_names())
+    assert not build_threads() - before
 
-
-def _thread_names() -> list[str]:
-    names = []
-    if os.path.isdir("/proc/self/task"):
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/comm") as f:
-                    names.append(f.read().strip())
-            except OSError:
-                pass
-    return names
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

@@ -34,6 +34,7 @@ from capgraph.ops import logits_bitmask
 from capgraph.requests import GuidedRequest, GuidedRequests
 from capgraph.tokenizers import encode_continuation
 from cases import ARITH_EBNF, ARITH_LARK, STRUCTURAL_TAG, TOOL_CALL_SCHEMA
+from conftest import build_threads
 
 needs_llg = pytest.mark.skipif(not llg_available(), reason="llguidance extra not installed")
 
@@ -1013,19 +1014,6 @@ def test_concurrent_creates_of_one_guide_share_one_compile(tiny):
     assert factory.stats.compiled == 1
 
 
-def _build_threads() -> list[str]:
-    """Ids of this process's threads named as the C++ build's thread (Linux /proc)."""
-    found = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() == "capgraph-build":
-                    found.append(tid)
-        except OSError:  # the thread ended meanwhile
-            pass
-    return found
-
-
 @pytest.mark.parametrize("native_build", ["off", "auto"])
 def test_closing_a_capturable_decoder_ends_its_threads(xf, tekken, native_build):
     """After close() returns, no thread of the decoder runs on (nothing of it runs during
@@ -1039,20 +1027,20 @@ def test_closing_a_capturable_decoder_ends_its_threads(xf, tekken, native_build)
         pytest.skip("the C++ build's CPython entry is not built here (no Python headers)")
     if fast and not os.path.isdir("/proc/self/task"):
         pytest.skip("needs Linux /proc to see a thread Python did not start")
-    before = set(_build_threads())
+    before = build_threads()
     V = xf.config.vocab_size_padded
     step(dec, [GuidedRequest.context(1, 0, EMAIL)], torch.zeros(1, V))
     first = encode_continuation(tekken, "ab")[0]
     assert not step(dec, [GuidedRequest.generation(1, 0, EMAIL, first)], torch.zeros(1, V))
     worker = dec._streams.stream._worker.thread
-    started = set(_build_threads()) - before
+    started = build_threads() - before
     if fast:
         assert worker is None and len(started) == 1
     else:
         assert worker is not None and worker.is_alive() and not started
     dec.close()
     assert worker is None or not worker.is_alive()
-    assert not started & set(_build_threads())
+    assert not started & build_threads()
 
 
 def _run_bounded(target, timeout: float) -> list[BaseException]:
