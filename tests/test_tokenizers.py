@@ -35,9 +35,9 @@ def load(cache_base: Path):
     return _load
 
 
-@pytest.fixture
-def no_conversion(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Replace every converter with a spy that records the call and fails."""
+def spy_on_conversions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Replace every converter with a spy that records the call and fails. Tests call it after
+    their own first load, so each converts what it needs when run alone."""
     calls: list[str] = []
     for name in NAMES:
         def spy(source: Path, name: str = name):
@@ -112,10 +112,11 @@ def test_sp32k_matches_sentencepiece(load) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_second_load_comes_from_disk_and_memory(load, cache_base: Path, name: str,
-                                                no_conversion: list[str]) -> None:
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """After one conversion, a new load reads the disk cache (no converter call) and a repeated
     load in the process returns the very same object."""
     first = load(name)
+    no_conversion = spy_on_conversions(monkeypatch)
     root = str((cache_base / "tokenizers").resolve())
     from_disk = tokenizers._load_bundled.__wrapped__(name, root)  # bypass the memory cache
     assert no_conversion == []
@@ -124,10 +125,11 @@ def test_second_load_comes_from_disk_and_memory(load, cache_base: Path, name: st
     assert load_tokenizer(name, cache_dir=cache_base / "tokenizers") is first
 
 
-def test_default_cache_dir_follows_env(load, cache_base: Path, monkeypatch: pytest.MonkeyPatch,
-                                       no_conversion: list[str]) -> None:
+def test_default_cache_dir_follows_env(load, cache_base: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Without cache_dir, the cache lives under $CAPGRAPH_CACHE_DIR/tokenizers."""
     expected = load("mistral-sp32k")
+    no_conversion = spy_on_conversions(monkeypatch)
     monkeypatch.setenv("CAPGRAPH_CACHE_DIR", str(cache_base))
     assert load_tokenizer("mistral-sp32k") is expected
     assert no_conversion == []
