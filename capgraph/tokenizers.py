@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 __all__ = ["TokenizerSpec", "BUNDLED_TOKENIZERS", "load_tokenizer", "default_tokenizer_name",
-           "encode_continuation"]
+           "encode_continuation", "special_token_ids"]
 
 # Bump when a conversion below changes, so stale cache entries are not reused.
 _RECIPE = 1
@@ -102,6 +102,17 @@ def encode_continuation(tokenizer: "PreTrainedTokenizerBase", text: str) -> list
     if ids[:len(probe)] != probe:
         raise ValueError(f"cannot split the newline prefix off the encoding of {text[:40]!r}")
     return ids[len(probe):]
+
+
+def special_token_ids(tokenizer: "PreTrainedTokenizerBase") -> frozenset[int]:
+    """Ids of every special token of ``tokenizer``: its named special tokens (bos, eos, unk,
+    pad, ... and ``additional_special_tokens``) and every added token marked special (Tekken's
+    1000 control tokens, Qwen's ``<|im_start|>`` and ``<|extra_N|>``). Added tokens not marked
+    special are ordinary text and are not included."""
+    ids = {int(i) for i in tokenizer.all_special_ids}
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(int(i) for i, token in added.items() if getattr(token, "special", False))
+    return frozenset(ids)
 
 
 def default_tokenizer_name() -> str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Sequence
+import threading
+from typing import Any, Collection, Mapping, Sequence
 
 import torch
 import xgrammar as xgr
@@ -22,19 +23,111 @@ BACKEND = "xgrammar"
 _LARK_RULE = re.compile(r"^\s*[?!]?[a-z_][a-z0-9_]*\s*:(?!:=)", re.MULTILINE)
 
 
-def build_tokenizer_info(config: GuidedDecodingConfig) -> xgr.TokenizerInfo:
+#: First byte of the spelling a special token gets where a structural tag places it by a
+#: ``token`` element. 0xFF never occurs in UTF-8, so JSON, regex, EBNF and const-string text
+#: cannot spell it, while the ``token`` element matches it by id.
+SPECIAL_SPELLING_PREFIX = b"\xff"
+
+
+def build_tokenizer_info(config: GuidedDecodingConfig, placeable: Collection[int] = ()
+                         ) -> xgr.TokenizerInfo:
     """xgrammar's view of the vocabulary, with metadata detected from the HF tokenizer.
 
     ``vocab_size`` is the padded width, so ids at or above the tokenizer's vocabulary are
     special to xgrammar and never allowed on a guided row.
+
+    xgrammar 0.2.9 counts a token as special only when its text is empty, so on its own it
+    reads ``[INST]``, ``<s>`` or ``<|im_start|>`` as the plain text they spell and allows them
+    inside a JSON string, a regex's ``.*`` or an EBNF character class. Here every special token
+    of the tokenizer (:func:`capgraph.tokenizers.special_token_ids`) gets an empty text, which
+    makes it special to xgrammar: never allowed by any grammar. Stop tokens get an empty text
+    too (otherwise ``</s>`` could complete a grammar ending in ``">"``) and stay stop tokens,
+    allowed exactly where the grammar may end.
+
+    ``placeable``: special ids a structural tag places with ``token`` elements. xgrammar's
+    matcher refuses every special id, so these are spelled :data:`SPECIAL_SPELLING_PREFIX` +
+    their text instead, which only a ``token`` element (by id) and the any-byte free text of
+    ``any_text`` regions can match. A vocabulary given as ``encoded_vocab`` carries no
+    special-token metadata and is taken as it is.
     """
-    if config.tokenizer is not None:
-        return xgr.TokenizerInfo.from_huggingface(
-            config.tokenizer, vocab_size=config.vocab_size_padded,
-            stop_token_ids=list(config.stop_token_ids or []))
-    return xgr.TokenizerInfo(list(config.encoded_vocab or []), vocab_type=xgr.VocabType.RAW,
-                             vocab_size=config.vocab_size_padded,
-                             stop_token_ids=list(config.stop_token_ids or []))
+    stop_ids = list(config.stop_token_ids or [])
+    if config.tokenizer is None:
+        return xgr.TokenizerInfo(list(config.encoded_vocab or []), vocab_type=xgr.VocabType.RAW,
+                                 vocab_size=config.vocab_size_padded, stop_token_ids=stop_ids)
+    from ..tokenizers import special_token_ids
+
+    detected = xgr.TokenizerInfo.from_huggingface(
+        config.tokenizer, vocab_size=config.vocab_size_padded, stop_token_ids=stop_ids)
+    specials = special_token_ids(config.tokenizer)
+    if not specials:
+        return detected
+    # decoded_vocab is the text of every id (byte-level / byte-fallback spelling undone), so
+    # the rebuilt vocabulary is RAW; add_prefix_space is carried over as detected.
+    vocab = detected.decoded_vocab
+    for i in specials:
+        if i < len(vocab):
+            vocab[i] = SPECIAL_SPELLING_PREFIX + vocab[i] if i in placeable else b""
+    return xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW,
+                             vocab_size=config.vocab_size_padded, stop_token_ids=stop_ids,
+                             add_prefix_space=detected.add_prefix_space)
+
+
+def _resolve_tag_tokens(tag: str, ids_by_name: Mapping[str, int]) -> tuple[str, frozenset[int]]:
+    """The structural tag ``tag`` with every special token it names by string replaced by its
+    id, and the special ids it places (``token`` elements, ``trigger_tokens``, token-dispatch
+    patterns; exclusion lists place nothing).
+
+    :func:`build_tokenizer_info` empties the text of special tokens, which hides them from
+    xgrammar's lookup by string, so they are resolved here. Ordinary tokens named by string are
+    left for xgrammar to resolve. Text that is not JSON is returned unchanged, placing nothing
+    (xgrammar's error names what is wrong).
+    """
+    if not ids_by_name:
+        return tag, frozenset()
+    try:
+        doc = json.loads(tag)
+    except ValueError:
+        return tag, frozenset()
+    specials = set(ids_by_name.values())
+    placed: set[int] = set()
+
+    def by_id(token: Any, place: bool) -> Any:
+        token = ids_by_name.get(token, token) if isinstance(token, str) else token
+        if place and isinstance(token, int) and token in specials:
+            placed.add(token)
+        return token
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+            return
+        if not isinstance(node, dict):
+            return
+        kind = node.get("type")
+        if kind == "token" and "token" in node:
+            node["token"] = by_id(node["token"], True)
+        if isinstance(node.get("trigger_tokens"), list):
+            node["trigger_tokens"] = [by_id(t, True) for t in node["trigger_tokens"]]
+        if isinstance(node.get("exclude_tokens"), list):
+            node["exclude_tokens"] = [by_id(t, False) for t in node["exclude_tokens"]]
+        if kind == "token_dispatch" and isinstance(node.get("rules"), list):
+            for rule in node["rules"]:
+                if isinstance(rule, list) and rule:
+                    rule[0] = by_id(rule[0], True)
+        for value in node.values():
+            walk(value)
+
+    walk(doc)
+    return json.dumps(doc), frozenset(placed)
+
+
+def _refuse(what: str) -> None:
+    raise UnsupportedGuideError(
+        f"xgrammar would accept but not enforce {what}; remove them, use the llguidance "
+        "backend, set GuidedDecodingConfig(json_unenforced_keywords='fallback') to let "
+        "llguidance serve such schemas, or 'ignore' to generate with them unenforced",
+        guide_type="JSON_SCHEMA", backend=BACKEND)
 
 
 def _ffi(obj: Any, *methods: str) -> Any:
@@ -124,6 +217,32 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         self._batch_fill_ffi = None if batch_ffi is None else \
             batch_ffi.batch_fill_next_token_bitmask  # (handles, bitmask, indices, debug)
         self._stop_ids = frozenset(config.stop_token_ids or ())
+        # special tokens by name, which a structural tag's token elements may name
+        self._special_ids_by_name: dict[str, int] = {}
+        if config.tokenizer is not None:
+            from ..tokenizers import special_token_ids
+            ids = sorted(special_token_ids(config.tokenizer))
+            names = config.tokenizer.convert_ids_to_tokens(ids)
+            self._special_ids_by_name = {str(n): i for n, i in zip(names, ids)}
+        # compilers for structural tags that place special tokens, by the ids they place
+        self._placing_compilers: dict[frozenset[int], xgr.GrammarCompiler] = {}
+        self._placing_lock = threading.Lock()
+
+    def _compiler_placing(self, placed: frozenset[int]) -> xgr.GrammarCompiler:
+        """The compiler for a structural tag that places the special ids ``placed``: the shared
+        one when it places none, else one over a vocabulary where exactly those are placeable
+        (:func:`build_tokenizer_info`), built once per set (about 1 s for a 150k vocabulary,
+        in the compile thread) and kept for the factory's life."""
+        if not placed:
+            return self._compiler
+        with self._placing_lock:
+            compiler = self._placing_compilers.get(placed)
+            if compiler is None:
+                compiler = xgr.GrammarCompiler(build_tokenizer_info(self.config, placed),
+                                               max_threads=max(1, self.config.compile_threads),
+                                               cache_enabled=False)
+                self._placing_compilers[placed] = compiler
+            return compiler
 
     def _compile(self, params: GuidedDecodingParams) -> tuple[Any, int]:
         gt, guide = params.guide_type, params.guide
@@ -140,7 +259,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
             elif gt is GuideType.EBNF_GRAMMAR:
                 compiled = self._compiler.compile_grammar(guide)
             elif gt is GuideType.STRUCTURAL_TAG:
-                compiled = self._compiler.compile_structural_tag(guide)
+                tag, placed = _resolve_tag_tokens(guide, self._special_ids_by_name)
+                compiled = self._compiler_placing(placed).compile_structural_tag(tag)
             else:  # pragma: no cover - GuideType is closed
                 raise UnsupportedGuideError("unknown guide type", guide_type=str(gt),
                                             backend=BACKEND)
