@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
-from .host_stream import ThreadStack, explicit_stream
+from . import _context
+from .host_stream import explicit_stream
 
 __all__ = ["Backend", "active_backend", "cuda_available", "get_backend", "use_backend"]
 
@@ -30,7 +31,6 @@ class Backend(Protocol):
 _lock = threading.Lock()
 _cuda_present: list[bool] = []       # filled once by cuda_available()
 _backends: dict[str, Backend] = {}   # one instance per name, made on first use
-_local = ThreadStack()               # per-thread stack of use_backend() overrides
 
 
 def _detect_cuda() -> bool:
@@ -88,7 +88,7 @@ def active_backend() -> Backend:
     In order: the innermost :func:`use_backend` on this thread; the CPU stand-in if a HostStream
     was made current with ``use_stream``; CUDA if :func:`cuda_available`; else the CPU stand-in.
     """
-    stack = _local.stack
+    stack = _context.backends.stack
     if stack:
         return stack[-1]
     if explicit_stream() is not None or not cuda_available():
@@ -103,7 +103,7 @@ def use_backend(backend: str | Backend) -> Iterator[Backend]:
     chosen = get_backend(backend) if isinstance(backend, str) else backend
     if not isinstance(chosen, Backend):
         raise TypeError(f"{chosen!r} does not implement the hostfunc Backend protocol")
-    stack = _local.stack
+    stack = _context.backends.stack
     stack.append(chosen)
     try:
         yield chosen

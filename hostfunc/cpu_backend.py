@@ -8,8 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import backend as _backend
-from . import host_stream as _host_stream
+from . import _context
 from .host_stream import all_streams, current_stream
 from .registry import REGISTRY
 
@@ -34,13 +33,11 @@ class CpuBackend:
         if stream.inline_when_idle and worker.claim_if_idle():
             # run now on this thread as the worker would (no registry entry, no stream or
             # backend made current, a failure kept for the drain); Ctrl-C still stops the caller
-            streams, backends = _host_stream._local, _backend._local
-            saved = streams.stack, backends.stack
-            streams.stack, backends.stack = [], []
+            saved = _context.clear()
             try:
                 REGISTRY.call(fn, args, kwargs, reraise=(KeyboardInterrupt, SystemExit))
             finally:
-                streams.stack, backends.stack = saved
+                _context.restore(saved)
                 worker.finish_inline()
             return
         key = REGISTRY.add(fn, args, kwargs, one_shot=True)

@@ -181,12 +181,12 @@ def test_inline_stream_runs_an_idle_launch_on_the_launching_thread() -> None:
 
     def probe(x: int) -> None:
         seen.append((x, threading.current_thread().name, explicit_stream(),
-                     list(hostfunc.backend._local.stack)))
+                     list(hostfunc._context.backends.stack)))
 
     with hostfunc.use_stream(stream):  # (and the fixture's use_backend("cpu"))
         hostfunc.launch(probe, 1)
         assert seen == [(1, threading.current_thread().name, None, [])]
-        assert hostfunc.current_stream() is stream and hostfunc.backend._local.stack
+        assert hostfunc.current_stream() is stream and hostfunc._context.backends.stack
         hostfunc.launch(_raise_value_error, "inline boom")
     assert stream._worker.thread is None and stream.query()
     with pytest.raises(hostfunc.HostFuncError, match="inline boom"):

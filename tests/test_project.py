@@ -66,7 +66,8 @@ TYPED_CORE = ["capgraph/__init__.py", "capgraph/params.py", "capgraph/errors.py"
               "capgraph/capturable.py", "capgraph/streams.py", "capgraph/testing.py",
               "capgraph/_nvtx.py", "capgraph/grammar/__init__.py", "capgraph/grammar/base.py",
               "capgraph/grammar/cache.py", "capgraph/grammar/compile_pool.py",
-              "capgraph/grammar/schema_check.py", "capgraph/grammar/xgrammar_backend.py",
+              "capgraph/grammar/schema_policy.py", "capgraph/grammar/xgrammar_backend.py",
+              "capgraph/grammar/converter_log.py", "capgraph/grammar/fallback.py",
               "capgraph/ops", "hostfunc"]
 
 
@@ -92,3 +93,57 @@ def test_readme_decode_loop_example_runs():
     allowed = logits[0].isfinite()
     assert 0 < int(allowed.sum()) < logits.shape[1]  # the schema's first tokens only
     assert allowed[namespace["next_token"]]
+
+
+def _runtime_nodes(node):
+    """Every AST node below ``node`` except those under ``if TYPE_CHECKING:`` (never run)."""
+    import ast
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and getattr(child.test, "id", None) == "TYPE_CHECKING":
+            yield from (n for c in child.orelse for n in (c, *_runtime_nodes(c)))
+            continue
+        yield child
+        yield from _runtime_nodes(child)
+
+
+def _package_imports(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports when run (top-level or inside
+    functions; ``if TYPE_CHECKING:`` blocks aside)."""
+    import ast
+    base = ROOT / package
+    graph: dict[str, set[str]] = {}
+    for path in base.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        pkg = module if parts[-1] == "__init__" else module.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in _runtime_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                anchor = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                stem = ".".join(anchor + ([node.module] if node.module else []))
+                names = [stem] if node.module else [f"{stem}.{a.name}" for a in node.names]
+                targets.update(names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package):
+                targets.add(node.module)  # type: ignore[arg-type]
+        graph[module] = targets
+    return {m: {t for t in ts if t in graph and t != m} for m, ts in graph.items()}
+
+
+def test_hostfunc_has_no_import_cycle():
+    """hostfunc's modules import one another without a cycle (lazy imports inside functions
+    included), so each can be read, loaded and tested from the bottom up."""
+    graph = _package_imports("hostfunc")
+    graph.pop("hostfunc", None)  # the package's __init__ re-exports everything
+    state: dict[str, int] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            assert state.get(target) != 1, f"import cycle: {' -> '.join(path + [target])}"
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
