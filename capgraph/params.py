@@ -177,11 +177,16 @@ class GuidedDecodingConfig:
             failures. Overridden by the environment variable ``CAPGRAPH_NATIVE_BUILD``.
         json_any_whitespace: JSON-schema guides allow any whitespace between tokens (xgrammar);
             False makes them compact, so a model cannot loop on whitespace.
-        json_unenforced_keywords: ``"error"`` (default): a JSON schema using a keyword the
-            backend would accept but not enforce (xgrammar: ``not``, ``if``/``then``/``else``,
-            ``dependentSchemas``, ``dependentRequired``, ``uniqueItems``, ``contains``, remote
-            ``$ref``) fails to compile, naming the keyword and where; ``"ignore"`` compiles it
-            with those keywords unenforced.
+        json_unenforced_keywords: what happens to a JSON schema with a constraint the backend
+            is not known to enforce (decided per keyword and combination, and from what the
+            backend reports while compiling: :mod:`capgraph.grammar.schema_policy`,
+            ``docs/CONFORMANCE.md``). ``"error"`` (default): it fails to compile with an
+            :class:`~capgraph.errors.UnsupportedGuideError` naming the keyword and its JSON
+            pointer. ``"fallback"``: it is compiled by the other backend if that one enforces
+            it, per request (the compiled guide's ``backend`` and ``fallback_reason`` say which
+            served it and why), and refused if neither does; needs the llguidance extra, a
+            tokenizer and exactly one stop token. ``"ignore"``: it compiles with those
+            constraints unenforced.
     """
 
     backend: GuidedDecodingBackend = GuidedDecodingBackend.XGRAMMAR
@@ -253,9 +258,10 @@ class GuidedDecodingConfig:
         if self.compile_threads < 1:
             raise ConfigError(f"GuidedDecodingConfig.compile_threads={self.compile_threads} "
                               "must be >= 1")
-        if self.json_unenforced_keywords not in ("error", "ignore"):
+        if self.json_unenforced_keywords not in ("error", "fallback", "ignore"):
             raise ConfigError("GuidedDecodingConfig.json_unenforced_keywords="
-                              f"{self.json_unenforced_keywords!r}; expected 'error' or 'ignore'")
+                              f"{self.json_unenforced_keywords!r}; expected 'error', "
+                              "'fallback' or 'ignore'")
         if self.fill_threads < 0:
             raise ConfigError(f"GuidedDecodingConfig.fill_threads={self.fill_threads} "
                               "must be >= 0")

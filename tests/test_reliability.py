@@ -242,7 +242,7 @@ UNENFORCED_SCHEMAS = {
         {"tags": [1, 1]}, "'uniqueItems' at /properties/tags"),
     "contains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}},
                  [1, 2], "'contains' at /"),
-    "remote_ref": ({"$ref": "https://example.com/s.json"}, 1, "'$ref (remote)' at /"),
+    "remote_ref": ({"$ref": "https://example.com/s.json"}, 1, "'$ref' at / (only local"),
 }
 
 

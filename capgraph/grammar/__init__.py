@@ -11,12 +11,36 @@ __all__ = ["GrammarMatcher", "GrammarMatcherFactory", "CompiledGuide", "CompileH
            "CompileStats", "create_matcher_factory"]
 
 
-def create_matcher_factory(config: GuidedDecodingConfig) -> GrammarMatcherFactory:
-    """The factory of the configured backend (building it reads the whole vocabulary once)."""
-    if config.backend is GuidedDecodingBackend.XGRAMMAR:
+def _backend_factory(config: GuidedDecodingConfig,
+                     backend: GuidedDecodingBackend) -> GrammarMatcherFactory:
+    if backend is GuidedDecodingBackend.XGRAMMAR:
         from .xgrammar_backend import XGrammarMatcherFactory
         return XGrammarMatcherFactory(config)
-    if config.backend is GuidedDecodingBackend.LLGUIDANCE:
+    if backend is GuidedDecodingBackend.LLGUIDANCE:
         from .llguidance_backend import LLGuidanceMatcherFactory
         return LLGuidanceMatcherFactory(config)
-    raise ConfigError(f"unknown backend {config.backend!r}")  # pragma: no cover
+    raise ConfigError(f"unknown backend {backend!r}")  # pragma: no cover
+
+
+def create_matcher_factory(config: GuidedDecodingConfig) -> GrammarMatcherFactory:
+    """The factory of the configured backend (building it reads the whole vocabulary once).
+
+    With ``json_unenforced_keywords="fallback"``, a
+    :class:`~capgraph.grammar.fallback.FallbackMatcherFactory` over the configured backend and
+    the other one; a :class:`~capgraph.errors.ConfigError` says why where the other one cannot
+    be built (the llguidance extra missing, no tokenizer, not exactly one stop token).
+    """
+    primary = _backend_factory(config, config.backend)
+    if config.json_unenforced_keywords != "fallback":
+        return primary
+    other = (GuidedDecodingBackend.LLGUIDANCE if config.backend is GuidedDecodingBackend.XGRAMMAR
+             else GuidedDecodingBackend.XGRAMMAR)
+    try:
+        secondary = _backend_factory(config, other)
+    except ConfigError as e:
+        primary.close()
+        raise ConfigError(f"GuidedDecodingConfig.json_unenforced_keywords='fallback' needs the "
+                          f"{other.value} backend as well, which cannot be built here: {e}"
+                          ) from e
+    from .fallback import FallbackMatcherFactory
+    return FallbackMatcherFactory(primary, secondary)

@@ -59,13 +59,18 @@ class GrammarMatcher(ABC):
 
 @dataclass(frozen=True, slots=True)
 class CompiledGuide:
-    """A guide compiled by a backend, ready to create matchers from (shareable, immutable)."""
+    """A guide compiled by a backend, ready to create matchers from (shareable, immutable).
+
+    ``backend`` names the engine that serves the guide; ``fallback_reason`` says why it is not
+    the configured one (``json_unenforced_keywords="fallback"``), None where it is.
+    """
 
     params: GuidedDecodingParams
     backend: str
     payload: Any  # xgrammar.CompiledGrammar, or llguidance's grammar text
     nbytes: int
     compile_s: float
+    fallback_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -154,6 +159,11 @@ class GrammarMatcherFactory(ABC):
     @abstractmethod
     def create_from_compiled(self, compiled: CompiledGuide) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar."""
+
+    def _served_by(self, payload: Any) -> tuple[Any, str, str | None]:
+        """``(payload, backend, fallback_reason)`` of what :meth:`_compile` returned; a factory
+        that routes guides to several engines says here which one took this guide."""
+        return payload, self.backend_name, None
 
     # -- public API -------------------------------------------------------------------------
     def create(self, params: GuidedDecodingParams) -> GrammarMatcher:
@@ -273,7 +283,8 @@ class GrammarMatcherFactory(ABC):
                                       guide_type=params.guide_type.name,
                                       backend=self.backend_name) from e
         seconds = time.perf_counter() - start
-        compiled = CompiledGuide(params, self.backend_name, payload, nbytes, seconds)
+        payload, backend, reason = self._served_by(payload)
+        compiled = CompiledGuide(params, backend, payload, nbytes, seconds, reason)
         with self._lock:
             # cached before the future completes: a new request finds it in one place or the
             # other, never in neither

@@ -7,6 +7,7 @@ wrapper, and :meth:`rollback` counts a stop token llguidance never consumed as o
 
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from ..errors import ConfigError, GrammarCompileError, MatcherError, UnsupportedGuideError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
+from .schema_policy import describe, unenforced
 
 try:  # optional extra
     import llguidance
@@ -25,6 +27,14 @@ except ImportError:  # pragma: no cover - exercised where the extra is absent
 __all__ = ["LLGuidanceMatcher", "LLGuidanceMatcherFactory", "available"]
 
 BACKEND = "llguidance"
+
+
+def _refuse(what: str) -> None:
+    raise UnsupportedGuideError(
+        f"llguidance would not enforce {what}; remove them, use the xgrammar backend, set "
+        "GuidedDecodingConfig(json_unenforced_keywords='fallback') to let xgrammar serve such "
+        "schemas, or 'ignore' to generate with them unenforced", guide_type="JSON_SCHEMA",
+        backend=BACKEND)
 
 
 def available() -> bool:
@@ -124,6 +134,8 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
 
     def _grammar_text(self, params: GuidedDecodingParams) -> str:
         gt, guide = params.guide_type, params.guide
+        if gt is GuideType.JSON_SCHEMA and self.config.json_unenforced_keywords != "ignore":
+            self._refuse_unenforced(guide)
         try:
             if gt is GuideType.JSON:
                 return llguidance.LLMatcher.grammar_from_json_schema("{}")  # any JSON value
@@ -152,7 +164,23 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
                            "xgrammar backend takes GBNF/EBNF)")
             raise GrammarCompileError(detail, guide_type=params.guide_type.name,
                                       backend=BACKEND)
+        if (messages and params.guide_type is GuideType.JSON_SCHEMA
+                and self.config.json_unenforced_keywords != "ignore"):
+            # a warning is llguidance saying it approximates (oneOf as anyOf, ignored keys)
+            _refuse("; ".join(f"llguidance reported: {m}" for m in messages))
         return grammar, len(grammar.encode())
+
+    @staticmethod
+    def _refuse_unenforced(guide: str) -> None:
+        """Raise UnsupportedGuideError for the keywords of ``guide`` that llguidance is not
+        known to enforce (:mod:`capgraph.grammar.schema_policy`)."""
+        try:
+            schema = json.loads(guide)
+        except ValueError:
+            return  # malformed: llguidance's own error says where
+        found = unenforced(schema, BACKEND)
+        if found:
+            _refuse(describe(found))
 
     def create_from_compiled(self, compiled: CompiledGuide) -> LLGuidanceMatcher:
         matcher = llguidance.LLMatcher(self.tokenizer, compiled.payload, log_level=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import AbstractContextManager, nullcontext
 import threading
 from typing import Any, Collection, Mapping, Sequence
 
@@ -14,7 +15,8 @@ from ..errors import GrammarCompileError, UnsupportedGuideError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
 from .native import NativeBuilder, NativeBuildError, matcher_methods
-from .schema_check import unenforced_keywords
+from .converter_log import converter_warnings
+from .schema_policy import describe, unenforced
 
 __all__ = ["XGrammarMatcher", "XGrammarMatcherFactory", "build_tokenizer_info"]
 
@@ -120,6 +122,14 @@ def _resolve_tag_tokens(tag: str, ids_by_name: Mapping[str, int]) -> tuple[str, 
 
     walk(doc)
     return json.dumps(doc), frozenset(placed)
+
+
+def _refuse(what: str) -> None:
+    raise UnsupportedGuideError(
+        f"xgrammar would accept but not enforce {what}; remove them, use the llguidance "
+        "backend, set GuidedDecodingConfig(json_unenforced_keywords='fallback') to let "
+        "llguidance serve such schemas, or 'ignore' to generate with them unenforced",
+        guide_type="JSON_SCHEMA", backend=BACKEND)
 
 
 def _refuse(what: str) -> None:
@@ -250,10 +260,17 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
             if gt is GuideType.JSON:
                 compiled = self._compiler.compile_builtin_json_grammar()
             elif gt is GuideType.JSON_SCHEMA:
-                if self.config.json_unenforced_keywords == "error":
+                strict = self.config.json_unenforced_keywords != "ignore"
+                if strict:
                     self._refuse_unenforced(guide)
-                compiled = self._compiler.compile_json_schema(
-                    guide, any_whitespace=self.config.json_any_whitespace)
+                # what the converter logs about constraints it drops refuses the schema too
+                capture: AbstractContextManager[list[str]] = \
+                    converter_warnings() if strict else nullcontext([])
+                with capture as warned:
+                    compiled = self._compiler.compile_json_schema(
+                        guide, any_whitespace=self.config.json_any_whitespace)
+                if warned:
+                    _refuse("; ".join(f"xgrammar reported: {w}" for w in warned))
             elif gt is GuideType.REGEX:
                 compiled = self._compiler.compile_regex(guide)
             elif gt is GuideType.EBNF_GRAMMAR:
@@ -276,19 +293,15 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
 
     @staticmethod
     def _refuse_unenforced(guide: str) -> None:
+        """Raise UnsupportedGuideError for the keywords of ``guide`` that xgrammar is not
+        known to enforce (:mod:`capgraph.grammar.schema_policy`)."""
         try:
             schema = json.loads(guide)
         except ValueError:
             return  # malformed: xgrammar's own error says where
-        found = list(unenforced_keywords(schema))
+        found = unenforced(schema, BACKEND)
         if found:
-            where = ", ".join(f"'{k}' at {p}" for k, p in found[:5])
-            more = f" (+{len(found) - 5} more)" if len(found) > 5 else ""
-            raise UnsupportedGuideError(
-                f"xgrammar would accept but not enforce {where}{more}; remove them, use the "
-                "llguidance backend, or set GuidedDecodingConfig(json_unenforced_keywords="
-                "'ignore') to generate with them unenforced", guide_type="JSON_SCHEMA",
-                backend=BACKEND)
+            _refuse(describe(found))
 
     def create_from_compiled(self, compiled: CompiledGuide) -> XGrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled.payload), self._stop_ids)

@@ -1,0 +1,423 @@
+"""Which JSON-schema constraints each backend enforces, decided before compiling.
+
+Both backends accept JSON schemas whose constraints they do not fully enforce: xgrammar 0.2.9
+compiles ``{"type": "number", "multipleOf": 120}`` and then lets ``7`` through, and llguidance
+drops whatever its ``x-guidance`` options tell it to ignore. A constraint silently dropped is
+worse than a refused schema, so :func:`unenforced` walks every schema position and reports each
+keyword that is *not positively known* to be enforced by the backend, with the JSON pointer of
+the schema that holds it.
+
+The decision is an allow-list per backend, keyword and combination (:data:`XGRAMMAR` and
+:data:`LLGUIDANCE`): a keyword of the JSON Schema vocabulary (draft 2020-12 and draft-04..07
+spellings) is enforced only where its rule says so, given its sibling keywords; a vocabulary
+keyword without a rule is reported. Annotations (``title``, ``description``, ``default``,
+``examples``, ...) and keywords outside the vocabulary carry no assertion: JSON Schema
+validators ignore them, so leaving them out of the grammar drops nothing. A few values are
+no-ops wherever they appear (``uniqueItems: false``, ``additionalProperties: true``, ...).
+
+Every rule is pinned by ``tests/test_conformance_schema.py``: for an enforced keyword, an
+instance that violates only it is refused token by token; for a reported one, the schema is
+refused by default. ``docs/CONFORMANCE.md`` is generated from the same probes
+(``tools/conformance_table.py``). Backend reports made while compiling (xgrammar's logged
+warnings, llguidance's grammar warnings) are a second net, applied by the backends.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+__all__ = ["Unenforced", "unenforced", "describe", "ANNOTATIONS", "VOCABULARY", "XGRAMMAR",
+           "LLGUIDANCE", "XGRAMMAR_FORMATS", "LLGUIDANCE_FORMATS"]
+
+
+@dataclass(frozen=True, slots=True)
+class Unenforced:
+    """A keyword the backend would not enforce: where it is and why."""
+
+    keyword: str
+    pointer: str  #: JSON pointer of the schema object holding the keyword ("" is the root)
+    reason: str
+
+    def __str__(self) -> str:
+        return f"'{self.keyword}' at {self.pointer or '/'} ({self.reason})"
+
+
+#: Keywords that assert nothing about an instance (meta-data, content and core annotations).
+ANNOTATIONS = frozenset({
+    "$schema", "$comment", "$vocabulary", "title", "description", "default", "examples",
+    "deprecated", "readOnly", "writeOnly", "contentEncoding", "contentMediaType",
+    "contentSchema"})
+
+# Keyword -> the instance types it constrains (None: every type).
+_NUMERIC = frozenset({"integer", "number"})
+_APPLIES_TO: dict[str, frozenset[str] | None] = {
+    **dict.fromkeys(("multipleOf", "minimum", "maximum", "exclusiveMinimum",
+                     "exclusiveMaximum"), _NUMERIC),
+    **dict.fromkeys(("minLength", "maxLength", "pattern", "format"), frozenset({"string"})),
+    **dict.fromkeys(("items", "prefixItems", "additionalItems", "unevaluatedItems", "contains",
+                     "minContains", "maxContains", "minItems", "maxItems", "uniqueItems"),
+                    frozenset({"array"})),
+    **dict.fromkeys(("properties", "patternProperties", "additionalProperties",
+                     "unevaluatedProperties", "propertyNames", "required", "minProperties",
+                     "maxProperties", "dependentRequired", "dependentSchemas", "dependencies"),
+                    frozenset({"object"})),
+    **dict.fromkeys(("type", "enum", "const", "allOf", "anyOf", "oneOf", "not", "if", "then",
+                     "else", "$ref", "$dynamicRef", "$recursiveRef", "$id", "id", "$anchor",
+                     "$dynamicAnchor", "$recursiveAnchor", "$defs", "definitions"), None),
+}
+#: Every keyword of the vocabulary that is not an annotation.
+VOCABULARY = frozenset(_APPLIES_TO)
+
+# Where subschemas live: a map of them, a list of them, or one.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+                "dependencies")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedItems",
+               "unevaluatedProperties", "propertyNames", "contains", "not", "if", "then", "else")
+_CONTAINERS = frozenset({"$defs", "definitions"})  # hold subschemas, assert nothing themselves
+_APPLICATORS = frozenset({"allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref",
+                          "$dynamicRef", "$recursiveRef", "dependentSchemas", "dependencies",
+                          "contains"})
+
+# Values that constrain nothing, wherever they appear.
+_NO_OPS: dict[str, tuple[Any, ...]] = {
+    "uniqueItems": (False,), "additionalProperties": (True, {}), "items": (True, {}),
+    "minItems": (0,), "minLength": (0,), "minProperties": (0,), "required": ([],),
+    "unevaluatedProperties": (True, {}), "unevaluatedItems": (True, {}), "minContains": (1,),
+    "dependentRequired": ({},), "dependentSchemas": ({},), "patternProperties": ({},),
+    "properties": ({},), "$defs": ({},), "definitions": ({},)}
+
+#: ``format`` values whose violations xgrammar 0.2.9 refuses (each pinned by a test).
+XGRAMMAR_FORMATS = frozenset({"date", "date-time", "time", "duration", "email", "hostname",
+                              "ipv4", "ipv6", "uri", "uri-reference", "uuid", "json-pointer"})
+#: ``format`` values llguidance enforces (it refuses to compile any other).
+LLGUIDANCE_FORMATS = frozenset({"date", "date-time", "time", "duration", "email", "hostname",
+                                "ipv4", "ipv6", "uri", "uuid"})
+
+Rule = Callable[["_Node"], "str | None"]  # None: enforced; else why not
+
+
+@dataclass(frozen=True, slots=True)
+class _Node:
+    """One schema object under analysis, with what the rules need to judge its keywords."""
+
+    schema: Mapping[str, Any]
+    keyword: str
+    root: Any
+    is_root: bool
+
+    @property
+    def value(self) -> Any:
+        return self.schema[self.keyword]
+
+    def types(self) -> frozenset[str] | None:
+        t = self.schema.get("type")
+        if isinstance(t, str):
+            return frozenset({t})
+        if isinstance(t, list) and all(isinstance(x, str) for x in t):
+            return frozenset(t)
+        return None
+
+    def siblings(self) -> set[str]:
+        """The other asserting keywords next to this one (annotations, containers and no-op
+        values left out)."""
+        return {k for k in self.schema
+                if k != self.keyword and k in VOCABULARY and k not in _CONTAINERS
+                and not (k in ("$id", "id") and self.is_root) and not _is_no_op(k, self.schema[k])}
+
+
+def _is_no_op(keyword: str, value: Any) -> bool:
+    return any(type(value) is type(v) and value == v for v in _NO_OPS.get(keyword, ()))
+
+
+# -- rule builders -----------------------------------------------------------------------------
+def _needs_type(node: _Node) -> str | None:
+    """Type-specific keywords are applied by xgrammar only where ``type`` names a type."""
+    if node.types() is None:
+        return f"xgrammar applies '{node.keyword}' only next to a 'type'"
+    return None
+
+
+def _alone(*allowed: str) -> Callable[[_Node], str | None]:
+    """Enforced only without asserting siblings other than ``allowed``."""
+    def rule(node: _Node) -> str | None:
+        extra = sorted(node.siblings() - set(allowed))
+        if extra:
+            return f"not enforced next to {', '.join(repr(k) for k in extra)}"
+        return None
+    return rule
+
+
+def _all(*rules: Rule) -> Rule:
+    def rule(node: _Node) -> str | None:
+        for r in rules:
+            why = r(node)
+            if why is not None:
+                return why
+        return None
+    return rule
+
+
+def _without(*keywords: str) -> Rule:
+    def rule(node: _Node) -> str | None:
+        present = sorted(set(keywords) & node.siblings())
+        if present:
+            return f"not enforced next to {', '.join(repr(k) for k in present)}"
+        return None
+    return rule
+
+
+def _ok(node: _Node) -> str | None:
+    return None
+
+
+def _local_ref(node: _Node) -> str | None:
+    ref = node.value
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        return "only local '#/...' references are resolved"
+    if _resolve(node.root, ref) is _MISSING:
+        return f"{ref!r} does not resolve inside the schema"
+    return None
+
+
+def _root_only(node: _Node) -> str | None:
+    return None if node.is_root else "a nested identifier changes how '$ref' resolves"
+
+
+def _formats(known: frozenset[str], backend: str) -> Rule:
+    def rule(node: _Node) -> str | None:
+        if node.value not in known:
+            return f"format {node.value!r} is not checked by {backend}"
+        return None
+    return rule
+
+
+def _integer_multiple(node: _Node) -> str | None:
+    types = node.types() or frozenset()
+    if "number" in types:
+        return "xgrammar ignores multipleOf on type 'number'"
+    if not isinstance(node.value, int) or isinstance(node.value, bool):
+        return "xgrammar ignores a non-integer multipleOf"
+    return None
+
+
+def _required_declared(node: _Node) -> str | None:
+    props = node.schema.get("properties")
+    names = node.value if isinstance(node.value, list) else []
+    missing = [n for n in names if not isinstance(props, dict) or n not in props]
+    if missing:
+        return f"xgrammar ignores required names not in 'properties': {missing[:3]}"
+    return None
+
+
+def _one_pattern_disjoint(node: _Node) -> str | None:
+    patterns = node.value if isinstance(node.value, dict) else {}
+    if len(patterns) > 1:
+        return "xgrammar does not intersect overlapping patternProperties"
+    props = node.schema.get("properties")
+    for pattern in patterns:
+        try:
+            compiled = re.compile(pattern)
+        except re.error:
+            return f"pattern {pattern!r} cannot be checked against 'properties'"
+        if isinstance(props, dict) and any(compiled.search(name) for name in props):
+            return "xgrammar does not apply patternProperties to names listed in 'properties'"
+    return None
+
+
+def _enum_covers_siblings(node: _Node) -> str | None:
+    """``enum``/``const`` win over their siblings in xgrammar; enforced when every allowed value
+    also satisfies the siblings (then the siblings add nothing)."""
+    rest = {k: v for k, v in node.schema.items()
+            if k in VOCABULARY and k not in ("enum", "const") and k not in _CONTAINERS}
+    if not any(k in node.siblings() for k in rest):
+        return None
+    if "$ref" in json.dumps(rest):
+        return "not enforced next to a '$ref'"
+    values = node.value if node.keyword == "enum" else [node.value]
+    if not isinstance(values, list):
+        return None  # malformed: the backend's own error says so
+    from jsonschema import Draft202012Validator, FormatChecker
+    validator = Draft202012Validator(rest, format_checker=FormatChecker())
+    bad = [v for v in values if not validator.is_valid(v)]
+    if bad:
+        return (f"xgrammar lets {json.dumps(bad[0])[:40]} through, which the sibling keywords "
+                "refuse")
+    return None
+
+
+def _one_branch(node: _Node) -> str | None:
+    if not isinstance(node.value, list) or len(node.value) != 1:
+        return "xgrammar does not intersect the branches of allOf"
+    return None
+
+
+def _items_schema(node: _Node) -> str | None:
+    if isinstance(node.value, list):
+        return "tuple-form 'items' (draft-07) is not read by xgrammar"
+    return None
+
+
+def _additional_items(node: _Node) -> str | None:
+    # with a schema 'items' (or none), additionalItems has no effect in draft-07 and is no
+    # keyword at all in 2020-12
+    if isinstance(node.schema.get("items"), list):
+        return "tuple-form 'items' (draft-07) is not read by xgrammar"
+    return None
+
+
+def _llg_additional_items(node: _Node) -> str | None:
+    return None
+
+
+def _no_guidance_options(node: _Node) -> str | None:
+    return "x-guidance options can make llguidance ignore keywords"
+
+
+_TYPE_NAMES = frozenset({"string", "integer", "number", "boolean", "null", "object", "array"})
+
+
+def _known_type(node: _Node) -> str | None:
+    types = node.types()
+    if types is None or not types <= _TYPE_NAMES:
+        return f"unknown type {node.value!r}"
+    return None
+
+
+#: xgrammar 0.2.9 (``compile_json_schema`` with ``any_order=False``, as capgraph calls it).
+XGRAMMAR: dict[str, Rule] = {
+    "type": _known_type,
+    "enum": _enum_covers_siblings,
+    "const": _enum_covers_siblings,
+    "minimum": _needs_type, "maximum": _needs_type,
+    "exclusiveMinimum": _needs_type, "exclusiveMaximum": _needs_type,
+    "multipleOf": _all(_needs_type, _integer_multiple,
+                       _without("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")),
+    "minLength": _all(_needs_type, _without("pattern", "format")),
+    "maxLength": _all(_needs_type, _without("pattern", "format")),
+    "pattern": _all(_needs_type, _without("format")),
+    "format": _all(_needs_type, _formats(XGRAMMAR_FORMATS, "xgrammar"),
+                   _without("minLength", "maxLength", "pattern")),
+    "items": _all(_needs_type, _items_schema),
+    "prefixItems": _needs_type,
+    "additionalItems": _additional_items,
+    "minItems": _needs_type, "maxItems": _needs_type,
+    "unevaluatedItems": _all(_needs_type, _without(*_APPLICATORS)),
+    "properties": _ok,
+    "additionalProperties": _ok,
+    "required": _required_declared,
+    "patternProperties": _all(_needs_type, _one_pattern_disjoint),
+    "propertyNames": _all(_needs_type, _without("properties", "patternProperties")),
+    "minProperties": _all(_needs_type, _without("patternProperties", "propertyNames")),
+    "maxProperties": _all(_needs_type, _without("patternProperties", "propertyNames")),
+    "unevaluatedProperties": _all(_needs_type, _without(*_APPLICATORS)),
+    "allOf": _all(_one_branch, _alone()),
+    "anyOf": _alone(),
+    "oneOf": _alone(),  # branches xgrammar cannot prove disjoint: its warning refuses them
+    "$ref": _all(_local_ref, _alone()),
+    "$id": _root_only, "id": _root_only,
+    "$defs": _ok, "definitions": _ok,
+}
+
+#: llguidance (strict mode, no ``x-guidance`` options): it intersects sibling keywords and
+#: refuses to compile the vocabulary keywords it does not implement, naming them.
+LLGUIDANCE: dict[str, Rule] = {
+    "type": _known_type,
+    "enum": _ok, "const": _ok,
+    "minimum": _ok, "maximum": _ok, "exclusiveMinimum": _ok, "exclusiveMaximum": _ok,
+    "multipleOf": _ok,
+    "minLength": _ok, "maxLength": _ok, "pattern": _ok,
+    "format": _formats(LLGUIDANCE_FORMATS, "llguidance"),
+    "items": _ok, "prefixItems": _ok, "additionalItems": _llg_additional_items,
+    "minItems": _ok, "maxItems": _ok,
+    "properties": _ok, "additionalProperties": _ok, "required": _ok, "patternProperties": _ok,
+    "minProperties": _ok, "maxProperties": _ok,
+    "allOf": _ok, "anyOf": _ok,
+    "oneOf": _ok,  # llguidance refuses branches it cannot prove disjoint
+    "$ref": _local_ref,
+    "$id": _root_only, "id": _root_only,
+    "$defs": _ok, "definitions": _ok,
+}
+
+_RULES = {"xgrammar": XGRAMMAR, "llguidance": LLGUIDANCE}
+# Keywords outside the vocabulary that a backend reads as instructions.
+_BACKEND_KEYS: dict[str, dict[str, Rule]] = {"llguidance": {"x-guidance": _no_guidance_options}}
+
+
+def unenforced(schema: Any, backend: str) -> list[Unenforced]:
+    """Every keyword of ``schema`` that ``backend`` (``"xgrammar"`` or ``"llguidance"``) is not
+    known to enforce, in document order; an empty list means every assertion is enforced.
+
+    Property names that happen to spell a keyword are names, not keywords, and are not read.
+    """
+    rules = _RULES[backend]
+    special = _BACKEND_KEYS.get(backend, {})
+    return list(_walk(schema, "", schema, rules, special))
+
+
+def describe(found: list[Unenforced], limit: int = 5) -> str:
+    """One line naming the first ``limit`` findings."""
+    more = f" (+{len(found) - limit} more)" if len(found) > limit else ""
+    return "; ".join(str(f) for f in found[:limit]) + more
+
+
+def _walk(schema: Any, pointer: str, root: Any, rules: Mapping[str, Rule],
+          special: Mapping[str, Rule]) -> Iterator[Unenforced]:
+    if not isinstance(schema, dict):
+        return  # booleans assert all or nothing; anything else is the backend's error
+    node_of = {k: _Node(schema, k, root, pointer == "") for k in schema}
+    # xgrammar: an enum/const whose every value satisfies the siblings decides the node alone
+    covered = any(rules.get(k) is _enum_covers_siblings and _enum_covers_siblings(node_of[k])
+                  is None for k in ("enum", "const") if k in schema)
+    for keyword, node in node_of.items():
+        if keyword in special:
+            why = special[keyword](node)
+        elif keyword not in VOCABULARY or _is_no_op(keyword, schema[keyword]) or covered:
+            continue
+        else:
+            rule = rules.get(keyword)
+            why = "not enforced by this backend" if rule is None else rule(node)
+        if why is not None:
+            yield Unenforced(keyword, pointer, why)
+    # subschemas are judged even under a deciding enum: a '$ref' elsewhere may point into them
+    for key in _SCHEMA_MAPS:
+        sub = schema.get(key)
+        if isinstance(sub, dict):
+            for name, value in sub.items():
+                yield from _walk(value, f"{pointer}/{key}/{_escape(name)}", root, rules, special)
+    for key in _SCHEMA_LISTS:
+        sub = schema.get(key)
+        if isinstance(sub, list):
+            for i, value in enumerate(sub):
+                yield from _walk(value, f"{pointer}/{key}/{i}", root, rules, special)
+    for key in _SCHEMA_ONE:
+        sub = schema.get(key)
+        if isinstance(sub, dict):
+            yield from _walk(sub, f"{pointer}/{key}", root, rules, special)
+        elif key == "items" and isinstance(sub, list):  # draft-04..07 tuple items
+            for i, value in enumerate(sub):
+                yield from _walk(value, f"{pointer}/items/{i}", root, rules, special)
+
+
+def _escape(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+_MISSING = object()
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    """The value a local ``#/...`` reference points at, or ``_MISSING``."""
+    node = root
+    for part in ref[2:].split("/") if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _MISSING
+    return node
