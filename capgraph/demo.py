@@ -124,7 +124,7 @@ def run_demo(args: argparse.Namespace) -> int:
             schema = json.load(f)
     tok = load_tokenizer("tekken")
     factory = create_matcher_factory(
-        GuidedDecodingConfig.from_tokenizer(tok, json_any_whitespace=False))
+        GuidedDecodingConfig.from_tokenizer(tok, json_whitespace="compact"))
     kinds = demo_guides(schema)
     guides = [kinds[i % len(kinds)] for i in range(args.num_requests)]
     prompts = [args.prompt or DEFAULT_PROMPTS[g.guide_type][i // len(kinds) % 2]

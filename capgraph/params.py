@@ -27,6 +27,7 @@ __all__ = [
     "NATIVE_BUILD_ENV",
     "native_build_env",
     "DEFAULT_COMPILE_CACHE_BYTES",
+    "JSON_WHITESPACE_MODES",
 ]
 
 #: Environment variable that overrides ``GuidedDecodingConfig.compile_cache_bytes`` (bytes;
@@ -42,6 +43,8 @@ def native_build_env() -> str | None:
     env = os.environ.get(NATIVE_BUILD_ENV, "").strip().lower()
     return env or None
 DEFAULT_COMPILE_CACHE_BYTES = 1 << 30
+#: Values of ``GuidedDecodingConfig.json_whitespace``.
+JSON_WHITESPACE_MODES = ("any", "compact", "bounded")
 
 
 class GuideType(enum.Enum):
@@ -175,8 +178,14 @@ class GuidedDecodingConfig:
             the Python loop, with one warning, where it cannot; ``"on"`` makes that an error;
             ``"off"`` always runs the Python loop. Both give the same masks, counters and
             failures. Overridden by the environment variable ``CAPGRAPH_NATIVE_BUILD``.
-        json_any_whitespace: JSON-schema guides allow any whitespace between tokens (xgrammar);
-            False makes them compact, so a model cannot loop on whitespace.
+        json_whitespace: whitespace outside strings in JSON and JSON-schema guides, the same
+            on both backends (whitespace is space, newline, carriage return, tab; never before
+            or after the whole value). ``"any"`` (default): any amount between tokens.
+            ``"compact"``: none, so ``{"a":1,"b":[2,3]}`` is the only spelling of that value.
+            ``"bounded"``: any whitespace, at most ``json_max_whitespace`` characters in a row,
+            so a model cannot loop on whitespace until it runs out of tokens.
+        json_max_whitespace: the longest whitespace run ``"bounded"`` allows (>= 1; default 8,
+            enough for a newline and a three-level indent).
         json_unenforced_keywords: what happens to a JSON schema with a constraint the backend
             is not known to enforce (decided per keyword and combination, and from what the
             backend reports while compiling: :mod:`capgraph.grammar.schema_policy`,
@@ -199,7 +208,8 @@ class GuidedDecodingConfig:
     compile_threads: int = 2
     fill_threads: int = 1
     native_build: str = "auto"
-    json_any_whitespace: bool = True
+    json_whitespace: str = "any"
+    json_max_whitespace: int = 8
     json_unenforced_keywords: str = "error"
     tokenizer_vocab_size: int = field(init=False, default=0)
 
@@ -265,6 +275,13 @@ class GuidedDecodingConfig:
         if self.fill_threads < 0:
             raise ConfigError(f"GuidedDecodingConfig.fill_threads={self.fill_threads} "
                               "must be >= 0")
+        if self.json_whitespace not in JSON_WHITESPACE_MODES:
+            raise ConfigError(f"GuidedDecodingConfig.json_whitespace={self.json_whitespace!r}; "
+                              f"expected one of {list(JSON_WHITESPACE_MODES)}")
+        if (not isinstance(self.json_max_whitespace, int)
+                or isinstance(self.json_max_whitespace, bool) or self.json_max_whitespace < 1):
+            raise ConfigError("GuidedDecodingConfig.json_max_whitespace="
+                              f"{self.json_max_whitespace!r} must be an int >= 1")
         env = native_build_env()
         if env:
             self.native_build = env

@@ -14,8 +14,8 @@ from capgraph.tokenizers import BUNDLED_TOKENIZERS, encode_continuation, special
 from conftest import bits_of
 
 ALL_TOKENIZERS = list(BUNDLED_TOKENIZERS)
-needs_llg = pytest.mark.skipif(not llg_available(),
-                               reason="llguidance extra not installed (pip install capgraph[llguidance])")
+needs_llg = pytest.mark.skipif(
+    not llg_available(), reason="llguidance extra not installed (pip install capgraph[llguidance])")
 BACKENDS = ["xgrammar", pytest.param("llguidance", marks=needs_llg)]
 
 
@@ -178,3 +178,169 @@ def test_a_placed_special_token_is_the_only_one_a_tags_free_text_can_reach(facto
             assert matcher.accept_token(t)
         reached = allowed_ids(factory, matcher) & specials
         assert reached <= ({start} if head else set()), tok.convert_ids_to_tokens(sorted(reached))
+
+
+# --- JSON whitespace modes ---------------------------------------------------------------------
+
+_WS_SCHEMA = {"type": "object", "properties": {
+    "a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "integer"}},
+    "c": {"type": "string"}}, "required": ["a", "b"]}
+
+# text -> accepted under ("any", "compact", "bounded" with json_max_whitespace=3)
+WHITESPACE_TABLE = [
+    ('{"a":1,"b":[1,2]}', (True, True, True)),
+    ('{"a": 1, "b": [1, 2]}', (True, False, True)),
+    ('{ "a" : 1 , "b" : [ 1 , 2 ] }', (True, False, True)),
+    ('{\n  "a": 1,\n  "b": [1,2]\n}', (True, False, True)),
+    ('{"a":1,\r\n"b":[1]}', (True, False, True)),
+    ('{"a":1,\t"b":[1]}', (True, False, True)),
+    ('{"a":1,   "b":[1]}', (True, False, True)),
+    ('{"a":1,    "b":[1]}', (True, False, False)),
+    ('{"a":1,"b":[1],"c":"x    y"}', (True, True, True)),
+    (' {"a":1,"b":[1]}', (False, False, False)),
+    ('{"a":1,"b":[1]} ', (False, False, False)),
+]
+# GuideType.JSON: any JSON value, the same modes
+JSON_VALUE_TABLE = [
+    ('{"a":1,"b":2}', (True, True, True)),
+    ('{"a": 1}', (True, False, True)),
+    ('[1,   {"x":"y"}]', (True, False, True)),
+    ('[1,    2]', (True, False, False)),
+    ("1", (True, True, True)),
+    ('"s p a c e s"', (True, True, True)),
+]
+MODES = ("any", "compact", "bounded")
+
+
+@pytest.fixture(scope="module")
+def whitespace_factories(tokenizer_cache):
+    """Factories by (backend, whitespace mode) over Tekken, ``json_max_whitespace=3``."""
+    from capgraph import GuidedDecodingConfig
+    from capgraph.grammar import create_matcher_factory
+
+    built: dict = {}
+
+    def get(backend: str, mode: str):
+        if (backend, mode) not in built:
+            config = GuidedDecodingConfig.from_tokenizer(
+                tokenizer_cache("tekken"), backend=backend, json_whitespace=mode,
+                json_max_whitespace=3)
+            built[backend, mode] = create_matcher_factory(config)
+        return built[backend, mode]
+    yield get
+    for factory in built.values():
+        factory.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_json_whitespace_modes_accept_and_refuse_the_same_texts(whitespace_factories,
+                                                                tokenizer_cache, backend, mode):
+    """``json_whitespace`` means the same on both backends, for JSON-schema and JSON guides:
+    "any" takes any whitespace between tokens, "compact" none (minified JSON is accepted,
+    ``", "`` refused), "bounded" at most ``json_max_whitespace`` whitespace characters in a
+    row; whitespace inside strings is text, and none is allowed around the whole value."""
+    tok = tokenizer_cache("tekken")
+    factory = whitespace_factories(backend, mode)
+    column = MODES.index(mode)
+    for params, table in ((GuidedDecodingParams.json_schema(_WS_SCHEMA), WHITESPACE_TABLE),
+                          (GuidedDecodingParams.json(), JSON_VALUE_TABLE)):
+        got = {text: accepts(factory, tok, params, text) for text, _ in table}
+        want = {text: expected[column] for text, expected in table}
+        assert got == want, params.guide_type
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compact_json_masks_whitespace_after_separators(whitespace_factories, tokenizer_cache,
+                                                        backend):
+    """In "compact" mode the mask itself (not only accept_token) refuses a space after
+    ``,`` and ``:``; in "any" mode it allows it."""
+    tok = tokenizer_cache("tekken")
+    space = encode_continuation(tok, " ")[0]
+    params = GuidedDecodingParams.json_schema(_WS_SCHEMA)
+    for prefix in ('{"a":', '{"a":1,'):
+        compact = whitespace_factories(backend, "compact")
+        anyws = whitespace_factories(backend, "any")
+        assert space not in allowed_ids(compact, force(compact, tok, params, prefix))
+        assert space in allowed_ids(anyws, force(anyws, tok, params, prefix))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"json_whitespace": "pretty"}, "json_whitespace='pretty'"),
+    ({"json_whitespace": None}, "json_whitespace=None"),
+    ({"json_max_whitespace": 0}, "json_max_whitespace=0"),
+    ({"json_max_whitespace": True}, "json_max_whitespace=True"),
+    ({"json_max_whitespace": "4"}, "json_max_whitespace='4'"),
+])
+def test_json_whitespace_config_errors_name_the_field(tekken, kwargs, field):
+    """A bad whitespace mode or limit is a ConfigError naming the field and the value."""
+    from capgraph import ConfigError, GuidedDecodingConfig
+
+    with pytest.raises(ConfigError, match=f"GuidedDecodingConfig.{field}"):
+        GuidedDecodingConfig.from_tokenizer(tekken, **kwargs)
+
+
+# --- regex classes: ECMA-262 on both backends ---------------------------------------------------
+
+# (pattern, text, matches under ECMA-262): \d and \w are ASCII, \s is Unicode whitespace
+REGEX_TABLE = [
+    (r"\d+", "134", True), (r"\d+", "1३4", False), (r"\d+", "١٢", False),
+    (r"[\d]+", "134", True), (r"[\d]+", "1३4", False),
+    (r"\D+", "ab३", True), (r"\D+", "a1", False), (r"[^\d]+", "३", True),
+    (r"[a\D]+", "a३", True), (r"[a\D]+", "a1", False),
+    (r"\w+", "ab_1", True), (r"\w+", "é", False), (r"[\w-]+", "a-ж", False),
+    (r"\W+", "é-ж", True), (r"\W+", "_", False),
+    (r"\s+", " \t\u00a0\u2003", True), (r"\S+", "a\u00a0", False),
+    (r"\\d", "\\d", True), (r"\\d", "1", False),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_regex_classes_follow_ecma262(factory_cache, tokenizer_cache, backend):
+    """REGEX guides read ``\\d``/``\\D``/``\\w``/``\\W`` as ECMA-262's ASCII classes, inside and
+    outside character classes, and ``\\s`` as Unicode whitespace, on both backends: ``1३4`` is
+    refused by ``\\d+``, ``134`` accepted; an escaped backslash stays a backslash."""
+    tok = tokenizer_cache("tekken")
+    factory = factory_cache("tekken", backend)
+    got = [(p, t, accepts(factory, tok, GuidedDecodingParams.regex(p), t))
+           for p, t, _ in REGEX_TABLE]
+    assert got == REGEX_TABLE
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_json_schema_patterns_follow_ecma262(factory_cache, tokenizer_cache, backend):
+    """A JSON-schema ``pattern`` (here under a property named ``pattern``, next to an ``enum``
+    whose data is left alone) reads ``\\d`` as ASCII on both backends."""
+    tok = tokenizer_cache("tekken")
+    factory = factory_cache("tekken", backend)
+    schema = {"type": "object", "properties": {
+        "pattern": {"type": "string", "pattern": "^\\d+$"},
+        "w": {"type": "string", "pattern": "^\\w+$"}}, "required": ["pattern", "w"]}
+    params = GuidedDecodingParams.json_schema(schema)
+    assert accepts(factory, tok, params, '{"pattern": "134", "w": "a_1"}')
+    assert not accepts(factory, tok, params, '{"pattern": "1३4", "w": "a"}')
+    assert not accepts(factory, tok, params, '{"pattern": "1", "w": "é"}')
+
+
+@pytest.mark.parametrize("pattern, rewritten", [
+    (r"\d+", "[0-9]+"), (r"[\d.]", "[0-9.]"), (r"[^\w]", "[^0-9A-Za-z_]"),
+    (r"[a\D]", "[a[^0-9]]"), (r"\W", "[^0-9A-Za-z_]"), (r"\\d", r"\\d"), (r"[]\d]", "[]0-9]"),
+    (r"\s\S\.\x41", r"\s\S\.\x41"), ("a\\", "a\\"),
+])
+def test_ascii_classes_rewrites_only_class_escapes(pattern, rewritten):
+    """The llguidance rewrite touches only ``\\d \\D \\w \\W`` escapes (a class nests the
+    negated ones), keeps every other escape, and reads a leading ``]`` of a class as literal."""
+    from capgraph.grammar.ecma_regex import ascii_classes
+
+    assert ascii_classes(pattern) == rewritten
+
+
+def test_schema_rewrite_leaves_data_and_names_alone():
+    """Patterns inside ``enum``/``const`` data and property names are not schema patterns."""
+    from capgraph.grammar.ecma_regex import ascii_schema_patterns
+
+    schema = {"properties": {"enum": {"pattern": "\\d"}},
+              "enum": [{"pattern": "\\d"}], "patternProperties": {"^\\w$": {}}}
+    out = json.loads(ascii_schema_patterns(json.dumps(schema)))
+    assert out == {"properties": {"enum": {"pattern": "[0-9]"}},
+                   "enum": [{"pattern": "\\d"}], "patternProperties": {"^[0-9A-Za-z_]$": {}}}

@@ -62,7 +62,7 @@ def sp(tokenizer_cache):
 
 @pytest.fixture(scope="module")
 def factory(sp):
-    f = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(sp, json_any_whitespace=False))
+    f = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(sp, json_whitespace="compact"))
     yield f
     f.close()
 

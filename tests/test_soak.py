@@ -96,7 +96,7 @@ def test_soak_through_the_reference_loop(tokenizer_cache):
     tok = tokenizer_cache("mistral-sp32k")
     model = tiny_llama(len(tok), seed=1)
     factory = create_matcher_factory(
-        GuidedDecodingConfig.from_tokenizer(tok, json_any_whitespace=False))
+        GuidedDecodingConfig.from_tokenizer(tok, json_whitespace="compact"))
     guides = demo_guides(bundled_schema())
     rss, stops = [], 0
     for round_ in range(4):

@@ -53,7 +53,7 @@ def main() -> int:
         ap.error(f"unknown model(s) {unknown}; choose from {sorted(sizes)}")
     tok = load_tokenizer(args.tokenizer)
     factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
-        tok, json_any_whitespace=False))
+        tok, json_whitespace="compact"))
     guide = GuidedDecodingParams.json_schema(bundled_schema())
     rows = []
     print(f"{'model':>6}{'batch':>6}{'steps u/g':>11}{'unguided ms/step':>18}"

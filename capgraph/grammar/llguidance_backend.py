@@ -15,6 +15,7 @@ import torch
 from ..errors import ConfigError, GrammarCompileError, MatcherError, UnsupportedGuideError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
+from .ecma_regex import ascii_classes, ascii_schema_patterns
 from .schema_policy import describe, unenforced
 
 try:  # optional extra
@@ -27,6 +28,20 @@ except ImportError:  # pragma: no cover - exercised where the extra is absent
 __all__ = ["LLGuidanceMatcher", "LLGuidanceMatcherFactory", "available"]
 
 BACKEND = "llguidance"
+# JSON whitespace as xgrammar reads it: space, newline, carriage return, tab
+_JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]"
+
+
+def json_whitespace_options(config: GuidedDecodingConfig) -> dict[str, Any]:
+    """llguidance JSON compile options for ``config.json_whitespace``, given as ``overrides``
+    so that they win over a schema's own ``x-guidance``; the same strings as the xgrammar
+    backend accepts."""
+    mode = config.json_whitespace
+    if mode == "compact":
+        return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    limit = f"{{0,{config.json_max_whitespace}}}" if mode == "bounded" else "*"
+    return {"whitespace_flexible": True, "whitespace_pattern": _JSON_WHITESPACE + limit,
+            "item_separator": ",", "key_separator": ":"}
 
 
 def _refuse(what: str) -> None:
@@ -125,6 +140,7 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
         self.tokenizer = llguidance.hf.from_tokenizer(  # a fast tokenizer; its error if not
             config.tokenizer, n_vocab=config.vocab_size_padded,  # type: ignore[arg-type]
             eos_token=self.eos_token)
+        self._json_options = json_whitespace_options(config)
 
     def _likely_allowed_ids(self) -> Sequence[int]:
         t = self.tokenizer
@@ -138,11 +154,14 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
             self._refuse_unenforced(guide)
         try:
             if gt is GuideType.JSON:
-                return llguidance.LLMatcher.grammar_from_json_schema("{}")  # any JSON value
+                return llguidance.LLMatcher.grammar_from_json_schema(  # any JSON value
+                    "{}", overrides=self._json_options)
             if gt is GuideType.JSON_SCHEMA:
-                return llguidance.LLMatcher.grammar_from_json_schema(guide)
+                return llguidance.LLMatcher.grammar_from_json_schema(  # ECMA-262 patterns
+                    ascii_schema_patterns(guide), overrides=self._json_options)
             if gt is GuideType.REGEX:
-                return llguidance.LLMatcher.grammar_from_regex(guide)
+                # \d and \w as ECMA-262 (ASCII), as on xgrammar
+                return llguidance.LLMatcher.grammar_from_regex(ascii_classes(guide))
             if gt is GuideType.EBNF_GRAMMAR:
                 # llguidance reads Lark, not GBNF: the same guide type means a different syntax
                 return llguidance.LLMatcher.grammar_from_lark(guide)

@@ -18,7 +18,8 @@ from .native import NativeBuilder, NativeBuildError, matcher_methods
 from .converter_log import converter_warnings
 from .schema_policy import describe, unenforced
 
-__all__ = ["XGrammarMatcher", "XGrammarMatcherFactory", "build_tokenizer_info"]
+__all__ = ["XGrammarMatcher", "XGrammarMatcherFactory", "build_tokenizer_info",
+           "json_whitespace_options"]
 
 BACKEND = "xgrammar"
 # A Lark rule head ("start:" / "?value:") where GBNF would have "root ::=".
@@ -72,6 +73,17 @@ def build_tokenizer_info(config: GuidedDecodingConfig, placeable: Collection[int
     return xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW,
                              vocab_size=config.vocab_size_padded, stop_token_ids=stop_ids,
                              add_prefix_space=detected.add_prefix_space)
+
+
+def json_whitespace_options(config: GuidedDecodingConfig) -> dict[str, Any]:
+    """``compile_json_schema`` keyword arguments for ``config.json_whitespace``. xgrammar's
+    whitespace is space, newline, carriage return and tab, between tokens only."""
+    mode = config.json_whitespace
+    if mode == "compact":
+        return {"any_whitespace": False, "separators": (",", ":")}
+    if mode == "bounded":
+        return {"any_whitespace": True, "max_whitespace_cnt": config.json_max_whitespace}
+    return {"any_whitespace": True}
 
 
 def _resolve_tag_tokens(tag: str, ids_by_name: Mapping[str, int]) -> tuple[str, frozenset[int]]:
@@ -227,6 +239,7 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         self._batch_fill_ffi = None if batch_ffi is None else \
             batch_ffi.batch_fill_next_token_bitmask  # (handles, bitmask, indices, debug)
         self._stop_ids = frozenset(config.stop_token_ids or ())
+        self._json_options = json_whitespace_options(config)
         # special tokens by name, which a structural tag's token elements may name
         self._special_ids_by_name: dict[str, int] = {}
         if config.tokenizer is not None:
@@ -257,8 +270,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
     def _compile(self, params: GuidedDecodingParams) -> tuple[Any, int]:
         gt, guide = params.guide_type, params.guide
         try:
-            if gt is GuideType.JSON:
-                compiled = self._compiler.compile_builtin_json_grammar()
+            if gt is GuideType.JSON:  # any JSON value, as on llguidance
+                compiled = self._compiler.compile_json_schema("{}", **self._json_options)
             elif gt is GuideType.JSON_SCHEMA:
                 strict = self.config.json_unenforced_keywords != "ignore"
                 if strict:
@@ -267,8 +280,7 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 capture: AbstractContextManager[list[str]] = \
                     converter_warnings() if strict else nullcontext([])
                 with capture as warned:
-                    compiled = self._compiler.compile_json_schema(
-                        guide, any_whitespace=self.config.json_any_whitespace)
+                    compiled = self._compiler.compile_json_schema(guide, **self._json_options)
                 if warned:
                     _refuse("; ".join(f"xgrammar reported: {w}" for w in warned))
             elif gt is GuideType.REGEX:

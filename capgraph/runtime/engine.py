@@ -189,7 +189,7 @@ class _Engine:
         if factory is None:
             from ..grammar import create_matcher_factory
             config = GuidedDecodingConfig.from_tokenizer(
-                self.tokenizer, backend=backend, vocab_size_padded=V, json_any_whitespace=False)
+                self.tokenizer, backend=backend, vocab_size_padded=V, json_whitespace="compact")
             factory = create_matcher_factory(config)
         self._factory = factory
         if factory.config.vocab_size_padded != V:
