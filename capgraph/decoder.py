@@ -934,8 +934,12 @@ class GuidedDecoder:
 
     def _fail_message(self, req: GuidedRequest, message: str, drop: bool = True
                       ) -> FailedRequest:
+        """``drop``: the slot is left as a dead end leaves it, matcher dropped and advance
+        count zeroed, so that no later rollback reports this failure a second time (False
+        where the slot belongs to another request of the batch)."""
         if drop and self._slot_ok(req.seq_slot):
             self.grammar_matchers[req.seq_slot] = None  # type: ignore[index]
+            self.num_advanced_tokens[req.seq_slot] = 0  # type: ignore[index]
         return _request_id(req), message
 
     def _require_batch(self) -> GuidedRequests:
