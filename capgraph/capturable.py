@@ -28,7 +28,7 @@ import hostfunc
 from ._nvtx import nvtx_range
 from .bitmask import _pin_host
 from .decoder import GuidedDecoder, _request_id
-from .errors import CallbackError, QueueEpochError, TensorArgError
+from .errors import CallbackError, LayoutError, QueueEpochError, TensorArgError
 from .requests import GuidedRequest, GuidedRequests
 from .streams import HostStepStreams
 
@@ -119,15 +119,20 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 ``draft_tokens`` for requests with a ``prev_seq_slot``. Copied without blocking.
             runtime_draft_len: draft length of this step (default: the maximum).
         """
-        if new_tokens is not None and not isinstance(new_tokens, torch.Tensor):
-            raise TensorArgError(
-                f"new_tokens must be a tensor or None, got {type(new_tokens).__name__} "
-                f"{new_tokens!r}; CapturableGuidedDecoder.add_batch takes (requests, new_tokens, "
-                "runtime_draft_len): pass runtime_draft_len by keyword")
+        if new_tokens is not None:
+            self._check_new_tokens(new_tokens)
+        if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
+            raise LayoutError(f"requests must be a sequence of GuidedRequest, got "
+                              f"{type(requests).__name__}")
         snapshot = GuidedRequest.snapshot
-        super().add_batch([snapshot(r) for r in requests], runtime_draft_len)
+        try:
+            snapshots = [snapshot(r) for r in requests]
+        except Exception:  # a request without the fields: checked_request names it
+            snapshots = list(requests)
+        # checked as GuidedDecoder.add_batch checks them; the slots a failed request drops
+        # are dropped by the callback that fetches this batch (_pop), in step order
+        batch = self._add_batch(snapshots, runtime_draft_len, new_tokens is not None)
         self._tokens_recorded_in_capture = False
-        batch = self.requests
         if new_tokens is not None:
             self._copy_new_tokens(new_tokens)
         self._put_epoch += 1
@@ -136,12 +141,23 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if not self._streams.is_capturing():
             self._streams.record_tokens()  # orders the callbacks after the token copy
 
-    def _copy_new_tokens(self, new_tokens: torch.Tensor) -> None:
+    def _check_new_tokens(self, new_tokens: object) -> None:
+        if not isinstance(new_tokens, torch.Tensor):
+            raise TensorArgError(
+                f"new_tokens must be a tensor or None, got {type(new_tokens).__name__} "
+                f"{new_tokens!r}; CapturableGuidedDecoder.add_batch takes (requests, new_tokens, "
+                "runtime_draft_len): pass runtime_draft_len by keyword")
+        if new_tokens.dtype.is_floating_point or new_tokens.dtype.is_complex or \
+                new_tokens.dtype == torch.bool:
+            raise TensorArgError(f"new_tokens must be an integer tensor, got {new_tokens.dtype}")
         t = new_tokens.squeeze(-1) if new_tokens.dim() == 3 else new_tokens
         if t.dim() != 2 or t.shape[0] > self.new_tokens.shape[0] or t.shape[1] != self.max_num_sequences:
             raise TensorArgError(
                 f"new_tokens has shape {tuple(new_tokens.shape)}; expected [<= "
                 f"{self.new_tokens.shape[0]}, {self.max_num_sequences}] (positions x slots)")
+
+    def _copy_new_tokens(self, new_tokens: torch.Tensor) -> None:
+        t = new_tokens.squeeze(-1) if new_tokens.dim() == 3 else new_tokens
         self.new_tokens[:t.shape[0]].copy_(t, non_blocking=True)
 
     def record_tokens_ready(self) -> None:
@@ -374,6 +390,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
                               "add_batch")
         epoch, batch, has_new_tokens = self._queue.popleft()
         self.requests_hostfunc = batch  # from here on, a fault is reported with these ids
+        if batch.dropped_slots:
+            self._drop_slots(batch)
         expected = self._fetched_epoch + 1
         self._fetched_epoch = epoch
         if epoch != expected or self._queue:
@@ -384,9 +402,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if has_new_tokens:
             tokens = self._new_tokens_np
             for req in batch.requests:
-                if req.prev_seq_slot is None or req.seq_slot is None \
+                if req.prev_seq_slot is None or req.is_context_init_state \
+                        or req.seq_slot is None \
                         or not 0 <= req.seq_slot < self.max_num_sequences:
-                    continue
+                    continue  # (a context request takes one row: it reads no drafts)
                 column = tokens[:, req.seq_slot].tolist()
                 req.new_token, req.draft_tokens = column[0], column[1:]
 
@@ -399,8 +418,12 @@ class CapturableGuidedDecoder(GuidedDecoder):
     def _consume_put(self) -> None:
         """Host side: an inactive step's put is consumed here instead of by a callback."""
         if self._queue:
-            self._queue.popleft()
+            _, batch, _ = self._queue.popleft()
             self._fetched_epoch += 1
+            if batch.dropped_slots:
+                if self._inflight is not None:
+                    self._finish_build()
+                self._drop_slots(batch)
 
     @_callback("fetch_batch")
     def fetch_batch(self) -> None:

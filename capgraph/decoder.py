@@ -23,14 +23,15 @@ from ._nvtx import nvtx_range
 from .bitmask import (allocate_host_bitmask, allocate_host_token_mask, bitmask_dtype,
                       split_last_word,
                       token_mask_dtype, vocab_shard, words_per_row)
-from .errors import (ConfigError, DeadEndError, LayoutError, RequestError, TensorArgError)
+from .errors import (ConfigError, DeadEndError, LayoutError, QueueEpochError, RequestError,
+                     TensorArgError)
 from .grammar import CompileHandle, GrammarMatcher, GrammarMatcherFactory, create_matcher_factory
 from .grammar.native import (STATUS_DEAD_END, STATUS_FAULT, STATUS_REJECTED, TERMINATED,
                              FastPath, NativeBuilder, NativeBuildError, cpu_apply)
 from .ops import logits_bitmask
 from .ops.op import _FLOAT_DTYPES, _cuda_kernel
-from .params import GuidedDecodingConfig
-from .requests import GuidedRequest, GuidedRequests
+from .params import GuidedDecodingConfig, GuidedDecodingParams
+from .requests import GuidedRequest, GuidedRequests, as_int, checked_request
 from .streams import CudaStepStreams, StepStreams
 
 __all__ = ["GuidedDecoder", "FailedRequest"]
@@ -71,23 +72,27 @@ class GuidedDecoder:
                  max_num_draft_tokens: int = 0, vocab_size_padded: int | None = None,
                  device: torch.device | str = "cpu", rank: int = 0,
                  factory: GrammarMatcherFactory | None = None) -> None:
-        if not isinstance(max_num_sequences, int) or max_num_sequences < 1:
-            raise ConfigError(f"max_num_sequences must be an int >= 1, got {max_num_sequences!r}")
-        if not isinstance(max_num_draft_tokens, int) or max_num_draft_tokens < 0:
-            raise ConfigError(
-                f"max_num_draft_tokens must be an int >= 0, got {max_num_draft_tokens!r}")
+        if not isinstance(config, GuidedDecodingConfig):
+            raise ConfigError(f"config must be a GuidedDecodingConfig, got {type(config).__name__}")
+        _constructor_int("max_num_sequences", max_num_sequences, 1)
+        _constructor_int("max_num_draft_tokens", max_num_draft_tokens, 0)
         V = config.vocab_size_padded if vocab_size_padded is None else vocab_size_padded
-        if V != config.vocab_size_padded:
-            raise ConfigError(f"vocab_size_padded={V} differs from the config's "
+        if type(V) is not int or V != config.vocab_size_padded:
+            raise ConfigError(f"vocab_size_padded={V!r} differs from the config's "
                               f"vocab_size_padded={config.vocab_size_padded}")
-        if rank < 0:
-            raise ConfigError(f"rank must be >= 0, got {rank}")
+        _constructor_int("rank", rank, 0)
+        if factory is not None and not isinstance(factory, GrammarMatcherFactory):
+            raise ConfigError(f"factory must be a GrammarMatcherFactory or None, got "
+                              f"{type(factory).__name__}")
         self.config = config
         self.max_num_sequences = max_num_sequences
         self.max_num_draft_tokens = max_num_draft_tokens
-        self.vocab_size_padded: int = V  # type: ignore[assignment]
+        self.vocab_size_padded: int = V
         self.rank = rank
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ConfigError(f"device={device!r} is not a torch device ({e})") from None
         self._on_cpu = self.device.type == "cpu"
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device={self.device} requested but no CUDA device is available")
@@ -120,7 +125,14 @@ class GuidedDecoder:
         self.num_guided_tokens = [0] * max_num_sequences  # rows masked in the last build
         self.num_advanced_draft_tokens = [0] * max_num_sequences  # over a drafting loop
         self.is_draft_terminated = [False] * max_num_sequences
+        # the guide each slot's matcher is (being) created for, host side in add_batch order
+        # (the matchers themselves may be created later, by a callback): a generation request
+        # must carry it (add_batch, _admit)
+        self._slot_guides: list[GuidedDecodingParams | None] = [None] * max_num_sequences
         self.requests: GuidedRequests | None = None
+        self._batch_built = False  # the eager execute/build of the latest add_batch has run
+        # d2t tables whose values were checked: (data_ptr, _version, length, device)
+        self._d2t_checked: list[tuple] = []
         self._pending_compiles: dict[int, CompileHandle] = {}
         self._failed: list[FailedRequest] = []
         self._failed_lock = threading.Lock()  # callbacks record failures from other threads
@@ -200,23 +212,163 @@ class GuidedDecoder:
                   runtime_draft_len: int | None = None) -> None:
         """Take this step's request snapshots (batch order = row order).
 
-        Compilation of every newly seen guide starts here, on the factory's thread pool, so
-        that ``build`` usually finds it finished.
+        Every request is checked here, before any matcher moves (:meth:`_admit`): a request
+        with a bad field (a float or string where an integer belongs, a token outside the
+        vocabulary, ...), a generation request whose slot has no matcher for it (no context
+        request created one, or the slot was released) or one carrying another guide than the
+        one its slot's matcher was created for fails alone with a :class:`RequestError`
+        naming the field and the value: it keeps its rows unmasked (an unguided stand-in
+        takes them), a matcher it owned is dropped, and the failure is returned by the next
+        ``execute`` (``take_failed_requests``). Compilation of every newly seen guide starts
+        here, on the factory's thread pool, so that ``build`` usually finds it finished.
 
         Raises:
-            LayoutError: more requests than ``max_num_sequences`` or a draft length outside
-                ``[0, max_num_draft_tokens]`` (batch-level mistakes; per-request problems are
-                reported by ``execute`` instead).
+            LayoutError: ``requests`` is not a sequence of requests, more requests than
+                ``max_num_sequences``, a request whose ``is_draft`` or
+                ``is_context_init_state`` is not a bool (its rows are unknown), or a
+                ``runtime_draft_len`` that is not an integer in ``[0, max_num_draft_tokens]``.
+                Nothing is changed then.
         """
-        draft_len = self.max_num_draft_tokens if runtime_draft_len is None else runtime_draft_len
-        if not 0 <= draft_len <= self.max_num_draft_tokens:
-            raise LayoutError(f"runtime_draft_len={draft_len} is outside "
-                              f"[0, max_num_draft_tokens={self.max_num_draft_tokens}]")
+        batch = self._add_batch(requests, runtime_draft_len, False)
+        self._drop_slots(batch)
+
+    def _add_batch(self, requests: Sequence[GuidedRequest], runtime_draft_len: int | None,
+                   tokens_elsewhere: bool) -> GuidedRequests:
+        """add_batch's work, except that ``batch.dropped_slots`` are left to the caller (the
+        capturable decoder drops them when a callback fetches the batch)."""
+        draft_len = self._checked_draft_len(runtime_draft_len)
+        if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
+            raise LayoutError(f"requests must be a sequence of GuidedRequest, got "
+                              f"{type(requests).__name__}")
         if len(requests) > self.max_num_sequences:
             raise LayoutError(f"{len(requests)} requests exceed max_num_sequences="
                               f"{self.max_num_sequences}")
-        self.requests = GuidedRequests(list(requests), draft_len)
-        self._start_compiles(self.requests)
+        reqs, dropped = self._admit(list(requests), tokens_elsewhere)
+        self.requests = batch = GuidedRequests(reqs, draft_len, dropped)
+        self._batch_built = False
+        self._start_compiles(batch)
+        return batch
+
+    def _checked_draft_len(self, runtime_draft_len: object) -> int:
+        if runtime_draft_len is None:
+            return self.max_num_draft_tokens
+        if type(runtime_draft_len) is not int:
+            value = as_int(runtime_draft_len)
+            if value is None:
+                raise LayoutError(f"runtime_draft_len={runtime_draft_len!r} is not an integer")
+            runtime_draft_len = value
+        if not 0 <= runtime_draft_len <= self.max_num_draft_tokens:  # type: ignore[operator]
+            raise LayoutError(f"runtime_draft_len={runtime_draft_len} is outside "
+                              f"[0, max_num_draft_tokens={self.max_num_draft_tokens}]")
+        return runtime_draft_len  # type: ignore[return-value]
+
+    def _admit(self, requests: list, tokens_elsewhere: bool) -> tuple[list, list[int]]:
+        """Check every request of a batch before any matcher sees it; returns the requests
+        to build (a failed one replaced by an unguided stand-in with the same rows) and the
+        slots whose matcher the failures drop. Failures are recorded here.
+
+        The common request (a target request generating, exact types, the slot's own guide)
+        passes the inline test; every other one takes :func:`checked_request` and the slot's
+        guide check (:meth:`_check_guide`). ``tokens_elsewhere``: see ``checked_request``.
+        """
+        nseq, V, maxd, guides = (self.max_num_sequences, self.vocab_size_padded,
+                                 self.max_num_draft_tokens, self._slot_guides)
+        updates: list[tuple[int, GuidedDecodingParams]] = []
+        dropped: list[int] = []
+        failed: list[FailedRequest] = []
+        for i, req in enumerate(requests):
+            try:  # (an attribute that raises: checked_request names it)
+                params = req.guided_decoding_params
+                if params is None:
+                    if type(req.is_draft) is bool and type(req.is_context_init_state) is bool:
+                        continue
+                elif (req.is_generation_in_progress_state is True and req.is_draft is False
+                        and req.is_context_init_state is False
+                        and req.is_generation_only_first_iteration is False
+                        and type(slot := req.seq_slot) is int and 0 <= slot < nseq
+                        and guides[slot] is params and type(req.request_id) is int
+                        and (type(n := req.num_accepted_draft_tokens) is int and n >= 0
+                             or n is None)
+                        and (type(t := req.new_token) is int and 0 <= t < V
+                             and ((d := req.draft_tokens) is None
+                                  or type(d) is list and len(d) <= maxd and _plain_tokens(d, V))
+                             or tokens_elsewhere and req.prev_seq_slot is not None)):
+                    continue
+            except Exception:
+                pass
+            try:
+                checked = checked_request(req, i, num_slots=nseq, vocab_size=V,
+                                          max_num_draft_tokens=maxd,
+                                          tokens_elsewhere=tokens_elsewhere)
+                if checked.guided_decoding_params is not None:
+                    self._check_guide(checked, updates)
+            except RequestError as e:
+                self._refuse(requests, i, e, updates, dropped, failed)
+                continue
+            requests[i] = checked
+        for slot, params in updates:
+            guides[slot] = params
+        self._record_failed(failed)
+        return requests, dropped
+
+    def _check_guide(self, req: GuidedRequest,
+                     updates: list[tuple[int, GuidedDecodingParams]]) -> None:
+        """A request that creates its slot's matcher records its guide (in ``updates``); one
+        that advances it must carry that guide (the same object, or an equal one)."""
+        slot, params = req.seq_slot, req.guided_decoding_params
+        assert slot is not None and params is not None  # (checked_request)
+        if not req.is_draft and (req.is_generation_only_first_iteration
+                                 or (req.is_context_init_state and req.is_last_context_chunk)):
+            updates.append((slot, params))
+            return
+        if not req.require_matcher_advance():
+            return
+        held = self._slot_guides[slot]
+        if held is params:
+            return
+        if held is None:
+            raise RequestError(f"seq_slot {slot} has no matcher for this request: no context "
+                               "request (or disaggregated first generation step) created "
+                               "one, or the slot was released", request_id=req.request_id,
+                               seq_slot=slot)
+        if held != params:
+            raise RequestError(f"guided_decoding_params ({params.guide_type.name}) differ from "
+                               f"the guide slot {slot}'s matcher was created for "
+                               f"({held.guide_type.name}); a new guide needs a context request",
+                               request_id=req.request_id, seq_slot=slot)
+        updates.append((slot, params))  # equal: later steps match by identity
+
+    def _refuse(self, requests: list, i: int, error: RequestError,
+                updates: list[tuple[int, GuidedDecodingParams]], dropped: list[int],
+                failed: list[FailedRequest]) -> None:
+        """Replace ``requests[i]`` by an unguided stand-in with its rows and record ``error``.
+        The slot's matcher is dropped when it was this request's (its slot, its guide, no
+        other request of the batch on that slot) or when this request was to replace it."""
+        req = requests[i]
+        is_draft, is_context = bool(req.is_draft), bool(req.is_context_init_state)
+        rid = as_int(req.request_id)
+        requests[i] = GuidedRequest(None, rid, None, None, is_context, False, not is_context,
+                                    False, None, is_draft, None, None)
+        failed.append((-1 if rid is None else rid, f"{type(error).__name__}: {error}"))
+        slot, params = as_int(req.seq_slot), req.guided_decoding_params
+        if slot is None or not 0 <= slot < self.max_num_sequences or \
+                not isinstance(params, GuidedDecodingParams) or \
+                any(as_int(_field(r, "seq_slot")) == slot for k, r in enumerate(requests)
+                    if k != i):
+            return
+        held = self._slot_guides[slot]
+        creates = not is_draft and (req.is_generation_only_first_iteration is True
+                                    or (is_context and req.is_last_context_chunk is True))
+        if creates or held is params or (held is not None and held == params):
+            dropped.append(slot)
+            if creates:
+                updates.append((slot, params))
+
+    def _drop_slots(self, batch: GuidedRequests) -> None:
+        """Drop the matchers of ``batch.dropped_slots`` (their requests failed at add_batch)."""
+        for slot in batch.dropped_slots:
+            self.grammar_matchers[slot] = None
+            self._pending_compiles.pop(slot, None)
 
     def _start_compiles(self, requests: GuidedRequests) -> None:
         for req in requests.requests:
@@ -247,6 +399,7 @@ class GuidedDecoder:
         """
         requests = self._require_batch()
         self._check_logits(logits, d2t, requests.num_bitmask_tokens)
+        self._take_unbuilt_batch("execute")
         if self.device.type == "cuda":
             # the previous step's copy may still read the pinned buffer we are about to fill
             self.bitmask_event.synchronize()
@@ -279,8 +432,21 @@ class GuidedDecoder:
                 self._failed.extend(failed)
 
     def build(self) -> list[FailedRequest]:
-        """Host work only: advance matchers and fill the host bitmask for the latest batch."""
-        return self._build(self._require_batch())
+        """Host work only: advance matchers and fill the host bitmask for the latest batch.
+
+        Raises:
+            QueueEpochError: this batch was already built (by ``build`` or ``execute``).
+        """
+        requests = self._require_batch()
+        self._take_unbuilt_batch("build")
+        return self._build(requests)
+
+    def _take_unbuilt_batch(self, caller: str) -> None:
+        """A batch is built at most once: a second build would feed every token again."""
+        if self._batch_built:
+            raise QueueEpochError(f"{caller}: the batch of the latest add_batch was already "
+                                  "built; call add_batch for the next step first")
+        self._batch_built = True
 
     @nvtx_range("GuidedDecoder.copy_bitmask")
     def copy_bitmask(self, num_rows: int) -> None:
@@ -418,12 +584,15 @@ class GuidedDecoder:
         Raises:
             RequestError: ``seq_slot`` is outside ``[0, max_num_sequences)``.
         """
-        if not isinstance(seq_slot, int) or not self._slot_ok(seq_slot):
-            raise RequestError(f"release: seq_slot {seq_slot!r} is outside [0, "
-                               f"max_num_sequences={self.max_num_sequences})", seq_slot=seq_slot)
+        slot = as_int(seq_slot)
+        if slot is None or not self._slot_ok(slot):
+            raise RequestError(f"release: seq_slot {seq_slot!r} is not a slot index in [0, "
+                               f"max_num_sequences={self.max_num_sequences})", seq_slot=slot)
+        seq_slot = slot
         if self._inflight is not None:
             self._finish_build()
         self.grammar_matchers[seq_slot] = None
+        self._slot_guides[seq_slot] = None
         self._pending_compiles.pop(seq_slot, None)
         self.num_advanced_tokens[seq_slot] = self.num_guided_tokens[seq_slot] = 0
         self.num_advanced_draft_tokens[seq_slot] = 0
@@ -516,7 +685,11 @@ class GuidedDecoder:
                         failed.append(self._fail(req, e))
                         continue
                 matcher = grammar_matchers[slot]
-                if matcher is None or matcher.is_terminated() or draft_terminated[slot]:
+                try:  # (every matcher call sits inside the per-request isolation)
+                    if matcher is None or matcher.is_terminated() or draft_terminated[slot]:
+                        continue
+                except Exception as e:
+                    failed.append(self._fail(req, e))
                     continue
                 add_req(req)
                 add_slot(slot)
@@ -634,8 +807,11 @@ class GuidedDecoder:
             req, slot = reqs[k], slots[k]
             if ok is True:
                 advanced[slot] += 1
-                if tokens[k] not in stops or not matchers[k].is_terminated():
-                    keep.append(k)
+                try:
+                    if tokens[k] not in stops or not matchers[k].is_terminated():
+                        keep.append(k)
+                except Exception as e:
+                    failed.append(self._fail(req, e))
             elif isinstance(ok, BaseException):
                 failed.append(self._fail(req, ok))
             else:
@@ -694,8 +870,12 @@ class GuidedDecoder:
                 for k, ok in enumerate(results):
                     if ok is True:
                         advanced[nxt.slots[k]] += 1
-                        if tokens[k] not in self._stop_ids or not nxt.matchers[k].is_terminated():
-                            keep.append(k)
+                        try:
+                            if tokens[k] not in self._stop_ids or \
+                                    not nxt.matchers[k].is_terminated():
+                                keep.append(k)
+                        except Exception as e:
+                            failed.append(self._fail(nxt.reqs[k], e))
                     elif isinstance(ok, BaseException):
                         failed.append(self._fail(nxt.reqs[k], ok))
                     # False: the draft left the grammar; its later positions stay unguided
@@ -742,7 +922,11 @@ class GuidedDecoder:
                     failed.append(self._fail(req, e))
                     break
                 advanced[slot] += 1
-                if token in stops and matcher.is_terminated():
+                try:
+                    if token in stops and matcher.is_terminated():
+                        break
+                except Exception as e:
+                    failed.append(self._fail(req, e))
                     break
                 i += 1
 
@@ -973,6 +1157,14 @@ class GuidedDecoder:
         if logits.dtype not in _FLOAT_DTYPES:
             raise TensorArgError(f"logits must be float32, float16 or bfloat16, got "
                                  f"{logits.dtype}")
+        width = shape[1]
+        if width > 1 and logits.stride(1) != 1:
+            raise TensorArgError(f"logits columns must be contiguous (stride(1) == 1), got "
+                                 f"strides {tuple(logits.stride())}: pass .contiguous() logits")
+        if shape[0] > 1 and logits.stride(0) < width:
+            raise TensorArgError(f"logits rows overlap (stride(0)={logits.stride(0)} < width "
+                                 f"{width}, e.g. an expand()ed tensor): each row is masked "
+                                 "for its own request, so rows need memory of their own")
         if d2t is not None:
             if not isinstance(d2t, torch.Tensor) or d2t.dim() != 1:
                 raise TensorArgError(f"d2t must be a 1-D tensor, got shape "
@@ -981,10 +1173,10 @@ class GuidedDecoder:
                 raise TensorArgError(f"d2t must be int32, got {d2t.dtype}")
             if d2t.device != logits.device:
                 raise TensorArgError(f"d2t is on {d2t.device}, logits on {logits.device}")
+            self._check_d2t_values(d2t)
         # (all of this is checked before the build advances any matcher: a retry after the
         # error must find the matchers where they were)
         full = self.vocab_size_padded if d2t is None else d2t.shape[0]
-        width = shape[1]
         if width == 0 or full % width:
             what = "vocab_size_padded" if d2t is None else "len(d2t)"
             raise TensorArgError(f"logits width {width} is not the full vocabulary nor a "
@@ -999,6 +1191,36 @@ class GuidedDecoder:
                     f"bitmask words per row ({self.bitmask_size} = "
                     f"ceil({self.vocab_size_padded}/32)) is not divisible by tp_size ({tp_size})")
 
+    def check_d2t(self, d2t: torch.Tensor) -> None:
+        """Check that every draft id ``g`` of ``d2t`` maps to a target id ``g + d2t[g]`` in
+        ``[0, vocab_size_padded)``; ``execute`` calls it on the table it is given.
+
+        The check reads the values (a host sync on CUDA), so a table is checked once and
+        remembered by (data_ptr, ``_version``, length, device): an in-place change through
+        torch bumps ``_version`` and the table is checked again. Inside a CUDA graph capture an
+        unchecked table is not read (a sync there would break the capture): run one step
+        outside the capture first, as warm-up does, or call this before capturing.
+
+        Raises:
+            TensorArgError: a target id is out of range (names the draft id and its target).
+        """
+        self._check_d2t_values(d2t)
+
+    def _check_d2t_values(self, d2t: torch.Tensor) -> None:
+        key = (d2t.data_ptr(), d2t._version, d2t.shape[0], d2t.device)
+        if key in self._d2t_checked:
+            return
+        if d2t.is_cuda and torch.cuda.is_current_stream_capturing():
+            return  # (see check_d2t)
+        targets = d2t.to(torch.int64) + torch.arange(d2t.shape[0], device=d2t.device)
+        bad = (targets < 0) | (targets >= self.vocab_size_padded)
+        if bool(bad.any()):
+            g = int(bad.nonzero()[0, 0])
+            raise TensorArgError(f"d2t maps draft id {g} to target id {int(targets[g])} "
+                                 f"(= {g} + d2t[{g}]), outside [0, vocab_size_padded="
+                                 f"{self.vocab_size_padded})")
+        self._d2t_checked = [key, *self._d2t_checked[:7]]
+
 
 _native_warned = False
 
@@ -1012,6 +1234,27 @@ def _warn_native_unavailable(reason: str) -> None:
                       f"instead (same results, slower per step at small batch; set "
                       f"GuidedDecodingConfig.native_build='off' or CAPGRAPH_NATIVE_BUILD=off "
                       f"to silence this): {reason}", RuntimeWarning, stacklevel=3)
+
+
+def _constructor_int(name: str, value: object, minimum: int) -> None:
+    if type(value) is not int or value < minimum:
+        raise ConfigError(f"{name}={value!r} must be an int >= {minimum}")
+
+
+def _field(request: object, name: str) -> object:
+    """``request.<name>``, or None where reading it fails."""
+    try:
+        return getattr(request, name)
+    except Exception:
+        return None
+
+
+def _plain_tokens(tokens: list, vocab_size: int) -> bool:
+    """Every entry is an exact int in ``[0, vocab_size)`` (the common draft list)."""
+    for t in tokens:
+        if type(t) is not int or not 0 <= t < vocab_size:
+            return False
+    return True
 
 
 def _request_id(req: GuidedRequest) -> int:
