@@ -9,6 +9,8 @@ bad field and the value received.
 from __future__ import annotations
 
 import enum
+import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
@@ -28,6 +30,7 @@ __all__ = [
     "native_build_env",
     "DEFAULT_COMPILE_CACHE_BYTES",
     "JSON_WHITESPACE_MODES",
+    "MAX_COMPILE_TIMEOUT_S",
 ]
 
 #: Environment variable that overrides ``GuidedDecodingConfig.compile_cache_bytes`` (bytes;
@@ -96,8 +99,11 @@ class GuidedDecodingParams:
                 f"GuidedDecodingParams.guide_type: expected GuideType or str, got {gt!r}")
         guide = self.guide
         if isinstance(guide, dict) and gt is GuideType.JSON_SCHEMA:
-            import json
-            guide = json.dumps(guide)
+            try:
+                guide = json.dumps(guide)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"GuidedDecodingParams.guide: the schema dict is not JSON "
+                                  f"({e})") from None
             object.__setattr__(self, "guide", guide)
         if guide is None:
             guide = ""
@@ -109,6 +115,9 @@ class GuidedDecodingParams:
             raise ConfigError(
                 f"GuidedDecodingParams.guide: empty guide for guide_type {gt.name}; "
                 "only GuideType.JSON takes no guide")
+        if gt in (GuideType.JSON_SCHEMA, GuideType.STRUCTURAL_TAG):
+            _refuse_trailing_text(gt, guide)
+
 
     @classmethod
     def json_schema(cls, schema: str | dict[str, Any]) -> "GuidedDecodingParams":
@@ -132,6 +141,25 @@ class GuidedDecodingParams:
         return cls(GuideType.STRUCTURAL_TAG, tag)
 
 
+def _refuse_trailing_text(guide_type: GuideType, text: str) -> None:
+    """Refuse JSON guide text with anything but whitespace after its first JSON value: a
+    backend would compile that first value alone, and a schema's keyword checks would see
+    text that is not the guide. Text whose first value does not parse is left to the
+    backend, whose compile error says where."""
+    start = len(text) - len(text.lstrip())
+    try:
+        _, end = _JSON_DECODER.raw_decode(text, start)
+    except ValueError:
+        return
+    if text[end:].strip():
+        raise ConfigError(f"GuidedDecodingParams.guide: the {guide_type.name} text has more after "
+                          f"its JSON value at character {end}: {text[end:end + 40]!r}; a guide "
+                          "is one JSON document")
+
+
+_JSON_DECODER = json.JSONDecoder()
+
+
 def _parse_bytes(text: str) -> int:
     t = text.strip().upper().removesuffix("B")
     scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
@@ -142,14 +170,76 @@ def _parse_bytes(text: str) -> int:
     except ValueError:
         raise ConfigError(f"{COMPILE_CACHE_ENV}={text!r} is not a byte count "
                           "(examples: 1073741824, 512M, 1G)") from None
-    if value < 0:
-        raise ConfigError(f"{COMPILE_CACHE_ENV}={text!r} must not be negative")
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{COMPILE_CACHE_ENV}={text!r} must be a finite byte count >= 0")
     return int(value)
+
+
+#: The longest ``GuidedDecodingConfig.compile_timeout_s`` accepted (one day): longer ones are
+#: mistakes, and beyond ``threading.TIMEOUT_MAX`` a wait raises OverflowError.
+MAX_COMPILE_TIMEOUT_S = 24 * 3600.0
+#: Default of ``GuidedDecodingConfig.max_repetition_count``
+#: (:mod:`capgraph.grammar.guide_limits` says how it was chosen).
+DEFAULT_MAX_REPETITION_COUNT = 10_000
+#: Default of ``GuidedDecodingConfig.host_step_budget_ms``: about 10**4 times a plain request's
+#: host step (docs/BENCHMARKS.md, "build"), below the 93-234 ms an ambiguous regex reaches.
+DEFAULT_HOST_STEP_BUDGET_MS = 50.0
+#: The largest ``host_step_budget_ms`` accepted (one minute; beyond it, use None).
+MAX_HOST_STEP_BUDGET_MS = 60_000.0
+
+
+def _field_error(name: str, value: Any, expected: str) -> ConfigError:
+    return ConfigError(f"GuidedDecodingConfig.{name}={value!r}: expected {expected}")
+
+
+def _int_field(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    """A config integer: an int (not a bool, not a float) in ``[minimum, maximum]``."""
+    if type(value) is not int or value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise _field_error(name, value, f"an int {bound}")
+    return value
+
+
+def _seconds_field(name: str, value: Any, maximum: float) -> float:
+    """A config duration: a finite int or float in ``(0, maximum]`` seconds (not a bool)."""
+    if type(value) not in (int, float) or not 0 < value <= maximum:  # (nan fails too)
+        raise _field_error(name, value, f"a number of seconds in (0, {maximum:g}]")
+    return float(value)
+
+
+def _choice_field(name: str, value: Any, choices: Sequence[str]) -> str:
+    """A config string that must be one of ``choices``."""
+    if type(value) is not str or value not in choices:
+        raise _field_error(name, value, f"one of {list(choices)}")
+    return value
+
+
+def _token_ids_field(name: str, value: Any) -> list[int]:
+    """A non-empty collection of integer token ids (a str or a bare int is refused)."""
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise _field_error(name, value, "a list of integer token ids")
+    ids = []
+    for t in value:
+        if isinstance(t, (bool, float, str, bytes)) or not hasattr(t, "__index__"):
+            raise _field_error(name, value, f"a list of integer token ids ({t!r} is not one)")
+        try:
+            ids.append(t.__index__())
+        except Exception:
+            raise _field_error(name, value, f"a list of integer token ids ({t!r} is not "
+                                            "one)") from None
+    if not ids:
+        raise _field_error(name, value, "at least one stop token id (None: the tokenizer's "
+                                        "EOS)")
+    return ids
 
 
 @dataclass(slots=True)
 class GuidedDecodingConfig:
     """How guides are compiled and matched, shared by every request of a decoder.
+
+    Every field is checked at construction: a wrong type (a bool or float where an int
+    belongs, a string where a list or bool belongs) or value raises
+    :class:`~capgraph.errors.ConfigError` naming the field, the value and what is allowed.
 
     Args:
         backend: grammar engine (:class:`GuidedDecodingBackend` or ``"xgrammar"`` /
@@ -158,14 +248,17 @@ class GuidedDecodingConfig:
             prefix space) are read from it. Either this or ``encoded_vocab`` is required.
         encoded_vocab: the vocabulary as strings indexed by token id (xgrammar only, used
             when no tokenizer is given; read as a raw vocabulary).
-        stop_token_ids: tokens that end a guided output. Defaults to the tokenizer's EOS.
+        stop_token_ids: tokens that end a guided output: a non-empty list (or tuple) of
+            integer ids; None (the default) takes the tokenizer's EOS, if it has one.
             llguidance takes exactly one.
         vocab_size_padded: width of the logits rows (>= the tokenizer's vocabulary); 0 (the
             default; ``None`` is read the same) means the tokenizer's vocabulary. Ids at or
             above the tokenizer's vocabulary are always masked on guided rows.
         compile_cache_bytes: byte budget of the compiled-grammar cache; overridden by the
-            environment variable ``CAPGRAPH_COMPILE_CACHE_BYTES``. 0 disables caching.
-        compile_timeout_s: a compile that takes longer fails its request alone.
+            environment variable ``CAPGRAPH_COMPILE_CACHE_BYTES`` (a finite byte count).
+            0 disables caching.
+        compile_timeout_s: a compile that takes longer fails its request alone; a finite
+            number of seconds up to ``MAX_COMPILE_TIMEOUT_S`` (one day).
         compile_threads: worker threads that compile grammars off the decode path.
         fill_threads: threads of xgrammar's batched bitmask fill; 1 (default) fills in the
             calling thread, 0 lets xgrammar choose (half the hardware threads). Measured with
@@ -196,6 +289,16 @@ class GuidedDecodingConfig:
             served it and why), and refused if neither does; needs the llguidance extra, a
             tokenizer and exactly one stop token. ``"ignore"``: it compiles with those
             constraints unenforced.
+        max_repetition_count: the largest repetition count a guide may ask for (regex
+            ``{n,m}``, EBNF repetitions, JSON-schema ``minLength`` / ``maxItems`` / ...); a
+            guide above it fails to compile with an
+            :class:`~capgraph.errors.UnsupportedGuideError` naming the count and where it is
+            (:mod:`capgraph.grammar.guide_limits`). An int in ``[1, 2**31 - 1]``; default 10000.
+        host_step_budget_ms: wall-clock milliseconds one request's host step (accepting its
+            tokens and filling its rows) may take; a request over it fails alone with a
+            :class:`~capgraph.errors.BudgetExceededError` (rows unmasked, matcher dropped),
+            so an ambiguous guide whose per-token cost grows cannot slow its batch step after
+            step. Default 50; 0 or None: no budget.
     """
 
     backend: GuidedDecodingBackend = GuidedDecodingBackend.XGRAMMAR
@@ -211,9 +314,13 @@ class GuidedDecodingConfig:
     json_whitespace: str = "any"
     json_max_whitespace: int = 8
     json_unenforced_keywords: str = "error"
+    max_repetition_count: int = DEFAULT_MAX_REPETITION_COUNT
+    host_step_budget_ms: float | None = DEFAULT_HOST_STEP_BUDGET_MS
     tokenizer_vocab_size: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
+        # every field is checked here, each by one line or helper (_int_field, _seconds_field,
+        # _choice_field, _token_ids_field), naming the field, the value and what is allowed
         if isinstance(self.backend, str):
             try:
                 self.backend = GuidedDecodingBackend(self.backend.lower())
@@ -221,31 +328,45 @@ class GuidedDecodingConfig:
                 raise ConfigError(
                     f"GuidedDecodingConfig.backend: unknown backend {self.backend!r}; expected "
                     f"one of {[b.value for b in GuidedDecodingBackend]}") from None
+        if not isinstance(self.backend, GuidedDecodingBackend):
+            raise _field_error("backend", self.backend, "a GuidedDecodingBackend or one of "
+                               f"{[b.value for b in GuidedDecodingBackend]}")
         if self.tokenizer is None and self.encoded_vocab is None:
             raise ConfigError("GuidedDecodingConfig: give a tokenizer or an encoded_vocab")
         if self.tokenizer is not None:
-            self.tokenizer_vocab_size = len(self.tokenizer)
+            try:
+                self.tokenizer_vocab_size = len(self.tokenizer)
+            except TypeError:
+                raise _field_error("tokenizer", self.tokenizer, "a Hugging Face tokenizer "
+                                   "(len() gives its vocabulary size)") from None
         else:
-            self.encoded_vocab = list(self.encoded_vocab)  # type: ignore[arg-type]
+            vocab = self.encoded_vocab
+            if isinstance(vocab, (str, bytes)) or not hasattr(vocab, "__iter__") or \
+                    not all(isinstance(t, (str, bytes)) for t in vocab):  # type: ignore[union-attr]
+                raise _field_error("encoded_vocab", type(vocab).__name__,
+                                   "a sequence of token strings indexed by token id")
+            self.encoded_vocab = list(vocab)  # type: ignore[arg-type]
             if not self.encoded_vocab:
                 raise ConfigError("GuidedDecodingConfig.encoded_vocab: empty vocabulary")
             self.tokenizer_vocab_size = len(self.encoded_vocab)
             if self.backend is GuidedDecodingBackend.LLGUIDANCE:
                 raise ConfigError("GuidedDecodingConfig: the llguidance backend needs a "
                                   "tokenizer, not only an encoded_vocab")
-        if self.vocab_size_padded is None or self.vocab_size_padded == 0:
+        if self.vocab_size_padded is None or (type(self.vocab_size_padded) is int
+                                               and self.vocab_size_padded == 0):
             self.vocab_size_padded = self.tokenizer_vocab_size
-        if not isinstance(self.vocab_size_padded, int) or isinstance(self.vocab_size_padded, bool):
-            raise ConfigError(f"GuidedDecodingConfig.vocab_size_padded: expected int, got "
-                              f"{self.vocab_size_padded!r}")
+        _int_field("vocab_size_padded", self.vocab_size_padded, 0)
         if self.vocab_size_padded < self.tokenizer_vocab_size:
             raise ConfigError(
                 f"GuidedDecodingConfig.vocab_size_padded={self.vocab_size_padded} is smaller "
                 f"than the tokenizer's vocabulary ({self.tokenizer_vocab_size})")
         if self.stop_token_ids is None:
+            # (none at all, with a tokenizer without EOS: a guided output never ends on a
+            # stop token)
             eos = getattr(self.tokenizer, "eos_token_id", None)
-            self.stop_token_ids = [eos] if isinstance(eos, int) else []
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+            self.stop_token_ids = [eos] if type(eos) is int else []
+        else:
+            self.stop_token_ids = _token_ids_field("stop_token_ids", self.stop_token_ids)
         for t in self.stop_token_ids:
             if not 0 <= t < self.tokenizer_vocab_size:
                 raise ConfigError(
@@ -259,22 +380,20 @@ class GuidedDecodingConfig:
         env = os.environ.get(COMPILE_CACHE_ENV)
         if env:
             self.compile_cache_bytes = _parse_bytes(env)
-        if self.compile_cache_bytes < 0:
-            raise ConfigError(f"GuidedDecodingConfig.compile_cache_bytes="
-                              f"{self.compile_cache_bytes} must be >= 0")
-        if not self.compile_timeout_s > 0:
-            raise ConfigError(f"GuidedDecodingConfig.compile_timeout_s="
-                              f"{self.compile_timeout_s} must be > 0")
-        if self.compile_threads < 1:
-            raise ConfigError(f"GuidedDecodingConfig.compile_threads={self.compile_threads} "
-                              "must be >= 1")
-        if self.json_unenforced_keywords not in ("error", "fallback", "ignore"):
-            raise ConfigError("GuidedDecodingConfig.json_unenforced_keywords="
-                              f"{self.json_unenforced_keywords!r}; expected 'error', "
-                              "'fallback' or 'ignore'")
-        if self.fill_threads < 0:
-            raise ConfigError(f"GuidedDecodingConfig.fill_threads={self.fill_threads} "
-                              "must be >= 0")
+        _int_field("compile_cache_bytes", self.compile_cache_bytes, 0)
+        self.compile_timeout_s = _seconds_field("compile_timeout_s", self.compile_timeout_s,
+                                                MAX_COMPILE_TIMEOUT_S)
+        _int_field("compile_threads", self.compile_threads, 1, 1024)
+        _choice_field("json_unenforced_keywords", self.json_unenforced_keywords,
+                      ("error", "fallback", "ignore"))
+        _int_field("fill_threads", self.fill_threads, 0, 1024)
+        _int_field("max_repetition_count", self.max_repetition_count, 1, 2**31 - 1)
+        budget = self.host_step_budget_ms
+        if budget is not None and (type(budget) not in (int, float)
+                                   or not 0 <= budget <= MAX_HOST_STEP_BUDGET_MS):
+            raise _field_error("host_step_budget_ms", budget, "a number of milliseconds in "
+                               f"[0, {MAX_HOST_STEP_BUDGET_MS:g}], or None (0 and None: no "
+                               "budget)")
         if self.json_whitespace not in JSON_WHITESPACE_MODES:
             raise ConfigError(f"GuidedDecodingConfig.json_whitespace={self.json_whitespace!r}; "
                               f"expected one of {list(JSON_WHITESPACE_MODES)}")
@@ -285,7 +404,7 @@ class GuidedDecodingConfig:
         env = native_build_env()
         if env:
             self.native_build = env
-        if self.native_build not in ("auto", "on", "off"):
+        if type(self.native_build) is not str or self.native_build not in ("auto", "on", "off"):
             source = f"{NATIVE_BUILD_ENV}={env!r}" if env else \
                 f"GuidedDecodingConfig.native_build={self.native_build!r}"
             raise ConfigError(f"{source}; expected 'auto', 'on' or 'off'")
