@@ -24,6 +24,7 @@ __all__ = [
     "QueueEpochError",
     "CallbackError",
     "NativeBuildError",
+    "BudgetExceededError",
 ]
 
 
@@ -116,8 +117,10 @@ class TokenizerLoadError(CapgraphError, RuntimeError):
 
 
 class QueueEpochError(CapgraphError, RuntimeError):
-    """A host callback found the request queue out of step: a replay without its ``add_batch``
-    (missing put) or several batches queued for one fetch (extra put). That step masks nothing."""
+    """A step out of step with its ``add_batch``: on the capturable decoder a host callback found
+    a replay without its ``add_batch`` (missing put) or several batches queued for one fetch
+    (extra put), and that step masks nothing; on the eager decoder a second ``execute`` or
+    ``build`` for one ``add_batch``, refused before any matcher moves."""
 
 
 class CallbackError(CapgraphError, RuntimeError):
@@ -133,3 +136,26 @@ class CallbackError(CapgraphError, RuntimeError):
 class NativeBuildError(CapgraphError, RuntimeError):
     """The C++ host build (``csrc/host_build.cc``) could not be compiled or loaded; the message
     says which step and, for a compile, shows the compiler's own output."""
+
+
+class BudgetExceededError(CapgraphError, RuntimeError):
+    """One request's host step (accept and fill) took longer than
+    ``GuidedDecodingConfig.host_step_budget_ms``; the request fails alone and its matcher is
+    dropped, so it cannot slow another step.
+
+    Attributes:
+        request_id: the request, when known.
+        seq_slot: its sequence slot.
+        elapsed_ms: the wall-clock milliseconds measured for its part of the step.
+        budget_ms: the budget it exceeded.
+    """
+
+    def __init__(self, *, request_id: int | None, seq_slot: int | None, elapsed_ms: float,
+                 budget_ms: float) -> None:
+        self.request_id = request_id
+        self.seq_slot = seq_slot
+        self.elapsed_ms = elapsed_ms
+        self.budget_ms = budget_ms
+        super().__init__(f"host step took {elapsed_ms:.1f} ms, over the "
+                         f"{budget_ms:g} ms budget (GuidedDecodingConfig.host_step_budget_ms)"
+                         + _context(request_id=request_id, seq_slot=seq_slot))
