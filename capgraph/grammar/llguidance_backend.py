@@ -8,7 +8,7 @@ wrapper, and :meth:`rollback` counts a stop token llguidance never consumed as o
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -17,6 +17,9 @@ from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
 from .ecma_regex import ascii_classes, ascii_schema_patterns
 from .schema_policy import describe, unenforced
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 try:  # optional extra
     import llguidance
@@ -32,7 +35,7 @@ BACKEND = "llguidance"
 _JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]"
 
 
-def json_whitespace_options(config: GuidedDecodingConfig) -> dict[str, Any]:
+def json_whitespace_options(config: GuidedDecodingConfig) -> JsonCompileOptions:
     """llguidance JSON compile options for ``config.json_whitespace``, given as ``overrides``
     so that they win over a schema's own ``x-guidance``; the same strings as the xgrammar
     backend accepts."""
