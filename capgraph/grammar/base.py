@@ -21,6 +21,7 @@ from ..errors import CompileTimeoutError, GrammarCompileError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams
 from .cache import ByteLRUCache
 from .compile_pool import CompilePool
+from .guide_limits import check_guide_limits
 
 if TYPE_CHECKING:
     from .native import NativeBuilder
@@ -272,6 +273,8 @@ class GrammarMatcherFactory(ABC):
                            ) -> CompiledGuide:
         start = time.perf_counter()
         try:
+            # bounded before any backend sees the guide (both backends come through here)
+            check_guide_limits(params, self.backend_name, self.config.max_repetition_count)
             payload, nbytes = self._compile(params)
         except Exception as e:
             with self._lock:
