@@ -53,7 +53,7 @@ JSON_WHITESPACE_MODES = ("any", "compact", "bounded")
 class GuideType(enum.Enum):
     """What kind of constraint a guide string holds."""
 
-    JSON = "json"  #: any JSON value; the guide string is ignored (may be empty)
+    JSON = "json"  #: a JSON object or array; the guide string is ignored (may be empty)
     JSON_SCHEMA = "json_schema"  #: a JSON Schema document (text)
     REGEX = "regex"  #: a regular expression the whole output must match
     EBNF_GRAMMAR = "ebnf_grammar"  #: GBNF/EBNF for xgrammar, Lark for llguidance

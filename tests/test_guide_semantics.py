@@ -200,14 +200,15 @@ WHITESPACE_TABLE = [
     (' {"a":1,"b":[1]}', (False, False, False)),
     ('{"a":1,"b":[1]} ', (False, False, False)),
 ]
-# GuideType.JSON: any JSON value, the same modes
+# GuideType.JSON: a JSON object or array, the same modes
 JSON_VALUE_TABLE = [
     ('{"a":1,"b":2}', (True, True, True)),
     ('{"a": 1}', (True, False, True)),
     ('[1,   {"x":"y"}]', (True, False, True)),
     ('[1,    2]', (True, False, False)),
-    ("1", (True, True, True)),
-    ('"s p a c e s"', (True, True, True)),
+    ('{"s":"s p a c e s"}', (True, True, True)),
+    ("1", (False, False, False)),
+    ('"s"', (False, False, False)),
 ]
 MODES = ("any", "compact", "bounded")
 
@@ -239,7 +240,8 @@ def test_json_whitespace_modes_accept_and_refuse_the_same_texts(whitespace_facto
     """``json_whitespace`` means the same on both backends, for JSON-schema and JSON guides:
     "any" takes any whitespace between tokens, "compact" none (minified JSON is accepted,
     ``", "`` refused), "bounded" at most ``json_max_whitespace`` whitespace characters in a
-    row; whitespace inside strings is text, and none is allowed around the whole value."""
+    row; whitespace inside strings is text, and none is allowed around the whole value. A
+    JSON guide is an object or array in every mode."""
     tok = tokenizer_cache("tekken")
     factory = whitespace_factories(backend, mode)
     column = MODES.index(mode)
@@ -330,14 +332,14 @@ def test_json_schema_patterns_follow_ecma262(factory_cache, tokenizer_cache, bac
 def test_ascii_classes_rewrites_only_class_escapes(pattern, rewritten):
     """The llguidance rewrite touches only ``\\d \\D \\w \\W`` escapes (a class nests the
     negated ones), keeps every other escape, and reads a leading ``]`` of a class as literal."""
-    from capgraph.grammar.ecma_regex import ascii_classes
+    from capgraph.grammar.semantics import ascii_classes
 
     assert ascii_classes(pattern) == rewritten
 
 
 def test_schema_rewrite_leaves_data_and_names_alone():
     """Patterns inside ``enum``/``const`` data and property names are not schema patterns."""
-    from capgraph.grammar.ecma_regex import ascii_schema_patterns
+    from capgraph.grammar.semantics import ascii_schema_patterns
 
     schema = {"properties": {"enum": {"pattern": "\\d"}},
               "enum": [{"pattern": "\\d"}], "patternProperties": {"^\\w$": {}}}

@@ -15,7 +15,8 @@ import torch
 from ..errors import ConfigError, GrammarCompileError, MatcherError, UnsupportedGuideError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
-from .ecma_regex import ascii_classes, ascii_schema_patterns
+from .semantics import (JSON_CONTAINER_SCHEMA, JSON_WHITESPACE_CHARS, ascii_classes,
+                        ascii_schema_patterns)
 from .schema_policy import describe, unenforced
 
 if TYPE_CHECKING:
@@ -31,8 +32,8 @@ except ImportError:  # pragma: no cover - exercised where the extra is absent
 __all__ = ["LLGuidanceMatcher", "LLGuidanceMatcherFactory", "available"]
 
 BACKEND = "llguidance"
-# JSON whitespace as xgrammar reads it: space, newline, carriage return, tab
-_JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]"
+# one JSON whitespace character, as xgrammar reads it: [\x20\x0A\x0D\x09]
+_JSON_WHITESPACE = "[" + "".join(f"\\x{ord(c):02X}" for c in JSON_WHITESPACE_CHARS) + "]"
 
 
 def json_whitespace_options(config: GuidedDecodingConfig) -> JsonCompileOptions:
@@ -157,8 +158,8 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
             self._refuse_unenforced(guide)
         try:
             if gt is GuideType.JSON:
-                return llguidance.LLMatcher.grammar_from_json_schema(  # any JSON value
-                    "{}", overrides=self._json_options)
+                return llguidance.LLMatcher.grammar_from_json_schema(  # as on xgrammar
+                    JSON_CONTAINER_SCHEMA, overrides=self._json_options)
             if gt is GuideType.JSON_SCHEMA:
                 return llguidance.LLMatcher.grammar_from_json_schema(  # ECMA-262 patterns
                     ascii_schema_patterns(guide), overrides=self._json_options)

@@ -1,12 +1,16 @@
-"""One meaning for regex character-class escapes on every backend: ECMA-262's.
+"""What a guide means, the same on every backend.
 
-JSON Schema's ``pattern`` follows ECMA-262, where ``\\d`` is ``[0-9]`` and ``\\w`` is
-``[0-9A-Za-z_]`` (ASCII, without the ``u``/``v`` flags' Unicode case folding), and ``\\s`` is
-Unicode whitespace (tab, vertical tab, form feed, space, no-break space, BOM, every ``Zs``
-space, and the line terminators). capgraph gives REGEX guides and JSON-schema ``pattern`` /
-``patternProperties`` the same meaning. xgrammar already reads them so; llguidance reads
-``\\d`` and ``\\w`` as Unicode classes (``1३4`` would match ``\\d+``), so the llguidance backend
-rewrites them with :func:`ascii_classes` before compiling. Its ``\\s`` already agrees.
+- ``GuideType.JSON`` is a JSON object or array (:data:`JSON_CONTAINER_SCHEMA`): xgrammar's
+  builtin JSON grammar, and the same schema on llguidance.
+- JSON whitespace (``GuidedDecodingConfig.json_whitespace``) is space, newline, carriage return
+  and tab (:data:`JSON_WHITESPACE_CHARS`), between tokens only, as xgrammar reads it.
+- Regex character-class escapes follow ECMA-262, as JSON Schema's ``pattern`` does: ``\\d`` is
+  ``[0-9]`` and ``\\w`` is ``[0-9A-Za-z_]`` (ASCII, without the ``u``/``v`` flags' case
+  folding), and ``\\s`` is Unicode whitespace (tab, vertical tab, form feed, space, no-break
+  space, BOM, every ``Zs`` space, the line terminators). xgrammar already reads them so, for
+  REGEX guides and schema patterns alike; llguidance reads ``\\d`` and ``\\w`` as Unicode
+  classes (``1३4`` would match ``\\d+``), so the llguidance backend rewrites them with
+  :func:`ascii_classes` / :func:`ascii_schema_patterns` first. Its ``\\s`` already agrees.
 """
 
 from __future__ import annotations
@@ -14,7 +18,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["ascii_classes", "ascii_schema_patterns"]
+__all__ = ["JSON_CONTAINER_SCHEMA", "JSON_WHITESPACE_CHARS", "ascii_classes",
+           "ascii_schema_patterns"]
+
+#: ``GuideType.JSON`` on every backend: a JSON object or array (the "JSON mode" of serving
+#: engines; xgrammar's builtin JSON grammar, which fills a mask twice as fast as a schema).
+JSON_CONTAINER_SCHEMA = '{"type": ["object", "array"]}'
+#: JSON whitespace as both backends are configured to read it.
+JSON_WHITESPACE_CHARS = " \n\r\t"
 
 _DIGIT = "0-9"
 _WORD = "0-9A-Za-z_"
