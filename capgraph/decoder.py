@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from time import perf_counter
 from typing import Sequence, TypeGuard, cast
 
 import numpy as np
@@ -23,11 +24,12 @@ from ._nvtx import nvtx_range
 from .bitmask import (allocate_host_bitmask, allocate_host_token_mask, bitmask_dtype,
                       split_last_word,
                       token_mask_dtype, vocab_shard, words_per_row)
-from .errors import (ConfigError, DeadEndError, LayoutError, QueueEpochError, RequestError,
-                     TensorArgError)
+from .errors import (BudgetExceededError, ConfigError, DeadEndError, LayoutError,
+                     QueueEpochError, RequestError, TensorArgError)
 from .grammar import CompileHandle, GrammarMatcher, GrammarMatcherFactory, create_matcher_factory
-from .grammar.native import (STATUS_DEAD_END, STATUS_FAULT, STATUS_REJECTED, TERMINATED,
-                             FastPath, NativeBuilder, NativeBuildError, cpu_apply)
+from .grammar.native import (STATUS_DEAD_END, STATUS_FAULT, STATUS_OVER_BUDGET,
+                             STATUS_REJECTED, TERMINATED, FastPath, NativeBuilder,
+                             NativeBuildError, cpu_apply)
 from .ops import logits_bitmask
 from .ops.op import _FLOAT_DTYPES, _cuda_kernel
 from .params import GuidedDecodingConfig, GuidedDecodingParams
@@ -154,6 +156,13 @@ class GuidedDecoder:
         self._masked_rows = False  # the last build set some token_mask entry
         # the every-step loop in C++ where it builds (GuidedDecodingConfig.native_build)
         self._native: NativeBuilder | None = self._load_native(tail_mask)
+        # one request's host-step budget in seconds (0.0: none), and whether the next Python
+        # build times each request alone (a batched stage went over it: see _build_python)
+        self._budget_ms = float(config.host_step_budget_ms or 0.0)
+        self._budget_s = self._budget_ms / 1e3
+        self._budget_probe = False
+        if self._native is not None:
+            self._native.set_budget_ms(self._budget_ms)
         # its CPython entry, which reads a steady-state batch itself
         self._fast: FastPath | None = self._bind_fast()
         # a build the CPython entry runs on its own thread (_build(asynchronous)): its batch
@@ -332,9 +341,9 @@ class GuidedDecoder:
                                "one, or the slot was released", request_id=req.request_id,
                                seq_slot=slot)
         if held != params:
-            raise RequestError(f"guided_decoding_params ({params.guide_type.name}) differ from "
+            raise RequestError(f"guided_decoding_params ({_guide_text(params)}) differ from "
                                f"the guide slot {slot}'s matcher was created for "
-                               f"({held.guide_type.name}); a new guide needs a context request",
+                               f"({_guide_text(held)}); a new guide needs a context request",
                                request_id=req.request_id, seq_slot=slot)
         updates.append((slot, params))  # equal: later steps match by identity
 
@@ -715,7 +724,7 @@ class GuidedDecoder:
         if handles is not None:
             self._build_native(native, handles, act, failed, draft_len)  # type: ignore[arg-type]
         elif reqs:
-            self._fill_rounds(self._accept_new_tokens(act, failed), failed, draft_len)
+            self._build_python(act, failed, draft_len)
         for slot in draft_slots:
             self.num_advanced_draft_tokens[slot] += advanced[slot]
         return failed
@@ -819,14 +828,51 @@ class GuidedDecoder:
         keep.sort()
         return _Active.select(act, keep)
 
+    def _build_python(self, act: "_Active", failed: list[FailedRequest], draft_len: int
+                      ) -> None:
+        """The Python build of the requests in ``act``: request by request
+        (:meth:`_fill_sequential`) for a small batch, else in batched rounds
+        (:meth:`_fill_rounds`).
+
+        The host-step budget (``GuidedDecodingConfig.host_step_budget_ms``): request by
+        request, each request's accept and fills are timed and a request over the budget fails
+        at once. A batched call cannot be timed per request, so the rounds time each batched
+        call instead (a few clock reads per step, whatever the batch size), and when one took
+        longer than the budget, the next build of this decoder runs request by request, timed,
+        which fails the culprit there; a batch that was merely large goes back to rounds after
+        that one step. So a pathological request slows at most two steps (the batched one that
+        revealed it and the timed one that names it), and the common step pays no per-request
+        clock reads.
+        """
+        if self._budget_probe or len(act.reqs) <= self.sequential_fill_max:
+            self._budget_probe = False
+            self._fill_sequential(act, failed, draft_len)
+        else:
+            self._fill_rounds(act, failed, draft_len)
+
+    def _over_budget(self, req: GuidedRequest, slot: int, rows: range, elapsed_s: float,
+                     failed: list[FailedRequest]) -> None:
+        """``req`` went over the host-step budget: its ``rows`` of this step are unmasked, its
+        counts zeroed (its advances are never rolled back: the matcher is dropped) and it
+        fails alone."""
+        self._token_mask_np[rows.start:rows.stop] = 0
+        self.num_advanced_tokens[slot] = self.num_guided_tokens[slot] = 0
+        failed.append(self._fail(req, BudgetExceededError(
+            request_id=req.request_id, seq_slot=slot, elapsed_ms=elapsed_s * 1e3,
+            budget_ms=self._budget_ms)))
+
     def _fill_rounds(self, act: "_Active", failed: list[FailedRequest], draft_len: int
                      ) -> None:
-        """Round i fills row ``offset + i`` of every still-guided request with one batch call,
-        checks dead ends for all of them at once, then feeds each its i-th draft token
-        (at most ``draft_len`` rounds after the first)."""
-        if len(act.reqs) <= self.sequential_fill_max:
-            self._fill_sequential(act, failed, draft_len)
-            return
+        """Feed every request its new token with one batch call; then round i fills row
+        ``offset + i`` of every still-guided request with one batch call, checks dead ends for
+        all of them at once, then feeds each its i-th draft token (at most ``draft_len``
+        rounds after the first). With a budget, each batched call is timed
+        (:meth:`_build_python`)."""
+        budget = self._budget_s
+        start = perf_counter() if budget else 0.0
+        act = self._accept_new_tokens(act, failed)
+        if budget and perf_counter() - start > budget:
+            self._budget_probe = True
         bitmask = self.bitmask_host
         factory = self.grammar_matcher_factory
         guided, advanced = self.num_guided_tokens, self.num_advanced_tokens
@@ -834,8 +880,12 @@ class GuidedDecoder:
         i = 0
         while act.reqs:
             rows = act.offsets if i == 0 else [o + i for o in act.offsets]
+            if budget:
+                start = perf_counter()
             try:
                 factory.batch_fill(act.matchers, bitmask, rows)
+                if budget and perf_counter() - start > budget:
+                    self._budget_probe = True  # the next build times each request alone
             except Exception:  # find the culprit(s): fill one by one
                 keep = self._fill_each(act, rows, failed)
                 act, rows = _Active.select(act, keep), [rows[k] for k in keep]
@@ -864,7 +914,11 @@ class GuidedDecoder:
                 return
             nxt = act if len(idx) == len(drafts) else _Active.select(act, idx)
             tokens = [d[i] for d in nxt.drafts]
+            if budget:
+                start = perf_counter()
             results = self._accept(nxt.matchers, tokens)
+            if budget and perf_counter() - start > budget:
+                self._budget_probe = True
             if results is not None:
                 keep = []
                 for k, ok in enumerate(results):
@@ -891,11 +945,26 @@ class GuidedDecoder:
         """The work of :meth:`_fill_rounds`, request by request: for a batch of one or two the
         rounds' per-round list building costs more than their batched calls save (measured:
         Tekken, batch 1, 4 drafts: 24 us per step in rounds). Same rows, masks, counters and
-        failures (in request order rather than round order)."""
+        failures (in request order rather than round order). With a budget, each request's
+        accept and fills are timed, read after each filled row (as the C++ loop does), and a
+        request over it fails (:meth:`_over_budget`)."""
         bitmask, token_mask, stops = self.bitmask_host, self._token_mask_np, self._stop_ids
         guided, advanced = self.num_guided_tokens, self.num_advanced_tokens
-        for req, slot, matcher, offset, drafts in zip(act.reqs, act.slots, act.matchers,
-                                                      act.offsets, act.drafts):
+        budget = self._budget_s
+        for req, slot, matcher, offset, drafts, token in zip(
+                act.reqs, act.slots, act.matchers, act.offsets, act.drafts, act.tokens):
+            start = perf_counter() if budget else 0.0
+            if token is not None:  # None: a matcher created this step fills without advancing
+                try:
+                    if not matcher.accept_token(token):
+                        self._new_token_rejected(req, slot, token, failed)
+                        continue
+                    advanced[slot] += 1
+                    if token in stops and matcher.is_terminated():
+                        continue
+                except Exception as e:
+                    failed.append(self._fail(req, e))
+                    continue
             i = 0
             while True:
                 row = offset + i
@@ -912,6 +981,9 @@ class GuidedDecoder:
                 guided[slot] += 1
                 token_mask[row] = 1
                 self._masked_rows = True
+                if budget and (elapsed := perf_counter() - start) > budget:
+                    self._over_budget(req, slot, range(offset, row + 1), elapsed, failed)
+                    break
                 if i >= draft_len or i >= len(drafts):
                     break
                 token = drafts[i]
@@ -961,14 +1033,16 @@ class GuidedDecoder:
         for k, (status, _, _) in enumerate(out):
             if status:
                 self._native_outcome(act.reqs[k], act.slots[k], act.tokens[k], status,
-                                     next(errors) if status & ~TERMINATED == STATUS_FAULT
+                                     next(errors) if status & ~TERMINATED in _WITH_MESSAGE
                                      else None, failed)
 
     def _native_outcome(self, req: GuidedRequest, slot: int, token: int | None, status: int,
                         message: str | None, failed: list[FailedRequest]) -> None:
         """What a C++ step's status other than plain OK means for ``req`` (its counters are
         already written): a terminated matcher re-reads its state; a refused token, a dead
-        end or a fault (``message``) is handled as the Python build handles it."""
+        end, a fault (``message``) or an overrun of the host-step budget (``message``: the
+        milliseconds measured; its rows are already unmasked) is handled as the Python build
+        handles it."""
         if status & TERMINATED:
             self.grammar_matchers[slot].sync_state()  # type: ignore[union-attr]
         status &= ~TERMINATED
@@ -978,6 +1052,8 @@ class GuidedDecoder:
             self._dead_end(req, slot, 0, failed)
         elif status == STATUS_FAULT:
             failed.append(self._fail_message(req, message or "native build fault"))
+        elif status == STATUS_OVER_BUDGET:
+            self._over_budget(req, slot, range(0), float(message or "nan") / 1e3, failed)
 
     def _new_token_rejected(self, req: GuidedRequest, slot: int, token: int | None,
                             failed: list[FailedRequest]) -> None:
@@ -1132,7 +1208,9 @@ class GuidedDecoder:
         return self.requests
 
     def _check_logits(self, logits: torch.Tensor, d2t: torch.Tensor | None,
-                      rows: int | None) -> None:
+                      rows: int | None, min_rows: int | None = None) -> None:
+        """Refuse bad logits / d2t before the build advances any matcher. ``rows``: the exact
+        row count; None: at least ``min_rows`` (default: the batch layout's rows)."""
         # (every step runs this: each tensor attribute read below is a call into torch)
         if not isinstance(logits, torch.Tensor) or len(shape := logits.shape) != 2:
             raise TensorArgError(f"logits must be a 2-D tensor, got "
@@ -1146,7 +1224,7 @@ class GuidedDecoder:
         if misplaced:
             raise TensorArgError(f"logits are on {logits.device}, the decoder on {self.device}")
         if rows is None:  # capturable: static rows, at least the layout's (padding allowed)
-            rows = self._require_batch().num_bitmask_tokens
+            rows = self._require_batch().num_bitmask_tokens if min_rows is None else min_rows
             if shape[0] < rows:
                 raise TensorArgError(f"logits have {shape[0]} rows, fewer than the "
                                      f"batch layout's {rows}")
@@ -1249,6 +1327,11 @@ def _field(request: object, name: str) -> object:
         return None
 
 
+def _guide_text(params: GuidedDecodingParams) -> str:
+    guide = params.guide if len(params.guide) <= 40 else params.guide[:37] + "..."
+    return f"{params.guide_type.name} {guide!r}"
+
+
 def _plain_tokens(tokens: list, vocab_size: int) -> bool:
     """Every entry is an exact int in ``[0, vocab_size)`` (the common draft list)."""
     for t in tokens:
@@ -1276,6 +1359,10 @@ def _probe_window(token_ids: Sequence[int], full_words: int, width: int = 16
         if j - k > best:
             best, best_lo = j - k, lo
     return best_lo, min(best_lo + width, full_words)
+
+
+# the C++ statuses that come with an errors() entry: a fault's message, the ms over budget
+_WITH_MESSAGE = (STATUS_FAULT, STATUS_OVER_BUDGET)
 
 
 class _Active:

@@ -41,6 +41,7 @@
 #include <tvm/ffi/string.h>
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -49,6 +50,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <time.h>  // clock_gettime(CLOCK_THREAD_CPUTIME_ID)
 
 namespace {
 
@@ -59,12 +62,28 @@ using tvm::ffi::ObjectRef;
 using tvm::ffi::String;
 using tvm::ffi::Tensor;
 
+// The monotonic clock (vDSO, ~20 ns a read) that the host-step budget is measured on.
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// This thread's CPU time (a system call, ~0.4 us): read only on the build thread, where the
+// wall clock also counts the time the thread waits at nice 19 behind the caller's threads.
+int64_t ThreadCpuNs() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
 // Status of one request after a step (out[k * 3 + 0]); out[k * 3 + 1] = tokens accepted,
 // out[k * 3 + 2] = rows guided. kTerminated is a flag added to any status.
 constexpr int32_t kOk = 0;
 constexpr int32_t kRejected = 1;  // the new token was not allowed (nothing filled)
 constexpr int32_t kDeadEnd = 2;   // the first row allows no token
 constexpr int32_t kFault = 3;     // a matcher call raised; see errors()
+constexpr int32_t kOverBudget = 4;  // over the host-step budget; errors() holds the ms measured
 constexpr int32_t kTerminated = 8;
 
 struct Builder {
@@ -76,6 +95,7 @@ struct Builder {
   uint32_t tail_mask = 0;   // bits of word full_words below vocab_size_padded (0: none)
   int64_t clear_word = -1;  // first word holding ids >= the tokenizer's vocabulary (-1: none)
   uint32_t clear_keep = 0;  // bits of clear_word below the tokenizer's vocabulary
+  int64_t budget_ns = 0;    // one request's host step may take this long (0: no budget)
   std::vector<std::string> errors;
 
   bool IsStop(int64_t token) const {
@@ -120,12 +140,22 @@ struct Builder {
   // One request: accept `token` (< 0: none, the matcher was created this step), fill its
   // rows from `offset`, then follow its `nd` drafts (draft_at(i) is the i-th). Writes
   // {status, accepted, guided} to o3; a fault's message is appended to `errors`.
+  //
+  // With a budget, the request's wall time is read after each filled row (xgrammar's calls
+  // cannot be interrupted, so one call may overrun it): over the budget, the request stops
+  // with kOverBudget, its rows unmasked and counts zero (Python drops its matcher), and the
+  // milliseconds measured are appended to `errors`. `cpu_time` (the build thread): an overrun
+  // counts only if this thread's CPU time agrees, so time spent preempted is not blamed.
   template <typename DraftAt>
   void RunOne(const ObjectRef& m, int64_t token, int64_t offset, int64_t nd, DraftAt draft_at,
-              int64_t draft_len, int64_t rows, int32_t* mask, int32_t* o3) {
+              int64_t draft_len, int64_t rows, int32_t* mask, int32_t* o3,
+              bool cpu_time = false) {
     int32_t status = kOk;
     int32_t accepted = 0, guided = 0;
     bool terminated = false;
+    const int64_t budget = budget_ns;
+    const int64_t start = budget ? NowNs() : 0;
+    const int64_t cpu_start = budget && cpu_time ? ThreadCpuNs() : 0;
     try {
       bool go = true;
       if (token >= 0) {
@@ -151,6 +181,16 @@ struct Builder {
         }
         ++guided;
         mask[row] = 1;
+        if (budget) {
+          const int64_t elapsed = NowNs() - start;
+          if (elapsed > budget && (!cpu_time || ThreadCpuNs() - cpu_start > budget)) {
+            for (int64_t r = offset; r <= row; ++r) mask[r] = 0;
+            status = kOverBudget;
+            accepted = guided = 0;
+            errors.push_back(std::to_string(static_cast<double>(elapsed) / 1e6));
+            break;
+          }
+        }
         if (i >= draft_len || i >= nd) break;
         if (!Accept(m, draft_at(i), &terminated)) break;  // the draft left the grammar
         ++accepted;
@@ -163,7 +203,7 @@ struct Builder {
       status = kFault;
       errors.push_back(std::string("RuntimeError: ") + e.what());
     }
-    if (terminated) status |= kTerminated;
+    if (terminated && status != kOverBudget) status |= kTerminated;
     o3[0] = status;
     o3[1] = accepted;
     o3[2] = guided;
@@ -231,8 +271,10 @@ void CheckInt32(const Tensor& t, int ndim, const char* what) {
 //              tail_mask, clear_word, clear_keep) -> [step, errors, address]
 //   step(matchers, tokens, offsets, num_drafts, drafts, draft_len, clear_rows)
 //     -> how many requests are not plainly OK; token_mask[:clear_rows] is zeroed first
-//   errors() -> the messages of the last step's faults, in request order
+//   errors() -> the messages of the last step's faults and the milliseconds measured for its
+//     over-budget requests (as text), in request order
 //   address: the Builder's address for the Python module's make_fast (kept alive by step)
+//   set_budget(ns): one request's host-step budget from the next step on (0: none)
 Array<Any> MakeBuilder(Function accept, Function fill, Function is_terminated,
                             Tensor bitmask, Tensor token_mask, Tensor out,
                             Array<int64_t> stop_ids, int64_t full_words, int64_t tail_mask,
@@ -276,8 +318,14 @@ Array<Any> MakeBuilder(Function accept, Function fill, Function is_terminated,
     for (const std::string& e : b->errors) result.push_back(String(e));
     return result;
   });
+  Function set_budget = Function::FromTyped([b](int64_t budget_ns) -> void {
+    if (budget_ns < 0) {
+      TVM_FFI_THROW(ValueError) << "host build: budget " << budget_ns << " ns is negative";
+    }
+    b->budget_ns = budget_ns;
+  });
   const int64_t address = static_cast<int64_t>(reinterpret_cast<intptr_t>(b.get()));
-  return Array<Any>{step, errors, address};
+  return Array<Any>{step, errors, address, set_budget};
 }
 
 // apply_bitmask(logits, bitmask, token_mask, col_offset): the CPU mask in one pass.
@@ -407,8 +455,9 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(apply_bitmask, ApplyBitmask);
 //   valid unseen slot, int new token in the vocabulary, int drafts within bounds; or its
 //   matcher is not exactly matcher_type), and nothing was touched: the Python build runs.
 //   Else the step ran as GuidedDecoder._build's native path would run it, counters written;
-//   masked: some row was guided; unusual: None, or [(batch index, status, fault message or
-//   None)] for every request whose status is not plainly OK, in request order.
+//   masked: some row was guided; unusual: None, or [(batch index, status, fault message,
+//   over-budget milliseconds as text, or None)] for every request whose status is not plainly
+//   OK, in request order.
 namespace {
 
 // The attributes read, by index into g_names and FastState::offset: the request's, then the
@@ -695,7 +744,8 @@ int Begin(FastState* st, PyObject* const* args, const char* name) {
 }
 
 // The xgrammar work of a taken step: no Python object is touched (any thread, GIL or not).
-void RunJob(FastState* st) {
+// `cpu_time`: on the build thread, whose wall time includes waits behind the caller's threads.
+void RunJob(FastState* st, bool cpu_time = false) {
   Builder* b = st->builder;
   const int64_t n = static_cast<int64_t>(st->entries.size());
   for (int64_t k = 0; k < n; ++k) {
@@ -703,7 +753,7 @@ void RunJob(FastState* st) {
     const int64_t* drafts = st->drafts.data() + e.first_draft;
     b->RunOne(e.matcher, e.token, e.offset, e.num_drafts,
               [drafts](int64_t i) -> int64_t { return drafts[i]; }, st->job_draft_len,
-              st->job_rows, st->job_mask, st->out.data() + k * 3);
+              st->job_rows, st->job_mask, st->out.data() + k * 3, cpu_time);
   }
 }
 
@@ -729,7 +779,8 @@ PyObject* Finish(FastState* st) {
     {
       PyObject* message = Py_None;
       Py_INCREF(message);
-      if ((o[0] & ~kTerminated) == kFault && next_error < b->errors.size()) {
+      const int32_t kind = o[0] & ~kTerminated;
+      if ((kind == kFault || kind == kOverBudget) && next_error < b->errors.size()) {
         Py_DECREF(message);
         const std::string& text = b->errors[next_error++];
         message = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()),
@@ -798,7 +849,7 @@ void Serve(Runner* r, FastState* st) {
     if (!r->queued) return;
     r->queued = false;
     lock.unlock();
-    RunJob(st);
+    RunJob(st, /*cpu_time=*/true);
     lock.lock();
     r->done = true;
     r->cv.notify_all();

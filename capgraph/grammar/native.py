@@ -53,11 +53,14 @@ from ..params import native_build_env
 
 __all__ = ["FastPath", "NativeBuildError", "NativeBuilder", "load", "python_module",
            "unavailable_reason", "source_path", "cpu_apply",
-           "STATUS_REJECTED", "STATUS_DEAD_END", "STATUS_FAULT", "TERMINATED"]
+           "STATUS_REJECTED", "STATUS_DEAD_END", "STATUS_FAULT", "STATUS_OVER_BUDGET",
+           "TERMINATED"]
 
 # what csrc/host_build.cc reports per request (out[k, 0]); TERMINATED is a flag on any status
-# (0 is a plain OK, which the C++ steps do not report)
-STATUS_REJECTED, STATUS_DEAD_END, STATUS_FAULT, TERMINATED = 1, 2, 3, 8
+# (0 is a plain OK, which the C++ steps do not report). STATUS_OVER_BUDGET: the request's
+# step took longer than its budget (NativeBuilder.set_budget_ms); its rows are left unmasked
+# and its counts are zero
+STATUS_REJECTED, STATUS_DEAD_END, STATUS_FAULT, STATUS_OVER_BUDGET, TERMINATED = 1, 2, 3, 4, 8
 
 _SOURCE = "host_build.cc"
 _CFLAGS = ("-std=c++17", "-O3", "-fPIC", "-shared", "-fvisibility=hidden")
@@ -290,7 +293,7 @@ class NativeBuilder:
             clear[0], (1 << clear[1]) - 1 if clear[1] else 0)
         accept, fill, is_terminated = methods
         try:
-            self.step, self._errors, self._address = module.make_builder(
+            self.step, self._errors, self._address, self._set_budget = module.make_builder(
                 accept, fill, is_terminated, tvm_ffi.from_dlpack(bitmask),
                 tvm_ffi.from_dlpack(token_mask), tvm_ffi.from_dlpack(self._out),
                 [int(t) for t in stop_ids], int(full_words), int(tail_mask) & 0xFFFFFFFF,
@@ -301,8 +304,16 @@ class NativeBuilder:
         self._keep = (bitmask, token_mask)  # the C++ side views their memory
 
     def errors(self) -> list[str]:
-        """Messages of the last step's faulted requests, in request order."""
+        """Messages of the last step's faulted requests and the milliseconds measured for
+        its over-budget ones (as text), in request order."""
         return [str(e) for e in self._errors()]
+
+    def set_budget_ms(self, budget_ms: float | None) -> None:
+        """One request's host-step budget from the next step on (None or 0: none): a request
+        whose accept and fills take longer, measured on the monotonic clock after each
+        filled row, stops with :data:`STATUS_OVER_BUDGET`. On ``FastPath.begin``'s thread,
+        which runs at nice 19, an overrun also needs the thread's CPU time to agree."""
+        self._set_budget(int(round((budget_ms or 0) * 1e6)))
 
     def bind_fast(self, matchers: list, draft_terminated: list, advanced: list, guided: list,
                   matcher_type: type, vocab_size: int, max_num_draft_tokens: int

@@ -1,0 +1,253 @@
+"""The per-request host-step budget (GuidedDecodingConfig.host_step_budget_ms): a request whose
+accept and fills take too long fails alone, in every build path, and the batch goes on.
+
+No timing is asserted: the slow requests here are either ambiguous regexes whose per-token cost
+grows without bound (tens of ms after ~200 tokens, seconds later), or matchers that sleep far
+beyond a budget that healthy requests stay three orders of magnitude below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from capgraph import ConfigError, GuidedDecodingConfig, GuidedDecodingParams
+from capgraph.capturable import CapturableGuidedDecoder
+from capgraph.decoder import GuidedDecoder
+from capgraph.grammar import GrammarMatcher, create_matcher_factory, native
+from capgraph.grammar.native import NativeBuilder
+from capgraph.params import DEFAULT_HOST_STEP_BUDGET_MS
+from capgraph.requests import GuidedRequest
+
+VOCAB = ["a", "b", "</s>", "c"]
+V = 64
+A = 0  # token 'a'
+BUDGET_MS = 20.0
+HEALTHY = GuidedDecodingParams.regex("a*b?")
+AMBIGUOUS = ["(a*)*b", "((a|aa)*){1000}"]  # cost per token grows with the output
+MAX_STEPS = 800
+
+native_reason = native.unavailable_reason()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """xgrammar on a 4-token raw vocabulary padded to 64 ids, budget 20 ms."""
+    config = GuidedDecodingConfig(encoded_vocab=VOCAB, stop_token_ids=[2], vocab_size_padded=V,
+                                  host_step_budget_ms=BUDGET_MS)
+    factory = create_matcher_factory(config)
+    yield factory
+    factory.close()
+
+
+def _decoder(factory, build: str, kind: str, slots: int = 3, drafts: int = 0,
+             budget: float | None = BUDGET_MS) -> GuidedDecoder:
+    if build == "native" and native_reason is not None:
+        pytest.skip(f"the C++ build is unavailable: {native_reason}")
+    config = dataclasses.replace(factory.config, host_step_budget_ms=budget,
+                                 native_build="on" if build == "native" else "off")
+    cls = CapturableGuidedDecoder if kind == "capturable" else GuidedDecoder
+    return cls(config, slots, drafts, factory=factory)
+
+
+def _step(dec: GuidedDecoder, requests: list[GuidedRequest], rows: int
+          ) -> tuple[torch.Tensor, list]:
+    """One step: add_batch, execute on zero logits; the logits and the failures."""
+    dec.add_batch(requests)
+    logits = torch.zeros(rows, V)
+    failed = dec.execute(logits)
+    if isinstance(dec, CapturableGuidedDecoder):
+        failed = dec.take_failed_requests()
+    return logits, failed
+
+
+def _allowed(logits_row: torch.Tensor) -> list[int]:
+    return torch.isfinite(logits_row).nonzero().flatten().tolist()
+
+
+@pytest.mark.parametrize("kind", ["eager", "capturable"])
+@pytest.mark.parametrize("build", ["python", "native"])
+@pytest.mark.parametrize("pattern", AMBIGUOUS)
+def test_ambiguous_regex_fails_alone(tiny, pattern, build, kind):
+    """An ambiguous regex fed 'a' step after step (its host step grows past the budget)
+    fails with BudgetExceededError, once, while two healthy requests in the same batch keep
+    their exact masks and never fail; afterwards its rows are unmasked and its matcher is
+    gone, so it costs nothing more. Three requests: the Python build runs batched rounds."""
+    dec = _decoder(tiny, build, kind)
+    bad = GuidedDecodingParams.regex(pattern)
+    guides = [HEALTHY, bad, HEALTHY]
+    reference = tiny.create(HEALTHY)
+    _, failed = _step(dec, [GuidedRequest.context(i, i, p) for i, p in enumerate(guides)], 3)
+    assert failed == []
+    failures, failed_at = [], None
+    for step in range(MAX_STEPS):
+        logits, failed = _step(dec, [GuidedRequest.generation(i, i, p, A)
+                                     for i, p in enumerate(guides)], 3)
+        failures += failed
+        assert reference.accept_token(A)
+        row = torch.zeros(1, 2, dtype=torch.int32)
+        reference.fill_next_token_bitmask(row, 0)
+        expect = [t for t in range(V) if row[0, t // 32] >> (t % 32) & 1]
+        assert _allowed(logits[0]) == expect and _allowed(logits[2]) == expect
+        if failed_at is not None:
+            assert _allowed(logits[1]) == list(range(V))  # unmasked
+            if step >= failed_at + 3:
+                break
+        elif failed:
+            failed_at = step
+    dec.close()
+    assert failed_at is not None, f"{pattern} never went over the budget in {MAX_STEPS} steps"
+    assert [f[0] for f in failures] == [1]
+    assert "BudgetExceededError" in failures[0][1] and f"{BUDGET_MS:g} ms budget" in failures[0][1]
+    assert dec.grammar_matchers[1] is None and dec.grammar_matchers[0] is not None
+
+
+class _Sleepy(GrammarMatcher):
+    """A matcher that sleeps ``delay`` s in every fill (and otherwise is ``inner``)."""
+
+    def __init__(self, inner: GrammarMatcher, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+
+    def accept_token(self, token_id: int) -> bool:
+        return self.inner.accept_token(token_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        time.sleep(self.delay)
+        self.inner.fill_next_token_bitmask(bitmask, index)
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+
+@pytest.mark.parametrize("batch", [2, 3])  # request by request; batched rounds
+@pytest.mark.parametrize("kind", ["eager", "capturable"])
+def test_python_build_names_the_slow_request(tiny, batch, kind):
+    """Python build: a matcher whose fill takes 5x the budget fails alone -- in its first
+    step when requests are built one by one, in the step after a batched round went over the
+    budget otherwise (that round cannot say whose call was slow); the others are masked as
+    usual throughout and never fail."""
+    dec = _decoder(tiny, "python", kind, slots=batch)
+    guides = [HEALTHY] * batch
+    _step(dec, [GuidedRequest.context(i, i, p) for i, p in enumerate(guides)], batch)
+    dec.grammar_matchers[1] = _Sleepy(dec.grammar_matchers[1], 5 * BUDGET_MS / 1e3)
+    failures = []
+    for step in range(3):
+        logits, failed = _step(dec, [GuidedRequest.generation(i, i, p, A)
+                                     for i, p in enumerate(guides)], batch)
+        failures.append(failed)
+        assert _allowed(logits[0]) == [0, 1, 2]
+    dec.close()
+    first = 0 if batch <= GuidedDecoder.sequential_fill_max else 1
+    assert [[f[0] for f in failed] for failed in failures] == \
+        [[1] if step == first else [] for step in range(3)]
+    assert "BudgetExceededError" in failures[first][0][1]
+
+
+@pytest.mark.parametrize("build", ["python", "native"])
+def test_over_budget_draft_rows_are_all_unmasked(tiny, build):
+    """With drafts, the budget is read after every filled row: a request over it leaves all
+    its rows of the step unmasked (the ones filled before the overrun too), zero counts, and
+    the other request's rows masked."""
+    dec = _decoder(tiny, build, "eager", slots=2, drafts=2)
+    _step(dec, [GuidedRequest.context(i, i, HEALTHY) for i in range(2)], 2)
+    delay = 0.4 * BUDGET_MS / 1e3  # the overrun comes at the third row
+    if build == "python":
+        dec.grammar_matchers[1] = _Sleepy(dec.grammar_matchers[1], delay)
+    else:
+        _sleepy_native(dec, 1, delay)
+    logits, failed = _step(dec, [GuidedRequest.generation(i, i, HEALTHY, A,
+                                                          draft_tokens=[A, A])
+                                 for i in range(2)], 6)
+    assert [f[0] for f in failed] == [1] and "BudgetExceededError" in failed[0][1]
+    assert all(_allowed(logits[r]) == [0, 1, 2] for r in range(3))
+    assert all(_allowed(logits[r]) == list(range(V)) for r in range(3, 6))
+    assert dec.num_advanced_tokens[1] == 0 and dec.num_guided_tokens[1] == 0
+    assert dec.num_advanced_tokens[0] == 3  # the new token and both drafts
+    dec.close()
+
+
+def _busy(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU time (a sleep would not count on the C++ build's
+    own thread, which confirms an overrun with the thread's CPU clock)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def _sleepy_native(dec: GuidedDecoder, slot: int, delay: float) -> None:
+    """Rebind ``dec``'s C++ loop to xgrammar's methods with a fill that spends ``delay`` s of
+    CPU for the matcher now in ``slot`` (tvm-ffi calls back into Python)."""
+    import xgrammar as xgr
+
+    from capgraph.bitmask import split_last_word
+
+    accept, fill, is_terminated = native.matcher_methods(xgr.matcher._core.GrammarMatcher)
+    target = dec.grammar_matchers[slot]._handle  # type: ignore[union-attr]
+
+    def sleepy_fill(handle, bitmask, index, debug):
+        if handle.same_as(target):
+            _busy(delay)
+        return fill(handle, bitmask, index, debug)
+
+    full, tail = split_last_word(dec.vocab_size_padded)
+    dec._native = NativeBuilder((accept, sleepy_fill, is_terminated), dec.bitmask_host,
+                                dec.token_mask_host, dec.max_num_sequences,
+                                dec.config.stop_token_ids, full, tail, dec._tail)
+    dec._native.set_budget_ms(dec.config.host_step_budget_ms)
+    dec._fast = dec._bind_fast()
+
+
+@pytest.mark.parametrize("kind", ["eager", "capturable"])
+def test_native_build_names_the_slow_request(tiny, kind):
+    """C++ build (its CPython entry; on the capturable decoder, its own thread): a fill that
+    spends 5x the budget fails its request alone in its first step, its row unmasked, the
+    others masked."""
+    dec = _decoder(tiny, "native", kind, slots=3)
+    _step(dec, [GuidedRequest.context(i, i, HEALTHY) for i in range(3)], 3)
+    _sleepy_native(dec, 1, 5 * BUDGET_MS / 1e3)
+    logits, failed = _step(dec, [GuidedRequest.generation(i, i, HEALTHY, A) for i in range(3)],
+                           3)
+    dec.close()
+    assert _allowed(logits[0]) == [0, 1, 2] and _allowed(logits[2]) == [0, 1, 2]
+    assert [f[0] for f in failed] == [1] and "BudgetExceededError" in failed[0][1]
+    assert _allowed(logits[1]) == list(range(V))
+
+
+@pytest.mark.parametrize("budget", [None, 0])
+@pytest.mark.parametrize("build", ["python", "native"])
+def test_no_budget_never_fails_a_slow_request(tiny, budget, build):
+    """``host_step_budget_ms`` None or 0 turns the guard off: a request twice as slow as the
+    default budget allows is served, not failed."""
+    dec = _decoder(tiny, build, "eager", slots=2, budget=budget)
+    _step(dec, [GuidedRequest.context(i, i, HEALTHY) for i in range(2)], 2)
+    delay = 2 * DEFAULT_HOST_STEP_BUDGET_MS / 1e3
+    if build == "python":
+        dec.grammar_matchers[1] = _Sleepy(dec.grammar_matchers[1], delay)
+    else:
+        _sleepy_native(dec, 1, delay)
+    logits, failed = _step(dec, [GuidedRequest.generation(i, i, HEALTHY, A) for i in range(2)], 2)
+    dec.close()
+    assert failed == [] and _allowed(logits[1]) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), 1e9, "5", True])
+def test_budget_is_validated(value):
+    """The budget is a number of ms in [0, 60000] or None; anything else is a ConfigError
+    naming the field."""
+    with pytest.raises(ConfigError, match="host_step_budget_ms"):
+        GuidedDecodingConfig(encoded_vocab=VOCAB, host_step_budget_ms=value)
+
+
+def test_budget_error_carries_its_context():
+    """BudgetExceededError carries the request id, slot, measured ms and budget."""
+    from capgraph import BudgetExceededError
+
+    err = BudgetExceededError(request_id=7, seq_slot=2, elapsed_ms=93.25, budget_ms=50.0)
+    assert (err.request_id, err.seq_slot, err.elapsed_ms, err.budget_ms) == (7, 2, 93.25, 50.0)
+    assert "93.2 ms" in str(err) and "50 ms budget" in str(err) and "request_id=7" in str(err)
