@@ -122,17 +122,24 @@ def test_respelled_vocabulary_changes_only_special_tokens(tokenizer_cache):
     assert info.stop_token_ids == placing.stop_token_ids == config.stop_token_ids
 
 
-@pytest.mark.parametrize("by", ["name", "id"])
+@pytest.mark.parametrize("by", ["name", "id", "lark name", "lark id"])
 def test_structural_tag_token_element_places_a_special_token(factory_cache, tokenizer_cache, by):
-    """A structural tag's ``token`` element, naming a special token by string or id, allows
-    exactly that token at its place; the tag's text after it still cannot produce it."""
+    """A structural tag that places a special token -- a ``token`` element naming it by string
+    or id, or ``<name>`` / ``<[id]>`` in a Lark ``grammar`` element -- allows exactly that
+    token at its place; the tag's text after it still cannot produce it."""
     tok = tokenizer_cache("qwen")
     factory = factory_cache("qwen")
     start = tok.convert_tokens_to_ids("<|im_start|>")
-    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
-        {"type": "token", "token": "<|im_start|>" if by == "name" else start},
-        {"type": "const_string", "value": "assistant\n"},
-        {"type": "any_text"}]}}
+    if by.startswith("lark"):
+        ref = "<|im_start|>" if by == "lark name" else f"<[{start}]>"
+        fmt = {"type": "grammar", "syntax": "lark",
+               "grammar": f'start: {ref} "assistant\\n" /[a-z<|>]*/'}
+    else:
+        fmt = {"type": "sequence", "elements": [
+            {"type": "token", "token": "<|im_start|>" if by == "name" else start},
+            {"type": "const_string", "value": "assistant\n"},
+            {"type": "any_text"}]}
+    tag = {"type": "structural_tag", "format": fmt}
     matcher = factory.create(GuidedDecodingParams.structural_tag(json.dumps(tag)))
     assert allowed_ids(factory, matcher) == {start}
     assert matcher.accept_token(start)

@@ -87,10 +87,18 @@ def json_whitespace_options(config: GuidedDecodingConfig) -> dict[str, Any]:
     return {"any_whitespace": True}
 
 
+# In Lark text: a string literal, a regex literal or a comment (kept as written), else a token
+# reference by id "<[151644]>" or by name "<|im_start|>".
+_LARK_TOKEN_REF = re.compile(
+    r'"(?:[^"\\\n]|\\.)*"|//[^\n]*|/(?:[^/\\\n]|\\.)+/'
+    r'|<\[\s*(?P<id>\d+)\s*\]>|<(?P<name>[^<>\s"/]+)>')
+
+
 def _resolve_tag_tokens(tag: str, ids_by_name: Mapping[str, int]) -> tuple[str, frozenset[int]]:
     """The structural tag ``tag`` with every special token it names by string replaced by its
     id, and the special ids it places (``token`` elements, ``trigger_tokens``, token-dispatch
-    patterns; exclusion lists place nothing).
+    patterns, ``<name>`` / ``<[id]>`` in Lark ``grammar`` elements; exclusion lists place
+    nothing).
 
     :func:`build_tokenizer_info` empties the text of special tokens, which hides them from
     xgrammar's lookup by string, so they are resolved here. Ordinary tokens named by string are
@@ -112,6 +120,19 @@ def _resolve_tag_tokens(tag: str, ids_by_name: Mapping[str, int]) -> tuple[str, 
             placed.add(token)
         return token
 
+    def lark_ref(m: re.Match[str]) -> str:
+        if m.group("id") is not None:
+            token: int | None = int(m.group("id"))
+        elif m.group("name") is not None:
+            token = ids_by_name.get(m.group(0))  # else an ordinary token: xgrammar's
+        else:
+            token = None  # a string, a regex or a comment
+        if token is None:
+            return m.group(0)
+        if token in specials:
+            placed.add(token)
+        return f"<[{token}]>"
+
     def walk(node: Any) -> None:
         if isinstance(node, list):
             for item in node:
@@ -130,6 +151,9 @@ def _resolve_tag_tokens(tag: str, ids_by_name: Mapping[str, int]) -> tuple[str, 
             for rule in node["rules"]:
                 if isinstance(rule, list) and rule:
                     rule[0] = by_id(rule[0], True)
+        if kind == "grammar" and node.get("syntax") == "lark" \
+                and isinstance(node.get("grammar"), str):
+            node["grammar"] = _LARK_TOKEN_REF.sub(lark_ref, node["grammar"])
         for value in node.values():
             walk(value)
 
