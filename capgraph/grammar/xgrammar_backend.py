@@ -50,9 +50,10 @@ def build_tokenizer_info(config: GuidedDecodingConfig, placeable: Collection[int
 
     ``placeable``: special ids a structural tag places with ``token`` elements. xgrammar's
     matcher refuses every special id, so these are spelled :data:`SPECIAL_SPELLING_PREFIX` +
-    their text instead, which only a ``token`` element (by id) and the any-byte free text of
-    ``any_text`` regions can match. A vocabulary given as ``encoded_vocab`` carries no
-    special-token metadata and is taken as it is.
+    their text instead, which only a ``token`` element (by id) and the ``any_text`` content of
+    a ``tag`` (xgrammar matches it as any bytes up to the end string) can match: a placed
+    token may also appear there, no other special token can. A vocabulary given as
+    ``encoded_vocab`` carries no special-token metadata and is taken as it is.
     """
     stop_ids = list(config.stop_token_ids or [])
     if config.tokenizer is None:
