@@ -280,6 +280,7 @@ def test_compact_json_masks_whitespace_after_separators(whitespace_factories, to
     ({"json_max_whitespace": 0}, "json_max_whitespace=0"),
     ({"json_max_whitespace": True}, "json_max_whitespace=True"),
     ({"json_max_whitespace": "4"}, "json_max_whitespace='4'"),
+    ({"json_max_whitespace": 257}, "json_max_whitespace=257"),
 ])
 def test_json_whitespace_config_errors_name_the_field(tekken, kwargs, field):
     """A bad whitespace mode or limit is a ConfigError naming the field and the value."""
