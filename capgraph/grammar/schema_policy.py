@@ -129,6 +129,16 @@ class _Node:
                 and not (k in ("$id", "id") and self.is_root) and not _is_no_op(k, self.schema[k])}
 
 
+def _vacuous(node: _Node) -> bool:
+    """Whether ``type`` excludes every instance the keyword constrains (``minLength`` next to
+    ``"type": "integer"``): then it asserts nothing, enforced or not."""
+    applies = _APPLIES_TO.get(node.keyword)
+    types = node.types()
+    if applies is None or types is None:
+        return False
+    return not applies & types
+
+
 def _is_no_op(keyword: str, value: Any) -> bool:
     return any(type(value) is type(v) and value == v for v in _NO_OPS.get(keyword, ()))
 
@@ -249,6 +259,27 @@ def _enum_covers_siblings(node: _Node) -> str | None:
     return None
 
 
+def _raw_control_characters(node: _Node) -> str | None:
+    # measured: {"type": "string", "maxLength": 5} accepts '"a\x0fb"' (raw U+0000-U+001F but
+    # LF and CR), which is not JSON; without a length limit the same string is refused
+    return "xgrammar lets raw control characters into a length-limited string (not JSON)"
+
+
+def _number_bound(node: _Node) -> str | None:
+    if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
+        return "xgrammar reads only the numeric form (draft-06 and later)"
+    return None
+
+
+def _all_properties_required(node: _Node) -> str | None:
+    props = node.schema.get("properties")
+    required = node.schema.get("required")
+    if isinstance(props, dict) and props and not (
+            isinstance(required, list) and set(props) <= set(required)):
+        return "llguidance counts properties only when every listed one is required"
+    return None
+
+
 def _one_branch(node: _Node) -> str | None:
     if not isinstance(node.value, list) or len(node.value) != 1:
         return "xgrammar does not intersect the branches of allOf"
@@ -292,17 +323,18 @@ XGRAMMAR: dict[str, Rule] = {
     "type": _known_type,
     "enum": _enum_covers_siblings,
     "const": _enum_covers_siblings,
-    "minimum": _needs_type, "maximum": _needs_type,
-    "exclusiveMinimum": _needs_type, "exclusiveMaximum": _needs_type,
+    "minimum": _all(_needs_type, _number_bound), "maximum": _all(_needs_type, _number_bound),
+    "exclusiveMinimum": _all(_needs_type, _number_bound),
+    "exclusiveMaximum": _all(_needs_type, _number_bound),
     "multipleOf": _all(_needs_type, _integer_multiple,
                        _without("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")),
-    "minLength": _all(_needs_type, _without("pattern", "format")),
-    "maxLength": _all(_needs_type, _without("pattern", "format")),
+    "minLength": _raw_control_characters,
+    "maxLength": _raw_control_characters,
     "pattern": _all(_needs_type, _without("format")),
     "format": _all(_needs_type, _formats(XGRAMMAR_FORMATS, "xgrammar"),
                    _without("minLength", "maxLength", "pattern")),
-    "items": _all(_needs_type, _items_schema),
-    "prefixItems": _needs_type,
+    "items": _items_schema,  # xgrammar reads items/prefixItems as "an array" without a type
+    "prefixItems": _ok,
     "additionalItems": _additional_items,
     "minItems": _needs_type, "maxItems": _needs_type,
     "unevaluatedItems": _all(_needs_type, _without(*_APPLICATORS)),
@@ -334,7 +366,7 @@ LLGUIDANCE: dict[str, Rule] = {
     "items": _ok, "prefixItems": _ok, "additionalItems": _llg_additional_items,
     "minItems": _ok, "maxItems": _ok,
     "properties": _ok, "additionalProperties": _ok, "required": _ok, "patternProperties": _ok,
-    "minProperties": _ok, "maxProperties": _ok,
+    "minProperties": _all_properties_required, "maxProperties": _all_properties_required,
     "allOf": _ok, "anyOf": _ok,
     "oneOf": _ok,  # llguidance refuses branches it cannot prove disjoint
     "$ref": _local_ref,
@@ -375,7 +407,8 @@ def _walk(schema: Any, pointer: str, root: Any, rules: Mapping[str, Rule],
     for keyword, node in node_of.items():
         if keyword in special:
             why = special[keyword](node)
-        elif keyword not in VOCABULARY or _is_no_op(keyword, schema[keyword]) or covered:
+        elif keyword not in VOCABULARY or _is_no_op(keyword, schema[keyword]) or covered \
+                or _vacuous(node):
             continue
         else:
             rule = rules.get(keyword)

@@ -1,0 +1,357 @@
+"""JSON-schema constraints are enforced or refused, never silently dropped (both backends).
+
+The probes of ``tools/conformance_table.py`` (each keyword alone and next to its common
+neighbours) run on both backends: a compiled schema must refuse its violating instance token by
+token. ``docs/CONFORMANCE.md`` must equal what the probes give now. The issue's examples run on
+the three bundled tokenizers, and ``json_unenforced_keywords="fallback"`` routes what one
+backend cannot enforce to the other, per request, in mixed batches.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from capgraph import GuidedDecodingConfig, GuidedDecodingParams
+from capgraph.errors import ConfigError, GrammarCompileError, UnsupportedGuideError
+from capgraph.grammar import create_matcher_factory
+from capgraph.grammar.converter_log import converter_warnings
+from capgraph.grammar.schema_policy import unenforced
+from capgraph.requests import GuidedRequest
+from capgraph.tokenizers import encode_continuation
+
+pytest.importorskip("llguidance", reason="the llguidance extra is not installed")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+table = _load_tool("conformance_table")
+walk = _load_tool("conformance_walk")
+PROBE_IDS = [f"{p.keyword}-{p.context}".replace(" ", "_") for p in table.PROBES]
+
+# The issue's reproductions and the classes it names, each with an instance that violates
+# only the constraint at stake.
+ISSUE_EXAMPLES = {
+    "multipleOf_number": ({"type": "number", "multipleOf": 120}, 7),
+    "maxLength_next_to_pattern": ({"type": "string", "pattern": "^a+$", "maxLength": 2}, "aaa"),
+    "allOf_two_branches": ({"allOf": [{"type": "integer"}, {"minimum": 0}]}, -1),
+    "propertyNames_next_to_properties": (
+        {"type": "object", "properties": {"x": {"type": "integer"}},
+         "propertyNames": {"pattern": "^a"}}, {"x": 1}),
+    "patternProperties_next_to_properties": (
+        {"type": "object", "properties": {"ab": {"type": "string"}},
+         "patternProperties": {"^a": {"type": "integer"}}}, {"ab": "s"}),
+    "patternProperties_overlapping": (
+        {"type": "object", "patternProperties": {"^a": {"type": "integer"},
+                                                 "b$": {"minimum": 0}}}, {"ab": -1}),
+    "anyOf_next_to_sibling": ({"anyOf": [{"type": "integer"}, {"type": "string"}],
+                               "minimum": 5}, 3),
+    "oneOf_next_to_sibling": ({"oneOf": [{"type": "integer"}, {"type": "string"}],
+                               "minimum": 5}, 3),
+    "format_with_length": ({"type": "string", "format": "email", "maxLength": 8},
+                           "abcdefgh@example.com"),
+}
+
+
+@pytest.fixture(scope="module")
+def tekken_factories(tekken):
+    """backend -> (default-policy factory, "ignore" factory), Tekken."""
+    return table.factories(tekken)
+
+
+def _violation_accepted(factory, tokenizer, schema, instance) -> bool | None:
+    """True if the compiled schema lets ``instance`` + stop through; None if refused."""
+    try:
+        compiled = factory.compile(GuidedDecodingParams.json_schema(schema))
+    except GrammarCompileError:
+        return None
+    return table.accepts(factory, compiled, tokenizer, instance)
+
+
+@pytest.mark.parametrize("backend", table.BACKENDS)
+@pytest.mark.parametrize("index", range(len(table.PROBES)), ids=PROBE_IDS)
+def test_probe_is_enforced_or_refused(index, backend, tekken_factories, tekken):
+    """Each probe's schema is either refused at compile time (an UnsupportedGuideError that
+    names a keyword and its JSON pointer or what the backend reported, or the backend's own
+    compile error) or compiled into a grammar that refuses the violating instance."""
+    probe = table.PROBES[index]
+    strict, _ = tekken_factories[backend]
+    outcome = table.run_probe(strict, None, tekken, probe)
+    assert outcome.status != "VIOLATION", f"{backend} lets {probe.violating!r} through"
+    if outcome.status == "refused":
+        assert "' at /" in outcome.detail or "reported:" in outcome.detail, outcome.detail
+
+
+@pytest.mark.parametrize("index", range(len(table.PROBES)), ids=PROBE_IDS)
+def test_probe_instances_are_what_they_claim(index):
+    """The probe table is sound: jsonschema finds each violating instance invalid and each
+    valid instance valid (formats jsonschema cannot check here are skipped)."""
+    from jsonschema import Draft202012Validator, FormatChecker
+    probe = table.PROBES[index]
+    if probe.keyword in ("x-guidance",):
+        pytest.skip("x-guidance is no JSON Schema keyword; the probe violates 'not'")
+    checker = FormatChecker(formats=walk.CHECKED_FORMATS)
+    fmt = probe.schema.get("format")
+    if fmt is not None and fmt not in checker.checkers:
+        pytest.skip(f"jsonschema has no standard check for format {fmt!r} here")
+    validator = Draft202012Validator(probe.schema, format_checker=checker)
+    if probe.keyword in ("items", "additionalItems") and "draft-07" in probe.context:
+        from jsonschema import Draft7Validator
+        validator = Draft7Validator(probe.schema, format_checker=checker)
+    if probe.context == "draft-04 boolean form":
+        from jsonschema import Draft4Validator
+        validator = Draft4Validator(probe.schema, format_checker=checker)
+    if probe.keyword == "dependencies":
+        from jsonschema import Draft7Validator
+        validator = Draft7Validator(probe.schema, format_checker=checker)
+    if isinstance(probe.violating, table.Raw):
+        with pytest.raises(ValueError):
+            json.loads(probe.violating.text)
+    else:
+        assert not validator.is_valid(probe.violating)
+    if probe.valid is not table.NO_VALID:
+        assert validator.is_valid(probe.valid)
+
+
+def test_conformance_doc_is_current(tekken_factories, tekken):
+    """docs/CONFORMANCE.md is exactly what tools/conformance_table.py generates from the
+    probes now (plus the recorded walk), and it reports no violation."""
+    results = {}
+    for backend, (strict, lenient) in tekken_factories.items():
+        for i, probe in enumerate(table.PROBES):
+            results[(i, backend)] = table.run_probe(strict, lenient, tekken, probe)
+    text = table.render(results, table.load_walk())
+    assert "VIOLATION" not in text
+    assert table.DOC.read_text() == text, \
+        "docs/CONFORMANCE.md is stale: run python tools/conformance_table.py"
+
+
+@pytest.mark.parametrize("tok_name", ["tekken", "mistral-sp32k", "qwen"])
+@pytest.mark.parametrize("backend", table.BACKENDS)
+@pytest.mark.parametrize("example", list(ISSUE_EXAMPLES))
+def test_issue_examples_never_pass_a_violation(example, backend, tok_name, factory_cache,
+                                               tokenizer_cache):
+    """The issue's reproductions, on every bundled tokenizer and both backends: refused at
+    compile time, or the violating instance is refused token by token."""
+    schema, violating = ISSUE_EXAMPLES[example]
+    factory = factory_cache(tok_name, backend)
+    accepted = _violation_accepted(factory, tokenizer_cache(tok_name), schema, violating)
+    assert accepted is not True
+
+
+@pytest.mark.parametrize("example", ["multipleOf_number", "maxLength_next_to_pattern",
+                                     "allOf_two_branches"])
+def test_xgrammar_refuses_issue_examples_naming_keyword_and_pointer(example, factory_cache):
+    """On xgrammar (which would drop them) the three reproductions are refused by default with
+    an UnsupportedGuideError naming the keyword and its JSON pointer."""
+    schema, _ = ISSUE_EXAMPLES[example]
+    keyword = {"multipleOf_number": "'multipleOf' at /", "maxLength_next_to_pattern":
+               "'maxLength' at /", "allOf_two_branches": "'allOf' at /"}[example]
+    with pytest.raises(UnsupportedGuideError) as info:
+        factory_cache("tekken").compile(GuidedDecodingParams.json_schema(schema))
+    assert keyword in str(info.value) and "json_unenforced_keywords" in str(info.value)
+
+
+def test_xgrammar_warning_refuses_a_schema_the_allow_list_passes(factory_cache, capfd):
+    """oneOf alone is allowed (xgrammar enforces disjoint branches), but for overlapping ones
+    xgrammar logs that it falls back to anyOf: the captured warning refuses the schema, and the
+    warning still reaches stderr."""
+    schema = {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}
+    assert unenforced(schema, "xgrammar") == []
+    with pytest.raises(UnsupportedGuideError) as info:
+        factory_cache("tekken").compile(GuidedDecodingParams.json_schema(schema))
+    assert "xgrammar reported: oneOf" in str(info.value)
+    assert "falling back to anyOf" in capfd.readouterr().err
+
+
+def test_converter_warnings_reads_only_converter_lines_and_reemits_all(capfd):
+    """Inside the capture, a converter warning is returned; any other stderr text (another
+    thread's, Python's) is not read as a warning; everything reaches the real stderr."""
+    with converter_warnings() as warned:
+        os.write(2, b"[10:00:00] /x/cpp/json_schema_converter.cc:12: Warning: dropped foo\n")
+        os.write(2, b"unrelated Warning: not from the converter\n")
+    assert warned == ["dropped foo"]
+    err = capfd.readouterr().err
+    assert "dropped foo" in err and "unrelated Warning" in err
+
+
+def test_converter_warnings_restores_stderr_when_the_body_raises(capfd):
+    """Descriptor 2 is restored (and the captured text re-emitted) when the compile raises."""
+    before = os.fstat(2).st_ino
+    with pytest.raises(RuntimeError):
+        with converter_warnings():
+            os.write(2, b"partial output\n")
+            raise RuntimeError("compile failed")
+    assert os.fstat(2).st_ino == before
+    assert "partial output" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("schema,expected", [
+    ({"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}},
+     []),
+    ({"type": "integer", "title": "t", "x-vendor": {"not": 1}, "_comment": "c",
+      "nullable": True}, []),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": False, "minItems": 0}, []),
+    ({"type": "object", "properties": {"a/b": {"type": "array", "items": {"type": "integer"},
+                                               "uniqueItems": True}}},
+     [("uniqueItems", "/properties/a~1b")]),
+    ({"$ref": "#/$defs/missing", "$defs": {}}, [("$ref", "")]),
+    ({"$ref": "https://example.com/s.json"}, [("$ref", "")]),
+    ({"type": "string", "enum": ["a", "b"], "maxLength": 1}, []),
+    ({"type": "string", "enum": ["a", "bb"], "maxLength": 1}, [("enum", ""), ]),
+    ({"properties": {"a": {"$id": "http://x/a", "type": "integer"}}}, [("$id", "/properties/a")]),
+])
+def test_policy_findings_xgrammar(schema, expected):
+    """The xgrammar allow-list: names and annotations are not keywords, no-op values constrain
+    nothing, pointers escape '/', an enum whose values satisfy its siblings decides alone,
+    unresolvable or remote references and nested identifiers are reported."""
+    found = [(f.keyword, f.pointer) for f in unenforced(schema, "xgrammar")]
+    assert found[:len(expected)] == expected and (expected or not found)
+
+
+def test_policy_refuses_x_guidance_on_llguidance(factory_cache):
+    """A schema's own x-guidance options could make llguidance ignore keywords (lenient
+    mode); the llguidance policy refuses them, naming the key and where."""
+    schema = {"type": "integer", "x-guidance": {"lenient": True}}
+    with pytest.raises(UnsupportedGuideError) as info:
+        factory_cache("tekken", "llguidance").compile(GuidedDecodingParams.json_schema(schema))
+    assert "'x-guidance' at /" in str(info.value)
+
+
+# -- json_unenforced_keywords="fallback" ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fallback_factory(tekken):
+    factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
+        tekken, json_unenforced_keywords="fallback"))
+    yield factory
+    factory.close()
+
+
+@pytest.mark.parametrize("example", ["multipleOf_number", "maxLength_next_to_pattern",
+                                     "allOf_two_branches", "anyOf_next_to_sibling"])
+def test_fallback_serves_what_xgrammar_drops_with_llguidance(example, fallback_factory,
+                                                            tekken):
+    """A schema xgrammar would not enforce is served by llguidance, recorded on the compiled
+    guide with the reason, and the violating instance is refused."""
+    schema, violating = ISSUE_EXAMPLES[example]
+    params = GuidedDecodingParams.json_schema(schema)
+    compiled = fallback_factory.compile(params)
+    assert compiled.backend == "llguidance"
+    assert compiled.fallback_reason and "xgrammar refused it" in compiled.fallback_reason
+    assert fallback_factory.served_by(params) == ("llguidance", compiled.fallback_reason)
+    assert not table.accepts(fallback_factory, compiled, tekken, violating)
+
+
+def test_fallback_keeps_xgrammar_where_it_enforces(fallback_factory):
+    """A schema xgrammar enforces stays on xgrammar, with no fallback reason."""
+    params = GuidedDecodingParams.json_schema({"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 0}}, "required": ["a"]})
+    assert fallback_factory.served_by(params) == ("xgrammar", None)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"x": {"type": "integer"}}, "propertyNames": {"pattern": "^a"}},
+    {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]},
+    {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+    {"type": "integer", "not": {"const": 1}},
+])
+def test_fallback_refuses_what_neither_backend_enforces(schema, fallback_factory):
+    """propertyNames next to properties, overlapping oneOf, uniqueItems and not: neither
+    backend enforces them, so the schema is refused, naming both backends' reasons."""
+    with pytest.raises(GrammarCompileError) as info:
+        fallback_factory.compile(GuidedDecodingParams.json_schema(schema))
+    message = str(info.value)
+    assert "neither backend" in message and "xgrammar:" in message and "llguidance:" in message
+
+
+def test_fallback_needs_one_stop_token(tekken):
+    """Fallback builds llguidance too, which takes exactly one stop token: ConfigError at
+    construction, naming the fallback and the reason."""
+    with pytest.raises(ConfigError) as info:
+        create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
+            tekken, json_unenforced_keywords="fallback", stop_token_ids=[1, 2]))
+    assert "'fallback'" in str(info.value) and "exactly one stop token" in str(info.value)
+
+
+def test_fallback_needs_the_llguidance_extra(tekken, monkeypatch):
+    """Without the llguidance extra, fallback is a ConfigError naming the missing extra."""
+    from capgraph.grammar import llguidance_backend
+    monkeypatch.setattr(llguidance_backend, "llguidance", None)
+    with pytest.raises(ConfigError) as info:
+        create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
+            tekken, json_unenforced_keywords="fallback"))
+    assert "'fallback'" in str(info.value) and "llguidance" in str(info.value)
+
+
+def test_unknown_policy_is_a_config_error(tekken):
+    """json_unenforced_keywords takes 'error', 'fallback' or 'ignore'."""
+    with pytest.raises(ConfigError) as info:
+        GuidedDecodingConfig.from_tokenizer(tekken, json_unenforced_keywords="lenient")
+    assert "'fallback'" in str(info.value)
+
+
+def test_fallback_mixed_batch_masks_match_each_backend(fallback_factory, tekken):
+    """A decoder batch holding an xgrammar-served and an llguidance-served request: every
+    step's mask of each row equals the mask of its serving backend's own matcher advanced by
+    the same tokens, and the allowed tokens sampled keep both outputs valid."""
+    from capgraph import GuidedDecoder
+    from capgraph.grammar.xgrammar_backend import XGrammarMatcher
+    schemas = [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+               {"type": "number", "multipleOf": 120}]
+    params = [GuidedDecodingParams.json_schema(s) for s in schemas]
+    texts = ['{"a":12}', "240"]
+    tokens = [encode_continuation(tekken, t) + [fallback_factory.config.stop_token_ids[0]]
+              for t in texts]
+    served = [fallback_factory.compile(p) for p in params]
+    assert [c.backend for c in served] == ["xgrammar", "llguidance"]
+    refs = [fallback_factory.create_from_compiled(c) for c in served]
+    assert type(refs[0]) is XGrammarMatcher and type(refs[1]) is not XGrammarMatcher
+    V = fallback_factory.config.vocab_size_padded
+    dec = GuidedDecoder(fallback_factory.config, max_num_sequences=2, vocab_size_padded=V,
+                        factory=fallback_factory)
+    try:
+        steps = max(len(t) for t in tokens)
+        for step in range(steps):
+            live = [i for i in range(2) if step < len(tokens[i])]
+            reqs = [GuidedRequest.context(i, i, params[i]) if step == 0 else
+                    GuidedRequest.generation(i, i, params[i], tokens[i][step - 1])
+                    for i in live]
+            dec.add_batch(reqs)
+            logits = torch.zeros(len(live), V)
+            assert dec.execute(logits) == []
+            for row, i in enumerate(live):
+                if step:
+                    assert refs[i].accept_token(tokens[i][step - 1])
+                want = torch.zeros(1, (V + 31) // 32, dtype=torch.int32)
+                refs[i].fill_next_token_bitmask(want, 0)
+                allowed = torch.isfinite(logits[row])
+                expect = ((want[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+                          ).flatten()[:V].bool()
+                assert torch.equal(allowed, expect), f"row {row} (request {i}) at step {step}"
+                assert bool(allowed[tokens[i][step]])
+    finally:
+        dec.close()
+
+
+def test_ignore_policy_still_compiles_unenforced_schemas(tekken_factories, tekken):
+    """json_unenforced_keywords='ignore' is the explicit opt-in: the schema compiles and the
+    dropped constraint is indeed not enforced (what the CONFORMANCE table calls 'dropped')."""
+    _, lenient = tekken_factories["xgrammar"]
+    schema, violating = ISSUE_EXAMPLES["multipleOf_number"]
+    assert lenient.config.json_unenforced_keywords == "ignore"
+    assert _violation_accepted(lenient, tekken, schema, violating) is True

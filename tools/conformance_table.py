@@ -1,0 +1,381 @@
+"""JSON Schema conformance probes: each keyword, alone and next to its common neighbours, on
+each backend; writes ``docs/CONFORMANCE.md`` from their results.
+
+A probe is a schema plus an instance that violates only the probed keyword (and, where one
+exists, a valid instance). On each backend, under the default ``json_unenforced_keywords=
+"error"``, the schema is either refused (``UnsupportedGuideError`` naming the keyword and its
+JSON pointer, or the backend's own compile error) or compiled; a compiled schema must refuse
+the violating instance token by token (its encoding plus the stop token fed to a matcher),
+else the probe reports a ``VIOLATION``. Refused schemas are compiled again under ``"ignore"``
+to show what opting in would drop.
+
+    python tools/conformance_table.py            # rewrite docs/CONFORMANCE.md
+    python tools/conformance_table.py --check    # exit 1 if the committed file differs
+
+``tests/test_conformance_schema.py`` runs the same probes and checks the committed file.
+The walk's counts come from ``docs/conformance_walk.json``, which ``tools/conformance_walk.py
+--record`` writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "CONFORMANCE.md"
+WALK_RECORD = ROOT / "docs" / "conformance_walk.json"
+BACKENDS = ("xgrammar", "llguidance")
+NO_VALID = object()  # the schema has no valid instance worth feeding
+
+
+@dataclass(frozen=True)
+class Raw:
+    """Output text fed as it is (an instance that is not JSON at all)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Probe:
+    keyword: str
+    context: str
+    schema: dict
+    violating: Any
+    valid: Any = NO_VALID
+
+
+def _p(keyword: str, context: str, schema: dict, violating: Any, valid: Any = NO_VALID
+       ) -> Probe:
+    return Probe(keyword, context, schema, violating, valid)
+
+
+_INT = {"type": "integer"}
+PROBES: list[Probe] = [
+    _p("type", "alone", {"type": "integer"}, "a", 1),
+    _p("type", "list of types", {"type": ["integer", "null"]}, "a", None),
+    _p("enum", "alone", {"enum": ["a", "b"]}, "c", "a"),
+    _p("enum", "next to type (values of that type)", {"type": "string", "enum": ["a", "b"]},
+       "c", "b"),
+    _p("enum", "next to type (a value of another type)", {"type": "string", "enum": ["a", 1]},
+       1, "a"),
+    _p("const", "alone", {"const": "a"}, "b", "a"),
+    _p("const", "next to maxLength (value too long)", {"const": "abc", "maxLength": 2}, "abc"),
+    _p("minimum", "type integer", {"type": "integer", "minimum": 0}, -1, 0),
+    _p("minimum", "without type", {"minimum": 0}, -1, 0),
+    _p("maximum", "type number", {"type": "number", "maximum": 1.5}, 2, 1.5),
+    _p("exclusiveMinimum", "type integer", {"type": "integer", "exclusiveMinimum": 0}, 0, 1),
+    _p("exclusiveMaximum", "type number", {"type": "number", "exclusiveMaximum": 3}, 3, 2.5),
+    _p("exclusiveMinimum", "draft-04 boolean form",
+       {"type": "number", "minimum": 3, "exclusiveMinimum": True}, 3, 4),
+    _p("multipleOf", "type integer", {"type": "integer", "multipleOf": 3}, 4, 6),
+    _p("multipleOf", "type number", {"type": "number", "multipleOf": 120}, 7, 240),
+    _p("multipleOf", "type integer, next to minimum",
+       {"type": "integer", "multipleOf": 3, "minimum": 0}, 4, 3),
+    _p("multipleOf", "type integer, fractional", {"type": "integer", "multipleOf": 1.5}, 1, 3),
+    _p("minLength", "type string", {"type": "string", "minLength": 2}, "a", "ab"),
+    _p("minLength", "without type", {"minLength": 2}, "a", "ab"),
+    _p("minLength", "next to pattern", {"type": "string", "pattern": "^a+$", "minLength": 2},
+       "a", "aa"),
+    _p("maxLength", "type string", {"type": "string", "maxLength": 2}, "aaa", "aa"),
+    _p("maxLength", "raw control character in the string (not JSON)",
+       {"type": "string", "maxLength": 5}, Raw('"a\x0fb"'), "a\u000fb"),
+    _p("minLength", "raw control character in the string (not JSON)",
+       {"type": "string", "minLength": 1}, Raw('"a\x0fb"'), "a\u000fb"),
+    _p("type", "string with a raw control character (not JSON)", {"type": "string"},
+       Raw('"a\x0fb"'), "a\u000fb"),
+    _p("maxLength", "next to pattern", {"type": "string", "pattern": "^a+$", "maxLength": 2},
+       "aaa", "aa"),
+    _p("maxLength", "next to format", {"type": "string", "format": "email", "maxLength": 8},
+       "abcdefgh@example.com", "a@b.io"),
+    _p("pattern", "type string", {"type": "string", "pattern": "^a+$"}, "b", "aa"),
+    _p("pattern", "without type", {"pattern": "^a+$"}, "b", "aa"),
+    _p("pattern", "unanchored", {"type": "string", "pattern": "a"}, "b", "bab"),
+    _p("pattern", "next to format", {"type": "string", "format": "email", "pattern": "^a"},
+       "b@example.com", "a@example.com"),
+    *[_p("format", name, {"type": "string", "format": name}, bad, good) for name, bad, good in [
+        ("date", "2020-13-01", "2020-12-01"),
+        ("date-time", "2020-01-01", "2020-01-01T10:00:00Z"),
+        ("time", "25:00:00Z", "10:00:00Z"),
+        ("duration", "P", "P1D"),
+        ("email", "nope", "a@example.com"),
+        ("hostname", "-a-", "example.com"),
+        ("ipv4", "1.2.3", "1.2.3.4"),
+        ("ipv6", "xyz", "::1"),
+        ("uri", "not a uri", "https://example.com/a"),
+        ("uri-reference", "\\\\", "/a/b"),
+        ("uuid", "abc", "123e4567-e89b-12d3-a456-426614174000"),
+        ("json-pointer", "a", "/a"),
+        ("regex", "(", "a+"),
+    ]],
+    _p("format", "color (no standard format)", {"type": "string", "format": "color"}, "abc",
+       "red"),
+    _p("format", "without type", {"format": "email"}, "nope", "a@example.com"),
+    _p("items", "type array", {"type": "array", "items": _INT}, ["a"], [1]),
+    _p("items", "without type", {"items": _INT}, ["a"], [1]),
+    _p("items", "draft-07 tuple form", {"type": "array", "items": [_INT]}, ["a"], [1]),
+    _p("prefixItems", "type array", {"type": "array", "prefixItems": [_INT]}, ["a"], [1]),
+    _p("prefixItems", "next to items",
+       {"type": "array", "prefixItems": [_INT], "items": {"type": "string"}}, [1, 2], [1, "a"]),
+    _p("additionalItems", "after draft-07 tuple items",
+       {"type": "array", "items": [_INT], "additionalItems": False}, [1, 2], [1]),
+    _p("minItems", "type array", {"type": "array", "items": _INT, "minItems": 1}, [], [1]),
+    _p("maxItems", "type array", {"type": "array", "items": _INT, "maxItems": 1}, [1, 2], [1]),
+    _p("maxItems", "without type", {"maxItems": 1}, [1, 2], [1]),
+    _p("uniqueItems", "type array", {"type": "array", "items": _INT, "uniqueItems": True},
+       [1, 1], [1, 2]),
+    _p("contains", "type array", {"type": "array", "items": _INT, "contains": {"const": 5}},
+       [1], [5]),
+    _p("maxContains", "next to contains",
+       {"type": "array", "items": _INT, "contains": {"const": 1}, "maxContains": 1}, [1, 1],
+       [1]),
+    _p("unevaluatedItems", "next to prefixItems",
+       {"type": "array", "prefixItems": [_INT], "unevaluatedItems": False}, [1, 2], [1]),
+    _p("properties", "type object", {"type": "object", "properties": {"a": _INT}},
+       {"a": "x"}, {"a": 1}),
+    _p("properties", "without type", {"properties": {"a": _INT}}, {"a": "x"}, {"a": 1}),
+    _p("required", "names in properties",
+       {"type": "object", "properties": {"a": _INT}, "required": ["a"]}, {}, {"a": 1}),
+    _p("required", "a name not in properties",
+       {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}, {"a": 1},
+       {"a": 1, "b": 2}),
+    _p("additionalProperties", "false, next to properties",
+       {"type": "object", "properties": {"a": _INT}, "additionalProperties": False},
+       {"b": 1}, {"a": 1}),
+    _p("additionalProperties", "a schema", {"type": "object", "additionalProperties": _INT},
+       {"b": "x"}, {"b": 1}),
+    _p("patternProperties", "alone", {"type": "object", "patternProperties": {"^a": _INT}},
+       {"ab": "x"}, {"ab": 1}),
+    _p("patternProperties", "next to properties (a name matches)",
+       {"type": "object", "properties": {"ab": {"type": "string"}},
+        "patternProperties": {"^a": _INT}}, {"ab": "s"}, {}),
+    _p("patternProperties", "next to properties (disjoint names)",
+       {"type": "object", "properties": {"b": {"type": "string"}},
+        "patternProperties": {"^a": _INT}}, {"ab": "s"}, {"b": "s", "ab": 1}),
+    _p("patternProperties", "two overlapping patterns",
+       {"type": "object", "patternProperties": {"^a": _INT, "b$": {"minimum": 0}}},
+       {"ab": -1}, {"ab": 1}),
+    _p("propertyNames", "alone", {"type": "object", "propertyNames": {"pattern": "^a"}},
+       {"b": 1}, {"a": 1}),
+    _p("propertyNames", "next to properties",
+       {"type": "object", "properties": {"x": _INT}, "propertyNames": {"pattern": "^a"}},
+       {"x": 1}, {}),
+    _p("minProperties", "next to properties",
+       {"type": "object", "properties": {"a": _INT, "b": _INT}, "minProperties": 2},
+       {"a": 1}, {"a": 1, "b": 2}),
+    _p("maxProperties", "next to additionalProperties",
+       {"type": "object", "additionalProperties": _INT, "maxProperties": 1},
+       {"a": 1, "b": 2}, {"a": 1}),
+    _p("unevaluatedProperties", "next to properties",
+       {"type": "object", "properties": {"a": _INT}, "unevaluatedProperties": False},
+       {"b": 1}, {"a": 1}),
+    _p("dependentRequired", "next to properties",
+       {"type": "object", "properties": {"a": {}, "b": {}}, "dependentRequired": {"a": ["b"]}},
+       {"a": 1}, {"a": 1, "b": 2}),
+    _p("dependentSchemas", "next to properties",
+       {"type": "object", "properties": {"a": {}, "b": _INT},
+        "dependentSchemas": {"a": {"required": ["b"]}}}, {"a": 1}, {"a": 1, "b": 2}),
+    _p("dependencies", "draft-07",
+       {"type": "object", "properties": {"a": {}, "b": {}}, "dependencies": {"a": ["b"]}},
+       {"a": 1}, {"a": 1, "b": 2}),
+    _p("allOf", "one branch", {"allOf": [{"type": "integer", "minimum": 0}]}, -1, 1),
+    _p("allOf", "two branches", {"allOf": [_INT, {"minimum": 0}]}, -1, 1),
+    _p("allOf", "next to a sibling", {"allOf": [_INT], "minimum": 0}, -1, 1),
+    _p("anyOf", "alone", {"anyOf": [_INT, {"type": "boolean"}]}, "a", 1),
+    _p("anyOf", "next to a sibling", {"anyOf": [_INT, {"type": "string"}], "minimum": 5}, 3, 7),
+    _p("oneOf", "disjoint branches", {"oneOf": [_INT, {"type": "string"}]}, True, 1),
+    _p("oneOf", "overlapping branches", {"oneOf": [_INT, {"type": "number", "minimum": 0}]},
+       1, 0.5),
+    _p("oneOf", "next to a sibling", {"oneOf": [_INT, {"type": "string"}], "minimum": 5}, 3, 7),
+    _p("not", "next to type", {"type": "integer", "not": {"const": 1}}, 1, 2),
+    _p("if/then", "next to type",
+       {"type": "integer", "if": {"minimum": 0}, "then": {"multipleOf": 2}}, 1, 2),
+    _p("$ref", "to $defs", {"$ref": "#/$defs/a", "$defs": {"a": {"type": "integer",
+                                                              "minimum": 0}}}, -1, 1),
+    _p("$ref", "to definitions (draft-07)",
+       {"$ref": "#/definitions/a", "definitions": {"a": {"type": "integer", "minimum": 0}}},
+       -1, 1),
+    _p("$ref", "next to a sibling", {"$ref": "#/$defs/a", "$defs": {"a": _INT}, "minimum": 0},
+       -1, 1),
+    _p("$ref", "to an $anchor", {"$ref": "#a", "$defs": {"x": {"$anchor": "a", **_INT}}},
+       "s", 1),
+    _p("x-guidance", "making llguidance lenient",
+       {"type": "integer", "x-guidance": {"lenient": True}, "not": {"const": 1}}, 1, 2),
+    _p("annotations", "title, description, examples, default, $comment, deprecated",
+       {"type": "integer", "title": "t", "description": "d", "examples": [1], "default": 1,
+        "$comment": "c", "deprecated": False}, "a", 1),
+]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one backend did with one probe under the default policy (and under "ignore")."""
+
+    status: str  #: "enforced", "refused" (UnsupportedGuideError), "error" (compile error), "VIOLATION"
+    detail: str = ""  #: the refusal's message
+    valid_accepted: bool | None = None  #: None: no valid instance, or not compiled
+    ignore: str = ""  #: where refused: "dropped", "enforced", "error" under "ignore"
+
+    def cell(self) -> str:
+        if self.status == "enforced":
+            return "enforced" if self.valid_accepted is not False else \
+                "enforced (also refuses the valid instance)"
+        if self.status == "VIOLATION":
+            return "**VIOLATION: the violating instance is accepted**"
+        head = "refused" if self.status == "refused" else "refused (compile error)"
+        tail = {"dropped": "dropped on `ignore`", "enforced": "enforced on `ignore`",
+                "error": "`ignore` cannot compile it"}.get(self.ignore, "")
+        return f"{head}; {tail}" if tail else head
+
+
+def _instance_tokens(tokenizer: Any, instance: Any) -> list[int]:
+    from capgraph.tokenizers import encode_continuation
+    text = instance.text if isinstance(instance, Raw) else \
+        json.dumps(instance, separators=(",", ":"))
+    return encode_continuation(tokenizer, text)
+
+
+def accepts(factory: Any, compiled: Any, tokenizer: Any, instance: Any) -> bool:
+    """Whether a fresh matcher takes the instance's tokens and then the stop token."""
+    matcher = factory.create_from_compiled(compiled)
+    stop = factory.config.stop_token_ids[0]
+    return all(matcher.accept_token(t) for t in [*_instance_tokens(tokenizer, instance), stop])
+
+
+def run_probe(strict: Any, lenient: Any | None, tokenizer: Any, probe: Probe) -> Outcome:
+    """The outcome of ``probe`` on a factory with the default policy (``strict``) and, for a
+    refused schema, on one with ``json_unenforced_keywords="ignore"`` (``lenient``; None
+    skips that part)."""
+    from capgraph import GuidedDecodingParams
+    from capgraph.errors import GrammarCompileError, UnsupportedGuideError
+
+    params = GuidedDecodingParams.json_schema(probe.schema)
+    try:
+        compiled = strict.compile(params)
+    except GrammarCompileError as e:
+        status = "refused" if isinstance(e, UnsupportedGuideError) else "error"
+        ignore = ""
+        if lenient is not None:
+            try:
+                loose = lenient.compile(params)
+            except GrammarCompileError:
+                ignore = "error"
+            else:
+                ignore = "dropped" if accepts(lenient, loose, tokenizer, probe.violating) \
+                    else "enforced"
+        return Outcome(status, str(e), None, ignore)
+    if accepts(strict, compiled, tokenizer, probe.violating):
+        return Outcome("VIOLATION")
+    valid = None if probe.valid is NO_VALID else \
+        accepts(strict, compiled, tokenizer, probe.valid)
+    return Outcome("enforced", "", valid)
+
+
+def factories(tokenizer: Any) -> dict[str, tuple[Any, Any]]:
+    """``backend -> (default-policy factory, "ignore" factory)`` for ``tokenizer``."""
+    from capgraph import GuidedDecodingConfig
+    from capgraph.grammar import create_matcher_factory
+    out = {}
+    for backend in BACKENDS:
+        config = GuidedDecodingConfig.from_tokenizer(tokenizer, backend=backend)
+        out[backend] = (create_matcher_factory(config), create_matcher_factory(
+            dataclasses.replace(config, json_unenforced_keywords="ignore")))
+    return out
+
+
+def run_all(tokenizer: Any) -> dict[tuple[int, str], Outcome]:
+    """Every probe on both backends: ``(probe index, backend) -> Outcome``."""
+    results = {}
+    for backend, (strict, lenient) in factories(tokenizer).items():
+        for i, probe in enumerate(PROBES):
+            results[(i, backend)] = run_probe(strict, lenient, tokenizer, probe)
+    return results
+
+
+def _fallback_cell(xg: Outcome, llg: Outcome) -> str:
+    if xg.status == "enforced":
+        return "xgrammar"
+    if llg.status == "enforced":
+        return "llguidance"
+    return "refused"
+
+
+def render(results: dict[tuple[int, str], Outcome], walk: dict | None) -> str:
+    """The Markdown of docs/CONFORMANCE.md."""
+    lines = [
+        "# JSON Schema conformance, per keyword and backend",
+        "",
+        "Generated by `python tools/conformance_table.py` from the probes in that file (Tekken",
+        "tokenizer, xgrammar and llguidance as installed); `tests/test_conformance_schema.py`",
+        "fails when this file differs from what the probes give now. Do not edit by hand.",
+        "",
+        "Each row is a schema whose violating instance breaks only the named keyword. Under the",
+        "default `json_unenforced_keywords=\"error\"` a backend either **enforces** it (the",
+        "violating instance, fed token by token with the stop token, is refused; the valid",
+        "instance is accepted) or **refuses** the schema (`UnsupportedGuideError` naming the",
+        "keyword and its JSON pointer, from `capgraph/grammar/schema_policy.py` or from what",
+        "the backend reports while compiling; \"compile error\": the backend's own error). After",
+        "the `;`: what `json_unenforced_keywords=\"ignore\"` would do with a refused schema —",
+        "\"dropped\" means it compiles and lets the violation through. `fallback` is the backend",
+        "that serves the schema under `json_unenforced_keywords=\"fallback\"` with xgrammar",
+        "configured.",
+        "",
+        "| keyword | next to / form | xgrammar | llguidance | fallback |",
+        "|---|---|---|---|---|",
+    ]
+    for i, probe in enumerate(PROBES):
+        xg, llg = results[(i, "xgrammar")], results[(i, "llguidance")]
+        lines.append(f"| `{probe.keyword}` | {probe.context} | {xg.cell()} | {llg.cell()} | "
+                     f"{_fallback_cell(xg, llg)} |")
+    lines += ["", "## Differential walk", ""]
+    if walk is None:
+        lines.append("Not recorded yet: run `python tools/conformance_walk.py --record`.")
+    else:
+        lines += [
+            "Random walks through `GuidedDecoder` under the mask (random logits, a sampled",
+            "allowed token fed back, until a stop token or the length cap); every finished",
+            "output validated with `jsonschema` (Draft 2020-12 or the schema's `$schema`, with",
+            "the format checks that need no optional package: date, email, ipv4, ipv6, uuid).",
+            "Schemas refused under the default policy are counted, not walked.",
+            "",
+            f"Command: `{walk['command']}`",
+            "",
+            "| backend | schemas | refused | walked | outputs validated | invalid | "
+            "unfinished (length cap) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for backend, c in walk["backends"].items():
+            lines.append(f"| {backend} | {c['schemas']} | {c['refused']} | {c['walked']} | "
+                         f"{c['validated']} | {c['invalid']} | {c['unfinished']} |")
+    return "\n".join(lines) + "\n"
+
+
+def load_walk() -> dict | None:
+    return json.loads(WALK_RECORD.read_text()) if WALK_RECORD.exists() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="compare with the committed file instead of writing it")
+    args = parser.parse_args(argv)
+    from capgraph.tokenizers import load_tokenizer
+    text = render(run_all(load_tokenizer("tekken")), load_walk())
+    violations = text.count("VIOLATION")
+    if args.check:
+        same = DOC.exists() and DOC.read_text() == text
+        print("docs/CONFORMANCE.md is current" if same else "docs/CONFORMANCE.md differs")
+        return 0 if same and not violations else 1
+    DOC.write_text(text)
+    print(f"wrote {DOC.relative_to(ROOT)}: {len(PROBES)} probes x {len(BACKENDS)} backends, "
+          f"{violations} violations")
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
