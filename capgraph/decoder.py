@@ -946,8 +946,9 @@ class GuidedDecoder:
         rounds' per-round list building costs more than their batched calls save (measured:
         Tekken, batch 1, 4 drafts: 24 us per step in rounds). Same rows, masks, counters and
         failures (in request order rather than round order). With a budget, each request's
-        accept and fills are timed, read after each filled row (as the C++ loop does), and a
-        request over it fails (:meth:`_over_budget`)."""
+        accept and fills are timed, the clock read after each filled row (the C++ loop reads
+        it once per request: its step is a few microseconds), and a request over it stops and
+        fails (:meth:`_over_budget`)."""
         bitmask, token_mask, stops = self.bitmask_host, self._token_mask_np, self._stop_ids
         guided, advanced = self.num_guided_tokens, self.num_advanced_tokens
         budget = self._budget_s
@@ -1228,6 +1229,10 @@ class GuidedDecoder:
             if shape[0] < rows:
                 raise TensorArgError(f"logits have {shape[0]} rows, fewer than the "
                                      f"batch layout's {rows}")
+            if shape[0] > self.bitmask_host.shape[0]:
+                raise TensorArgError(f"logits have {shape[0]} rows, more than the decoder's "
+                                     f"{self.bitmask_host.shape[0]} (max_num_sequences * "
+                                     "(max_num_draft_tokens + 1))")
         elif shape[0] != rows:
             raise TensorArgError(f"logits have {shape[0]} rows, the batch layout has "
                                  f"{rows} (1 per context request, 1 + draft length per "

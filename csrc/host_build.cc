@@ -137,25 +137,55 @@ struct Builder {
     return ok;
   }
 
+  // The host-step budget's clock over one step: a request's wall time runs from the end of
+  // the one before it (one clock read per request). On the build thread (`cpu0` >= 0) an
+  // overrun must also show in this thread's CPU time, so that time spent waiting at nice 19
+  // behind the caller's threads is not blamed on a request.
+  struct StepClock {
+    int64_t last = 0;   // wall ns at the end of the previous request (or the step's start)
+    int64_t wall0 = 0;  // the step's start: wall ns,
+    int64_t cpu0 = -1;  // and this thread's CPU ns (-1: not read; the calling thread)
+  };
+
+  // The step's clock, or nullptr without a budget.
+  StepClock* StartClock(StepClock* clock, bool cpu_time) const {
+    if (!budget_ns) return nullptr;
+    clock->last = clock->wall0 = NowNs();
+    if (cpu_time) clock->cpu0 = ThreadCpuNs();
+    return clock;
+  }
+
+  // Whether the request that ends now went over the budget (reads the clock, moves it on);
+  // its wall milliseconds in *ms.
+  bool OverBudget(StepClock* clock, double* ms) const {
+    const int64_t now = NowNs();
+    const int64_t start = clock->last;
+    clock->last = now;
+    if (now - start <= budget_ns) return false;
+    *ms = static_cast<double>(now - start) / 1e6;
+    if (clock->cpu0 < 0) return true;
+    // the CPU this request used is at least the step's CPU so far less the wall time that
+    // went to the requests before it
+    const int64_t cpu = ThreadCpuNs() - clock->cpu0 - (start - clock->wall0);
+    return cpu > budget_ns;
+  }
+
   // One request: accept `token` (< 0: none, the matcher was created this step), fill its
   // rows from `offset`, then follow its `nd` drafts (draft_at(i) is the i-th). Writes
   // {status, accepted, guided} to o3; a fault's message is appended to `errors`.
   //
-  // With a budget, the request's wall time is read after each filled row (xgrammar's calls
-  // cannot be interrupted, so one call may overrun it): over the budget, the request stops
-  // with kOverBudget, its rows unmasked and counts zero (Python drops its matcher), and the
-  // milliseconds measured are appended to `errors`. `cpu_time` (the build thread): an overrun
-  // counts only if this thread's CPU time agrees, so time spent preempted is not blamed.
+  // With a budget (`clock`), a request that would otherwise be plainly OK and took longer
+  // ends with kOverBudget: its rows unmasked, its counts zero (Python drops its matcher), the
+  // milliseconds measured appended to `errors`. It is measured once, at its end: xgrammar's
+  // calls cannot be interrupted, and one clock read per request keeps the common step's cost
+  // within noise, so a slow request costs at most its own rows' calls, in one step.
   template <typename DraftAt>
   void RunOne(const ObjectRef& m, int64_t token, int64_t offset, int64_t nd, DraftAt draft_at,
               int64_t draft_len, int64_t rows, int32_t* mask, int32_t* o3,
-              bool cpu_time = false) {
+              StepClock* clock) {
     int32_t status = kOk;
     int32_t accepted = 0, guided = 0;
     bool terminated = false;
-    const int64_t budget = budget_ns;
-    const int64_t start = budget ? NowNs() : 0;
-    const int64_t cpu_start = budget && cpu_time ? ThreadCpuNs() : 0;
     try {
       bool go = true;
       if (token >= 0) {
@@ -181,16 +211,6 @@ struct Builder {
         }
         ++guided;
         mask[row] = 1;
-        if (budget) {
-          const int64_t elapsed = NowNs() - start;
-          if (elapsed > budget && (!cpu_time || ThreadCpuNs() - cpu_start > budget)) {
-            for (int64_t r = offset; r <= row; ++r) mask[r] = 0;
-            status = kOverBudget;
-            accepted = guided = 0;
-            errors.push_back(std::to_string(static_cast<double>(elapsed) / 1e6));
-            break;
-          }
-        }
         if (i >= draft_len || i >= nd) break;
         if (!Accept(m, draft_at(i), &terminated)) break;  // the draft left the grammar
         ++accepted;
@@ -203,7 +223,15 @@ struct Builder {
       status = kFault;
       errors.push_back(std::string("RuntimeError: ") + e.what());
     }
-    if (terminated && status != kOverBudget) status |= kTerminated;
+    double ms = 0;
+    if (clock != nullptr && OverBudget(clock, &ms) && status == kOk) {
+      for (int64_t r = offset; r < offset + guided; ++r) mask[r] = 0;  // (the guided rows)
+      status = kOverBudget;
+      accepted = guided = 0;
+      terminated = false;  // (its matcher is dropped)
+      errors.push_back(std::to_string(ms));
+    }
+    if (terminated) status |= kTerminated;
     o3[0] = status;
     o3[1] = accepted;
     o3[2] = guided;
@@ -242,13 +270,15 @@ struct Builder {
     const int64_t rows = bitmask.size(0);
     int64_t unusual = 0;
     int64_t draft_pos = 0;
+    StepClock clock_state;
+    StepClock* clock = StartClock(&clock_state, false);
     for (int64_t k = 0; k < n; ++k) {
       const int64_t nd = num_drafts.size() ? num_drafts[k] : 0;
       const int64_t first_draft = draft_pos;
       draft_pos += nd;
       RunOne(matchers[k], tokens[k], offsets[k], nd,
              [&](int64_t i) -> int64_t { return drafts[first_draft + i]; }, draft_len, rows,
-             mask, o + k * 3);
+             mask, o + k * 3, clock);
       if (o[k * 3] != kOk) ++unusual;
     }
     return unusual;
@@ -748,12 +778,14 @@ int Begin(FastState* st, PyObject* const* args, const char* name) {
 void RunJob(FastState* st, bool cpu_time = false) {
   Builder* b = st->builder;
   const int64_t n = static_cast<int64_t>(st->entries.size());
+  Builder::StepClock clock_state;
+  Builder::StepClock* clock = b->StartClock(&clock_state, cpu_time);
   for (int64_t k = 0; k < n; ++k) {
     const FastEntry& e = st->entries[k];
     const int64_t* drafts = st->drafts.data() + e.first_draft;
     b->RunOne(e.matcher, e.token, e.offset, e.num_drafts,
               [drafts](int64_t i) -> int64_t { return drafts[i]; }, st->job_draft_len,
-              st->job_rows, st->job_mask, st->out.data() + k * 3, cpu_time);
+              st->job_rows, st->job_mask, st->out.data() + k * 3, clock);
   }
 }
 

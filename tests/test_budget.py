@@ -151,9 +151,9 @@ def test_python_build_names_the_slow_request(tiny, batch, kind):
 
 @pytest.mark.parametrize("build", ["python", "native"])
 def test_over_budget_draft_rows_are_all_unmasked(tiny, build):
-    """With drafts, the budget is read after every filled row: a request over it leaves all
-    its rows of the step unmasked (the ones filled before the overrun too), zero counts, and
-    the other request's rows masked."""
+    """With drafts, a request that goes over the budget while filling its third row leaves
+    all its rows of the step unmasked (the ones filled before the overrun too), zero counts,
+    and the other request's rows masked."""
     dec = _decoder(tiny, build, "eager", slots=2, drafts=2)
     _step(dec, [GuidedRequest.context(i, i, HEALTHY) for i in range(2)], 2)
     delay = 0.4 * BUDGET_MS / 1e3  # the overrun comes at the third row

@@ -8,8 +8,9 @@ fed ``a``: about 0.2 ms per token at N = 1000, 3 ms at 10000, 9 ms at 30000, 70 
 ``a{1000000}`` ends in its "lexer too complex" error), and xgrammar's grows with ambiguous
 bodies under a count (``(a|aa){100000}``: 15 ms per token). Compile time and memory stay flat
 in N on both backends (``a{N}``, ``a{0,N}``, ``[a-z]{1,N}`` up to N = 10**7). Measured on 2
-cores with Tekken, token ``a`` fed 300 times, ``python /tmp/engD/probe_nest.py BACKEND PATTERN``
-in the issue 22 notes; the figures are why :data:`DEFAULT_MAX_REPETITION_COUNT` is 10000.
+cores with Tekken, token ``a`` fed 300 times: ``python -m capgraph.grammar.guide_limits
+--backend llguidance 'a{1000}' 'a{10000}' 'a{30000}'`` (with ``--limit`` above the counts;
+see :func:`main`). These figures are why :data:`DEFAULT_MAX_REPETITION_COUNT` is 10000.
 
 :func:`check_guide_limits` finds every count a guide asks for and refuses, with an
 :class:`~capgraph.errors.UnsupportedGuideError` naming the count and where it is, any count
@@ -282,3 +283,64 @@ def check_guide_limits(params: GuidedDecodingParams, backend: str, max_count: in
             raise UnsupportedGuideError(f"repetition count {value} ({what}) at {where} is "
                                         f"{beyond}", guide_type=params.guide_type.name,
                                         backend=backend)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Measure what a regex guide costs: compile and matcher creation, then the host step
+    (accept ``a``, fill one row) per token, fed ``--tokens`` times on the Tekken vocabulary.
+    Prints the worst and the last step's milliseconds and the resident-memory growth."""
+    import argparse
+    import time
+
+    import torch
+
+    from ..params import GuidedDecodingConfig
+    from ..tokenizers import load_tokenizer
+    from . import create_matcher_factory
+
+    parser = argparse.ArgumentParser(prog="python -m capgraph.grammar.guide_limits")
+    parser.add_argument("patterns", nargs="+")
+    parser.add_argument("--backend", default="xgrammar", choices=["xgrammar", "llguidance"])
+    parser.add_argument("--tokens", type=int, default=300)
+    parser.add_argument("--limit", type=int, default=BACKEND_MAX_COUNT)
+    args = parser.parse_args(argv)
+    tokenizer = load_tokenizer("tekken")
+    factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
+        tokenizer, backend=args.backend, max_repetition_count=args.limit,
+        host_step_budget_ms=None))
+    token = int(tokenizer.convert_tokens_to_ids("a"))  # type: ignore[arg-type]
+    bitmask = torch.zeros(1, (len(tokenizer) + 31) // 32, dtype=torch.int32)
+
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    for pattern in args.patterns:
+        rss, start = rss_mb(), time.perf_counter()
+        try:
+            matcher = factory.create(GuidedDecodingParams.regex(pattern))
+        except Exception as e:
+            print(f"{pattern}: {type(e).__name__}: {e}")
+            continue
+        created = time.perf_counter() - start
+        worst = last = 0.0
+        for fed in range(args.tokens):
+            start = time.perf_counter()
+            try:
+                ok = matcher.accept_token(token)
+                matcher.fill_next_token_bitmask(bitmask, 0)
+            except Exception as e:
+                print(f"{pattern}: after {fed} tokens {type(e).__name__}: {str(e)[:80]}")
+                break
+            last = (time.perf_counter() - start) * 1e3
+            worst = max(worst, last)
+            if not ok:
+                break
+        print(f"{args.backend} {pattern}: compile+create {created * 1e3:.1f} ms, {fed + 1} "
+              f"tokens, worst {worst:.2f} ms, last {last:.2f} ms per token, "
+              f"rss +{rss_mb() - rss:.0f} MB")
+    factory.close()
+
+
+if __name__ == "__main__":
+    main()
