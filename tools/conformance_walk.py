@@ -31,7 +31,7 @@ from typing import Any, Iterable, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "capgraph" / "data" / "jsonschemabench.jsonl"
 RECORD = ROOT / "docs" / "conformance_walk.json"
-RECORD_ARGS = ["--tokenizer", "tekken", "--walks", "2", "--random", "300", "--seed", "0"]
+RECORD_ARGS = ["--tokenizer", "tekken", "--walks", "2", "--random", "200", "--seed", "0"]
 BACKENDS = ("xgrammar", "llguidance", "fallback")
 
 

@@ -1,0 +1,83 @@
+"""Differential walk (short run): random outputs of the decoder under JSON-schema masks are
+all valid under ``jsonschema``, on both backends and with the fallback.
+
+The long run is ``python tools/conformance_walk.py`` (counts in docs/CONFORMANCE.md). Here the
+32k-token sentencepiece tokenizer keeps the per-step work small.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("llguidance", reason="the llguidance extra is not installed")
+pytest.importorskip("jsonschema", reason="jsonschema is not installed")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENIZER = "mistral-sp32k"
+
+
+def _load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+walk = _load_tool("conformance_walk")
+
+
+@pytest.fixture(scope="module")
+def walk_factories(tokenizer_cache):
+    """backend -> factory on the 32k tokenizer, closed after the module."""
+    tokenizer = tokenizer_cache(TOKENIZER)
+    built = {b: walk.make_factory(tokenizer, b) for b in walk.BACKENDS}
+    yield built
+    for factory in built.values():
+        factory.close()
+
+
+def _assert_all_valid(counts) -> None:
+    assert counts.invalid == 0, "\n".join(counts.examples)
+    assert counts.failed == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_bench_schema_walks_are_all_valid(backend, walk_factories, tokenizer_cache,
+                                          one_torch_thread):
+    """Every bundled JSON Schema Bench schema the backend accepts is walked once; every
+    finished output parses as JSON and validates against its schema. Most schemas are walked
+    and most walks finish (the walk is not vacuous)."""
+    schemas = walk.bench_schemas()
+    counts = walk.walk(walk_factories[backend], tokenizer_cache(TOKENIZER), schemas,
+                       walks=1, max_tokens=96, seed=1)
+    _assert_all_valid(counts)
+    assert counts.walked + counts.refused == len(schemas)
+    assert counts.walked >= len(schemas) // 2 and counts.validated >= counts.walked // 2
+
+
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_random_schema_walks_are_all_valid(seed, walk_factories, tokenizer_cache,
+                                           one_torch_thread):
+    """Small random schemas (tools/conformance_walk.py's generator, seeded by hypothesis),
+    walked on both backends and with the fallback: no invalid output; the fallback refuses
+    only what both backends refuse."""
+    rng = random.Random(seed)
+    schemas = [walk.random_schema(rng) for _ in range(12)]
+    tokenizer = tokenizer_cache(TOKENIZER)
+    counts = {b: walk.walk(walk_factories[b], tokenizer, schemas, walks=1, max_tokens=64,
+                           seed=seed) for b in walk.BACKENDS}
+    for c in counts.values():
+        _assert_all_valid(c)
+    assert counts["fallback"].walked >= max(counts["xgrammar"].walked,
+                                            counts["llguidance"].walked)
