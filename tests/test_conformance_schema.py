@@ -73,6 +73,14 @@ def tekken_factories(tekken):
     return table.factories(tekken)
 
 
+@pytest.fixture(scope="module")
+def probe_results(tekken_factories, tekken):
+    """(probe index, backend) -> Outcome for every probe, run once per module."""
+    return {(i, backend): table.run_probe(strict, lenient, tekken, probe)
+            for backend, (strict, lenient) in tekken_factories.items()
+            for i, probe in enumerate(table.PROBES)}
+
+
 def _violation_accepted(factory, tokenizer, schema, instance) -> bool | None:
     """True if the compiled schema lets ``instance`` + stop through; None if refused."""
     try:
@@ -84,13 +92,12 @@ def _violation_accepted(factory, tokenizer, schema, instance) -> bool | None:
 
 @pytest.mark.parametrize("backend", table.BACKENDS)
 @pytest.mark.parametrize("index", range(len(table.PROBES)), ids=PROBE_IDS)
-def test_probe_is_enforced_or_refused(index, backend, tekken_factories, tekken):
+def test_probe_is_enforced_or_refused(index, backend, probe_results):
     """Each probe's schema is either refused at compile time (an UnsupportedGuideError that
     names a keyword and its JSON pointer or what the backend reported, or the backend's own
     compile error) or compiled into a grammar that refuses the violating instance."""
     probe = table.PROBES[index]
-    strict, _ = tekken_factories[backend]
-    outcome = table.run_probe(strict, None, tekken, probe)
+    outcome = probe_results[(index, backend)]
     assert outcome.status != "VIOLATION", f"{backend} lets {probe.violating!r} through"
     if outcome.status == "refused":
         assert "' at /" in outcome.detail or "reported:" in outcome.detail, outcome.detail
@@ -127,14 +134,10 @@ def test_probe_instances_are_what_they_claim(index):
         assert validator.is_valid(probe.valid)
 
 
-def test_conformance_doc_is_current(tekken_factories, tekken):
+def test_conformance_doc_is_current(probe_results):
     """docs/CONFORMANCE.md is exactly what tools/conformance_table.py generates from the
     probes now (plus the recorded walk), and it reports no violation."""
-    results = {}
-    for backend, (strict, lenient) in tekken_factories.items():
-        for i, probe in enumerate(table.PROBES):
-            results[(i, backend)] = table.run_probe(strict, lenient, tekken, probe)
-    text = table.render(results, table.load_walk())
+    text = table.render(probe_results, table.load_walk())
     assert "VIOLATION" not in text
     assert table.DOC.read_text() == text, \
         "docs/CONFORMANCE.md is stale: run python tools/conformance_table.py"
