@@ -282,6 +282,22 @@ def test_fallback_refuses_what_neither_backend_enforces(schema, fallback_factory
     assert "neither backend" in message and "xgrammar:" in message and "llguidance:" in message
 
 
+def test_fallback_from_llguidance_goes_to_xgrammar(tekken):
+    """With llguidance configured, a schema it refuses (a format it does not check) is served
+    by xgrammar where xgrammar enforces it, and the violating instance is refused."""
+    factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
+        tekken, backend="llguidance", json_unenforced_keywords="fallback"))
+    try:
+        schema = {"type": "string", "format": "uri-reference"}
+        compiled = factory.compile(GuidedDecodingParams.json_schema(schema))
+        assert compiled.backend == "xgrammar"
+        assert "llguidance refused it" in (compiled.fallback_reason or "")
+        assert not table.accepts(factory, compiled, tekken, "\\\\")
+        assert table.accepts(factory, compiled, tekken, "/a/b")
+    finally:
+        factory.close()
+
+
 def test_fallback_needs_one_stop_token(tekken):
     """Fallback builds llguidance too, which takes exactly one stop token: ConfigError at
     construction, naming the fallback and the reason."""
