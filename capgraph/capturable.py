@@ -55,6 +55,11 @@ def _callback(name: str) -> Callable:
     return wrap
 
 
+def _check_draft_step(draft_step: object) -> None:
+    if type(draft_step) is not int or draft_step < 0:
+        raise LayoutError(f"draft_step={draft_step!r} must be an int >= 0")
+
+
 class CapturableGuidedDecoder(GuidedDecoder):
     """A :class:`GuidedDecoder` whose per-step work runs as host callbacks on streams.
 
@@ -282,10 +287,13 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 accepted per request, bonus included; min-clamped to the matcher's advances.
             draft_step: index of this step in the drafting loop.
         """
+        _check_draft_step(draft_step)
         tokens = self._per_request("new_tokens", new_tokens)
-        self.draft_new_tokens[:tokens.shape[0]].copy_(tokens, non_blocking=True)
+        counts = None
         if draft_step == 0 and num_accepted_tokens is not None:
             counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
+        self.draft_new_tokens[:tokens.shape[0]].copy_(tokens, non_blocking=True)
+        if counts is not None:
             self.num_accepted_tokens[:counts.shape[0]].copy_(counts, non_blocking=True)
         self._streams.record_tokens()
 
@@ -310,7 +318,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         target rejected are rolled back; at the last step of the runtime draft length every
         draft advance is rolled back (the loop's end follows the runtime length).
         """
+        _check_draft_step(draft_step)
         requests = self._require_batch()
+        self._check_logits(logits, d2t, None, len(requests))  # (one row per request)
         last = requests.max_num_draft_tokens - 1
         if draft_step == 0 and self._streams.is_capturing():
             self._consume_put()

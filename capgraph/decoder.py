@@ -252,10 +252,11 @@ class GuidedDecoder:
         if len(requests) > self.max_num_sequences:
             raise LayoutError(f"{len(requests)} requests exceed max_num_sequences="
                               f"{self.max_num_sequences}")
-        reqs, dropped = self._admit(list(requests), tokens_elsewhere)
+        reqs, dropped, fresh = self._admit(list(requests), tokens_elsewhere)
         self.requests = batch = GuidedRequests(reqs, draft_len, dropped)
         self._batch_built = False
-        self._start_compiles(batch)
+        if fresh:
+            self._start_compiles(fresh)
         return batch
 
     def _checked_draft_len(self, runtime_draft_len: object) -> int:
@@ -271,10 +272,12 @@ class GuidedDecoder:
                               f"[0, max_num_draft_tokens={self.max_num_draft_tokens}]")
         return runtime_draft_len  # type: ignore[return-value]
 
-    def _admit(self, requests: list, tokens_elsewhere: bool) -> tuple[list, list[int]]:
+    def _admit(self, requests: list, tokens_elsewhere: bool
+               ) -> tuple[list, list[int], list[GuidedRequest]]:
         """Check every request of a batch before any matcher sees it; returns the requests
-        to build (a failed one replaced by an unguided stand-in with the same rows) and the
-        slots whose matcher the failures drop. Failures are recorded here.
+        to build (a failed one replaced by an unguided stand-in with the same rows), the
+        slots whose matcher the failures drop, and the checked requests that are not the
+        common one (the only ones that can start a compile). Failures are recorded here.
 
         The common request (a target request generating, exact types, the slot's own guide)
         passes the inline test; every other one takes :func:`checked_request` and the slot's
@@ -282,9 +285,11 @@ class GuidedDecoder:
         """
         nseq, V, maxd, guides = (self.max_num_sequences, self.vocab_size_padded,
                                  self.max_num_draft_tokens, self._slot_guides)
+        # (no request is read past this loop before the build: a failure here changes nothing)
         updates: list[tuple[int, GuidedDecodingParams]] = []
         dropped: list[int] = []
         failed: list[FailedRequest] = []
+        fresh: list[GuidedRequest] = []
         for i, req in enumerate(requests):
             try:  # (an attribute that raises: checked_request names it)
                 params = req.guided_decoding_params
@@ -296,12 +301,12 @@ class GuidedDecoder:
                         and req.is_generation_only_first_iteration is False
                         and type(slot := req.seq_slot) is int and 0 <= slot < nseq
                         and guides[slot] is params and type(req.request_id) is int
-                        and (type(n := req.num_accepted_draft_tokens) is int and n >= 0
-                             or n is None)
-                        and (type(t := req.new_token) is int and 0 <= t < V
-                             and ((d := req.draft_tokens) is None
-                                  or type(d) is list and len(d) <= maxd and _plain_tokens(d, V))
-                             or tokens_elsewhere and req.prev_seq_slot is not None)):
+                        and ((d := req.draft_tokens) is None or type(d) is list)):
+                    # (the values this step reads per token, new_token and each draft token,
+                    # are checked where they are read, before the request's matcher moves:
+                    # by the C++ build, which takes only ints in the vocabulary, and else by
+                    # the Python build, as for the capturable decoder's token tensor;
+                    # num_accepted_draft_tokens by rollback_rejected_tokens)
                     continue
             except Exception:
                 pass
@@ -315,10 +320,11 @@ class GuidedDecoder:
                 self._refuse(requests, i, e, updates, dropped, failed)
                 continue
             requests[i] = checked
+            fresh.append(checked)
         for slot, params in updates:
             guides[slot] = params
         self._record_failed(failed)
-        return requests, dropped
+        return requests, dropped, fresh
 
     def _check_guide(self, req: GuidedRequest,
                      updates: list[tuple[int, GuidedDecodingParams]]) -> None:
@@ -379,8 +385,10 @@ class GuidedDecoder:
             self.grammar_matchers[slot] = None
             self._pending_compiles.pop(slot, None)
 
-    def _start_compiles(self, requests: GuidedRequests) -> None:
-        for req in requests.requests:
+    def _start_compiles(self, requests: list[GuidedRequest]) -> None:
+        """Start compiling the guides of the requests that create a matcher (context,
+        disaggregated first step): :meth:`_admit` hands over the only candidates."""
+        for req in requests:
             if not (req.is_context_init_state or req.is_generation_only_first_iteration):
                 continue  # the common case: a request already generating
             params, slot = req.guided_decoding_params, req.seq_slot
@@ -528,13 +536,14 @@ class GuidedDecoder:
             if not self._slot_ok(slot) or self.num_advanced_tokens[slot] <= 0:
                 continue
             advanced = self.num_advanced_tokens[slot]
-            accepted = req.num_accepted_draft_tokens or 0
+            n = req.num_accepted_draft_tokens
+            accepted = 0 if n is None else as_int(n)
             matcher = self.grammar_matchers[slot]
-            if accepted < 0 or matcher is None:
+            if accepted is None or accepted < 0 or matcher is None:
                 self._record_failed([self._fail(req, RequestError(
-                    f"cannot roll back: num_accepted_draft_tokens={accepted}, "
-                    f"num_advanced_tokens={advanced}", request_id=req.request_id,
-                    seq_slot=slot))])
+                    f"cannot roll back: num_accepted_draft_tokens="
+                    f"{req.num_accepted_draft_tokens!r}, num_advanced_tokens={advanced}",
+                    request_id=req.request_id, seq_slot=slot))])
                 continue
             keep = min(1 + accepted, advanced)
             try:
@@ -1157,12 +1166,16 @@ class GuidedDecoder:
                                  request_id=req.request_id)
         return self.grammar_matcher_factory.create_from_compiled(compiled)
 
-    def _checked_token(self, req: GuidedRequest, token: int | None, what: str) -> int:
-        if token is None or not 0 <= token < self.vocab_size_padded:
-            raise RequestError(f"{what} {token!r} is outside the vocabulary "
-                               f"[0, {self.vocab_size_padded})", request_id=req.request_id,
-                               seq_slot=req.seq_slot)
-        return int(token)
+    def _checked_token(self, req: GuidedRequest, token: object, what: str) -> int:
+        """``token`` as an int in the vocabulary (never a truncated float or a bool); the
+        capturable decoder's token tensor and add_batch's fast path leave this to the build."""
+        value = as_int(token)
+        if value is None or not 0 <= value < self.vocab_size_padded:
+            raise RequestError(f"{what} {token!r} is "
+                               + ("not an integer token id" if value is None else
+                                  f"outside the vocabulary [0, {self.vocab_size_padded})"),
+                               request_id=req.request_id, seq_slot=req.seq_slot)
+        return value
 
     def _checked_drafts(self, req: GuidedRequest, draft_len: int) -> list[int]:
         drafts = req.draft_tokens
@@ -1173,10 +1186,7 @@ class GuidedDecoder:
                                f"{self.max_num_draft_tokens}", request_id=req.request_id,
                                seq_slot=req.seq_slot)
         # only this step's runtime draft length has rows reserved
-        drafts = list(drafts[:draft_len])
-        for t in drafts:
-            self._checked_token(req, t, "draft token")
-        return drafts
+        return [self._checked_token(req, t, "draft token") for t in drafts[:draft_len]]
 
     def _slot_ok(self, slot: int | None) -> TypeGuard[int]:
         return slot is not None and 0 <= slot < self.max_num_sequences
@@ -1335,14 +1345,6 @@ def _field(request: object, name: str) -> object:
 def _guide_text(params: GuidedDecodingParams) -> str:
     guide = params.guide if len(params.guide) <= 40 else params.guide[:37] + "..."
     return f"{params.guide_type.name} {guide!r}"
-
-
-def _plain_tokens(tokens: list, vocab_size: int) -> bool:
-    """Every entry is an exact int in ``[0, vocab_size)`` (the common draft list)."""
-    for t in tokens:
-        if type(t) is not int or not 0 <= t < vocab_size:
-            return False
-    return True
 
 
 def _request_id(req: GuidedRequest) -> int:

@@ -340,9 +340,11 @@ class GuidedDecodingConfig:
         if self.tokenizer is not None:
             try:
                 self.tokenizer_vocab_size = len(self.tokenizer)
+                if not hasattr(self.tokenizer, "get_vocab") or self.tokenizer_vocab_size < 1:
+                    raise TypeError
             except TypeError:
                 raise _field_error("tokenizer", self.tokenizer, "a Hugging Face tokenizer "
-                                   "(len() gives its vocabulary size)") from None
+                                   "(get_vocab(), and len() >= 1 its vocabulary size)") from None
         else:
             vocab = self.encoded_vocab
             if isinstance(vocab, (str, bytes)) or not hasattr(vocab, "__iter__") or \

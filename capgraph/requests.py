@@ -119,9 +119,13 @@ class GuidedRequest:
                    new_token: int, *, draft_tokens: Sequence[int] | None = None,
                    num_accepted_draft_tokens: int = 0, prev_seq_slot: int | None = None,
                    ) -> "GuidedRequest":
-        """A request in a generation step (convenience for engines and tests)."""
+        """A request in a generation step (convenience for engines and tests); a list of
+        drafts is copied, any other value is left for ``add_batch`` to convert or refuse."""
+        drafts: object = [] if draft_tokens is None else draft_tokens
+        if type(drafts) is list:
+            drafts = list(drafts)
         return cls(params, request_id, seq_slot, prev_seq_slot, False, False, True, False,
-                   new_token, False, list(draft_tokens or []), num_accepted_draft_tokens)
+                   new_token, False, drafts, num_accepted_draft_tokens)  # type: ignore[arg-type]
 
 
 #: The fields every request object must have (GuidedRequest's, in constructor order).
@@ -139,7 +143,7 @@ def as_int(value: Any) -> int | None:
     if type(value) is int:
         return value
     if isinstance(value, (bool, np.bool_, float, str, bytes)) or (
-            isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+            isinstance(value, torch.Tensor) and (value.dim() != 0 or value.dtype == torch.bool)):
         return None
     try:
         return operator.index(value)
@@ -224,7 +228,7 @@ def checked_request(request: Any, index: int, *, num_slots: int, vocab_size: int
     if accepted is not None:
         checked.num_accepted_draft_tokens = as_int(accepted)
         if checked.num_accepted_draft_tokens is None or checked.num_accepted_draft_tokens < 0:
-            raise bad(f"num_accepted_draft_tokens {_show(accepted)} is not an integer >= 0")
+            raise bad(f"num_accepted_draft_tokens={_show(accepted)} is not an integer >= 0")
     return checked
 
 

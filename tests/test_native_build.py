@@ -253,21 +253,15 @@ def test_cpython_entry_takes_plain_batches_and_declines_the_rest(tiny):
     declined = [
         [gen(0, 0, ALIVE, 0), GuidedRequest.context(1, 1, ALIVE)],
         [gen(0, 0, ALIVE, 0), gen(1, 0, ALIVE, 1)],
+        [gen(0, 0, ALIVE, np.int64(1))],
+        [gen(0, 0, ALIVE, True)],
+        [gen(0, 0, ALIVE, 64)],
+        [gen(0, 0, ALIVE, 1, draft_tokens=[0, 0, 0])],
+        [gen(0, 0, ALIVE, 1, draft_tokens=[np.int64(0)])],
         [dataclasses.replace(gen(0, 0, ALIVE, 1), is_draft=True)],
     ]
     for reqs in declined:
         assert not step(reqs), reqs
-    # add_batch converts NumPy integers and refuses bools, out-of-vocabulary tokens and too
-    # many drafts (an unguided stand-in takes the request's rows), so the entry takes these
-    checked_at_add_batch = [
-        [gen(0, 0, ALIVE, np.int64(1))],
-        [gen(0, 0, ALIVE, 1, draft_tokens=[np.int64(0)])],
-        [gen(1, 1, ALIVE, True)],
-        [gen(1, 1, ALIVE, 64)],
-        [gen(1, 1, ALIVE, 1, draft_tokens=[0, 0, 0])],
-    ]
-    for reqs in checked_at_add_batch:
-        assert step(reqs), reqs
     assert step([gen(s, s, ALIVE, 1) for s in range(4)])
     for dec in decs:  # a wrapped matcher must run its own methods
         dec.grammar_matchers[2] = _StatelessFlaky(dec.grammar_matchers[2], bad_row=-1)

@@ -1,0 +1,655 @@
+"""Hostile and careless input: every argument of a step is checked before any matcher moves.
+
+Each test pins one defect family of issue 22 on both decoders (the capturable one through the
+hostfunc CPU stand-in): step arguments refused up front (strided or aliased logits, d2t targets
+out of range, a second build of one batch, a matcher method that raises), bad types and values
+(each request field, batch arguments, config fields), and requests served with the wrong guide.
+A bad request fails alone with a named error; every other row is masked bit for bit as in a run
+without it. A hypothesis property test throws garbage at every public argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import hostfunc
+from capgraph import (CapgraphError, ConfigError, GuidedDecodingConfig, GuidedDecodingParams,
+                      LayoutError, QueueEpochError, TensorArgError)
+from capgraph.capturable import CapturableGuidedDecoder
+from capgraph.decoder import GuidedDecoder
+from capgraph.grammar import GrammarMatcher, create_matcher_factory
+from capgraph.requests import GuidedRequest, as_int
+
+KINDS = ["eager", "capturable"]
+VOCAB = [chr(97 + i) for i in range(26)] + ["</s>"]  # 'a'..'z' are ids 0..25
+EOS = 26
+V = 64  # padded: ids 27..63 are never allowed on a guided row
+A, B, C, X = 0, 1, 2, 23
+ABC = GuidedDecodingParams.regex("[a-c]+")
+XYZ = GuidedDecodingParams.regex("[x-z]+")
+
+
+@pytest.fixture(scope="module")
+def factory():
+    config = GuidedDecodingConfig(encoded_vocab=VOCAB, stop_token_ids=[EOS], vocab_size_padded=V)
+    made = create_matcher_factory(config)
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def make(factory):
+    """Decoders of either kind on the shared factory, closed afterwards."""
+    made: list[GuidedDecoder] = []
+
+    def build(kind: str, seqs: int = 4, drafts: int = 2) -> GuidedDecoder:
+        cls = GuidedDecoder if kind == "eager" else CapturableGuidedDecoder
+        dec = cls(factory.config, seqs, drafts, factory=factory)
+        made.append(dec)
+        return dec
+    yield build
+    for dec in made:
+        dec.close()
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical float tensors (NaN-safe)."""
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def step(dec: GuidedDecoder, reqs, logits: torch.Tensor, draft_len: int | None = None,
+         d2t: torch.Tensor | None = None) -> list:
+    """add_batch + execute on either decoder kind; the failures of the step."""
+    if isinstance(dec, CapturableGuidedDecoder):
+        dec.add_batch(reqs, runtime_draft_len=draft_len)
+        dec.execute(logits, d2t)
+        return dec.take_failed_requests()
+    dec.add_batch(reqs, draft_len)
+    return dec.execute(logits, d2t)
+
+
+def retry(dec: GuidedDecoder, logits: torch.Tensor, d2t: torch.Tensor | None = None) -> list:
+    """execute again for the batch already added (after an execute that raised)."""
+    if isinstance(dec, CapturableGuidedDecoder):
+        dec.execute(logits, d2t)
+        return dec.take_failed_requests()
+    return dec.execute(logits, d2t)
+
+
+def rows(n: int, seed: int, width: int = V) -> torch.Tensor:
+    return torch.randn(n, width, generator=torch.Generator().manual_seed(seed))
+
+
+def contexts(*slots_and_guides) -> list[GuidedRequest]:
+    return [GuidedRequest.context(10 + s, s, g) for s, g in slots_and_guides]
+
+
+def gen(slot: int, token: int, guide=ABC, **kw) -> GuidedRequest:
+    return GuidedRequest.generation(10 + slot, slot, guide, token, **kw)
+
+
+# -- family 1: step arguments checked before the first matcher call ---------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layout", ["every_other_column", "transposed", "expanded_rows"])
+def test_strided_or_aliased_logits_are_refused_before_any_matcher_moves(kind, layout, make):
+    """Logits whose columns are not contiguous (a [:, ::2] view, a transpose) or whose rows share
+    memory (expand) raise TensorArgError before the build; the retry with proper logits then
+    masks exactly as a decoder that never saw the bad call (each token fed once)."""
+    dec, clean = make(kind), make(kind)
+    for d in (dec, clean):
+        assert step(d, contexts((0, ABC), (1, ABC)), torch.zeros(2, V), 0) == []
+    bad = {"every_other_column": torch.zeros(2, 2 * V)[:, ::2],
+           "transposed": torch.zeros(V, 2).t(),
+           "expanded_rows": torch.zeros(1, V).expand(2, V)}[layout]
+    dec.add_batch([gen(0, A), gen(1, B)], runtime_draft_len=0)
+    with pytest.raises(TensorArgError, match="stride|overlap"):
+        dec.execute(bad)
+    assert dec.num_advanced_tokens[:2] == [0, 0], "a matcher moved before the error"
+    got, want = rows(2, 1), rows(2, 1)
+    assert retry(dec, got) == []
+    assert step(clean, [gen(0, A), gen(1, B)], want, 0) == []
+    assert same(got, want)
+    got, want = rows(2, 2), rows(2, 2)  # the next step agrees too: no token was fed twice
+    assert step(dec, [gen(0, C), gen(1, A)], got, 0) == []
+    assert step(clean, [gen(0, C), gen(1, A)], want, 0) == []
+    assert same(got, want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("target", ["past_the_vocabulary", "negative"])
+def test_d2t_targets_out_of_range_are_refused_before_the_build(kind, target, make):
+    """A d2t whose target g + d2t[g] lies outside [0, vocab_size_padded) raises TensorArgError
+    naming the draft id before any matcher moves; a good table then works, and a checked table
+    changed in place is checked again (remembered by data_ptr and _version)."""
+    draft_vocab = 32
+    dec, clean = make(kind), make(kind)
+    for d in (dec, clean):
+        assert step(d, contexts((0, ABC)), torch.zeros(1, V), 0) == []
+    d2t = torch.zeros(draft_vocab, dtype=torch.int32)
+    d2t[5] = V if target == "past_the_vocabulary" else -6
+    dec.add_batch([gen(0, A)], runtime_draft_len=0)
+    with pytest.raises(TensorArgError, match="draft id 5"):
+        dec.execute(torch.zeros(1, draft_vocab), d2t)
+    assert dec.num_advanced_tokens[0] == 0
+    good = torch.zeros(draft_vocab, dtype=torch.int32)
+    got, want = rows(1, 3, draft_vocab), rows(1, 3, draft_vocab)
+    assert retry(dec, got, good) == []
+    assert step(clean, [gen(0, A)], want, 0, good) == []
+    assert same(got, want)
+    good[7] = 1000  # in place: _version moves, so the table is read again
+    dec.add_batch([gen(0, B)], runtime_draft_len=0)
+    with pytest.raises(TensorArgError, match="draft id 7"):
+        dec.execute(torch.zeros(1, draft_vocab), good)
+
+
+def test_second_execute_for_one_add_batch_is_refused(make):
+    """On the eager decoder a second execute() or build() for one add_batch raises
+    QueueEpochError instead of feeding every token again; the rollbacks still use that batch,
+    and the next step masks as a decoder that executed once."""
+    dec, clean = make("eager"), make("eager")
+    for d in (dec, clean):
+        assert step(d, contexts((0, ABC)), torch.zeros(1, V), 2) == []
+    for d in (dec, clean):
+        assert step(d, [gen(0, A, draft_tokens=[B, C])], torch.zeros(3, V), 2) == []
+    with pytest.raises(QueueEpochError, match="already built"):
+        dec.execute(torch.zeros(3, V))
+    with pytest.raises(QueueEpochError, match="already built"):
+        dec.build()
+    assert dec.num_advanced_tokens[0] == clean.num_advanced_tokens[0] == 3
+    # the rollbacks still read that batch (no draft accepted): both keep only the golden token
+    for d in (dec, clean):
+        d.rollback_rejected_tokens()
+    assert dec.num_advanced_tokens[0] == clean.num_advanced_tokens[0] == 1
+    got, want = rows(1, 4), rows(1, 4)
+    assert step(dec, [gen(0, C)], got, 0) == [] and step(clean, [gen(0, C)], want, 0) == []
+    assert same(got, want)
+
+
+class _TerminatedRaises(GrammarMatcher):
+    """A real matcher whose is_terminated() raises from its ``fail_on``-th call on."""
+
+    def __init__(self, inner: GrammarMatcher, fail_on: int) -> None:
+        self.inner, self.fail_on, self.calls = inner, fail_on, 0
+
+    def accept_token(self, token_id):
+        return self.inner.accept_token(token_id)
+
+    def rollback(self, num_tokens):
+        return self.inner.rollback(num_tokens)
+
+    def fill_next_token_bitmask(self, bitmask, index):
+        return self.inner.fill_next_token_bitmask(bitmask, index)
+
+    def is_terminated(self):
+        self.calls += 1
+        if self.calls >= self.fail_on:
+            raise RuntimeError("injected is_terminated fault")
+        return self.inner.is_terminated()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("fail_on", [1, 2], ids=["first_call", "after_a_draft_stop_token"])
+@pytest.mark.parametrize("batch", [2, 3], ids=["row_by_row", "in_rounds"])
+def test_is_terminated_that_raises_fails_only_its_request(kind, fail_on, batch, make):
+    """A matcher whose is_terminated() raises (when the step starts, or after a draft stop
+    token) fails only its request, with the exception in the failed list; the other requests'
+    rows are bit-identical to a run without the fault."""
+    slots = list(range(batch))
+    dec, clean = make(kind), make(kind)
+    for d in (dec, clean):
+        assert step(d, contexts(*[(s, ABC) for s in slots]), torch.zeros(batch, V), 2) == []
+    dec.grammar_matchers[1] = _TerminatedRaises(dec.grammar_matchers[1], fail_on)
+    reqs = [gen(s, A, draft_tokens=[B, EOS]) for s in slots]
+    got, want = rows(3 * batch, 5), rows(3 * batch, 5)
+    failed = step(dec, reqs, got, 2)
+    assert step(clean, reqs, want, 2) == []
+    assert [f[0] for f in failed] == [11] and "injected is_terminated" in failed[0][1], failed
+    for s in slots:
+        if s != 1:
+            assert same(got[3 * s:3 * s + 3], want[3 * s:3 * s + 3]), f"slot {s}"
+
+
+# -- family 2: types and values -------------------------------------------------------------
+
+BAD_FIELDS = {
+    "seq_slot_float": ({"seq_slot": 1.0}, "seq_slot 1.0"),
+    "seq_slot_str": ({"seq_slot": "1"}, "seq_slot '1'"),
+    "seq_slot_bool": ({"seq_slot": True}, "seq_slot True"),
+    "new_token_str": ({"new_token": "1234"}, "new_token '1234'"),
+    "new_token_float": ({"new_token": 1.0}, "new_token 1.0"),
+    "new_token_bool": ({"new_token": True}, "new_token True"),
+    "draft_tokens_str": ({"draft_tokens": "12"}, "draft_tokens '12'"),
+    "draft_token_float": ({"draft_tokens": [2.0]}, "draft token 2.0"),
+    "draft_tokens_float_tensor": ({"draft_tokens": torch.tensor([1.0])}, "torch.float32"),
+    "draft_tokens_int": ({"draft_tokens": 5}, "draft_tokens 5"),
+    "request_id_str": ({"request_id": "r11"}, "request_id 'r11'"),
+    "request_id_float": ({"request_id": 11.0}, "request_id 11.0"),
+    "params_str": ({"guided_decoding_params": "[a-c]+"}, "guided_decoding_params '[a-c]+'"),
+    "generating_str": ({"is_generation_in_progress_state": "yes"},
+                       "is_generation_in_progress_state 'yes'"),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", list(BAD_FIELDS))
+def test_bad_request_field_fails_alone_naming_field_and_value(kind, case, make):
+    """A request field of the wrong type or value fails that request alone with a RequestError
+    naming the field and the value (eager: execute's list; capturable: take_failed_requests),
+    decided at add_batch so neither build sees it; the other requests' rows are bit-identical
+    to a run without the bad request, and its slot's matcher is dropped."""
+    fields, fragment = BAD_FIELDS[case]
+    dec, clean = make(kind), make(kind)
+    assert step(dec, contexts((0, ABC), (1, ABC), (2, ABC)), torch.zeros(3, V), 1) == []
+    assert step(clean, contexts((0, ABC), (2, ABC)), torch.zeros(2, V), 1) == []
+    bad = dataclasses.replace(gen(1, A, draft_tokens=[B]), **fields)
+    healthy = [gen(0, A, draft_tokens=[B]), gen(2, A, draft_tokens=[B])]
+    logits = rows(6, 6)
+    got, want = logits.clone(), torch.cat([logits[0:2], logits[4:6]])
+    failed = step(dec, [healthy[0], bad, healthy[1]], got, 1)
+    assert step(clean, healthy, want, 1) == []
+    expect_id = -1 if case.startswith("request_id") else 11
+    assert len(failed) == 1 and failed[0][0] == expect_id, failed
+    assert "RequestError" in failed[0][1] and fragment in failed[0][1], failed
+    assert same(got[0:2], want[0:2]) and same(got[4:6], want[2:4])
+    assert same(got[2:4], logits[2:4]), "the bad request's rows must stay unmasked"
+    if not case.startswith(("seq_slot", "params")):  # its own matcher: dropped
+        assert dec.grammar_matchers[1] is None
+
+
+@pytest.mark.parametrize("accepted", [-1, "1", 1.5, True, [1]])
+def test_bad_num_accepted_draft_tokens_fails_alone_at_rollback(accepted, make):
+    """An eager request whose num_accepted_draft_tokens is not an integer >= 0 fails alone
+    with a RequestError naming the field and the value when rollback_rejected_tokens reads
+    it; the other request is rolled back as usual. (The capturable decoder takes the counts
+    from rollback_rejected_batch's tensor instead.)"""
+    dec = make("eager")
+    assert step(dec, contexts((0, ABC), (1, ABC)), torch.zeros(2, V), 2) == []
+    assert step(dec, [gen(0, A, draft_tokens=[B, C]), gen(1, A, draft_tokens=[B, C])],
+                torch.zeros(6, V), 2) == []
+    dec.add_batch([gen(0, B, num_accepted_draft_tokens=0),
+                   gen(1, B, num_accepted_draft_tokens=accepted)], 0)
+    dec.rollback_rejected_tokens()
+    failed = dec.execute(torch.zeros(2, V))
+    assert [f[0] for f in failed] == [11], failed
+    assert f"num_accepted_draft_tokens={accepted!r}" in failed[0][1]
+    assert dec.num_advanced_tokens[0] == 1 and dec.grammar_matchers[1] is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("drafts", [(B, C), torch.tensor([B, C]), np.array([B, C]),
+                                    [np.int64(B), torch.tensor(C)]],
+                         ids=["tuple", "tensor", "array", "mixed_integers"])
+def test_draft_token_sequences_are_accepted_alike_on_both_decoders(kind, drafts, make):
+    """draft_tokens given as a tuple, a 1-D integer tensor, a NumPy array or NumPy/tensor
+    integers are converted to a list of ints at add_batch: the step masks exactly as with a
+    plain list, on both decoders (a str is refused, see the bad-field test)."""
+    dec, ref = make(kind), make("eager")
+    for d in (dec, ref):
+        assert step(d, contexts((0, ABC)), torch.zeros(1, V), 2) == []
+    got, want = rows(3, 7), rows(3, 7)
+    assert step(dec, [gen(0, A, draft_tokens=drafts)], got, 2) == []
+    assert step(ref, [gen(0, A, draft_tokens=[B, C])], want, 2) == []
+    assert same(got, want)
+    assert dec.num_advanced_tokens[0] == 3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("value", [1.5, "2", True, [1]])
+def test_runtime_draft_len_must_be_an_integer(kind, value, make):
+    """runtime_draft_len that is a float, a string, a bool or a list raises LayoutError naming
+    the argument, and nothing is queued or changed: the next step runs normally."""
+    dec = make(kind)
+    with pytest.raises(LayoutError, match="runtime_draft_len"):
+        dec.add_batch(contexts((0, ABC)), runtime_draft_len=value)
+    assert step(dec, contexts((0, ABC)), torch.zeros(1, V), 1) == []
+    assert dec.grammar_matchers[0] is not None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("requests", [None, 5, "abc", [object()],
+                                      [dataclasses.replace(gen(0, A), is_draft="no")]],
+                         ids=["none", "int", "str", "not_a_request", "layout_flag_not_bool"])
+def test_batch_that_is_not_a_list_of_requests_is_a_layout_error(kind, requests, make):
+    """requests that are not a sequence of requests, or a request whose is_draft /
+    is_context_init_state is not a bool (its rows are unknown), raise LayoutError and change
+    nothing."""
+    dec = make(kind)
+    assert step(dec, contexts((0, ABC)), torch.zeros(1, V), 0) == []
+    with pytest.raises(LayoutError):
+        dec.add_batch(requests)
+    got, want = rows(1, 8), rows(1, 8)
+    assert step(dec, [gen(0, A)], got, 0) == []
+    clean = make(kind)
+    assert step(clean, contexts((0, ABC)), torch.zeros(1, V), 0) == []
+    assert step(clean, [gen(0, A)], want, 0) == []
+    assert same(got, want)
+
+
+def test_capturable_new_tokens_must_be_an_integer_tensor(make):
+    """A float new_tokens tensor (which a copy would truncate) raises TensorArgError at
+    add_batch, before the batch is queued."""
+    dec = make("capturable")
+    with pytest.raises(TensorArgError, match="integer tensor"):
+        dec.add_batch(contexts((0, ABC)), torch.zeros(3, 4), 0)
+    assert step(dec, contexts((0, ABC)), torch.zeros(1, V), 0) == []
+
+
+CONFIG_FIELDS = {
+    "compile_timeout_s": [float("inf"), 1e12, float("nan"), "5", True, 0],
+    "compile_threads": ["2", 2.0, True, 0],
+    "compile_cache_bytes": ["1G", 1.5, -1],
+    "fill_threads": ["1", 1.0, -1],
+    "stop_token_ids": [5, "12", [], [1.0], [True], [EOS, "x"]],
+    "json_whitespace": ["no", True],
+    "json_unenforced_keywords": [["error"], "warn"],
+    "native_build": [1, "maybe"],
+    "vocab_size_padded": ["64", 64.0, True, 10],
+    "backend": [5, "vllm"],
+}
+
+
+@pytest.mark.parametrize("field,value", [(f, v) for f, vs in CONFIG_FIELDS.items() for v in vs],
+                         ids=lambda x: repr(x)[:20])
+def test_config_field_of_wrong_type_or_value_names_the_field(field, value):
+    """Every GuidedDecodingConfig field refuses a wrong type (bool/float for an int, a str for a
+    list or bool, inf/nan/1e12 seconds) with a ConfigError naming the field; strings are never
+    iterated as token lists."""
+    with pytest.raises(ConfigError, match=field):
+        GuidedDecodingConfig(encoded_vocab=VOCAB, **{field: value})
+
+
+@pytest.mark.parametrize("env", ["inf", "nan", "-1", "lots"])
+def test_compile_cache_env_must_be_a_finite_byte_count(env, monkeypatch):
+    """CAPGRAPH_COMPILE_CACHE_BYTES=inf/nan/negative/garbage raises ConfigError naming the
+    variable."""
+    monkeypatch.setenv("CAPGRAPH_COMPILE_CACHE_BYTES", env)
+    with pytest.raises(ConfigError, match="CAPGRAPH_COMPILE_CACHE_BYTES"):
+        GuidedDecodingConfig(encoded_vocab=VOCAB)
+
+
+@pytest.mark.parametrize("args,name", [
+    ({"rank": "0"}, "rank"), ({"rank": -1}, "rank"), ({"max_num_sequences": 2.0},
+                                                      "max_num_sequences"),
+    ({"max_num_sequences": True}, "max_num_sequences"),
+    ({"max_num_draft_tokens": "1"}, "max_num_draft_tokens"),
+    ({"vocab_size_padded": 64.0}, "vocab_size_padded"), ({"device": "nowhere"}, "device"),
+    ({"factory": "xgrammar"}, "factory")])
+@pytest.mark.parametrize("kind", KINDS)
+def test_decoder_constructor_arguments_are_checked(kind, args, name, factory):
+    """GuidedDecoder / CapturableGuidedDecoder arguments of the wrong type raise ConfigError
+    naming the argument."""
+    cls = GuidedDecoder if kind == "eager" else CapturableGuidedDecoder
+    kw = {"max_num_sequences": 2, "factory": factory, **args}
+    with pytest.raises(ConfigError, match=name):
+        cls(factory.config, **kw)
+
+
+@pytest.mark.parametrize("text", ['{"type": "integer"} junk', '{"type": "integer"}{}',
+                                  '{"type": "string"} {"not": {}}'])
+def test_json_schema_text_with_trailing_garbage_is_refused(text):
+    """JSON-schema text with anything after its first JSON value is refused at construction
+    (a backend would compile the first value alone, past the unenforced-keyword check);
+    surrounding whitespace is fine."""
+    with pytest.raises(ConfigError, match="one JSON document"):
+        GuidedDecodingParams.json_schema(text)
+    assert GuidedDecodingParams.json_schema('  {"type": "integer"}\n').guide
+
+
+# -- family 4: the guide of a slot --------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", ["never_had_context", "released", "other_guide"])
+def test_generation_request_without_its_matcher_fails(kind, case, make):
+    """A generation request whose slot never had a context request, whose slot was released, or
+    which carries another guide than the one its slot's matcher was created for fails alone
+    (RequestError), instead of being served unguided or masked by the old grammar; the other
+    request's rows are bit-identical."""
+    dec, clean = make(kind), make(kind)
+    ctx = contexts((0, ABC)) if case == "never_had_context" else contexts((0, ABC), (1, ABC))
+    assert step(dec, ctx, torch.zeros(len(ctx), V), 0) == []
+    assert step(clean, contexts((0, ABC)), torch.zeros(1, V), 0) == []
+    if case == "released":
+        dec.release(1)
+    odd = gen(1, X, XYZ) if case == "other_guide" else gen(1, A)
+    got, want = rows(2, 9), rows(2, 9)
+    failed = step(dec, [gen(0, A), odd], got, 0)
+    assert step(clean, [gen(0, A)], want[:1], 0) == []
+    assert [f[0] for f in failed] == [11] and "RequestError" in failed[0][1], failed
+    assert ("differ" if case == "other_guide" else "no matcher") in failed[0][1]
+    assert same(got[:1], want[:1]) and same(got[1:], rows(2, 9)[1:])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_equal_guide_and_disaggregated_first_step_are_served(kind, make):
+    """A generation request carrying an equal (not identical) guide is served by its slot's
+    matcher, and a disaggregated first generation step creates its matcher (it is not
+    "missing a context")."""
+    dec = make(kind)
+    assert step(dec, contexts((0, ABC)), torch.zeros(1, V), 0) == []
+    copy = GuidedDecodingParams.regex("[a-c]+")
+    assert copy == ABC and copy is not ABC
+    first = dataclasses.replace(gen(1, A), is_generation_only_first_iteration=True)
+    dec.add_batch([gen(0, A, copy), first], runtime_draft_len=0)
+    dec.init_disagg_gen_requests()
+    logits = torch.zeros(2, V)
+    failed = dec.execute(logits)
+    failed = failed if failed is not None else dec.take_failed_requests()
+    assert failed == []
+    assert torch.isfinite(logits).sum(dim=1).tolist() == [4, 4]  # a, b, c and EOS
+    assert step(dec, [gen(0, B, copy), gen(1, C)], torch.zeros(2, V), 0) == []
+
+
+# -- property: garbage in every public argument --------------------------------------------------
+
+GARBAGE = st.one_of(
+    st.none(), st.booleans(), st.integers(-2**70, 2**70), st.integers(-3, 70),
+    st.floats(allow_nan=True), st.text(max_size=4), st.binary(max_size=4),
+    st.lists(st.one_of(st.integers(-5, 70), st.floats(-2, 70), st.text(max_size=2)),
+             max_size=4),
+    st.tuples(st.integers(0, 30)),
+    st.builds(lambda n: torch.arange(n), st.integers(0, 3)),
+    st.builds(lambda n: torch.ones(n) * 2.0, st.integers(0, 3)),
+    st.builds(lambda n: torch.ones(n, 2, dtype=torch.int32), st.integers(0, 3)),
+    st.just(np.int64(3)), st.just(np.float32(1.0)), st.just(object()), st.just({}),
+    st.just(ABC), st.just(XYZ),
+)
+REQUEST_FIELD_NAMES = ["guided_decoding_params", "request_id", "seq_slot", "prev_seq_slot",
+                       "is_context_init_state", "is_last_context_chunk",
+                       "is_generation_in_progress_state", "is_generation_only_first_iteration",
+                       "new_token", "is_draft", "draft_tokens", "num_accepted_draft_tokens"]
+BAD_LOGITS = ["strided", "transposed", "expanded", "int", "extra_row", "3d", "narrow", "empty"]
+
+
+def _bad_logits(spec, n: int):
+    if not isinstance(spec, str) or spec not in BAD_LOGITS:
+        return spec
+    return {"strided": rows(n, 0, 2 * V)[:, ::2], "transposed": rows(V, 0, n).t(),
+            "expanded": rows(1, 0).expand(n, V), "int": rows(n, 0).to(torch.int32),
+            "extra_row": rows(n + 1, 0), "3d": rows(n, 0)[None], "narrow": rows(n, 0, V - 1),
+            "empty": torch.zeros(n, 0)}[spec]
+
+
+def _int_or_none(value) -> int | None:
+    return value if type(value) is int else None
+
+
+def _fill(matcher: GrammarMatcher) -> list[int]:
+    probe = torch.zeros(1, 2, dtype=torch.int32)
+    matcher.fill_next_token_bitmask(probe, 0)
+    return probe[0].tolist()
+
+
+def _states(dec: GuidedDecoder) -> list:
+    """What each healthy slot's matcher allows next (equal states allow the same tokens)."""
+    dec.take_failed_requests()  # (ends a build still in flight)
+    return [_fill(dec.grammar_matchers[s]) for s in (0, 2)]
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(kind=st.sampled_from(KINDS),
+       fields=st.dictionaries(st.sampled_from(REQUEST_FIELD_NAMES), GARBAGE, max_size=3),
+       logits=st.one_of(st.none(), st.sampled_from(BAD_LOGITS), GARBAGE),
+       d2t=st.one_of(st.none(), GARBAGE, st.builds(
+           lambda k, v: torch.zeros(V, dtype=torch.int32).index_fill_(0, torch.tensor([k]), v),
+           st.integers(0, V - 1), st.integers(-70, 70))),
+       seed=st.integers(0, 3))
+def test_garbage_in_requests_and_step_tensors_is_named_and_isolated(
+        factory, kind, fields, logits, d2t, seed):
+    """Garbage in any field of one request, and in execute's logits and d2t: add_batch and
+    execute raise a CapgraphError or serve the step, never a generic exception; an error leaves
+    every matcher where it was (the retry then masks as a clean decoder); the two healthy
+    requests' rows are bit-identical to a decoder that never saw the bad request, and only the
+    bad request can fail."""
+    assume(_int_or_none(fields.get("seq_slot")) not in (0, 2))  # (its own slot, not theirs)
+    assume(_int_or_none(fields.get("request_id")) not in (10, 12))
+    cls = GuidedDecoder if kind == "eager" else CapturableGuidedDecoder
+    dec, clean = (cls(factory.config, 3, 1, factory=factory) for _ in range(2))
+    try:
+        for d in (dec, clean):  # a context step, then a step with a draft (rollback material)
+            assert step(d, contexts((0, ABC), (1, ABC), (2, ABC)), torch.zeros(3, V), 1) == []
+            assert step(d, [gen(s, A, draft_tokens=[B]) for s in range(3)],
+                        torch.zeros(6, V), 1) == []
+        bad = gen(1, B, draft_tokens=[C])
+        for name, value in fields.items():
+            setattr(bad, name, value)
+        healthy = [gen(0, B, draft_tokens=[C]), gen(2, B, draft_tokens=[C])]
+        before = _states(dec)
+        try:
+            if isinstance(dec, CapturableGuidedDecoder):
+                dec.add_batch([healthy[0], bad, healthy[1]], runtime_draft_len=1)
+            else:
+                dec.add_batch([healthy[0], bad, healthy[1]], 1)
+        except CapgraphError:
+            assert _states(dec) == before
+            return
+        if isinstance(dec, CapturableGuidedDecoder):
+            dec.rollback_rejected_batch(torch.ones(3, dtype=torch.int32))
+        else:
+            dec.rollback_rejected_tokens()
+        n = dec.requests.num_bitmask_tokens
+        table = d2t if isinstance(d2t, torch.Tensor) and d2t.shape == (V,) and \
+            d2t.dtype == torch.int32 and bool(((d2t + torch.arange(V)) >= 0).all()) and \
+            bool(((d2t + torch.arange(V)) < V).all()) else None
+        got = rows(n, seed)
+        try:
+            if logits is None:
+                failures = retry(dec, got, d2t)
+            else:
+                failures = retry(dec, _bad_logits(logits, n), d2t)
+                got = None  # (served: masked garbage logits, nothing to compare)
+        except CapgraphError:
+            after_rollback = _states(dec)
+            got, table = rows(n, seed), None
+            failures = retry(dec, got)  # the documented retry: each token fed once
+            assert after_rollback is not None
+        else:
+            if d2t is not None and table is None:
+                got = None  # (a table that was accepted but is not the one compared below)
+        want_rows = [rows(n, seed)[o:o + 2] for o in (dec.requests.offsets[0],
+                                                       dec.requests.offsets[2])]
+        want = torch.cat(want_rows)
+        clean.add_batch(healthy, runtime_draft_len=1) if kind == "capturable" else \
+            clean.add_batch(healthy, 1)
+        if isinstance(clean, CapturableGuidedDecoder):
+            clean.rollback_rejected_batch(torch.ones(2, dtype=torch.int32))
+        else:
+            clean.rollback_rejected_tokens()
+        assert retry(clean, want, table) == []
+        bad_id = as_int(fields.get("request_id", 11))
+        assert {f[0] for f in failures} <= {-1, 11, bad_id}, failures
+        if got is not None:
+            for k, r in ((0, 0), (2, 2)):
+                o = dec.requests.offsets[k]
+                assert same(got[o:o + 2], want[r:r + 2]), f"healthy request {k} changed"
+        assert _states(dec) == _states(clean)
+    finally:
+        dec.close()
+        clean.close()
+
+
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(draft_len=GARBAGE, accepted=GARBAGE, slot=GARBAGE, draft_tokens=GARBAGE,
+       draft_step=GARBAGE, draft_logits=st.one_of(st.sampled_from(BAD_LOGITS), GARBAGE))
+def test_garbage_in_batch_arguments_is_a_named_error(factory, draft_len, accepted, slot,
+                                                      draft_tokens, draft_step, draft_logits):
+    """Garbage in runtime_draft_len, the rollback counts, release's slot and the capturable
+    drafting API (add_draft_batch, execute_draft_batch, rollback_rejected_batch) raises a
+    CapgraphError or is served, never a generic exception, and the decoders keep serving:
+    a healthy step afterwards masks as on a decoder that never saw the garbage."""
+    decs = [GuidedDecoder(factory.config, 3, 1, factory=factory),
+            CapturableGuidedDecoder(factory.config, 3, 1, factory=factory)]
+    clean = GuidedDecoder(factory.config, 3, 1, factory=factory)
+    try:
+        for d in (*decs, clean):
+            assert step(d, contexts((0, ABC)), torch.zeros(1, V), 1) == []
+        eager, capt = decs
+        calls = [lambda: eager.add_batch([gen(0, A)], draft_len),
+                 lambda: capt.add_batch([gen(0, A)], runtime_draft_len=draft_len),
+                 lambda: eager.release(slot), lambda: capt.release(slot),
+                 lambda: capt.rollback_rejected_batch(accepted),
+                 lambda: capt.add_draft_batch(draft_tokens, accepted, draft_step),
+                 lambda: capt.execute_draft_batch(_bad_logits(draft_logits, 1), None, draft_step)]
+        for call in calls:
+            try:
+                call()
+            except CapgraphError:
+                pass
+        hostfunc.drain()
+        for d in decs:  # whatever the garbage did to slot 0, a fresh request is served
+            d.take_failed_requests()
+            d.release(0)
+            d.requests = None
+            if isinstance(d, CapturableGuidedDecoder):
+                while d._queue:
+                    d._consume_put()
+        clean.release(0)
+        for d in (*decs, clean):
+            assert step(d, contexts((0, XYZ)), torch.zeros(1, V), 1) == []
+        want = rows(2, 1)
+        assert step(clean, [gen(0, X, XYZ, draft_tokens=[X])], want, 1) == []
+        for d in decs:
+            got = rows(2, 1)
+            assert step(d, [gen(0, X, XYZ, draft_tokens=[X])], got, 1) == []
+            assert same(got, want)
+    finally:
+        for d in (*decs, clean):
+            d.close()
+
+
+CONFIG_FIELD_NAMES = ["backend", "tokenizer", "encoded_vocab", "stop_token_ids",
+                      "vocab_size_padded", "compile_cache_bytes", "compile_timeout_s",
+                      "compile_threads", "fill_threads", "native_build", "json_whitespace",
+                      "json_max_whitespace", "json_unenforced_keywords"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(fields=st.dictionaries(st.sampled_from(CONFIG_FIELD_NAMES), GARBAGE, min_size=1,
+                              max_size=3))
+def test_garbage_config_fields_are_a_config_error_or_typed(fields):
+    """GuidedDecodingConfig with garbage in any public field raises ConfigError, or builds a
+    config whose integer fields are ints, whose duration is finite and whose stop tokens are
+    a list of ints: never a generic exception, never a silently coerced value."""
+    base = {"encoded_vocab": VOCAB, "stop_token_ids": [EOS], "native_build": "off"}
+    try:
+        config = GuidedDecodingConfig(**{**base, **fields})
+    except ConfigError:
+        return
+    for name in ("vocab_size_padded", "compile_cache_bytes", "compile_threads", "fill_threads",
+                 "json_max_whitespace"):
+        assert type(getattr(config, name)) is int, name
+    assert math.isfinite(config.compile_timeout_s) and config.compile_timeout_s > 0
+    assert type(config.stop_token_ids) is list and all(type(t) is int
+                                                       for t in config.stop_token_ids)
+    assert config.stop_token_ids or fields.get("stop_token_ids", [EOS]) is None  # (no EOS)
+    assert config.tokenizer_vocab_size >= 1
+    assert type(config.native_build) is str and type(config.json_whitespace) is str
