@@ -16,7 +16,7 @@ from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
 from .native import NativeBuilder, NativeBuildError, matcher_methods
 from .converter_log import converter_warnings
-from .schema_policy import describe, unenforced
+from .schema_policy import describe, unenforced, xgrammar_rewrite
 from .semantics import JSON_CONTAINER_SCHEMA
 
 __all__ = ["XGrammarMatcher", "XGrammarMatcherFactory", "build_tokenizer_info",
@@ -305,7 +305,7 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
             elif gt is GuideType.JSON_SCHEMA:
                 strict = self.config.json_unenforced_keywords != "ignore"
                 if strict:
-                    self._refuse_unenforced(guide)
+                    guide = self._enforceable(guide)
                 # what the converter logs about constraints it drops refuses the schema too
                 capture: AbstractContextManager[list[str]] = \
                     converter_warnings() if strict else nullcontext([])
@@ -334,16 +334,19 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         return compiled, int(compiled.memory_size_bytes)
 
     @staticmethod
-    def _refuse_unenforced(guide: str) -> None:
-        """Raise UnsupportedGuideError for the keywords of ``guide`` that xgrammar is not
-        known to enforce (:mod:`capgraph.grammar.schema_policy`)."""
+    def _enforceable(guide: str) -> str:
+        """The schema text to compile: UnsupportedGuideError for the keywords of ``guide`` that
+        xgrammar is not known to enforce, and string length limits carried as patterns
+        (:mod:`capgraph.grammar.schema_policy`)."""
         try:
             schema = json.loads(guide)
         except ValueError:
-            return  # malformed: xgrammar's own error says where
+            return guide  # malformed: xgrammar's own error says where
         found = unenforced(schema, BACKEND)
         if found:
             _refuse(describe(found))
+        rewritten = xgrammar_rewrite(schema)
+        return guide if rewritten is schema else json.dumps(rewritten)
 
     def create_from_compiled(self, compiled: CompiledGuide) -> XGrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled.payload), self._stop_ids)
