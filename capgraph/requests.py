@@ -12,7 +12,7 @@ in a draft step every request takes 1 row. Unguided requests take their rows but
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -129,7 +129,7 @@ class GuidedRequest:
 
 
 #: The fields every request object must have (GuidedRequest's, in constructor order).
-REQUEST_FIELDS: tuple[str, ...] = tuple(f for f in GuidedRequest.__slots__)  # type: ignore[attr-defined]
+REQUEST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(GuidedRequest))
 
 
 def _show(value: Any) -> str:
