@@ -22,7 +22,7 @@ from capgraph import GuidedDecodingConfig, GuidedDecodingParams
 from capgraph.errors import ConfigError, GrammarCompileError, UnsupportedGuideError
 from capgraph.grammar import create_matcher_factory
 from capgraph.grammar.converter_log import converter_warnings
-from capgraph.grammar.schema_policy import unenforced
+from capgraph.grammar.schema_policy import unenforced, xgrammar_rewrite
 from capgraph.requests import GuidedRequest
 from capgraph.tokenizers import encode_continuation
 
@@ -224,6 +224,39 @@ def test_policy_findings_xgrammar(schema, expected):
     unresolvable or remote references and nested identifiers are reported."""
     found = [(f.keyword, f.pointer) for f in unenforced(schema, "xgrammar")]
     assert found[:len(expected)] == expected and (expected or not found)
+
+
+@pytest.mark.parametrize("tok_name", ["tekken", "mistral-sp32k", "qwen"])
+def test_xgrammar_length_limits_count_characters_and_stay_json(tok_name, factory_cache,
+                                                               tokenizer_cache):
+    """A length-limited string on xgrammar counts characters (not bytes), and never takes a
+    raw control character (which xgrammar's own length rule lets through)."""
+    factory = factory_cache(tok_name)
+    tokenizer = tokenizer_cache(tok_name)
+    compiled = factory.compile(GuidedDecodingParams.json_schema(
+        {"type": "object", "properties": {"s": {"type": "string", "minLength": 1,
+                                                "maxLength": 2}}, "required": ["s"]}))
+    assert table.accepts(factory, compiled, tokenizer, {"s": "\u00e9\u6f22"})
+    assert not table.accepts(factory, compiled, tokenizer, {"s": "\u00e9\u6f22\u5b57"})
+    assert not table.accepts(factory, compiled, tokenizer, {"s": ""})
+    assert not table.accepts(factory, compiled, tokenizer, table.Raw('{"s":"\x0f"}'))
+
+
+def test_xgrammar_rewrite_reads_schema_positions_only():
+    """The length rewrite touches length-limited string schemas only: property names, enum
+    values and strings with a pattern or format stay as they are."""
+    schema = {"type": "object", "properties": {
+        "minLength": {"type": "string", "maxLength": 3},
+        "e": {"type": "string", "enum": ["abcd"], "maxLength": 9},
+        "p": {"type": "string", "pattern": "^a", "maxLength": 3}}}
+    out = xgrammar_rewrite(schema)
+    assert set(out["properties"]) == {"minLength", "e", "p"}
+    assert out["properties"]["minLength"] == {"type": "string",
+                                              "pattern": '^[^"\\\\\\x00-\\x1f]{0,3}$'}
+    assert out["properties"]["e"] == schema["properties"]["e"]
+    assert out["properties"]["p"] == schema["properties"]["p"]
+    untouched = {"type": "integer", "minimum": 1}
+    assert xgrammar_rewrite(untouched) is untouched
 
 
 def test_policy_refuses_x_guidance_on_llguidance(factory_cache):

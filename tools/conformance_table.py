@@ -240,7 +240,7 @@ class Outcome:
 def _instance_tokens(tokenizer: Any, instance: Any) -> list[int]:
     from capgraph.tokenizers import encode_continuation
     text = instance.text if isinstance(instance, Raw) else \
-        json.dumps(instance, separators=(",", ":"))
+        json.dumps(instance, separators=(",", ":"), ensure_ascii=False)
     return encode_continuation(tokenizer, text)
 
 
