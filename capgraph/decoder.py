@@ -221,15 +221,18 @@ class GuidedDecoder:
                   runtime_draft_len: int | None = None) -> None:
         """Take this step's request snapshots (batch order = row order).
 
-        Every request is checked here, before any matcher moves (:meth:`_admit`): a request
-        with a bad field (a float or string where an integer belongs, a token outside the
-        vocabulary, ...), a generation request whose slot has no matcher for it (no context
-        request created one, or the slot was released) or one carrying another guide than the
-        one its slot's matcher was created for fails alone with a :class:`RequestError`
-        naming the field and the value: it keeps its rows unmasked (an unguided stand-in
-        takes them), a matcher it owned is dropped, and the failure is returned by the next
-        ``execute`` (``take_failed_requests``). Compilation of every newly seen guide starts
-        here, on the factory's thread pool, so that ``build`` usually finds it finished.
+        Every request is checked before any matcher moves: here its fields' types, its slot
+        and the slot's guide (:meth:`_admit`); the token values where the build reads them.
+        A request with a bad field (a float, bool or string where an integer belongs, a
+        string where a list of tokens belongs, ...), a generation request whose slot has no
+        matcher for it (no context request created one, or the slot was released) or one
+        carrying another guide than the one its slot's matcher was created for fails alone
+        with a :class:`RequestError` naming the field and the value: its rows stay unmasked
+        (an unguided stand-in takes them), a matcher it owned is dropped, and the failure is
+        returned by the next ``execute`` (``take_failed_requests``). Integers may be NumPy
+        integers or 0-d tensors, ``draft_tokens`` a tuple, 1-D tensor or array (converted).
+        Compilation of every newly seen guide starts here, on the factory's thread pool, so
+        that ``build`` usually finds it finished.
 
         Raises:
             LayoutError: ``requests`` is not a sequence of requests, more requests than
@@ -279,7 +282,7 @@ class GuidedDecoder:
         slots whose matcher the failures drop, and the checked requests that are not the
         common one (the only ones that can start a compile). Failures are recorded here.
 
-        The common request (a target request generating, exact types, the slot's own guide)
+        The common request (generating, target or draft, exact types, the slot's own guide)
         passes the inline test; every other one takes :func:`checked_request` and the slot's
         guide check (:meth:`_check_guide`). ``tokens_elsewhere``: see ``checked_request``.
         """
@@ -296,7 +299,7 @@ class GuidedDecoder:
                 if params is None:
                     if type(req.is_draft) is bool and type(req.is_context_init_state) is bool:
                         continue
-                elif (req.is_generation_in_progress_state is True and req.is_draft is False
+                elif (req.is_generation_in_progress_state is True and type(req.is_draft) is bool
                         and req.is_context_init_state is False
                         and req.is_generation_only_first_iteration is False
                         and type(slot := req.seq_slot) is int and 0 <= slot < nseq
@@ -330,8 +333,8 @@ class GuidedDecoder:
                      updates: list[tuple[int, GuidedDecodingParams]]) -> None:
         """A request that creates its slot's matcher records its guide (in ``updates``); one
         that advances it must carry that guide (the same object, or an equal one)."""
-        slot, params = req.seq_slot, req.guided_decoding_params
-        assert slot is not None and params is not None  # (checked_request)
+        slot = cast(int, req.seq_slot)  # (both checked by checked_request)
+        params = cast(GuidedDecodingParams, req.guided_decoding_params)
         if not req.is_draft and (req.is_generation_only_first_iteration
                                  or (req.is_context_init_state and req.is_last_context_chunk)):
             updates.append((slot, params))
@@ -412,7 +415,14 @@ class GuidedDecoder:
 
         Returns:
             ``[(request_id, message)]`` for every request that failed since the last call
-            (this build, rollbacks, disaggregated inits). Their rows are left unmasked.
+            (add_batch, this build, rollbacks, disaggregated inits). Their rows are left
+            unmasked.
+
+        Raises:
+            TensorArgError: bad logits or d2t (rows, width, dtype, device, non-contiguous
+                columns, overlapping rows, d2t targets outside the vocabulary), before any
+                matcher moves: call again with proper tensors.
+            QueueEpochError: this batch was already built; call add_batch first.
         """
         requests = self._require_batch()
         self._check_logits(logits, d2t, requests.num_bitmask_tokens)
