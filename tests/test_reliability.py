@@ -150,11 +150,11 @@ BAD_GUIDES = {
                        ["EBNF_GRAMMAR", "looks like Lark"]),
     "llg_unsupported_not": ("llguidance", GuideType.JSON_SCHEMA,
                             json.dumps({"not": {"type": "string"}}), GrammarCompileError,
-                            ["llguidance", 'Unimplemented keys: ["not"]']),
+                            ["llguidance", "'not' at /"]),
     "llg_unsupported_if_then": (
         "llguidance", GuideType.JSON_SCHEMA,
         json.dumps({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}),
-        GrammarCompileError, ['"if"', '"then"']),
+        GrammarCompileError, ["'if' at /", "'then' at /"]),
     "llg_unsupported_dependent_schemas": (
         "llguidance", GuideType.JSON_SCHEMA,
         json.dumps({"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}),
@@ -242,7 +242,7 @@ UNENFORCED_SCHEMAS = {
         {"tags": [1, 1]}, "'uniqueItems' at /properties/tags"),
     "contains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}},
                  [1, 2], "'contains' at /"),
-    "remote_ref": ({"$ref": "https://example.com/s.json"}, 1, "'$ref' at / (only local"),
+    "remote_ref": ({"$ref": "https://example.com/s.json"}, 1, "'$ref' at / ('https://example.com/s.json' is not a local"),
 }
 
 

@@ -187,7 +187,7 @@ def _ok(node: _Node) -> str | None:
 def _local_ref(node: _Node) -> str | None:
     ref = node.value
     if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-        return "only local '#/...' references are resolved"
+        return f"{ref!r} is not a local '#/...' reference"
     if _resolve(node.root, ref) is _MISSING:
         return f"{ref!r} does not resolve inside the schema"
     return None
