@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import hostfunc
 from capgraph import (CapgraphError, ConfigError, GuidedDecodingConfig, GuidedDecodingParams,
-                      LayoutError, QueueEpochError, TensorArgError)
+                      GuideType, LayoutError, QueueEpochError, TensorArgError)
 from capgraph.capturable import CapturableGuidedDecoder
 from capgraph.decoder import GuidedDecoder
 from capgraph.grammar import GrammarMatcher, create_matcher_factory
@@ -468,6 +468,13 @@ REQUEST_FIELD_NAMES = ["guided_decoding_params", "request_id", "seq_slot", "prev
 BAD_LOGITS = ["strided", "transposed", "expanded", "int", "extra_row", "3d", "narrow", "empty"]
 
 
+FIELDS = st.dictionaries(st.sampled_from(REQUEST_FIELD_NAMES), GARBAGE, min_size=1, max_size=3)
+LOGITS = st.one_of(st.sampled_from(BAD_LOGITS), GARBAGE)
+D2T = st.one_of(GARBAGE, st.builds(
+    lambda k, v: torch.zeros(V, dtype=torch.int32).index_fill_(0, torch.tensor([k]), v),
+    st.integers(0, V - 1), st.integers(-70, 70)))
+
+
 def _bad_logits(spec, n: int):
     if not isinstance(spec, str) or spec not in BAD_LOGITS:
         return spec
@@ -487,41 +494,44 @@ def _fill(matcher: GrammarMatcher) -> list[int]:
     return probe[0].tolist()
 
 
-def _states(dec: GuidedDecoder) -> list:
-    """What each healthy slot's matcher allows next (equal states allow the same tokens)."""
-    dec.take_failed_requests()  # (ends a build still in flight)
+def _states(dec: GuidedDecoder, failures: list | None = None) -> list:
+    """What each healthy slot's matcher allows next (equal states allow the same tokens); the
+    failures taken on the way (this ends a build still in flight) go to ``failures``."""
+    taken = dec.take_failed_requests()
+    if failures is not None:
+        failures.extend(taken)
     return [_fill(dec.grammar_matchers[s]) for s in (0, 2)]
 
 
-@settings(max_examples=200, deadline=None,
+@settings(max_examples=300, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(kind=st.sampled_from(KINDS),
-       fields=st.dictionaries(st.sampled_from(REQUEST_FIELD_NAMES), GARBAGE, max_size=3),
-       logits=st.one_of(st.none(), st.sampled_from(BAD_LOGITS), GARBAGE),
-       d2t=st.one_of(st.none(), GARBAGE, st.builds(
-           lambda k, v: torch.zeros(V, dtype=torch.int32).index_fill_(0, torch.tensor([k]), v),
-           st.integers(0, V - 1), st.integers(-70, 70))),
+@given(kind=st.sampled_from(KINDS), case=st.one_of(
+           st.tuples(FIELDS, st.none(), st.none()),  # a bad request
+           st.tuples(st.just({}), LOGITS, st.none()),  # bad logits
+           st.tuples(st.just({}), st.none(), D2T),  # a bad d2t
+           st.tuples(FIELDS, LOGITS, D2T)),  # all at once
        seed=st.integers(0, 3))
-def test_garbage_in_requests_and_step_tensors_is_named_and_isolated(
-        factory, kind, fields, logits, d2t, seed):
+def test_garbage_in_requests_and_step_tensors_is_named_and_isolated(factory, kind, case, seed):
     """Garbage in any field of one request, and in execute's logits and d2t: add_batch and
     execute raise a CapgraphError or serve the step, never a generic exception; an error leaves
     every matcher where it was (the retry then masks as a clean decoder); the two healthy
     requests' rows are bit-identical to a decoder that never saw the bad request, and only the
     bad request can fail."""
+    fields, logits, d2t = case
     assume(_int_or_none(fields.get("seq_slot")) not in (0, 2))  # (its own slot, not theirs)
     assume(_int_or_none(fields.get("request_id")) not in (10, 12))
     cls = GuidedDecoder if kind == "eager" else CapturableGuidedDecoder
     dec, clean = (cls(factory.config, 3, 1, factory=factory) for _ in range(2))
     try:
+        # two guides, so that a mask leaking into another request's row would show
         for d in (dec, clean):  # a context step, then a step with a draft (rollback material)
-            assert step(d, contexts((0, ABC), (1, ABC), (2, ABC)), torch.zeros(3, V), 1) == []
-            assert step(d, [gen(s, A, draft_tokens=[B]) for s in range(3)],
-                        torch.zeros(6, V), 1) == []
+            assert step(d, contexts((0, ABC), (1, ABC), (2, XYZ)), torch.zeros(3, V), 1) == []
+            assert step(d, [gen(0, A, draft_tokens=[B]), gen(1, A, draft_tokens=[B]),
+                            gen(2, X, XYZ, draft_tokens=[X + 1])], torch.zeros(6, V), 1) == []
         bad = gen(1, B, draft_tokens=[C])
         for name, value in fields.items():
             setattr(bad, name, value)
-        healthy = [gen(0, B, draft_tokens=[C]), gen(2, B, draft_tokens=[C])]
+        healthy = [gen(0, B, draft_tokens=[C]), gen(2, X + 1, XYZ, draft_tokens=[X + 2])]
         before = _states(dec)
         try:
             if isinstance(dec, CapturableGuidedDecoder):
@@ -535,41 +545,43 @@ def test_garbage_in_requests_and_step_tensors_is_named_and_isolated(
             dec.rollback_rejected_batch(torch.ones(3, dtype=torch.int32))
         else:
             dec.rollback_rejected_tokens()
+        failures: list = []
+        rolled_back = _states(dec, failures)
         n = dec.requests.num_bitmask_tokens
         table = d2t if isinstance(d2t, torch.Tensor) and d2t.shape == (V,) and \
             d2t.dtype == torch.int32 and bool(((d2t + torch.arange(V)) >= 0).all()) and \
             bool(((d2t + torch.arange(V)) < V).all()) else None
-        got = rows(n, seed)
+        served = rows(n, seed) if logits is None else _bad_logits(logits, n)
+        values = served.clone() if isinstance(served, torch.Tensor) else None
         try:
-            if logits is None:
-                failures = retry(dec, got, d2t)
-            else:
-                failures = retry(dec, _bad_logits(logits, n), d2t)
-                got = None  # (served: masked garbage logits, nothing to compare)
+            failures += retry(dec, served, d2t)
         except CapgraphError:
-            after_rollback = _states(dec)
-            got, table = rows(n, seed), None
-            failures = retry(dec, got)  # the documented retry: each token fed once
-            assert after_rollback is not None
+            assert _states(dec, failures) == rolled_back, "a matcher moved before the error"
+            served, table = rows(n, seed), None
+            values = served.clone()
+            failures += retry(dec, served)  # the documented retry: each token fed once
         else:
             if d2t is not None and table is None:
-                got = None  # (a table that was accepted but is not the one compared below)
-        want_rows = [rows(n, seed)[o:o + 2] for o in (dec.requests.offsets[0],
-                                                       dec.requests.offsets[2])]
-        want = torch.cat(want_rows)
+                values = None  # (a table accepted but not the one compared below)
+        bad_id = as_int(fields.get("request_id", 11))
+        assert {f[0] for f in failures} <= {-1, 11, bad_id}, failures
         clean.add_batch(healthy, runtime_draft_len=1) if kind == "capturable" else \
             clean.add_batch(healthy, 1)
         if isinstance(clean, CapturableGuidedDecoder):
             clean.rollback_rejected_batch(torch.ones(2, dtype=torch.int32))
         else:
             clean.rollback_rejected_tokens()
-        assert retry(clean, want, table) == []
-        bad_id = as_int(fields.get("request_id", 11))
-        assert {f[0] for f in failures} <= {-1, 11, bad_id}, failures
-        if got is not None:
-            for k, r in ((0, 0), (2, 2)):
-                o = dec.requests.offsets[k]
-                assert same(got[o:o + 2], want[r:r + 2]), f"healthy request {k} changed"
+        offsets = [dec.requests.offsets[k] for k in (0, 2)]
+        if values is not None and values.dim() == 2 and values.shape[1] == V:
+            # the served logits, whatever their layout: each healthy request's rows must be
+            # masked exactly as a clean decoder masks the same values
+            want = torch.cat([values[o:o + 2] for o in offsets]).contiguous()
+            assert retry(clean, want, table) == []
+            for k, o in enumerate(offsets):
+                assert same(served[o:o + 2].contiguous(), want[2 * k:2 * k + 2]), \
+                    f"healthy request {2 * k} changed"
+        else:
+            assert retry(clean, rows(4, seed), table) == []
         assert _states(dec) == _states(clean)
     finally:
         dec.close()
@@ -629,7 +641,8 @@ def test_garbage_in_batch_arguments_is_a_named_error(factory, draft_len, accepte
 CONFIG_FIELD_NAMES = ["backend", "tokenizer", "encoded_vocab", "stop_token_ids",
                       "vocab_size_padded", "compile_cache_bytes", "compile_timeout_s",
                       "compile_threads", "fill_threads", "native_build", "json_whitespace",
-                      "json_max_whitespace", "json_unenforced_keywords"]
+                      "json_max_whitespace", "json_unenforced_keywords", "max_repetition_count",
+                      "host_step_budget_ms"]
 
 
 @settings(max_examples=150, deadline=None)
@@ -645,11 +658,29 @@ def test_garbage_config_fields_are_a_config_error_or_typed(fields):
     except ConfigError:
         return
     for name in ("vocab_size_padded", "compile_cache_bytes", "compile_threads", "fill_threads",
-                 "json_max_whitespace"):
+                 "json_max_whitespace", "max_repetition_count"):
         assert type(getattr(config, name)) is int, name
     assert math.isfinite(config.compile_timeout_s) and config.compile_timeout_s > 0
+    budget = config.host_step_budget_ms
+    assert budget is None or (type(budget) in (int, float) and math.isfinite(budget)
+                              and budget > 0)
     assert type(config.stop_token_ids) is list and all(type(t) is int
                                                        for t in config.stop_token_ids)
     assert config.stop_token_ids or fields.get("stop_token_ids", [EOS]) is None  # (no EOS)
     assert config.tokenizer_vocab_size >= 1
     assert type(config.native_build) is str and type(config.json_whitespace) is str
+
+
+@settings(max_examples=150, deadline=None)
+@given(guide_type=st.one_of(GARBAGE, st.sampled_from(list(GuideType)),
+                            st.sampled_from([t.value for t in GuideType])),
+       guide=st.one_of(GARBAGE, st.text(max_size=30),
+                       st.dictionaries(st.text(max_size=3), GARBAGE, max_size=2)))
+def test_garbage_guide_params_are_a_config_error_or_a_text_guide(guide_type, guide):
+    """GuidedDecodingParams with garbage guide_type / guide raises ConfigError or holds a
+    GuideType and a str guide: never a generic exception (a dict that is not JSON included)."""
+    try:
+        params = GuidedDecodingParams(guide_type, guide)
+    except ConfigError:
+        return
+    assert isinstance(params.guide_type, GuideType) and type(params.guide) is str
