@@ -1302,7 +1302,8 @@ class GuidedDecoder:
         remembered by (data_ptr, ``_version``, length, device): an in-place change through
         torch bumps ``_version`` and the table is checked again. Inside a CUDA graph capture an
         unchecked table is not read (a sync there would break the capture): run one step
-        outside the capture first, as warm-up does, or call this before capturing.
+        outside the capture first, as warm-up does, or call this before capturing. A replay
+        runs no Python check: after changing a captured table in place, call this again.
 
         Raises:
             TensorArgError: a target id is out of range (names the draft id and its target).
