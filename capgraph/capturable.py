@@ -123,6 +123,14 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 read by the fetch callback instead of the requests' ``new_token`` /
                 ``draft_tokens`` for requests with a ``prev_seq_slot``. Copied without blocking.
             runtime_draft_len: draft length of this step (default: the maximum).
+
+        The requests are checked as :meth:`GuidedDecoder.add_batch` checks them: a bad one
+        fails alone (an unguided stand-in takes its rows; :meth:`take_failed_requests` returns
+        its failure), a ``draft_tokens`` tuple, tensor or array becomes a list of ints.
+
+        Raises:
+            LayoutError: as for :meth:`GuidedDecoder.add_batch`; nothing is queued.
+            TensorArgError: ``new_tokens`` is not an integer tensor of the shape above.
         """
         if new_tokens is not None:
             self._check_new_tokens(new_tokens)
