@@ -123,6 +123,21 @@ def test_strided_or_aliased_logits_are_refused_before_any_matcher_moves(kind, la
     assert same(got, want)
 
 
+def test_capturable_logits_with_more_rows_than_the_bitmask_are_refused(make):
+    """Capturable logits may carry padding rows, but not more rows than the decoder's bitmask:
+    TensorArgError before the build (not from the apply after it), and the retry serves the
+    step."""
+    dec = make("capturable", seqs=2, drafts=0)
+    assert step(dec, contexts((0, ABC)), torch.zeros(1, V), 0) == []
+    dec.add_batch([gen(0, A)], runtime_draft_len=0)
+    with pytest.raises(TensorArgError, match="more than the decoder's 2"):
+        dec.execute(torch.zeros(3, V))
+    assert dec.num_advanced_tokens[0] == 0
+    logits = torch.zeros(2, V)  # one padding row: left untouched
+    assert retry(dec, logits) == []
+    assert torch.isfinite(logits[0]).sum() == 4 and torch.isfinite(logits[1]).all()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("target", ["past_the_vocabulary", "negative"])
 def test_d2t_targets_out_of_range_are_refused_before_the_build(kind, target, make):
