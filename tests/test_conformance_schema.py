@@ -22,7 +22,7 @@ from capgraph import GuidedDecodingConfig, GuidedDecodingParams
 from capgraph.errors import ConfigError, GrammarCompileError, UnsupportedGuideError
 from capgraph.grammar import create_matcher_factory
 from capgraph.grammar.converter_log import converter_warnings
-from capgraph.grammar.schema_policy import unenforced, xgrammar_rewrite
+from capgraph.grammar.schema_policy import unenforced
 from capgraph.requests import GuidedRequest
 from capgraph.tokenizers import encode_continuation
 
@@ -230,7 +230,8 @@ def test_policy_findings_xgrammar(schema, expected):
 def test_xgrammar_length_limits_count_characters_and_stay_json(tok_name, factory_cache,
                                                                tokenizer_cache):
     """A length-limited string on xgrammar counts characters (not bytes), and never takes a
-    raw control character (which xgrammar's own length rule lets through)."""
+    raw control character (which xgrammar's own length rule lets through, and capgraph
+    repairs); a string without a length limit does not either."""
     factory = factory_cache(tok_name)
     tokenizer = tokenizer_cache(tok_name)
     compiled = factory.compile(GuidedDecodingParams.json_schema(
@@ -240,23 +241,6 @@ def test_xgrammar_length_limits_count_characters_and_stay_json(tok_name, factory
     assert not table.accepts(factory, compiled, tokenizer, {"s": "\u00e9\u6f22\u5b57"})
     assert not table.accepts(factory, compiled, tokenizer, {"s": ""})
     assert not table.accepts(factory, compiled, tokenizer, table.Raw('{"s":"\x0f"}'))
-
-
-def test_xgrammar_rewrite_reads_schema_positions_only():
-    """The length rewrite touches length-limited string schemas only: property names, enum
-    values and strings with a pattern or format stay as they are."""
-    schema = {"type": "object", "properties": {
-        "minLength": {"type": "string", "maxLength": 3},
-        "e": {"type": "string", "enum": ["abcd"], "maxLength": 9},
-        "p": {"type": "string", "pattern": "^a", "maxLength": 3}}}
-    out = xgrammar_rewrite(schema)
-    assert set(out["properties"]) == {"minLength", "e", "p"}
-    assert out["properties"]["minLength"] == {"type": "string",
-                                              "pattern": '^[^"\\\\\\x00-\\x1f]{0,3}$'}
-    assert out["properties"]["e"] == schema["properties"]["e"]
-    assert out["properties"]["p"] == schema["properties"]["p"]
-    untouched = {"type": "integer", "minimum": 1}
-    assert xgrammar_rewrite(untouched) is untouched
 
 
 def test_policy_refuses_x_guidance_on_llguidance(factory_cache):

@@ -29,8 +29,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-__all__ = ["Unenforced", "unenforced", "describe", "xgrammar_rewrite", "ANNOTATIONS",
-           "VOCABULARY", "XGRAMMAR", "LLGUIDANCE", "XGRAMMAR_FORMATS", "LLGUIDANCE_FORMATS"]
+__all__ = ["Unenforced", "unenforced", "describe", "ANNOTATIONS", "VOCABULARY", "XGRAMMAR",
+           "LLGUIDANCE", "XGRAMMAR_FORMATS", "LLGUIDANCE_FORMATS"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,8 +332,8 @@ XGRAMMAR: dict[str, Rule] = {
     "exclusiveMaximum": _all(_needs_type, _number_bound),
     "multipleOf": _all(_needs_type, _integer_multiple,
                        _without("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")),
-    # enforced through xgrammar_rewrite (xgrammar's own length limits let raw control
-    # characters in); with pattern or format next to them xgrammar drops them
+    # enforced once the backend repairs the character class of length-limited strings
+    # (xgrammar_backend._repair_length_strings); next to pattern or format xgrammar drops them
     "minLength": _all(_needs_type, _without("pattern", "format"), _count),
     "maxLength": _all(_needs_type, _without("pattern", "format"), _count),
     "pattern": _all(_needs_type, _without("format")),
@@ -439,52 +439,6 @@ def _walk(schema: Any, pointer: str, root: Any, rules: Mapping[str, Rule],
         elif key == "items" and isinstance(sub, list):  # draft-04..07 tuple items
             for i, value in enumerate(sub):
                 yield from _walk(value, f"{pointer}/items/{i}", root, rules, special)
-
-
-# One character of a length-limited string as xgrammar_rewrite spells it: anything but the
-# quote, the backslash and U+0000-U+001F, so no escape is ever needed and every character of
-# the JSON text is one character of the string (JSON Schema counts code points).
-_LENGTH_CHAR = '[^"\\\\\\x00-\\x1f]'
-
-
-def xgrammar_rewrite(schema: Any) -> Any:
-    """``schema`` with every string length limit carried as a ``pattern`` xgrammar enforces.
-
-    xgrammar 0.2.9 compiles ``minLength``/``maxLength`` into a string rule that lets raw
-    U+0000-U+001F through (measured: ``{"type": "string", "maxLength": 5}`` accepts
-    ``"a<U+000F>b"``, which is not JSON), while its ``pattern`` rule does not. A length-limited
-    string (a ``type`` naming strings, no ``pattern``, ``format``, ``enum`` or ``const``
-    next to it) becomes ``pattern: ^C{min,max}$`` with C any character but the quote, the
-    backslash and the control characters: a subset of the original strings (those that need
-    no escape), so nothing invalid gets through. Returns ``schema`` itself when nothing
-    changes; only schema positions are read (property names, enum values are left alone).
-    """
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SCHEMA_MAPS:
-        sub = schema.get(key)
-        if isinstance(sub, dict):
-            out[key] = {name: xgrammar_rewrite(value) for name, value in sub.items()}
-    for key in _SCHEMA_LISTS:
-        sub = schema.get(key)
-        if isinstance(sub, list):
-            out[key] = [xgrammar_rewrite(value) for value in sub]
-    for key in _SCHEMA_ONE:
-        sub = schema.get(key)
-        if isinstance(sub, dict):
-            out[key] = xgrammar_rewrite(sub)
-        elif key == "items" and isinstance(sub, list):
-            out[key] = [xgrammar_rewrite(value) for value in sub]
-    types = _Node(schema, "type", schema, False).types()
-    low, high = schema.get("minLength", 0), schema.get("maxLength")
-    if (types is not None and "string" in types and (low or high is not None)
-            and _is_count(low) and (high is None or _is_count(high))
-            and not {"pattern", "format", "enum", "const"} & set(schema)):
-        out.pop("minLength", None)
-        out.pop("maxLength", None)
-        out["pattern"] = f"^{_LENGTH_CHAR}{{{low},{'' if high is None else high}}}$"
-    return out if out != schema else schema
 
 
 def _escape(name: str) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from contextlib import AbstractContextManager, nullcontext
 import threading
 from typing import Any, Collection, Mapping, Sequence
 
@@ -16,7 +15,7 @@ from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
 from .native import NativeBuilder, NativeBuildError, matcher_methods
 from .converter_log import converter_warnings
-from .schema_policy import describe, unenforced, xgrammar_rewrite
+from .schema_policy import describe, unenforced
 from .semantics import JSON_CONTAINER_SCHEMA
 
 __all__ = ["XGrammarMatcher", "XGrammarMatcherFactory", "build_tokenizer_info",
@@ -178,6 +177,23 @@ def _refuse(what: str) -> None:
         guide_type="JSON_SCHEMA", backend=BACKEND)
 
 
+# xgrammar 0.2.9 spells a character of a length-limited string (minLength / maxLength) as
+# [^\"\\\r\n], which lets U+0000-U+001F other than LF and CR through unescaped: not JSON
+# (measured: {"type": "string", "maxLength": 5} accepts "a<U+000F>b"). Its other string rules
+# exclude them all. Escapes stay unavailable inside such a string, as xgrammar has it.
+_LENGTH_STRING_CHARS = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHARS = '[^\\0-\\x1f\\"\\\\]'
+
+
+def _repair_length_strings(grammar: xgr.Grammar) -> xgr.Grammar:
+    """``grammar`` with every length-limited string character class made JSON's (no raw
+    control character); the same object where it has none."""
+    text = str(grammar)
+    if _LENGTH_STRING_CHARS not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LENGTH_STRING_CHARS, _JSON_STRING_CHARS))
+
+
 def _ffi(obj: Any, *methods: str) -> Any:
     """The FFI object behind an xgrammar wrapper, or None.
 
@@ -302,17 +318,16 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 else:
                     compiled = self._compiler.compile_json_schema(
                         JSON_CONTAINER_SCHEMA, strict_mode=False, **self._json_options)
+            elif gt is GuideType.JSON_SCHEMA and self.config.json_unenforced_keywords == "ignore":
+                compiled = self._compiler.compile_json_schema(guide, **self._json_options)
             elif gt is GuideType.JSON_SCHEMA:
-                strict = self.config.json_unenforced_keywords != "ignore"
-                if strict:
-                    guide = self._enforceable(guide)
+                self._refuse_unenforced(guide)
                 # what the converter logs about constraints it drops refuses the schema too
-                capture: AbstractContextManager[list[str]] = \
-                    converter_warnings() if strict else nullcontext([])
-                with capture as warned:
-                    compiled = self._compiler.compile_json_schema(guide, **self._json_options)
+                with converter_warnings() as warned:
+                    grammar = xgr.Grammar.from_json_schema(guide, **self._json_options)
                 if warned:
                     _refuse("; ".join(f"xgrammar reported: {w}" for w in warned))
+                compiled = self._compiler.compile_grammar(_repair_length_strings(grammar))
             elif gt is GuideType.REGEX:
                 compiled = self._compiler.compile_regex(guide)
             elif gt is GuideType.EBNF_GRAMMAR:
@@ -334,19 +349,16 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         return compiled, int(compiled.memory_size_bytes)
 
     @staticmethod
-    def _enforceable(guide: str) -> str:
-        """The schema text to compile: UnsupportedGuideError for the keywords of ``guide`` that
-        xgrammar is not known to enforce, and string length limits carried as patterns
-        (:mod:`capgraph.grammar.schema_policy`)."""
+    def _refuse_unenforced(guide: str) -> None:
+        """Raise UnsupportedGuideError for the keywords of ``guide`` that xgrammar is not
+        known to enforce (:mod:`capgraph.grammar.schema_policy`)."""
         try:
             schema = json.loads(guide)
         except ValueError:
-            return guide  # malformed: xgrammar's own error says where
+            return  # malformed: xgrammar's own error says where
         found = unenforced(schema, BACKEND)
         if found:
             _refuse(describe(found))
-        rewritten = xgrammar_rewrite(schema)
-        return guide if rewritten is schema else json.dumps(rewritten)
 
     def create_from_compiled(self, compiled: CompiledGuide) -> XGrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled.payload), self._stop_ids)
