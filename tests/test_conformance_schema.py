@@ -243,6 +243,38 @@ def test_xgrammar_length_limits_count_characters_and_stay_json(tok_name, factory
     assert not table.accepts(factory, compiled, tokenizer, table.Raw('{"s":"\x0f"}'))
 
 
+def _tag(schema: dict) -> str:
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<t>", "content": {"type": "json_schema", "json_schema": schema},
+        "end": "</t>"}})
+
+
+@pytest.mark.parametrize("schema,fragment", [
+    ({"type": "number", "multipleOf": 120}, "'multipleOf' at /format/content/json_schema"),
+    ({"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}},
+     "'maxLength' at /format/content/json_schema/properties/s"),
+])
+def test_structural_tag_schemas_follow_the_policy(schema, fragment, factory_cache):
+    """A JSON schema embedded in a structural tag goes through the same xgrammar converter:
+    a constraint it would drop there (string length limits included: the character-class
+    repair applies to JSON-schema guides only) refuses the tag, naming keyword and pointer."""
+    from capgraph import GuideType
+    with pytest.raises(UnsupportedGuideError) as info:
+        factory_cache("tekken").compile(GuidedDecodingParams(GuideType.STRUCTURAL_TAG,
+                                                             _tag(schema)))
+    assert fragment in str(info.value)
+
+
+def test_structural_tag_with_enforced_schema_compiles(factory_cache, tekken):
+    """A tag whose schema xgrammar enforces compiles and refuses a violating value."""
+    from capgraph import GuideType
+    factory = factory_cache("tekken")
+    compiled = factory.compile(GuidedDecodingParams(
+        GuideType.STRUCTURAL_TAG, _tag({"type": "integer", "minimum": 0})))
+    assert table.accepts(factory, compiled, tekken, table.Raw("<t>5</t>"))
+    assert not table.accepts(factory, compiled, tekken, table.Raw("<t>-5</t>"))
+
+
 def test_policy_refuses_x_guidance_on_llguidance(factory_cache):
     """A schema's own x-guidance options could make llguidance ignore keywords (lenient
     mode); the llguidance policy refuses them, naming the key and where."""

@@ -29,8 +29,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-__all__ = ["Unenforced", "unenforced", "describe", "ANNOTATIONS", "VOCABULARY", "XGRAMMAR",
-           "LLGUIDANCE", "XGRAMMAR_FORMATS", "LLGUIDANCE_FORMATS"]
+__all__ = ["Unenforced", "unenforced", "unenforced_in_tag", "describe", "ANNOTATIONS",
+           "VOCABULARY", "XGRAMMAR", "XGRAMMAR_TAG", "LLGUIDANCE", "XGRAMMAR_FORMATS",
+           "LLGUIDANCE_FORMATS"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,20 +381,54 @@ LLGUIDANCE: dict[str, Rule] = {
     "$defs": _ok, "definitions": _ok,
 }
 
-_RULES = {"xgrammar": XGRAMMAR, "llguidance": LLGUIDANCE}
+def _unrepaired_length(node: _Node) -> str | None:
+    return ("xgrammar's length rule lets raw control characters into the string; capgraph "
+            "repairs it in JSON-schema guides only")
+
+
+#: xgrammar on a JSON schema embedded in a structural tag: as :data:`XGRAMMAR`, but string
+#: length limits stay unenforced there (the backend repairs them in JSON-schema guides only).
+XGRAMMAR_TAG: dict[str, Rule] = {**XGRAMMAR, "minLength": _unrepaired_length,
+                                 "maxLength": _unrepaired_length}
+
+_RULES = {"xgrammar": XGRAMMAR, "llguidance": LLGUIDANCE, "xgrammar-tag": XGRAMMAR_TAG}
 # Keywords outside the vocabulary that a backend reads as instructions.
 _BACKEND_KEYS: dict[str, dict[str, Rule]] = {"llguidance": {"x-guidance": _no_guidance_options}}
 
 
 def unenforced(schema: Any, backend: str) -> list[Unenforced]:
-    """Every keyword of ``schema`` that ``backend`` (``"xgrammar"`` or ``"llguidance"``) is not
-    known to enforce, in document order; an empty list means every assertion is enforced.
+    """Every keyword of ``schema`` that ``backend`` (``"xgrammar"``, ``"llguidance"``, or
+    ``"xgrammar-tag"`` for a schema inside a structural tag) is not known to enforce, in
+    document order; an empty list means every assertion is enforced.
 
     Property names that happen to spell a keyword are names, not keywords, and are not read.
     """
     rules = _RULES[backend]
     special = _BACKEND_KEYS.get(backend, {})
     return list(_walk(schema, "", schema, rules, special))
+
+
+def unenforced_in_tag(tag: Any) -> list[Unenforced]:
+    """:func:`unenforced` for every JSON schema a structural tag embeds (the value of any
+    ``"json_schema"`` key), judged for xgrammar (:data:`XGRAMMAR_TAG`), with pointers into the
+    tag document."""
+    found: list[Unenforced] = []
+
+    def visit(node: Any, pointer: str) -> None:
+        if isinstance(node, list):
+            for i, item in enumerate(node):
+                visit(item, f"{pointer}/{i}")
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                where = f"{pointer}/{_escape(str(key))}"
+                if key == "json_schema" and isinstance(value, dict):
+                    found.extend(Unenforced(f.keyword, where + f.pointer, f.reason)
+                                 for f in unenforced(value, "xgrammar-tag"))
+                else:
+                    visit(value, where)
+
+    visit(tag, "")
+    return found
 
 
 def describe(found: list[Unenforced], limit: int = 5) -> str:

@@ -15,7 +15,7 @@ from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
 from .native import NativeBuilder, NativeBuildError, matcher_methods
 from .converter_log import converter_warnings
-from .schema_policy import describe, unenforced
+from .schema_policy import describe, unenforced, unenforced_in_tag
 from .semantics import JSON_CONTAINER_SCHEMA
 
 __all__ = ["XGrammarMatcher", "XGrammarMatcherFactory", "build_tokenizer_info",
@@ -334,7 +334,14 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 compiled = self._compiler.compile_grammar(guide)
             elif gt is GuideType.STRUCTURAL_TAG:
                 tag, placed = _resolve_tag_tokens(guide, self._special_ids_by_name)
-                compiled = self._compiler_placing(placed).compile_structural_tag(tag)
+                if self.config.json_unenforced_keywords == "ignore":
+                    compiled = self._compiler_placing(placed).compile_structural_tag(tag)
+                else:  # the JSON schemas a tag embeds: as JSON-schema guides
+                    self._refuse_unenforced_in_tag(guide)
+                    with converter_warnings() as warned:
+                        compiled = self._compiler_placing(placed).compile_structural_tag(tag)
+                    if warned:
+                        _refuse("; ".join(f"xgrammar reported: {w}" for w in warned))
             else:  # pragma: no cover - GuideType is closed
                 raise UnsupportedGuideError("unknown guide type", guide_type=str(gt),
                                             backend=BACKEND)
@@ -357,6 +364,18 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         except ValueError:
             return  # malformed: xgrammar's own error says where
         found = unenforced(schema, BACKEND)
+        if found:
+            _refuse(describe(found))
+
+    @staticmethod
+    def _refuse_unenforced_in_tag(guide: str) -> None:
+        """Raise UnsupportedGuideError for the keywords of the JSON schemas a structural tag
+        embeds that xgrammar is not known to enforce there."""
+        try:
+            tag = json.loads(guide)
+        except ValueError:
+            return  # malformed: xgrammar's own error says where
+        found = unenforced_in_tag(tag)
         if found:
             _refuse(describe(found))
 
