@@ -13,9 +13,11 @@ spellings) is enforced only where its rule says so, given its sibling keywords; 
 keyword without a rule is reported. Annotations (``title``, ``description``, ``default``,
 ``examples``, ...) and keywords outside the vocabulary carry no assertion: JSON Schema
 validators ignore them, so leaving them out of the grammar drops nothing. A few values are
-no-ops wherever they appear (``uniqueItems: false``, ``additionalProperties: true``, ...).
+no-ops wherever they appear (``uniqueItems: false``, ``additionalProperties: true``, ...), and
+a keyword for instances that ``type`` excludes (``minLength`` next to ``"type": "integer"``)
+asserts nothing either.
 
-Every rule is pinned by ``tests/test_conformance_schema.py``: for an enforced keyword, an
+The rules are pinned by ``tests/test_conformance_schema.py``: for an enforced keyword, an
 instance that violates only it is refused token by token; for a reported one, the schema is
 refused by default. ``docs/CONFORMANCE.md`` is generated from the same probes
 (``tools/conformance_table.py``). Backend reports made while compiling (xgrammar's logged
@@ -305,10 +307,6 @@ def _additional_items(node: _Node) -> str | None:
     return None
 
 
-def _llg_additional_items(node: _Node) -> str | None:
-    return None
-
-
 def _no_guidance_options(node: _Node) -> str | None:
     return "x-guidance options can make llguidance ignore keywords"
 
@@ -370,7 +368,7 @@ LLGUIDANCE: dict[str, Rule] = {
     "multipleOf": _ok,
     "minLength": _ok, "maxLength": _ok, "pattern": _ok,
     "format": _formats(LLGUIDANCE_FORMATS, "llguidance"),
-    "items": _ok, "prefixItems": _ok, "additionalItems": _llg_additional_items,
+    "items": _ok, "prefixItems": _ok, "additionalItems": _ok,
     "minItems": _ok, "maxItems": _ok,
     "properties": _ok, "additionalProperties": _ok, "required": _ok, "patternProperties": _ok,
     "minProperties": _all_properties_required, "maxProperties": _all_properties_required,
