@@ -248,18 +248,26 @@ class GuidedDecoder:
                    tokens_elsewhere: bool) -> GuidedRequests:
         """add_batch's work, except that ``batch.dropped_slots`` are left to the caller (the
         capturable decoder drops them when a callback fetches the batch)."""
-        draft_len = self._checked_draft_len(runtime_draft_len)
-        if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
+        draft_len = self.max_num_draft_tokens if runtime_draft_len is None else \
+            self._checked_draft_len(runtime_draft_len)
+        if type(requests) is not list and (isinstance(requests, (str, bytes))
+                                           or not hasattr(requests, "__len__")):
             raise LayoutError(f"requests must be a sequence of GuidedRequest, got "
                               f"{type(requests).__name__}")
         if len(requests) > self.max_num_sequences:
             raise LayoutError(f"{len(requests)} requests exceed max_num_sequences="
                               f"{self.max_num_sequences}")
-        reqs, dropped, fresh = self._admit(list(requests), tokens_elsewhere)
-        self.requests = batch = GuidedRequests(reqs, draft_len, dropped)
+        reqs = list(requests)
+        fast = self._fast  # the inline test of _admit in C++: every request the common one
+        start = 0 if fast is None else fast.admit(fast.state, reqs, self._slot_guides)
+        if start == len(reqs):
+            self.requests = batch = GuidedRequests(reqs, draft_len)
+        else:
+            reqs, dropped, fresh = self._admit(reqs, tokens_elsewhere, start)
+            self.requests = batch = GuidedRequests(reqs, draft_len, dropped)
+            if fresh:
+                self._start_compiles(fresh)
         self._batch_built = False
-        if fresh:
-            self._start_compiles(fresh)
         return batch
 
     def _checked_draft_len(self, runtime_draft_len: object) -> int:
@@ -275,7 +283,7 @@ class GuidedDecoder:
                               f"[0, max_num_draft_tokens={self.max_num_draft_tokens}]")
         return runtime_draft_len  # type: ignore[return-value]
 
-    def _admit(self, requests: list, tokens_elsewhere: bool
+    def _admit(self, requests: list, tokens_elsewhere: bool, start: int = 0
                ) -> tuple[list, list[int], list[GuidedRequest]]:
         """Check every request of a batch before any matcher sees it; returns the requests
         to build (a failed one replaced by an unguided stand-in with the same rows), the
@@ -285,6 +293,7 @@ class GuidedDecoder:
         The common request (generating, target or draft, exact types, the slot's own guide)
         passes the inline test; every other one takes :func:`checked_request` and the slot's
         guide check (:meth:`_check_guide`). ``tokens_elsewhere``: see ``checked_request``.
+        ``start``: the requests before it passed the same test in C++ (``FastPath.admit``).
         """
         nseq, V, maxd, guides = (self.max_num_sequences, self.vocab_size_padded,
                                  self.max_num_draft_tokens, self._slot_guides)
@@ -293,7 +302,8 @@ class GuidedDecoder:
         dropped: list[int] = []
         failed: list[FailedRequest] = []
         fresh: list[GuidedRequest] = []
-        for i, req in enumerate(requests):
+        for i in range(start, len(requests)):
+            req = requests[i]
             try:  # (an attribute that raises: checked_request names it)
                 params = req.guided_decoding_params
                 if params is None:

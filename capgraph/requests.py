@@ -281,7 +281,7 @@ class GuidedRequests:
 
     requests: list[GuidedRequest]
     max_num_draft_tokens: int = 0
-    dropped_slots: list[int] = field(default_factory=list)
+    dropped_slots: Sequence[int] = ()
     offsets: list[int] = field(init=False, repr=False)
     num_bitmask_tokens: int = field(init=False)
 

@@ -480,6 +480,8 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(apply_bitmask, ApplyBitmask);
 //           request_type, num_slots, vocab_size, max_num_draft_tokens) -> state
 //   binds a Builder (make_builder's address; `keep` is its step Function, held so the Builder
 //   outlives the state) to a decoder's per-slot lists, which the decoder mutates in place.
+// fast_admit(state, requests, slot_guides) -> int
+//   how many leading requests pass GuidedDecoder._admit's inline test (see FastAdmit).
 // fast_step(state, requests, offsets, draft_len, clear_rows) -> None | (masked, unusual)
 //   None: some guided request is not the plain case (not a target request generating with a
 //   valid unseen slot, int new token in the vocabulary, int drafts within bounds; or its
@@ -494,13 +496,15 @@ namespace {
 // matcher's (from kMatcherFields on).
 enum FieldId {
   kFieldParams, kFieldSlot, kFieldToken, kFieldGenerating, kFieldIsDraft, kFieldContext, kFieldDrafts,  // GuidedRequest
+  kFieldRequestId, kFieldFirstIteration,                                     // (fast_admit)
   kFieldTerminated, kFieldChandle,                                           // XGrammarMatcher
   kNumFields
 };
 constexpr int kMatcherFields = kFieldTerminated;
 const char* const kFieldNames[kNumFields] = {
     "guided_decoding_params", "seq_slot", "new_token", "is_generation_in_progress_state",
-    "is_draft", "is_context_init_state", "draft_tokens", "_terminated", "_chandle"};
+    "is_draft", "is_context_init_state", "draft_tokens", "request_id",
+    "is_generation_only_first_iteration", "_terminated", "_chandle"};
 PyObject* g_names[kNumFields];  // interned at module init
 
 constexpr const char* kThreadName = "capgraph-build";  // as profilers and /proc show it
@@ -853,6 +857,72 @@ int BeginCall(PyObject* const* args, Py_ssize_t nargs, const char* name, FastSta
   return *st == nullptr ? -1 : Begin(*st, args, name);
 }
 
+// Whether obj.<field> is the object `expected` (a borrowed comparison; missing: false).
+bool FieldIs(const FastState* st, PyObject* obj, int id, PyObject* expected) {
+  PyObject* v = GetField(st, obj, id);
+  if (v == nullptr) return false;
+  Py_DECREF(v);
+  return v == expected;
+}
+
+// Whether obj.<field> is an exact bool (True or False).
+bool FieldIsBool(const FastState* st, PyObject* obj, int id) {
+  PyObject* v = GetField(st, obj, id);
+  if (v == nullptr) return false;
+  Py_DECREF(v);
+  return v == Py_True || v == Py_False;
+}
+
+// fast_admit(state, requests, slot_guides) -> int: how many leading requests of the list pass
+// GuidedDecoder._admit's inline test, which this mirrors exactly: an unguided request whose
+// is_draft and is_context_init_state are exact bools; or a guided one that is generating
+// (is_generation_in_progress_state True, is_context_init_state and
+// is_generation_only_first_iteration False, is_draft an exact bool) with an exact-int seq_slot
+// in range whose slot_guides entry is its guide object, an exact-int request_id, and
+// draft_tokens None or an exact list. Reads only; never leaves an exception set.
+PyObject* FastAdmit(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyList_CheckExact(args[1]) || !PyList_CheckExact(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "fast_admit(state, requests: list, slot_guides: list)");
+    return nullptr;
+  }
+  auto* st = static_cast<FastState*>(PyCapsule_GetPointer(args[0], kCapsule));
+  if (st == nullptr) return nullptr;
+  PyObject* requests = args[1];
+  PyObject* guides = args[2];
+  const Py_ssize_t n = PyList_GET_SIZE(requests);
+  const Py_ssize_t num_guides = PyList_GET_SIZE(guides);
+  Py_ssize_t i = 0;
+  for (; i < n; ++i) {
+    PyObject* req = PyList_GET_ITEM(requests, i);
+    PyObject* params = GetField(st, req, kFieldParams);
+    if (params == nullptr) break;
+    Py_DECREF(params);  // (the request keeps it alive; only its identity is compared)
+    if (params == Py_None) {
+      if (FieldIsBool(st, req, kFieldIsDraft) && FieldIsBool(st, req, kFieldContext)) continue;
+      break;
+    }
+    if (!FieldIs(st, req, kFieldGenerating, Py_True) || !FieldIsBool(st, req, kFieldIsDraft) ||
+        !FieldIs(st, req, kFieldContext, Py_False) ||
+        !FieldIs(st, req, kFieldFirstIteration, Py_False)) {
+      break;
+    }
+    const int64_t slot = IndexField(st, req, kFieldSlot, std::min<int64_t>(st->num_slots,
+                                                                           num_guides));
+    if (slot < 0 || PyList_GET_ITEM(guides, slot) != params) break;
+    PyObject* rid = GetField(st, req, kFieldRequestId);
+    if (rid == nullptr) break;
+    const bool rid_ok = PyLong_CheckExact(rid);
+    Py_DECREF(rid);
+    if (!rid_ok) break;
+    PyObject* drafts = GetField(st, req, kFieldDrafts);
+    if (drafts == nullptr) break;
+    const bool drafts_ok = drafts == Py_None || PyList_CheckExact(drafts);
+    Py_DECREF(drafts);
+    if (!drafts_ok) break;
+  }
+  return PyLong_FromSsize_t(i);
+}
+
 // fast_step: the whole step on the calling thread, the GIL released around the xgrammar work.
 PyObject* FastStep(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   FastState* st = nullptr;
@@ -1033,6 +1103,8 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 PyMethodDef g_methods[] = {
     {"make_fast", reinterpret_cast<PyCFunction>(MakeFast), METH_VARARGS,
      "Bind a host builder to a decoder's per-slot lists."},
+    {"fast_admit", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(FastAdmit)),
+     METH_FASTCALL, "How many leading requests pass GuidedDecoder._admit's inline test."},
     {"fast_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(FastStep)),
      METH_FASTCALL, "Run a steady-state build step, or return None (see host_build.cc)."},
     {"fast_begin", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(FastBegin)),

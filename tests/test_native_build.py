@@ -594,3 +594,51 @@ def test_native_clears_padding_ids_a_backend_sets(tiny):
     rows = dec.bitmask_host[:3]
     # exactly the grammar's own bits after "a" / "ab" / "abab": a, b, </s>, ab
     assert rows[:, 1].tolist() == [0, 0, 0] and rows[:, 0].tolist() == [0b1111] * 3
+
+
+# Values that the admission's inline test must tell apart from the common request's fields
+# (exact ints, exact bools, the slot's own guide object, a list of drafts).
+_ADMISSION_MUTATIONS = [
+    ("seq_slot", 1.0), ("seq_slot", True), ("seq_slot", "1"), ("seq_slot", -1), ("seq_slot", 9),
+    ("request_id", 11.0), ("request_id", True), ("request_id", None),
+    ("is_draft", 1), ("is_draft", None), ("is_context_init_state", 0),
+    ("is_generation_in_progress_state", 1), ("is_generation_only_first_iteration", None),
+    ("draft_tokens", (1,)), ("draft_tokens", "ab"), ("draft_tokens", torch.tensor([1])),
+    ("new_token", 1.0), ("new_token", True), ("new_token", 64),
+    ("guided_decoding_params", ALIVE), ("guided_decoding_params", SHORT),
+    ("guided_decoding_params", GuidedDecodingParams(GuideType.EBNF_GRAMMAR, ALIVE.guide)),
+]
+
+
+@pytest.mark.parametrize("position", [0, 1, 2])
+@pytest.mark.parametrize("field, value", _ADMISSION_MUTATIONS,
+                         ids=[f"{f}={v!r}"[:40] for f, v in _ADMISSION_MUTATIONS])
+def test_admission_in_cpp_equals_the_python_check(tiny, field, value, position):
+    """Pins: ``FastPath.admit`` (the C++ copy of ``GuidedDecoder._admit``'s inline test)
+    passes exactly the requests the Python test passes: with one field of one request of a
+    steady-state batch changed to a look-alike value, at the start, middle or end of the
+    batch, the C++-admitted decoder reports the same failures and masks the same rows as a
+    decoder without the C++ entry (``native_build="off"``)."""
+    decoders = [_decoder(tiny, 4, 1, mode) for mode in ("auto", "off")]
+    assert decoders[0]._fast is not None and decoders[1]._fast is None
+    outcomes = []
+    try:
+        for dec in decoders:
+            dec.add_batch([GuidedRequest.context(10 + s, s, ALIVE) for s in range(3)])
+            assert dec.execute(torch.zeros(3, 64)) == []
+            reqs = [GuidedRequest.generation(10 + s, s, ALIVE, 0, draft_tokens=[1])
+                    for s in range(3)]
+            setattr(reqs[position], field, value)
+            try:
+                dec.add_batch(reqs, 1)
+            except Exception as e:  # (a batch-level error must be the same error too)
+                outcomes.append((type(e).__name__, str(e)))
+                continue
+            logits = torch.zeros(6, 64)
+            failed = dec.execute(logits)
+            outcomes.append((sorted(failed), logits.isinf().tolist(),
+                             [m is None for m in dec.grammar_matchers]))
+    finally:
+        for dec in decoders:
+            dec.close()
+    assert outcomes[0] == outcomes[1]

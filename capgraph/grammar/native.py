@@ -331,7 +331,7 @@ class NativeBuilder:
                                  advanced, guided, matcher_type, GuidedRequest, len(matchers),
                                  int(vocab_size), int(max_num_draft_tokens))
         return FastPath(module.fast_step, module.fast_begin, module.fast_end, module.fast_close,
-                        state)
+                        module.fast_admit, state)
 
 
 class FastPath(NamedTuple):
@@ -347,11 +347,13 @@ class FastPath(NamedTuple):
     may read the decoder's matchers, counters or masks (``GuidedDecoder._finish_build``).
     That thread runs at the lowest priority (nice 19) so that it never preempts the caller's
     threads; ``close(state)`` ends it (``GuidedDecoder.close``), and a later ``begin`` would
-    start another.
+    start another. ``admit(state, requests, slot_guides)`` counts the leading requests that
+    pass ``GuidedDecoder._admit``'s inline test (it only reads them).
     """
 
     step: Callable[..., Any]
     begin: Callable[..., Any]
     end: Callable[..., Any]
     close: Callable[..., Any]
+    admit: Callable[..., int]
     state: Any
