@@ -36,8 +36,9 @@ __all__ = ["CapturableGuidedDecoder"]
 
 
 def _callback(name: str) -> Callable:
-    """A decoder method run as a host callback: failures of the batch are recorded with their
-    request ids and the exception is re-raised (hostfunc hands it to the next drain)."""
+    """A decoder method run as a host callback: when it raises, every guided request of the
+    batch fails (recorded with its id, its matcher dropped) and the exception is re-raised
+    (hostfunc hands it to the next drain)."""
     def wrap(fn: Callable) -> hostfunc.HostFunction:
         def run(self: "CapturableGuidedDecoder", *args) -> None:
             try:
@@ -45,11 +46,15 @@ def _callback(name: str) -> Callable:
             except (QueueEpochError, CallbackError):
                 raise
             except Exception as e:
+                # every guided request of the batch fails as any failed request does: its
+                # matcher dropped (the fault may have left it half advanced), reported once
                 batch = self.requests_hostfunc
-                ids = [_request_id(r) for r in batch.valid_requests()] if batch else []
-                self._record_failed([(i, f"{name}: {type(e).__name__}: {e}") for i in ids])
+                message = f"{name}: {type(e).__name__}: {e}"
+                failed = [self._fail_message(r, message) for r in batch.valid_requests()] \
+                    if batch else []
+                self._record_failed(failed)
                 raise CallbackError(f"{type(e).__name__}: {e}", callback=name,
-                                    request_ids=ids) from e
+                                    request_ids=[i for i, _ in failed]) from e
         run.__name__ = run.__qualname__ = name
         return hostfunc.hostfunc(nvtx_range(f"CapturableGuidedDecoder.{name}")(run))
     return wrap

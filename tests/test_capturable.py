@@ -284,7 +284,9 @@ def test_callback_exception_reaches_the_caller_and_the_next_step_works(factory, 
                                                                        monkeypatch):
     """An exception injected into the build callback surfaces at the step's drain with its
     traceback and the batch's request ids, and that step masks nothing (not the previous
-    step's rows); the next step masks normally."""
+    step's rows); the batch's requests failed as any failed request does (their matchers
+    dropped: no longer guided, not reported again), and the next request on the slot is
+    masked normally."""
     V = factory.config.vocab_size_padded
     case = GUIDED[2]
     tokens = encode_continuation(tekken, case.valid)
@@ -305,7 +307,12 @@ def test_callback_exception_reaches_the_caller_and_the_next_step_works(factory, 
     assert info.value.__cause__.request_ids == [5]
     assert [f[0] for f in capt.take_failed_requests()] == [5]
     monkeypatch.setattr(GuidedDecoder, "_build", original)
+    assert capt.grammar_matchers[0] is None
     capt.add_batch([GuidedRequest.generation(5, 0, case.params, tokens[0])])
+    logits = torch.zeros(1, V)
+    capt.execute(logits)
+    assert capt.take_failed_requests() == [] and torch.isfinite(logits).all()
+    capt.add_batch([GuidedRequest.context(6, 0, case.params)])
     logits = torch.zeros(1, V)
     capt.execute(logits)
     assert capt.take_failed_requests() == [] and torch.isneginf(logits).any()

@@ -573,8 +573,9 @@ def test_matcher_fault_fails_only_its_request(fault, kind, xf, letters, make):
 def test_callback_fault_in_a_replayed_graph_reaches_the_caller(xf, letters, make, monkeypatch):
     """A host callback that raises during a HostGraph replay surfaces at the next drain as
     HostFuncError with the original traceback, caused by CallbackError carrying the batch's
-    request ids; the failed list has those ids; the next replay of the same graph masks exactly
-    as a decoder that never faulted (the masks were built before the faulty apply)."""
+    request ids; the failed list has those ids and their matchers are dropped (failed requests
+    are no longer guided); the next replay of the same graph, with new requests on those
+    slots, masks exactly as a decoder that never faulted."""
     V = xf.config.vocab_size_padded
     t = [letters[c] for c in "abcdef"]
     live_before = hostfunc.live_entries()
@@ -585,6 +586,8 @@ def test_callback_fault_in_a_replayed_graph_reaches_the_caller(xf, letters, make
     def reqs(i: int) -> list[GuidedRequest]:
         if i == 0:
             return [GuidedRequest.context(4, 0, EMAIL), GuidedRequest.context(5, 1, EMAIL)]
+        if i == 3:  # after the fault: new requests take the slots
+            return [GuidedRequest.context(6, 0, EMAIL), GuidedRequest.context(7, 1, EMAIL)]
         return [GuidedRequest.generation(4, 0, EMAIL, t[i - 1]),
                 GuidedRequest.generation(5, 1, EMAIL, t[i])]
     capt.add_batch(reqs(0))  # shapes for the capture (the capture consumes this put)
@@ -614,6 +617,7 @@ def test_callback_fault_in_a_replayed_graph_reaches_the_caller(xf, letters, make
             assert cause.callback == "apply"
             assert sorted(f[0] for f in capt.take_failed_requests()) == [4, 5]
             assert same(static, logits), "a failed apply leaves the logits untouched"
+            assert capt.grammar_matchers == [None, None], "failed requests stay guided"
             monkeypatch.setattr(GuidedDecoder, "apply_bitmask", original)
             continue
         hostfunc.drain()

@@ -169,14 +169,6 @@ def _refuse(what: str) -> None:
         guide_type="JSON_SCHEMA", backend=BACKEND)
 
 
-def _refuse(what: str) -> None:
-    raise UnsupportedGuideError(
-        f"xgrammar would accept but not enforce {what}; remove them, use the llguidance "
-        "backend, set GuidedDecodingConfig(json_unenforced_keywords='fallback') to let "
-        "llguidance serve such schemas, or 'ignore' to generate with them unenforced",
-        guide_type="JSON_SCHEMA", backend=BACKEND)
-
-
 # xgrammar 0.2.9 spells a character of a length-limited string (minLength / maxLength) as
 # [^\"\\\r\n], which lets U+0000-U+001F other than LF and CR through unescaped: not JSON
 # (measured: {"type": "string", "maxLength": 5} accepts "a<U+000F>b"). Its other string rules
