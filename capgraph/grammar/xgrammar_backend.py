@@ -330,10 +330,13 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                     compiled = self._compiler_placing(placed).compile_structural_tag(tag)
                 else:  # the JSON schemas a tag embeds: as JSON-schema guides
                     self._refuse_unenforced_in_tag(guide)
+                    # the capture (a process-wide lock) spans the conversion only, not the
+                    # compile, which can take seconds
                     with converter_warnings() as warned:
-                        compiled = self._compiler_placing(placed).compile_structural_tag(tag)
+                        grammar = xgr.Grammar.from_structural_tag(tag)
                     if warned:
                         _refuse("; ".join(f"xgrammar reported: {w}" for w in warned))
+                    compiled = self._compiler_placing(placed).compile_grammar(grammar)
             else:  # pragma: no cover - GuideType is closed
                 raise UnsupportedGuideError("unknown guide type", guide_type=str(gt),
                                             backend=BACKEND)
