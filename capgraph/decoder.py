@@ -12,10 +12,11 @@ request's rows are left unmasked; the other rows are masked exactly as without i
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from time import perf_counter
-from typing import Sequence, TypeGuard, cast
+from typing import Callable, Sequence, TypeGuard, cast
 
 import numpy as np
 import torch
@@ -165,6 +166,9 @@ class GuidedDecoder:
             self._native.set_budget_ms(self._budget_ms)
         # its CPython entry, which reads a steady-state batch itself
         self._fast: FastPath | None = self._bind_fast()
+        # its copy of _admit's inline test, bound to its state: (requests, slot guides) -> count
+        self._fast_admit: Callable[[list, list], int] | None = None if self._fast is None \
+            else functools.partial(self._fast.admit, self._fast.state)
         # a build the CPython entry runs on its own thread (_build(asynchronous)): its batch
         self._inflight: tuple[GuidedRequests, FastPath] | None = None
         # the one-pass C++ CPU mask, called without the custom op's dispatch (see apply_bitmask)
@@ -242,7 +246,8 @@ class GuidedDecoder:
                 Nothing is changed then.
         """
         batch = self._add_batch(requests, runtime_draft_len, False)
-        self._drop_slots(batch)
+        if batch.dropped_slots:
+            self._drop_slots(batch)
 
     def _add_batch(self, requests: Sequence[GuidedRequest], runtime_draft_len: int | None,
                    tokens_elsewhere: bool) -> GuidedRequests:
@@ -258,8 +263,8 @@ class GuidedDecoder:
             raise LayoutError(f"{len(requests)} requests exceed max_num_sequences="
                               f"{self.max_num_sequences}")
         reqs = list(requests)
-        fast = self._fast  # the inline test of _admit in C++: every request the common one
-        start = 0 if fast is None else fast.admit(fast.state, reqs, self._slot_guides)
+        admit = self._fast_admit  # the inline test of _admit in C++: all the common request?
+        start = 0 if admit is None else admit(reqs, self._slot_guides)
         if start == len(reqs):
             self.requests = batch = GuidedRequests(reqs, draft_len)
         else:
