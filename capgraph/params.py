@@ -183,7 +183,7 @@ def _parse_bytes(text: str) -> int:
 MAX_COMPILE_TIMEOUT_S = 24 * 3600.0
 #: Default of ``GuidedDecodingConfig.max_repetition_count``
 #: (:mod:`capgraph.grammar.guide_limits` says how it was chosen).
-DEFAULT_MAX_REPETITION_COUNT = 10_000
+DEFAULT_MAX_REPETITION_COUNT = 65_535
 #: Default of ``GuidedDecodingConfig.host_step_budget_ms``: about 10**4 times a plain request's
 #: host step (docs/BENCHMARKS.md, "build"), below the 93-234 ms an ambiguous regex reaches.
 DEFAULT_HOST_STEP_BUDGET_MS = 50.0
@@ -297,7 +297,7 @@ class GuidedDecodingConfig:
             ``{n,m}``, EBNF repetitions, JSON-schema ``minLength`` / ``maxItems`` / ...); a
             guide above it fails to compile with an
             :class:`~capgraph.errors.UnsupportedGuideError` naming the count and where it is
-            (:mod:`capgraph.grammar.guide_limits`). An int in ``[1, 2**31 - 1]``; default 10000.
+            (:mod:`capgraph.grammar.guide_limits`). An int in ``[1, 2**31 - 1]``; default 65535.
         host_step_budget_ms: wall-clock milliseconds one request's host step (accepting its
             tokens and filling its rows) may take; a request over it fails alone with a
             :class:`~capgraph.errors.BudgetExceededError` (rows unmasked, matcher dropped),

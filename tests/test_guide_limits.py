@@ -66,9 +66,9 @@ def test_both_backends_refuse_counts_by_name(tekken_factories, backend):
     if factory is None:
         pytest.skip("the llguidance extra is not installed")
     _refused(factory, GuidedDecodingParams.regex(f"x{{2,{WRAPS}}}"), str(WRAPS))
-    _refused(factory, GuidedDecodingParams.regex("(ab){10001}"), "10001",
-             "max_repetition_count=10000")
-    factory.compile(GuidedDecodingParams.regex("(ab){10000}"))  # at the limit: compiles
+    _refused(factory, GuidedDecodingParams.regex("(ab){65536}"), "65536",
+             "max_repetition_count=65535")
+    factory.compile(GuidedDecodingParams.regex("(ab){65535}"))  # at the limit: compiles
 
 
 def test_configured_limit_is_the_bound(tiny):
@@ -115,12 +115,12 @@ def test_escaped_and_class_braces_still_compile(tiny):
     ({"type": "string", "maxLength": WRAPS}, "/maxLength"),
     ({"type": "array", "items": {"type": "integer"}, "maxItems": WRAPS}, "/maxItems"),
     ({"type": "string", "minLength": 10**12}, "/minLength"),
-    ({"type": "object", "maxProperties": 10001}, "/maxProperties"),
-    ({"type": "object", "properties": {"p": {"type": "string", "pattern": "^a{20000}$"}}},
+    ({"type": "object", "maxProperties": 70001}, "/maxProperties"),
+    ({"type": "object", "properties": {"p": {"type": "string", "pattern": "^a{70000}$"}}},
      "pattern at /properties/p"),
     ({"type": "object", "patternProperties": {"^k{99999}$": {"type": "integer"}}},
      "patternProperties key"),
-    ({"anyOf": [{"type": "array", "minItems": 50000}, {"type": "null"}]}, "/anyOf/0/minItems"),
+    ({"anyOf": [{"type": "array", "minItems": 80000}, {"type": "null"}]}, "/anyOf/0/minItems"),
 ])
 def test_schema_counts_are_refused_with_their_pointer(tiny, schema, where):
     """JSON-schema count keywords (xgrammar wraps maxLength and maxItems beyond 32 bits),
@@ -142,7 +142,7 @@ def test_gbnf_repetitions_are_refused_and_strings_skipped(tiny):
     """xgrammar's GBNF ``{n}`` beyond 32 bits (which it wraps) is refused; braces inside
     strings, classes and comments are not counts."""
     _refused(tiny, GuidedDecodingParams.ebnf(f'root ::= "a"{{{WRAPS}}}'), "grammar offset 12")
-    _refused(tiny, GuidedDecodingParams.ebnf('root ::= ("a" | "b"){3,20000}'), "20000")
+    _refused(tiny, GuidedDecodingParams.ebnf('root ::= ("a" | "b"){3,70000}'), "70000")
     tiny.compile(GuidedDecodingParams.ebnf(f'root ::= "{{{WRAPS}}}" [{{]{{2}} # x{{{WRAPS}}}\n'))
 
 
@@ -160,8 +160,8 @@ def test_lark_count_refused_on_llguidance(tekken_factories):
     """On llguidance, a Lark ``~`` repetition and a regex literal above the limit are refused
     by name."""
     factory = tekken_factories["llguidance"]
-    _refused(factory, GuidedDecodingParams.ebnf('start: "a"~20000'), "~20000")
-    _refused(factory, GuidedDecodingParams.ebnf("start: /a{50000}/"), "regex at grammar")
+    _refused(factory, GuidedDecodingParams.ebnf('start: "a"~70000'), "~70000")
+    _refused(factory, GuidedDecodingParams.ebnf("start: /a{80000}/"), "regex at grammar")
 
 
 def test_refused_guide_fails_its_request_alone(tiny):

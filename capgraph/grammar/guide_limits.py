@@ -10,7 +10,10 @@ xgrammar's stays under 0.1 ms at N = 100000. Compile time and memory stay flat i
 backends (``a{N}``, ``a{0,N}``, ``[a-z]{1,N}`` up to N = 10**7). Measured on 2
 cores with Tekken, token ``a`` fed 300 times: ``python -m capgraph.grammar.guide_limits
 --backend llguidance 'a{1000}' 'a{10000}' 'a{30000}' 'a{100000}'`` (:func:`main`; its own
-limit is 2**31 - 1). These figures are why :data:`DEFAULT_MAX_REPETITION_COUNT` is 10000.
+limit is 2**31 - 1). :data:`DEFAULT_MAX_REPETITION_COUNT` is 65535: real schemas ask for 16-bit
+limits (two of the bundled JSON Schema Bench schemas have ``maxLength`` 32767 and 65535), and
+the per-request host-step budget (``host_step_budget_ms``) bounds what such a count costs per
+token on llguidance; a lower limit trades those schemas for less per-token work.
 
 :func:`check_guide_limits` finds every count a guide asks for and refuses, with an
 :class:`~capgraph.errors.UnsupportedGuideError` naming the count and where it is, any count
