@@ -131,3 +131,19 @@ def build_threads() -> set[str]:
             except OSError:  # the thread ended meanwhile
                 pass
     return found
+
+
+def load_tool(name: str):
+    """The module ``tools/<name>.py`` (tools are scripts, not a package), loaded once."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module

@@ -9,11 +9,8 @@ backend cannot enforce to the other, per request, in mixed batches.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,22 +22,12 @@ from capgraph.grammar.converter_log import converter_warnings
 from capgraph.grammar.schema_policy import unenforced
 from capgraph.requests import GuidedRequest
 from capgraph.tokenizers import encode_continuation
+from conftest import load_tool
 
 pytest.importorskip("llguidance", reason="the llguidance extra is not installed")
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
-
-
-table = _load_tool("conformance_table")
-walk = _load_tool("conformance_walk")
+table = load_tool("conformance_table")
+walk = load_tool("conformance_walk")
 PROBE_IDS = [f"{p.keyword}-{p.context}".replace(" ", "_") for p in table.PROBES]
 
 # The reproductions and the classes it names, each with an instance that violates

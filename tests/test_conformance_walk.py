@@ -7,10 +7,6 @@ The long run is ``python tools/conformance_walk.py`` (counts in docs/CONFORMANCE
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("llguidance", reason="the llguidance extra is not installed")
@@ -18,19 +14,10 @@ pytest.importorskip("jsonschema", reason="jsonschema is not installed")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import load_tool  # noqa: E402
+
 TOKENIZER = "mistral-sp32k"
-
-
-def _load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
-
-
-walk = _load_tool("conformance_walk")
+walk = load_tool("conformance_walk")
 
 
 @pytest.fixture(scope="module")

@@ -190,17 +190,8 @@ def ebnf_counts(grammar: str, lark: bool) -> Iterator[Found]:
                 continue
             yield from schema_counts(schema, f"%json at grammar offset {i}")
             i = end
-        elif c == "{":
-            m = _BRACE_COUNT.match(grammar, i)
-            if m is None:
-                i += 1
-                continue
-            yield int(m.group(1)), f"grammar offset {i}", m.group(0)
-            if m.group(2):
-                yield int(m.group(2)), f"grammar offset {i}", m.group(0)
-            i = m.end()
-        elif c == "~" and lark:
-            m = _LARK_TILDE.match(grammar, i)
+        elif c == "{" or (c == "~" and lark):  # {n} / {n,m}, and Lark's ~n / ~n..m
+            m = (_BRACE_COUNT if c == "{" else _LARK_TILDE).match(grammar, i)
             if m is None:
                 i += 1
                 continue

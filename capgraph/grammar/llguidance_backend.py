@@ -17,7 +17,7 @@ from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
 from .semantics import (JSON_CONTAINER_SCHEMA, JSON_WHITESPACE_CHARS, ascii_classes,
                         ascii_schema_patterns)
-from .schema_policy import describe, unenforced
+from .schema_policy import describe, unenforced_in_text
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -197,11 +197,7 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
     def _refuse_unenforced(guide: str) -> None:
         """Raise UnsupportedGuideError for the keywords of ``guide`` that llguidance is not
         known to enforce (:mod:`capgraph.grammar.schema_policy`)."""
-        try:
-            schema = json.loads(guide)
-        except ValueError:
-            return  # malformed: llguidance's own error says where
-        found = unenforced(schema, BACKEND)
+        found = unenforced_in_text(guide, BACKEND)
         if found:
             _refuse(describe(found))
 

@@ -406,6 +406,16 @@ def unenforced(schema: Any, backend: str) -> list[Unenforced]:
     return list(_walk(schema, "", schema, rules, special))
 
 
+def unenforced_in_text(guide: str, backend: str) -> list[Unenforced]:
+    """:func:`unenforced` of a schema given as JSON text; empty where the text is not JSON
+    (the backend's own compile error then says where)."""
+    try:
+        schema = json.loads(guide)
+    except ValueError:
+        return []
+    return unenforced(schema, backend)
+
+
 def unenforced_in_tag(tag: Any) -> list[Unenforced]:
     """:func:`unenforced` for every JSON schema a structural tag embeds (the value of any
     ``"json_schema"`` key), judged for xgrammar (:data:`XGRAMMAR_TAG`), with pointers into the

@@ -15,7 +15,7 @@ from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
 from .native import NativeBuilder, NativeBuildError, matcher_methods
 from .converter_log import converter_warnings
-from .schema_policy import describe, unenforced, unenforced_in_tag
+from .schema_policy import describe, unenforced_in_tag, unenforced_in_text
 from .semantics import JSON_CONTAINER_SCHEMA
 
 __all__ = ["XGrammarMatcher", "XGrammarMatcherFactory", "build_tokenizer_info",
@@ -354,11 +354,7 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
     def _refuse_unenforced(guide: str) -> None:
         """Raise UnsupportedGuideError for the keywords of ``guide`` that xgrammar is not
         known to enforce (:mod:`capgraph.grammar.schema_policy`)."""
-        try:
-            schema = json.loads(guide)
-        except ValueError:
-            return  # malformed: xgrammar's own error says where
-        found = unenforced(schema, BACKEND)
+        found = unenforced_in_text(guide, BACKEND)
         if found:
             _refuse(describe(found))
 
