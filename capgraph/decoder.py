@@ -1079,7 +1079,11 @@ class GuidedDecoder:
         milliseconds measured; its rows are already unmasked) is handled as the Python build
         handles it."""
         if status & TERMINATED:
-            self.grammar_matchers[slot].sync_state()  # type: ignore[union-attr]
+            try:  # (inside the per-request isolation, as every matcher call)
+                self.grammar_matchers[slot].sync_state()  # type: ignore[union-attr]
+            except Exception as e:
+                failed.append(self._fail(req, e))
+                return
         status &= ~TERMINATED
         if status == STATUS_REJECTED:
             self._new_token_rejected(req, slot, token, failed)

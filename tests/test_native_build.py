@@ -642,3 +642,31 @@ def test_admission_in_cpp_equals_the_python_check(tiny, field, value, position):
         for dec in decoders:
             dec.close()
     assert outcomes[0] == outcomes[1]
+
+
+def test_sync_state_that_raises_fails_only_its_request(tiny, monkeypatch):
+    """Pins: after the C++ step reports a stop token accepted, re-reading the matcher's state
+    (``sync_state``) is inside the per-request isolation: if it raises, that request alone
+    fails with the error, and the other request of the step is masked as before."""
+    from capgraph.grammar.xgrammar_backend import XGrammarMatcher
+
+    dec = _decoder(tiny, 2, 0, "auto")
+    try:
+        dec.add_batch([GuidedRequest.context(1, 0, SHORT), GuidedRequest.context(2, 1, ALIVE)])
+        assert dec.execute(torch.zeros(2, 64)) == []
+        dec.add_batch([GuidedRequest.generation(1, 0, SHORT, 0),
+                       GuidedRequest.generation(2, 1, ALIVE, 0)])
+        assert dec.execute(torch.zeros(2, 64)) == []
+
+        def broken(self):
+            raise RuntimeError("sync_state fault")
+        monkeypatch.setattr(XGrammarMatcher, "sync_state", broken)
+        dec.add_batch([GuidedRequest.generation(1, 0, SHORT, 2),  # the stop token: terminates
+                       GuidedRequest.generation(2, 1, ALIVE, 1)])
+        logits = torch.zeros(2, 64)
+        failed = dec.execute(logits)
+        assert [f[0] for f in failed] == [1] and "sync_state fault" in failed[0][1]
+        assert dec.grammar_matchers[0] is None and dec.grammar_matchers[1] is not None
+        assert torch.isneginf(logits[1]).any() and torch.isfinite(logits[1, :2]).all()
+    finally:
+        dec.close()
