@@ -34,15 +34,36 @@ __all__ = [
     "MAX_JSON_WHITESPACE",
 ]
 
-#: Environment variable that overrides ``GuidedDecodingConfig.compile_cache_bytes`` (bytes;
-#: suffixes K, M, G accepted, e.g. ``512M``).
+#: Environment variable that sets the default of ``GuidedDecodingConfig.compile_cache_bytes``
+#: (bytes; suffixes K, M, G accepted, e.g. ``512M``); an explicit argument wins.
 COMPILE_CACHE_ENV = "CAPGRAPH_COMPILE_CACHE_BYTES"
-#: Environment variable that overrides ``GuidedDecodingConfig.native_build`` (auto, on, off).
+#: Environment variable that sets the default of ``GuidedDecodingConfig.native_build`` (auto,
+#: on, off; an explicit argument wins); ``off`` also keeps the process-wide CPU mask pass from
+#: compiling.
 NATIVE_BUILD_ENV = "CAPGRAPH_NATIVE_BUILD"
 
 
+NATIVE_BUILD_MODES = ("auto", "on", "off")
+
+
+def _default_cache_bytes() -> int:
+    """``compile_cache_bytes`` when not given: ``$CAPGRAPH_COMPILE_CACHE_BYTES``, else 1 GiB."""
+    env = os.environ.get(COMPILE_CACHE_ENV)
+    return _parse_bytes(env) if env else DEFAULT_COMPILE_CACHE_BYTES
+
+
+def _default_native_build() -> str:
+    """``native_build`` when not given: ``$CAPGRAPH_NATIVE_BUILD``, else ``"auto"``."""
+    env = native_build_env()
+    if env is None:
+        return "auto"
+    if env not in NATIVE_BUILD_MODES:
+        raise ConfigError(f"{NATIVE_BUILD_ENV}={env!r}; expected 'auto', 'on' or 'off'")
+    return env
+
+
 def native_build_env() -> str | None:
-    """``$CAPGRAPH_NATIVE_BUILD`` lower-cased, or None when unset or empty (it overrides
+    """``$CAPGRAPH_NATIVE_BUILD`` lower-cased, or None when unset or empty (the default of
     ``GuidedDecodingConfig.native_build``; ``"off"`` also stops the CPU mask pass)."""
     env = os.environ.get(NATIVE_BUILD_ENV, "").strip().lower()
     return env or None
@@ -257,9 +278,9 @@ class GuidedDecodingConfig:
         vocab_size_padded: width of the logits rows (>= the tokenizer's vocabulary); 0 (the
             default; ``None`` is read the same) means the tokenizer's vocabulary. Ids at or
             above the tokenizer's vocabulary are always masked on guided rows.
-        compile_cache_bytes: byte budget of the compiled-grammar cache; overridden by the
-            environment variable ``CAPGRAPH_COMPILE_CACHE_BYTES`` (a finite byte count).
-            0 disables caching.
+        compile_cache_bytes: byte budget of the compiled-grammar cache; 0 disables caching.
+            Default: the environment variable ``CAPGRAPH_COMPILE_CACHE_BYTES`` where set (a
+            finite byte count), else 1 GiB; an explicit value wins over the variable.
         compile_timeout_s: a compile that takes longer fails its request alone; a finite
             number of seconds up to ``MAX_COMPILE_TIMEOUT_S`` (one day).
         compile_threads: worker threads that compile grammars off the decode path.
@@ -273,7 +294,8 @@ class GuidedDecodingConfig:
             first decoder of the machine (a few seconds, then cached on disk) and falls back to
             the Python loop, with one warning, where it cannot; ``"on"`` makes that an error;
             ``"off"`` always runs the Python loop. Both give the same masks, counters and
-            failures. Overridden by the environment variable ``CAPGRAPH_NATIVE_BUILD``.
+            failures. Default: the environment variable ``CAPGRAPH_NATIVE_BUILD`` where set,
+            else ``"auto"``; an explicit value wins over the variable.
         json_whitespace: whitespace outside strings in JSON and JSON-schema guides, the same
             on both backends (whitespace is space, newline, carriage return, tab; never before
             or after the whole value). ``"any"`` (default): any amount between tokens.
@@ -310,11 +332,11 @@ class GuidedDecodingConfig:
     encoded_vocab: Sequence[str] | None = None
     stop_token_ids: list[int] | None = None
     vocab_size_padded: int = 0
-    compile_cache_bytes: int = DEFAULT_COMPILE_CACHE_BYTES
+    compile_cache_bytes: int = field(default_factory=_default_cache_bytes)
     compile_timeout_s: float = 30.0
     compile_threads: int = 2
     fill_threads: int = 1
-    native_build: str = "auto"
+    native_build: str = field(default_factory=_default_native_build)
     json_whitespace: str = "any"
     json_max_whitespace: int = 8
     json_unenforced_keywords: str = "error"
@@ -383,9 +405,6 @@ class GuidedDecodingConfig:
             raise ConfigError(
                 "GuidedDecodingConfig.stop_token_ids: the llguidance backend takes exactly one "
                 f"stop token, got {self.stop_token_ids}")
-        env = os.environ.get(COMPILE_CACHE_ENV)
-        if env:
-            self.compile_cache_bytes = _parse_bytes(env)
         _int_field("compile_cache_bytes", self.compile_cache_bytes, 0)
         self.compile_timeout_s = _seconds_field("compile_timeout_s", self.compile_timeout_s,
                                                 MAX_COMPILE_TIMEOUT_S)
@@ -402,13 +421,9 @@ class GuidedDecodingConfig:
                                "budget)")
         _choice_field("json_whitespace", self.json_whitespace, JSON_WHITESPACE_MODES)
         _int_field("json_max_whitespace", self.json_max_whitespace, 1, MAX_JSON_WHITESPACE)
-        env = native_build_env()
-        if env:
-            self.native_build = env
-        if type(self.native_build) is not str or self.native_build not in ("auto", "on", "off"):
-            source = f"{NATIVE_BUILD_ENV}={env!r}" if env else \
-                f"GuidedDecodingConfig.native_build={self.native_build!r}"
-            raise ConfigError(f"{source}; expected 'auto', 'on' or 'off'")
+        if type(self.native_build) is not str or self.native_build not in NATIVE_BUILD_MODES:
+            raise ConfigError(f"GuidedDecodingConfig.native_build={self.native_build!r}; "
+                              "expected 'auto', 'on' or 'off'")
 
     @classmethod
     def from_tokenizer(cls, tokenizer: "PreTrainedTokenizerBase", **kwargs: Any

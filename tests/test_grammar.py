@@ -205,9 +205,12 @@ def test_vocab_size_padded_defaults_to_the_tokenizers_vocabulary(tekken):
 
 
 def test_cache_env_override(tekken, monkeypatch):
-    """CAPGRAPH_COMPILE_CACHE_BYTES overrides the configured cache budget; junk is named."""
+    """CAPGRAPH_COMPILE_CACHE_BYTES sets the default cache budget, an explicit value wins
+    over it; junk is named."""
     monkeypatch.setenv("CAPGRAPH_COMPILE_CACHE_BYTES", "64M")
     assert GuidedDecodingConfig.from_tokenizer(tekken).compile_cache_bytes == 64 << 20
+    assert GuidedDecodingConfig.from_tokenizer(
+        tekken, compile_cache_bytes=1 << 20).compile_cache_bytes == 1 << 20
     monkeypatch.setenv("CAPGRAPH_COMPILE_CACHE_BYTES", "lots")
     with pytest.raises(ConfigError, match="CAPGRAPH_COMPILE_CACHE_BYTES"):
         GuidedDecodingConfig.from_tokenizer(tekken)

@@ -485,7 +485,8 @@ def test_native_rejects_bad_buffers(tiny):
 
 def test_native_build_modes(tiny, monkeypatch):
     """'on' with a backend setting that has no native loop is a named error; the environment
-    variable overrides the config; a bad value names where it came from."""
+    variable sets the default and an explicit value wins over it; a bad value names where it
+    came from."""
     config = dataclasses.replace(tiny.config, native_build="on", fill_threads=2)
     factory = create_matcher_factory(config)
     with pytest.raises(ConfigError, match="needs the xgrammar backend with fill_threads=1"):
@@ -494,7 +495,8 @@ def test_native_build_modes(tiny, monkeypatch):
     with pytest.raises(ConfigError, match="native_build='maybe'"):
         GuidedDecodingConfig(encoded_vocab=VOCAB, native_build="maybe")
     monkeypatch.setenv("CAPGRAPH_NATIVE_BUILD", "OFF")
-    assert GuidedDecodingConfig(encoded_vocab=VOCAB, native_build="on").native_build == "off"
+    assert GuidedDecodingConfig(encoded_vocab=VOCAB).native_build == "off"
+    assert GuidedDecodingConfig(encoded_vocab=VOCAB, native_build="on").native_build == "on"
     monkeypatch.setenv("CAPGRAPH_NATIVE_BUILD", "sometimes")
     with pytest.raises(ConfigError, match="CAPGRAPH_NATIVE_BUILD='sometimes'"):
         GuidedDecodingConfig(encoded_vocab=VOCAB)

@@ -24,11 +24,12 @@ installed with it) and caches the shared library on disk under
 source, compiler, flags and tvm-ffi version, written under a file lock. A first compile takes
 a few seconds; later processes load the cached file.
 
-``GuidedDecodingConfig.native_build`` (or the environment variable ``CAPGRAPH_NATIVE_BUILD``)
-chooses: ``"auto"`` uses the loop where it compiles and warns once where it does not (the
+``GuidedDecodingConfig.native_build`` (whose default the environment variable
+``CAPGRAPH_NATIVE_BUILD`` sets) chooses: ``"auto"`` uses the loop where it compiles and warns once where it does not (the
 Python build then runs, with the same results), ``"on"`` makes a failure an error, ``"off"``
 keeps that decoder on the Python loop. The CPU mask (:func:`cpu_apply`) is process-wide and
-follows only the environment variable: ``CAPGRAPH_NATIVE_BUILD=off`` compiles nothing.
+follows only the environment variable: with ``CAPGRAPH_NATIVE_BUILD=off`` nothing compiles
+unless a decoder asks for ``native_build="on"`` explicitly.
 """
 
 from __future__ import annotations
