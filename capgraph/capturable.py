@@ -82,7 +82,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         super().__init__(*args, **kwargs)
         S, D = self.max_num_sequences, self.max_num_draft_tokens
         pin = _pin_host()
-        # [position, slot]: the golden token and the drafts of each slot (as in the seed)
+        # [position, slot]: the golden token and the drafts of each slot
         self.new_tokens = torch.zeros(D + 1, S, dtype=torch.int32, pin_memory=pin)
         # [batch position]: the token each request's matcher consumes in a draft step
         self.draft_new_tokens = torch.zeros(S, dtype=torch.int32, pin_memory=pin)
@@ -115,7 +115,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     # -- host side ---------------------------------------------------------------------------
     @nvtx_range("CapturableGuidedDecoder.add_batch")
-    def add_batch(  # type: ignore[override]  # DESIGN.md's order: new_tokens second
+    def add_batch(  # type: ignore[override]  # new_tokens second, before runtime_draft_len
             self, requests: Sequence[GuidedRequest], new_tokens: torch.Tensor | None = None,
             runtime_draft_len: int | None = None) -> None:
         """Snapshot this step's requests and queue them for the step's callbacks (host side).

@@ -26,7 +26,8 @@ __all__ = ["GuidedRequest", "GuidedRequests", "REQUEST_FIELDS", "as_int", "check
 
 @dataclass(slots=True)
 class GuidedRequest:
-    """What guided decoding needs of one request in one step (field names follow the seed).
+    """What guided decoding needs of one request in one step (field names follow
+    TensorRT-LLM's, so an engine written against it ports easily).
 
     Args:
         guided_decoding_params: the request's guide; ``None`` for an unguided request.

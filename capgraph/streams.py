@@ -72,7 +72,8 @@ class CudaStepStreams(StepStreams):
 
     def drain(self) -> None:
         # bitmask_event is recorded after every callback the decoder enqueues; waiting on it
-        # releases the GIL, so a pending callback can take it (the deadlock the seed describes).
+        # releases the GIL, so a pending callback can take it (else: the host node waits for
+        # the GIL this thread holds while it waits for the host node).
         if not self.is_capturing():
             self.bitmask_event.synchronize()
         hostfunc.check_errors()

@@ -18,14 +18,14 @@ refer to it: every failure path either releases the entry at once or leaves it t
 
 The bindings release the GIL inside every driver call; the trampolines take it (ctypes does).
 
-VERIFICATION STATUS: the call sequence, argument passing (raw fn pointer and integer userData
-reaching the driver unchanged), GIL release during the calls, replay running the bound call each
-time and the destructor handing the key back were checked against the fake libcuda in
-tests/test_hostfunc_fake_driver.py. On a GPU (an H200, 2026-11-30), tests/test_hostfunc_gpu.py
-passed: a real capture accepts the user object and host node as issued here, a captured pair
-replayed ten times runs ten times, the destructor fires on torch's ``CUDAGraph.reset()`` (the
-entries and their arguments are freed), a second launch while a callback waits for the GIL
-does not deadlock, and cuda-python's one-shot wrapper fails replay where this route does not.
+What pins it: tests/test_hostfunc_fake_driver.py runs the call sequence against a fake
+libcuda (argument passing -- the raw fn pointer and integer userData reach the driver unchanged
+--, GIL release during the calls, replay running the bound call each time, the destructor
+handing the key back); tests/test_hostfunc_gpu.py, on a GPU (``tools/gpu_check.sh``), checks
+that a real capture accepts the user object and host node as issued here, that a captured pair
+replayed ten times runs ten times, that the destructor fires on torch's ``CUDAGraph.reset()``,
+that a second launch while a callback waits for the GIL does not deadlock, and that
+cuda-python's one-shot wrapper fails replay where this route does not.
 """
 
 from __future__ import annotations

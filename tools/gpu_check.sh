@@ -4,8 +4,8 @@
 #
 # Here first:   PYTHON=.venv/bin/python bash tools/prepare_gpu_run.sh
 # Then, once:   device run  command="bash tools/gpu_check.sh"  carry=[".whl", ".gpu-cache"]
-#               timeout_s=360 (the steps' time boxes add up to 300 s; on an H200 the whole script
-#               took 190 s on 2026-11-30)
+#               timeout_s=360 (the steps' time boxes add up to 300 s; docs/BENCHMARKS.md says
+#               how long the last run took)
 # Logs and JSON land in $OUT (the device tool brings them back) or ./gpu-check-out; the
 # Markdown tables and target verdicts (tools/gpu_report.py) are printed and kept in report.md.
 set -uo pipefail

@@ -1,6 +1,6 @@
 """The grammar-engine contract: a rollback-able matcher and the factory that compiles guides.
 
-A :class:`GrammarMatcher` is the per-sequence state machine of the seed (four methods). A
+A :class:`GrammarMatcher` is the per-sequence state machine (four methods). A
 :class:`GrammarMatcherFactory` compiles guides (cached, bounded in bytes, optionally on a thread
 pool so compilation stays off the decode path) and creates matchers from compiled guides.
 """
@@ -132,7 +132,7 @@ class CompileHandle:
 
 
 class GrammarMatcherFactory(ABC):
-    """Compiles guides and creates matchers; one per decoder (the seed's name is kept).
+    """Compiles guides and creates matchers; one per decoder (TensorRT-LLM's name).
 
     Compilation is cached by ``(guide_type, guide)`` in a byte-bounded LRU cache and runs off
     the caller's thread (:meth:`compile_async`, at most ``compile_threads`` at once; see
@@ -168,7 +168,7 @@ class GrammarMatcherFactory(ABC):
 
     # -- public API -------------------------------------------------------------------------
     def create(self, params: GuidedDecodingParams) -> GrammarMatcher:
-        """Compile (or reuse) the guide and return a fresh matcher (the seed's entry point)."""
+        """Compile (or reuse) the guide and return a fresh matcher."""
         return self.create_from_compiled(self.compile(params))
 
     def compile(self, params: GuidedDecodingParams) -> CompiledGuide:

@@ -18,9 +18,8 @@ on CPU-only CI by tests/test_kernel_compile.py, which also runs the kernel's ari
 host through a C++ emulation of the launch grid, driven by :func:`plan_launch` and by the
 launcher below with cuda.core faked). Everything that talks to a GPU -- module loading, the
 launch through cuda.core, stream and context handling, capture and replay, speed -- is
-exercised by tests/test_ops_gpu.py and tools/bench_kernel.py on a machine with a GPU: all
-passed on an H200 (torch 2.11, cuda-core 1.2.0, NVRTC 13.0) on 2026-11-30, figures in
-docs/BENCHMARKS.md.
+exercised by tests/test_ops_gpu.py and tools/bench_kernel.py on a machine with a GPU
+(``tools/gpu_check.sh``; the figures and the card they ran on are in docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
