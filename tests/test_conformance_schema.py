@@ -230,6 +230,23 @@ def test_xgrammar_length_limits_count_characters_and_stay_json(tok_name, factory
     assert not table.accepts(factory, compiled, tokenizer, table.Raw('{"s":"\x0f"}'))
 
 
+def test_length_limits_stay_json_when_unenforced_keywords_are_ignored(tokenizer_cache):
+    """The character-class repair of xgrammar's length-limited strings is a JSON-validity fix,
+    not a keyword policy: ``json_unenforced_keywords="ignore"`` gets it too, so no raw control
+    character enters a string."""
+    tokenizer = tokenizer_cache("mistral-sp32k")
+    factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
+        tokenizer, json_unenforced_keywords="ignore"))
+    try:
+        compiled = factory.compile(GuidedDecodingParams.json_schema(
+            {"type": "object", "properties": {"s": {"type": "string", "maxLength": 2}},
+             "required": ["s"]}))
+        assert table.accepts(factory, compiled, tokenizer, {"s": "ab"})
+        assert not table.accepts(factory, compiled, tokenizer, table.Raw('{"s":"\x0f"}'))
+    finally:
+        factory.close()
+
+
 def _tag(schema: dict) -> str:
     return json.dumps({"type": "structural_tag", "format": {
         "type": "tag", "begin": "<t>", "content": {"type": "json_schema", "json_schema": schema},

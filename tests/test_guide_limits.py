@@ -187,3 +187,26 @@ def test_structural_tag_schemas_are_scanned(tiny):
                                                            "maxLength": WRAPS}}}}
     with pytest.raises(GrammarCompileError, match="maxLength"):
         tiny.compile(GuidedDecodingParams(GuideType.STRUCTURAL_TAG, json.dumps(tag)))
+
+
+@needs_llguidance
+def test_fallback_reads_counts_in_its_primary_backends_syntax(tokenizer_cache):
+    """A fallback factory whose primary is llguidance compiles EBNF guides there, as Lark: its
+    count check reads them as Lark too, so ``~ n`` past the limit is refused by name (read as
+    GBNF it would pass unseen)."""
+    config = GuidedDecodingConfig.from_tokenizer(
+        tokenizer_cache("mistral-sp32k"), backend="llguidance",
+        json_unenforced_keywords="fallback")
+    factory = create_matcher_factory(config)
+    try:
+        _refused(factory, GuidedDecodingParams.ebnf('start: "a" ~ 70000'), "~ 70000")
+    finally:
+        factory.close()
+
+
+def test_lark_grammars_inside_structural_tags_are_scanned_as_lark(tiny):
+    """A structural tag's ``grammar`` element with ``syntax: lark`` is read as Lark: its
+    ``~ n`` counts are bounded like a Lark guide's."""
+    tag = {"type": "structural_tag", "format": {
+        "type": "grammar", "syntax": "lark", "grammar": 'start: "a" ~ 70000'}}
+    _refused(tiny, GuidedDecodingParams(GuideType.STRUCTURAL_TAG, json.dumps(tag)), "~ 70000")

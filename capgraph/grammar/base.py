@@ -269,12 +269,18 @@ class GrammarMatcherFactory(ABC):
         self._pool.close()
 
     # -- internals --------------------------------------------------------------------------
+    def _limits_backend(self, params: GuidedDecodingParams) -> str:
+        """The backend whose syntax :func:`check_guide_limits` reads ``params`` in (a
+        composite factory names the backend that will compile it)."""
+        return self.backend_name
+
     def _compile_and_store(self, key: tuple[str, str], params: GuidedDecodingParams
                            ) -> CompiledGuide:
         start = time.perf_counter()
         try:
-            # bounded before any backend sees the guide (both backends come through here)
-            check_guide_limits(params, self.backend_name, self.config.max_repetition_count)
+            # bounded before any backend sees the guide (every factory comes through here)
+            check_guide_limits(params, self._limits_backend(params),
+                               self.config.max_repetition_count)
             payload, nbytes = self._compile(params)
         except Exception as e:
             with self._lock:

@@ -74,6 +74,11 @@ class FallbackMatcherFactory(GrammarMatcherFactory):
                 self._owners[owned] = f
 
     # -- compile routing ----------------------------------------------------------------------
+    def _limits_backend(self, params: GuidedDecodingParams) -> str:
+        # every guide but a JSON schema compiles on the primary, in its syntax (a JSON schema
+        # reads the same to both)
+        return self.primary.backend_name
+
     def _compile(self, params: GuidedDecodingParams) -> tuple[Any, int]:
         primary, secondary = self.primary, self.secondary
         if params.guide_type is not GuideType.JSON_SCHEMA:

@@ -233,7 +233,8 @@ def _structural_counts(node: Any, path: str = "") -> Iterator[Found]:
             elif key in ("pattern", "regex") and isinstance(value, str):
                 yield from regex_counts(value, f"regex at {here}")
             elif key in ("grammar", "ebnf") and isinstance(value, str):
-                yield from ((v, f"{here} {w}", d) for v, w, d in ebnf_counts(value, False))
+                lark = node.get("syntax") == "lark"  # (xgrammar's grammar element: GBNF or Lark)
+                yield from ((v, f"{here} {w}", d) for v, w, d in ebnf_counts(value, lark))
             else:
                 yield from _structural_counts(value, here)
     elif isinstance(node, list):

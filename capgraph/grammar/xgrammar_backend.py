@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 import xgrammar as xgr
@@ -161,6 +161,14 @@ def _resolve_tag_tokens(tag: str, ids_by_name: Mapping[str, int]) -> tuple[str, 
     return json.dumps(doc), frozenset(placed)
 
 
+def _converted(convert: Callable[[], xgr.Grammar]) -> tuple[xgr.Grammar, list[str]]:
+    """``convert()`` (a JSON-schema or structural-tag conversion) with the warnings xgrammar's
+    converter logged while it ran (:func:`~capgraph.grammar.converter_log.converter_warnings`)."""
+    with converter_warnings() as warned:
+        grammar = convert()
+    return grammar, warned
+
+
 def _refuse(what: str) -> None:
     raise UnsupportedGuideError(
         f"xgrammar would accept but not enforce {what}; remove them, use the llguidance "
@@ -304,20 +312,23 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
     def _compile(self, params: GuidedDecodingParams) -> tuple[Any, int]:
         gt, guide = params.guide_type, params.guide
         try:
+            # Every JSON-schema and tag conversion runs inside the stderr capture (a process-wide
+            # lock, around the conversion only, not the compile, which can take seconds), so no
+            # capture reads another conversion's warnings; outside "ignore" they refuse.
+            refuse = self.config.json_unenforced_keywords != "ignore"
             if gt is GuideType.JSON:  # a JSON object or array, as on llguidance
                 if self.config.json_whitespace == "any":  # (twice as fast per step)
                     compiled = self._compiler.compile_builtin_json_grammar()
                 else:
-                    compiled = self._compiler.compile_json_schema(
-                        JSON_CONTAINER_SCHEMA, strict_mode=False, **self._json_options)
-            elif gt is GuideType.JSON_SCHEMA and self.config.json_unenforced_keywords == "ignore":
-                compiled = self._compiler.compile_json_schema(guide, **self._json_options)
+                    grammar, _ = _converted(lambda: xgr.Grammar.from_json_schema(
+                        JSON_CONTAINER_SCHEMA, strict_mode=False, **self._json_options))
+                    compiled = self._compiler.compile_grammar(grammar)
             elif gt is GuideType.JSON_SCHEMA:
-                self._refuse_unenforced(guide)
-                # what the converter logs about constraints it drops refuses the schema too
-                with converter_warnings() as warned:
-                    grammar = xgr.Grammar.from_json_schema(guide, **self._json_options)
-                if warned:
+                if refuse:
+                    self._refuse_unenforced(guide)
+                grammar, warned = _converted(
+                    lambda: xgr.Grammar.from_json_schema(guide, **self._json_options))
+                if warned and refuse:
                     _refuse("; ".join(f"xgrammar reported: {w}" for w in warned))
                 compiled = self._compiler.compile_grammar(_repair_length_strings(grammar))
             elif gt is GuideType.REGEX:
@@ -326,17 +337,12 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 compiled = self._compiler.compile_grammar(guide)
             elif gt is GuideType.STRUCTURAL_TAG:
                 tag, placed = _resolve_tag_tokens(guide, self._special_ids_by_name)
-                if self.config.json_unenforced_keywords == "ignore":
-                    compiled = self._compiler_placing(placed).compile_structural_tag(tag)
-                else:  # the JSON schemas a tag embeds: as JSON-schema guides
+                if refuse:  # the JSON schemas a tag embeds: as JSON-schema guides
                     self._refuse_unenforced_in_tag(guide)
-                    # the capture (a process-wide lock) spans the conversion only, not the
-                    # compile, which can take seconds
-                    with converter_warnings() as warned:
-                        grammar = xgr.Grammar.from_structural_tag(tag)
-                    if warned:
-                        _refuse("; ".join(f"xgrammar reported: {w}" for w in warned))
-                    compiled = self._compiler_placing(placed).compile_grammar(grammar)
+                grammar, warned = _converted(lambda: xgr.Grammar.from_structural_tag(tag))
+                if warned and refuse:
+                    _refuse("; ".join(f"xgrammar reported: {w}" for w in warned))
+                compiled = self._compiler_placing(placed).compile_grammar(grammar)
             else:  # pragma: no cover - GuideType is closed
                 raise UnsupportedGuideError("unknown guide type", guide_type=str(gt),
                                             backend=BACKEND)
