@@ -444,8 +444,6 @@ class CapturableGuidedDecoder(GuidedDecoder):
             _, batch, _ = self._queue.popleft()
             self._fetched_epoch += 1
             if batch.dropped_slots:
-                if self._inflight is not None:
-                    self._finish_build()
                 self._drop_slots(batch)
 
     @_callback("fetch_batch")

@@ -398,7 +398,10 @@ class GuidedDecoder:
                 updates.append((slot, params))
 
     def _drop_slots(self, batch: GuidedRequests) -> None:
-        """Drop the matchers of ``batch.dropped_slots`` (their requests failed at add_batch)."""
+        """Drop the matchers of ``batch.dropped_slots`` (their requests failed at add_batch),
+        after a build still in flight has ended."""
+        if self._inflight is not None:
+            self._finish_build()
         for slot in batch.dropped_slots:
             self.grammar_matchers[slot] = None
             self._pending_compiles.pop(slot, None)

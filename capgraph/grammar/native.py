@@ -311,8 +311,8 @@ class NativeBuilder:
 
     def set_budget_ms(self, budget_ms: float | None) -> None:
         """One request's host-step budget from the next step on (None or 0: none): a request
-        whose accept and fills take longer, measured on the monotonic clock after each
-        filled row, stops with :data:`STATUS_OVER_BUDGET`. On ``FastPath.begin``'s thread,
+        whose accept and fills take longer, measured on the monotonic clock once per request
+        (from the previous request's end to its own), ends with :data:`STATUS_OVER_BUDGET`. On ``FastPath.begin``'s thread,
         which runs at nice 19, an overrun also needs the thread's CPU time to agree."""
         self._set_budget(int(round((budget_ms or 0) * 1e6)))
 
