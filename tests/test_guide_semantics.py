@@ -354,3 +354,18 @@ def test_schema_rewrite_leaves_data_and_names_alone():
     out = json.loads(ascii_schema_patterns(json.dumps(schema)))
     assert out == {"properties": {"enum": {"pattern": "[0-9]"}},
                    "enum": [{"pattern": "\\d"}], "patternProperties": {"^[0-9A-Za-z_]$": {}}}
+
+
+def test_schema_rewrite_reaches_draft07_dependencies():
+    """A ``pattern`` inside a draft-07 ``dependencies`` schema is rewritten to ASCII classes
+    too, whatever the property it depends on is called (even a keyword's name, like
+    ``enum``); a list of names under ``dependencies`` stays as it is."""
+    from capgraph.grammar.semantics import ascii_schema_patterns
+
+    schema = {"type": "object", "dependencies": {
+        "enum": {"properties": {"code": {"type": "string", "pattern": "^\\d+$"}}},
+        "a": ["b", "c"]}}
+    rewritten = json.loads(ascii_schema_patterns(json.dumps(schema)))
+    pattern = rewritten["dependencies"]["enum"]["properties"]["code"]["pattern"]
+    assert "\\d" not in pattern and "0-9" in pattern
+    assert rewritten["dependencies"]["a"] == ["b", "c"]

@@ -45,6 +45,7 @@ from typing import Any, Iterator
 
 from ..errors import UnsupportedGuideError
 from ..params import DEFAULT_MAX_REPETITION_COUNT, GuidedDecodingParams, GuideType
+from .schema_policy import subschemas
 
 __all__ = ["BACKEND_MAX_COUNT", "DEFAULT_MAX_REPETITION_COUNT", "check_guide_limits",
            "regex_counts", "ebnf_counts", "schema_counts"]
@@ -58,13 +59,6 @@ COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperti
 
 _BRACE_COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 _LARK_TILDE = re.compile(r"~\s*(\d+)(?:\s*\.\.\s*(\d+))?")
-
-# Where subschemas live (JSON Schema 2020-12 and draft-04..07 spellings).
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
-                "dependencies")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-_SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedItems",
-               "unevaluatedProperties", "propertyNames", "contains", "not", "if", "then", "else")
 
 # A count found: (value, offset in the text or JSON pointer, what it is).
 Found = tuple[int, str, str]
@@ -146,20 +140,8 @@ def schema_counts(schema: Any, path: str = "") -> Iterator[Found]:
     if isinstance(props, dict):
         for key in props:
             yield from regex_counts(key, f"patternProperties key {key!r} at {here}")
-    for key in _SCHEMA_MAPS:
-        sub = schema.get(key)
-        if isinstance(sub, dict):
-            for name, value in sub.items():
-                yield from schema_counts(value, f"{path}/{key}/{name}")
-    for key in _SCHEMA_LISTS:
-        sub = schema.get(key)
-        if isinstance(sub, list):
-            for i, value in enumerate(sub):
-                yield from schema_counts(value, f"{path}/{key}/{i}")
-    for key in _SCHEMA_ONE:
-        sub = schema.get(key)
-        if isinstance(sub, dict):
-            yield from schema_counts(sub, f"{path}/{key}")
+    for sub, where in subschemas(schema, path):
+        yield from schema_counts(sub, where)
 
 
 def ebnf_counts(grammar: str, lark: bool) -> Iterator[Found]:

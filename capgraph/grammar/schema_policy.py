@@ -465,23 +465,30 @@ def _walk(schema: Any, pointer: str, root: Any, rules: Mapping[str, Rule],
         if why is not None:
             yield Unenforced(keyword, pointer, why)
     # subschemas are judged even under a deciding enum: a '$ref' elsewhere may point into them
+    for sub, where in subschemas(schema, pointer):
+        yield from _walk(sub, where, root, rules, special)
+
+
+def subschemas(schema: dict[str, Any], pointer: str = "") -> Iterator[tuple[Any, str]]:
+    """The schemas directly inside ``schema`` (2020-12 and draft-04..07 places), each with its
+    JSON pointer; the one definition of where subschemas live, for every walker here."""
     for key in _SCHEMA_MAPS:
         sub = schema.get(key)
         if isinstance(sub, dict):
             for name, value in sub.items():
-                yield from _walk(value, f"{pointer}/{key}/{_escape(name)}", root, rules, special)
+                yield value, f"{pointer}/{key}/{_escape(name)}"
     for key in _SCHEMA_LISTS:
         sub = schema.get(key)
         if isinstance(sub, list):
             for i, value in enumerate(sub):
-                yield from _walk(value, f"{pointer}/{key}/{i}", root, rules, special)
+                yield value, f"{pointer}/{key}/{i}"
     for key in _SCHEMA_ONE:
         sub = schema.get(key)
         if isinstance(sub, dict):
-            yield from _walk(sub, f"{pointer}/{key}", root, rules, special)
+            yield sub, f"{pointer}/{key}"
         elif key == "items" and isinstance(sub, list):  # draft-04..07 tuple items
             for i, value in enumerate(sub):
-                yield from _walk(value, f"{pointer}/items/{i}", root, rules, special)
+                yield value, f"{pointer}/items/{i}"
 
 
 def _escape(name: str) -> str:

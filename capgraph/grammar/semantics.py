@@ -74,8 +74,10 @@ def ascii_classes(pattern: str) -> str:
 
 # Keywords whose values are instances, not schemas: patterns inside them are data.
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-# Keywords whose values map names (not keywords) to schemas.
-_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchemas"})
+# Keywords whose values map names (not keywords) to schemas (or, for draft-07's
+# ``dependencies``, to lists of names).
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchemas",
+                          "dependencies"})
 
 
 def ascii_schema_patterns(schema_text: str) -> str:
