@@ -1298,7 +1298,7 @@ class GuidedDecoder:
                 raise TensorArgError(f"d2t must be int32, got {d2t.dtype}")
             if d2t.device != logits.device:
                 raise TensorArgError(f"d2t is on {d2t.device}, logits on {logits.device}")
-            self._check_d2t_values(d2t)
+            self.check_d2t(d2t)
         # (all of this is checked before the build advances any matcher: a retry after the
         # error must find the matchers where they were)
         full = self.vocab_size_padded if d2t is None else d2t.shape[0]
@@ -1330,9 +1330,6 @@ class GuidedDecoder:
         Raises:
             TensorArgError: a target id is out of range (names the draft id and its target).
         """
-        self._check_d2t_values(d2t)
-
-    def _check_d2t_values(self, d2t: torch.Tensor) -> None:
         key = (d2t.data_ptr(), d2t._version, d2t.shape[0], d2t.device)
         if key in self._d2t_checked:
             return
