@@ -49,12 +49,10 @@ def _callback(name: str) -> Callable:
                 # every guided request of the batch fails as any failed request does: its
                 # matcher dropped (the fault may have left it half advanced), reported once
                 batch = self.requests_hostfunc
-                message = f"{name}: {type(e).__name__}: {e}"
-                failed = [self._fail_message(r, message) for r in batch.valid_requests()] \
+                ids = self._fail_batch(batch, f"{name}: {type(e).__name__}: {e}") \
                     if batch else []
-                self._record_failed(failed)
                 raise CallbackError(f"{type(e).__name__}: {e}", callback=name,
-                                    request_ids=[i for i, _ in failed]) from e
+                                    request_ids=ids) from e
         run.__name__ = run.__qualname__ = name
         return hostfunc.hostfunc(nvtx_range(f"CapturableGuidedDecoder.{name}")(run))
     return wrap
@@ -76,6 +74,12 @@ class CapturableGuidedDecoder(GuidedDecoder):
     ``execute`` returns nothing (a host callback cannot); call :meth:`take_failed_requests`
     after the step's sync. Callback exceptions are re-raised by the drain that ends each
     non-captured ``execute`` (and by ``hostfunc.drain()``), as ``hostfunc.HostFuncError``.
+
+    Where the signatures differ from :class:`GuidedDecoder`'s (on purpose, marked
+    ``type: ignore[override]``): ``add_batch(requests, new_tokens=None,
+    runtime_draft_len=None)`` takes the token tensor second (a positional draft length is
+    refused with a :class:`~capgraph.errors.TensorArgError` saying so), and ``execute``
+    returns None. It is built on the base class's protected interface only.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -91,6 +95,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._new_tokens_np = self.new_tokens.numpy()
         self.requests_hostfunc: GuidedRequests | None = None  # read and written by callbacks
         self._draft_requests: GuidedRequests | None = None
+        self._rollback_batch: GuidedRequests | None = None  # fetch_accepted_batch's batch
         self._queue: deque[tuple[int, GuidedRequests, bool]] = deque()
         self._put_epoch = 0  # host side
         self._fetched_epoch = 0  # callback side
@@ -100,11 +105,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self.active = False
         if self.device.type == "cpu":  # on CUDA the base class made the torch streams
             # with the C++ build's own thread, no Python thread runs beside a CPU forward
-            self._streams = HostStepStreams(inline_when_idle=self._fast is not None)
+            self._streams = HostStepStreams(inline_when_idle=self.host_build.asynchronous)
         else:  # probe the driver for hostfunc now, not inside a first graph capture
             hostfunc.cuda_available()
         # the CPU step outside capture builds on that thread (see _enqueue_step)
-        self._async_build = self.bitmask is self.bitmask_host and self._fast is not None
+        self._async_build = self.bitmask is self.bitmask_host and self.host_build.asynchronous
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held by the decoder's buffers, the pinned token buffers included."""
@@ -260,7 +265,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._consume_put()
         elif not self.active and not self._prepared:
             self._consume_put()  # nothing guided: enqueue nothing at all
-            self._token_mask_np[:] = 0  # (host view only: nothing reads it this step)
+            self._clear_token_mask()  # (host view only: nothing reads it this step)
             return
         if not self._prepared:
             self._enqueue_step(logits.shape[0], capturing)
@@ -435,7 +440,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
     def _out_of_step(self, detail: str) -> None:
         self.requests_hostfunc = None
         self._fetched_epoch = self._put_epoch
-        self._token_mask_np[:] = 0
+        self._clear_token_mask()
         raise QueueEpochError(detail)
 
     def _consume_put(self) -> None:
@@ -463,7 +468,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             ids = [_request_id(r) for r in batch.valid_requests()] if batch is not None else []
             self._record_failed([(i, f"fetch_batch: {type(e).__name__}: {e}") for i in ids])
             self.requests_hostfunc = None  # the step masks nothing
-            self._token_mask_np[:] = 0
+            self._clear_token_mask()
             raise CallbackError(f"{type(e).__name__}: {e}", callback="fetch_batch",
                                 request_ids=ids) from e
 
@@ -491,13 +496,12 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._rollback_batch = batch
 
     def _take_accepted(self, batch: GuidedRequests | None) -> None:
-        if self._inflight is not None:
-            self._finish_build()  # (the counters read below)
+        self._finish_build()  # (the counters read below)
         if batch is None:
             return
         counts = self.num_accepted_tokens.tolist()
         for i, req in enumerate(batch.requests):
-            if req.guided_decoding_params is None or not self._slot_ok(req.seq_slot):
+            if req.guided_decoding_params is None or not self.slots.slot_ok(req.seq_slot):
                 continue
             # verification can accept past a draft EOS where the matcher stopped advancing
             req.num_accepted_draft_tokens = \
@@ -519,21 +523,20 @@ class CapturableGuidedDecoder(GuidedDecoder):
     def _build_and_record(self, batch: GuidedRequests | None, asynchronous: bool = False
                           ) -> None:
         if batch is None:
-            if self._inflight is not None:
-                self._finish_build()  # (before the token mask is cleared under it)
-            self._token_mask_np[:] = 0
+            self._finish_build()  # (before the token mask is cleared under it)
+            self._clear_token_mask()
             return
         # every row is cleared, not only the layout's: rows beyond this batch (graph padding)
         # stay unmasked
         try:
-            self._record_failed(self._build(batch, asynchronous, self._token_mask_np.shape[0]))
+            self._record_failed(self._build(batch, asynchronous, self.token_mask_host.shape[0]))
         except BaseException:
-            self._token_mask_np[:] = 0  # a build that raised masks nothing this step
+            self._clear_token_mask()  # a build that raised masks nothing this step
             raise
 
     @_callback("rollback_rejected_tokens")
     def rollback_rejected_tokens_hostfunc(self) -> None:
-        batch = getattr(self, "_rollback_batch", None) or self.requests_hostfunc
+        batch = self._rollback_batch or self.requests_hostfunc
         self._rollback_batch = None
         if batch is not None:
             self._rollback_rejected_tokens(batch)

@@ -112,16 +112,28 @@ class Scenario:
         return counts
 
 
+def _recording_begin(taken: list):
+    """A ``host_build`` choice: the default strategy, each ``begin`` verdict appended to
+    ``taken``."""
+    from capgraph.build import make_host_build
+
+    def make(slots, factory, budget_ms):
+        build = make_host_build("auto", slots, factory, budget_ms, factory.config.native_build)
+        if build.asynchronous:
+            begin = build.begin
+            build.begin = lambda plan: taken.append(begin(plan)) or taken[-1]
+        return build
+    return make
+
+
 def run_pair(factory, seed: int, steps: int, drafts: int, slots: int = 4, use_new_tokens=True):
     rng = random.Random(seed)
     scenario = Scenario(factory, rng, slots, drafts, steps)
     V = factory.config.vocab_size_padded
     eager = GuidedDecoder(factory.config, slots, drafts, factory=factory)
-    capt = CapturableGuidedDecoder(factory.config, slots, drafts, factory=factory)
-    taken: list = []  # the CPython entry's asynchronous builds (the CPU host step's path)
-    if capt._fast is not None:
-        begin = capt._fast.begin
-        capt._fast = capt._fast._replace(begin=lambda *a: taken.append(begin(*a)) or taken[-1])
+    taken: list = []  # the native strategy's asynchronous builds (the CPU host step's path)
+    capt = CapturableGuidedDecoder(factory.config, slots, drafts, factory=factory,
+                                   host_build=_recording_begin(taken))
     counts = None
     for step in range(steps):
         reqs, new_tokens, rl = scenario.step()
@@ -158,7 +170,7 @@ def run_pair(factory, seed: int, steps: int, drafts: int, slots: int = 4, use_ne
         assert (a is None) == (b is None)
         if a is not None:
             assert a.is_terminated() == b.is_terminated()
-    if capt._fast is not None:  # plain steps built on the C++ thread, no Python worker ran
+    if capt.host_build.asynchronous:  # plain steps built on the C++ thread, no Python worker ran
         assert any(taken) and capt._streams.stream._worker.thread is None
     capt.close()
     return eager, capt

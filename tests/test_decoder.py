@@ -538,17 +538,17 @@ def test_the_decoders_dead_end_guard_agrees_with_row_has_valid_token(factory_cac
     for subset in ([3], [5], list(range(8)), list(range(0, 40, 2)), list(range(40)), uneven,
                    uneven[::-1]):
         expect = [k for k, r in enumerate(subset) if not row_has_valid_token(rows[r], V)]
-        assert dec._dead_rows(subset) == expect, subset
+        assert dec.slots.dead_rows(subset) == expect, subset
 
 
 def test_probe_window_picks_the_densest_run_of_words():
-    from capgraph.decoder import _probe_window
+    from capgraph.build.slots import probe_window
     # Tekken-like: stop token in word 0, 256 byte tokens at ids 1000..1255 (words 31..39)
-    assert _probe_window([2, *range(1000, 1256)], 4096) == (31, 47)
-    assert _probe_window([2, *range(1000, 1256)], 40) == (31, 40)  # clipped to full words
-    assert _probe_window([5, 40, 70, 5000], 4096) == (0, 16)
-    assert _probe_window([], 4096) is None
-    assert _probe_window([10_000], 100) is None  # only padding words: nothing to look at
+    assert probe_window([2, *range(1000, 1256)], 4096) == (31, 47)
+    assert probe_window([2, *range(1000, 1256)], 40) == (31, 40)  # clipped to full words
+    assert probe_window([5, 40, 70, 5000], 4096) == (0, 16)
+    assert probe_window([], 4096) is None
+    assert probe_window([10_000], 100) is None  # only padding words: nothing to look at
 
 
 def test_xgrammar_matchers_take_the_ffi_route_on_the_pinned_version(factory_cache):

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -22,9 +22,6 @@ from ..params import GuidedDecodingConfig, GuidedDecodingParams
 from .cache import ByteLRUCache
 from .compile_pool import CompilePool
 from .guide_limits import check_guide_limits
-
-if TYPE_CHECKING:
-    from .native import NativeBuilder
 
 __all__ = ["GrammarMatcher", "GrammarMatcherFactory", "CompiledGuide", "CompileHandle",
            "CompileStats"]
@@ -52,10 +49,6 @@ class GrammarMatcher(ABC):
     @abstractmethod
     def is_terminated(self) -> bool:
         """Whether the matcher has accepted a stop token; a terminated matcher masks nothing."""
-
-    def sync_state(self) -> None:
-        """Re-read any state this wrapper caches after its engine object was advanced
-        directly (by the native build loop, :mod:`capgraph.grammar.native`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,25 +221,6 @@ class GrammarMatcherFactory(ABC):
         """
         for matcher, index in zip(matchers, indices):
             matcher.fill_next_token_bitmask(bitmask, index)
-
-    def native_builder(self, bitmask: torch.Tensor, token_mask: torch.Tensor,
-                       max_requests: int, full_words: int, tail_mask: int,
-                       clear: tuple[int, int] | None) -> "NativeBuilder | None":
-        """The C++ build loop bound to these buffers (:mod:`capgraph.grammar.native`), or
-        None where this backend has none (the decoder then builds in Python). May raise
-        :class:`~capgraph.grammar.native.NativeBuildError`."""
-        return None
-
-    def native_matcher_type(self) -> type | None:
-        """The matcher class whose instances the C++ fast path may read directly (their
-        ``_terminated`` flag and ``_chandle``, the address of their FFI object); None where
-        this backend has none."""
-        return None
-
-    def native_handles(self, matchers: Sequence[GrammarMatcher]) -> list | None:
-        """What the native loop takes for each of ``matchers``, or None when one of them must
-        take the Python path (another backend, a subclass or a wrapper)."""
-        return None
 
     def batch_accept(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]
                      ) -> list[bool | Exception]:

@@ -10,7 +10,7 @@ compiled guide records who serves it and why (:attr:`CompiledGuide.backend`,
 for a request's params, and each fallback is logged at INFO on ``capgraph.grammar.fallback``.
 
 The decoder sees one factory: matchers of both engines share a batch. xgrammar's matchers keep
-the native build path when a batch holds only them; a batch with an llguidance matcher takes
+the native host build (:mod:`capgraph.build.native`) when a batch holds only them; a batch with an llguidance matcher takes
 the Python build, where :meth:`batch_fill` and :meth:`batch_accept` hand each engine its own
 matchers.
 """
@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ..errors import GrammarCompileError, UnsupportedGuideError
 from ..params import GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
-
-if TYPE_CHECKING:
-    from .native import NativeBuilder
 
 __all__ = ["FallbackMatcherFactory"]
 
@@ -159,23 +156,6 @@ class FallbackMatcherFactory(GrammarMatcherFactory):
     def _likely_allowed_ids(self) -> Sequence[int]:
         return [*self.primary.likely_allowed_token_ids(),
                 *self.secondary.likely_allowed_token_ids()]
-
-    # -- the native build: the xgrammar side's, for batches of only its matchers --------------
-    def _native_side(self) -> GrammarMatcherFactory:
-        return self.primary if self.primary.native_matcher_type() is not None \
-            else self.secondary
-
-    def native_builder(self, bitmask: torch.Tensor, token_mask: torch.Tensor,
-                       max_requests: int, full_words: int, tail_mask: int,
-                       clear: tuple[int, int] | None) -> "NativeBuilder | None":
-        return self._native_side().native_builder(bitmask, token_mask, max_requests,
-                                                  full_words, tail_mask, clear)
-
-    def native_matcher_type(self) -> type | None:
-        return self._native_side().native_matcher_type()
-
-    def native_handles(self, matchers: Sequence[GrammarMatcher]) -> list | None:
-        return self._native_side().native_handles(matchers)
 
     def close(self) -> None:
         super().close()

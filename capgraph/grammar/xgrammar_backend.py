@@ -10,10 +10,9 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import torch
 import xgrammar as xgr
 
-from ..errors import GrammarCompileError, UnsupportedGuideError
+from ..errors import GrammarCompileError, NativeBuildError, UnsupportedGuideError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
-from .native import NativeBuilder, NativeBuildError, matcher_methods
 from .converter_log import converter_warnings
 from .schema_policy import describe, unenforced_in_tag, unenforced_in_text
 from .semantics import JSON_CONTAINER_SCHEMA
@@ -260,7 +259,15 @@ class XGrammarMatcher(GrammarMatcher):
         return self._terminated
 
     def sync_state(self) -> None:
+        """Re-read the termination flag after the FFI object was advanced directly (by the
+        native host build, :mod:`capgraph.build.native`)."""
         self._terminated = self._matcher.is_terminated()
+
+    @property
+    def ffi_address(self) -> int:
+        """The address of the xgrammar FFI object this matcher drives (0 where this xgrammar
+        exposes none): what the native host build runs."""
+        return self._chandle
 
 
 class XGrammarMatcherFactory(GrammarMatcherFactory):
@@ -408,22 +415,22 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
             append(bool(ok))
         return results
 
-    def native_builder(self, bitmask: torch.Tensor, token_mask: torch.Tensor,
-                       max_requests: int, full_words: int, tail_mask: int,
-                       clear: tuple[int, int] | None) -> NativeBuilder | None:
-        """The C++ loop (:mod:`capgraph.grammar.native`) with xgrammar's own FFI methods;
-        None with ``fill_threads`` other than 1 (that asks for xgrammar's threaded batch fill,
-        which the Python build calls)."""
-        if self.config.fill_threads != 1:
-            return None
+    @staticmethod
+    def ffi_matcher_type() -> type:
+        """xgrammar's FFI matcher class, whose methods the native host build calls.
+
+        Raises:
+            NativeBuildError: this xgrammar exposes none.
+        """
         ffi_type = getattr(getattr(xgr.matcher, "_core", None), "GrammarMatcher", None)
         if ffi_type is None:
             raise NativeBuildError("this xgrammar exposes no FFI matcher type "
                                    "(xgrammar.matcher._core.GrammarMatcher)")
-        return NativeBuilder(matcher_methods(ffi_type), bitmask, token_mask, max_requests,
-                             sorted(self._stop_ids), full_words, tail_mask, clear)
+        return ffi_type
 
-    def native_matcher_type(self) -> type | None:
+    @staticmethod
+    def matcher_type() -> type:
+        """The matcher class this factory creates."""
         return XGrammarMatcher
 
     def native_handles(self, matchers: Sequence[GrammarMatcher]) -> list | None:

@@ -1,0 +1,151 @@
+"""Admission: every request of a batch is checked before any matcher moves.
+
+:class:`Admission` holds, per slot, the guide its matcher is (being) created for, in
+``add_batch`` order (the matcher itself may be created later, by a host callback). A request
+passes when its fields have the exact types the build reads and, where it advances a matcher,
+it carries its slot's guide. A request that fails is replaced by an unguided stand-in with the
+same rows and reported; a matcher it owned is dropped (by the decoder, before the build).
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from .errors import RequestError
+from .params import GuidedDecodingParams
+from .requests import GuidedRequest, as_int, checked_request
+
+__all__ = ["Admission", "AdmissionResult"]
+
+#: ``(requests to build, slots whose matcher is dropped, requests that may start a compile,
+#: failures as (request_id, message))``
+AdmissionResult = tuple[list, list[int], list[GuidedRequest], list[tuple[int, str]]]
+
+
+class Admission:
+    """The admission checks of one decoder (``max_num_sequences`` slots, vocabulary ``V``)."""
+
+    def __init__(self, max_num_sequences: int, vocab_size_padded: int,
+                 max_num_draft_tokens: int) -> None:
+        self.max_num_sequences = max_num_sequences
+        self.vocab_size_padded = vocab_size_padded
+        self.max_num_draft_tokens = max_num_draft_tokens
+        #: per slot, the guide its matcher is (being) created for, or None
+        self.slot_guides: list[GuidedDecodingParams | None] = [None] * max_num_sequences
+
+    def admit(self, requests: list, tokens_elsewhere: bool, start: int = 0) -> AdmissionResult:
+        """Check ``requests[start:]`` (in place: a failed one becomes an unguided stand-in,
+        one with convertible values its checked copy).
+
+        The common request (generating, target or draft, exact types, the slot's own guide)
+        passes the inline test; every other one takes :func:`checked_request` and the slot's
+        guide check (:meth:`_check_guide`). ``tokens_elsewhere``: see ``checked_request``.
+        ``start``: the requests before it passed the same test natively
+        (:meth:`capgraph.build.HostBuild.admit`).
+        """
+        nseq, V, maxd, guides = (self.max_num_sequences, self.vocab_size_padded,
+                                 self.max_num_draft_tokens, self.slot_guides)
+        # (no request is read past this loop before the build: a failure here changes nothing)
+        updates: list[tuple[int, GuidedDecodingParams]] = []
+        dropped: list[int] = []
+        failed: list[tuple[int, str]] = []
+        fresh: list[GuidedRequest] = []
+        for i in range(start, len(requests)):
+            req = requests[i]
+            try:  # (an attribute that raises: checked_request names it)
+                params = req.guided_decoding_params
+                if params is None:
+                    if type(req.is_draft) is bool and type(req.is_context_init_state) is bool:
+                        continue
+                elif (req.is_generation_in_progress_state is True and type(req.is_draft) is bool
+                        and req.is_context_init_state is False
+                        and req.is_generation_only_first_iteration is False
+                        and type(slot := req.seq_slot) is int and 0 <= slot < nseq
+                        and guides[slot] is params and type(req.request_id) is int
+                        and ((d := req.draft_tokens) is None or type(d) is list)):
+                    # (the values read per token, new_token and each draft token, are checked
+                    # where the build reads them, before the request's matcher moves;
+                    # num_accepted_draft_tokens by rollback_rejected_tokens)
+                    continue
+            except Exception:
+                pass
+            try:
+                checked = checked_request(req, i, num_slots=nseq, vocab_size=V,
+                                          max_num_draft_tokens=maxd,
+                                          tokens_elsewhere=tokens_elsewhere)
+                if checked.guided_decoding_params is not None:
+                    self._check_guide(checked, updates)
+            except RequestError as e:
+                self._refuse(requests, i, e, updates, dropped, failed)
+                continue
+            requests[i] = checked
+            fresh.append(checked)
+        for slot, params in updates:
+            guides[slot] = params
+        return requests, dropped, fresh, failed
+
+    def _check_guide(self, req: GuidedRequest,
+                     updates: list[tuple[int, GuidedDecodingParams]]) -> None:
+        """A request that creates its slot's matcher records its guide (in ``updates``); one
+        that advances it must carry that guide (the same object, or an equal one)."""
+        slot = cast(int, req.seq_slot)  # (both checked by checked_request)
+        params = cast(GuidedDecodingParams, req.guided_decoding_params)
+        if not req.is_draft and (req.is_generation_only_first_iteration
+                                 or (req.is_context_init_state and req.is_last_context_chunk)):
+            updates.append((slot, params))
+            return
+        if not req.require_matcher_advance():
+            return
+        held = self.slot_guides[slot]
+        if held is params:
+            return
+        if held is None:
+            raise RequestError(f"seq_slot {slot} has no matcher for this request: no context "
+                               "request (or disaggregated first generation step) created "
+                               "one, or the slot was released", request_id=req.request_id,
+                               seq_slot=slot)
+        if held != params:
+            raise RequestError(f"guided_decoding_params ({_guide_text(params)}) differ from "
+                               f"the guide slot {slot}'s matcher was created for "
+                               f"({_guide_text(held)}); a new guide needs a context request",
+                               request_id=req.request_id, seq_slot=slot)
+        updates.append((slot, params))  # equal: later steps match by identity
+
+    def _refuse(self, requests: list, i: int, error: RequestError,
+                updates: list[tuple[int, GuidedDecodingParams]], dropped: list[int],
+                failed: list[tuple[int, str]]) -> None:
+        """Replace ``requests[i]`` by an unguided stand-in with its rows and record ``error``.
+        The slot's matcher is dropped when it was this request's (its slot, its guide, no
+        other request of the batch on that slot) or when this request was to replace it."""
+        req = requests[i]
+        is_draft, is_context = bool(req.is_draft), bool(req.is_context_init_state)
+        rid = as_int(req.request_id)
+        requests[i] = GuidedRequest(None, rid, None, None, is_context, False, not is_context,
+                                    False, None, is_draft, None, None)
+        failed.append((-1 if rid is None else rid, f"{type(error).__name__}: {error}"))
+        slot, params = as_int(req.seq_slot), req.guided_decoding_params
+        if slot is None or not 0 <= slot < self.max_num_sequences or \
+                not isinstance(params, GuidedDecodingParams) or \
+                any(as_int(_field(r, "seq_slot")) == slot for k, r in enumerate(requests)
+                    if k != i):
+            return
+        held = self.slot_guides[slot]
+        creates = not is_draft and (req.is_generation_only_first_iteration is True
+                                    or (is_context and req.is_last_context_chunk is True))
+        if creates or held is params or (held is not None and held == params):
+            dropped.append(slot)
+            if creates:
+                updates.append((slot, params))
+
+
+def _field(request: object, name: str) -> object:
+    """``request.<name>``, or None where reading it fails."""
+    try:
+        return getattr(request, name)
+    except Exception:
+        return None
+
+
+def _guide_text(params: GuidedDecodingParams) -> str:
+    guide = params.guide if len(params.guide) <= 40 else params.guide[:37] + "..."
+    return f"{params.guide_type.name} {guide!r}"

@@ -1,0 +1,213 @@
+"""The native host builds: the same loop as :mod:`capgraph.build.python`, in C++.
+
+Two strategies, both for the xgrammar backend with ``fill_threads=1``:
+
+- :class:`NativeLoopBuild` (``"native-loop"``): :func:`~capgraph.build.python.select` in
+  Python, then the advance-and-fill loop of every selected request in one C++ call
+  (``csrc/builder.cc``), which calls xgrammar's own FFI methods with no Python in between.
+- :class:`NativeBuild` (``"native"``): the library's CPython entry reads a steady-state batch
+  (every guided request a target request generating, with plain values) and runs the whole
+  step in one call, the GIL released while xgrammar works; it can also run that work on a
+  thread of its own (:meth:`NativeBuild.begin`). Any other batch takes the native loop.
+
+Both report per request a status code (:class:`~capgraph.build.base.Status`) and counts;
+a matcher that terminated in C++ re-reads its state here (``XGrammarMatcher.sync_state``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+from ..errors import ConfigError
+from ..grammar import GrammarMatcherFactory
+from ..grammar.native import (STATUS_OVER_BUDGET, TERMINATED, FastPath, NativeBuilder,
+                              NativeBuildError, matcher_methods)
+from .base import Outcome, Status, StepPlan, StepResult
+from .python import Active, PythonBuild, fault
+from .slots import SlotState
+
+__all__ = ["NativeBuild", "NativeLoopBuild", "make_native_build", "xgrammar_factory"]
+
+
+def xgrammar_factory(factory: GrammarMatcherFactory) -> Any:
+    """The xgrammar factory inside ``factory`` (itself, or the xgrammar side of a fallback
+    factory), or None."""
+    from ..grammar.fallback import FallbackMatcherFactory
+    from ..grammar.xgrammar_backend import XGrammarMatcherFactory
+
+    if isinstance(factory, XGrammarMatcherFactory):
+        return factory
+    if isinstance(factory, FallbackMatcherFactory):
+        for side in (factory.primary, factory.secondary):
+            if isinstance(side, XGrammarMatcherFactory):
+                return side
+    return None
+
+
+class NativeLoopBuild(PythonBuild):
+    """Python selection, then the C++ loop for every selected request whose matcher is a plain
+    ``XGrammarMatcher`` (a batch holding any other matcher fills in Python).
+
+    Args:
+        slots, factory, budget_ms: as for :class:`~capgraph.build.python.PythonBuild`.
+        builder: the C++ loop bound to ``slots``' host buffers (:func:`make_native_build`).
+    """
+
+    name = "native-loop"
+
+    def __init__(self, slots: SlotState, factory: GrammarMatcherFactory, budget_ms: float,
+                 builder: NativeBuilder) -> None:
+        super().__init__(slots, factory, budget_ms)
+        self.builder = builder
+        self._xgrammar = xgrammar_factory(factory)
+        builder.set_budget_ms(self.budget_ms)
+
+    def _fill(self, act: Active, outcomes: list[Outcome], draft_len: int) -> None:
+        handles = self._xgrammar.native_handles(act.matchers)
+        if handles is None:  # some matcher must run its own methods
+            super()._fill(act, outcomes, draft_len)
+            return
+        tokens = act.tokens
+        if None in tokens:  # matchers created this step fill without advancing
+            tokens = [-1 if t is None else t for t in tokens]
+        if draft_len:
+            num_drafts = [len(d) for d in act.drafts]
+            flat = [t for d in act.drafts for t in d]
+        else:
+            num_drafts = flat = []
+        # the token mask was cleared by run(): the step clears no rows
+        unusual = self.builder.step(handles, tokens, act.offsets, num_drafts, flat,
+                                    draft_len, 0)
+        out = self.builder.out[:len(handles)].tolist()
+        state = self.slots
+        advanced, guided = state.num_advanced_tokens, state.num_guided_tokens
+        for slot, (_, a, g) in zip(act.slots, out):
+            advanced[slot] += a
+            if g:
+                guided[slot] += g
+                self._masked = True
+        if unusual:
+            errors = iter(self.builder.errors())
+            self._statuses(((act.index[k], act.slots[k], status,
+                             next(errors) if status & ~TERMINATED in _WITH_MESSAGE else None)
+                            for k, (status, _, _) in enumerate(out) if status), outcomes)
+
+    def _statuses(self, reported: Iterable[tuple[int, int, int, str | None]],
+                  outcomes: list[Outcome]) -> None:
+        """Outcomes of the C++ statuses ``(batch index, slot, status, message)``: a terminated
+        matcher re-reads its state (inside the per-request isolation); the other statuses
+        are :class:`Status` codes (an over-budget message holds the milliseconds measured)."""
+        matchers = self.slots.matchers
+        for i, slot, status, message in reported:
+            if status & TERMINATED:
+                try:
+                    matchers[slot].sync_state()  # type: ignore[union-attr]
+                except Exception as e:
+                    outcomes.append(fault(i, e))
+                    continue
+                status &= ~TERMINATED
+            if status == STATUS_OVER_BUDGET:
+                self.slots.num_advanced_tokens[slot] = self.slots.num_guided_tokens[slot] = 0
+                outcomes.append((i, Status.OVER_BUDGET, float(message or "nan")))
+            elif status == Status.FAULT:
+                outcomes.append((i, Status.FAULT, message or "native build fault"))
+            elif status:
+                outcomes.append((i, Status(status), None))
+
+
+# the C++ statuses that come with an errors() entry: a fault's message, the ms over budget
+_WITH_MESSAGE = (Status.FAULT, STATUS_OVER_BUDGET)
+
+
+class NativeBuild(NativeLoopBuild):
+    """The whole steady-state step in one call of the C++ library's CPython entry
+    (:class:`~capgraph.grammar.native.FastPath`); any other batch takes the native loop.
+
+    :meth:`begin` hands the step's xgrammar work to the entry's own thread, which never takes
+    the GIL and runs at the lowest priority, and returns at once; :meth:`finish` waits for it.
+    """
+
+    name = "native"
+    asynchronous = True
+
+    def __init__(self, slots: SlotState, factory: GrammarMatcherFactory, budget_ms: float,
+                 builder: NativeBuilder, entry: FastPath) -> None:
+        super().__init__(slots, factory, budget_ms, builder)
+        self.entry = entry
+        self._inflight: Any = None  # the batch begin() took
+
+    def run(self, plan: StepPlan) -> StepResult:
+        entry, requests = self.entry, plan.requests
+        result = entry.step(entry.state, requests.requests, requests.offsets,
+                            requests.max_num_draft_tokens, plan.clear_rows)
+        if result is None:  # not the steady state: nothing was touched
+            return super().run(plan)
+        return self._entry_result(requests.requests, result)
+
+    def begin(self, plan: StepPlan) -> bool:
+        entry, requests = self.entry, plan.requests
+        if entry.begin(entry.state, requests.requests, requests.offsets,
+                       requests.max_num_draft_tokens, plan.clear_rows):
+            self._inflight = requests.requests
+            return True
+        return False
+
+    @property
+    def in_flight(self) -> bool:
+        return self._inflight is not None
+
+    def finish(self) -> StepResult:
+        requests, self._inflight = self._inflight, None
+        if requests is None:
+            return super().finish()
+        return self._entry_result(requests, self.entry.end(self.entry.state))
+
+    def admit(self, requests: list, slot_guides: list) -> int:
+        return self.entry.admit(self.entry.state, requests, slot_guides)
+
+    def close(self) -> None:
+        self.entry.close(self.entry.state)
+
+    def _entry_result(self, requests: Sequence, result: tuple) -> StepResult:
+        masked, unusual = result
+        outcomes: list[Outcome] = []
+        if unusual is not None:
+            self._statuses(((i, requests[i].seq_slot, status, message)
+                            for i, status, message in unusual), outcomes)
+        return StepResult(outcomes, masked)
+
+
+def make_native_build(slots: SlotState, factory: GrammarMatcherFactory, budget_ms: float = 0.0,
+                      *, entry: bool = True, methods: Sequence[Any] | None = None
+                      ) -> NativeLoopBuild:
+    """A native strategy for ``slots``: :class:`NativeBuild` where the library has its CPython
+    entry and ``entry`` is True, else :class:`NativeLoopBuild`.
+
+    ``methods``: the ``(accept_token, fill_next_token_bitmask, is_terminated)`` callables the
+    C++ loop calls (default: xgrammar's own FFI methods); tests hand in wrapped ones.
+
+    Raises:
+        ConfigError: the factory is not xgrammar's or its ``fill_threads`` is not 1.
+        NativeBuildError: the library cannot be built or refuses the buffers.
+    """
+    xgr_factory = xgrammar_factory(factory)
+    if xgr_factory is None or factory.config.fill_threads != 1:
+        raise ConfigError(f"the native host build needs the xgrammar backend with "
+                          f"fill_threads=1 (backend={factory.backend_name!r}, "
+                          f"fill_threads={factory.config.fill_threads})")
+    if methods is None:
+        methods = matcher_methods(xgr_factory.ffi_matcher_type())
+    clear_word, clear_bits = slots.tail if slots.tail is not None else (None, None)
+    builder = NativeBuilder(methods, slots.bitmask, slots.token_mask, slots.max_num_sequences,
+                            sorted(slots.stop_ids), slots.full_words, slots.tail_mask,
+                            None if clear_word is None else (clear_word, clear_bits))
+    fast = builder.bind_fast(slots.matchers, slots.is_draft_terminated,
+                             slots.num_advanced_tokens, slots.num_guided_tokens,
+                             xgr_factory.matcher_type(), slots.vocab_size_padded,
+                             slots.max_num_draft_tokens) if entry else None
+    if fast is None:
+        return NativeLoopBuild(slots, factory, budget_ms, builder)
+    return NativeBuild(slots, factory, budget_ms, builder, fast)
+
+
+__all__ += ["NativeBuildError"]

@@ -1,0 +1,119 @@
+"""The checks a decoder runs on the logits and d2t tensors it is given, before any matcher moves.
+
+A retry after a :class:`~capgraph.errors.TensorArgError` must find the matchers where they were,
+so everything here runs before the build. It runs on every step: each tensor attribute read
+is a call into torch, and they are read once each.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import LayoutError, TensorArgError
+from .ops.op import _FLOAT_DTYPES
+
+__all__ = ["LogitsChecks"]
+
+
+class LogitsChecks:
+    """Logits and d2t checks for a decoder on ``device`` with full rows of ``vocab_size_padded``
+    (``words`` bitmask words), tensor-parallel ``rank`` and ``max_rows`` bitmask rows."""
+
+    def __init__(self, device: torch.device, vocab_size_padded: int, words: int, rank: int,
+                 max_rows: int) -> None:
+        self.device = device
+        self._on_cpu = device.type == "cpu"
+        self.vocab_size_padded = vocab_size_padded
+        self.words = words
+        self.rank = rank
+        self.max_rows = max_rows
+        # d2t tables whose values were checked: (data_ptr, _version, length, device)
+        self._d2t_checked: list[tuple] = []
+
+    def check(self, logits: torch.Tensor, d2t: torch.Tensor | None, rows: int | None,
+              min_rows: int = 0) -> None:
+        """Refuse bad logits / d2t. ``rows``: the exact row count; None: at least
+        ``min_rows`` and at most ``max_rows`` (the capturable decoder's static logits)."""
+        if not isinstance(logits, torch.Tensor) or len(shape := logits.shape) != 2:
+            raise TensorArgError(f"logits must be a 2-D tensor, got "
+                                 f"{getattr(logits, 'shape', type(logits))}")
+        if self._on_cpu:
+            misplaced = not logits.is_cpu
+        else:
+            device = logits.device
+            misplaced = device != self.device and not (
+                device.type == "cuda" and self.device.index is None)
+        if misplaced:
+            raise TensorArgError(f"logits are on {logits.device}, the decoder on {self.device}")
+        if rows is None:  # capturable: static rows, at least the layout's (padding allowed)
+            if shape[0] < min_rows:
+                raise TensorArgError(f"logits have {shape[0]} rows, fewer than the "
+                                     f"batch layout's {min_rows}")
+            if shape[0] > self.max_rows:
+                raise TensorArgError(f"logits have {shape[0]} rows, more than the decoder's "
+                                     f"{self.max_rows} (max_num_sequences * "
+                                     "(max_num_draft_tokens + 1))")
+        elif shape[0] != rows:
+            raise TensorArgError(f"logits have {shape[0]} rows, the batch layout has "
+                                 f"{rows} (1 per context request, 1 + draft length per "
+                                 "generation request)")
+        if logits.dtype not in _FLOAT_DTYPES:
+            raise TensorArgError(f"logits must be float32, float16 or bfloat16, got "
+                                 f"{logits.dtype}")
+        width = shape[1]
+        if width > 1 and logits.stride(1) != 1:
+            raise TensorArgError(f"logits columns must be contiguous (stride(1) == 1), got "
+                                 f"strides {tuple(logits.stride())}: pass .contiguous() logits")
+        if shape[0] > 1 and logits.stride(0) < width:
+            raise TensorArgError(f"logits rows overlap (stride(0)={logits.stride(0)} < width "
+                                 f"{width}, e.g. an expand()ed tensor): each row is masked "
+                                 "for its own request, so rows need memory of their own")
+        if d2t is not None:
+            if not isinstance(d2t, torch.Tensor) or d2t.dim() != 1:
+                raise TensorArgError(f"d2t must be a 1-D tensor, got shape "
+                                     f"{tuple(getattr(d2t, 'shape', ()))}")
+            if d2t.dtype != torch.int32:
+                raise TensorArgError(f"d2t must be int32, got {d2t.dtype}")
+            if d2t.device != logits.device:
+                raise TensorArgError(f"d2t is on {d2t.device}, logits on {logits.device}")
+            self.check_d2t(d2t)
+        full = self.vocab_size_padded if d2t is None else d2t.shape[0]
+        if width == 0 or full % width:
+            what = "vocab_size_padded" if d2t is None else "len(d2t)"
+            raise TensorArgError(f"logits width {width} is not the full vocabulary nor a "
+                                 f"tensor-parallel shard of it ({what}={full})")
+        tp_size = full // width
+        if tp_size > 1:
+            if self.rank >= tp_size:
+                raise TensorArgError(f"rank {self.rank} is outside the {tp_size} shards "
+                                     f"implied by logits width {width}")
+            if self.words % tp_size:
+                raise LayoutError(
+                    f"bitmask words per row ({self.words} = "
+                    f"ceil({self.vocab_size_padded}/32)) is not divisible by tp_size ({tp_size})")
+
+    def check_d2t(self, d2t: torch.Tensor) -> None:
+        """Check that every draft id ``g`` of ``d2t`` maps to a target id ``g + d2t[g]`` in
+        ``[0, vocab_size_padded)``.
+
+        The check reads the values (a host sync on CUDA), so a table is checked once and
+        remembered by (data_ptr, ``_version``, length, device): an in-place change through
+        torch bumps ``_version`` and the table is checked again. Inside a CUDA graph capture an
+        unchecked table is not read (a sync there would break the capture).
+
+        Raises:
+            TensorArgError: a target id is out of range (names the draft id and its target).
+        """
+        key = (d2t.data_ptr(), d2t._version, d2t.shape[0], d2t.device)
+        if key in self._d2t_checked:
+            return
+        if d2t.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        targets = d2t.to(torch.int64) + torch.arange(d2t.shape[0], device=d2t.device)
+        bad = (targets < 0) | (targets >= self.vocab_size_padded)
+        if bool(bad.any()):
+            g = int(bad.nonzero()[0, 0])
+            raise TensorArgError(f"d2t maps draft id {g} to target id {int(targets[g])} "
+                                 f"(= {g} + d2t[{g}]), outside [0, vocab_size_padded="
+                                 f"{self.vocab_size_padded})")
+        self._d2t_checked = [key, *self._d2t_checked[:7]]
