@@ -147,3 +147,61 @@ def load_tool(name: str):
     sys.modules[name] = module  # dataclasses look their module up while the file runs
     spec.loader.exec_module(module)
     return module
+
+
+class AimedMethods:
+    """The matcher methods a native host build's C++ loop calls
+    (``capgraph.build.make_native_build(methods=...)``): xgrammar's own FFI methods, except
+    that the calls on one matcher, the one :meth:`aim` names once it exists, go to the test's
+    replacements (tvm-ffi carries what they raise through C++ back to the build).
+
+    Args:
+        accept: ``(original, handle, token, debug) -> bool`` for the aimed matcher, or None.
+        fill: ``(original, handle, bitmask, index, debug)`` for the aimed matcher, or None.
+
+    Pass :meth:`host_build` as ``GuidedDecoder(host_build=...)``; until :meth:`aim` is called
+    every call goes to xgrammar's methods.
+    """
+
+    def __init__(self, accept=None, fill=None) -> None:
+        self._accept, self._fill = accept, fill
+        self.target = 0  # ffi_address of the aimed matcher; 0: none
+        self._matcher = None  # held, so that no later matcher can reuse the aimed address
+
+    def aim(self, matcher) -> None:
+        """Route the calls on ``matcher`` (an ``XGrammarMatcher``) to the replacements."""
+        self.target, self._matcher = matcher.ffi_address, matcher
+        assert self.target, "this xgrammar exposes no FFI matcher address"
+
+    def methods(self, factory) -> tuple:
+        """``(accept_token, fill_next_token_bitmask, is_terminated)`` for ``factory``'s
+        xgrammar matchers."""
+        from capgraph.grammar import native
+        from capgraph.build.native import xgrammar_factory
+
+        accept, fill, is_terminated = native.matcher_methods(
+            xgrammar_factory(factory).ffi_matcher_type())
+        accept_replacement, fill_replacement = self._accept, self._fill
+
+        def accept_aimed(handle, token, debug):
+            if handle.__chandle__() == self.target:
+                return accept_replacement(accept, handle, token, debug)
+            return accept(handle, token, debug)
+
+        def fill_aimed(handle, bitmask, index, debug):
+            if handle.__chandle__() == self.target:
+                return fill_replacement(fill, handle, bitmask, index, debug)
+            return fill(handle, bitmask, index, debug)
+
+        return (accept if accept_replacement is None else accept_aimed,
+                fill if fill_replacement is None else fill_aimed, is_terminated)
+
+    def host_build(self, entry: bool = True):
+        """A ``host_build`` callable: the native strategy (with its CPython entry where
+        ``entry``, else the native loop) whose C++ loop calls these methods."""
+        from capgraph.build import make_native_build
+
+        def make(slots, factory, budget_ms):
+            return make_native_build(slots, factory, budget_ms, entry=entry,
+                                     methods=self.methods(factory))
+        return make

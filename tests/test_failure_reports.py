@@ -13,8 +13,8 @@ from capgraph import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from capgraph.capturable import CapturableGuidedDecoder
 from capgraph.decoder import GuidedDecoder
 from capgraph.grammar import create_matcher_factory, native
-from capgraph.grammar.native import NativeBuilder
 from capgraph.requests import GuidedRequest
+from conftest import AimedMethods
 
 VOCAB = ["a", "b", "</s>", "ab", "c", "d"]
 ALIVE = GuidedDecodingParams(GuideType.EBNF_GRAMMAR, 'root ::= ("a" | "b")+')
@@ -53,26 +53,14 @@ class _FillRaises:
         return self.inner.is_terminated()
 
 
-def _fill_raises_natively(dec: GuidedDecoder, slot: int) -> None:
-    """Rebind ``dec``'s C++ loop to xgrammar's FFI methods, with the fill of the matcher now in
-    ``slot`` raising (tvm-ffi carries the error through C++ back to the decoder)."""
-    import xgrammar as xgr
+def _fill_raises_natively() -> AimedMethods:
+    """xgrammar's FFI methods for the C++ loop, with the fill of the matcher aimed at later
+    raising (tvm-ffi carries the error through C++ back to the decoder)."""
 
-    from capgraph.bitmask import split_last_word
+    def raising_fill(fill, handle, bitmask, index, debug):
+        raise RuntimeError("fill raised")
 
-    accept, fill, is_terminated = native.matcher_methods(xgr.matcher._core.GrammarMatcher)
-    target = dec.grammar_matchers[slot]._handle
-
-    def raising_fill(handle, bitmask, index, debug):
-        if handle.same_as(target):
-            raise RuntimeError("fill raised")
-        return fill(handle, bitmask, index, debug)
-
-    full, tail = split_last_word(dec.vocab_size_padded)
-    dec._native = NativeBuilder((accept, raising_fill, is_terminated), dec.bitmask_host,
-                                dec.token_mask_host, dec.max_num_sequences,
-                                dec.config.stop_token_ids, full, tail, dec._tail)
-    dec._fast = dec._bind_fast()
+    return AimedMethods(fill=raising_fill)
 
 
 def _first_step(dec) -> None:
@@ -94,10 +82,12 @@ def test_rollback_does_not_report_a_build_failure_again(tiny, build):
     ``execute``; the ``rollback_rejected_tokens`` of the same step skips its slot (advance
     count zeroed, as a dead end leaves it) and still rolls back the other request."""
     config = dataclasses.replace(tiny.config, native_build="on" if build == "native" else "off")
-    dec = GuidedDecoder(config, 2, 2, factory=tiny)
+    methods = _fill_raises_natively() if build == "native" else None
+    dec = GuidedDecoder(config, 2, 2, factory=tiny,
+                        host_build=methods.host_build() if methods else "python")
     _first_step(dec)
-    if build == "native":
-        _fill_raises_natively(dec, 0)
+    if methods is not None:
+        methods.aim(dec.grammar_matchers[0])
     else:
         dec.grammar_matchers[0] = _FillRaises(dec.grammar_matchers[0])
     reqs = _drafting_batch()
