@@ -18,9 +18,9 @@ from capgraph import ConfigError, GuidedDecodingConfig, GuidedDecodingParams
 from capgraph.capturable import CapturableGuidedDecoder
 from capgraph.decoder import GuidedDecoder
 from capgraph.grammar import GrammarMatcher, create_matcher_factory, native
-from capgraph.grammar.native import NativeBuilder
 from capgraph.params import DEFAULT_HOST_STEP_BUDGET_MS
 from capgraph.requests import GuidedRequest
+from conftest import AimedMethods
 
 VOCAB = ["a", "b", "</s>", "c"]
 V = 64
@@ -44,13 +44,16 @@ def tiny():
 
 
 def _decoder(factory, build: str, kind: str, slots: int = 3, drafts: int = 0,
-             budget: float | None = BUDGET_MS) -> GuidedDecoder:
+             budget: float | None = BUDGET_MS, methods: AimedMethods | None = None
+             ) -> GuidedDecoder:
+    """``methods``: the native build's C++ loop calls these (see :func:`_sleepy_native`)."""
     if build == "native" and native_reason is not None:
         pytest.skip(f"the C++ build is unavailable: {native_reason}")
     config = dataclasses.replace(factory.config, host_step_budget_ms=budget,
                                  native_build="on" if build == "native" else "off")
     cls = CapturableGuidedDecoder if kind == "capturable" else GuidedDecoder
-    return cls(config, slots, drafts, factory=factory)
+    return cls(config, slots, drafts, factory=factory,
+               host_build=methods.host_build() if methods is not None else "auto")
 
 
 def _step(dec: GuidedDecoder, requests: list[GuidedRequest], rows: int
@@ -143,7 +146,7 @@ def test_python_build_names_the_slow_request(tiny, batch, kind):
         failures.append(failed)
         assert _allowed(logits[0]) == [0, 1, 2]
     dec.close()
-    first = 0 if batch <= GuidedDecoder.sequential_fill_max else 1
+    first = 0 if batch <= dec.host_build.sequential_fill_max else 1
     assert [[f[0] for f in failed] for failed in failures] == \
         [[1] if step == first else [] for step in range(3)]
     assert "BudgetExceededError" in failures[first][0][1]
@@ -154,13 +157,14 @@ def test_over_budget_draft_rows_are_all_unmasked(tiny, build):
     """With drafts, a request that goes over the budget while filling its third row leaves
     all its rows of the step unmasked (the ones filled before the overrun too), zero counts,
     and the other request's rows masked."""
-    dec = _decoder(tiny, build, "eager", slots=2, drafts=2)
-    _step(dec, [GuidedRequest.context(i, i, HEALTHY) for i in range(2)], 2)
     delay = 0.4 * BUDGET_MS / 1e3  # the overrun comes at the third row
+    methods = _sleepy_native(delay) if build == "native" else None
+    dec = _decoder(tiny, build, "eager", slots=2, drafts=2, methods=methods)
+    _step(dec, [GuidedRequest.context(i, i, HEALTHY) for i in range(2)], 2)
     if build == "python":
         dec.grammar_matchers[1] = _Sleepy(dec.grammar_matchers[1], delay)
     else:
-        _sleepy_native(dec, 1, delay)
+        methods.aim(dec.grammar_matchers[1])
     logits, failed = _step(dec, [GuidedRequest.generation(i, i, HEALTHY, A,
                                                           draft_tokens=[A, A])
                                  for i in range(2)], 6)
@@ -180,27 +184,15 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def _sleepy_native(dec: GuidedDecoder, slot: int, delay: float) -> None:
-    """Rebind ``dec``'s C++ loop to xgrammar's methods with a fill that spends ``delay`` s of
-    CPU for the matcher now in ``slot`` (tvm-ffi calls back into Python)."""
-    import xgrammar as xgr
+def _sleepy_native(delay: float) -> AimedMethods:
+    """xgrammar's methods for the C++ loop, with a fill that spends ``delay`` s of CPU for the
+    matcher aimed at (tvm-ffi calls back into Python)."""
 
-    from capgraph.bitmask import split_last_word
-
-    accept, fill, is_terminated = native.matcher_methods(xgr.matcher._core.GrammarMatcher)
-    target = dec.grammar_matchers[slot]._handle  # type: ignore[union-attr]
-
-    def sleepy_fill(handle, bitmask, index, debug):
-        if handle.same_as(target):
-            _busy(delay)
+    def sleepy_fill(fill, handle, bitmask, index, debug):
+        _busy(delay)
         return fill(handle, bitmask, index, debug)
 
-    full, tail = split_last_word(dec.vocab_size_padded)
-    dec._native = NativeBuilder((accept, sleepy_fill, is_terminated), dec.bitmask_host,
-                                dec.token_mask_host, dec.max_num_sequences,
-                                dec.config.stop_token_ids, full, tail, dec._tail)
-    dec._native.set_budget_ms(dec.config.host_step_budget_ms)
-    dec._fast = dec._bind_fast()
+    return AimedMethods(fill=sleepy_fill)
 
 
 @pytest.mark.parametrize("kind", ["eager", "capturable"])
@@ -208,9 +200,10 @@ def test_native_build_names_the_slow_request(tiny, kind):
     """C++ build (its CPython entry; on the capturable decoder, its own thread): a fill that
     spends 5x the budget fails its request alone in its first step, its row unmasked, the
     others masked."""
-    dec = _decoder(tiny, "native", kind, slots=3)
+    methods = _sleepy_native(5 * BUDGET_MS / 1e3)
+    dec = _decoder(tiny, "native", kind, slots=3, methods=methods)
     _step(dec, [GuidedRequest.context(i, i, HEALTHY) for i in range(3)], 3)
-    _sleepy_native(dec, 1, 5 * BUDGET_MS / 1e3)
+    methods.aim(dec.grammar_matchers[1])
     logits, failed = _step(dec, [GuidedRequest.generation(i, i, HEALTHY, A) for i in range(3)],
                            3)
     dec.close()
@@ -224,13 +217,14 @@ def test_native_build_names_the_slow_request(tiny, kind):
 def test_no_budget_never_fails_a_slow_request(tiny, budget, build):
     """``host_step_budget_ms`` None or 0 turns the guard off: a request twice as slow as the
     default budget allows is served, not failed."""
-    dec = _decoder(tiny, build, "eager", slots=2, budget=budget)
-    _step(dec, [GuidedRequest.context(i, i, HEALTHY) for i in range(2)], 2)
     delay = 2 * DEFAULT_HOST_STEP_BUDGET_MS / 1e3
+    methods = _sleepy_native(delay) if build == "native" else None
+    dec = _decoder(tiny, build, "eager", slots=2, budget=budget, methods=methods)
+    _step(dec, [GuidedRequest.context(i, i, HEALTHY) for i in range(2)], 2)
     if build == "python":
         dec.grammar_matchers[1] = _Sleepy(dec.grammar_matchers[1], delay)
     else:
-        _sleepy_native(dec, 1, delay)
+        methods.aim(dec.grammar_matchers[1])
     logits, failed = _step(dec, [GuidedRequest.generation(i, i, HEALTHY, A) for i in range(2)], 2)
     dec.close()
     assert failed == [] and _allowed(logits[1]) == [0, 1, 2]
