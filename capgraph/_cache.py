@@ -1,7 +1,8 @@
 """capgraph's on-disk cache: where it lives, and publishing a file there once across processes.
 
-The converted tokenizers, the NVRTC kernel binaries and the C++ host build library all live
-under ``$CAPGRAPH_CACHE_DIR`` (default ``~/.cache/capgraph``), one folder each.
+The converted tokenizers and the artifacts that :mod:`capgraph.jit` builds (NVRTC kernel
+binaries, C++ libraries) all live under ``$CAPGRAPH_CACHE_DIR`` (default
+``~/.cache/capgraph``), one folder each.
 """
 
 from __future__ import annotations

@@ -134,8 +134,9 @@ class CallbackError(CapgraphError, RuntimeError):
 
 
 class NativeBuildError(CapgraphError, RuntimeError):
-    """The C++ host build (``csrc/host_build.cc``) could not be compiled or loaded; the message
-    says which step and, for a compile, shows the compiler's own output."""
+    """A native library of ``csrc/`` (the C++ host build, the CPU mask; :mod:`capgraph.jit`)
+    could not be compiled or loaded; the message says which step and, for a compile, shows
+    the compiler's own output."""
 
 
 class BudgetExceededError(CapgraphError, RuntimeError):

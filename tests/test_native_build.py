@@ -1,5 +1,6 @@
-"""The C++ host build (csrc/host_build.cc through capgraph.grammar.native): same results as the
-Python build, faults per request, and a clear story when it cannot be built."""
+"""The C++ host build (csrc/builder.cc and python_entry.cc, through capgraph.grammar.native):
+same results as the Python build, faults per request, and a clear story when it cannot be
+built."""
 
 from __future__ import annotations
 
@@ -528,9 +529,11 @@ def test_unbuildable_native_falls_back_once_or_fails(tiny, monkeypatch, tmp_path
 def test_native_library_is_cached_on_disk(monkeypatch, tmp_path):
     """The first load compiles into $CAPGRAPH_CACHE_DIR/native; a later process (here: a
     cleared in-memory state) loads the file without compiling."""
+    from capgraph import jit
+
     calls = []
-    real = native._compile
-    monkeypatch.setattr(native, "_compile", lambda *a: (calls.append(a), real(*a)))
+    real = jit._compile_and_link
+    monkeypatch.setattr(jit, "_compile_and_link", lambda *a: (calls.append(a), real(*a)))
     monkeypatch.setenv("CAPGRAPH_CACHE_DIR", str(tmp_path))
     for _ in range(2):
         monkeypatch.setattr(native, "_module", None)
@@ -561,14 +564,19 @@ def test_library_without_python_headers_serves_the_tvm_ffi_step(tiny, monkeypatc
 
 def test_compile_error_is_reported_with_the_compiler_output(monkeypatch, tmp_path):
     """A source that does not compile gives NativeBuildError with the command and the
-    compiler's own message (not a bare exit code)."""
-    bad = tmp_path / "host_build.cc"
-    bad.write_text("this is not C++;\n")
-    monkeypatch.setattr(native, "source_path", lambda: bad)
+    compiler's own message (not a bare exit code), remembered by the loader."""
+    from capgraph import jit
+
+    for name in ("builder.cc", "python_entry.cc", "host_build.h"):
+        (tmp_path / name).write_bytes(jit.csrc_path(name).read_bytes())
+    (tmp_path / "builder.cc").write_text("this is not C++;\n")
+    real = jit.cxx_library
+    monkeypatch.setattr(jit, "cxx_library",
+                        lambda *a, **k: real(*a, **{**k, "source_dir": tmp_path}))
     monkeypatch.setattr(native, "_module", None)
     monkeypatch.setattr(native, "_error", None)
     monkeypatch.setenv("CAPGRAPH_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.raises(NativeBuildError, match="compiling host_build.cc failed.*error"):
+    with pytest.raises(NativeBuildError, match="compiling builder.cc failed.*error"):
         native.load()
     assert "error" in str(native.unavailable_reason())  # remembered, not recompiled
 

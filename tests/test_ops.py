@@ -24,12 +24,12 @@ HAS_CUDA = torch.cuda.is_available()
 @pytest.fixture(autouse=True, params=["native", "torch"])
 def cpu_impl(request, monkeypatch):
     """Every test runs with both CPU implementations: the one-pass C++ mask
-    (csrc/host_build.cc, used where it builds) and the torch code (the fallback, and the CUDA
+    (csrc/cpu_mask.cc, used where it builds) and the torch code (the fallback, and the CUDA
     fallback's code)."""
-    from capgraph.grammar import native
+    from capgraph.ops import cpu_mask
 
     if request.param == "native":
-        reason = native.unavailable_reason()
+        reason = cpu_mask.unavailable_reason()
         if reason is not None:
             pytest.skip(f"C++ CPU mask unavailable: {reason}")
         assert torch_impl.cpu_apply() is not None

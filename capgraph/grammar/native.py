@@ -1,15 +1,14 @@
-"""The host build's every-step loop in C++ (``csrc/host_build.cc``), for the xgrammar backend.
+"""The host build's every-step loop in C++ (``csrc/builder.cc``), for the xgrammar backend.
 
 Why: at batch 1-32 a decode step's host build is a few microseconds of xgrammar work per
 request, and calling it from Python costs about as much again (docs/BENCHMARKS.md, "build").
 The C++ loop calls xgrammar's own FFI methods (tvm-ffi Functions, handed in from Python) with
 no Python in between, and reports per request a status and two counts; everything else --
-which requests take it, failures, counters -- stays in :class:`capgraph.GuidedDecoder`. The
-same library holds a one-pass CPU mask (:func:`cpu_apply`) for :func:`capgraph.ops.logits_bitmask`.
+which requests take it, failures, counters -- stays in :class:`capgraph.GuidedDecoder`.
 
 Where Python's headers are installed the library is also a CPython extension module
-(:func:`python_module`): its ``fast_step`` reads a steady-state batch of
-:class:`~capgraph.GuidedRequest` objects itself and runs the same loop with the GIL released
+(``csrc/python_entry.cc``, :func:`python_module`): its ``fast_step`` reads a steady-state batch
+of :class:`~capgraph.GuidedRequest` objects itself and runs the same loop with the GIL released
 (:meth:`NativeBuilder.bind_fast`), so a plain decode step makes one call from Python; any other
 batch is declined untouched and takes the tvm-ffi step above. Its ``fast_begin`` / ``fast_end``
 split the same step in two around a thread of the library's own, which never takes the GIL:
@@ -17,30 +16,23 @@ the capturable decoder's CPU host step starts the xgrammar work there and return
 Python thread competes with a CPU forward for the GIL (see :class:`FastPath`).
 ``CAPGRAPH_NATIVE_PYTHON=off`` builds without it.
 
-Nothing compiles at import. :func:`load` compiles the source on first use with the machine's
-C++ compiler (``$CXX``, else ``c++``) against tvm-ffi's headers (xgrammar's own FFI layer,
-installed with it) and caches the shared library on disk under
-``$CAPGRAPH_CACHE_DIR/native`` (default ``~/.cache/capgraph/native``), keyed by a hash of the
-source, compiler, flags and tvm-ffi version, written under a file lock. A first compile takes
-a few seconds; later processes load the cached file.
+Nothing compiles at import. :func:`load` builds the library (``builder.cc`` and
+``python_entry.cc``) on first use through :mod:`capgraph.jit`: the machine's C++ compiler
+(``$CXX``, else ``c++``) against tvm-ffi's headers (xgrammar's own FFI layer, installed with
+it), cached on disk under ``$CAPGRAPH_CACHE_DIR/native`` (default ``~/.cache/capgraph/native``)
+and keyed by the sources, compiler, flags and tvm-ffi version. A first compile takes a few
+seconds; later processes load the cached file.
 
 ``GuidedDecodingConfig.native_build`` (whose default the environment variable
-``CAPGRAPH_NATIVE_BUILD`` sets) chooses: ``"auto"`` uses the loop where it compiles and warns once where it does not (the
-Python build then runs, with the same results), ``"on"`` makes a failure an error, ``"off"``
-keeps that decoder on the Python loop. The CPU mask (:func:`cpu_apply`) is process-wide and
-follows only the environment variable: with ``CAPGRAPH_NATIVE_BUILD=off`` nothing compiles
-unless a decoder asks for ``native_build="on"`` explicitly.
+``CAPGRAPH_NATIVE_BUILD`` sets) chooses: ``"auto"`` uses the loop where it compiles and warns
+once where it does not (the Python build then runs, with the same results), ``"on"`` makes a
+failure an error, ``"off"`` keeps that decoder on the Python loop. The CPU mask is an op of its
+own, :mod:`capgraph.ops.cpu_mask` (``cpu_apply`` here is that module's).
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.resources
-import logging
 import os
-import shlex
-import shutil
-import subprocess
 import sysconfig
 import threading
 from pathlib import Path
@@ -48,59 +40,31 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from .._cache import cache_dir, publish_once
+from .. import jit
 from ..errors import NativeBuildError
-from ..params import native_build_env
+from ..ops.cpu_mask import cpu_apply
 
 __all__ = ["FastPath", "NativeBuildError", "NativeBuilder", "load", "python_module",
-           "unavailable_reason", "source_path", "cpu_apply",
+           "unavailable_reason", "source_path", "cpu_apply", "matcher_methods",
            "STATUS_REJECTED", "STATUS_DEAD_END", "STATUS_FAULT", "STATUS_OVER_BUDGET",
            "TERMINATED"]
 
-# what csrc/host_build.cc reports per request (out[k, 0]); TERMINATED is a flag on any status
-# (0 is a plain OK, which the C++ steps do not report). STATUS_OVER_BUDGET: the request's
-# step took longer than its budget (NativeBuilder.set_budget_ms); its rows are left unmasked
-# and its counts are zero
+# what csrc/host_build.h's Builder reports per request (out[k, 0]); TERMINATED is a flag on any
+# status (0 is a plain OK, which the C++ steps do not report). STATUS_OVER_BUDGET: the
+# request's step took longer than its budget (NativeBuilder.set_budget_ms); its rows are left
+# unmasked and its counts are zero
 STATUS_REJECTED, STATUS_DEAD_END, STATUS_FAULT, STATUS_OVER_BUDGET, TERMINATED = 1, 2, 3, 4, 8
 
-_SOURCE = "host_build.cc"
-_CFLAGS = ("-std=c++17", "-O3", "-fPIC", "-shared", "-fvisibility=hidden")
-_LOCK_TIMEOUT_S = 300.0
-_log = logging.getLogger(__name__)
+_LIBRARY = "host_build"
+_SOURCES = ("builder.cc", "python_entry.cc")
+_HEADERS = ("host_build.h",)
+_PYTHON_MODULE = "capgraph_host_build"  # python_entry.cc's PyInit_ name
 
 
 def source_path() -> Path:
-    """``host_build.cc``: from the installed package (``capgraph/csrc``) or the source tree."""
-    try:
-        res = importlib.resources.files("capgraph.csrc") / _SOURCE
-        if res.is_file():
-            return Path(str(res))
-    except ModuleNotFoundError:  # pragma: no cover - capgraph.csrc is part of the package
-        pass
-    return Path(__file__).resolve().parents[2] / "csrc" / _SOURCE
-
-
-def _compiler() -> list[str]:
-    cxx = shlex.split(os.environ.get("CXX") or "c++")
-    if not cxx or shutil.which(cxx[0]) is None:
-        raise NativeBuildError(f"no C++ compiler: {' '.join(cxx) or '$CXX'!r} is not on PATH "
-                               "(install g++ or set CXX)")
-    return cxx
-
-
-def _compiler_version(cxx: list[str]) -> str:
-    try:
-        out = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise NativeBuildError(f"{' '.join(cxx)} --version failed: {e}") from e
-    return out.stdout.splitlines()[0] if out.stdout else ""
-
-
-def _tvm_ffi_paths() -> tuple[list[str], str]:
-    import tvm_ffi.libinfo as libinfo
-
-    includes = [libinfo.find_include_path(), libinfo.find_dlpack_include_path()]
-    return includes, libinfo.find_libtvm_ffi()
+    """``builder.cc``, the build loop's source: from the installed package
+    (``capgraph/csrc``) or the source tree."""
+    return jit.csrc_path(_SOURCES[0])
 
 
 def _python_flags() -> list[str]:
@@ -114,48 +78,9 @@ def _python_flags() -> list[str]:
     return ["-DCAPGRAPH_WITH_PYTHON", f"-I{include}"]
 
 
-def _compile(source: Path, out: Path, cxx: list[str], includes: list[str], lib: str,
-             extra: Sequence[str] = ()) -> None:
-    libdir = os.path.dirname(lib)
-    cmd = [*cxx, *_CFLAGS, *extra, *(f"-I{p}" for p in includes), str(source), "-o", str(out),
-           f"-L{libdir}", "-ltvm_ffi", f"-Wl,-rpath,{libdir}"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_LOCK_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise NativeBuildError(f"compiling {source.name} failed: {e}") from e
-    if proc.returncode:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise NativeBuildError(f"compiling {source.name} failed (exit {proc.returncode}): "
-                               f"{' '.join(cmd)}\n{tail}")
-
-
-def _build_library() -> Path:
-    """The shared library's path: read from the disk cache or compiled into it."""
-    import filelock
-    import tvm_ffi
-
-    source = source_path()
-    if not source.is_file():
-        raise NativeBuildError(f"{source} is missing from the installation")
-    cxx = _compiler()
-    includes, lib = _tvm_ffi_paths()
-    extra = _python_flags()
-    key = hashlib.sha256(b"\0".join(s.encode() if isinstance(s, str) else s for s in [
-        source.read_bytes(), " ".join(cxx), _compiler_version(cxx), " ".join(_CFLAGS),
-        getattr(tvm_ffi, "__version__", "?"), lib, " ".join(extra),
-        str(sysconfig.get_config_var("EXT_SUFFIX"))])).hexdigest()[:24]
-    path = cache_dir("native") / f"host_build-{key}.so"
-
-    def compile_into(partial: Path) -> None:
-        _log.info("compiling %s with %s (once per machine, a few seconds) into %s",
-                  source.name, " ".join(cxx), path.parent)
-        _compile(source, partial, cxx, includes, lib, extra)
-
-    try:
-        publish_once(path, compile_into, _LOCK_TIMEOUT_S)
-    except (OSError, filelock.Timeout) as e:
-        raise NativeBuildError(f"cannot write the native cache {path.parent}: {e}") from e
-    return path
+def _library_spec() -> jit.JitSpec:
+    """The host build library's :class:`~capgraph.jit.JitSpec` (reads the compiler's version)."""
+    return jit.cxx_library(_LIBRARY, _SOURCES, headers=_HEADERS, cflags=_python_flags())
 
 
 _lock = threading.Lock()
@@ -165,52 +90,23 @@ _error: NativeBuildError | None = None
 
 
 def load() -> Any:
-    """The loaded module (compiled on the first call of the machine); raises
+    """The loaded tvm-ffi module (built on the first call of the machine); raises
     :class:`NativeBuildError` where it cannot be built. A failure is remembered."""
-    global _module, _error
+    global _module, _python_module, _error
     with _lock:
         if _module is not None:
             return _module
         if _error is not None:
             raise _error
         try:
-            import tvm_ffi
-
-            path = _build_library()
-            try:
-                module = tvm_ffi.load_module(str(path))
-            except Exception as e:
-                raise NativeBuildError(f"loading {path} failed: {type(e).__name__}: {e}") from e
-            global _python_module
-            _python_module = _load_python_module(path)
+            path = jit.build(_library_spec())
+            module = jit.load_tvm_ffi_module(path)
+            _python_module = jit.load_python_extension(path, _PYTHON_MODULE) or False
             _module = module
         except NativeBuildError as e:
             _error = e
             raise
-        except ImportError as e:
-            _error = NativeBuildError(f"tvm-ffi (installed with xgrammar) is missing: {e}")
-            raise _error from e
         return _module
-
-
-def _load_python_module(path: Path) -> Any:
-    """The library's CPython module (``fast_step``), or False where it was built without
-    Python's headers (or fails to load: then logged, and the tvm-ffi step still serves)."""
-    import importlib.machinery
-    import importlib.util
-
-    loader = importlib.machinery.ExtensionFileLoader("capgraph_host_build", str(path))
-    spec = importlib.util.spec_from_file_location("capgraph_host_build", str(path),
-                                                  loader=loader)
-    if spec is None:  # pragma: no cover - the file exists
-        return False
-    try:
-        module = importlib.util.module_from_spec(spec)
-        loader.exec_module(module)
-    except ImportError as e:  # no PyInit_: compiled without Python's headers
-        _log.debug("no CPython entry in %s: %s", path, e)
-        return False
-    return module
 
 
 def python_module() -> Any:
@@ -230,26 +126,6 @@ def unavailable_reason() -> str | None:
     except NativeBuildError as e:
         return str(e)
     return None
-
-
-_cpu_apply: Any = None
-
-
-def cpu_apply() -> Any:
-    """The library's one-pass CPU mask, ``apply_bitmask(logits, bitmask, token_mask,
-    col_offset)``, or None where the library cannot be built or ``CAPGRAPH_NATIVE_BUILD=off``
-    (:func:`capgraph.ops.logits_bitmask` then runs its torch code; the decoder is the one that
-    warns about a missing compiler)."""
-    global _cpu_apply
-    if _cpu_apply is None:  # decided once per process: this runs on every CPU mask
-        if native_build_env() == "off":
-            _cpu_apply = False
-        else:
-            try:
-                _cpu_apply = load().apply_bitmask
-            except NativeBuildError:
-                _cpu_apply = False
-    return _cpu_apply or None
 
 
 def matcher_methods(ffi_type: type) -> tuple[Any, Any, Any]:

@@ -5,9 +5,9 @@ called (by :mod:`capgraph.ops.op` on the first CUDA call of the op). ``load_kern
 where the kernel cannot run (no CUDA device, no cuda.core, no NVRTC, an architecture NVRTC does
 not know) and :func:`unavailable_reason` then says why; the op falls back to pure torch.
 
-Compiled code is cached per target architecture in memory and on disk under
-``$CAPGRAPH_CACHE_DIR/kernels`` (default ``~/.cache/capgraph/kernels``), one file per hash of
-(source, target, NVRTC version, options), written under a file lock.
+Compiled code is cached per target architecture in memory and, through :mod:`capgraph.jit`,
+on disk under ``$CAPGRAPH_CACHE_DIR/kernels`` (default ``~/.cache/capgraph/kernels``), one
+file per hash of (source, target, NVRTC version, options), written under a file lock.
 
 A launch reads only tensor metadata (pointers, strides, shapes) and enqueues the kernel on
 torch's current stream: no host synchronisation, no device allocation, no host-device copy, so
@@ -24,8 +24,6 @@ exercised by tests/test_ops_gpu.py and tools/bench_kernel.py on a machine with a
 
 from __future__ import annotations
 
-import hashlib
-import importlib.resources
 import threading
 import warnings
 from pathlib import Path
@@ -33,7 +31,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .._cache import cache_dir, publish_once
+from .. import jit
 
 __all__ = [
     "THREADS_PER_BLOCK",
@@ -43,6 +41,7 @@ __all__ = [
     "kernel_name",
     "kernel_source",
     "plan_launch",
+    "kernel_spec",
     "compile_kernel",
     "load_kernel",
     "unavailable_reason",
@@ -59,7 +58,6 @@ _INT32_MAX = 2**31 - 1
 _DTYPE_TAGS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _SOURCE_NAME = "logits_bitmask.cu"
 _NVRTC_OPTIONS = {"std": "c++17"}  # part of the cache key
-_LOCK_TIMEOUT_S = 300.0
 
 
 # -- entry points and launch planning (pure host arithmetic, tested on CPU) -----------------
@@ -150,13 +148,7 @@ def kernel_fits(logits: torch.Tensor, col_offset: int) -> bool:
 
 def kernel_source() -> bytes:
     """The CUDA source: package data ``capgraph.csrc`` when installed, else the repo's csrc/."""
-    try:
-        resource = importlib.resources.files("capgraph.csrc") / _SOURCE_NAME
-        if resource.is_file():
-            return resource.read_bytes()
-    except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError):
-        pass
-    return (Path(__file__).resolve().parents[2] / "csrc" / _SOURCE_NAME).read_bytes()
+    return jit.csrc_path(_SOURCE_NAME).read_bytes()
 
 
 def _cuda_core():
@@ -203,26 +195,37 @@ _binaries: dict[tuple[str, str], bytes] = {}
 _binaries_lock = threading.Lock()
 
 
+def kernel_spec(arch: str, fmt: str) -> jit.JitSpec:
+    """The :class:`~capgraph.jit.JitSpec` of the kernel for ``arch`` in ``fmt`` (``cubin`` or
+    ``ptx``): NVRTC builds it; its identity is the target, NVRTC's version and the options."""
+    major, minor = _nvrtc_version()
+
+    def build(sources: list[Path], out: Path) -> None:
+        out.write_bytes(_nvrtc_compile(sources[0].read_bytes(), arch, fmt))
+
+    return jit.JitSpec(name=f"logits_bitmask-{arch}", sources=(_SOURCE_NAME,), build=build,
+                       identity=(arch, fmt, f"nvrtc-{major}.{minor}",
+                                 repr(sorted(_NVRTC_OPTIONS.items()))),
+                       folder="kernels", suffix=f".{fmt}")
+
+
 def compile_kernel(arch: str = "sm_90", fmt: str = "cubin", *, use_cache: bool = True) -> bytes:
     """NVRTC-compile the source for ``arch`` (``sm_90`` for a cubin, ``compute_80`` for PTX).
 
     Needs NVRTC only, no GPU. Cached in memory and, unless ``use_cache`` is False, on disk
-    under ``$CAPGRAPH_CACHE_DIR/kernels/<sha256>.<fmt>`` (written atomically under a file
-    lock; an unwritable cache directory only costs the caching).
+    (:func:`kernel_spec` through :func:`capgraph.jit.build`; an unwritable cache directory
+    only costs the caching).
     """
     with _binaries_lock:
         if use_cache and (arch, fmt) in _binaries:
             return _binaries[(arch, fmt)]
-        source = kernel_source()
-        major, minor = _nvrtc_version()
-        key = hashlib.sha256(b"\0".join([
-            source, arch.encode(), fmt.encode(), f"nvrtc-{major}.{minor}".encode(),
-            repr(sorted(_NVRTC_OPTIONS.items())).encode()])).hexdigest()
-        path = cache_dir("kernels") / f"{key}.{fmt}"
-        binary = _read_or_compile(path, source, arch, fmt) if use_cache else \
-            _nvrtc_compile(source, arch, fmt)
-        if use_cache:
-            _binaries[(arch, fmt)] = binary
+        if not use_cache:
+            return _nvrtc_compile(kernel_source(), arch, fmt)
+        try:
+            binary = jit.build(kernel_spec(arch, fmt)).read_bytes()
+        except jit.JitCacheError:  # no usable cache directory: compile uncached
+            binary = _nvrtc_compile(kernel_source(), arch, fmt)
+        _binaries[(arch, fmt)] = binary
         return binary
 
 
@@ -234,22 +237,6 @@ def _nvrtc_compile(source: bytes, arch: str, fmt: str) -> bytes:
         return bytes(program.compile(fmt).code)
     finally:
         getattr(program, "close", lambda: None)()
-
-
-def _read_or_compile(path: Path, source: bytes, arch: str, fmt: str) -> bytes:
-    import filelock
-
-    made: list[bytes] = []
-
-    def compile_into(partial: Path) -> None:
-        made.append(_nvrtc_compile(source, arch, fmt))
-        partial.write_bytes(made[0])
-
-    try:
-        publish_once(path, compile_into, _LOCK_TIMEOUT_S)
-        return made[0] if made else path.read_bytes()
-    except (OSError, filelock.Timeout):  # no usable cache directory: compile uncached
-        return made[0] if made else _nvrtc_compile(source, arch, fmt)
 
 
 # -- loading and launching: the host logic is tested on CPU against a fake cuda.core; the real

@@ -23,7 +23,7 @@ import threading
 import numpy as np
 import torch
 
-from ..grammar.native import cpu_apply
+from .cpu_mask import cpu_apply
 
 __all__ = ["apply_logits_bitmask_", "apply_logits_bitmask_torch_"]
 
@@ -98,7 +98,7 @@ def apply_logits_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
     """Mask ``logits`` in place (semantics: :func:`capgraph.ops.logits_bitmask`)."""
     if (d2t is None and logits.device.type == "cpu" and logits.stride(1) == 1
             and bitmask.stride(1) == 1 and (token_mask is None or token_mask.stride(0) == 1)):
-        native = cpu_apply()  # the same, in one pass over the logits (csrc/host_build.cc)
+        native = cpu_apply()  # the same, in one pass over the logits (csrc/cpu_mask.cc)
         if native is not None:
             native(logits, bitmask, token_mask, col_offset)
             return
