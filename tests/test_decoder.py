@@ -440,20 +440,32 @@ def test_batch_level_errors_are_named(factory):
         dec.execute(torch.zeros(V))
 
 
-def test_compile_starts_at_first_sight(factory, tekken):
+def test_compile_starts_at_first_sight(factory, tekken, monkeypatch):
     """add_batch of a non-final context chunk already starts the compile; the final chunk's
-    build finds it done."""
+    build finds it done. (The compiles are seen where the decoder starts them, the factory's
+    ``compile_async``.)"""
     params = GuidedDecodingParams(GuideType.REGEX, r"[a-z]{3}-first-sight-\d+")
+    started = []
+    compile_async = factory.compile_async
+
+    def recording_compile_async(p):
+        started.append(compile_async(p))
+        return started[-1]
+    monkeypatch.setattr(factory, "compile_async", recording_compile_async)
     dec = make_decoder(factory, seqs=1)
     dec.add_batch([GuidedRequest.context(1, 0, params, last_chunk=False)])
-    handle = dec._pending_compiles[0]
+    assert [h.params for h in started] == [params]  # the slot's pending compile
+    handle = started[0]
     assert dec.execute(torch.zeros(1, factory.config.vocab_size_padded)) == []
     assert dec.grammar_matchers[0] is None
     handle.future.result(timeout=30)
     dec.add_batch([GuidedRequest.context(1, 0, params)])
-    assert dec._pending_compiles[0] is handle
+    assert started == [handle]  # still the slot's pending compile: none started again
     assert dec.execute(torch.zeros(1, factory.config.vocab_size_padded)) == []
-    assert dec.grammar_matchers[0] is not None and 0 not in dec._pending_compiles
+    assert dec.grammar_matchers[0] is not None and started == [handle]  # the build took it
+    # ... and no longer holds it pending: the slot's next context request starts a compile
+    dec.add_batch([GuidedRequest.context(2, 0, params, last_chunk=False)])
+    assert len(started) == 2 and started[1] is not handle
 
 
 _NVTX_SCRIPT = """
@@ -633,7 +645,7 @@ def test_sequential_and_round_fills_agree(tiny, seed):
     K, slots = 3, 4
     config = dataclasses.replace(tiny.config, native_build="off")
     decs = [GuidedDecoder(config, slots, K, factory=tiny) for _ in range(2)]
-    decs[0].sequential_fill_max, decs[1].sequential_fill_max = 0, 1000
+    decs[0].host_build.sequential_fill_max, decs[1].host_build.sequential_fill_max = 0, 1000
     guides = [rng.choice([DEAD, ALIVE]) for _ in range(slots)]
     ctx = [GuidedRequest.context(10 + s, s, guides[s]) for s in range(slots)]
     flaky = rng.randrange(slots)  # this slot's matcher raises in some states (both decoders)
@@ -675,21 +687,39 @@ def test_cpu_apply_calls_the_native_pass_directly_with_the_ops_result(dtype):
     V = 256
     config = GuidedDecodingConfig(encoded_vocab=["a", "b", "c", "</s>"], vocab_size_padded=V,
                                   stop_token_ids=[3])
-    dec = GuidedDecoder(config, 4, 0)
-    if dec._cpu_apply is None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from capgraph.ops.cpu_mask import cpu_apply
+
+    class OpCalls(TorchDispatchMode):
+        """Records the capgraph ops the dispatcher sees."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func).startswith("capgraph."):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    if cpu_apply() is None:
         pytest.skip("the C++ library is unavailable here: only the op path exists")
+    dec = GuidedDecoder(config, 4, 0)
     g = torch.Generator().manual_seed(1)
     dec.bitmask_host.copy_(torch.randint(-2**31, 2**31 - 1, dec.bitmask_host.shape,
                                          generator=g, dtype=torch.int32))
     dec.token_mask_host.copy_(torch.tensor([1, 0, 1, 1], dtype=torch.int32))
-    calls = []
-    native = dec._cpu_apply
-    dec._cpu_apply = lambda *a: (calls.append(a[0].shape), native(*a))
+    calls = []  # (logits shape, whether the custom op was dispatched)
     for rows, width in [(4, V), (3, V), (4, V // 2)]:
         logits = torch.randn(4, width, generator=g).to(dtype)
         expect = logits.clone()
         logits_bitmask(expect[:rows], dec.bitmask[:rows], dec.token_mask[:rows], None,
                        col_offset=dec.rank * width if width < V else 0)
-        dec.apply_bitmask(logits[:rows] if rows < 4 else logits, None, rows)
+        passed = logits[:rows] if rows < 4 else logits
+        with OpCalls() as seen:
+            dec.apply_bitmask(passed, None, rows)
+        calls.append((passed.shape, seen.ops != []))
         assert torch.equal(logits[:rows], expect[:rows]), (rows, width)
-    assert calls == [torch.Size([4, V]), torch.Size([3, V])]
+    assert calls == [(torch.Size([4, V]), False), (torch.Size([3, V]), False),
+                     (torch.Size([4, V // 2]), True)]
