@@ -24,7 +24,7 @@ from capgraph.grammar import native
 from capgraph.grammar.native import NativeBuildError, NativeBuilder
 from capgraph.requests import GuidedRequest
 from capgraph.tokenizers import encode_continuation
-from conftest import assert_steps_agree, build_threads
+from conftest import AimedMethods, assert_steps_agree, build_threads
 
 pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
                                 reason=f"C++ host build unavailable: "
@@ -55,11 +55,14 @@ class _AsyncBuildDecoder(GuidedDecoder):
         return super()._build(requests, True, clear_rows)
 
 
-def _decoder(factory, slots, drafts, mode, sequential_max=None, cls=GuidedDecoder):
+def _decoder(factory, slots, drafts, mode, sequential_max=None, cls=GuidedDecoder,
+             host_build="auto"):
+    """A decoder with ``native_build=mode``; ``sequential_max``: the Python strategy's
+    ``sequential_fill_max``."""
     config = dataclasses.replace(factory.config, native_build=mode)
-    dec = cls(config, slots, drafts, factory=factory)
+    dec = cls(config, slots, drafts, factory=factory, host_build=host_build)
     if sequential_max is not None:
-        dec.sequential_fill_max = sequential_max
+        dec.host_build.sequential_fill_max = sequential_max
     return dec
 
 
@@ -87,36 +90,21 @@ class _StatelessFlaky:
         return self.inner.is_terminated()
 
 
-def _flaky_methods(dec: GuidedDecoder, flaky_slot: int, bad_row: int):
-    """xgrammar's FFI methods, wrapped so that the matcher now in ``flaky_slot`` fails like
+def _flaky_methods(bad_row: int) -> AimedMethods:
+    """xgrammar's FFI methods, wrapped so that the matcher aimed at fails like
     :class:`_StatelessFlaky` (tvm-ffi turns the raised error into a C++ one and back)."""
-    import xgrammar as xgr
 
-    accept, fill, is_terminated = native.matcher_methods(xgr.matcher._core.GrammarMatcher)
-    target = dec.grammar_matchers[flaky_slot]._handle
-
-    def flaky_accept(handle, token, debug):
-        if token == 4 and handle.same_as(target):
+    def flaky_accept(accept, handle, token, debug):
+        if token == 4:
             raise RuntimeError("flaky accept")
         return accept(handle, token, debug)
 
-    def flaky_fill(handle, bitmask, index, debug):
-        if index == bad_row and handle.same_as(target):
+    def flaky_fill(fill, handle, bitmask, index, debug):
+        if index == bad_row:
             raise RuntimeError("flaky fill")
         return fill(handle, bitmask, index, debug)
 
-    return flaky_accept, flaky_fill, is_terminated
-
-
-def _rebind(dec: GuidedDecoder, methods) -> None:
-    """Give ``dec`` a native loop calling ``methods`` (the wrapped ones of a test)."""
-    from capgraph.bitmask import split_last_word
-
-    full, tail = split_last_word(dec.vocab_size_padded)
-    dec._native = NativeBuilder(methods, dec.bitmask_host, dec.token_mask_host,
-                                dec.max_num_sequences, dec.config.stop_token_ids, full, tail,
-                                dec._tail)
-    dec._fast = dec._bind_fast()  # the CPython entry runs the same loop
+    return AimedMethods(accept=flaky_accept, fill=flaky_fill)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -129,14 +117,17 @@ def test_native_and_python_builds_agree(tiny, seed):
     masks, token masks, counters, failures, termination and matchers as both Python fills."""
     rng = random.Random(seed)
     K, slots = 3, 4
-    decs = [_decoder(tiny, slots, K, "off", 0), _decoder(tiny, slots, K, "off", 1000),
-            _decoder(tiny, slots, K, "on"), _decoder(tiny, slots, K, "on"),
-            _decoder(tiny, slots, K, "on", cls=_AsyncBuildDecoder)]
-    assert [d.native_build for d in decs] == [False, False, True, True, True]
-    decs[3]._fast = None  # the tvm-ffi step only, without the CPython entry
-    assert decs[2]._fast is not None
     guides = [rng.choice([DEAD, ALIVE, SHORT]) for _ in range(slots)]
     flaky, bad_row = rng.randrange(slots), rng.randrange(slots * (K + 1))
+    methods = [_flaky_methods(bad_row) for _ in range(3)]  # one per native decoder
+    decs = [_decoder(tiny, slots, K, "off", 0), _decoder(tiny, slots, K, "off", 1000),
+            _decoder(tiny, slots, K, "on", host_build=methods[0].host_build()),
+            # the tvm-ffi step only, without the CPython entry
+            _decoder(tiny, slots, K, "on", host_build=methods[1].host_build(entry=False)),
+            _decoder(tiny, slots, K, "on", cls=_AsyncBuildDecoder,
+                     host_build=methods[2].host_build())]
+    assert [d.native_build for d in decs] == [False, False, True, True, True]
+    assert [d.host_build.name for d in decs[2:]] == ["native", "native-loop", "native"]
     steps: list = [[GuidedRequest.context(10 + s, s, guides[s]) for s in range(slots)]]
     steps += [None] * 10
     for n, step in enumerate(steps):
@@ -145,12 +136,9 @@ def test_native_and_python_builds_agree(tiny, seed):
                 if dec.grammar_matchers[flaky] is not None:
                     dec.grammar_matchers[flaky] = _StatelessFlaky(dec.grammar_matchers[flaky],
                                                                   bad_row)
-            for dec in decs[2:]:
+            for dec, aimed in zip(decs[2:], methods):
                 if dec.grammar_matchers[flaky] is not None:
-                    fast = dec._fast
-                    _rebind(dec, _flaky_methods(dec, flaky, bad_row))
-                    if fast is None:
-                        dec._fast = None
+                    aimed.aim(dec.grammar_matchers[flaky])
         if step is None:
             chosen = rng.sample(range(slots), rng.randint(1, slots))
             step = []
@@ -215,9 +203,10 @@ class _Spy:
     declined it (None: the Python loop around the tvm-ffi step ran instead)."""
 
     def __init__(self, dec: GuidedDecoder) -> None:
-        self.step = dec._fast.step
+        entry = dec.host_build.entry
+        self.step = entry.step
         self.taken: list[bool] = []
-        dec._fast = dec._fast._replace(step=self)
+        dec.host_build.entry = entry._replace(step=self)
 
     def __call__(self, *args):
         result = self.step(*args)
@@ -301,12 +290,12 @@ def test_asynchronous_build_is_ended_before_anything_reads_the_decoder(tiny, rea
             dec.add_batch(reqs, runtime_draft_len=2)
         expected = sync.build()
         assert later._build(later.requests, asynchronous=True) == []
-        assert (later._inflight is not None) == (n > 0)  # (a context step is declined)
+        assert later.host_build.in_flight == (n > 0)  # (a context step is declined)
         rows = sync.requests.num_bitmask_tokens
         state = (list(sync.num_advanced_tokens), list(sync.num_guided_tokens),
                  sync.token_mask_host[:rows].tolist(), sync.bitmask_host[:rows].clone())
         result = _READERS[reader](later) if n else None
-        assert later._inflight is None
+        assert not later.host_build.in_flight
         failed = result if n and reader == "take_failed_requests" else \
             later.take_failed_requests()
         assert failed == expected
@@ -326,7 +315,7 @@ def test_fast_begin_and_end_are_paired(tiny):
     dec = _decoder(tiny, 2, 0, "on")
     dec.add_batch([GuidedRequest.context(1, 0, ALIVE)])
     assert dec.build() == []
-    fast = dec._fast
+    fast = dec.host_build.entry
     with pytest.raises(RuntimeError, match="no build in flight"):
         fast.end(fast.state)
     dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 0)])
@@ -381,7 +370,7 @@ def test_capturable_close_ends_a_build_still_queued_on_its_side_stream(tiny):
 
     config = dataclasses.replace(tiny.config, native_build="on")
     dec = CapturableGuidedDecoder(config, 2, 0, factory=tiny)
-    if dec._fast is None:
+    if dec.host_build.name != "native":
         pytest.skip("the C++ build's CPython entry is not built here (no Python headers)")
     before = build_threads()  # (other tests' decoders may still hold theirs)
     dec.add_batch([GuidedRequest.context(1, 0, ALIVE)])
@@ -390,7 +379,7 @@ def test_capturable_close_ends_a_build_still_queued_on_its_side_stream(tiny):
     dec._streams.stream.enqueue(lambda: time.sleep(0.2))  # the side stream is busy
     dec.prepare()  # the host step queues behind it, on the stream's worker
     dec.close()
-    assert dec._inflight is None and dec._fast.state is not None
+    assert not dec.host_build.in_flight and dec.host_build.entry.state is not None
     assert dec.take_failed_requests() == [] and dec.num_advanced_tokens[0] == 1
     assert not build_threads() - before
 
@@ -436,7 +425,8 @@ def test_forked_child_starts_its_own_build_thread(tiny):
             dec._finish_build()
             ok = True
         except RuntimeError as e:
-            ok = "forked while this build was in flight" in str(e) and dec._inflight is None
+            ok = "forked while this build was in flight" in str(e) and \
+                not dec.host_build.in_flight
         except BaseException:
             ok = False
         os._exit(0 if ok else 1)
@@ -448,10 +438,11 @@ def test_forked_child_starts_its_own_build_thread(tiny):
 def test_native_fault_fails_only_its_request(tiny):
     """A matcher call that raises inside the C++ loop fails that request alone, with the
     error's type and text; the other request's row is masked as usual."""
-    dec = _decoder(tiny, 2, 0, "on")
+    methods = _flaky_methods(bad_row=-1)
+    dec = _decoder(tiny, 2, 0, "on", host_build=methods.host_build())
     dec.add_batch([GuidedRequest.context(1, 0, ALIVE), GuidedRequest.context(2, 1, ALIVE)])
     assert dec.build() == []
-    _rebind(dec, _flaky_methods(dec, 0, bad_row=-1))
+    methods.aim(dec.grammar_matchers[0])
     dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 4),  # "c": the flaky accept raises
                    GuidedRequest.generation(2, 1, ALIVE, 0)])
     logits = torch.zeros(2, 64)
@@ -506,13 +497,13 @@ def test_native_build_modes(tiny, monkeypatch):
 def test_unbuildable_native_falls_back_once_or_fails(tiny, monkeypatch, tmp_path):
     """Without a compiler: 'auto' warns once and builds in Python (same masks); 'on' raises
     NativeBuildError naming the compiler; nothing compiles at import."""
-    import capgraph.decoder as decoder_module
+    import capgraph.build as build_module
 
     monkeypatch.setattr(native, "_module", None)
     monkeypatch.setattr(native, "_error", None)
     monkeypatch.setenv("CAPGRAPH_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler-xyz")
-    monkeypatch.setattr(decoder_module, "_native_warned", False)
+    monkeypatch.setattr(build_module, "_native_warned", False)
     with pytest.warns(RuntimeWarning, match="no-such-compiler-xyz"):
         dec = _decoder(tiny, 1, 0, "auto")
     assert not dec.native_build
@@ -555,7 +546,7 @@ def test_library_without_python_headers_serves_the_tvm_ffi_step(tiny, monkeypatc
     assert native._python_flags() == []
     assert native.python_module() is None and native.load() is not None
     decs = [_decoder(tiny, 2, 0, "off"), _decoder(tiny, 2, 0, "on")]
-    assert decs[1].native_build and decs[1]._fast is None
+    assert decs[1].native_build and decs[1].host_build.name == "native-loop"
     assert_steps_agree(decs, [GuidedRequest.context(1, 0, ALIVE),
                               GuidedRequest.context(2, 1, SHORT)], 0)
     assert_steps_agree(decs, [GuidedRequest.generation(1, 0, ALIVE, 0),
@@ -587,6 +578,8 @@ def test_native_clears_padding_ids_a_backend_sets(tiny):
     the clear guards against an engine that does)."""
     import xgrammar as xgr
 
+    from capgraph.build import make_native_build
+
     accept, fill, is_terminated = native.matcher_methods(xgr.matcher._core.GrammarMatcher)
 
     def dirty_fill(handle, bitmask, index, debug):
@@ -594,8 +587,11 @@ def test_native_clears_padding_ids_a_backend_sets(tiny):
         torch.from_dlpack(bitmask)[index] |= torch.tensor([-64, -1], dtype=torch.int32)
         return result
 
-    dec = _decoder(tiny, 1, 2, "on")
-    _rebind(dec, (accept, dirty_fill, is_terminated))
+    def dirty_build(slots, factory, budget_ms):
+        return make_native_build(slots, factory, budget_ms,
+                                 methods=(accept, dirty_fill, is_terminated))
+
+    dec = _decoder(tiny, 1, 2, "on", host_build=dirty_build)
     dec.add_batch([GuidedRequest.context(1, 0, ALIVE)])
     assert dec.build() == []
     dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 0, draft_tokens=[1, 3])])
@@ -630,7 +626,7 @@ def test_admission_in_cpp_equals_the_python_check(tiny, field, value, position):
     batch, the C++-admitted decoder reports the same failures and masks the same rows as a
     decoder without the C++ entry (``native_build="off"``)."""
     decoders = [_decoder(tiny, 4, 1, mode) for mode in ("auto", "off")]
-    assert decoders[0]._fast is not None and decoders[1]._fast is None
+    assert [dec.host_build.name for dec in decoders] == ["native", "python"]
     outcomes = []
     try:
         for dec in decoders:
