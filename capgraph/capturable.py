@@ -30,7 +30,7 @@ from .bitmask import _pin_host
 from .decoder import GuidedDecoder, _request_id
 from .errors import CallbackError, LayoutError, QueueEpochError, TensorArgError
 from .requests import GuidedRequest, GuidedRequests
-from .streams import HostStepStreams
+from .streams import HostStepStreams, StepStreams
 
 __all__ = ["CapturableGuidedDecoder"]
 
@@ -110,6 +110,26 @@ class CapturableGuidedDecoder(GuidedDecoder):
             hostfunc.cuda_available()
         # the CPU step outside capture builds on that thread (see _enqueue_step)
         self._async_build = self.bitmask is self.bitmask_host and self.host_build.asynchronous
+
+    @property
+    def queued_batches(self) -> int:
+        """Batches put by ``add_batch`` that no step has fetched yet (0 or 1 in step)."""
+        return len(self._queue)
+
+    def discard_queued_batches(self) -> int:
+        """Drop the batches ``add_batch`` queued that no step will fetch (say, after an error
+        between ``add_batch`` and ``execute``), so that the next ``add_batch`` is in step;
+        the matchers their failed requests owned are dropped as a fetch would. Returns how
+        many were dropped. Call it host side, with no step in flight."""
+        n = len(self._queue)
+        while self._queue:
+            self._consume_put()
+        return n
+
+    @property
+    def streams(self) -> StepStreams:
+        """The step's side stream and its two events (:mod:`capgraph.streams`)."""
+        return self._streams
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held by the decoder's buffers, the pinned token buffers included."""

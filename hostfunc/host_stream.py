@@ -189,6 +189,12 @@ class HostStream:
         return self._worker.put(task)
 
     @property
+    def thread(self) -> threading.Thread | None:
+        """The worker thread running this stream's tasks; None until a task needed it (tasks
+        run inline with ``inline_when_idle`` start none)."""
+        return self._worker.thread
+
+    @property
     def is_capturing(self) -> bool:
         """True while this stream records into a HostGraph instead of running."""
         return self.capture_graph is not None

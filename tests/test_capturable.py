@@ -171,7 +171,7 @@ def run_pair(factory, seed: int, steps: int, drafts: int, slots: int = 4, use_ne
         if a is not None:
             assert a.is_terminated() == b.is_terminated()
     if capt.host_build.asynchronous:  # plain steps built on the C++ thread, no Python worker ran
-        assert any(taken) and capt._streams.stream._worker.thread is None
+        assert any(taken) and capt.streams.stream.thread is None
     capt.close()
     return eager, capt
 
@@ -412,9 +412,9 @@ def test_runtime_draft_len_passed_positionally_is_a_named_error(factory_cache):
         reqs = [GuidedRequest.context(1, 0, GuidedDecodingParams.regex("a+"))]
         with pytest.raises(TensorArgError, match="runtime_draft_len by keyword"):
             capt.add_batch(reqs, 0)
-        assert capt.requests is None and not capt._queue
+        assert capt.requests is None and capt.queued_batches == 0
         capt.add_batch(reqs, runtime_draft_len=0)  # the keyword form works
-        assert len(capt._queue) == 1
+        assert capt.queued_batches == 1
     finally:
         capt.close()
 

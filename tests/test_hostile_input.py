@@ -641,8 +641,7 @@ def test_garbage_in_batch_arguments_is_a_named_error(factory, draft_len, accepte
             d.release(0)
             d.requests = None
             if isinstance(d, CapturableGuidedDecoder):
-                while d._queue:
-                    d._consume_put()
+                d.discard_queued_batches()
         clean.release(0)
         for d in (*decs, clean):
             assert step(d, contexts((0, XYZ)), torch.zeros(1, V), 1) == []

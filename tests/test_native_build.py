@@ -376,7 +376,7 @@ def test_capturable_close_ends_a_build_still_queued_on_its_side_stream(tiny):
     dec.add_batch([GuidedRequest.context(1, 0, ALIVE)])
     dec.execute(torch.zeros(1, 64))
     dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 0)])
-    dec._streams.stream.enqueue(lambda: time.sleep(0.2))  # the side stream is busy
+    dec.streams.stream.enqueue(lambda: time.sleep(0.2))  # the side stream is busy
     dec.prepare()  # the host step queues behind it, on the stream's worker
     dec.close()
     assert not dec.host_build.in_flight and dec.host_build.entry.state is not None

@@ -1036,7 +1036,7 @@ def test_closing_a_capturable_decoder_ends_its_threads(xf, tekken, native_build)
     step(dec, [GuidedRequest.context(1, 0, EMAIL)], torch.zeros(1, V))
     first = encode_continuation(tekken, "ab")[0]
     assert not step(dec, [GuidedRequest.generation(1, 0, EMAIL, first)], torch.zeros(1, V))
-    worker = dec._streams.stream._worker.thread
+    worker = dec.streams.stream.thread
     started = build_threads() - before
     if fast:
         assert worker is None and len(started) == 1
@@ -1107,7 +1107,7 @@ def test_no_deadlock_between_compile_pool_host_stream_and_main_thread(tiny):
         finally:
             stop.set()
             flooder.join(10)
-            dec._streams.close()
+            dec.streams.close()
     errors = _run_bounded(scenario, timeout=60)
     assert not errors, errors
     factory.close()
