@@ -21,7 +21,8 @@ import torch
 from .errors import LayoutError, RequestError
 from .params import GuidedDecodingParams
 
-__all__ = ["GuidedRequest", "GuidedRequests", "REQUEST_FIELDS", "as_int", "checked_request"]
+__all__ = ["GuidedRequest", "GuidedRequests", "NATIVE_RECORD_FIELDS", "REQUEST_FIELDS", "as_int",
+           "checked_request", "native_records"]
 
 
 @dataclass(slots=True)
@@ -131,6 +132,22 @@ class GuidedRequest:
 
 #: The fields every request object must have (GuidedRequest's, in constructor order).
 REQUEST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(GuidedRequest))
+
+#: The fields of a request that the native build's CPython entry reads, in the order of its
+#: records (``csrc/host_build.h``, ``RecordField``; the library's ``RECORD_FIELDS`` must equal
+#: this, which ``capgraph.grammar.native.load`` checks).
+NATIVE_RECORD_FIELDS: tuple[str, ...] = (
+    "guided_decoding_params", "seq_slot", "new_token", "is_generation_in_progress_state",
+    "is_draft", "is_context_init_state", "draft_tokens", "request_id",
+    "is_generation_only_first_iteration")
+_native_record = operator.attrgetter(*NATIVE_RECORD_FIELDS)
+
+
+def native_records(requests: Sequence[Any]) -> list[tuple]:
+    """One tuple per request, its :data:`NATIVE_RECORD_FIELDS` values in order: what the native
+    build's CPython entry reads instead of the request objects. Raises what reading a field
+    raises (``AttributeError`` for a missing one)."""
+    return list(map(_native_record, requests))
 
 
 def _show(value: Any) -> str:

@@ -1,19 +1,18 @@
-// capgraph host build, CPython entry: the extension module capgraph_host_build,
-// GuidedDecoder._build's steady state without Python in the loop.
+// capgraph host build, CPython entry: the extension module capgraph_host_build, the host
+// build's steady state without Python in the loop.
 //
 // Compiled only with CAPGRAPH_WITH_PYTHON (where Python's headers are installed; the file is
 // empty otherwise) into the same library as builder.cc, which is then also a CPython
-// extension module: fast_step() reads a whole steady-state batch of GuidedRequest objects
-// itself and runs the Builder's loop with the GIL released (at batch 1 the Python around the
-// loop cost twice the loop: docs/BENCHMARKS.md, "build"); fast_begin()/fast_end() split the
-// same step around a thread of the library's own, which never takes the GIL (a forked child
-// starts its own). Compiled and loaded by capgraph/jit.py for capgraph/grammar/native.py,
-// never at import.
+// extension module: fast_step() reads a whole steady-state batch of request records (plain
+// tuples that Python builds) and runs the Builder's loop with the GIL released (at batch 1
+// the Python around the loop cost twice the loop: docs/BENCHMARKS.md, "build");
+// fast_begin()/fast_end() split the same step around a thread of the library's own, which
+// never takes the GIL (a forked child starts its own). Compiled and loaded by
+// capgraph/jit.py for capgraph/grammar/native.py, never at import.
 
 #ifdef CAPGRAPH_WITH_PYTHON
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>  // first, as Python's documentation asks
-#include <structmember.h>  // PyMemberDef (in descrobject.h from Python 3.12)
 #include <pthread.h>  // pthread_setname_np
 #include <sys/resource.h>  // setpriority: fast_begin's thread yields to the caller's
 #include <sys/syscall.h>
@@ -33,20 +32,28 @@
 #include <thread>
 #include <vector>
 
-// make_fast(address, keep, matchers, draft_terminated, advanced, guided, matcher_type,
-//           request_type, num_slots, vocab_size, max_num_draft_tokens) -> state
+// What Python passes is explicit data, never the layout of its objects:
+//   records: one exact tuple per request, its fields in RecordField's order (host_build.h;
+//     the module attribute RECORD_FIELDS names them, capgraph/requests.py builds them);
+//   handles: one entry per slot, kept by Python in step with the slot's matcher: None (no
+//     matcher), an int (the address of the matcher's xgrammar FFI object, which the Builder's
+//     methods run), anything else (a matcher only Python can run).
+//
+// make_fast(address, keep, handles, draft_terminated, advanced, guided, num_slots, vocab_size,
+//           max_num_draft_tokens) -> state
 //   binds a Builder (make_builder's address; `keep` is its step Function, held so the Builder
 //   outlives the state) to a decoder's per-slot lists, which the decoder mutates in place.
-// fast_admit(state, requests, slot_guides) -> int
-//   how many leading requests pass GuidedDecoder._admit's inline test (see FastAdmit).
-// fast_step(state, requests, offsets, draft_len, clear_rows) -> None | (masked, unusual)
-//   None: some guided request is not the plain case (not a target request generating with a
-//   valid unseen slot, int new token in the vocabulary, int drafts within bounds; or its
-//   matcher is not exactly matcher_type), and nothing was touched: the Python build runs.
-//   Else the step ran as GuidedDecoder._build's native path would run it, counters written;
-//   masked: some row was guided; unusual: None, or [(batch index, status, fault message,
-//   over-budget milliseconds as text, or None)] for every request whose status is not plainly
-//   OK, in request order.
+// fast_admit(state, records, slot_guides) -> int
+//   how many leading records pass the decoder's inline admission test (see FastAdmit).
+// fast_step(state, records, offsets, draft_len, clear_rows) -> None | (masked, unusual)
+//   None: some guided request is not the plain case (not an exact record of a target request
+//   generating with a valid unseen slot, int new token in the vocabulary, int drafts within
+//   bounds; or its slot's handle is neither None nor an address), and nothing was touched:
+//   the Python build runs. Else the step ran as the native loop would run it, counters
+//   written; masked: some row was guided; unusual: None, or [(batch index, status, fault
+//   message, over-budget milliseconds as text, or None)] for every request whose status is
+//   not plainly OK, in request order. A slot whose drafting loop stopped guiding it, or whose
+//   matcher has terminated (the Builder's is_terminated asks it), is skipped.
 namespace {
 
 using capgraph::Builder;
@@ -55,22 +62,10 @@ using capgraph::kFault;
 using capgraph::kOk;
 using capgraph::kOverBudget;
 using capgraph::kTerminated;
+using capgraph::kRecordFieldNames;
+using capgraph::kRecordFields;
+using capgraph::RecordField;
 using tvm::ffi::ObjectRef;
-
-// The attributes read, by index into g_names and FastState::offset: the request's, then the
-// matcher's (from kMatcherFields on).
-enum FieldId {
-  kFieldParams, kFieldSlot, kFieldToken, kFieldGenerating, kFieldIsDraft, kFieldContext, kFieldDrafts,  // GuidedRequest
-  kFieldRequestId, kFieldFirstIteration,                                     // (fast_admit)
-  kFieldTerminated, kFieldChandle,                                           // XGrammarMatcher
-  kNumFields
-};
-constexpr int kMatcherFields = kFieldTerminated;
-const char* const kFieldNames[kNumFields] = {
-    "guided_decoding_params", "seq_slot", "new_token", "is_generation_in_progress_state",
-    "is_draft", "is_context_init_state", "draft_tokens", "request_id",
-    "is_generation_only_first_iteration", "_terminated", "_chandle"};
-PyObject* g_names[kNumFields];  // interned at module init
 
 constexpr const char* kThreadName = "capgraph-build";  // as profilers and /proc show it
 
@@ -91,15 +86,10 @@ struct FastEntry {
 struct FastState {
   Builder* builder = nullptr;
   PyObject* keep = nullptr;
-  PyObject* matchers = nullptr;
+  PyObject* handles = nullptr;
   PyObject* draft_terminated = nullptr;
   PyObject* advanced = nullptr;
   PyObject* guided = nullptr;
-  PyObject* matcher_type = nullptr;
-  PyObject* request_type = nullptr;
-  // where each field lives inside an exact instance of its type (a __slots__ member), or -1:
-  // read through PyObject_GetAttr (subclasses and look-alike objects always are)
-  Py_ssize_t offset[kNumFields];
   int64_t num_slots = 0, vocab_size = 0, max_drafts = 0;
   std::vector<FastEntry> entries;
   std::vector<int64_t> drafts;
@@ -112,7 +102,6 @@ struct FastState {
   bool in_flight = false;  // fast_begin took a step that fast_end has not ended
   Runner* runner = nullptr;  // the build thread, started by the first fast_begin
 };
-
 
 constexpr const char* kCapsule = "capgraph_host_build.FastState";
 
@@ -141,145 +130,93 @@ void DestroyState(PyObject* capsule) {
   if (st == nullptr) return;
   StopRunner(st);
   Py_XDECREF(st->keep);
-  Py_XDECREF(st->matchers);
+  Py_XDECREF(st->handles);
   Py_XDECREF(st->draft_terminated);
   Py_XDECREF(st->advanced);
   Py_XDECREF(st->guided);
-  Py_XDECREF(st->matcher_type);
-  Py_XDECREF(st->request_type);
   delete st;
 }
 
-// The __slots__ offset of `name` in `type`, or -1 where it is not a plain object slot.
-Py_ssize_t SlotOffset(PyObject* type, PyObject* name) {
-  PyObject* d = PyObject_GetAttr(type, name);
-  if (d == nullptr) {
-    PyErr_Clear();
-    return -1;
-  }
-  Py_ssize_t offset = -1;
-  if (Py_TYPE(d) == &PyMemberDescr_Type) {
-    const PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
-    if (m->type == 16 /* T_OBJECT_EX: a __slots__ member */) offset = m->offset;
-  }
-  Py_DECREF(d);
-  return offset;
+// The fields of a request record, or nullptr where `record` is not an exact tuple of
+// kRecordFields items (borrowed from the tuple).
+PyObject* const* RecordItems(PyObject* record) {
+  if (!PyTuple_CheckExact(record) || PyTuple_GET_SIZE(record) != kRecordFields) return nullptr;
+  return &PyTuple_GET_ITEM(record, 0);
 }
 
-// obj.<field> as a new reference, or nullptr (unset or missing; never leaves an error set).
-PyObject* GetField(const FastState* st, PyObject* obj, int id) {
-  PyObject* owner = id < kMatcherFields ? st->request_type : st->matcher_type;
-  const Py_ssize_t offset = st->offset[id];
-  if (offset >= 0 && reinterpret_cast<PyObject*>(Py_TYPE(obj)) == owner) {
-    PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset);
-    Py_XINCREF(v);
-    return v;
-  }
-  PyObject* v = PyObject_GetAttr(obj, g_names[id]);
-  if (v == nullptr) PyErr_Clear();
-  return v;
+// An exact int in [0, bound), or -1 (not an exact int, or out of range); never leaves an
+// exception set.
+int64_t IndexValue(PyObject* v, int64_t bound) {
+  if (!PyLong_CheckExact(v)) return -1;
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+  if (PyErr_Occurred()) PyErr_Clear();
+  return !overflow && x >= 0 && x < bound ? static_cast<int64_t>(x) : -1;
 }
 
-// An exact int in [0, bound) read from obj.<field>, or -1 (missing, not an exact int, out of
-// range); never leaves an exception set.
-int64_t IndexField(const FastState* st, PyObject* obj, int id, int64_t bound) {
-  PyObject* v = GetField(st, obj, id);
-  if (v == nullptr) return -1;
-  int64_t r = -1;
-  if (PyLong_CheckExact(v)) {
-    int overflow = 0;
-    const long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
-    if (!overflow && x >= 0 && x < bound) r = static_cast<int64_t>(x);
-    if (PyErr_Occurred()) PyErr_Clear();
-  }
-  Py_DECREF(v);
-  return r;
-}
-
-// obj.<field>'s truth value: 1, 0, or -1 (missing, or a failing __bool__; cleared).
-int TruthField(const FastState* st, PyObject* obj, int id) {
-  PyObject* v = GetField(st, obj, id);
-  if (v == nullptr) return -1;
-  const int t = v == Py_True ? 1 : v == Py_False ? 0 : PyObject_IsTrue(v);
-  Py_DECREF(v);
-  if (t < 0) PyErr_Clear();
-  return t;
-}
+// 1 for True, 0 for False, -1 for anything else (the plain case has exact bools).
+int BoolValue(PyObject* v) { return v == Py_True ? 1 : v == Py_False ? 0 : -1; }
 
 // Read the batch into st->entries; false where some guided request is not the plain case.
-bool Collect(FastState* st, PyObject* requests, PyObject* offsets, int64_t draft_len) {
-  const Py_ssize_t n = PyList_GET_SIZE(requests);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* req = PyList_GET_ITEM(requests, i);
-    PyObject* params = GetField(st, req, kFieldParams);
-    if (params == nullptr) return false;
-    const bool unguided = params == Py_None;
-    Py_DECREF(params);
-    if (unguided) continue;
-    if (TruthField(st, req, kFieldGenerating) != 1 || TruthField(st, req, kFieldIsDraft) != 0 ||
-        TruthField(st, req, kFieldContext) != 0) {
+// The records' fields are read as exact values (no Python code runs for them); the only call
+// out is the Builder's is_terminated, after which the loop re-reads the lists' sizes.
+bool Collect(FastState* st, PyObject* records, PyObject* offsets, int64_t draft_len) {
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(records); ++i) {
+    PyObject* const* f = RecordItems(PyList_GET_ITEM(records, i));
+    if (f == nullptr) return false;
+    if (f[RecordField::kParams] == Py_None) continue;
+    if (BoolValue(f[RecordField::kGenerating]) != 1 || BoolValue(f[RecordField::kIsDraft]) != 0 ||
+        BoolValue(f[RecordField::kContext]) != 0) {
       return false;
     }
-    const int64_t slot = IndexField(st, req, kFieldSlot, st->num_slots);
+    const int64_t slot = IndexValue(f[RecordField::kSlot], st->num_slots);
     if (slot < 0 || st->seen[slot]) return false;
-    const int64_t token = IndexField(st, req, kFieldToken, st->vocab_size);
-    if (token < 0) return false;
-    PyObject* offset_obj = PyList_GET_ITEM(offsets, i);
-    const long long offset = PyLong_AsLongLong(offset_obj);
+    const int64_t token = IndexValue(f[RecordField::kToken], st->vocab_size);
+    if (token < 0 || i >= PyList_GET_SIZE(offsets)) return false;
+    const long long offset = PyLong_AsLongLong(PyList_GET_ITEM(offsets, i));
     if (offset == -1 && PyErr_Occurred()) {
       PyErr_Clear();
       return false;
     }
-    // drafts: as GuidedDecoder._checked_drafts, the plain case only
+    // drafts: as the Python build's draft check, the plain case only
     const int64_t first_draft = static_cast<int64_t>(st->drafts.size());
     int64_t nd = 0;
-    PyObject* drafts = GetField(st, req, kFieldDrafts);
-    if (drafts == nullptr) return false;
+    PyObject* drafts = f[RecordField::kDrafts];
     if (drafts != Py_None) {
-      if (!PyList_CheckExact(drafts) || PyList_GET_SIZE(drafts) > st->max_drafts) {
-        Py_DECREF(drafts);
-        return false;
-      }
+      if (!PyList_CheckExact(drafts) || PyList_GET_SIZE(drafts) > st->max_drafts) return false;
       nd = std::min<int64_t>(PyList_GET_SIZE(drafts), draft_len);
       for (int64_t j = 0; j < nd; ++j) {
-        PyObject* t = PyList_GET_ITEM(drafts, j);
-        int overflow = 0;
-        const long long x = PyLong_CheckExact(t) ? PyLong_AsLongLongAndOverflow(t, &overflow) : -1;
-        if (overflow || x < 0 || x >= st->vocab_size) {
-          if (PyErr_Occurred()) PyErr_Clear();
-          Py_DECREF(drafts);
-          return false;
-        }
+        const int64_t x = IndexValue(PyList_GET_ITEM(drafts, j), st->vocab_size);
+        if (x < 0) return false;
         st->drafts.push_back(x);
       }
     }
-    Py_DECREF(drafts);
     st->seen[slot] = 1;
     st->seen_slots.push_back(slot);
-    // skipped, not failed: no matcher, a terminated one, or a draft loop that stopped guiding
-    PyObject* matcher = PyList_GET_ITEM(st->matchers, slot);
-    if (matcher == Py_None) continue;
-    if (reinterpret_cast<PyObject*>(Py_TYPE(matcher)) != st->matcher_type) return false;
-    const int terminated = TruthField(st, matcher, kFieldTerminated);
-    if (terminated < 0) return false;
-    const int stopped = PyObject_IsTrue(PyList_GET_ITEM(st->draft_terminated, slot));
-    if (stopped < 0) {
-      PyErr_Clear();
-      return false;
-    }
-    if (terminated || stopped) continue;
-    PyObject* address = GetField(st, matcher, kFieldChandle);
-    if (address == nullptr) return false;
-    void* handle = PyLong_CheckExact(address) ? PyLong_AsVoidPtr(address) : nullptr;
-    Py_DECREF(address);
-    if (handle == nullptr) {
+    // skipped, not failed: no matcher, a draft loop that stopped guiding, a terminated matcher
+    PyObject* handle = PyList_GET_ITEM(st->handles, slot);
+    if (handle == Py_None) continue;
+    if (!PyLong_CheckExact(handle)) return false;  // a matcher only Python can run
+    const int stopped = BoolValue(PyList_GET_ITEM(st->draft_terminated, slot));
+    if (stopped < 0) return false;
+    if (stopped) continue;
+    void* address = PyLong_AsVoidPtr(handle);
+    if (address == nullptr) {
       if (PyErr_Occurred()) PyErr_Clear();
       return false;
     }
     // a counted reference: the GIL is released while the loop runs
     ObjectRef ref = tvm::ffi::detail::ObjectUnsafe::ObjectRefFromObjectPtr<ObjectRef>(
         tvm::ffi::detail::ObjectUnsafe::ObjectPtrFromUnowned<tvm::ffi::Object>(
-            static_cast<TVMFFIObject*>(handle)));
+            static_cast<TVMFFIObject*>(address)));
+    bool terminated = false;
+    try {
+      terminated = st->builder->is_terminated(ref).cast<bool>();
+    } catch (const std::exception&) {  // (the Python build runs it and reports the fault)
+      if (PyErr_Occurred()) PyErr_Clear();
+      return false;
+    }
+    if (terminated) continue;
     st->entries.push_back(FastEntry{std::move(ref), slot, token, static_cast<int64_t>(offset),
                                     first_draft, nd, static_cast<int64_t>(i)});
   }
@@ -300,14 +237,14 @@ int Begin(FastState* st, PyObject* const* args, const char* name) {
                  "(fast_end)", name);
     return -1;
   }
-  PyObject* requests = args[1];
+  PyObject* records = args[1];
   PyObject* offsets = args[2];
   const long long draft_len = PyLong_AsLongLong(args[3]);
   const long long clear_rows = PyLong_AsLongLong(args[4]);
   if (PyErr_Occurred()) return -1;
-  if (!PyList_CheckExact(requests) || !PyList_CheckExact(offsets) ||
-      PyList_GET_SIZE(offsets) != PyList_GET_SIZE(requests) ||
-      PyList_GET_SIZE(st->matchers) != st->num_slots ||
+  if (!PyList_CheckExact(records) || !PyList_CheckExact(offsets) ||
+      PyList_GET_SIZE(offsets) != PyList_GET_SIZE(records) ||
+      PyList_GET_SIZE(st->handles) != st->num_slots ||
       PyList_GET_SIZE(st->draft_terminated) != st->num_slots ||
       PyList_GET_SIZE(st->advanced) != st->num_slots ||
       PyList_GET_SIZE(st->guided) != st->num_slots || draft_len < 0) {
@@ -316,7 +253,7 @@ int Begin(FastState* st, PyObject* const* args, const char* name) {
   st->entries.clear();
   st->drafts.clear();
   st->seen_slots.clear();
-  const bool plain = Collect(st, requests, offsets, draft_len);
+  const bool plain = Collect(st, records, offsets, draft_len);
   for (int64_t slot : st->seen_slots) st->seen[slot] = 0;
   if (!plain) {
     st->entries.clear();  // (drops the references taken)
@@ -403,11 +340,11 @@ fail:
   return result;
 }
 
-// The state (args[0]) of `name`(state) or, with `step`, of `name`(state, requests, offsets,
+// The state (args[0]) of `name`(state) or, with `step`, of `name`(state, records, offsets,
 // draft_len, clear_rows); nullptr with an error set.
 FastState* StateArg(PyObject* const* args, Py_ssize_t nargs, bool step, const char* name) {
   if (nargs != (step ? 5 : 1)) {
-    PyErr_Format(PyExc_TypeError, step ? "%s(state, requests, offsets, draft_len, clear_rows) "
+    PyErr_Format(PyExc_TypeError, step ? "%s(state, records, offsets, draft_len, clear_rows) "
                  "takes 5 arguments" : "%s(state) takes 1 argument", name);
     return nullptr;
   }
@@ -421,68 +358,45 @@ int BeginCall(PyObject* const* args, Py_ssize_t nargs, const char* name, FastSta
   return *st == nullptr ? -1 : Begin(*st, args, name);
 }
 
-// Whether obj.<field> is the object `expected` (a borrowed comparison; missing: false).
-bool FieldIs(const FastState* st, PyObject* obj, int id, PyObject* expected) {
-  PyObject* v = GetField(st, obj, id);
-  if (v == nullptr) return false;
-  Py_DECREF(v);
-  return v == expected;
-}
-
-// Whether obj.<field> is an exact bool (True or False).
-bool FieldIsBool(const FastState* st, PyObject* obj, int id) {
-  PyObject* v = GetField(st, obj, id);
-  if (v == nullptr) return false;
-  Py_DECREF(v);
-  return v == Py_True || v == Py_False;
-}
-
-// fast_admit(state, requests, slot_guides) -> int: how many leading requests of the list pass
-// GuidedDecoder._admit's inline test, which this mirrors exactly: an unguided request whose
-// is_draft and is_context_init_state are exact bools; or a guided one that is generating
-// (is_generation_in_progress_state True, is_context_init_state and
-// is_generation_only_first_iteration False, is_draft an exact bool) with an exact-int seq_slot
-// in range whose slot_guides entry is its guide object, an exact-int request_id, and
-// draft_tokens None or an exact list. Reads only; never leaves an exception set.
+// fast_admit(state, records, slot_guides) -> int: how many leading records of the list pass
+// the decoder's inline admission test (capgraph/admission.py, Admission.admit), which this
+// mirrors exactly: an unguided request whose is_draft and is_context_init_state are exact
+// bools; or a guided one that is generating (is_generation_in_progress_state True,
+// is_context_init_state and is_generation_only_first_iteration False, is_draft an exact bool)
+// with an exact-int seq_slot in range whose slot_guides entry is its guide object, an
+// exact-int request_id, and draft_tokens None or an exact list. A record that is not an exact
+// tuple of RECORD_FIELDS' length stops the count. Reads only; never leaves an exception set.
 PyObject* FastAdmit(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 3 || !PyList_CheckExact(args[1]) || !PyList_CheckExact(args[2])) {
-    PyErr_SetString(PyExc_TypeError, "fast_admit(state, requests: list, slot_guides: list)");
+    PyErr_SetString(PyExc_TypeError, "fast_admit(state, records: list, slot_guides: list)");
     return nullptr;
   }
   auto* st = static_cast<FastState*>(PyCapsule_GetPointer(args[0], kCapsule));
   if (st == nullptr) return nullptr;
-  PyObject* requests = args[1];
+  PyObject* records = args[1];
   PyObject* guides = args[2];
-  const Py_ssize_t n = PyList_GET_SIZE(requests);
-  const Py_ssize_t num_guides = PyList_GET_SIZE(guides);
+  const Py_ssize_t n = PyList_GET_SIZE(records);
+  const int64_t num_guides = std::min<int64_t>(st->num_slots, PyList_GET_SIZE(guides));
   Py_ssize_t i = 0;
   for (; i < n; ++i) {
-    PyObject* req = PyList_GET_ITEM(requests, i);
-    PyObject* params = GetField(st, req, kFieldParams);
-    if (params == nullptr) break;
-    Py_DECREF(params);  // (the request keeps it alive; only its identity is compared)
+    PyObject* const* f = RecordItems(PyList_GET_ITEM(records, i));
+    if (f == nullptr) break;
+    PyObject* params = f[RecordField::kParams];
     if (params == Py_None) {
-      if (FieldIsBool(st, req, kFieldIsDraft) && FieldIsBool(st, req, kFieldContext)) continue;
+      if (BoolValue(f[RecordField::kIsDraft]) >= 0 && BoolValue(f[RecordField::kContext]) >= 0) {
+        continue;
+      }
       break;
     }
-    if (!FieldIs(st, req, kFieldGenerating, Py_True) || !FieldIsBool(st, req, kFieldIsDraft) ||
-        !FieldIs(st, req, kFieldContext, Py_False) ||
-        !FieldIs(st, req, kFieldFirstIteration, Py_False)) {
+    if (f[RecordField::kGenerating] != Py_True || BoolValue(f[RecordField::kIsDraft]) < 0 ||
+        f[RecordField::kContext] != Py_False || f[RecordField::kFirstIteration] != Py_False) {
       break;
     }
-    const int64_t slot = IndexField(st, req, kFieldSlot, std::min<int64_t>(st->num_slots,
-                                                                           num_guides));
+    const int64_t slot = IndexValue(f[RecordField::kSlot], num_guides);
     if (slot < 0 || PyList_GET_ITEM(guides, slot) != params) break;
-    PyObject* rid = GetField(st, req, kFieldRequestId);
-    if (rid == nullptr) break;
-    const bool rid_ok = PyLong_CheckExact(rid);
-    Py_DECREF(rid);
-    if (!rid_ok) break;
-    PyObject* drafts = GetField(st, req, kFieldDrafts);
-    if (drafts == nullptr) break;
-    const bool drafts_ok = drafts == Py_None || PyList_CheckExact(drafts);
-    Py_DECREF(drafts);
-    if (!drafts_ok) break;
+    if (!PyLong_CheckExact(f[RecordField::kRequestId])) break;
+    PyObject* drafts = f[RecordField::kDrafts];
+    if (drafts != Py_None && !PyList_CheckExact(drafts)) break;
   }
   return PyLong_FromSsize_t(i);
 }
@@ -621,16 +535,16 @@ PyObject* FastEnd(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 PyObject* MakeFast(PyObject*, PyObject* args) {
   long long address = 0, num_slots = 0, vocab_size = 0, max_drafts = 0;
-  PyObject *keep, *matchers, *draft_terminated, *advanced, *guided, *matcher_type, *request_type;
-  if (!PyArg_ParseTuple(args, "LOO!O!O!O!OOLLL", &address, &keep, &PyList_Type, &matchers,
+  PyObject *keep, *handles, *draft_terminated, *advanced, *guided;
+  if (!PyArg_ParseTuple(args, "LOO!O!O!O!LLL", &address, &keep, &PyList_Type, &handles,
                         &PyList_Type, &draft_terminated, &PyList_Type, &advanced, &PyList_Type,
-                        &guided, &matcher_type, &request_type, &num_slots, &vocab_size,
-                        &max_drafts)) {
+                        &guided, &num_slots, &vocab_size, &max_drafts)) {
     return nullptr;
   }
-  if (!PyList_CheckExact(matchers) || address == 0 || num_slots < 1 || vocab_size < 1 ||
-      max_drafts < 0 || !PyType_Check(matcher_type) || !PyType_Check(request_type)) {
-    PyErr_SetString(PyExc_ValueError, "make_fast: bad arguments");
+  if (address == 0 || num_slots < 1 || vocab_size < 1 || max_drafts < 0) {
+    PyErr_Format(PyExc_ValueError, "make_fast: bad arguments (address %lld, num_slots %lld, "
+                 "vocab_size %lld, max_num_draft_tokens %lld)", address, num_slots, vocab_size,
+                 max_drafts);
     return nullptr;
   }
   auto* st = new FastState();
@@ -639,26 +553,15 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
   st->vocab_size = vocab_size;
   st->max_drafts = max_drafts;
   st->seen.assign(static_cast<size_t>(num_slots), 0);
-  for (int id = 0; id < kNumFields; ++id) {
-    st->offset[id] = SlotOffset(id < kMatcherFields ? request_type : matcher_type, g_names[id]);
-  }
-  for (PyObject* o :
-       {keep, matchers, draft_terminated, advanced, guided, matcher_type, request_type}) {
-    Py_INCREF(o);
-  }
+  for (PyObject* o : {keep, handles, draft_terminated, advanced, guided}) Py_INCREF(o);
   st->keep = keep;
-  st->matchers = matchers;
+  st->handles = handles;
   st->draft_terminated = draft_terminated;
   st->advanced = advanced;
   st->guided = guided;
-  st->matcher_type = matcher_type;
-  st->request_type = request_type;
   PyObject* capsule = PyCapsule_New(st, kCapsule, DestroyState);
   if (capsule == nullptr) {
-    for (PyObject* o :
-         {keep, matchers, draft_terminated, advanced, guided, matcher_type, request_type}) {
-      Py_DECREF(o);
-    }
+    for (PyObject* o : {keep, handles, draft_terminated, advanced, guided}) Py_DECREF(o);
     delete st;
   }
   return capsule;
@@ -668,7 +571,7 @@ PyMethodDef g_methods[] = {
     {"make_fast", reinterpret_cast<PyCFunction>(MakeFast), METH_VARARGS,
      "Bind a host builder to a decoder's per-slot lists."},
     {"fast_admit", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(FastAdmit)),
-     METH_FASTCALL, "How many leading requests pass GuidedDecoder._admit's inline test."},
+     METH_FASTCALL, "How many leading records pass the decoder's inline admission test."},
     {"fast_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(FastStep)),
      METH_FASTCALL, "Run a steady-state build step, or return None (see python_entry.cc)."},
     {"fast_begin", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(FastBegin)),
@@ -685,13 +588,22 @@ PyModuleDef g_module = {PyModuleDef_HEAD_INIT, "capgraph_host_build",
 
 }  // namespace
 
+// The module, with RECORD_FIELDS: the names of a record's fields, in order (Python checks at
+// load that its records are built the same way).
 extern "C" __attribute__((visibility("default"))) PyObject* PyInit_capgraph_host_build() {
-  for (int id = 0; id < kNumFields; ++id) {
-    if (g_names[id] == nullptr &&
-        (g_names[id] = PyUnicode_InternFromString(kFieldNames[id])) == nullptr) {
-      return nullptr;
-    }
+  PyObject* module = PyModule_Create(&g_module);
+  if (module == nullptr) return nullptr;
+  PyObject* names = PyTuple_New(kRecordFields);
+  for (int k = 0; names != nullptr && k < kRecordFields; ++k) {
+    PyObject* name = PyUnicode_FromString(kRecordFieldNames[k]);
+    if (name == nullptr) Py_CLEAR(names);
+    else PyTuple_SET_ITEM(names, k, name);  // (steals name)
   }
-  return PyModule_Create(&g_module);
+  if (names == nullptr || PyModule_AddObject(module, "RECORD_FIELDS", names) < 0) {
+    Py_XDECREF(names);
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
 }
 #endif  // CAPGRAPH_WITH_PYTHON

@@ -22,7 +22,7 @@ from capgraph.decoder import GuidedDecoder
 from capgraph.grammar import create_matcher_factory
 from capgraph.grammar import native
 from capgraph.grammar.native import NativeBuildError, NativeBuilder
-from capgraph.requests import GuidedRequest
+from capgraph.requests import GuidedRequest, native_records
 from capgraph.tokenizers import encode_continuation
 from conftest import AimedMethods, assert_steps_agree, build_threads
 
@@ -309,6 +309,81 @@ def test_asynchronous_build_is_ended_before_anything_reads_the_decoder(tiny, rea
             return  # the reader changed the decoder on purpose (rollback, release, rebuild)
 
 
+def test_cpython_entry_reads_only_exact_records(tiny):
+    """Pins the native boundary's request side: the entry reads one exact tuple per request,
+    its fields in NATIVE_RECORD_FIELDS' order (the library's RECORD_FIELDS). A batch holding
+    anything else -- a request object, a list, a tuple subclass, a tuple of another length --
+    is declined untouched (step and begin return None), and admission stops counting there;
+    exact records of the same batch are taken."""
+    from capgraph.requests import NATIVE_RECORD_FIELDS
+
+    assert tuple(native.python_module().RECORD_FIELDS) == NATIVE_RECORD_FIELDS
+    dec = _decoder(tiny, 2, 0, "on")
+    dec.add_batch([GuidedRequest.context(1, 0, ALIVE), GuidedRequest.context(2, 1, ALIVE)])
+    assert dec.build() == []
+    fast = dec.host_build.entry
+    dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 0),
+                   GuidedRequest.generation(2, 1, ALIVE, 1)])
+    reqs = dec.requests
+    records = native_records(reqs.requests)
+    guides = [ALIVE, ALIVE]  # (each slot's guide object, as the decoder's admission keeps)
+
+    class Record(tuple):
+        pass
+
+    bad_records = [reqs.requests[1], list(records[1]), Record(records[1]), records[1][:-1],
+                   records[1] + (None,)]
+    for bad in bad_records:
+        batch = [records[0], bad]
+        for call in (fast.step, fast.begin):
+            assert call(fast.state, batch, reqs.offsets, 0, 2) is None, bad
+        assert fast.admit(fast.state, batch, guides) == 1
+        assert fast.admit(fast.state, batch[::-1], guides) == 0
+        assert dec.num_advanced_tokens == [0, 0]  # (nothing touched)
+    assert fast.admit(fast.state, records, guides) == 2
+    assert fast.step(fast.state, records, reqs.offsets, 0, 2) == (True, None)
+    assert dec.num_advanced_tokens == [1, 1]
+
+
+def test_matcher_handles_follow_the_matchers(tiny):
+    """Pins the native boundary's matcher side: per slot, the decoder keeps in step with its
+    matcher what the C++ runs -- None (no matcher), the address of an exact XGrammarMatcher's
+    FFI object, False for any other matcher (the batch that needs it is declined) -- on every
+    assignment, and the slot list's length cannot change."""
+    dec = _decoder(tiny, 3, 0, "on")
+    matchers = dec.grammar_matchers
+    assert matchers.handles == [None, None, None]
+    dec.add_batch([GuidedRequest.context(1, 0, ALIVE), GuidedRequest.context(2, 2, ALIVE)])
+    assert dec.build() == []
+    assert matchers.handles[0] == matchers[0].ffi_address != 0
+    assert matchers.handles[1] is None and matchers.handles[2] == matchers[2].ffi_address
+    wrapped = _StatelessFlaky(matchers[2], bad_row=-1)
+    matchers[2] = wrapped
+    assert matchers.handles[2] is False
+    matchers[0:2] = [None, matchers[0]]
+    assert matchers.handles[:2] == [None, matchers[1].ffi_address]
+    for change in (lambda: matchers.append(None), lambda: matchers.pop(),
+                   lambda: matchers.__setitem__(slice(0, 1), []), lambda: matchers.clear()):
+        with pytest.raises(TypeError, match="fixed length"):
+            change()
+    assert len(matchers) == len(matchers.handles) == 3
+
+
+def test_record_fields_disagreement_is_a_build_error(monkeypatch):
+    """A library whose RECORD_FIELDS differ from capgraph/requests.py's NATIVE_RECORD_FIELDS
+    is refused at load with NativeBuildError naming both orders (never run)."""
+    import capgraph.requests as requests_module
+
+    module = native.python_module()
+    if module is None:
+        pytest.skip("the C++ build's CPython entry is not built here (no Python headers)")
+    native._check_records(module, native.source_path())  # (agrees)
+    swapped = ("seq_slot", "guided_decoding_params") + requests_module.NATIVE_RECORD_FIELDS[2:]
+    monkeypatch.setattr(requests_module, "NATIVE_RECORD_FIELDS", swapped)
+    with pytest.raises(NativeBuildError, match="disagree"):
+        native._check_records(module, native.source_path())
+
+
 def test_fast_begin_and_end_are_paired(tiny):
     """fast_begin / fast_end misuse raises a clear error and touches nothing; fast_close
     ends the thread and a later fast_begin starts another."""
@@ -320,7 +395,7 @@ def test_fast_begin_and_end_are_paired(tiny):
         fast.end(fast.state)
     dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 0)])
     reqs = dec.requests
-    args = (fast.state, reqs.requests, reqs.offsets, 0, reqs.num_bitmask_tokens)
+    args = (fast.state, native_records(reqs.requests), reqs.offsets, 0, reqs.num_bitmask_tokens)
     assert fast.begin(*args) is True
     for call in (lambda: fast.begin(*args), lambda: fast.step(*args)):
         with pytest.raises(RuntimeError, match="has not been ended"):
@@ -329,12 +404,12 @@ def test_fast_begin_and_end_are_paired(tiny):
     assert dec.num_advanced_tokens[0] == 1 and dec.num_guided_tokens[0] == 1
     dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 1)])
     reqs = dec.requests
-    assert fast.begin(fast.state, reqs.requests, reqs.offsets, 0, 1) is True
+    assert fast.begin(fast.state, native_records(reqs.requests), reqs.offsets, 0, 1) is True
     fast.close(fast.state)  # with a job in flight: it runs to its end first
     assert fast.end(fast.state) == (True, None) and dec.num_advanced_tokens[0] == 1
     fast.close(fast.state)  # (nothing to end twice)
     dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 0)])
-    assert fast.begin(fast.state, reqs.requests[:0], [], 0, 1) is True  # nothing to build
+    assert fast.begin(fast.state, [], [], 0, 1) is True  # nothing to build
     assert fast.end(fast.state) == (False, None)
     assert dec._build(dec.requests, asynchronous=True) == []
     assert dec.take_failed_requests() == [] and dec.num_advanced_tokens[0] == 1

@@ -16,12 +16,13 @@ a matcher that terminated in C++ re-reads its state here (``XGrammarMatcher.sync
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import ConfigError
 from ..grammar import GrammarMatcherFactory
 from ..grammar.native import (STATUS_OVER_BUDGET, TERMINATED, FastPath, NativeBuilder,
                               NativeBuildError, matcher_methods)
+from ..requests import native_records
 from .base import Outcome, Status, StepPlan, StepResult
 from .python import Active, PythonBuild, fault
 from .slots import SlotState
@@ -138,16 +139,19 @@ class NativeBuild(NativeLoopBuild):
 
     def run(self, plan: StepPlan) -> StepResult:
         entry, requests = self.entry, plan.requests
-        result = entry.step(entry.state, requests.requests, requests.offsets,
-                            requests.max_num_draft_tokens, plan.clear_rows)
+        records = _records(requests.requests)
+        result = None if records is None else entry.step(
+            entry.state, records, requests.offsets, requests.max_num_draft_tokens,
+            plan.clear_rows)
         if result is None:  # not the steady state: nothing was touched
             return super().run(plan)
         return self._entry_result(requests.requests, result)
 
     def begin(self, plan: StepPlan) -> bool:
         entry, requests = self.entry, plan.requests
-        if entry.begin(entry.state, requests.requests, requests.offsets,
-                       requests.max_num_draft_tokens, plan.clear_rows):
+        records = _records(requests.requests)
+        if records is not None and entry.begin(entry.state, records, requests.offsets,
+                                               requests.max_num_draft_tokens, plan.clear_rows):
             self._inflight = requests.requests
             return True
         return False
@@ -163,7 +167,8 @@ class NativeBuild(NativeLoopBuild):
         return self._entry_result(requests, self.entry.end(self.entry.state))
 
     def admit(self, requests: list, slot_guides: list) -> int:
-        return self.entry.admit(self.entry.state, requests, slot_guides)
+        records = _records(requests)
+        return 0 if records is None else self.entry.admit(self.entry.state, records, slot_guides)
 
     def close(self) -> None:
         self.entry.close(self.entry.state)
@@ -175,6 +180,31 @@ class NativeBuild(NativeLoopBuild):
             self._statuses(((i, requests[i].seq_slot, status, message)
                             for i, status, message in unusual), outcomes)
         return StepResult(outcomes, masked)
+
+
+def _records(requests: Sequence[Any]) -> list[tuple] | None:
+    """The requests' records for the CPython entry, or None where some request cannot give
+    one (a missing field, or one that raises: the Python code then reads and reports it)."""
+    try:
+        return native_records(requests)
+    except Exception:
+        return None
+
+
+def native_handle_of(matcher_type: type) -> Callable[[Any], int | bool | None]:
+    """What the CPython entry runs for a matcher (:class:`~capgraph.build.slots.SlotMatchers`
+    keeps it per slot): None for no matcher, the address of the FFI object of an exact
+    ``matcher_type`` instance (``ffi_address``), False for any other matcher (a subclass or
+    wrapper must run its own methods) or one without an FFI object."""
+
+    def handle_of(matcher: Any) -> int | bool | None:
+        if matcher is None:
+            return None
+        if type(matcher) is not matcher_type:
+            return False
+        return getattr(matcher, "ffi_address", 0) or False
+
+    return handle_of
 
 
 def make_native_build(slots: SlotState, factory: GrammarMatcherFactory, budget_ms: float = 0.0,
@@ -201,10 +231,12 @@ def make_native_build(slots: SlotState, factory: GrammarMatcherFactory, budget_m
     builder = NativeBuilder(methods, slots.bitmask, slots.token_mask, slots.max_num_sequences,
                             sorted(slots.stop_ids), slots.full_words, slots.tail_mask,
                             None if clear_word is None else (clear_word, clear_bits))
-    fast = builder.bind_fast(slots.matchers, slots.is_draft_terminated,
-                             slots.num_advanced_tokens, slots.num_guided_tokens,
-                             xgr_factory.matcher_type(), slots.vocab_size_padded,
-                             slots.max_num_draft_tokens) if entry else None
+    fast = None
+    if entry:
+        slots.matchers.track(native_handle_of(xgr_factory.matcher_type()))
+        fast = builder.bind_fast(slots.matchers.handles, slots.is_draft_terminated,
+                                 slots.num_advanced_tokens, slots.num_guided_tokens,
+                                 slots.vocab_size_padded, slots.max_num_draft_tokens)
     if fast is None:
         return NativeLoopBuild(slots, factory, budget_ms, builder)
     return NativeBuild(slots, factory, budget_ms, builder, fast)

@@ -9,7 +9,7 @@ them on the rows it filled.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -18,7 +18,51 @@ from ..bitmask import (allocate_host_bitmask, allocate_host_token_mask, split_la
                        words_per_row)
 from ..grammar import GrammarMatcher
 
-__all__ = ["SlotState", "probe_window"]
+__all__ = ["SlotMatchers", "SlotState", "probe_window"]
+
+
+def _python_only(matcher: object) -> bool | None:
+    return None if matcher is None else False
+
+
+class SlotMatchers(list[GrammarMatcher | None]):
+    """The matcher of each slot: a list of fixed length, with :attr:`handles` beside it.
+
+    ``handles[slot]`` is what the native build's CPython entry runs for ``self[slot]``
+    (``handle_of(matcher)``, see :meth:`track`: None for no matcher, the address of the
+    matcher's FFI object, False for a matcher only Python can run). It is recomputed on every
+    assignment, so the two never disagree: the C++ side runs the address it finds, and a stale
+    one would run an object that may have been freed. Changing the length raises TypeError.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__([None] * num_slots)
+        self.handles: list[Any] = [None] * num_slots
+        self._handle_of: Callable[[Any], Any] = _python_only
+
+    def track(self, handle_of: Callable[[Any], Any]) -> None:
+        """Compute the handles with ``handle_of`` from now on (the current matchers' too)."""
+        self._handle_of = handle_of
+        self.handles[:] = [handle_of(m) for m in self]
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if isinstance(index, slice):
+            new = list(self)
+            new[index] = value
+            if len(new) != len(self):
+                raise TypeError(f"the {len(self)} slots' matcher list has a fixed length")
+            super().__setitem__(slice(None), new)
+            self.handles[:] = [self._handle_of(m) for m in new]
+            return
+        super().__setitem__(index, value)
+        self.handles[index] = self._handle_of(value)
+
+    def _fixed(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"the {len(self)} slots' matcher list has a fixed length and order "
+                        "(assign matchers[slot] instead)")
+
+    __delitem__ = append = extend = insert = pop = remove = clear = _fixed  # type: ignore
+    __iadd__ = __imul__ = sort = reverse = _fixed  # type: ignore
 
 
 class SlotState:
@@ -44,7 +88,8 @@ class SlotState:
         self.max_num_sequences = S
         self.max_num_draft_tokens = max_num_draft_tokens
         self.vocab_size_padded = V
-        self.matchers: list[GrammarMatcher | None] = [None] * S
+        #: per slot, its matcher (and, kept in step, what the native build runs for it)
+        self.matchers: SlotMatchers = SlotMatchers(S)
         self.num_advanced_tokens = [0] * S  #: tokens accepted in the last build
         self.num_guided_tokens = [0] * S  #: rows masked in the last build
         self.num_advanced_draft_tokens = [0] * S  #: tokens accepted over a drafting loop

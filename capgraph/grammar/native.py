@@ -8,12 +8,14 @@ which requests take it, failures, counters -- stays in :class:`capgraph.GuidedDe
 
 Where Python's headers are installed the library is also a CPython extension module
 (``csrc/python_entry.cc``, :func:`python_module`): its ``fast_step`` reads a steady-state batch
-of :class:`~capgraph.GuidedRequest` objects itself and runs the same loop with the GIL released
-(:meth:`NativeBuilder.bind_fast`), so a plain decode step makes one call from Python; any other
-batch is declined untouched and takes the tvm-ffi step above. Its ``fast_begin`` / ``fast_end``
-split the same step in two around a thread of the library's own, which never takes the GIL:
-the capturable decoder's CPU host step starts the xgrammar work there and returns, so that no
-Python thread competes with a CPU forward for the GIL (see :class:`FastPath`).
+of request records (plain tuples, :func:`capgraph.requests.native_records`) and per-slot matcher
+handles that Python keeps (:meth:`NativeBuilder.bind_fast`), never the layout of Python
+objects, and runs the same loop with the GIL released, so a plain decode step makes one call
+from Python; any other batch is declined untouched and takes the tvm-ffi step above. Its
+``fast_begin`` / ``fast_end`` split the same step in two around a thread of the library's own,
+which never takes the GIL: the capturable decoder's CPU host step starts the xgrammar work
+there and returns, so that no Python thread competes with a CPU forward for the GIL (see
+:class:`FastPath`).
 ``CAPGRAPH_NATIVE_PYTHON=off`` builds without it.
 
 Nothing compiles at import. :func:`load` builds the library (``builder.cc`` and
@@ -101,12 +103,27 @@ def load() -> Any:
         try:
             path = jit.build(_library_spec())
             module = jit.load_tvm_ffi_module(path)
-            _python_module = jit.load_python_extension(path, _PYTHON_MODULE) or False
+            python = jit.load_python_extension(path, _PYTHON_MODULE)
+            if python is not None:
+                _check_records(python, path)
+            _python_module = python or False
             _module = module
         except NativeBuildError as e:
             _error = e
             raise
         return _module
+
+
+def _check_records(python: Any, path: Path) -> None:
+    """The library's CPython entry reads request records field by position: its
+    ``RECORD_FIELDS`` must be :data:`capgraph.requests.NATIVE_RECORD_FIELDS`."""
+    from ..requests import NATIVE_RECORD_FIELDS
+
+    fields = tuple(getattr(python, "RECORD_FIELDS", ()))
+    if fields != NATIVE_RECORD_FIELDS:
+        raise NativeBuildError(f"{path} reads request records as {fields}, capgraph builds "
+                               f"them as {NATIVE_RECORD_FIELDS}: the library and "
+                               "capgraph/requests.py disagree")
 
 
 def python_module() -> Any:
@@ -192,21 +209,22 @@ class NativeBuilder:
         which runs at nice 19, an overrun also needs the thread's CPU time to agree."""
         self._set_budget(int(round((budget_ms or 0) * 1e6)))
 
-    def bind_fast(self, matchers: list, draft_terminated: list, advanced: list, guided: list,
-                  matcher_type: type, vocab_size: int, max_num_draft_tokens: int
-                  ) -> FastPath | None:
-        """The CPython fast path bound to a decoder's per-slot lists (mutated in place only),
-        as :meth:`capgraph.GuidedDecoder._build` calls it; None where the library has no
-        CPython side. ``matcher_type``'s instances must carry ``_terminated`` and
-        ``_chandle`` (their FFI object's address), as ``XGrammarMatcher`` does."""
+    def bind_fast(self, handles: list, draft_terminated: list, advanced: list, guided: list,
+                  vocab_size: int, max_num_draft_tokens: int) -> FastPath | None:
+        """The CPython fast path bound to a decoder's per-slot lists (mutated in place only);
+        None where the library has no CPython side.
+
+        ``handles``: per slot, kept in step with the slot's matcher, None (no matcher), the
+        address of the matcher's xgrammar FFI object (``XGrammarMatcher.ffi_address``: the
+        C++ runs it with this builder's methods), or anything else (a matcher only Python can
+        run: a batch that needs it is declined). ``draft_terminated``, ``advanced``,
+        ``guided``: the slots' drafting-stopped flags (exact bools) and last-build counters."""
         module = python_module()
         if module is None:
             return None
-        from ..requests import GuidedRequest
-
-        state = module.make_fast(int(self._address), self.step, matchers, draft_terminated,
-                                 advanced, guided, matcher_type, GuidedRequest, len(matchers),
-                                 int(vocab_size), int(max_num_draft_tokens))
+        state = module.make_fast(int(self._address), self.step, handles, draft_terminated,
+                                 advanced, guided, len(handles), int(vocab_size),
+                                 int(max_num_draft_tokens))
         return FastPath(module.fast_step, module.fast_begin, module.fast_end, module.fast_close,
                         module.fast_admit, state)
 
@@ -214,18 +232,20 @@ class NativeBuilder:
 class FastPath(NamedTuple):
     """The C++ build's CPython entry bound to one decoder (:meth:`NativeBuilder.bind_fast`).
 
-    ``step(state, requests, offsets, draft_len, clear_rows)`` reads a steady-state batch of
-    :class:`~capgraph.requests.GuidedRequest` objects and builds it, the GIL released while
-    xgrammar works: ``(masked, unusual)``, or None where some guided request is not the
-    plain case (nothing was touched; the Python loop then runs). ``begin`` takes the same
+    ``step(state, records, offsets, draft_len, clear_rows)`` reads a steady-state batch of
+    request records (:func:`capgraph.requests.native_records`: one exact tuple per request)
+    and builds it, the GIL released while xgrammar works: ``(masked, unusual)``, or None where
+    some guided request is not the plain case (nothing was touched; the Python loop then
+    runs). ``begin`` takes the same
     arguments and declines the same batches, but hands the xgrammar work to the state's own
     thread, which never takes the GIL, and returns True at once; ``end(state)`` waits for
     that work (GIL released) and returns what ``step`` would have. Between the two nothing
     may read the decoder's matchers, counters or masks (``GuidedDecoder._finish_build``).
     That thread runs at the lowest priority (nice 19) so that it never preempts the caller's
     threads; ``close(state)`` ends it (``GuidedDecoder.close``), and a later ``begin`` would
-    start another. ``admit(state, requests, slot_guides)`` counts the leading requests that
-    pass ``GuidedDecoder._admit``'s inline test (it only reads them).
+    start another. ``admit(state, records, slot_guides)`` counts the leading records that pass
+    the inline admission test (:meth:`capgraph.admission.Admission.admit`; it only reads
+    them).
     """
 
     step: Callable[..., Any]
