@@ -18,7 +18,7 @@ applies the masks, and rolls back.
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch
 
@@ -175,7 +175,9 @@ class GuidedDecoder:
     @nvtx_range("GuidedDecoder.add_batch")
     def add_batch(self, requests: Sequence[GuidedRequest],
                   runtime_draft_len: int | None = None) -> None:
-        """Take this step's request snapshots (batch order = row order).
+        """Take this step's request snapshots (batch order = row order). The requests are read
+        here: change a request before its ``add_batch``, not between it and the build (the
+        native build uses the values read here).
 
         Every request is checked before any matcher moves: here its fields' types, its slot
         and the slot's guide (:mod:`capgraph.admission`); the token values where the build
@@ -432,7 +434,7 @@ class GuidedDecoder:
                     "with no valid token")))
             elif status == Status.OVER_BUDGET:
                 failed.append(self._fail(req, BudgetExceededError(
-                    request_id=req.request_id, seq_slot=slot, elapsed_ms=float(detail),
+                    request_id=req.request_id, seq_slot=slot, elapsed_ms=float(cast(float, detail)),
                     budget_ms=self.host_build.budget_ms)))
             else:  # FAULT, REFUSED: the message is the detail
                 failed.append(self._fail_message(req, str(detail), status == Status.FAULT))
@@ -464,9 +466,10 @@ class GuidedDecoder:
             raise LayoutError(f"{len(requests)} requests exceed max_num_sequences="
                               f"{self.max_num_sequences}")
         reqs = list(requests)
-        start = self.host_build.admit(reqs, self._admission.slot_guides)
+        start, records = self.host_build.admit(reqs, self._admission.slot_guides)
         if start == len(reqs):  # every request is the common one
             self.requests = batch = GuidedRequests(reqs, draft_len)
+            batch.records = records  # (read once: the build takes them as admitted)
         else:
             reqs, dropped, fresh, failed = self._admission.admit(reqs, tokens_elsewhere, start)
             self._record_failed(failed)
@@ -494,10 +497,9 @@ class GuidedDecoder:
             params, slot = req.guided_decoding_params, req.seq_slot
             if params is None or req.is_draft or not self.slots.slot_ok(slot):
                 continue
-            handle = self._pending_compiles.get(slot)  # type: ignore[arg-type]
+            handle = self._pending_compiles.get(slot)
             if handle is None or handle.params != params:
-                self._pending_compiles[slot] = \
-                    self.grammar_matcher_factory.compile_async(params)  # type: ignore[index]
+                self._pending_compiles[slot] = self.grammar_matcher_factory.compile_async(params)
 
     def _drop_slots(self, batch: GuidedRequests) -> None:
         """Drop the matchers of ``batch.dropped_slots`` (their requests failed admission),

@@ -302,6 +302,9 @@ class GuidedRequests:
     dropped_slots: Sequence[int] = ()
     offsets: list[int] = field(init=False, repr=False)
     num_bitmask_tokens: int = field(init=False)
+    #: the requests' native records (:func:`native_records`) as read at admission, where the
+    #: native build read them; None once a request changed since (or never read)
+    records: list[tuple] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_num_draft_tokens < 0:

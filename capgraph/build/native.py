@@ -139,7 +139,7 @@ class NativeBuild(NativeLoopBuild):
 
     def run(self, plan: StepPlan) -> StepResult:
         entry, requests = self.entry, plan.requests
-        records = _records(requests.requests)
+        records = requests.records or _records(requests.requests)
         result = None if records is None else entry.step(
             entry.state, records, requests.offsets, requests.max_num_draft_tokens,
             plan.clear_rows)
@@ -149,7 +149,7 @@ class NativeBuild(NativeLoopBuild):
 
     def begin(self, plan: StepPlan) -> bool:
         entry, requests = self.entry, plan.requests
-        records = _records(requests.requests)
+        records = requests.records or _records(requests.requests)
         if records is not None and entry.begin(entry.state, records, requests.offsets,
                                                requests.max_num_draft_tokens, plan.clear_rows):
             self._inflight = requests.requests
@@ -166,9 +166,11 @@ class NativeBuild(NativeLoopBuild):
             return super().finish()
         return self._entry_result(requests, self.entry.end(self.entry.state))
 
-    def admit(self, requests: list, slot_guides: list) -> int:
+    def admit(self, requests: list, slot_guides: list) -> tuple[int, list | None]:
         records = _records(requests)
-        return 0 if records is None else self.entry.admit(self.entry.state, records, slot_guides)
+        if records is None:
+            return 0, None
+        return self.entry.admit(self.entry.state, records, slot_guides), records
 
     def close(self) -> None:
         self.entry.close(self.entry.state)

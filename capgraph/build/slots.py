@@ -9,7 +9,7 @@ them on the rows it filled.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeGuard
 
 import numpy as np
 import torch
@@ -116,7 +116,7 @@ class SlotState:
         # the dead-end guard's first look: the 16-word window holding most likely-allowed ids
         self._probe = probe_window(likely_allowed_ids, self.full_words)
 
-    def slot_ok(self, slot: object) -> bool:
+    def slot_ok(self, slot: object) -> TypeGuard[int]:
         """Whether ``slot`` is an int slot index of this state."""
         return type(slot) is int and 0 <= slot < self.max_num_sequences
 
