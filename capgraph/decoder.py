@@ -31,8 +31,8 @@ from .errors import (BudgetExceededError, ConfigError, DeadEndError, LayoutError
                      QueueEpochError, RequestError)
 from .grammar import CompileHandle, GrammarMatcher, GrammarMatcherFactory, create_matcher_factory
 from .ops import logits_bitmask
+from .ops.cpu_mask import cpu_apply
 from .ops.op import _FLOAT_DTYPES, _cuda_kernel
-from .grammar.native import cpu_apply
 from .params import GuidedDecodingConfig
 from .requests import GuidedRequest, GuidedRequests, as_int
 from .streams import CudaStepStreams, StepStreams

@@ -289,7 +289,7 @@ class GuidedDecodingConfig:
             batches of 8 and 64 on a 2-core and a 16-core host, every thread count above 1 made
             the fill slower (docs/BENCHMARKS.md): the hand-off to the pool's threads costs more
             than the rows it spreads.
-        native_build: the every-step build loop in C++ (:mod:`capgraph.grammar.native`,
+        native_build: the every-step build loop in C++ (:mod:`capgraph.build.native`,
             xgrammar backend with ``fill_threads=1``): ``"auto"`` (default) compiles it on the
             first decoder of the machine (a few seconds, then cached on disk) and falls back to
             the Python loop, with one warning, where it cannot; ``"on"`` makes that an error;

@@ -135,7 +135,7 @@ REQUEST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(GuidedRequest))
 
 #: The fields of a request that the native build's CPython entry reads, in the order of its
 #: records (``csrc/host_build.h``, ``RecordField``; the library's ``RECORD_FIELDS`` must equal
-#: this, which ``capgraph.grammar.native.load`` checks).
+#: this, which ``capgraph.build.library.load`` checks).
 NATIVE_RECORD_FIELDS: tuple[str, ...] = (
     "guided_decoding_params", "seq_slot", "new_token", "is_generation_in_progress_state",
     "is_draft", "is_context_init_state", "draft_tokens", "request_id",

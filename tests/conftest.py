@@ -176,7 +176,7 @@ class AimedMethods:
     def methods(self, factory) -> tuple:
         """``(accept_token, fill_next_token_bitmask, is_terminated)`` for ``factory``'s
         xgrammar matchers."""
-        from capgraph.grammar import native
+        from capgraph.build import library as native
         from capgraph.build.native import xgrammar_factory
 
         accept, fill, is_terminated = native.matcher_methods(

@@ -17,7 +17,8 @@ import torch
 from capgraph import ConfigError, GuidedDecodingConfig, GuidedDecodingParams
 from capgraph.capturable import CapturableGuidedDecoder
 from capgraph.decoder import GuidedDecoder
-from capgraph.grammar import GrammarMatcher, create_matcher_factory, native
+from capgraph.build import library as native
+from capgraph.grammar import GrammarMatcher, create_matcher_factory
 from capgraph.params import DEFAULT_HOST_STEP_BUDGET_MS
 from capgraph.requests import GuidedRequest
 from conftest import AimedMethods

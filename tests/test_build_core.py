@@ -12,7 +12,8 @@ from capgraph import ConfigError, GuidedDecodingConfig, GuidedDecodingParams, Gu
 from capgraph.build import (HostBuild, NativeBuild, NativeLoopBuild, PythonBuild, SlotState,
                             Status, StepPlan, StepResult)
 from capgraph.decoder import GuidedDecoder
-from capgraph.grammar import create_matcher_factory, native
+from capgraph.build import library as native
+from capgraph.grammar import create_matcher_factory
 from capgraph.requests import GuidedRequest, GuidedRequests
 
 VOCAB = ["a", "b", "</s>", "ab", "c", "d"]

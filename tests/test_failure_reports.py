@@ -12,7 +12,8 @@ import torch
 from capgraph import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from capgraph.capturable import CapturableGuidedDecoder
 from capgraph.decoder import GuidedDecoder
-from capgraph.grammar import create_matcher_factory, native
+from capgraph.build import library as native
+from capgraph.grammar import create_matcher_factory
 from capgraph.requests import GuidedRequest
 from conftest import AimedMethods
 

@@ -1,4 +1,4 @@
-"""The C++ host build (csrc/builder.cc and python_entry.cc, through capgraph.grammar.native):
+"""The C++ host build (csrc/builder.cc and python_entry.cc, through capgraph.build.library):
 same results as the Python build, faults per request, and a clear story when it cannot be
 built."""
 
@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from capgraph import ConfigError, GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from capgraph.decoder import GuidedDecoder
 from capgraph.grammar import create_matcher_factory
-from capgraph.grammar import native
-from capgraph.grammar.native import NativeBuildError, NativeBuilder
+from capgraph.build import library as native
+from capgraph.build.library import NativeBuildError, NativeBuilder
 from capgraph.requests import GuidedRequest, native_records
 from capgraph.tokenizers import encode_continuation
 from conftest import AimedMethods, assert_steps_agree, build_threads

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import ConfigError
 from ..grammar import GrammarMatcherFactory
-from ..grammar.native import (STATUS_OVER_BUDGET, TERMINATED, FastPath, NativeBuilder,
+from .library import (STATUS_OVER_BUDGET, TERMINATED, FastPath, NativeBuilder,
                               NativeBuildError, matcher_methods)
 from ..requests import native_records
 from .base import Outcome, Status, StepPlan, StepResult
@@ -122,7 +122,7 @@ _WITH_MESSAGE = (Status.FAULT, STATUS_OVER_BUDGET)
 
 class NativeBuild(NativeLoopBuild):
     """The whole steady-state step in one call of the C++ library's CPython entry
-    (:class:`~capgraph.grammar.native.FastPath`); any other batch takes the native loop.
+    (:class:`~capgraph.build.library.FastPath`); any other batch takes the native loop.
 
     :meth:`begin` hands the step's xgrammar work to the entry's own thread, which never takes
     the GIL and runs at the lowest priority, and returns at once; :meth:`finish` waits for it.

@@ -224,7 +224,7 @@ class XGrammarMatcher(GrammarMatcher):
         self._terminated = matcher.is_terminated()
         handle = _ffi(matcher, "accept_token", "fill_next_token_bitmask")
         self._handle = handle  # what BatchGrammarMatcher's FFI object takes, or None
-        # its address, for the C++ fast path (capgraph.grammar.native; 0: none)
+        # its address, for the C++ fast path (capgraph.build.native; 0: none)
         chandle = getattr(handle, "__chandle__", None)
         self._chandle: int = int(chandle()) if chandle is not None else 0
         if handle is not None:  # (token, debug_print) / (bitmask, index, debug_print)

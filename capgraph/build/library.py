@@ -1,10 +1,11 @@
-"""The host build's every-step loop in C++ (``csrc/builder.cc``), for the xgrammar backend.
+"""The C++ host build library (``csrc/builder.cc``, ``csrc/python_entry.cc``): loading it and
+binding it to a decoder's buffers. The strategies that use it are in :mod:`capgraph.build.native`.
 
 Why: at batch 1-32 a decode step's host build is a few microseconds of xgrammar work per
 request, and calling it from Python costs about as much again (docs/BENCHMARKS.md, "build").
 The C++ loop calls xgrammar's own FFI methods (tvm-ffi Functions, handed in from Python) with
-no Python in between, and reports per request a status and two counts; everything else --
-which requests take it, failures, counters -- stays in :class:`capgraph.GuidedDecoder`.
+no Python in between, and reports per request a status and two counts; which requests take it
+and what a status means stay in Python (:mod:`capgraph.build`, :class:`capgraph.GuidedDecoder`).
 
 Where Python's headers are installed the library is also a CPython extension module
 (``csrc/python_entry.cc``, :func:`python_module`): its ``fast_step`` reads a steady-state batch
@@ -29,7 +30,7 @@ seconds; later processes load the cached file.
 ``CAPGRAPH_NATIVE_BUILD`` sets) chooses: ``"auto"`` uses the loop where it compiles and warns
 once where it does not (the Python build then runs, with the same results), ``"on"`` makes a
 failure an error, ``"off"`` keeps that decoder on the Python loop. The CPU mask is an op of its
-own, :mod:`capgraph.ops.cpu_mask` (``cpu_apply`` here is that module's).
+own, :mod:`capgraph.ops.cpu_mask`.
 """
 
 from __future__ import annotations
@@ -44,10 +45,9 @@ import torch
 
 from .. import jit
 from ..errors import NativeBuildError
-from ..ops.cpu_mask import cpu_apply
 
 __all__ = ["FastPath", "NativeBuildError", "NativeBuilder", "load", "python_module",
-           "unavailable_reason", "source_path", "cpu_apply", "matcher_methods",
+           "unavailable_reason", "source_path", "matcher_methods",
            "STATUS_REJECTED", "STATUS_DEAD_END", "STATUS_FAULT", "STATUS_OVER_BUDGET",
            "TERMINATED"]
 
