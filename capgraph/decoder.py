@@ -25,7 +25,7 @@ import torch
 from ._nvtx import nvtx_range
 from .admission import Admission
 from .bitmask import bitmask_dtype, token_mask_dtype, vocab_shard
-from .build import HostBuild, HostBuildChoice, SlotState, Status, StepPlan, StepResult
+from .build import HostBuild, HostBuildChoice, Outcome, SlotState, Status
 from .build import make_host_build
 from .errors import (BudgetExceededError, ConfigError, DeadEndError, LayoutError,
                      QueueEpochError, RequestError)
@@ -121,6 +121,7 @@ class GuidedDecoder:
         self.num_guided_tokens = slots.num_guided_tokens  # rows masked in the last build
         self.num_advanced_draft_tokens = slots.num_advanced_draft_tokens  # over a drafting loop
         self.is_draft_terminated = slots.is_draft_terminated
+        slots.create_matcher = self._create_matcher
         self.bitmask_size = slots.words
         self.bitmask_host, self.token_mask_host = slots.bitmask, slots.token_mask
         if self.device.type == "cpu":
@@ -248,7 +249,8 @@ class GuidedDecoder:
 
     def take_failed_requests(self) -> list[FailedRequest]:
         """Failures recorded since the last call, then forgets them."""
-        self._finish_build()
+        if self._inflight is not None:
+            self._finish_build()
         with self._failed_lock:
             failed, self._failed = self._failed, []
         return failed
@@ -286,7 +288,8 @@ class GuidedDecoder:
         directly: the custom op's dispatch and three slices cost 8 us a step, more than the
         pass itself at batch 1.
         """
-        self._finish_build()
+        if self._inflight is not None:
+            self._finish_build()
         fast = self._cpu_apply
         if (fast is not None and d2t is None and logits.shape[0] == num_rows
                 and logits.shape[1] == self.vocab_size_padded and logits.dtype in _FLOAT_DTYPES
@@ -390,14 +393,15 @@ class GuidedDecoder:
         or masks calls that first. Its failures are recorded then.
         ``clear_rows``: token-mask rows zeroed first (default: the batch layout's rows).
         """
-        self._finish_build()
-        plan = StepPlan(requests, requests.num_bitmask_tokens if clear_rows is None
-                        else clear_rows, self._create_matcher)
-        if asynchronous and self.host_build.begin(plan):
+        if self._inflight is not None:
+            self._finish_build()
+        clear = requests.num_bitmask_tokens if clear_rows is None else clear_rows
+        if asynchronous and self.host_build.begin(requests, clear):
             self._inflight = requests
             self._masked_rows = True  # (until the join says: the token mask decides)
             return []
-        return self._interpret(requests, self.host_build.run(plan))
+        outcomes, self._masked_rows = self.host_build.run(requests, clear)
+        return self._interpret(requests, outcomes) if outcomes else []
 
     def _finish_build(self) -> None:
         """Wait for the build ``_build(asynchronous=True)`` started and record its failures;
@@ -410,16 +414,17 @@ class GuidedDecoder:
         except BaseException:
             self._clear_token_mask()  # as a build that raises: this step masks nothing
             raise
-        self._record_failed(self._interpret(requests, result))
+        outcomes, self._masked_rows = result
+        self._record_failed(self._interpret(requests, outcomes))
 
-    def _interpret(self, requests: GuidedRequests, result: StepResult) -> list[FailedRequest]:
+    def _interpret(self, requests: GuidedRequests, outcomes: Sequence[Outcome]
+                   ) -> list[FailedRequest]:
         """What each outcome of a build means for its request (the one place for it, whichever
         strategy ran): a refused new token or a dead first row stops a draft step's guidance
         and fails a target request; a fault or a budget overrun fails the request. A failed
         request's matcher is dropped (:meth:`_fail`)."""
-        self._masked_rows = result.masked
         failed: list[FailedRequest] = []
-        for index, status, detail in result.outcomes:
+        for index, status, detail in outcomes:
             req = requests.requests[index]
             slot = req.seq_slot
             if status in (Status.REJECTED, Status.DEAD_END) and req.is_draft:

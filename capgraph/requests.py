@@ -140,14 +140,15 @@ NATIVE_RECORD_FIELDS: tuple[str, ...] = (
     "guided_decoding_params", "seq_slot", "new_token", "is_generation_in_progress_state",
     "is_draft", "is_context_init_state", "draft_tokens", "request_id",
     "is_generation_only_first_iteration")
-_native_record = operator.attrgetter(*NATIVE_RECORD_FIELDS)
+#: one request's record: its :data:`NATIVE_RECORD_FIELDS` values as a tuple
+native_record = operator.attrgetter(*NATIVE_RECORD_FIELDS)
 
 
 def native_records(requests: Sequence[Any]) -> list[tuple]:
     """One tuple per request, its :data:`NATIVE_RECORD_FIELDS` values in order: what the native
     build's CPython entry reads instead of the request objects. Raises what reading a field
     raises (``AttributeError`` for a missing one)."""
-    return list(map(_native_record, requests))
+    return list(map(native_record, requests))
 
 
 def _show(value: Any) -> str:

@@ -10,7 +10,7 @@ import pytest
 
 from capgraph import ConfigError, GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from capgraph.build import (HostBuild, NativeBuild, NativeLoopBuild, PythonBuild, SlotState,
-                            Status, StepPlan, StepResult)
+                            Status, StepResult)
 from capgraph.decoder import GuidedDecoder
 from capgraph.build import library as native
 from capgraph.grammar import create_matcher_factory
@@ -170,10 +170,11 @@ def _state(factory, slots: int = 4, drafts: int = 1) -> SlotState:
                      factory.likely_allowed_token_ids())
 
 
-def _plan(factory, requests, draft_len: int = 0, create=None) -> StepPlan:
+def _run(build, requests, draft_len: int = 0) -> StepResult:
+    """One step of ``requests`` through ``build`` (its slots create matchers from the
+    factory, or as the test set ``slots.create_matcher``)."""
     batch = GuidedRequests(requests, draft_len)
-    return StepPlan(batch, batch.num_bitmask_tokens,
-                    create or (lambda req: factory.create(req.guided_decoding_params)))
+    return build.run(batch, batch.num_bitmask_tokens)
 
 
 def _started(factory, guides, sequential_fill_max: int | None = None
@@ -181,12 +182,12 @@ def _started(factory, guides, sequential_fill_max: int | None = None
     """A slot state whose slot ``s`` holds a fresh matcher of ``guides[s]`` (created by a
     context step of the strategy)."""
     slots = _state(factory)
+    slots.create_matcher = lambda req: factory.create(req.guided_decoding_params)
     build = PythonBuild(slots, factory)
     if sequential_fill_max is not None:
         build.sequential_fill_max = sequential_fill_max
-    result = build.run(_plan(factory, [GuidedRequest.context(10 + s, s, g)
-                                       for s, g in enumerate(guides)]))
-    assert result == StepResult([], True)
+    result = _run(build, [GuidedRequest.context(10 + s, s, g) for s, g in enumerate(guides)])
+    assert not result.outcomes and result.masked
     assert all(m is not None for m in slots.matchers[:len(guides)])
     assert slots.token_mask_np[:len(guides)].tolist() == [1] * len(guides)
     return slots, build
@@ -205,7 +206,7 @@ def test_python_build_reports_each_outcome_at_its_batch_index(tiny, sequential_f
                 GuidedRequest.generation(11, 1, DEAD, A),
                 GuidedRequest.generation(12, 2, ALIVE, A),
                 GuidedRequest.generation(13, 3, ALIVE, B)]
-    result = build.run(_plan(tiny, requests))
+    result = _run(build, requests)
     assert sorted(result.outcomes) == [(1, Status.REJECTED, None), (2, Status.DEAD_END, None),
                                        (3, Status.FAULT, "RuntimeError: accept raised")]
     assert result.masked
@@ -218,9 +219,9 @@ def test_python_build_reports_a_dead_end_only_at_the_first_row(tiny):
     """A draft that runs into the dead end leaves that row to verification: no outcome, the
     rows before it guided."""
     slots, build = _started(tiny, [DEAD])
-    result = build.run(_plan(tiny, [GuidedRequest.generation(10, 0, DEAD, B, draft_tokens=[A])],
-                             draft_len=1))
-    assert result == StepResult([], True)
+    result = _run(build, [GuidedRequest.generation(10, 0, DEAD, B, draft_tokens=[A])],
+                  draft_len=1)
+    assert not result.outcomes and result.masked
     assert slots.token_mask_np[:2].tolist() == [1, 0]
     assert slots.num_advanced_tokens[0] == 2 and slots.num_guided_tokens[0] == 1
 
@@ -240,7 +241,8 @@ def test_python_build_refuses_a_request_that_does_not_own_its_slot(tiny):
                 GuidedRequest.generation(11, 0, ALIVE, B),
                 GuidedRequest.context(20, 1, SHORT),
                 GuidedRequest.generation(30, 9, ALIVE, A)]
-    result = build.run(_plan(tiny, requests, create=create))
+    slots.create_matcher = create
+    result = _run(build, requests)
     assert [(i, status) for i, status, _ in sorted(result.outcomes)] == \
         [(1, Status.REFUSED), (2, Status.FAULT), (3, Status.FAULT)]
     details = {i: detail for i, _, detail in result.outcomes}
@@ -262,6 +264,7 @@ def test_native_strategies_report_what_the_python_one_reports(tiny, choice):
     results = []
     for strategy in ("python", choice):
         slots = _state(tiny)
+        slots.create_matcher = lambda req: tiny.create(req.guided_decoding_params)
         build = make_host_build(strategy, slots, tiny)
         assert isinstance(build, HostBuild) and build.name in (strategy, "native-loop")
         steps = [[GuidedRequest.context(10 + s, s, g)
@@ -271,9 +274,8 @@ def test_native_strategies_report_what_the_python_one_reports(tiny, choice):
                   GuidedRequest.generation(12, 2, ALIVE, B)]]
         seen = []
         for requests in steps:
-            plan = _plan(tiny, requests)
-            result = build.run(plan)
-            rows = plan.requests.num_bitmask_tokens
+            result = _run(build, requests)
+            rows = GuidedRequests(requests, 0).num_bitmask_tokens
             seen.append((sorted(result.outcomes), result.masked,
                          slots.token_mask_np[:rows].tolist(), list(slots.num_advanced_tokens),
                          list(slots.num_guided_tokens)))

@@ -121,7 +121,7 @@ def _recording_begin(taken: list):
         build = make_host_build("auto", slots, factory, budget_ms, factory.config.native_build)
         if build.asynchronous:
             begin = build.begin
-            build.begin = lambda plan: taken.append(begin(plan)) or taken[-1]
+            build.begin = lambda *step: taken.append(begin(*step)) or taken[-1]
         return build
     return make
 

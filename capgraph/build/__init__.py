@@ -24,13 +24,13 @@ from typing import Callable, Literal, Union
 
 from ..errors import ConfigError, NativeBuildError
 from ..grammar import GrammarMatcherFactory
-from .base import HostBuild, Outcome, Status, StepPlan, StepResult
+from .base import HostBuild, Outcome, Status, StepResult
 from .native import NativeBuild, NativeLoopBuild, make_native_build
 from .python import PythonBuild
 from .slots import SlotState
 
 __all__ = ["HostBuild", "HostBuildChoice", "NativeBuild", "NativeLoopBuild", "Outcome",
-           "PythonBuild", "SlotState", "Status", "StepPlan", "StepResult", "HOST_BUILDS",
+           "PythonBuild", "SlotState", "Status", "StepResult", "HOST_BUILDS",
            "make_host_build", "make_native_build"]
 
 #: the strategy names ``GuidedDecoder(host_build=...)`` accepts

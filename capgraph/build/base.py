@@ -1,4 +1,4 @@
-"""The host build contract: a step's plan in, per-request outcomes out.
+"""The host build contract: a step's batch in, per-request outcomes out.
 
 A :class:`HostBuild` strategy does a decode step's host work for one decoder: it creates the
 matchers that are due, feeds each guided request its new token and draft tokens, fills the
@@ -6,20 +6,19 @@ request's bitmask rows, guards against dead ends and marks the guided rows in th
 What happened to a request other than plainly succeeding comes back as an :data:`Outcome`, a
 status code with its detail; the decoder interprets every outcome in one place
 (``GuidedDecoder._interpret``), whichever strategy produced it. The strategies promise the same
-rows, masks, counters and outcomes for the same plan.
+rows, masks, counters and outcomes for the same batch.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from enum import IntEnum
-from typing import Callable, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple, Sequence
 
-from ..grammar import GrammarMatcher
-from ..requests import GuidedRequest, GuidedRequests
+from ..requests import GuidedRequests
 from .slots import SlotState
 
-__all__ = ["HostBuild", "Outcome", "Status", "StepPlan", "StepResult"]
+__all__ = ["HostBuild", "Outcome", "Status", "StepResult"]
 
 
 class Status(IntEnum):
@@ -44,20 +43,15 @@ class Status(IntEnum):
 Outcome = tuple[int, Status, object]
 
 
-class StepPlan(NamedTuple):
-    """One step's build: the batch, the token-mask rows to clear first, and how to create a
-    request's matcher (the decoder's compile handles; may raise)."""
-
-    requests: GuidedRequests
-    clear_rows: int
-    create_matcher: Callable[[GuidedRequest], GrammarMatcher]
-
-
 class StepResult(NamedTuple):
     """A build's outcomes (in the order the strategy met them) and whether it guided a row."""
 
-    outcomes: list[Outcome]
+    outcomes: Sequence[Outcome]
     masked: bool
+
+
+#: the results of a step in which every request plainly succeeded (shared: nothing mutates them)
+PLAIN = (StepResult((), False), StepResult((), True))
 
 
 class HostBuild(ABC):
@@ -79,12 +73,12 @@ class HostBuild(ABC):
         self.budget_ms = float(budget_ms or 0.0)
 
     @abstractmethod
-    def run(self, plan: StepPlan) -> StepResult:
-        """Build the step: clear ``token_mask[:plan.clear_rows]``, then create, advance and
-        fill. Raises only for faults outside any one request (the decoder then masks nothing
-        this step)."""
+    def run(self, requests: GuidedRequests, clear_rows: int) -> StepResult:
+        """Build the step of ``requests``: clear ``token_mask[:clear_rows]``, then create
+        (through ``slots.create_matcher``), advance and fill. Raises only for faults outside
+        any one request (the decoder then masks nothing this step)."""
 
-    def begin(self, plan: StepPlan) -> bool:
+    def begin(self, requests: GuidedRequests, clear_rows: int) -> bool:
         """Start the step's grammar work on the strategy's own thread and return True, or
         return False, touching nothing, when this strategy or batch cannot (then call
         :meth:`run`)."""

@@ -22,8 +22,8 @@ from ..errors import ConfigError
 from ..grammar import GrammarMatcherFactory
 from .library import (STATUS_OVER_BUDGET, TERMINATED, FastPath, NativeBuilder,
                               NativeBuildError, matcher_methods)
-from ..requests import native_records
-from .base import Outcome, Status, StepPlan, StepResult
+from ..requests import GuidedRequests, native_record
+from .base import PLAIN, Outcome, Status, StepResult
 from .python import Active, PythonBuild, fault
 from .slots import SlotState
 
@@ -137,21 +137,20 @@ class NativeBuild(NativeLoopBuild):
         self.entry = entry
         self._inflight: Any = None  # the batch begin() took
 
-    def run(self, plan: StepPlan) -> StepResult:
-        entry, requests = self.entry, plan.requests
+    def run(self, requests: GuidedRequests, clear_rows: int) -> StepResult:
+        entry = self.entry
         records = requests.records or _records(requests.requests)
         result = None if records is None else entry.step(
-            entry.state, records, requests.offsets, requests.max_num_draft_tokens,
-            plan.clear_rows)
+            entry.state, records, requests.offsets, requests.max_num_draft_tokens, clear_rows)
         if result is None:  # not the steady state: nothing was touched
-            return super().run(plan)
+            return super().run(requests, clear_rows)
         return self._entry_result(requests.requests, result)
 
-    def begin(self, plan: StepPlan) -> bool:
-        entry, requests = self.entry, plan.requests
+    def begin(self, requests: GuidedRequests, clear_rows: int) -> bool:
+        entry = self.entry
         records = requests.records or _records(requests.requests)
         if records is not None and entry.begin(entry.state, records, requests.offsets,
-                                               requests.max_num_draft_tokens, plan.clear_rows):
+                                               requests.max_num_draft_tokens, clear_rows):
             self._inflight = requests.requests
             return True
         return False
@@ -167,8 +166,9 @@ class NativeBuild(NativeLoopBuild):
         return self._entry_result(requests, self.entry.end(self.entry.state))
 
     def admit(self, requests: list, slot_guides: list) -> tuple[int, list | None]:
-        records = _records(requests)
-        if records is None:
+        try:
+            records = list(map(native_record, requests))
+        except Exception:  # a request without the fields: the Python admission names it
             return 0, None
         return self.entry.admit(self.entry.state, records, slot_guides), records
 
@@ -177,10 +177,11 @@ class NativeBuild(NativeLoopBuild):
 
     def _entry_result(self, requests: Sequence, result: tuple) -> StepResult:
         masked, unusual = result
+        if unusual is None:
+            return PLAIN[masked]
         outcomes: list[Outcome] = []
-        if unusual is not None:
-            self._statuses(((i, requests[i].seq_slot, status, message)
-                            for i, status, message in unusual), outcomes)
+        self._statuses(((i, requests[i].seq_slot, status, message)
+                        for i, status, message in unusual), outcomes)
         return StepResult(outcomes, masked)
 
 
@@ -188,7 +189,7 @@ def _records(requests: Sequence[Any]) -> list[tuple] | None:
     """The requests' records for the CPython entry, or None where some request cannot give
     one (a missing field, or one that raises: the Python code then reads and reports it)."""
     try:
-        return native_records(requests)
+        return list(map(native_record, requests))
     except Exception:
         return None
 

@@ -21,12 +21,12 @@ calls from Python.
 from __future__ import annotations
 
 from time import perf_counter
-from typing import Callable, Sequence, cast
+from typing import Sequence, cast
 
 from ..errors import RequestError
 from ..grammar import GrammarMatcher, GrammarMatcherFactory
-from ..requests import GuidedRequest, as_int
-from .base import HostBuild, Outcome, Status, StepPlan, StepResult
+from ..requests import GuidedRequest, GuidedRequests, as_int
+from .base import PLAIN, HostBuild, Outcome, Status, StepResult
 from .slots import SlotState
 
 __all__ = ["Active", "PythonBuild", "select"]
@@ -59,7 +59,8 @@ def fault(index: int, error: BaseException, status: Status = Status.FAULT) -> Ou
     return index, status, f"{type(error).__name__}: {error}"
 
 
-def select(plan: StepPlan, state: SlotState) -> tuple[Active, list[Outcome], list[int]]:
+def select(requests: GuidedRequests, state: SlotState
+           ) -> tuple[Active, list[Outcome], list[int]]:
     """Which requests of the step take part, their matchers created where due.
 
     Returns the :class:`Active` columns, the outcomes of requests that failed here, and the
@@ -68,7 +69,6 @@ def select(plan: StepPlan, state: SlotState) -> tuple[Active, list[Outcome], lis
     in the vocabulary) is checked inline; every other one takes :func:`_prepare`. Each slot's
     counters of the last build are zeroed as its request is met.
     """
-    requests = plan.requests
     act = Active([], [], [], [], [], [])
     add_index, add_slot, add_matcher, add_offset, add_drafts, add_token = (
         act.index.append, act.slots.append, act.matchers.append, act.offsets.append,
@@ -114,7 +114,7 @@ def select(plan: StepPlan, state: SlotState) -> tuple[Active, list[Outcome], lis
             continue
         duplicate = slot in seen  # then the slot's matcher belongs to another request
         try:
-            entry = _prepare(req, offset, draft_len, seen, state, plan.create_matcher)
+            entry = _prepare(req, offset, draft_len, seen, state)
         except Exception as e:
             outcomes.append(fault(i, e, Status.REFUSED if duplicate else Status.FAULT))
             continue
@@ -127,8 +127,7 @@ def select(plan: StepPlan, state: SlotState) -> tuple[Active, list[Outcome], lis
 
 
 def _prepare(req: GuidedRequest, offset: int, draft_len: int, seen: set[int],
-             state: SlotState, create_matcher: Callable[[GuidedRequest], GrammarMatcher]
-             ) -> tuple | None:
+             state: SlotState) -> tuple | None:
     """Check one request that is not the common case and create its matcher if due; None if
     it has nothing to do, else its :class:`Active` row without the index."""
     slot = req.seq_slot
@@ -148,7 +147,7 @@ def _prepare(req: GuidedRequest, offset: int, draft_len: int, seen: set[int],
     drafts = _checked_drafts(req, draft_len, state)
     if init:
         state.matchers[slot] = None
-        state.matchers[slot] = create_matcher(req)
+        state.matchers[slot] = state.create_matcher(req)
     matcher = state.matchers[slot]
     if matcher is None or matcher.is_terminated():
         return None
@@ -208,17 +207,17 @@ class PythonBuild(HostBuild):
         self._budget_probe = False  # a batched stage went over the budget: time the next alone
         self._masked = False
 
-    def run(self, plan: StepPlan) -> StepResult:
+    def run(self, requests: GuidedRequests, clear_rows: int) -> StepResult:
         state = self.slots
-        state.token_mask_np[:plan.clear_rows] = 0  # first: a build that fails masks nothing
+        state.token_mask_np[:clear_rows] = 0  # first: a build that fails masks nothing
         self._masked = False
-        act, outcomes, draft_slots = select(plan, state)
+        act, outcomes, draft_slots = select(requests, state)
         if act.index:
-            self._fill(act, outcomes, plan.requests.max_num_draft_tokens)
+            self._fill(act, outcomes, requests.max_num_draft_tokens)
         advanced, drafted = state.num_advanced_tokens, state.num_advanced_draft_tokens
         for slot in draft_slots:
             drafted[slot] += advanced[slot]
-        return StepResult(outcomes, self._masked)
+        return StepResult(outcomes, self._masked) if outcomes else PLAIN[self._masked]
 
     def _fill(self, act: Active, outcomes: list[Outcome], draft_len: int) -> None:
         """Advance and fill the selected requests: one by one for a small batch (or after a

@@ -17,8 +17,13 @@ import torch
 from ..bitmask import (allocate_host_bitmask, allocate_host_token_mask, split_last_word,
                        words_per_row)
 from ..grammar import GrammarMatcher
+from ..requests import GuidedRequest
 
 __all__ = ["SlotMatchers", "SlotState", "probe_window"]
+
+
+def _no_compiles(request: GuidedRequest) -> GrammarMatcher:
+    raise RuntimeError("this SlotState has no create_matcher: set it to create matchers")
 
 
 def _python_only(matcher: object) -> bool | None:
@@ -90,6 +95,8 @@ class SlotState:
         self.vocab_size_padded = V
         #: per slot, its matcher (and, kept in step, what the native build runs for it)
         self.matchers: SlotMatchers = SlotMatchers(S)
+        #: how a request's matcher is created (the decoder's compile handles; may raise)
+        self.create_matcher: Callable[[GuidedRequest], GrammarMatcher] = _no_compiles
         self.num_advanced_tokens = [0] * S  #: tokens accepted in the last build
         self.num_guided_tokens = [0] * S  #: rows masked in the last build
         self.num_advanced_draft_tokens = [0] * S  #: tokens accepted over a drafting loop
