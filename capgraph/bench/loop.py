@@ -333,12 +333,14 @@ COLUMNS = [Column("batch", "batch"), Column("vocab", "V"),
 
 
 def _time_stages(decoder) -> dict[str, list[float]]:
-    """Wrap this decoder instance's host build and mask application with timers (about a
-    microsecond each); returns the lists they fill, one entry per call. Host time: on CUDA
-    the apply is its kernel launch (no synchronisation is added to measure it)."""
+    """Wrap this decoder's host build strategy (``decoder.host_build.run``) and its mask
+    application with timers (about a microsecond each); returns the lists they fill, one entry
+    per call. Host time: on CUDA the apply is its kernel launch (no synchronisation is added to
+    measure it)."""
     stages: dict[str, list[float]] = {"build": [], "apply": []}
-    for name, stage in (("_build", "build"), ("apply_bitmask", "apply")):
-        method = getattr(decoder, name)
+    for owner, name, stage in ((decoder.host_build, "run", "build"),
+                               (decoder, "apply_bitmask", "apply")):
+        method = getattr(owner, name)
 
         def timed(*args, _method=method, _times=stages[stage], **kwargs):
             t0 = time.perf_counter()
@@ -346,5 +348,5 @@ def _time_stages(decoder) -> dict[str, list[float]]:
                 return _method(*args, **kwargs)
             finally:
                 _times.append(time.perf_counter() - t0)
-        setattr(decoder, name, timed)
+        setattr(owner, name, timed)
     return stages
