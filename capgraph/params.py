@@ -26,9 +26,11 @@ __all__ = [
     "GuidedDecodingParams",
     "GuidedDecodingConfig",
     "COMPILE_CACHE_ENV",
+    "COMPILE_DISK_CACHE_ENV",
     "NATIVE_BUILD_ENV",
     "native_build_env",
     "DEFAULT_COMPILE_CACHE_BYTES",
+    "DEFAULT_COMPILE_DISK_CACHE_BYTES",
     "JSON_WHITESPACE_MODES",
     "MAX_COMPILE_TIMEOUT_S",
     "MAX_JSON_WHITESPACE",
@@ -37,6 +39,9 @@ __all__ = [
 #: Environment variable that sets the default of ``GuidedDecodingConfig.compile_cache_bytes``
 #: (bytes; suffixes K, M, G accepted, e.g. ``512M``); an explicit argument wins.
 COMPILE_CACHE_ENV = "CAPGRAPH_COMPILE_CACHE_BYTES"
+#: Environment variable that sets the default of
+#: ``GuidedDecodingConfig.compile_disk_cache_bytes`` (same syntax; 0 turns the disk cache off).
+COMPILE_DISK_CACHE_ENV = "CAPGRAPH_COMPILE_DISK_CACHE_BYTES"
 #: Environment variable that sets the default of ``GuidedDecodingConfig.native_build`` (auto,
 #: on, off; an explicit argument wins); ``off`` also keeps the process-wide CPU mask pass from
 #: compiling.
@@ -49,7 +54,15 @@ NATIVE_BUILD_MODES = ("auto", "on", "off")
 def _default_cache_bytes() -> int:
     """``compile_cache_bytes`` when not given: ``$CAPGRAPH_COMPILE_CACHE_BYTES``, else 1 GiB."""
     env = os.environ.get(COMPILE_CACHE_ENV)
-    return _parse_bytes(env) if env else DEFAULT_COMPILE_CACHE_BYTES
+    return _parse_bytes(env, COMPILE_CACHE_ENV) if env else DEFAULT_COMPILE_CACHE_BYTES
+
+
+def _default_disk_cache_bytes() -> int:
+    """``compile_disk_cache_bytes`` when not given: ``$CAPGRAPH_COMPILE_DISK_CACHE_BYTES``,
+    else 1 GiB."""
+    env = os.environ.get(COMPILE_DISK_CACHE_ENV)
+    return _parse_bytes(env, COMPILE_DISK_CACHE_ENV) if env else \
+        DEFAULT_COMPILE_DISK_CACHE_BYTES
 
 
 def _default_native_build() -> str:
@@ -68,6 +81,7 @@ def native_build_env() -> str | None:
     env = os.environ.get(NATIVE_BUILD_ENV, "").strip().lower()
     return env or None
 DEFAULT_COMPILE_CACHE_BYTES = 1 << 30
+DEFAULT_COMPILE_DISK_CACHE_BYTES = 1 << 30
 #: Values of ``GuidedDecodingConfig.json_whitespace``.
 JSON_WHITESPACE_MODES = ("any", "compact", "bounded")
 #: Largest ``GuidedDecodingConfig.json_max_whitespace``.
@@ -184,7 +198,7 @@ def _refuse_trailing_text(guide_type: GuideType, text: str) -> None:
 _JSON_DECODER = json.JSONDecoder()
 
 
-def _parse_bytes(text: str) -> int:
+def _parse_bytes(text: str, env: str) -> int:
     t = text.strip().upper().removesuffix("B")
     scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
     if scale != 1:
@@ -192,10 +206,10 @@ def _parse_bytes(text: str) -> int:
     try:
         value = float(t) * scale
     except ValueError:
-        raise ConfigError(f"{COMPILE_CACHE_ENV}={text!r} is not a byte count "
+        raise ConfigError(f"{env}={text!r} is not a byte count "
                           "(examples: 1073741824, 512M, 1G)") from None
     if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{COMPILE_CACHE_ENV}={text!r} must be a finite byte count >= 0")
+        raise ConfigError(f"{env}={text!r} must be a finite byte count >= 0")
     return int(value)
 
 
@@ -281,6 +295,12 @@ class GuidedDecodingConfig:
         compile_cache_bytes: byte budget of the compiled-grammar cache; 0 disables caching.
             Default: the environment variable ``CAPGRAPH_COMPILE_CACHE_BYTES`` where set (a
             finite byte count), else 1 GiB; an explicit value wins over the variable.
+        compile_disk_cache_bytes: byte budget of the compiled grammars kept on disk under
+            ``$CAPGRAPH_CACHE_DIR/grammars`` (:mod:`capgraph.grammar.disk_cache`), so a
+            restarted process loads them instead of compiling; least recently used entries
+            go first; 0 turns it off. Default: the environment variable
+            ``CAPGRAPH_COMPILE_DISK_CACHE_BYTES`` where set, else 1 GiB; an explicit value
+            wins over the variable.
         compile_timeout_s: a compile that takes longer fails its request alone; a finite
             number of seconds up to ``MAX_COMPILE_TIMEOUT_S`` (one day).
         compile_threads: worker threads that compile grammars off the decode path.
@@ -333,6 +353,7 @@ class GuidedDecodingConfig:
     stop_token_ids: list[int] | None = None
     vocab_size_padded: int = 0
     compile_cache_bytes: int = field(default_factory=_default_cache_bytes)
+    compile_disk_cache_bytes: int = field(default_factory=_default_disk_cache_bytes)
     compile_timeout_s: float = 30.0
     compile_threads: int = 2
     fill_threads: int = 1
@@ -406,6 +427,7 @@ class GuidedDecodingConfig:
                 "GuidedDecodingConfig.stop_token_ids: the llguidance backend takes exactly one "
                 f"stop token, got {self.stop_token_ids}")
         _int_field("compile_cache_bytes", self.compile_cache_bytes, 0)
+        _int_field("compile_disk_cache_bytes", self.compile_disk_cache_bytes, 0)
         self.compile_timeout_s = _seconds_field("compile_timeout_s", self.compile_timeout_s,
                                                 MAX_COMPILE_TIMEOUT_S)
         _int_field("compile_threads", self.compile_threads, 1, 1024)

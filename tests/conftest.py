@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Tests count compiles: no test reads grammars that an earlier run left on disk (the disk
+# cache's own tests turn it on, in a temporary folder).
+os.environ.setdefault("CAPGRAPH_COMPILE_DISK_CACHE_BYTES", "0")
 
 from capgraph import GuidedDecodingConfig
 from capgraph.grammar import create_matcher_factory

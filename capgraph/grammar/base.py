@@ -1,12 +1,15 @@
 """The grammar-engine contract: a rollback-able matcher and the factory that compiles guides.
 
 A :class:`GrammarMatcher` is the per-sequence state machine (four methods). A
-:class:`GrammarMatcherFactory` compiles guides (cached, bounded in bytes, optionally on a thread
-pool so compilation stays off the decode path) and creates matchers from compiled guides.
+:class:`GrammarMatcherFactory` compiles guides (cached in memory and on disk, each bounded in
+bytes, on a thread pool so compilation stays off the decode path) and creates matchers from
+compiled guides.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -19,12 +22,18 @@ import torch
 
 from ..errors import CompileTimeoutError, GrammarCompileError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams
+from .._cache import cache_dir
 from .cache import ByteLRUCache
 from .compile_pool import CompilePool
+from .disk_cache import FORMAT_VERSION, DiskCompileCache, Lookup, config_key, entry_key
 from .guide_limits import check_guide_limits
 
 __all__ = ["GrammarMatcher", "GrammarMatcherFactory", "CompiledGuide", "CompileHandle",
            "CompileStats"]
+
+_log = logging.getLogger(__name__)
+#: Keys a factory remembers as loading slower than they compile (not written again).
+_MAX_SLOWER_KEYS = 10_000
 
 
 class GrammarMatcher(ABC):
@@ -75,6 +84,10 @@ class CompileStats:
     cache_hits: int = 0  #: requests served from the cache
     inflight_hits: int = 0  #: requests that joined a compile already running
     failures: int = 0  #: compiles that raised
+    disk_hits: int = 0  #: guides loaded from the disk cache instead of compiled
+    disk_misses: int = 0  #: guides looked up on disk and not found there
+    disk_writes: int = 0  #: compiled guides written to the disk cache
+    disk_rejected: int = 0  #: disk entries found damaged or unusable (deleted, recompiled)
     compile_s_total: float = 0.0
     compile_s: list[float] = field(default_factory=list)  #: per compile, bounded list
 
@@ -88,7 +101,7 @@ class CompileStats:
 class CompileHandle:
     """A compile in flight (or done): wait on it with a deadline relative to its start."""
 
-    __slots__ = ("future", "started", "params", "_on_timeout")
+    __slots__ = ("future", "started", "params", "_on_timeout", "_gave_up")
 
     def __init__(self, future: "Future[CompiledGuide]", params: GuidedDecodingParams,
                  on_timeout: Callable[[Future], None] | None = None) -> None:
@@ -96,6 +109,7 @@ class CompileHandle:
         self.started = time.monotonic()
         self.params = params
         self._on_timeout = on_timeout
+        self._gave_up = False
 
     def done(self) -> bool:
         return self.future.done()
@@ -111,7 +125,8 @@ class CompileHandle:
         try:
             return self.future.result(timeout=max(remaining, 0.0))
         except FutureTimeout:
-            if self._on_timeout is not None:  # free its slot for the compiles queued behind
+            if self._on_timeout is not None and not self._gave_up:
+                self._gave_up = True  # (once per handle: it counts one waiter giving up)
                 self._on_timeout(self.future)
             raise CompileTimeoutError(
                 f"compile did not finish within {timeout_s:g} s",
@@ -124,16 +139,38 @@ class CompileHandle:
             raise
 
 
+class _Compile:
+    """One compile in flight: its future, and how many of its waiters are still waiting."""
+
+    __slots__ = ("future", "waiters", "timed_out")
+
+    def __init__(self) -> None:
+        self.future: Future[CompiledGuide] | None = None
+        self.waiters = 0  # handles given out for it
+        self.timed_out = 0  # of those, the ones whose wait timed out
+
+    @property
+    def wanted(self) -> bool:
+        """Whether a request still waits for it (or none ever waited with a deadline)."""
+        return self.waiters == 0 or self.timed_out < self.waiters
+
+
 class GrammarMatcherFactory(ABC):
     """Compiles guides and creates matchers; one per decoder (TensorRT-LLM's name).
 
-    Compilation is cached by ``(guide_type, guide)`` in a byte-bounded LRU cache and runs off
-    the caller's thread (:meth:`compile_async`, at most ``compile_threads`` at once; see
-    :mod:`capgraph.grammar.compile_pool`). Concurrent requests for the same guide share one
-    compile; a compile whose waiter timed out gives its slot to the next one.
+    A guide is looked up in a byte-bounded LRU cache in memory by ``(guide_type, guide)``,
+    then, on the compile thread, in the disk cache (:mod:`capgraph.grammar.disk_cache`, for
+    backends that can serialize their grammars: :attr:`disk_cacheable`), and compiled only
+    where neither has it. Compiles run off the caller's thread (:meth:`compile_async`, at most
+    ``compile_threads`` at once; see :mod:`capgraph.grammar.compile_pool`). Concurrent requests
+    for the same guide share one compile; a compile whose waiter timed out gives its slot to
+    the next one, and is written to disk only if a request still waits for it when it ends.
     """
 
     backend_name: str = "?"
+    #: Whether this backend's compiled guides go to the disk cache (it implements
+    #: :meth:`_disk_identity`, :meth:`_serialize` and :meth:`_deserialize`).
+    disk_cacheable: bool = False
 
     def __init__(self, config: GuidedDecodingConfig) -> None:
         self.config = config
@@ -141,9 +178,16 @@ class GrammarMatcherFactory(ABC):
             config.compile_cache_bytes)
         self.stats = CompileStats()
         self._lock = threading.Lock()
-        self._inflight: dict[tuple[str, str], Future[CompiledGuide]] = {}
+        self._inflight: dict[tuple[str, str], _Compile] = {}
         self._pool = CompilePool(config.compile_threads)
         self._likely_allowed: tuple[int, ...] | None = None
+        #: the on-disk cache of compiled guides (None: off, or a backend that cannot serialize)
+        self.disk_cache: DiskCompileCache | None = None
+        if self.disk_cacheable and config.compile_disk_cache_bytes > 0:
+            self.disk_cache = DiskCompileCache(cache_dir("grammars"),
+                                               config.compile_disk_cache_bytes)
+        self._disk_prefix: list[str] | None = None  # the key parts every guide shares
+        self._disk_slower: set[str] = set()  # keys that load slower than they compile
 
     # -- backend hooks -----------------------------------------------------------------------
     @abstractmethod
@@ -158,6 +202,22 @@ class GrammarMatcherFactory(ABC):
         """``(payload, backend, fallback_reason)`` of what :meth:`_compile` returned; a factory
         that routes guides to several engines says here which one took this guide."""
         return payload, self.backend_name, None
+
+    def _disk_identity(self) -> list[str]:
+        """Disk-cache hook: what every compiled guide of this factory depends on besides the
+        guide and :data:`~capgraph.grammar.disk_cache.KEY_FIELDS`: the backend's version, a
+        digest of the vocabulary as the backend sees it and of the code that compiles
+        (:func:`~capgraph.grammar.disk_cache.source_digest`). Called once, on a compile
+        thread."""
+        raise NotImplementedError
+
+    def _serialize(self, compiled: CompiledGuide) -> str:
+        """Disk-cache hook: ``compiled.payload`` as text (called on the writer thread)."""
+        raise NotImplementedError
+
+    def _deserialize(self, params: GuidedDecodingParams, text: str) -> tuple[Any, int]:
+        """Disk-cache hook: ``(payload, nbytes)`` from what :meth:`_serialize` wrote."""
+        raise NotImplementedError
 
     # -- public API -------------------------------------------------------------------------
     def create(self, params: GuidedDecodingParams) -> GrammarMatcher:
@@ -183,18 +243,31 @@ class GrammarMatcherFactory(ABC):
                 done: Future[CompiledGuide] = Future()
                 done.set_result(hit)
                 return CompileHandle(done, params)
-            running = self._inflight.get(key)
-            if running is not None:
+            job = self._inflight.get(key)
+            started = job is None
+            if job is not None:
                 self.stats.inflight_hits += 1
-                return CompileHandle(running, params, self._pool.abandon)
-            future = self._pool.submit(lambda: self._compile_and_store(key, params))
-            self._inflight[key] = future
-        future.add_done_callback(lambda f: self._forget(key, f))
-        return CompileHandle(future, params, self._pool.abandon)
+            else:
+                job = _Compile()
+                job.future = self._pool.submit(
+                    lambda: self._compile_and_store(key, params, job))
+                self._inflight[key] = job
+            job.waiters += 1
+            future = job.future
+        assert future is not None
+        if started:  # (outside the lock: a compile already done calls back at once)
+            future.add_done_callback(lambda f: self._forget(key, job))
+        return CompileHandle(future, params, lambda f: self._timed_out(job, f))
 
-    def _forget(self, key: tuple[str, str], future: Future) -> None:
+    def _timed_out(self, job: _Compile, future: Future) -> None:
+        """A waiter of ``job`` gave up: count it and free the compile's slot."""
+        with self._lock:
+            job.timed_out += 1
+        self._pool.abandon(future)
+
+    def _forget(self, key: tuple[str, str], job: _Compile) -> None:
         with self._lock:  # done (stored, failed or cancelled): later requests start afresh
-            if self._inflight.get(key) is future:
+            if self._inflight.get(key) is job:
                 del self._inflight[key]
 
     def likely_allowed_token_ids(self) -> Sequence[int]:
@@ -248,13 +321,21 @@ class GrammarMatcherFactory(ABC):
         composite factory names the backend that will compile it)."""
         return self.backend_name
 
-    def _compile_and_store(self, key: tuple[str, str], params: GuidedDecodingParams
-                           ) -> CompiledGuide:
+    def _compile_and_store(self, key: tuple[str, str], params: GuidedDecodingParams,
+                           job: _Compile | None = None) -> CompiledGuide:
         start = time.perf_counter()
+        disk_key = None
         try:
             # bounded before any backend sees the guide (every factory comes through here)
             check_guide_limits(params, self._limits_backend(params),
                                self.config.max_repetition_count)
+            disk_key = self._disk_key(params)
+            if disk_key is not None:
+                loaded = self._load_from_disk(disk_key, params, start)
+                if loaded is not None:
+                    with self._lock:
+                        self.cache.put(key, loaded, loaded.nbytes)
+                    return loaded
             payload, nbytes = self._compile(params)
         except Exception as e:
             with self._lock:
@@ -273,7 +354,85 @@ class GrammarMatcherFactory(ABC):
             # other, never in neither
             self.stats.record(seconds)
             self.cache.put(key, compiled, nbytes)
+            # a compile every waiter of which timed out is not written (until asked again)
+            to_disk = disk_key is not None and (job is None or job.wanted) \
+                and disk_key not in self._disk_slower
+        disk = self.disk_cache
+        if to_disk and disk is not None and disk_key is not None:
+            disk.store_later(
+                disk_key, seconds,
+                lambda: (self._serialize(compiled),
+                         {"backend": compiled.backend, "compile_s": seconds,
+                          "fallback_reason": compiled.fallback_reason}),
+                self._written)
         return compiled
+
+    # -- disk cache ---------------------------------------------------------------------------
+    def _disk_key_prefix(self) -> list[str] | None:
+        """The disk-key parts every guide of this factory shares, computed once (a backend
+        calls it at the end of its constructor, so no request pays for it); None where the
+        disk cache is off, or the identity failed (logged, and the disk cache turned off)."""
+        if self.disk_cache is None or self._disk_prefix is not None:
+            return self._disk_prefix
+        from .. import __version__
+        try:
+            prefix = [f"format={FORMAT_VERSION}", f"capgraph={__version__}",
+                      f"config={config_key(self.config)}", *self._disk_identity()]
+        except Exception as e:  # noqa: BLE001 - the disk cache never fails a request
+            _log.warning("capgraph: compiled grammars are not cached on disk: the %s "
+                         "factory's identity failed (%s: %s)", self.backend_name,
+                         type(e).__name__, e)
+            self.disk_cache = None
+            return None
+        self._disk_prefix = prefix
+        return prefix
+
+    def _disk_key(self, params: GuidedDecodingParams) -> str | None:
+        """The disk-cache key of ``params`` under this factory (None: no disk cache)."""
+        prefix = self._disk_key_prefix()
+        if prefix is None:
+            return None
+        return entry_key([*prefix, params.guide_type.value, params.guide])
+
+    def _load_from_disk(self, disk_key: str, params: GuidedDecodingParams, start: float
+                        ) -> CompiledGuide | None:
+        """The guide from the disk cache, or None (a miss, or a damaged entry, deleted)."""
+        disk = self.disk_cache
+        if disk is None:
+            return None
+        found, entry = disk.load(disk_key)
+        if entry is not None:
+            try:
+                payload, nbytes = self._deserialize(params, entry.text)
+                backend = entry.record["backend"]
+                reason = entry.record.get("fallback_reason")
+                compile_s = float(entry.record.get("compile_s", math.inf))
+            except Exception as e:  # noqa: BLE001 - a backend that refuses the entry
+                disk.reject(disk_key, f"{type(e).__name__}: {e}")
+                found = Lookup.REJECTED
+            else:
+                load_s = time.perf_counter() - start
+                if load_s > compile_s:  # served, but compiling is faster: not kept
+                    disk.reject(disk_key, f"loaded in {load_s * 1e3:.1f} ms, compiled in "
+                                          f"{compile_s * 1e3:.1f} ms")
+                    with self._lock:
+                        if len(self._disk_slower) >= _MAX_SLOWER_KEYS:
+                            self._disk_slower.clear()
+                        self._disk_slower.add(disk_key)
+                with self._lock:
+                    self.stats.disk_hits += 1
+                return CompiledGuide(params, backend, payload, nbytes, load_s, reason)
+        with self._lock:
+            if found is Lookup.REJECTED:
+                self.stats.disk_rejected += 1
+            else:
+                self.stats.disk_misses += 1
+        return None
+
+    def _written(self, written: bool) -> None:
+        if written:
+            with self._lock:
+                self.stats.disk_writes += 1
 
     def __del__(self) -> None:  # best effort; pools also die with the interpreter
         try:

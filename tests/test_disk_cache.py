@@ -1,0 +1,392 @@
+"""The compiled-grammar cache on disk: restart, integrity, byte bound, unwritable folders, keys,
+and compiles whose requests timed out (capgraph.grammar.disk_cache)."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import logging
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from capgraph import GuidedDecodingConfig, GuidedDecodingParams
+from capgraph._cache import cache_dir
+from capgraph.errors import CompileTimeoutError
+from capgraph.grammar import create_matcher_factory
+from capgraph.grammar import disk_cache as dc
+from capgraph.grammar.xgrammar_backend import XGrammarMatcherFactory
+from capgraph.tokenizers import encode_continuation
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = "mistral-sp32k"  # the cheapest bundled factory to build (about 0.25 s)
+SCHEMA = json.loads((ROOT / "capgraph/data/tool_call_schema.json").read_text())
+GIB = 1 << 30
+# the converted tokenizers, before any test points $CAPGRAPH_CACHE_DIR elsewhere
+TOKENIZER_CACHE = str(cache_dir("tokenizers"))
+
+
+def _instance() -> str:
+    """A short JSON text valid under SCHEMA, for teacher forcing."""
+    return json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})
+
+
+@pytest.fixture
+def tok(tokenizer_cache):
+    return tokenizer_cache(TOKENIZER)
+
+
+@pytest.fixture
+def cache_root(tok, tmp_path, monkeypatch):
+    """``$CAPGRAPH_CACHE_DIR`` in a temporary folder (the tokenizer is loaded before)."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("CAPGRAPH_CACHE_DIR", str(root))
+    return root
+
+
+def _factory(tok, **fields):
+    """An xgrammar factory with the disk cache on, writing every compile (no time rule)."""
+    config = GuidedDecodingConfig.from_tokenizer(tok, **{"compile_disk_cache_bytes": GIB,
+                                                         **fields})
+    factory = create_matcher_factory(config)
+    if factory.disk_cache is not None:
+        factory.disk_cache.min_compile_s = 0.0
+        factory.disk_cache.min_speedup = 0.0
+    return factory
+
+
+def _compile_and_write(factory, params):
+    factory.compile(params)
+    assert factory.disk_cache.flush(30)
+    return factory.disk_cache.path_of(factory._disk_key(params))
+
+
+def _masks(factory, compiled, tokens: list[int]) -> list[list[int]]:
+    """The bitmask rows before each teacher-forced token and after the last."""
+    matcher = factory.create_from_compiled(compiled)
+    words = (factory.config.vocab_size_padded + 31) // 32
+    rows = []
+    for t in [*tokens, None]:
+        bitmask = torch.zeros(1, words, dtype=torch.int32)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        rows.append(bitmask[0].tolist())
+        if t is not None:
+            assert matcher.accept_token(t)
+    return rows
+
+
+_CHILD = r"""
+import json, sys
+from capgraph import GuidedDecodingConfig, GuidedDecodingParams
+from capgraph.grammar import create_matcher_factory
+from capgraph.tokenizers import load_tokenizer
+import torch
+args = json.loads(sys.argv[1])
+tok = load_tokenizer(args["tokenizer"], cache_dir=args["tokenizer_cache"])
+factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(tok))
+compiled = factory.compile(GuidedDecodingParams.json_schema(args["schema"]))
+matcher = factory.create_from_compiled(compiled)
+words = (factory.config.vocab_size_padded + 31) // 32
+rows = []
+for t in args["tokens"] + [None]:
+    bitmask = torch.zeros(1, words, dtype=torch.int32)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    rows.append(bitmask[0].tolist())
+    if t is not None:
+        assert matcher.accept_token(t)
+s = factory.stats
+print(json.dumps({"compiled": s.compiled, "disk_hits": s.disk_hits, "masks": rows}))
+"""
+
+
+def test_second_process_serves_the_schema_from_disk(tok, cache_root):
+    """A second process with the same cache folder loads the compiled schema instead of
+    compiling it (its stats: no compile, one disk hit), and its masks along a teacher-forced
+    output equal those of a fresh compile."""
+    params = GuidedDecodingParams.json_schema(SCHEMA)
+    factory = _factory(tok)
+    path = _compile_and_write(factory, params)
+    assert path.is_file() and factory.stats.disk_writes == 1
+    tokens = encode_continuation(tok, _instance())[:12]
+    fresh = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
+        tok, compile_disk_cache_bytes=0))
+    expected = _masks(fresh, fresh.compile(params), tokens)
+
+    env = {**os.environ, "CAPGRAPH_CACHE_DIR": str(cache_root)}
+    env.pop("CAPGRAPH_COMPILE_DISK_CACHE_BYTES", None)  # the default: on
+    args = {"tokenizer": TOKENIZER, "tokenizer_cache": TOKENIZER_CACHE, "schema": SCHEMA,
+            "tokens": tokens}
+    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(args)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["compiled"] == 0 and out["disk_hits"] == 1
+    assert out["masks"] == expected
+
+
+def _damage_truncate(data: bytes) -> bytes:
+    return data[:len(data) // 2]
+
+
+def _damage_flip_payload(data: bytes) -> bytes:
+    i = len(data) - 10
+    return data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:]
+
+
+def _damage_flip_key(data: bytes) -> bytes:
+    return data[:8] + bytes([data[8] ^ 0x80]) + data[9:]
+
+
+def _damage_header_only(data: bytes) -> bytes:
+    return data[:20]
+
+
+def _damage_format_version(data: bytes) -> bytes:
+    return data[:4] + struct.pack("<H", dc.FORMAT_VERSION + 1) + data[6:]
+
+
+@pytest.mark.parametrize("damage", [_damage_truncate, _damage_flip_payload, _damage_flip_key,
+                                    _damage_header_only, _damage_format_version],
+                         ids=["truncated", "flipped-byte", "flipped-key", "header-cut",
+                              "format-version"])
+def test_damaged_entry_is_recompiled_and_rewritten(tok, cache_root, damage, caplog):
+    """A truncated, altered or other-format entry is never used: it is rejected (logged),
+    the guide compiles again and a good entry replaces it."""
+    params = GuidedDecodingParams.json_schema(SCHEMA)
+    path = _compile_and_write(_factory(tok), params)
+    path.write_bytes(damage(path.read_bytes()))
+
+    factory = _factory(tok)
+    with caplog.at_level(logging.INFO, logger="capgraph.grammar.disk_cache"):
+        compiled = factory.compile(params)
+    assert factory.disk_cache.flush(30)
+    s = factory.stats
+    assert (s.compiled, s.disk_rejected, s.disk_hits, s.disk_writes) == (1, 1, 0, 1)
+    assert "removed from disk" in caplog.text
+    found, entry = factory.disk_cache.load(factory._disk_key(params))
+    assert found is dc.Lookup.HIT
+    assert factory.create_from_compiled(compiled).accept_token(
+        encode_continuation(tok, _instance())[0])
+
+
+def test_backend_version_mismatch_is_recompiled(tok, cache_root):
+    """An intact entry whose serialization xgrammar refuses (another serialization version)
+    is rejected and the guide compiled again."""
+    params = GuidedDecodingParams.json_schema(SCHEMA)
+    writer = _factory(tok)
+    path = _compile_and_write(writer, params)
+    key = writer._disk_key(params)
+    found, entry = writer.disk_cache.load(key)
+    doc = json.loads(entry.text)
+    doc["__VERSION__"] = "v0-other"
+    assert writer.disk_cache.store(key, json.dumps(doc), entry.record)
+
+    factory = _factory(tok)
+    factory.compile(params)
+    assert (factory.stats.compiled, factory.stats.disk_rejected) == (1, 1)
+    assert factory.disk_cache.flush(30) and path.is_file()
+    reader = _factory(tok)
+    reader.compile(params)  # the rewritten entry loads
+    assert (reader.stats.disk_hits, reader.stats.compiled) == (1, 0)
+
+
+def test_entry_slower_to_load_than_to_compile_is_removed(tok, cache_root):
+    """An entry that loaded slower than its recorded compile is still served, then removed
+    from disk and not written again by that factory."""
+    params = GuidedDecodingParams.json_schema(SCHEMA)
+    writer = _factory(tok)
+    path = _compile_and_write(writer, params)
+    key = writer._disk_key(params)
+    _, entry = writer.disk_cache.load(key)
+    writer.disk_cache.store(key, entry.text, {**entry.record, "compile_s": 1e-9})
+
+    factory = _factory(tok)
+    factory.compile(params)
+    assert (factory.stats.disk_hits, factory.stats.compiled) == (1, 0)
+    assert not path.exists()
+    factory.cache.clear()
+    factory.compile(params)  # compiled again, and not written
+    assert factory.disk_cache.flush(30)
+    assert factory.stats.compiled == 1 and not path.exists()
+
+
+def test_byte_bound_evicts_least_recently_used(tmp_path):
+    """A write that would pass the byte bound deletes the least recently used entries first
+    (a hit counts as a use); an entry larger than the bound is not written."""
+    text = "x" * 1000
+    keys = [dc.entry_key([str(i)]) for i in range(4)]
+    probe = dc.DiskCompileCache(tmp_path, GIB)
+    assert probe.store(keys[0], text, {"backend": "t"})
+    size = probe.path_of(keys[0]).stat().st_size
+    probe.path_of(keys[0]).unlink()
+
+    cache = dc.DiskCompileCache(tmp_path, 3 * size)
+    now = time.time()
+    for age, key in zip((30, 20, 10), keys[:3]):
+        assert cache.store(key, text, {"backend": "t"})
+        os.utime(cache.path_of(key), (now - age, now - age))
+    assert cache.load(keys[0])[0] is dc.Lookup.HIT  # now the most recent
+    assert cache.store(keys[3], text, {"backend": "t"})
+    present = [cache.path_of(k).exists() for k in keys]
+    assert present == [True, False, True, True]
+    assert cache.evictions == 1 and cache.nbytes <= 3 * size
+    assert not cache.store(dc.entry_key(["big"]), os.urandom(4 * size).hex(), {"backend": "t"})
+
+
+def test_unwritable_folder_still_serves(tok, tmp_path, monkeypatch, caplog):
+    """With the cache folder impossible to create (a file stands where it should be), every
+    request is served from compiles and memory; the failure is logged once."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("CAPGRAPH_CACHE_DIR", str(blocker))
+    factory = _factory(tok)
+    monkeypatch.setattr(dc, "RETRY_WRITES_AFTER_S", 0.0)  # every write tries (and fails)
+    with caplog.at_level(logging.DEBUG, logger="capgraph.grammar.disk_cache"):
+        for pattern in (r"[a-z]{3}", r"[0-9]{4}", r"(ab)+"):
+            assert factory.create(GuidedDecodingParams.regex(pattern)) is not None
+            assert factory.disk_cache.flush(30)
+    assert factory.stats.compiled == 3 and factory.stats.disk_writes == 0
+    assert factory.stats.disk_misses == 3
+    warnings = [r for r in caplog.records
+                if r.levelno == logging.WARNING and r.name == "capgraph.grammar.disk_cache"]
+    assert len(warnings) == 1 and "kept in memory only" in warnings[0].getMessage()
+
+
+def test_full_disk_pauses_writes_and_serves(tok, cache_root, monkeypatch, caplog):
+    """A write that fails with ENOSPC leaves no partial file, pauses writes, and the request
+    is served as usual."""
+    factory = _factory(tok)
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dc.os, "replace", full)
+    with caplog.at_level(logging.WARNING, logger="capgraph.grammar.disk_cache"):
+        factory.compile(GuidedDecodingParams.regex(r"[a-z]{3}"))
+        assert factory.disk_cache.flush(30)
+        factory.compile(GuidedDecodingParams.regex(r"[0-9]{3}"))  # paused: not even queued
+        assert factory.disk_cache.flush(30)
+    assert factory.stats.compiled == 2 and factory.stats.disk_writes == 0
+    assert factory.disk_cache.skipped == 1
+    ours = [r for r in caplog.records if r.name == "capgraph.grammar.disk_cache"]
+    assert len(ours) == 1 and "No space left" in ours[0].getMessage()
+    assert list((cache_root / "grammars").iterdir()) == []  # no temporary file left
+
+
+def test_every_config_field_is_classified():
+    """Each GuidedDecodingConfig field is either in the key, in the tokenizer's identity, or
+    known not to change a compile (a new field must be placed in one of them)."""
+    names = {f.name for f in dataclasses.fields(GuidedDecodingConfig)}
+    classified = [*dc.KEY_FIELDS, *dc.TOKENIZER_FIELDS, *dc.NOT_KEY_FIELDS]
+    assert len(classified) == len(set(classified))
+    assert names == set(classified), (
+        f"classify {sorted(names - set(classified))} in capgraph.grammar.disk_cache "
+        f"(stale: {sorted(set(classified) - names)})")
+
+
+def test_key_follows_the_fields_that_change_a_compile(tok, cache_root):
+    """The key changes with every compile-relevant field and with the vocabulary as xgrammar
+    sees it (stop tokens, padding), and not with fields that do not change a compile."""
+    params = GuidedDecodingParams.json_schema(SCHEMA)
+    base = _factory(tok)
+    key = base._disk_key(params)
+    relevant = {"json_whitespace": "compact", "json_max_whitespace": 4,
+                "json_unenforced_keywords": "ignore", "max_repetition_count": 1000}
+    assert set(relevant) == set(dc.KEY_FIELDS) - {"backend"}
+    base_text = dc.config_key(base.config)
+    for name, value in relevant.items():
+        changed = dataclasses.replace(base.config, **{name: value})
+        assert dc.config_key(changed) != base_text, name
+    irrelevant = {"compile_threads": 3, "compile_timeout_s": 5.0, "fill_threads": 2,
+                  "compile_cache_bytes": 1 << 20, "host_step_budget_ms": 10.0,
+                  "native_build": "off", "compile_disk_cache_bytes": 1 << 20}
+    assert set(irrelevant) == set(dc.NOT_KEY_FIELDS)
+    assert _factory(tok, **irrelevant)._disk_key(params) == key
+    assert _factory(tok, json_whitespace="compact")._disk_key(params) != key
+    assert _factory(tok, vocab_size_padded=len(tok) + 64)._disk_key(params) != key
+    assert _factory(tok, stop_token_ids=[0])._disk_key(params) != key
+    assert base._disk_key(GuidedDecodingParams.regex("a+")) != key
+    text = 'root ::= "a"'
+    assert base._disk_key(GuidedDecodingParams.ebnf(text)) != \
+        base._disk_key(GuidedDecodingParams.regex(text))
+
+
+class _HeldFactory(XGrammarMatcherFactory):
+    """Compiles only once ``release`` is set (a compile that outlives its request)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.release = threading.Event()
+
+    def _compile(self, params):
+        self.release.wait(30)
+        return super()._compile(params)
+
+
+def _held(tok) -> _HeldFactory:
+    factory = _HeldFactory(GuidedDecodingConfig.from_tokenizer(
+        tok, compile_disk_cache_bytes=GIB))
+    factory.disk_cache.min_compile_s = factory.disk_cache.min_speedup = 0.0
+    return factory
+
+
+def test_compile_whose_request_timed_out_is_not_written(tok, cache_root):
+    """A compile that ends after its only request timed out is not written to disk."""
+    factory = _held(tok)
+    params = GuidedDecodingParams.regex(r"[a-z]{2,5}")
+    handle = factory.compile_async(params)
+    with pytest.raises(CompileTimeoutError):
+        handle.result(0.05, backend="xgrammar")
+    factory.release.set()
+    handle.future.result(30)
+    assert factory.disk_cache.flush(30)
+    assert factory.stats.compiled == 1 and factory.stats.disk_writes == 0
+    assert not factory.disk_cache.path_of(factory._disk_key(params)).exists()
+
+
+def test_timed_out_compile_asked_again_is_written(tok, cache_root):
+    """A compile whose first request timed out but that a later request joined is written."""
+    factory = _held(tok)
+    params = GuidedDecodingParams.regex(r"[a-z]{2,6}")
+    first = factory.compile_async(params)
+    with pytest.raises(CompileTimeoutError):
+        first.result(0.05, backend="xgrammar")
+    with pytest.raises(CompileTimeoutError):  # a second wait of the same handle counts once
+        first.result(0.05, backend="xgrammar")
+    again = factory.compile_async(params)
+    assert factory.stats.inflight_hits == 1
+    factory.release.set()
+    again.result(30, backend="xgrammar")
+    assert factory.disk_cache.flush(30)
+    assert factory.stats.disk_writes == 1
+    assert factory.disk_cache.path_of(factory._disk_key(params)).is_file()
+
+
+def test_disk_budget_config_field(tok, monkeypatch):
+    """compile_disk_cache_bytes: the variable sets the default (K/M/G accepted), an explicit
+    value wins, 0 turns the disk cache off, and a bad value raises ConfigError naming it."""
+    from capgraph.errors import ConfigError
+    from capgraph.params import COMPILE_DISK_CACHE_ENV, DEFAULT_COMPILE_DISK_CACHE_BYTES
+    monkeypatch.delenv(COMPILE_DISK_CACHE_ENV, raising=False)
+    assert GuidedDecodingConfig.from_tokenizer(tok).compile_disk_cache_bytes == \
+        DEFAULT_COMPILE_DISK_CACHE_BYTES == GIB
+    monkeypatch.setenv(COMPILE_DISK_CACHE_ENV, "2M")
+    assert GuidedDecodingConfig.from_tokenizer(tok).compile_disk_cache_bytes == 2 << 20
+    explicit = GuidedDecodingConfig.from_tokenizer(tok, compile_disk_cache_bytes=0)
+    assert explicit.compile_disk_cache_bytes == 0
+    assert create_matcher_factory(explicit).disk_cache is None
+    monkeypatch.setenv(COMPILE_DISK_CACHE_ENV, "lots")
+    with pytest.raises(ConfigError, match=COMPILE_DISK_CACHE_ENV):
+        GuidedDecodingConfig.from_tokenizer(tok)
+    monkeypatch.delenv(COMPILE_DISK_CACHE_ENV)
+    for bad in (-1, 1.5, True, "1G"):
+        with pytest.raises(ConfigError, match="compile_disk_cache_bytes"):
+            GuidedDecodingConfig.from_tokenizer(tok, compile_disk_cache_bytes=bad)
