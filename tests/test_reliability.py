@@ -688,12 +688,38 @@ def test_compile_timeout_fails_only_its_request(kind, tiny, make):
     assert "CompileTimeoutError" in failed[0][1] and "0.3 s" in failed[0][1]
     assert torch.isfinite(logits[0]).tolist()[:6] == [True, False, False, False, False, False]
     assert torch.isfinite(logits[1]).all()
-    # the abandoned compile finishes in the background and is cached: wait for it
+    # the abandoned compile finishes in the background; asked for again while it runs, it is
+    # kept: wait for it
     factory.compile_async(slow).result(10.0, backend="xgrammar")
     logits = torch.zeros(1, 64)
     assert step(dec, [GuidedRequest.context(3, 1, slow)], logits) == []
     assert torch.isfinite(logits[0]).tolist()[:6] == [False, True, False, False, False, False]
     factory.close()
+
+
+def test_a_compile_every_request_gave_up_on_is_not_kept(tiny, make):
+    """A compile whose only request timed out ends in the background and is not kept: the next
+    request for that guide compiles it again (its request failed; nothing asked for it since)."""
+    config = dataclasses.replace(tiny, compile_timeout_s=0.2, compile_threads=1)
+    factory = _sleepy(create_matcher_factory(config), {"b+"}, 0.8)
+    slow = GuidedDecodingParams.regex("b+")
+    dec = make("eager", factory, 2)
+    try:
+        failed = step(dec, [GuidedRequest.context(1, 0, slow)], torch.zeros(1, 64))
+        assert "CompileTimeoutError" in failed[0][1]
+        deadline = time.monotonic() + 10.0
+        while factory.stats.compiled < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the abandoned compile ends in the background
+        assert factory.stats.compiled == 1 and factory.cache.nbytes == 0
+        # not served from the cache: it compiles again (and times out again)
+        failed = step(dec, [GuidedRequest.context(2, 1, slow)], torch.zeros(1, 64))
+        assert "CompileTimeoutError" in failed[0][1]
+        deadline = time.monotonic() + 10.0
+        while factory.stats.compiled < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert factory.stats.compiled == 2 and factory.stats.cache_hits == 0
+    finally:
+        factory.close()
 
 
 def test_timed_out_compiles_do_not_starve_other_requests(tiny, make):

@@ -350,13 +350,15 @@ class GrammarMatcherFactory(ABC):
         payload, backend, reason = self._served_by(payload)
         compiled = CompiledGuide(params, backend, payload, nbytes, seconds, reason)
         with self._lock:
-            # cached before the future completes: a new request finds it in one place or the
-            # other, never in neither
             self.stats.record(seconds)
-            self.cache.put(key, compiled, nbytes)
-            # a compile every waiter of which timed out is not written (until asked again)
-            to_disk = disk_key is not None and (job is None or job.wanted) \
-                and disk_key not in self._disk_slower
+            # a compile every waiter of which timed out is not kept, in memory or on disk: its
+            # requests failed (a request that joins it before it ends asks for it again)
+            wanted = job is None or job.wanted
+            if wanted:
+                # cached before the future completes: a new request finds it in one place or
+                # the other, never in neither
+                self.cache.put(key, compiled, nbytes)
+            to_disk = wanted and disk_key is not None and disk_key not in self._disk_slower
         disk = self.disk_cache
         if to_disk and disk is not None and disk_key is not None:
             disk.store_later(

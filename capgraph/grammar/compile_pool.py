@@ -3,7 +3,8 @@
 A plain thread pool starves when a compile times out: the C++ compile cannot be cancelled, so
 its worker stays busy and every compile queued behind it times out too. Here a compile whose
 waiter gave up (:meth:`CompilePool.abandon`) gives its slot back at once and finishes in the
-background (its result still lands in the cache); at most ``max_abandoned`` such compiles run
+background (its result is kept only if a request asks for it again meanwhile: see
+``GrammarMatcherFactory``); at most ``max_abandoned`` such compiles run
 past their slot, so hostile guides cannot pile up threads without bound (past that, an
 abandoned compile keeps its slot until it ends).
 """
