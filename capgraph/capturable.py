@@ -448,7 +448,6 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._out_of_step(f"fetched epoch {epoch}, expected {expected}; still queued: "
                               f"{extra} (an add_batch without its execute)")
         if has_new_tokens:
-            batch.records = None  # (the tokens change below: the build reads them afresh)
             tokens = self._new_tokens_np
             for req in batch.requests:
                 if req.prev_seq_slot is None or req.is_context_init_state \

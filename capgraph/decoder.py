@@ -176,9 +176,9 @@ class GuidedDecoder:
     @nvtx_range("GuidedDecoder.add_batch")
     def add_batch(self, requests: Sequence[GuidedRequest],
                   runtime_draft_len: int | None = None) -> None:
-        """Take this step's request snapshots (batch order = row order). The requests are read
-        here: change a request before its ``add_batch``, not between it and the build (the
-        native build uses the values read here).
+        """Take this step's request snapshots (batch order = row order). The requests are
+        checked here and read again by the build: change a request before its ``add_batch``,
+        not between it and the build.
 
         Every request is checked before any matcher moves: here its fields' types, its slot
         and the slot's guide (:mod:`capgraph.admission`); the token values where the build
@@ -471,10 +471,9 @@ class GuidedDecoder:
             raise LayoutError(f"{len(requests)} requests exceed max_num_sequences="
                               f"{self.max_num_sequences}")
         reqs = list(requests)
-        start, records = self.host_build.admit(reqs, self._admission.slot_guides)
+        start = self.host_build.admit(reqs, self._admission.slot_guides)
         if start == len(reqs):  # every request is the common one
             self.requests = batch = GuidedRequests(reqs, draft_len)
-            batch.records = records  # (read once: the build takes them as admitted)
         else:
             reqs, dropped, fresh, failed = self._admission.admit(reqs, tokens_elsewhere, start)
             self._record_failed(failed)

@@ -22,7 +22,7 @@ from .errors import LayoutError, RequestError
 from .params import GuidedDecodingParams
 
 __all__ = ["GuidedRequest", "GuidedRequests", "NATIVE_RECORD_FIELDS", "REQUEST_FIELDS", "as_int",
-           "checked_request", "native_records"]
+           "checked_request"]
 
 
 @dataclass(slots=True)
@@ -134,21 +134,13 @@ class GuidedRequest:
 REQUEST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(GuidedRequest))
 
 #: The fields of a request that the native build's CPython entry reads, in the order of its
-#: records (``csrc/host_build.h``, ``RecordField``; the library's ``RECORD_FIELDS`` must equal
-#: this, which ``capgraph.build.library.load`` checks).
+#: ``RecordField`` positions (``csrc/host_build.h``): ``NativeBuilder.bind_fast`` hands these
+#: names to the entry, which looks each one up on :class:`GuidedRequest` once (its
+#: ``__slots__`` member) and reads other request objects by name; the C++ holds no names.
 NATIVE_RECORD_FIELDS: tuple[str, ...] = (
     "guided_decoding_params", "seq_slot", "new_token", "is_generation_in_progress_state",
     "is_draft", "is_context_init_state", "draft_tokens", "request_id",
     "is_generation_only_first_iteration")
-#: one request's record: its :data:`NATIVE_RECORD_FIELDS` values as a tuple
-native_record = operator.attrgetter(*NATIVE_RECORD_FIELDS)
-
-
-def native_records(requests: Sequence[Any]) -> list[tuple]:
-    """One tuple per request, its :data:`NATIVE_RECORD_FIELDS` values in order: what the native
-    build's CPython entry reads instead of the request objects. Raises what reading a field
-    raises (``AttributeError`` for a missing one)."""
-    return list(map(native_record, requests))
 
 
 def _show(value: Any) -> str:
@@ -303,9 +295,6 @@ class GuidedRequests:
     dropped_slots: Sequence[int] = ()
     offsets: list[int] = field(init=False, repr=False)
     num_bitmask_tokens: int = field(init=False)
-    #: the requests' native records (:func:`native_records`) as read at admission, where the
-    #: native build read them; None once a request changed since (or never read)
-    records: list[tuple] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_num_draft_tokens < 0:

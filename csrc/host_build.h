@@ -54,10 +54,9 @@ constexpr int32_t kFault = 3;     // a matcher call raised; see errors()
 constexpr int32_t kOverBudget = 4;  // over the host-step budget; errors() holds the ms measured
 constexpr int32_t kTerminated = 8;
 
-// The fields of a request record, the tuple per request that Python hands the CPython entry
-// (python_entry.cc) instead of its request objects, in this order (capgraph/requests.py,
-// NATIVE_RECORD_FIELDS, builds the records; the module's RECORD_FIELDS names them so that
-// Python checks at load that both sides agree).
+// The request fields the CPython entry (python_entry.cc) reads, by position: make_fast is
+// handed their names in this order (capgraph/requests.py, NATIVE_RECORD_FIELDS, which the
+// comments below quote); the names themselves live only in Python.
 enum RecordField : int {
   kParams,           // guided_decoding_params: the guide object, or None (unguided)
   kSlot,             // seq_slot
@@ -70,10 +69,6 @@ enum RecordField : int {
   kFirstIteration,   // is_generation_only_first_iteration
 };
 constexpr int kRecordFields = kFirstIteration + 1;
-constexpr const char* kRecordFieldNames[kRecordFields] = {
-    "guided_decoding_params", "seq_slot", "new_token", "is_generation_in_progress_state",
-    "is_draft", "is_context_init_state", "draft_tokens", "request_id",
-    "is_generation_only_first_iteration"};
 
 // One request's draft tokens: read from a plain array (the CPython entry) or from a tvm-ffi
 // Array starting at `first` (the tvm-ffi step).

@@ -3,12 +3,12 @@
 //
 // Compiled only with CAPGRAPH_WITH_PYTHON (where Python's headers are installed; the file is
 // empty otherwise) into the same library as builder.cc, which is then also a CPython
-// extension module: fast_step() reads a whole steady-state batch of request records (plain
-// tuples that Python builds) and runs the Builder's loop with the GIL released (at batch 1
-// the Python around the loop cost twice the loop: docs/BENCHMARKS.md, "build");
+// extension module: fast_step() reads a whole steady-state batch of request objects through
+// their type's attribute descriptors and runs the Builder's loop with the GIL released (at
+// batch 1 the Python around the loop cost twice the loop: docs/BENCHMARKS.md, "build");
 // fast_begin()/fast_end() split the same step around a thread of the library's own, which
 // never takes the GIL (a forked child starts its own). Compiled and loaded by
-// capgraph/jit.py for capgraph/grammar/native.py, never at import.
+// capgraph/jit.py for capgraph/build/library.py, never at import.
 
 #ifdef CAPGRAPH_WITH_PYTHON
 #define PY_SSIZE_T_CLEAN
@@ -33,27 +33,34 @@
 #include <vector>
 
 // What Python passes is explicit data, never the layout of its objects:
-//   records: one exact tuple per request, its fields in RecordField's order (host_build.h;
-//     the module attribute RECORD_FIELDS names them, capgraph/requests.py builds them);
+//   requests: the step's request objects, whose fields are read by name -- the names Python
+//     hands make_fast (capgraph/requests.py, NATIVE_RECORD_FIELDS), in RecordField's order
+//     (host_build.h, which fixes only their positions). For an exact instance of the request
+//     type, a field the type serves through a data descriptor (a __slots__ member or a
+//     property) is read by calling that descriptor, looked up once in make_fast; any other
+//     object (a subclass, a look-alike) is read with PyObject_GetAttr. Reading a field may run
+//     Python code; a read that raises declines the batch (or stops admission) and clears it;
 //   handles: one entry per slot, kept by Python in step with the slot's matcher: None (no
 //     matcher), an int (the address of the matcher's xgrammar FFI object, which the Builder's
 //     methods run), anything else (a matcher only Python can run).
 //
-// make_fast(address, keep, handles, draft_terminated, advanced, guided, num_slots, vocab_size,
-//           max_num_draft_tokens) -> state
+// make_fast(address, keep, handles, draft_terminated, advanced, guided, request_type,
+//           field_names, num_slots, vocab_size, max_num_draft_tokens) -> state
 //   binds a Builder (make_builder's address; `keep` is its step Function, held so the Builder
-//   outlives the state) to a decoder's per-slot lists, which the decoder mutates in place.
-// fast_admit(state, records, slot_guides) -> int
-//   how many leading records pass the decoder's inline admission test (see FastAdmit).
-// fast_step(state, records, offsets, draft_len, clear_rows) -> None | (masked, unusual)
-//   None: some guided request is not the plain case (not an exact record of a target request
-//   generating with a valid unseen slot, int new token in the vocabulary, int drafts within
-//   bounds; or its slot's handle is neither None nor an address), and nothing was touched:
-//   the Python build runs. Else the step ran as the native loop would run it, counters
-//   written; masked: some row was guided; unusual: None, or [(batch index, status, fault
-//   message, over-budget milliseconds as text, or None)] for every request whose status is
-//   not plainly OK, in request order. A slot whose drafting loop stopped guiding it, or whose
-//   matcher has terminated (the Builder's is_terminated asks it), is skipped.
+//   outlives the state) to a decoder's per-slot lists, which the decoder mutates in place;
+//   field_names: a tuple of kRecordFields str, the request fields in RecordField's order
+//   (TypeError otherwise).
+// fast_admit(state, requests, slot_guides) -> int
+//   how many leading requests pass the decoder's inline admission test (see FastAdmit).
+// fast_step(state, requests, offsets, draft_len, clear_rows) -> None | (masked, unusual)
+//   None: some guided request is not the plain case (a target request generating with a
+//   valid unseen slot, exact-int new token in the vocabulary, exact-int drafts within bounds,
+//   every field read without raising; its slot's handle None or an address), and nothing was
+//   touched: the Python build runs. Else the step ran as the native loop would run it,
+//   counters written; masked: some row was guided; unusual: None, or [(batch index, status,
+//   fault message, over-budget milliseconds as text, or None)] for every request whose status
+//   is not plainly OK, in request order. A slot whose drafting loop stopped guiding it, or
+//   whose matcher has terminated (the Builder's is_terminated asks it), is skipped.
 namespace {
 
 using capgraph::Builder;
@@ -62,7 +69,6 @@ using capgraph::kFault;
 using capgraph::kOk;
 using capgraph::kOverBudget;
 using capgraph::kTerminated;
-using capgraph::kRecordFieldNames;
 using capgraph::kRecordFields;
 using capgraph::RecordField;
 using tvm::ffi::ObjectRef;
@@ -90,6 +96,13 @@ struct FastState {
   PyObject* draft_terminated = nullptr;
   PyObject* advanced = nullptr;
   PyObject* guided = nullptr;
+  // the request fields, by RecordField: each one's name (an interned str) and, where the
+  // request type serves it through a data descriptor, that descriptor and its type's
+  // tp_descr_get (else nullptr)
+  PyObject* request_type = nullptr;
+  PyObject* names[kRecordFields] = {};
+  PyObject* descriptors[kRecordFields] = {};
+  descrgetfunc getters[kRecordFields] = {};
   int64_t num_slots = 0, vocab_size = 0, max_drafts = 0;
   std::vector<FastEntry> entries;
   std::vector<int64_t> drafts;
@@ -100,6 +113,7 @@ struct FastState {
   int64_t job_draft_len = 0, job_rows = 0;
   int32_t* job_mask = nullptr;
   bool in_flight = false;  // fast_begin took a step that fast_end has not ended
+  bool collecting = false;  // Begin is reading a batch (a field's Python code may call back)
   Runner* runner = nullptr;  // the build thread, started by the first fast_begin
 };
 
@@ -125,54 +139,125 @@ void StopRunner(FastState* st) {
   delete r;
 }
 
-void DestroyState(PyObject* capsule) {
-  auto* st = static_cast<FastState*>(PyCapsule_GetPointer(capsule, kCapsule));
-  if (st == nullptr) return;
+// End the state's thread, drop its references and delete it.
+void FreeState(FastState* st) {
   StopRunner(st);
   Py_XDECREF(st->keep);
   Py_XDECREF(st->handles);
   Py_XDECREF(st->draft_terminated);
   Py_XDECREF(st->advanced);
   Py_XDECREF(st->guided);
+  Py_XDECREF(st->request_type);
+  for (int k = 0; k < kRecordFields; ++k) {
+    Py_XDECREF(st->names[k]);
+    Py_XDECREF(st->descriptors[k]);
+  }
   delete st;
 }
 
-// The fields of a request record, or nullptr where `record` is not an exact tuple of
-// kRecordFields items (borrowed from the tuple).
-PyObject* const* RecordItems(PyObject* record) {
-  if (!PyTuple_CheckExact(record) || PyTuple_GET_SIZE(record) != kRecordFields) return nullptr;
-  return &PyTuple_GET_ITEM(record, 0);
+void DestroyState(PyObject* capsule) {
+  auto* st = static_cast<FastState*>(PyCapsule_GetPointer(capsule, kCapsule));
+  if (st != nullptr) FreeState(st);
 }
 
-// An exact int in [0, bound), or -1 (not an exact int, or out of range); never leaves an
-// exception set.
+// One request's fields, read while it is held. An exact instance of the request type is read
+// through the descriptors make_fast kept; anything else (a subclass, a look-alike) through
+// PyObject_GetAttr. Either may run Python code.
+class RequestFields {
+ public:
+  RequestFields(const FastState* st, PyObject* request)
+      : st_(st), request_(request),
+        exact_(reinterpret_cast<PyObject*>(Py_TYPE(request)) == st->request_type) {
+    Py_INCREF(request);
+  }
+  RequestFields(const RequestFields&) = delete;
+  RequestFields& operator=(const RequestFields&) = delete;
+  ~RequestFields() { Py_DECREF(request_); }
+
+  // A new reference to field `k`'s value, or nullptr (the read raised: the error is cleared).
+  PyObject* Read(RecordField k) const {
+    const descrgetfunc get = exact_ ? st_->getters[k] : nullptr;
+    PyObject* v = get != nullptr ? get(st_->descriptors[k], request_, st_->request_type)
+                                 : PyObject_GetAttr(request_, st_->names[k]);
+    if (v == nullptr) PyErr_Clear();
+    return v;
+  }
+
+ private:
+  const FastState* st_;
+  PyObject* request_;
+  bool exact_;
+};
+
+// An owned reference, dropped at the end of its scope.
+class Ref {
+ public:
+  explicit Ref(PyObject* o = nullptr) : o_(o) {}
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  ~Ref() { Py_XDECREF(o_); }
+  PyObject* get() const { return o_; }
+  explicit operator bool() const { return o_ != nullptr; }
+
+ private:
+  PyObject* o_;
+};
+
+// An exact int in [0, bound), or -1 (nullptr, not an exact int, or out of range); never
+// leaves an exception set.
 int64_t IndexValue(PyObject* v, int64_t bound) {
-  if (!PyLong_CheckExact(v)) return -1;
+  if (v == nullptr || !PyLong_CheckExact(v)) return -1;
   int overflow = 0;
   const long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
   if (PyErr_Occurred()) PyErr_Clear();
   return !overflow && x >= 0 && x < bound ? static_cast<int64_t>(x) : -1;
 }
 
-// 1 for True, 0 for False, -1 for anything else (the plain case has exact bools).
+// 1 for True, 0 for False, -1 for anything else, nullptr included (the plain case has exact
+// bools).
 int BoolValue(PyObject* v) { return v == Py_True ? 1 : v == Py_False ? 0 : -1; }
 
 // Read the batch into st->entries; false where some guided request is not the plain case.
-// The records' fields are read as exact values (no Python code runs for them); the only call
-// out is the Builder's is_terminated, after which the loop re-reads the lists' sizes.
-bool Collect(FastState* st, PyObject* records, PyObject* offsets, int64_t draft_len) {
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(records); ++i) {
-    PyObject* const* f = RecordItems(PyList_GET_ITEM(records, i));
-    if (f == nullptr) return false;
-    if (f[RecordField::kParams] == Py_None) continue;
-    if (BoolValue(f[RecordField::kGenerating]) != 1 || BoolValue(f[RecordField::kIsDraft]) != 0 ||
-        BoolValue(f[RecordField::kContext]) != 0) {
+// A request's fields are read first (the reads may run Python code, which may change any list
+// here: each request is held while it is read, each list's size is re-read before an item is
+// taken); then its slot's entries, which run no Python code; the only call out after that is
+// the Builder's is_terminated.
+bool Collect(FastState* st, PyObject* requests, PyObject* offsets, int64_t draft_len) {
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(requests); ++i) {
+    const RequestFields request(st, PyList_GET_ITEM(requests, i));
+    Ref params(request.Read(RecordField::kParams));
+    if (!params) return false;
+    if (params.get() == Py_None) continue;
+    {
+      Ref generating(request.Read(RecordField::kGenerating));
+      if (BoolValue(generating.get()) != 1) return false;
+    }
+    {
+      Ref is_draft(request.Read(RecordField::kIsDraft));
+      if (BoolValue(is_draft.get()) != 0) return false;
+    }
+    {
+      Ref context(request.Read(RecordField::kContext));
+      if (BoolValue(context.get()) != 0) return false;
+    }
+    int64_t slot, token;
+    {
+      Ref value(request.Read(RecordField::kSlot));
+      slot = IndexValue(value.get(), st->num_slots);
+    }
+    if (slot < 0) return false;
+    {
+      Ref value(request.Read(RecordField::kToken));
+      token = IndexValue(value.get(), st->vocab_size);
+    }
+    if (token < 0) return false;
+    Ref drafts(request.Read(RecordField::kDrafts));
+    if (!drafts) return false;
+    // no Python code runs from here to is_terminated
+    if (st->seen[slot] || i >= PyList_GET_SIZE(offsets) ||
+        slot >= PyList_GET_SIZE(st->handles) || slot >= PyList_GET_SIZE(st->draft_terminated)) {
       return false;
     }
-    const int64_t slot = IndexValue(f[RecordField::kSlot], st->num_slots);
-    if (slot < 0 || st->seen[slot]) return false;
-    const int64_t token = IndexValue(f[RecordField::kToken], st->vocab_size);
-    if (token < 0 || i >= PyList_GET_SIZE(offsets)) return false;
     const long long offset = PyLong_AsLongLong(PyList_GET_ITEM(offsets, i));
     if (offset == -1 && PyErr_Occurred()) {
       PyErr_Clear();
@@ -181,12 +266,12 @@ bool Collect(FastState* st, PyObject* records, PyObject* offsets, int64_t draft_
     // drafts: as the Python build's draft check, the plain case only
     const int64_t first_draft = static_cast<int64_t>(st->drafts.size());
     int64_t nd = 0;
-    PyObject* drafts = f[RecordField::kDrafts];
-    if (drafts != Py_None) {
-      if (!PyList_CheckExact(drafts) || PyList_GET_SIZE(drafts) > st->max_drafts) return false;
-      nd = std::min<int64_t>(PyList_GET_SIZE(drafts), draft_len);
+    if (drafts.get() != Py_None) {
+      PyObject* list = drafts.get();
+      if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) > st->max_drafts) return false;
+      nd = std::min<int64_t>(PyList_GET_SIZE(list), draft_len);
       for (int64_t j = 0; j < nd; ++j) {
-        const int64_t x = IndexValue(PyList_GET_ITEM(drafts, j), st->vocab_size);
+        const int64_t x = IndexValue(PyList_GET_ITEM(list, j), st->vocab_size);
         if (x < 0) return false;
         st->drafts.push_back(x);
       }
@@ -223,6 +308,14 @@ bool Collect(FastState* st, PyObject* records, PyObject* offsets, int64_t draft_
   return true;
 }
 
+// Whether the per-slot lists still have num_slots entries (Python code may change them).
+bool SlotListsIntact(const FastState* st) {
+  return PyList_GET_SIZE(st->handles) == st->num_slots &&
+         PyList_GET_SIZE(st->draft_terminated) == st->num_slots &&
+         PyList_GET_SIZE(st->advanced) == st->num_slots &&
+         PyList_GET_SIZE(st->guided) == st->num_slots;
+}
+
 bool SetCount(PyObject* list, int64_t slot, int32_t value) {
   PyObject* v = PyLong_FromLong(value);
   return v != nullptr && PyList_SetItem(list, slot, v) == 0;  // (steals v)
@@ -237,23 +330,25 @@ int Begin(FastState* st, PyObject* const* args, const char* name) {
                  "(fast_end)", name);
     return -1;
   }
-  PyObject* records = args[1];
+  PyObject* requests = args[1];
   PyObject* offsets = args[2];
   const long long draft_len = PyLong_AsLongLong(args[3]);
   const long long clear_rows = PyLong_AsLongLong(args[4]);
   if (PyErr_Occurred()) return -1;
-  if (!PyList_CheckExact(records) || !PyList_CheckExact(offsets) ||
-      PyList_GET_SIZE(offsets) != PyList_GET_SIZE(records) ||
-      PyList_GET_SIZE(st->handles) != st->num_slots ||
-      PyList_GET_SIZE(st->draft_terminated) != st->num_slots ||
-      PyList_GET_SIZE(st->advanced) != st->num_slots ||
-      PyList_GET_SIZE(st->guided) != st->num_slots || draft_len < 0) {
+  // (a field read that calls back into this state is declined: the batch being read is not
+  // done; the outer call goes on)
+  if (st->collecting || !PyList_CheckExact(requests) || !PyList_CheckExact(offsets) ||
+      PyList_GET_SIZE(offsets) != PyList_GET_SIZE(requests) || !SlotListsIntact(st) ||
+      draft_len < 0) {
     return 0;
   }
   st->entries.clear();
   st->drafts.clear();
   st->seen_slots.clear();
-  const bool plain = Collect(st, records, offsets, draft_len);
+  st->collecting = true;
+  const bool plain = Collect(st, requests, offsets, draft_len) && SlotListsIntact(st) &&
+                     PyList_GET_SIZE(offsets) == PyList_GET_SIZE(requests);
+  st->collecting = false;
   for (int64_t slot : st->seen_slots) st->seen[slot] = 0;
   if (!plain) {
     st->entries.clear();  // (drops the references taken)
@@ -340,11 +435,11 @@ fail:
   return result;
 }
 
-// The state (args[0]) of `name`(state) or, with `step`, of `name`(state, records, offsets,
+// The state (args[0]) of `name`(state) or, with `step`, of `name`(state, requests, offsets,
 // draft_len, clear_rows); nullptr with an error set.
 FastState* StateArg(PyObject* const* args, Py_ssize_t nargs, bool step, const char* name) {
   if (nargs != (step ? 5 : 1)) {
-    PyErr_Format(PyExc_TypeError, step ? "%s(state, records, offsets, draft_len, clear_rows) "
+    PyErr_Format(PyExc_TypeError, step ? "%s(state, requests, offsets, draft_len, clear_rows) "
                  "takes 5 arguments" : "%s(state) takes 1 argument", name);
     return nullptr;
   }
@@ -358,45 +453,64 @@ int BeginCall(PyObject* const* args, Py_ssize_t nargs, const char* name, FastSta
   return *st == nullptr ? -1 : Begin(*st, args, name);
 }
 
-// fast_admit(state, records, slot_guides) -> int: how many leading records of the list pass
-// the decoder's inline admission test (capgraph/admission.py, Admission.admit), which this
-// mirrors exactly: an unguided request whose is_draft and is_context_init_state are exact
-// bools; or a guided one that is generating (is_generation_in_progress_state True,
-// is_context_init_state and is_generation_only_first_iteration False, is_draft an exact bool)
-// with an exact-int seq_slot in range whose slot_guides entry is its guide object, an
-// exact-int request_id, and draft_tokens None or an exact list. A record that is not an exact
-// tuple of RECORD_FIELDS' length stops the count. Reads only; never leaves an exception set.
+// Whether `request` passes the decoder's inline admission test (capgraph/admission.py,
+// Admission.admit), which this mirrors exactly: an unguided request whose is_draft and
+// is_context_init_state are exact bools; or a guided one that is generating
+// (is_generation_in_progress_state True, is_context_init_state and
+// is_generation_only_first_iteration False, is_draft an exact bool) with an exact-int seq_slot
+// in range whose slot_guides entry is its guide object, an exact-int request_id, and
+// draft_tokens None or an exact list. A field whose read raises fails it.
+bool Admitted(const RequestFields& request, int64_t num_slots, PyObject* guides) {
+  Ref params(request.Read(RecordField::kParams));
+  if (!params) return false;
+  {
+    Ref is_draft(request.Read(RecordField::kIsDraft));
+    if (BoolValue(is_draft.get()) < 0) return false;
+  }
+  {
+    Ref context(request.Read(RecordField::kContext));
+    if (params.get() == Py_None) return BoolValue(context.get()) >= 0;
+    if (context.get() != Py_False) return false;
+  }
+  {
+    Ref generating(request.Read(RecordField::kGenerating));
+    if (generating.get() != Py_True) return false;
+  }
+  {
+    Ref first_iteration(request.Read(RecordField::kFirstIteration));
+    if (first_iteration.get() != Py_False) return false;
+  }
+  {
+    Ref request_id(request.Read(RecordField::kRequestId));
+    if (!request_id || !PyLong_CheckExact(request_id.get())) return false;
+  }
+  {
+    Ref drafts(request.Read(RecordField::kDrafts));
+    if (!drafts || (drafts.get() != Py_None && !PyList_CheckExact(drafts.get()))) return false;
+  }
+  Ref slot_value(request.Read(RecordField::kSlot));
+  // (last: no Python code runs between this bound and the guide read)
+  const int64_t slot = IndexValue(slot_value.get(),
+                                  std::min<int64_t>(num_slots, PyList_GET_SIZE(guides)));
+  return slot >= 0 && PyList_GET_ITEM(guides, slot) == params.get();
+}
+
+// fast_admit(state, requests, slot_guides) -> int: how many leading requests of the list pass
+// the decoder's inline admission test (Admitted). Reads only (a field's read may run Python
+// code); never leaves an exception set.
 PyObject* FastAdmit(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 3 || !PyList_CheckExact(args[1]) || !PyList_CheckExact(args[2])) {
-    PyErr_SetString(PyExc_TypeError, "fast_admit(state, records: list, slot_guides: list)");
+    PyErr_SetString(PyExc_TypeError, "fast_admit(state, requests: list, slot_guides: list)");
     return nullptr;
   }
   auto* st = static_cast<FastState*>(PyCapsule_GetPointer(args[0], kCapsule));
   if (st == nullptr) return nullptr;
-  PyObject* records = args[1];
-  PyObject* guides = args[2];
-  const Py_ssize_t n = PyList_GET_SIZE(records);
-  const int64_t num_guides = std::min<int64_t>(st->num_slots, PyList_GET_SIZE(guides));
+  PyObject* requests = args[1];
   Py_ssize_t i = 0;
-  for (; i < n; ++i) {
-    PyObject* const* f = RecordItems(PyList_GET_ITEM(records, i));
-    if (f == nullptr) break;
-    PyObject* params = f[RecordField::kParams];
-    if (params == Py_None) {
-      if (BoolValue(f[RecordField::kIsDraft]) >= 0 && BoolValue(f[RecordField::kContext]) >= 0) {
-        continue;
-      }
+  for (; i < PyList_GET_SIZE(requests); ++i) {  // (re-read: a field's read may change it)
+    if (!Admitted(RequestFields(st, PyList_GET_ITEM(requests, i)), st->num_slots, args[2])) {
       break;
     }
-    if (f[RecordField::kGenerating] != Py_True || BoolValue(f[RecordField::kIsDraft]) < 0 ||
-        f[RecordField::kContext] != Py_False || f[RecordField::kFirstIteration] != Py_False) {
-      break;
-    }
-    const int64_t slot = IndexValue(f[RecordField::kSlot], num_guides);
-    if (slot < 0 || PyList_GET_ITEM(guides, slot) != params) break;
-    if (!PyLong_CheckExact(f[RecordField::kRequestId])) break;
-    PyObject* drafts = f[RecordField::kDrafts];
-    if (drafts != Py_None && !PyList_CheckExact(drafts)) break;
   }
   return PyLong_FromSsize_t(i);
 }
@@ -533,12 +647,52 @@ PyObject* FastEnd(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return Finish(st);
 }
 
+// Look up, on `st->request_type`, the name and descriptor of every field in `field_names`
+// (see make_fast); false with an error set.
+bool BindFields(FastState* st, PyObject* field_names) {
+  if (!PyTuple_Check(field_names) || PyTuple_GET_SIZE(field_names) != kRecordFields) {
+    PyErr_Format(PyExc_TypeError, "make_fast: field_names must be a tuple of %d str (the "
+                 "request fields in RecordField's order), got %R", kRecordFields, field_names);
+    return false;
+  }
+  auto* type = reinterpret_cast<PyTypeObject*>(st->request_type);
+  // a type that computes its attributes itself: every read goes through PyObject_GetAttr
+  const bool generic = type->tp_getattro == PyObject_GenericGetAttr;
+  for (int k = 0; k < kRecordFields; ++k) {
+    PyObject* item = PyTuple_GET_ITEM(field_names, k);
+    if (!PyUnicode_Check(item)) {
+      PyErr_Format(PyExc_TypeError, "make_fast: field_names[%d] is %R, not a str", k, item);
+      return false;
+    }
+    PyObject* name = PyUnicode_FromObject(item);  // (an exact str: interned below)
+    if (name == nullptr) return false;
+    PyUnicode_InternInPlace(&name);
+    st->names[k] = name;
+    if (!generic) continue;
+    PyObject* d = PyObject_GetAttr(st->request_type, name);
+    if (d == nullptr) {  // (not on the type: each request is asked)
+      PyErr_Clear();
+      continue;
+    }
+    // a data descriptor (a __slots__ member, a property): what attribute lookup on an exact
+    // instance calls first; anything else may be shadowed per instance
+    if (Py_TYPE(d)->tp_descr_get != nullptr && Py_TYPE(d)->tp_descr_set != nullptr) {
+      st->descriptors[k] = d;
+      st->getters[k] = Py_TYPE(d)->tp_descr_get;
+    } else {
+      Py_DECREF(d);
+    }
+  }
+  return true;
+}
+
 PyObject* MakeFast(PyObject*, PyObject* args) {
   long long address = 0, num_slots = 0, vocab_size = 0, max_drafts = 0;
-  PyObject *keep, *handles, *draft_terminated, *advanced, *guided;
-  if (!PyArg_ParseTuple(args, "LOO!O!O!O!LLL", &address, &keep, &PyList_Type, &handles,
+  PyObject *keep, *handles, *draft_terminated, *advanced, *guided, *request_type, *field_names;
+  if (!PyArg_ParseTuple(args, "LOO!O!O!O!O!OLLL", &address, &keep, &PyList_Type, &handles,
                         &PyList_Type, &draft_terminated, &PyList_Type, &advanced, &PyList_Type,
-                        &guided, &num_slots, &vocab_size, &max_drafts)) {
+                        &guided, &PyType_Type, &request_type, &field_names, &num_slots,
+                        &vocab_size, &max_drafts)) {
     return nullptr;
   }
   if (address == 0 || num_slots < 1 || vocab_size < 1 || max_drafts < 0) {
@@ -553,25 +707,28 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
   st->vocab_size = vocab_size;
   st->max_drafts = max_drafts;
   st->seen.assign(static_cast<size_t>(num_slots), 0);
-  for (PyObject* o : {keep, handles, draft_terminated, advanced, guided}) Py_INCREF(o);
+  for (PyObject* o : {keep, handles, draft_terminated, advanced, guided, request_type}) {
+    Py_INCREF(o);
+  }
   st->keep = keep;
   st->handles = handles;
   st->draft_terminated = draft_terminated;
   st->advanced = advanced;
   st->guided = guided;
-  PyObject* capsule = PyCapsule_New(st, kCapsule, DestroyState);
-  if (capsule == nullptr) {
-    for (PyObject* o : {keep, handles, draft_terminated, advanced, guided}) Py_DECREF(o);
-    delete st;
-  }
+  st->request_type = request_type;
+  PyObject* capsule = BindFields(st, field_names)
+                          ? PyCapsule_New(st, kCapsule, DestroyState) : nullptr;
+  // (the references dropped on failure are all held elsewhere too: no Python code runs, the
+  // error stays set)
+  if (capsule == nullptr) FreeState(st);
   return capsule;
 }
 
 PyMethodDef g_methods[] = {
     {"make_fast", reinterpret_cast<PyCFunction>(MakeFast), METH_VARARGS,
-     "Bind a host builder to a decoder's per-slot lists."},
+     "Bind a host builder to a decoder's per-slot lists and its request type's fields."},
     {"fast_admit", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(FastAdmit)),
-     METH_FASTCALL, "How many leading records pass the decoder's inline admission test."},
+     METH_FASTCALL, "How many leading requests pass the decoder's inline admission test."},
     {"fast_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(FastStep)),
      METH_FASTCALL, "Run a steady-state build step, or return None (see python_entry.cc)."},
     {"fast_begin", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(FastBegin)),
@@ -588,22 +745,7 @@ PyModuleDef g_module = {PyModuleDef_HEAD_INIT, "capgraph_host_build",
 
 }  // namespace
 
-// The module, with RECORD_FIELDS: the names of a record's fields, in order (Python checks at
-// load that its records are built the same way).
 extern "C" __attribute__((visibility("default"))) PyObject* PyInit_capgraph_host_build() {
-  PyObject* module = PyModule_Create(&g_module);
-  if (module == nullptr) return nullptr;
-  PyObject* names = PyTuple_New(kRecordFields);
-  for (int k = 0; names != nullptr && k < kRecordFields; ++k) {
-    PyObject* name = PyUnicode_FromString(kRecordFieldNames[k]);
-    if (name == nullptr) Py_CLEAR(names);
-    else PyTuple_SET_ITEM(names, k, name);  // (steals name)
-  }
-  if (names == nullptr || PyModule_AddObject(module, "RECORD_FIELDS", names) < 0) {
-    Py_XDECREF(names);
-    Py_DECREF(module);
-    return nullptr;
-  }
-  return module;
+  return PyModule_Create(&g_module);
 }
 #endif  // CAPGRAPH_WITH_PYTHON

@@ -22,7 +22,7 @@ from capgraph.decoder import GuidedDecoder
 from capgraph.grammar import create_matcher_factory
 from capgraph.build import library as native
 from capgraph.build.library import NativeBuildError, NativeBuilder
-from capgraph.requests import GuidedRequest, native_records
+from capgraph.requests import REQUEST_FIELDS, GuidedRequest
 from capgraph.tokenizers import encode_continuation
 from conftest import AimedMethods, assert_steps_agree, build_threads
 
@@ -309,39 +309,105 @@ def test_asynchronous_build_is_ended_before_anything_reads_the_decoder(tiny, rea
             return  # the reader changed the decoder on purpose (rollback, release, rebuild)
 
 
-def test_cpython_entry_reads_only_exact_records(tiny):
-    """Pins the native boundary's request side: the entry reads one exact tuple per request,
-    its fields in NATIVE_RECORD_FIELDS' order (the library's RECORD_FIELDS). A batch holding
-    anything else -- a request object, a list, a tuple subclass, a tuple of another length --
-    is declined untouched (step and begin return None), and admission stops counting there;
-    exact records of the same batch are taken."""
-    from capgraph.requests import NATIVE_RECORD_FIELDS
+class _TokenProperty(GuidedRequest):
+    """A request subclass that serves ``new_token`` through a property of its own."""
 
-    assert tuple(native.python_module().RECORD_FIELDS) == NATIVE_RECORD_FIELDS
-    dec = _decoder(tiny, 2, 0, "on")
+    __slots__ = ("_token",)
+
+    @property  # type: ignore[override]
+    def new_token(self):
+        return self._token
+
+    @new_token.setter
+    def new_token(self, value):
+        self._token = value
+
+
+class _LookAlike:
+    """Not a GuidedRequest: a plain object with the same attributes."""
+
+    def __init__(self, request: GuidedRequest) -> None:
+        for name in REQUEST_FIELDS:
+            setattr(self, name, getattr(request, name))
+
+
+class _RaisingDrafts(GuidedRequest):
+    """A request subclass whose ``draft_tokens`` raises when read."""
+
+    __slots__ = ()
+
+    @property  # type: ignore[override]
+    def draft_tokens(self):
+        raise RuntimeError("draft_tokens read fails")
+
+    @draft_tokens.setter
+    def draft_tokens(self, value):
+        pass
+
+
+def test_cpython_entry_reads_request_subclasses_and_look_alikes(tiny):
+    """Pins the native boundary's request side: the entry reads each field by name, so a
+    request subclass serving a field through a property and an object that is no
+    GuidedRequest at all but has its attributes are read as the Python build reads them: the
+    C++ admission and the entry take the batch, and every step's outcome equals the Python
+    build's."""
+    decs = [_decoder(tiny, 3, 1, "off"), _decoder(tiny, 3, 1, "on")]
+    spy = _Spy(decs[1])
+    gen = GuidedRequest.generation
+    assert_steps_agree(decs, [GuidedRequest.context(s, s, ALIVE) for s in range(3)], 1)
+    spy.taken.clear()
+    for step in range(3):
+        plain = gen(0, 0, ALIVE, step % 2, draft_tokens=[1])
+        subclass = _TokenProperty(ALIVE, 1, 1, None, False, False, True, False, 1, False,
+                                  [step % 2], 0)
+        look_alike = _LookAlike(gen(2, 2, ALIVE, 0, draft_tokens=[0]))
+        assert type(subclass).new_token is not GuidedRequest.new_token
+        assert_steps_agree(decs, [plain, subclass, look_alike], 1)
+        assert spy.taken.pop() is True
+        assert decs[1].num_advanced_tokens == decs[0].num_advanced_tokens != [0, 0, 0]
+
+
+def test_cpython_entry_declines_a_field_read_that_raises(tiny, monkeypatch):
+    """A field whose read raises -- a subclass's property, a look-alike without the field, or
+    GuidedRequest's own field served by a property (read through the descriptor the entry
+    looked up at bind time) -- declines the batch untouched (step and begin return None),
+    stops admission at that request, and leaves no exception set; the batch without it is
+    taken."""
+    gen = GuidedRequest.generation
+    member = GuidedRequest.__dict__["new_token"]
+    failing = {"on": False}
+
+    def read(request):
+        if failing["on"]:
+            raise RuntimeError("new_token read fails")
+        return member.__get__(request, GuidedRequest)
+
+    monkeypatch.setattr(GuidedRequest, "new_token",
+                        property(read, lambda request, value: member.__set__(request, value)))
+    dec = _decoder(tiny, 2, 0, "on")  # (binds the property as GuidedRequest's descriptor)
     dec.add_batch([GuidedRequest.context(1, 0, ALIVE), GuidedRequest.context(2, 1, ALIVE)])
     assert dec.build() == []
     fast = dec.host_build.entry
-    dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 0),
-                   GuidedRequest.generation(2, 1, ALIVE, 1)])
-    reqs = dec.requests
-    records = native_records(reqs.requests)
-    guides = [ALIVE, ALIVE]  # (each slot's guide object, as the decoder's admission keeps)
-
-    class Record(tuple):
-        pass
-
-    bad_records = [reqs.requests[1], list(records[1]), Record(records[1]), records[1][:-1],
-                   records[1] + (None,)]
-    for bad in bad_records:
-        batch = [records[0], bad]
+    guides = [ALIVE, ALIVE]
+    first = gen(1, 0, ALIVE, 0)
+    missing = _LookAlike(gen(2, 1, ALIVE, 0))
+    del missing.draft_tokens
+    for bad in (_RaisingDrafts(ALIVE, 2, 1, None, False, False, True, False, 0, False, [], 0),
+                missing):
+        batch = [first, bad]
         for call in (fast.step, fast.begin):
-            assert call(fast.state, batch, reqs.offsets, 0, 2) is None, bad
+            assert call(fast.state, batch, [0, 1], 0, 2) is None, bad
         assert fast.admit(fast.state, batch, guides) == 1
         assert fast.admit(fast.state, batch[::-1], guides) == 0
         assert dec.num_advanced_tokens == [0, 0]  # (nothing touched)
-    assert fast.admit(fast.state, records, guides) == 2
-    assert fast.step(fast.state, records, reqs.offsets, 0, 2) == (True, None)
+    second = gen(2, 1, ALIVE, 1)
+    failing["on"] = True
+    for call in (fast.step, fast.begin):
+        assert call(fast.state, [first, second], [0, 1], 0, 2) is None
+    assert fast.admit(fast.state, [first, second], guides) == 2  # (admission reads no token)
+    assert dec.num_advanced_tokens == [0, 0]
+    failing["on"] = False
+    assert fast.step(fast.state, [first, second], [0, 1], 0, 2) == (True, None)
     assert dec.num_advanced_tokens == [1, 1]
 
 
@@ -369,19 +435,25 @@ def test_matcher_handles_follow_the_matchers(tiny):
     assert len(matchers) == len(matchers.handles) == 3
 
 
-def test_record_fields_disagreement_is_a_build_error(monkeypatch):
-    """A library whose RECORD_FIELDS differ from capgraph/requests.py's NATIVE_RECORD_FIELDS
-    is refused at load with NativeBuildError naming both orders (never run)."""
+def test_make_fast_refuses_bad_field_names(tiny, monkeypatch):
+    """The entry is handed the request field names (capgraph/requests.py,
+    NATIVE_RECORD_FIELDS) when it is bound: anything but a tuple of as many str as the C++
+    reads positions raises TypeError there, never later in a step."""
     import capgraph.requests as requests_module
 
-    module = native.python_module()
-    if module is None:
-        pytest.skip("the C++ build's CPython entry is not built here (no Python headers)")
-    native._check_records(module, native.source_path())  # (agrees)
-    swapped = ("seq_slot", "guided_decoding_params") + requests_module.NATIVE_RECORD_FIELDS[2:]
-    monkeypatch.setattr(requests_module, "NATIVE_RECORD_FIELDS", swapped)
-    with pytest.raises(NativeBuildError, match="disagree"):
-        native._check_records(module, native.source_path())
+    fields = requests_module.NATIVE_RECORD_FIELDS
+    builder = _decoder(tiny, 2, 0, "on").host_build.builder
+
+    def bind():
+        return builder.bind_fast([None, None], [False, False], [0, 0], [0, 0], 64, 0)
+
+    assert bind() is not None
+    for bad in (list(fields), fields[:-1], fields + ("request_id",), fields[:-1] + (7,), None):
+        monkeypatch.setattr(requests_module, "NATIVE_RECORD_FIELDS", bad)
+        with pytest.raises(TypeError, match="field_names"):
+            bind()
+        with pytest.raises(TypeError, match="field_names"):
+            _decoder(tiny, 2, 0, "on")
 
 
 def test_fast_begin_and_end_are_paired(tiny):
@@ -395,7 +467,7 @@ def test_fast_begin_and_end_are_paired(tiny):
         fast.end(fast.state)
     dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 0)])
     reqs = dec.requests
-    args = (fast.state, native_records(reqs.requests), reqs.offsets, 0, reqs.num_bitmask_tokens)
+    args = (fast.state, reqs.requests, reqs.offsets, 0, reqs.num_bitmask_tokens)
     assert fast.begin(*args) is True
     for call in (lambda: fast.begin(*args), lambda: fast.step(*args)):
         with pytest.raises(RuntimeError, match="has not been ended"):
@@ -404,7 +476,7 @@ def test_fast_begin_and_end_are_paired(tiny):
     assert dec.num_advanced_tokens[0] == 1 and dec.num_guided_tokens[0] == 1
     dec.add_batch([GuidedRequest.generation(1, 0, ALIVE, 1)])
     reqs = dec.requests
-    assert fast.begin(fast.state, native_records(reqs.requests), reqs.offsets, 0, 1) is True
+    assert fast.begin(fast.state, reqs.requests, reqs.offsets, 0, 1) is True
     fast.close(fast.state)  # with a job in flight: it runs to its end first
     assert fast.end(fast.state) == (True, None) and dec.num_advanced_tokens[0] == 1
     fast.close(fast.state)  # (nothing to end twice)

@@ -93,13 +93,11 @@ class HostBuild(ABC):
         """Wait for the build :meth:`begin` started; what :meth:`run` would have returned."""
         raise RuntimeError(f"{type(self).__name__}: no build in flight")
 
-    def admit(self, requests: list, slot_guides: list) -> tuple[int, list | None]:
+    def admit(self, requests: list, slot_guides: list) -> int:
         """How many leading ``requests`` pass the decoder's inline admission test
-        (:meth:`capgraph.admission.Admission.admit`), checked natively, and what the strategy
-        read of them (kept on the batch for its build when all pass:
-        :attr:`~capgraph.requests.GuidedRequests.records`); ``(0, None)`` where this strategy
+        (:meth:`capgraph.admission.Admission.admit`), checked natively; 0 where this strategy
         has no such check."""
-        return 0, None
+        return 0
 
     def close(self) -> None:
         """Release threads the strategy owns (a build in flight is finished first)."""

@@ -9,9 +9,12 @@ and what a status means stay in Python (:mod:`capgraph.build`, :class:`capgraph.
 
 Where Python's headers are installed the library is also a CPython extension module
 (``csrc/python_entry.cc``, :func:`python_module`): its ``fast_step`` reads a steady-state batch
-of request records (plain tuples, :func:`capgraph.requests.native_records`) and per-slot matcher
-handles that Python keeps (:meth:`NativeBuilder.bind_fast`), never the layout of Python
-objects, and runs the same loop with the GIL released, so a plain decode step makes one call
+of request objects and per-slot matcher handles that Python keeps
+(:meth:`NativeBuilder.bind_fast`), never the layout of Python objects: each request field is
+read by the name Python hands it (:data:`capgraph.requests.NATIVE_RECORD_FIELDS`), through
+the descriptor :class:`~capgraph.requests.GuidedRequest` serves it with (its ``__slots__``
+member, looked up once) or, for any other object, by attribute lookup. It runs the same loop
+with the GIL released, so a plain decode step makes one call
 from Python; any other batch is declined untouched and takes the tvm-ffi step above. Its
 ``fast_begin`` / ``fast_end`` split the same step in two around a thread of the library's own,
 which never takes the GIL: the capturable decoder's CPU host step starts the xgrammar work
@@ -104,26 +107,12 @@ def load() -> Any:
             path = jit.build(_library_spec())
             module = jit.load_tvm_ffi_module(path)
             python = jit.load_python_extension(path, _PYTHON_MODULE)
-            if python is not None:
-                _check_records(python, path)
             _python_module = python or False
             _module = module
         except NativeBuildError as e:
             _error = e
             raise
         return _module
-
-
-def _check_records(python: Any, path: Path) -> None:
-    """The library's CPython entry reads request records field by position: its
-    ``RECORD_FIELDS`` must be :data:`capgraph.requests.NATIVE_RECORD_FIELDS`."""
-    from ..requests import NATIVE_RECORD_FIELDS
-
-    fields = tuple(getattr(python, "RECORD_FIELDS", ()))
-    if fields != NATIVE_RECORD_FIELDS:
-        raise NativeBuildError(f"{path} reads request records as {fields}, capgraph builds "
-                               f"them as {NATIVE_RECORD_FIELDS}: the library and "
-                               "capgraph/requests.py disagree")
 
 
 def python_module() -> Any:
@@ -218,13 +207,18 @@ class NativeBuilder:
         address of the matcher's xgrammar FFI object (``XGrammarMatcher.ffi_address``: the
         C++ runs it with this builder's methods), or anything else (a matcher only Python can
         run: a batch that needs it is declined). ``draft_terminated``, ``advanced``,
-        ``guided``: the slots' drafting-stopped flags (exact bools) and last-build counters."""
+        ``guided``: the slots' drafting-stopped flags (exact bools) and last-build counters.
+        The entry reads :class:`~capgraph.requests.GuidedRequest`'s
+        :data:`~capgraph.requests.NATIVE_RECORD_FIELDS` through the type's descriptors, any
+        other request object by attribute lookup."""
+        from ..requests import NATIVE_RECORD_FIELDS, GuidedRequest
+
         module = python_module()
         if module is None:
             return None
         state = module.make_fast(int(self._address), self.step, handles, draft_terminated,
-                                 advanced, guided, len(handles), int(vocab_size),
-                                 int(max_num_draft_tokens))
+                                 advanced, guided, GuidedRequest, NATIVE_RECORD_FIELDS,
+                                 len(handles), int(vocab_size), int(max_num_draft_tokens))
         return FastPath(module.fast_step, module.fast_begin, module.fast_end, module.fast_close,
                         module.fast_admit, state)
 
@@ -232,9 +226,9 @@ class NativeBuilder:
 class FastPath(NamedTuple):
     """The C++ build's CPython entry bound to one decoder (:meth:`NativeBuilder.bind_fast`).
 
-    ``step(state, records, offsets, draft_len, clear_rows)`` reads a steady-state batch of
-    request records (:func:`capgraph.requests.native_records`: one exact tuple per request)
-    and builds it, the GIL released while xgrammar works: ``(masked, unusual)``, or None where
+    ``step(state, requests, offsets, draft_len, clear_rows)`` reads a steady-state batch of
+    request objects (a list; fields by :data:`capgraph.requests.NATIVE_RECORD_FIELDS`) and
+    builds it, the GIL released while xgrammar works: ``(masked, unusual)``, or None where
     some guided request is not the plain case (nothing was touched; the Python loop then
     runs). ``begin`` takes the same
     arguments and declines the same batches, but hands the xgrammar work to the state's own
@@ -243,7 +237,7 @@ class FastPath(NamedTuple):
     may read the decoder's matchers, counters or masks (``GuidedDecoder._finish_build``).
     That thread runs at the lowest priority (nice 19) so that it never preempts the caller's
     threads; ``close(state)`` ends it (``GuidedDecoder.close``), and a later ``begin`` would
-    start another. ``admit(state, records, slot_guides)`` counts the leading records that pass
+    start another. ``admit(state, requests, slot_guides)`` counts the leading requests that pass
     the inline admission test (:meth:`capgraph.admission.Admission.admit`; it only reads
     them).
     """

@@ -6,8 +6,9 @@ Two strategies, both for the xgrammar backend with ``fill_threads=1``:
   Python, then the advance-and-fill loop of every selected request in one C++ call
   (``csrc/builder.cc``), which calls xgrammar's own FFI methods with no Python in between.
 - :class:`NativeBuild` (``"native"``): the library's CPython entry reads a steady-state batch
-  (every guided request a target request generating, with plain values) and runs the whole
-  step in one call, the GIL released while xgrammar works; it can also run that work on a
+  of request objects (every guided request a target request generating, with plain values;
+  each field read by its name in :data:`~capgraph.requests.NATIVE_RECORD_FIELDS`) and runs
+  the whole step in one call, the GIL released while xgrammar works; it can also run that work on a
   thread of its own (:meth:`NativeBuild.begin`). Any other batch takes the native loop.
 
 Both report per request a status code (:class:`~capgraph.build.base.Status`) and counts;
@@ -16,13 +17,14 @@ a matcher that terminated in C++ re-reads its state here (``XGrammarMatcher.sync
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import ConfigError
 from ..grammar import GrammarMatcherFactory
 from .library import (STATUS_OVER_BUDGET, TERMINATED, FastPath, NativeBuilder,
                               NativeBuildError, matcher_methods)
-from ..requests import GuidedRequests, native_record
+from ..requests import GuidedRequests
 from .base import PLAIN, Outcome, Status, StepResult
 from .python import Active, PythonBuild, fault
 from .slots import SlotState
@@ -136,21 +138,24 @@ class NativeBuild(NativeLoopBuild):
         super().__init__(slots, factory, budget_ms, builder)
         self.entry = entry
         self._inflight: Any = None  # the batch begin() took
+        # HostBuild.admit: the entry's test bound to its state (add_batch runs no Python frame
+        # for it)
+        self.admit = functools.partial(entry.admit, entry.state)  # type: ignore[method-assign]
 
     def run(self, requests: GuidedRequests, clear_rows: int) -> StepResult:
         entry = self.entry
-        records = requests.records or _records(requests.requests)
-        result = None if records is None else entry.step(
-            entry.state, records, requests.offsets, requests.max_num_draft_tokens, clear_rows)
+        result = entry.step(entry.state, requests.requests, requests.offsets,
+                            requests.max_num_draft_tokens, clear_rows)
         if result is None:  # not the steady state: nothing was touched
             return super().run(requests, clear_rows)
+        if result[1] is None:  # (every request plainly OK: no further call)
+            return PLAIN[result[0]]
         return self._entry_result(requests.requests, result)
 
     def begin(self, requests: GuidedRequests, clear_rows: int) -> bool:
         entry = self.entry
-        records = requests.records or _records(requests.requests)
-        if records is not None and entry.begin(entry.state, records, requests.offsets,
-                                               requests.max_num_draft_tokens, clear_rows):
+        if entry.begin(entry.state, requests.requests, requests.offsets,
+                       requests.max_num_draft_tokens, clear_rows):
             self._inflight = requests.requests
             return True
         return False
@@ -165,13 +170,6 @@ class NativeBuild(NativeLoopBuild):
             return super().finish()
         return self._entry_result(requests, self.entry.end(self.entry.state))
 
-    def admit(self, requests: list, slot_guides: list) -> tuple[int, list | None]:
-        try:
-            records = list(map(native_record, requests))
-        except Exception:  # a request without the fields: the Python admission names it
-            return 0, None
-        return self.entry.admit(self.entry.state, records, slot_guides), records
-
     def close(self) -> None:
         self.entry.close(self.entry.state)
 
@@ -183,15 +181,6 @@ class NativeBuild(NativeLoopBuild):
         self._statuses(((i, requests[i].seq_slot, status, message)
                         for i, status, message in unusual), outcomes)
         return StepResult(outcomes, masked)
-
-
-def _records(requests: Sequence[Any]) -> list[tuple] | None:
-    """The requests' records for the CPython entry, or None where some request cannot give
-    one (a missing field, or one that raises: the Python code then reads and reports it)."""
-    try:
-        return list(map(native_record, requests))
-    except Exception:
-        return None
 
 
 def native_handle_of(matcher_type: type) -> Callable[[Any], int | bool | None]:
