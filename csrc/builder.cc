@@ -12,7 +12,7 @@
 // python_entry.cc runs the same Builder from a CPython call without a Python loop.
 //
 // Compiled at run time with python_entry.cc into one library by capgraph/jit.py (for
-// capgraph/grammar/native.py: a C++17 compiler and tvm-ffi's headers, cached on disk), never
+// capgraph/build/library.py: a C++17 compiler and tvm-ffi's headers, cached on disk), never
 // at import.
 
 #include "host_build.h"

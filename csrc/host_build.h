@@ -6,7 +6,7 @@
 // The matchers are xgrammar's FFI objects and their methods are tvm-ffi Functions handed in
 // from Python, so the library needs only tvm-ffi's headers (xgrammar ships none), and a test
 // can hand in wrapped methods that fail on purpose. Compiled at run time by capgraph/jit.py
-// (for capgraph/grammar/native.py), never at import.
+// (for capgraph/build/library.py), never at import.
 
 #ifndef CAPGRAPH_HOST_BUILD_H_
 #define CAPGRAPH_HOST_BUILD_H_
@@ -46,7 +46,7 @@ inline int64_t ThreadCpuNs() {
 
 // Status of one request after a step (out[k * 3 + 0]); out[k * 3 + 1] = tokens accepted,
 // out[k * 3 + 2] = rows guided. kTerminated is a flag added to any status. The same values
-// are capgraph/grammar/native.py's STATUS_* and TERMINATED.
+// are capgraph/build/library.py's STATUS_* and TERMINATED.
 constexpr int32_t kOk = 0;
 constexpr int32_t kRejected = 1;  // the new token was not allowed (nothing filled)
 constexpr int32_t kDeadEnd = 2;   // the first row allows no token

@@ -68,7 +68,8 @@ TYPED_CORE = ["capgraph/__init__.py", "capgraph/params.py", "capgraph/errors.py"
               "capgraph/grammar/cache.py", "capgraph/grammar/compile_pool.py",
               "capgraph/grammar/schema_policy.py", "capgraph/grammar/xgrammar_backend.py",
               "capgraph/grammar/converter_log.py", "capgraph/grammar/fallback.py",
-              "capgraph/ops", "hostfunc"]
+              "capgraph/ops", "capgraph/build", "capgraph/admission.py",
+              "capgraph/tensor_checks.py", "capgraph/jit.py", "hostfunc"]
 
 
 def test_core_modules_type_check():

@@ -219,10 +219,9 @@ def make_native_build(slots: SlotState, factory: GrammarMatcherFactory, budget_m
                           f"fill_threads={factory.config.fill_threads})")
     if methods is None:
         methods = matcher_methods(xgr_factory.ffi_matcher_type())
-    clear_word, clear_bits = slots.tail if slots.tail is not None else (None, None)
     builder = NativeBuilder(methods, slots.bitmask, slots.token_mask, slots.max_num_sequences,
                             sorted(slots.stop_ids), slots.full_words, slots.tail_mask,
-                            None if clear_word is None else (clear_word, clear_bits))
+                            slots.tail)
     fast = None
     if entry:
         slots.matchers.track(native_handle_of(xgr_factory.matcher_type()))
