@@ -390,3 +390,32 @@ def test_disk_budget_config_field(tok, monkeypatch):
     for bad in (-1, 1.5, True, "1G"):
         with pytest.raises(ConfigError, match="compile_disk_cache_bytes"):
             GuidedDecodingConfig.from_tokenizer(tok, compile_disk_cache_bytes=bad)
+
+
+_EXIT_CHILD = r"""
+import sys, time
+from pathlib import Path
+from capgraph.grammar.disk_cache import DiskCompileCache
+folder = Path(sys.argv[1])
+cache = DiskCompileCache(folder, 1 << 20, min_compile_s=0.0, min_speedup=0.0)
+
+def produce():
+    time.sleep(0.5)  # a serialization still running when the process exits
+    return "x" * 100, {"backend": "test"}
+
+for i in range(3):
+    assert cache.store_later(f"{i:064x}", 1.0, produce)
+time.sleep(0.1)  # the first write has started; the process exits now
+"""
+
+
+def test_exit_finishes_the_write_in_flight_and_drops_the_rest(tmp_path):
+    """Pins: at interpreter exit every open disk cache stops writing: the entry being written
+    is finished (a writer thread inside a backend's C++ while the process tears down its C++
+    state aborted the process: 'terminate called without an active exception'), the queued
+    ones are dropped, and the process exits with 0."""
+    proc = subprocess.run([sys.executable, "-c", _EXIT_CHILD, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    written = [p.name for p in tmp_path.iterdir() if p.suffix == ".grammar"]
+    assert len(written) == 1, sorted(p.name for p in tmp_path.iterdir())

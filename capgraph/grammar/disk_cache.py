@@ -26,6 +26,7 @@ keeps serving from memory; writes are tried again after :data:`RETRY_WRITES_AFTE
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import enum
 import hashlib
@@ -36,6 +37,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 import zlib
 from collections import deque
 from pathlib import Path
@@ -164,6 +166,8 @@ class DiskCompileCache:
         self._writer: threading.Thread | None = None
         self._paused_until = 0.0
         self._warned = False
+        self._closed = False
+        _OPEN_CACHES.add(self)
 
     def path_of(self, key: str) -> Path:
         return self.directory / f"{key}{_SUFFIX}"
@@ -214,6 +218,9 @@ class DiskCompileCache:
             self.skipped += 1
             return False
         with self._cv:
+            if self._closed:
+                self.skipped += 1
+                return False
             if len(self._queue) >= self.max_pending:
                 self.skipped += 1
                 _log.debug("capgraph: %d grammars wait for the disk; %s not written",
@@ -227,6 +234,23 @@ class DiskCompileCache:
                 self._writer.start()
             self._cv.notify_all()
         return True
+
+    def close(self, timeout_s: float | None = 60.0) -> None:
+        """Stop writing: entries still queued are dropped, the one being written is finished
+        (its serialization runs in the backend's C++ and cannot be interrupted; at most
+        ``timeout_s`` is waited for it). Runs at interpreter exit for every open cache: a
+        writer thread still inside the backend while the process tears down its C++ state
+        would abort the process."""
+        with self._cv:
+            self._closed = True
+            dropped = len(self._queue)
+            self._queue.clear()
+            self._busy -= dropped
+            self.skipped += dropped
+            writer = self._writer
+            self._cv.notify_all()
+        if writer is not None and writer is not threading.current_thread():
+            writer.join(timeout_s)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued entry is written or dropped; False on timeout."""
@@ -377,3 +401,12 @@ def _decode(key: str, data: bytes) -> tuple[dict[str, Any], str]:
     if not isinstance(record, dict):
         raise _Damaged("its record is not a JSON object")
     return record, text
+
+
+_OPEN_CACHES: "weakref.WeakSet[DiskCompileCache]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_caches() -> None:
+    for cache in list(_OPEN_CACHES):
+        cache.close()
