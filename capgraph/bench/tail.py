@@ -92,9 +92,11 @@ def run(args: argparse.Namespace) -> dict:
             not args.limit else records
         records = chosen[:args.limit or 8]
     tok = load_tokenizer(tokenizer)
-    # mask timing only: schemas with keywords xgrammar does not enforce are measured as is
+    # mask timing only: schemas with keywords xgrammar does not enforce are measured as is;
+    # compiles are timed, so none is read from the disk cache
     config = GuidedDecodingConfig.from_tokenizer(tok, compile_timeout_s=args.compile_timeout,
-                                                 json_unenforced_keywords="ignore")
+                                                 json_unenforced_keywords="ignore",
+                                                 compile_disk_cache_bytes=0)
     factory = create_matcher_factory(config)
     try:
         result = measure(records, tok, factory, repeat, args.compile_timeout)
