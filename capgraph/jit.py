@@ -39,6 +39,7 @@ from ._cache import cache_dir, publish_once
 from .errors import NativeBuildError
 
 __all__ = ["JitSpec", "JitCacheError", "build", "cache_key", "artifact_path", "csrc_dir",
+           "unavailable_reason",
            "csrc_path", "cxx_library", "load_tvm_ffi_module", "load_python_extension"]
 
 #: How long a compile, or a wait for another process's compile, may take.
@@ -283,3 +284,13 @@ def load_python_extension(path: Path, module_name: str) -> Any:
         _log.debug("no CPython entry in %s: %s", path, e)
         return None
     return module
+
+
+def unavailable_reason(load: Callable[[], Any]) -> str | None:
+    """None if ``load()`` (an artifact's loader, building it if needed) succeeds, else the
+    :class:`NativeBuildError` message saying why it does not."""
+    try:
+        load()
+    except NativeBuildError as e:
+        return str(e)
+    return None

@@ -127,11 +127,7 @@ def python_module() -> Any:
 
 def unavailable_reason() -> str | None:
     """None if :func:`load` succeeds, else why it does not (compiling if needed)."""
-    try:
-        load()
-    except NativeBuildError as e:
-        return str(e)
-    return None
+    return jit.unavailable_reason(load)
 
 
 def matcher_methods(ffi_type: type) -> tuple[Any, Any, Any]:

@@ -48,11 +48,7 @@ def load() -> Any:
 
 def unavailable_reason() -> str | None:
     """None if :func:`load` succeeds, else why it does not (compiling if needed)."""
-    try:
-        load()
-    except NativeBuildError as e:
-        return str(e)
-    return None
+    return jit.unavailable_reason(load)
 
 
 _cpu_apply: Any = None
