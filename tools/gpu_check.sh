@@ -4,7 +4,7 @@
 #
 # Here first:   PYTHON=.venv/bin/python bash tools/prepare_gpu_run.sh
 # Then, once:   device run  command="bash tools/gpu_check.sh"  carry=[".whl", ".gpu-cache"]
-#               timeout_s=360 (the steps' time boxes add up to 300 s; docs/BENCHMARKS.md says
+#               timeout_s=390 (the steps' time boxes add up to 330 s; docs/BENCHMARKS.md says
 #               how long the last run took)
 # Logs and JSON land in $OUT (the device tool brings them back) or ./gpu-check-out; the
 # Markdown tables and target verdicts (tools/gpu_report.py) are printed and kept in report.md.
@@ -61,7 +61,7 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c \
   echo "xgrammar CUDA build rc=$?" ) > "$XGR_BUILD_LOG" 2>&1 &
 XGR_BUILD=$!
 
-# Time boxes add up to 300 s. Each step writes its results as it goes.
+# Time boxes add up to 330 s. Each step writes its results as it goes.
 run kernel 20 "$PY" -c "
 from capgraph.ops.cuda import load_kernel
 k = load_kernel(); assert k is not None, 'no kernel'; print('kernel compiled and loaded')"
@@ -74,6 +74,9 @@ run bench-apply 25 "$PY" -m capgraph.bench apply --no-cpu --no-xgrammar-cuda \
 run bench-hostfunc 15 "$PY" tools/bench_hostfunc.py
 run bench-replay 60 "$PY" tools/bench_graph_replay.py --batch 8 64 --models tiny,small \
     --json "$OUT/bench_replay.json"
+# batch 8 measured first and again last: the two must agree (the warm-up defect check)
+run bench-loop 30 "$PY" -m capgraph.bench loop --device cuda --batches 8 1 8 --steps 30 \
+    --json "$OUT/bench_loop.json"
 if kill -0 "$XGR_BUILD" 2>/dev/null; then
   echo "xgrammar's CUDA build still running: its comparison is skipped" | tee -a "$LOG"
   # (a background subshell ignores SIGINT: stop its timeout, which stops the build)
