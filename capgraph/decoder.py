@@ -26,6 +26,7 @@ from ._nvtx import nvtx_range
 from .admission import Admission
 from .bitmask import bitmask_dtype, token_mask_dtype, vocab_shard
 from .build import HostBuild, HostBuildChoice, Outcome, SlotState, Status
+from .build.slots import SlotMatchers
 from .build import make_host_build
 from .errors import (BudgetExceededError, ConfigError, DeadEndError, LayoutError,
                      QueueEpochError, RequestError)
@@ -74,7 +75,9 @@ class GuidedDecoder:
     :meth:`_rollback_rejected_tokens`, :meth:`_rollback_draft_tokens`,
     :meth:`_init_disagg_gen_requests`, :meth:`_fail_batch`, :meth:`_record_failed`,
     :meth:`_clear_token_mask`, :meth:`_check_logits`, :meth:`_require_batch`; the attributes
-    ``slots`` (:class:`~capgraph.build.SlotState`) and ``host_build`` (the strategy).
+    ``slots`` (:class:`~capgraph.build.SlotState`), ``host_build`` (the strategy) and, on
+    CUDA, ``_streams`` (the side stream and events, :mod:`capgraph.streams`, which a subclass
+    may replace).
     """
 
     bitmask_dtype = bitmask_dtype
@@ -116,7 +119,6 @@ class GuidedDecoder:
         self.slots = slots = SlotState(
             max_num_sequences, max_num_draft_tokens, V, config.tokenizer_vocab_size,
             config.stop_token_ids or (), self.grammar_matcher_factory.likely_allowed_token_ids())
-        self.grammar_matchers: list[GrammarMatcher | None] = slots.matchers
         self.num_advanced_tokens = slots.num_advanced_tokens  # accepted in the last build
         self.num_guided_tokens = slots.num_guided_tokens  # rows masked in the last build
         self.num_advanced_draft_tokens = slots.num_advanced_draft_tokens  # over a drafting loop
@@ -160,6 +162,12 @@ class GuidedDecoder:
     def native_build(self) -> bool:
         """Whether this decoder's build runs the C++ loop (:mod:`capgraph.build.native`)."""
         return self.host_build.name in ("native", "native-loop")
+
+    @property
+    def grammar_matchers(self) -> SlotMatchers:
+        """The matcher of each slot (None: none); assign ``grammar_matchers[slot]`` to replace
+        one (the native build's handles follow)."""
+        return self.slots.matchers
 
     @property
     def num_active_matchers(self) -> int:
@@ -400,6 +408,7 @@ class GuidedDecoder:
             self._inflight = requests
             self._masked_rows = True  # (until the join says: the token mask decides)
             return []
+        self._masked_rows = False  # (a build that raises masks nothing)
         outcomes, self._masked_rows = self.host_build.run(requests, clear)
         return self._interpret(requests, outcomes) if outcomes else []
 

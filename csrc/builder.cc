@@ -1,14 +1,15 @@
-// capgraph host build: the every-step loop of GuidedDecoder.build in C++ (the Builder of
+// capgraph host build: the every-step loop of the host build in C++ (the Builder of
 // host_build.h) and its tvm-ffi entry point, make_builder.
 //
 // Per guided request of a step: accept the new token, fill the request's first bitmask row,
 // clear the padding ids, check the row for a dead end, mark it in the token mask; then for
-// each draft token: accept it, fill the next row, and so on, stopping where the Python build
-// (capgraph/decoder.py, _fill_sequential) stops.
+// each draft token: accept it, fill the next row, and so on, stopping where the Python
+// reference build (capgraph/build/python.py, PythonBuild._fill_sequential) stops.
 //
-// What Python does around it: the request checks and bookkeeping (which requests take this
-// path, their counters, failures, termination flags) stay in capgraph/decoder.py; this loop
-// reports per request a status and how many tokens it accepted and rows it guided.
+// What Python does around it: which requests take this path and their checks
+// (capgraph/build/python.py, select), counters and statuses (capgraph/build/native.py), what a
+// status means for the request (GuidedDecoder._interpret); this loop reports per request a
+// status and how many tokens it accepted and rows it guided.
 // python_entry.cc runs the same Builder from a CPython call without a Python loop.
 //
 // Compiled at run time with python_entry.cc into one library by capgraph/jit.py (for
@@ -42,7 +43,7 @@ int32_t* Builder::Row(int64_t row) const {
   return static_cast<int32_t*>(bitmask.data_ptr()) + row * words;
 }
 
-// Padding ids are never allowed (decoder._clear_tail).
+// Padding ids are never allowed (SlotState.clear_tail).
 void Builder::ClearTail(int64_t row) const {
   if (clear_word < 0) return;
   int32_t* r = Row(row);
@@ -54,7 +55,7 @@ void Builder::ClearTail(int64_t row) const {
   if (w < words) std::memset(r + w, 0, static_cast<size_t>(words - w) * sizeof(int32_t));
 }
 
-// True when the row allows some id below vocab_size_padded (decoder._dead_rows).
+// True when the row allows some id below vocab_size_padded (SlotState.dead_rows).
 bool Builder::HasValidToken(int64_t row) const {
   const int32_t* r = Row(row);
   for (int64_t w = 0; w < full_words; ++w) {
@@ -129,7 +130,7 @@ void Builder::RunOne(const ObjectRef& m, int64_t token, int64_t offset, int64_t 
       ClearTail(row);
       if (!HasValidToken(row)) {
         if (i == 0) status = kDeadEnd;
-        break;  // a dead draft position stays unguided (decoder._dead_end)
+        break;  // a dead draft position stays unguided (as PythonBuild: no status)
       }
       ++guided;
       mask[row] = 1;

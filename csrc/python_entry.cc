@@ -4,9 +4,8 @@
 // Compiled only with CAPGRAPH_WITH_PYTHON (where Python's headers are installed; the file is
 // empty otherwise) into the same library as builder.cc, which is then also a CPython
 // extension module: fast_step() reads a whole steady-state batch of request objects through
-// their type's attribute descriptors and runs the Builder's loop with the GIL released (at
-// batch 1 the Python around the loop cost twice the loop: docs/BENCHMARKS.md, "build");
-// fast_begin()/fast_end() split the same step around a thread of the library's own, which
+// their type's attribute descriptors and runs the Builder's loop with the GIL released, so a
+// plain decode step makes one call from Python; fast_begin()/fast_end() split the same step around a thread of the library's own, which
 // never takes the GIL (a forked child starts its own). Compiled and loaded by
 // capgraph/jit.py for capgraph/build/library.py, never at import.
 
@@ -56,7 +55,7 @@
 //   None: some guided request is not the plain case (a target request generating with a
 //   valid unseen slot, exact-int new token in the vocabulary, exact-int drafts within bounds,
 //   every field read without raising; its slot's handle None or an address), and nothing was
-//   touched: the Python build runs. Else the step ran as the native loop would run it,
+//   touched: the native loop (NativeLoopBuild) runs. Else the step ran as the native loop would run it,
 //   counters written; masked: some row was guided; unusual: None, or [(batch index, status,
 //   fault message, over-budget milliseconds as text, or None)] for every request whose status
 //   is not plainly OK, in request order. A slot whose drafting loop stopped guiding it, or
@@ -297,7 +296,7 @@ bool Collect(FastState* st, PyObject* requests, PyObject* offsets, int64_t draft
     bool terminated = false;
     try {
       terminated = st->builder->is_terminated(ref).cast<bool>();
-    } catch (const std::exception&) {  // (the Python build runs it and reports the fault)
+    } catch (const std::exception&) {  // (the native loop runs it and reports the fault)
       if (PyErr_Occurred()) PyErr_Clear();
       return false;
     }
@@ -333,8 +332,9 @@ int Begin(FastState* st, PyObject* const* args, const char* name) {
   PyObject* requests = args[1];
   PyObject* offsets = args[2];
   const long long draft_len = PyLong_AsLongLong(args[3]);
+  if (draft_len == -1 && PyErr_Occurred()) return -1;
   const long long clear_rows = PyLong_AsLongLong(args[4]);
-  if (PyErr_Occurred()) return -1;
+  if (clear_rows == -1 && PyErr_Occurred()) return -1;
   // (a field read that calls back into this state is declined: the batch being read is not
   // done; the outer call goes on)
   if (st->collecting || !PyList_CheckExact(requests) || !PyList_CheckExact(offsets) ||

@@ -283,3 +283,56 @@ def test_native_strategies_report_what_the_python_one_reports(tiny, choice):
         results.append(seen)
     assert results[0] == results[1]
     assert results[0][1][0] == [(1, Status.REJECTED, None), (2, Status.DEAD_END, None)]
+
+
+class _FillRaising(_Raising):
+    """A matcher whose ``fill_next_token_bitmask`` raises (accepting works)."""
+
+    def accept_token(self, token_id):
+        return self.inner.accept_token(token_id)
+
+    def fill_next_token_bitmask(self, bitmask, index):
+        raise RuntimeError("fill raised")
+
+
+@pytest.mark.parametrize("host_build", ["python", "native-loop", "native"])
+def test_a_draft_request_that_faults_adds_nothing_to_the_drafting_loops_count(tiny, host_build):
+    """Pins: a draft-model step whose request accepts its token and then faults fails alone, and
+    its advance is not counted into ``num_advanced_draft_tokens`` (its matcher is dropped: a
+    later matcher on the slot must not be rolled back by it)."""
+    if host_build != "python" and native_reason is not None:
+        pytest.skip(f"the C++ host build is unavailable: {native_reason}")
+    dec = _decoder(tiny, host_build)
+    try:
+        dec.add_batch([GuidedRequest.context(10, 0, ALIVE), GuidedRequest.context(11, 1, ALIVE)])
+        assert dec.build() == []
+        dec.grammar_matchers[0] = _FillRaising(dec.grammar_matchers[0])
+        drafts = [dataclasses.replace(GuidedRequest.generation(10 + s, s, ALIVE, A),
+                                      is_draft=True) for s in (0, 1)]
+        dec.add_batch(drafts)
+        failed = dec.build()
+        assert failed == [(10, "RuntimeError: fill raised")]
+        assert dec.num_advanced_draft_tokens[:2] == [0, 1]
+        assert dec.grammar_matchers[0] is None and dec.grammar_matchers[1] is not None
+    finally:
+        dec.close()
+
+
+@needs_native
+def test_closing_the_native_strategy_finishes_a_build_in_flight(tiny):
+    """Pins: ``NativeBuild.close()`` with a build begun and not finished ends that build first
+    (the counters are written back), then stops its thread."""
+    dec = _decoder(tiny, "native")
+    try:
+        if not dec.host_build.asynchronous:
+            pytest.skip("the C++ build's CPython entry is not built here (no Python headers)")
+        dec.add_batch([GuidedRequest.context(10, 0, ALIVE)])
+        assert dec.build() == []
+        dec.add_batch([GuidedRequest.generation(10, 0, ALIVE, A)])
+        requests = dec.requests
+        assert dec.host_build.begin(requests, requests.num_bitmask_tokens)
+        dec.host_build.close()
+        assert not dec.host_build.in_flight
+        assert dec.num_advanced_tokens[0] == 1 and dec.num_guided_tokens[0] == 1
+    finally:
+        dec.close()

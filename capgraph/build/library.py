@@ -75,7 +75,7 @@ def source_path() -> Path:
 def _python_flags() -> list[str]:
     """What makes the library also a CPython extension module (its ``fast_step``): Python's
     include folder and a define, where Python's headers are installed; else nothing (the
-    decoder then runs its Python loop around the tvm-ffi step)."""
+    native strategy is then ``"native-loop"``: Python selection around the tvm-ffi step)."""
     include = sysconfig.get_paths().get("include") or ""
     if (os.environ.get("CAPGRAPH_NATIVE_PYTHON") or "").strip().lower() == "off" or \
             not os.path.isfile(os.path.join(include, "Python.h")):
@@ -225,8 +225,8 @@ class FastPath(NamedTuple):
     ``step(state, requests, offsets, draft_len, clear_rows)`` reads a steady-state batch of
     request objects (a list; fields by :data:`capgraph.requests.NATIVE_RECORD_FIELDS`) and
     builds it, the GIL released while xgrammar works: ``(masked, unusual)``, or None where
-    some guided request is not the plain case (nothing was touched; the Python loop then
-    runs). ``begin`` takes the same
+    some guided request is not the plain case (nothing was touched;
+    :class:`~capgraph.build.native.NativeLoopBuild` then runs it). ``begin`` takes the same
     arguments and declines the same batches, but hands the xgrammar work to the state's own
     thread, which never takes the GIL, and returns True at once; ``end(state)`` waits for
     that work (GIL released) and returns what ``step`` would have. Between the two nothing

@@ -22,9 +22,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import ConfigError
 from ..grammar import GrammarMatcherFactory
-from .library import (STATUS_OVER_BUDGET, TERMINATED, FastPath, NativeBuilder,
-                              NativeBuildError, matcher_methods)
 from ..requests import GuidedRequests
+from .library import STATUS_OVER_BUDGET, TERMINATED, FastPath, NativeBuilder, matcher_methods
 from .base import PLAIN, Outcome, Status, StepResult
 from .python import Active, PythonBuild, fault
 from .slots import SlotState
@@ -171,7 +170,11 @@ class NativeBuild(NativeLoopBuild):
         return self._entry_result(requests, self.entry.end(self.entry.state))
 
     def close(self) -> None:
-        self.entry.close(self.entry.state)
+        try:
+            if self._inflight is not None:
+                self.finish()  # (its outcomes go unread: close() is the strategy's end)
+        finally:
+            self.entry.close(self.entry.state)
 
     def _entry_result(self, requests: Sequence, result: tuple) -> StepResult:
         masked, unusual = result
@@ -232,5 +235,3 @@ def make_native_build(slots: SlotState, factory: GrammarMatcherFactory, budget_m
         return NativeLoopBuild(slots, factory, budget_ms, builder)
     return NativeBuild(slots, factory, budget_ms, builder, fast)
 
-
-__all__ += ["NativeBuildError"]

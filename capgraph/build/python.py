@@ -214,9 +214,14 @@ class PythonBuild(HostBuild):
         act, outcomes, draft_slots = select(requests, state)
         if act.index:
             self._fill(act, outcomes, requests.max_num_draft_tokens)
-        advanced, drafted = state.num_advanced_tokens, state.num_advanced_draft_tokens
-        for slot in draft_slots:
-            drafted[slot] += advanced[slot]
+        if draft_slots:
+            # a draft request that faulted is dropped (its advances are never rolled back)
+            faulted = {requests.requests[i].seq_slot for i, status, _ in outcomes
+                       if status == Status.FAULT}
+            advanced, drafted = state.num_advanced_tokens, state.num_advanced_draft_tokens
+            for slot in draft_slots:
+                if slot not in faulted:
+                    drafted[slot] += advanced[slot]
         return StepResult(outcomes, self._masked) if outcomes else PLAIN[self._masked]
 
     def _fill(self, act: Active, outcomes: list[Outcome], draft_len: int) -> None:

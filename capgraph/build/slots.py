@@ -59,8 +59,9 @@ class SlotMatchers(list[GrammarMatcher | None]):
             super().__setitem__(slice(None), new)
             self.handles[:] = [self._handle_of(m) for m in new]
             return
+        handle = self._handle_of(value)  # (first: a failure here changes neither list)
         super().__setitem__(index, value)
-        self.handles[index] = self._handle_of(value)
+        self.handles[index] = handle
 
     def _fixed(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"the {len(self)} slots' matcher list has a fixed length and order "
