@@ -15,6 +15,8 @@ __all__ = [
     "GrammarCompileError",
     "UnsupportedGuideError",
     "CompileTimeoutError",
+    "CompileResourceError",
+    "CompileQueueFullError",
     "MatcherError",
     "DeadEndError",
     "RequestError",
@@ -75,6 +77,16 @@ class UnsupportedGuideError(GrammarCompileError):
 
 class CompileTimeoutError(GrammarCompileError):
     """Grammar compilation did not finish within the configured timeout."""
+
+
+class CompileResourceError(GrammarCompileError):
+    """A compile worker process went over its memory limit
+    (``GuidedDecodingConfig.compile_memory_limit_bytes``) or died while compiling."""
+
+
+class CompileQueueFullError(GrammarCompileError):
+    """Too many compiles already wait for a compile worker; this one was refused at once
+    rather than queued (``compile_isolation="process"``)."""
 
 
 class MatcherError(CapgraphError, RuntimeError):

@@ -34,6 +34,8 @@ __all__ = [
     "JSON_WHITESPACE_MODES",
     "MAX_COMPILE_TIMEOUT_S",
     "MAX_JSON_WHITESPACE",
+    "COMPILE_ISOLATION_MODES",
+    "DEFAULT_COMPILE_MEMORY_LIMIT_BYTES",
 ]
 
 #: Environment variable that sets the default of ``GuidedDecodingConfig.compile_cache_bytes``
@@ -49,6 +51,10 @@ NATIVE_BUILD_ENV = "CAPGRAPH_NATIVE_BUILD"
 
 
 NATIVE_BUILD_MODES = ("auto", "on", "off")
+#: Where xgrammar compiles run (``GuidedDecodingConfig.compile_isolation``).
+COMPILE_ISOLATION_MODES = ("thread", "process")
+#: Default of ``GuidedDecodingConfig.compile_memory_limit_bytes``: 4 GiB per compile worker.
+DEFAULT_COMPILE_MEMORY_LIMIT_BYTES = 4 << 30
 
 
 def _default_cache_bytes() -> int:
@@ -303,7 +309,19 @@ class GuidedDecodingConfig:
             wins over the variable.
         compile_timeout_s: a compile that takes longer fails its request alone; a finite
             number of seconds up to ``MAX_COMPILE_TIMEOUT_S`` (one day).
-        compile_threads: worker threads that compile grammars off the decode path.
+        compile_threads: worker threads that compile grammars off the decode path (and,
+            with ``compile_isolation="process"``, the most compile worker processes).
+        compile_isolation: where xgrammar compiles run. ``"thread"`` (default): on threads of
+            the decoder's process; a compile past its timeout fails its request but runs on.
+            ``"process"``: in spawned worker processes (:mod:`capgraph.grammar.process_pool`);
+            a compile whose every waiter timed out is killed, so its CPU and memory come back,
+            and compiles queued beyond ``4 * compile_threads`` fail at once with
+            :class:`~capgraph.errors.CompileQueueFullError`. llguidance compiles (about 1 ms)
+            always run on threads.
+        compile_memory_limit_bytes: with ``compile_isolation="process"``, the address space a
+            compile worker may add to what it holds once started (``RLIMIT_AS``; Linux and
+            macOS); a compile over it fails its request with
+            :class:`~capgraph.errors.CompileResourceError`. Default 4 GiB; 0: no limit.
         fill_threads: threads of xgrammar's batched bitmask fill; 1 (default) fills in the
             calling thread, 0 lets xgrammar choose (half the hardware threads). Measured with
             batches of 8 and 64 on a 2-core and a 16-core host, every thread count above 1 made
@@ -356,6 +374,8 @@ class GuidedDecodingConfig:
     compile_disk_cache_bytes: int = field(default_factory=_default_disk_cache_bytes)
     compile_timeout_s: float = 30.0
     compile_threads: int = 2
+    compile_isolation: str = "thread"
+    compile_memory_limit_bytes: int = DEFAULT_COMPILE_MEMORY_LIMIT_BYTES
     fill_threads: int = 1
     native_build: str = field(default_factory=_default_native_build)
     json_whitespace: str = "any"
@@ -431,6 +451,8 @@ class GuidedDecodingConfig:
         self.compile_timeout_s = _seconds_field("compile_timeout_s", self.compile_timeout_s,
                                                 MAX_COMPILE_TIMEOUT_S)
         _int_field("compile_threads", self.compile_threads, 1, 1024)
+        _choice_field("compile_isolation", self.compile_isolation, COMPILE_ISOLATION_MODES)
+        _int_field("compile_memory_limit_bytes", self.compile_memory_limit_bytes, 0)
         _choice_field("json_unenforced_keywords", self.json_unenforced_keywords,
                       ("error", "fallback", "ignore"))
         _int_field("fill_threads", self.fill_threads, 0, 1024)

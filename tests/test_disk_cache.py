@@ -307,7 +307,8 @@ def test_key_follows_the_fields_that_change_a_compile(tok, cache_root):
         assert dc.config_key(changed) != base_text, name
     irrelevant = {"compile_threads": 3, "compile_timeout_s": 5.0, "fill_threads": 2,
                   "compile_cache_bytes": 1 << 20, "host_step_budget_ms": 10.0,
-                  "native_build": "off", "compile_disk_cache_bytes": 1 << 20}
+                  "native_build": "off", "compile_disk_cache_bytes": 1 << 20,
+                  "compile_isolation": "process", "compile_memory_limit_bytes": 1 << 30}
     assert set(irrelevant) == set(dc.NOT_KEY_FIELDS)
     assert _factory(tok, **irrelevant)._disk_key(params) == key
     assert _factory(tok, json_whitespace="compact")._disk_key(params) != key

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import CompileTimeoutError, GrammarCompileError
+from ..errors import CompileQueueFullError, CompileTimeoutError, GrammarCompileError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams
 from .._cache import cache_dir
 from .cache import ByteLRUCache
@@ -249,21 +249,37 @@ class GrammarMatcherFactory(ABC):
                 self.stats.inflight_hits += 1
             else:
                 job = _Compile()
-                job.future = self._pool.submit(
-                    lambda: self._compile_and_store(key, params, job))
+                try:
+                    job.future = self._pool.submit(
+                        lambda: self._compile_and_store(key, params, job))
+                except CompileQueueFullError as e:
+                    refused: Future[CompiledGuide] = Future()
+                    refused.set_exception(CompileQueueFullError(
+                        e.detail, guide_type=params.guide_type.name,
+                        backend=self.backend_name))
+                    return CompileHandle(refused, params)
                 self._inflight[key] = job
             job.waiters += 1
             future = job.future
         assert future is not None
         if started:  # (outside the lock: a compile already done calls back at once)
             future.add_done_callback(lambda f: self._forget(key, job))
-        return CompileHandle(future, params, lambda f: self._timed_out(job, f))
+        return CompileHandle(future, params, lambda f: self._timed_out(key, job, f))
 
-    def _timed_out(self, job: _Compile, future: Future) -> None:
-        """A waiter of ``job`` gave up: count it and free the compile's slot."""
+    def _timed_out(self, key: tuple[str, str], job: _Compile, future: Future) -> None:
+        """A waiter of ``job`` gave up: count it and free the compile's slot; where no request
+        waits for it any more, stop the compile if the backend can (:meth:`_stop_compile`)."""
         with self._lock:
             job.timed_out += 1
+            if not job.wanted and self._stop_compile(key) and self._inflight.get(key) is job:
+                del self._inflight[key]  # (a later request for it starts afresh)
         self._pool.abandon(future)
+
+    def _stop_compile(self, key: tuple[str, str]) -> bool:
+        """Backend hook: kill the running compile of ``key``, which no request waits for any
+        more (called under the factory's lock: must not block). Returns whether it did; the
+        default cannot (a compile on a thread runs to its end)."""
+        return False
 
     def _forget(self, key: tuple[str, str], job: _Compile) -> None:
         with self._lock:  # done (stored, failed or cancelled): later requests start afresh

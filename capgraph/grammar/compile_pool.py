@@ -15,7 +15,7 @@ import threading
 from concurrent.futures import Future
 from typing import Callable
 
-from ..errors import GrammarCompileError
+from ..errors import CompileQueueFullError, GrammarCompileError
 
 __all__ = ["CompilePool"]
 
@@ -26,11 +26,16 @@ class CompilePool:
     Args:
         slots: compiles that may run at once (``GuidedDecodingConfig.compile_threads``).
         max_abandoned: abandoned compiles allowed to run beyond the slots.
+        max_waiting: compiles allowed to wait for a slot; past it :meth:`submit` raises
+            :class:`~capgraph.errors.CompileQueueFullError` (None: no bound).
     """
 
-    def __init__(self, slots: int, max_abandoned: int | None = None) -> None:
+    def __init__(self, slots: int, max_abandoned: int | None = None,
+                 max_waiting: int | None = None) -> None:
         self.slots = slots
         self.max_abandoned = 4 * slots if max_abandoned is None else max_abandoned
+        self.max_waiting = max_waiting
+        self._waiting = 0  # submitted jobs without a slot yet
         self._cv = threading.Condition()
         self._holding: set[Future] = set()  # futures whose compile holds a slot
         self._abandoned: set[Future] = set()  # running past their slot
@@ -50,9 +55,14 @@ class CompilePool:
 
     def submit(self, job: Callable[[], object], name: str = "capgraph-compile") -> Future:
         """Run ``job`` on a new daemon thread once a slot is free; its result or exception
-        completes the returned future."""
+        completes the returned future. Raises CompileQueueFullError past ``max_waiting``."""
         future: Future = Future()
         with self._cv:
+            if self.max_waiting is not None and self._waiting >= self.max_waiting:
+                raise CompileQueueFullError(
+                    f"{self._waiting} compiles already wait for one of {self.slots} compile "
+                    "slots; retry later")
+            self._waiting += 1
             generation = self._generation
         threading.Thread(target=self._run, args=(job, future, generation), name=name,
                          daemon=True).start()
@@ -77,6 +87,7 @@ class CompilePool:
         with self._cv:
             while len(self._holding) >= self.slots and generation == self._generation:
                 self._cv.wait()
+            self._waiting -= 1
             if generation != self._generation:
                 future.set_exception(GrammarCompileError(
                     "compile cancelled: the matcher factory was closed before it started"))

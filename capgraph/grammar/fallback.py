@@ -100,6 +100,11 @@ class FallbackMatcherFactory(GrammarMatcherFactory):
         _log.info("capgraph: JSON schema served by %s (%s)", secondary.backend_name, reason)
         return _Routed(payload, secondary.backend_name, reason), nbytes
 
+    def _stop_compile(self, key: tuple[str, str]) -> bool:
+        # the primary's worker process compiles under the same key (the secondary's threads
+        # cannot be stopped)
+        return self.primary._stop_compile(key)
+
     def _served_by(self, payload: Any) -> tuple[Any, str, str | None]:
         return payload.payload, payload.backend, payload.reason
 

@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import re
 import threading
+import time
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
@@ -17,6 +18,7 @@ from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
 from .converter_log import converter_warnings
 from .disk_cache import source_digest
+from .process_pool import ProcessCompilePool
 from .schema_policy import describe, unenforced_in_tag, unenforced_in_text
 from .semantics import JSON_CONTAINER_SCHEMA
 
@@ -322,6 +324,12 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         self._placing_infos: dict[frozenset[int], xgr.TokenizerInfo] = {}
         self._placing_lock = threading.Lock()
         self._disk_key_prefix()  # (about 0.1 s for a 131k vocabulary, with the disk cache on)
+        #: the compile worker processes (compile_isolation="process"), else None
+        self.processes: ProcessCompilePool | None = None
+        if config.compile_isolation == "process":
+            self.processes = ProcessCompilePool(config, config.compile_threads,
+                                                config.compile_memory_limit_bytes)
+            self._pool.max_waiting = 4 * config.compile_threads
 
     def _compiler_placing(self, placed: frozenset[int]) -> xgr.GrammarCompiler:
         """The compiler for a structural tag that places the special ids ``placed``: the shared
@@ -365,7 +373,29 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         grammar = xgr.CompiledGrammar.deserialize_json(text, self._tokenizer_info_for(params))
         return grammar, int(grammar.memory_size_bytes)
 
+    def _stop_compile(self, key: tuple[str, str]) -> bool:
+        return self.processes is not None and self.processes.stop(key)
+
+    def close(self) -> None:
+        super().close()
+        if self.processes is not None:
+            self.processes.close()
+
     def _compile(self, params: GuidedDecodingParams) -> tuple[Any, int]:
+        if self.processes is not None:
+            return self._compile_in_process(params)
+        return self._compile_here(params)
+
+    def _compile_in_process(self, params: GuidedDecodingParams) -> tuple[Any, int]:
+        """:meth:`_compile_here` in a worker process, the grammar sent back serialized."""
+        assert self.processes is not None
+        text, _, _ = self.processes.compile((params.guide_type.value, params.guide), params)
+        start = time.perf_counter()
+        loaded = self._deserialize(params, text)
+        self.processes.record_deserialize(time.perf_counter() - start)
+        return loaded
+
+    def _compile_here(self, params: GuidedDecodingParams) -> tuple[Any, int]:
         gt, guide = params.guide_type, params.guide
         try:
             # Every JSON-schema and tag conversion runs inside the stderr capture (a process-wide

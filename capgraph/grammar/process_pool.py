@@ -1,0 +1,318 @@
+"""xgrammar compiles in worker processes that can be killed (``compile_isolation="process"``).
+
+A compile thread of :class:`~capgraph.grammar.base.GrammarMatcherFactory` hands the guide to
+an idle worker process and blocks until the worker sends back the compiled grammar as
+``CompiledGrammar.serialize_json()`` text, or the error it raised. Workers are started with
+the ``spawn`` context (never forked from a process that holds threads and locks), lazily, at
+most ``workers`` of them; each builds its own
+:class:`~capgraph.grammar.xgrammar_backend.XGrammarMatcherFactory` once and compiles with its
+``_compile`` (keyword policy, converter warnings, repairs and limits all apply). A compile that
+nobody waits for any more (:meth:`ProcessCompilePool.stop`) is killed: SIGTERM, then SIGKILL
+after :data:`KILL_GRACE_S`; its worker is replaced on demand. Each worker runs under
+``RLIMIT_AS`` = its size once started + ``memory_limit_bytes``; a compile over it fails with
+:class:`~capgraph.errors.CompileResourceError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from .. import errors
+from ..errors import CompileResourceError, CompileTimeoutError, GrammarCompileError
+from ..params import GuidedDecodingConfig, GuidedDecodingParams
+
+__all__ = ["ProcessCompilePool", "ProcessPoolStats", "KILL_GRACE_S", "START_TIMEOUT_S"]
+
+#: Seconds a stopped worker gets between SIGTERM and SIGKILL.
+KILL_GRACE_S = 0.2
+#: Seconds a new worker may take to import xgrammar and build its factory.
+START_TIMEOUT_S = 120.0
+_BACKEND = "xgrammar"
+#: Errors a worker may send back by name (anything else arrives as GrammarCompileError).
+_ERRORS = {cls.__name__: cls for cls in (GrammarCompileError, errors.UnsupportedGuideError,
+                                         CompileTimeoutError, CompileResourceError)}
+
+
+def _address_space_bytes() -> int | None:
+    """This process's virtual size (Linux ``/proc``), or None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _limit_memory(limit_bytes: int) -> None:
+    """``RLIMIT_AS`` = the address space held now + ``limit_bytes`` (just ``limit_bytes``
+    where the current size cannot be read)."""
+    import resource
+    held = _address_space_bytes() or 0
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    soft = held + limit_bytes
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _is_memory_error(e: BaseException) -> bool:
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, MemoryError) or "bad_alloc" in str(seen):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+def _worker_main(conn: Connection, config: GuidedDecodingConfig, memory_limit: int) -> None:
+    """A worker's life: build the factory, then answer one compile request after another
+    until the parent closes its end (or sends None)."""
+    from .xgrammar_backend import XGrammarMatcherFactory
+    factory = XGrammarMatcherFactory(config)
+    if memory_limit:
+        _limit_memory(memory_limit)
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            params = conn.recv()
+        except (EOFError, OSError):
+            return
+        if params is None:
+            return
+        start = time.perf_counter()
+        try:
+            compiled, nbytes = factory._compile(params)
+            compiled_at = time.perf_counter()
+            text = compiled.serialize_json()
+            reply: tuple = ("ok", text, nbytes, compiled_at - start,
+                            time.perf_counter() - compiled_at)
+            del compiled
+        except BaseException as e:  # noqa: BLE001 - sent to the parent by name and fields
+            if _is_memory_error(e):
+                reply = ("memory", f"{type(e).__name__}: {e}")
+            elif isinstance(e, GrammarCompileError):
+                reply = ("error", type(e).__name__, e.detail, e.guide_type, e.backend)
+            else:
+                reply = ("error", "GrammarCompileError", f"{type(e).__name__}: {e}",
+                         params.guide_type.name, _BACKEND)
+        conn.send(reply)
+
+
+@dataclass(slots=True)
+class ProcessPoolStats:
+    """Counters of a :class:`ProcessCompilePool` (for monitoring, tests and benchmarks)."""
+
+    spawned: int = 0  #: worker processes started
+    killed: int = 0  #: workers stopped because nobody waited for their compile any more
+    died: int = 0  #: workers that died while compiling (memory limit, crash)
+    compile_s: list[float] = field(default_factory=list)  #: in-worker compile, per guide
+    serialize_s: list[float] = field(default_factory=list)  #: in-worker serialize_json
+    deserialize_s: list[float] = field(default_factory=list)  #: in the decoder's process
+
+    def _add(self, name: str, seconds: float) -> None:
+        values = getattr(self, name)
+        if len(values) < 100_000:
+            values.append(seconds)
+
+
+class _Worker:
+    __slots__ = ("process", "conn", "key", "stopped")
+
+    def __init__(self, process: Any, conn: Connection) -> None:
+        self.process = process
+        self.conn = conn
+        self.key: Any = None  # the guide it compiles now (None: idle)
+        self.stopped = False
+
+
+class ProcessCompilePool:
+    """At most ``workers`` spawned processes compiling xgrammar guides, one guide at a time.
+
+    Args:
+        config: the decoder's config; workers get a copy with the disk cache, the memory
+            cache and process isolation off (it must pickle: a Hugging Face tokenizer does).
+        workers: the most processes alive at once (``compile_threads``).
+        memory_limit_bytes: address space a worker may add once started; 0: no limit.
+    """
+
+    def __init__(self, config: GuidedDecodingConfig, workers: int,
+                 memory_limit_bytes: int) -> None:
+        self.workers = workers
+        self.memory_limit_bytes = memory_limit_bytes
+        self.stats = ProcessPoolStats()
+        self._config = dataclasses.replace(config, compile_isolation="thread",
+                                           compile_disk_cache_bytes=0, compile_cache_bytes=0)
+        self._context = multiprocessing.get_context("spawn")
+        self._cv = threading.Condition()
+        self._idle: list[_Worker] = []
+        self._busy: list[_Worker] = []
+        self._starting = 0  # slots reserved by workers being started
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the live workers."""
+        with self._cv:
+            return [w.process.pid for w in (*self._idle, *self._busy)]
+
+    def pid_compiling(self, key: Any) -> int | None:
+        """The pid of the worker compiling ``key`` now, or None."""
+        with self._cv:
+            for w in self._busy:
+                if w.key == key:
+                    return w.process.pid
+        return None
+
+    def compile(self, key: Any, params: GuidedDecodingParams) -> tuple[str, int, float]:
+        """Compile ``params`` in a worker (blocks, on a compile thread): ``(serialized
+        grammar, nbytes, compile seconds)``, or raises the compile's GrammarCompileError,
+        :class:`CompileResourceError` where the worker went over its memory limit or died,
+        :class:`CompileTimeoutError` where :meth:`stop` killed it. ``key`` names the compile
+        for :meth:`stop`."""
+        worker = self._acquire(key)
+        try:
+            worker.conn.send(params)
+            reply = worker.conn.recv()
+        except (EOFError, OSError):
+            self._discard(worker)
+            if worker.stopped:
+                raise CompileTimeoutError("compile killed: every request waiting for it "
+                                          "timed out", guide_type=params.guide_type.name,
+                                          backend=_BACKEND) from None
+            with self._cv:
+                self.stats.died += 1
+            raise CompileResourceError(
+                f"the compile worker died (exit code {worker.process.exitcode}) under a "
+                f"memory limit of {self._limit_text()} "
+                "(GuidedDecodingConfig.compile_memory_limit_bytes)",
+                guide_type=params.guide_type.name, backend=_BACKEND) from None
+        self._release(worker)
+        kind = reply[0]
+        if kind == "ok":
+            _, text, nbytes, compile_s, serialize_s = reply
+            with self._cv:
+                self.stats._add("compile_s", compile_s)
+                self.stats._add("serialize_s", serialize_s)
+            return text, nbytes, compile_s
+        if kind == "memory":
+            raise CompileResourceError(
+                f"the compile went over the worker's memory limit of {self._limit_text()} "
+                f"(GuidedDecodingConfig.compile_memory_limit_bytes): {reply[1]}",
+                guide_type=params.guide_type.name, backend=_BACKEND)
+        _, name, detail, guide_type, backend = reply
+        raise _ERRORS.get(name, GrammarCompileError)(detail, guide_type=guide_type,
+                                                     backend=backend)
+
+    def stop(self, key: Any) -> bool:
+        """Kill the worker compiling ``key`` (nobody waits for it any more); its compile
+        thread reaps it and its slot goes to the next compile. Does not block. Returns
+        whether one was found."""
+        with self._cv:
+            for w in self._busy:
+                if w.key == key and not w.stopped:
+                    w.stopped = True
+                    self.stats.killed += 1
+                    w.process.terminate()
+                    return True
+        return False
+
+    def record_deserialize(self, seconds: float) -> None:
+        with self._cv:
+            self.stats._add("deserialize_s", seconds)
+
+    def close(self) -> None:
+        """Stop the idle workers (busy ones stay until their compile ends; later compiles
+        start new ones)."""
+        with self._cv:
+            idle, self._idle = self._idle, []
+        for w in idle:
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+            self._reap(w)
+
+    # -- internals ------------------------------------------------------------------------
+    def _limit_text(self) -> str:
+        if not self.memory_limit_bytes:
+            return "none"
+        return f"{self.memory_limit_bytes / (1 << 20):g} MiB"
+
+    def _acquire(self, key: Any) -> _Worker:
+        with self._cv:
+            while not self._idle and \
+                    len(self._busy) + len(self._idle) + self._starting >= self.workers:
+                self._cv.wait()
+            if self._idle:
+                worker = self._idle.pop()
+                worker.key = key
+                self._busy.append(worker)
+                return worker
+            self._starting += 1
+        try:
+            worker = self._start()
+        finally:
+            with self._cv:
+                self._starting -= 1
+                self._cv.notify()
+        with self._cv:
+            worker.key = key
+            self._busy.append(worker)
+        return worker
+
+    def _start(self) -> _Worker:
+        parent, child = self._context.Pipe()
+        process = self._context.Process(
+            target=_worker_main, args=(child, self._config, self.memory_limit_bytes),
+            name="capgraph-compile-worker", daemon=True)
+        process.start()
+        child.close()
+        worker = _Worker(process, parent)
+        try:
+            if not parent.poll(START_TIMEOUT_S):
+                raise TimeoutError(f"not ready after {START_TIMEOUT_S:g} s")
+            parent.recv()
+        except (EOFError, OSError, TimeoutError) as e:
+            self._reap(worker)
+            raise GrammarCompileError(
+                f"a compile worker process did not start ({type(e).__name__}: {e}; exit "
+                f"code {process.exitcode})", backend=_BACKEND) from None
+        with self._cv:
+            self.stats.spawned += 1
+        return worker
+
+    def _release(self, worker: _Worker) -> None:
+        with self._cv:
+            self._busy.remove(worker)
+            worker.key = None
+            if worker.stopped:  # its result came in just before the kill
+                self._cv.notify()
+            else:
+                self._idle.append(worker)
+                self._cv.notify()
+                return
+        self._reap(worker)
+
+    def _discard(self, worker: _Worker) -> None:
+        with self._cv:
+            if worker in self._busy:
+                self._busy.remove(worker)
+            self._cv.notify()
+        self._reap(worker)
+
+    @staticmethod
+    def _reap(worker: _Worker) -> None:
+        """SIGTERM, SIGKILL after the grace, and wait for the process to be gone."""
+        process = worker.process
+        if process.is_alive():
+            process.terminate()
+            process.join(KILL_GRACE_S)
+            if process.is_alive():
+                process.kill()
+        process.join()
+        worker.conn.close()
