@@ -156,9 +156,10 @@ class ProcessCompilePool:
 
     @property
     def pids(self) -> list[int]:
-        """Process ids of the live workers."""
+        """Process ids of the workers in service (not one being killed, which its compile
+        thread reaps when it sees the pipe close)."""
         with self._cv:
-            return [w.process.pid for w in (*self._idle, *self._busy)]
+            return [w.process.pid for w in (*self._idle, *self._busy) if not w.stopped]
 
     def pid_compiling(self, key: Any) -> int | None:
         """The pid of the worker compiling ``key`` now, or None."""
