@@ -109,6 +109,9 @@ class GuidedDecodingBackend(enum.Enum):
 
     XGRAMMAR = "xgrammar"
     LLGUIDANCE = "llguidance"
+    #: fast start: a regex or JSON-schema request starts on llguidance while xgrammar compiles,
+    #: then xgrammar takes over (:mod:`capgraph.grammar.handover`)
+    AUTO = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +290,13 @@ class GuidedDecodingConfig:
 
     Args:
         backend: grammar engine (:class:`GuidedDecodingBackend` or ``"xgrammar"`` /
-            ``"llguidance"``).
+            ``"llguidance"`` / ``"auto"``). ``"auto"`` (fast start,
+            :mod:`capgraph.grammar.handover`): a regex or JSON-schema request whose xgrammar
+            grammar is not compiled yet starts on llguidance and is handed over to xgrammar
+            when its compile lands; other guide types, and guides xgrammar has compiled
+            already, go to xgrammar; a JSON schema one backend refuses is served by the other,
+            refused only when both refuse it. Needs the llguidance extra, a tokenizer, exactly
+            one stop token and ``json_unenforced_keywords`` other than ``"ignore"``.
         tokenizer: a Hugging Face tokenizer; the vocabulary and its metadata (vocab type,
             prefix space) are read from it. Either this or ``encoded_vocab`` is required.
         encoded_vocab: the vocabulary as strings indexed by token id (xgrammar only, used
@@ -418,9 +427,9 @@ class GuidedDecodingConfig:
             if not self.encoded_vocab:
                 raise ConfigError("GuidedDecodingConfig.encoded_vocab: empty vocabulary")
             self.tokenizer_vocab_size = len(self.encoded_vocab)
-            if self.backend is GuidedDecodingBackend.LLGUIDANCE:
-                raise ConfigError("GuidedDecodingConfig: the llguidance backend needs a "
-                                  "tokenizer, not only an encoded_vocab")
+            if self.backend is not GuidedDecodingBackend.XGRAMMAR:
+                raise ConfigError(f"GuidedDecodingConfig: the {self.backend.value} backend "
+                                  "needs a tokenizer, not only an encoded_vocab")
         if self.vocab_size_padded is None or (type(self.vocab_size_padded) is int
                                                and self.vocab_size_padded == 0):
             self.vocab_size_padded = self.tokenizer_vocab_size
@@ -441,11 +450,11 @@ class GuidedDecodingConfig:
                 raise ConfigError(
                     f"GuidedDecodingConfig.stop_token_ids: {t} is outside the vocabulary "
                     f"[0, {self.tokenizer_vocab_size})")
-        if (self.backend is GuidedDecodingBackend.LLGUIDANCE
+        if (self.backend is not GuidedDecodingBackend.XGRAMMAR
                 and len(self.stop_token_ids) != 1):
             raise ConfigError(
-                "GuidedDecodingConfig.stop_token_ids: the llguidance backend takes exactly one "
-                f"stop token, got {self.stop_token_ids}")
+                f"GuidedDecodingConfig.stop_token_ids: the {self.backend.value} backend takes "
+                f"exactly one stop token, got {self.stop_token_ids}")
         _int_field("compile_cache_bytes", self.compile_cache_bytes, 0)
         _int_field("compile_disk_cache_bytes", self.compile_disk_cache_bytes, 0)
         self.compile_timeout_s = _seconds_field("compile_timeout_s", self.compile_timeout_s,
@@ -455,6 +464,12 @@ class GuidedDecodingConfig:
         _int_field("compile_memory_limit_bytes", self.compile_memory_limit_bytes, 0)
         _choice_field("json_unenforced_keywords", self.json_unenforced_keywords,
                       ("error", "fallback", "ignore"))
+        if (self.backend is GuidedDecodingBackend.AUTO
+                and self.json_unenforced_keywords == "ignore"):
+            raise ConfigError(
+                "GuidedDecodingConfig: backend='auto' hands a request from llguidance to "
+                "xgrammar only where both enforce its schema, which "
+                "json_unenforced_keywords='ignore' hides; use 'error' or 'fallback'")
         _int_field("fill_threads", self.fill_threads, 0, 1024)
         _int_field("max_repetition_count", self.max_repetition_count, 1, 2**31 - 1)
         budget = self.host_step_budget_ms

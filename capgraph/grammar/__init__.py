@@ -25,11 +25,14 @@ def _backend_factory(config: GuidedDecodingConfig,
 def create_matcher_factory(config: GuidedDecodingConfig) -> GrammarMatcherFactory:
     """The factory of the configured backend (building it reads the whole vocabulary once).
 
-    With ``json_unenforced_keywords="fallback"``, a
+    With ``backend="auto"``, a :class:`~capgraph.grammar.handover.HandOverMatcherFactory` over
+    both backends (fast start). With ``json_unenforced_keywords="fallback"``, a
     :class:`~capgraph.grammar.fallback.FallbackMatcherFactory` over the configured backend and
     the other one; a :class:`~capgraph.errors.ConfigError` says why where the other one cannot
     be built (the llguidance extra missing, no tokenizer, not exactly one stop token).
     """
+    if config.backend is GuidedDecodingBackend.AUTO:
+        return _handover_factory(config)
     primary = _backend_factory(config, config.backend)
     if config.json_unenforced_keywords != "fallback":
         return primary
@@ -44,3 +47,25 @@ def create_matcher_factory(config: GuidedDecodingConfig) -> GrammarMatcherFactor
                           ) from e
     from .fallback import FallbackMatcherFactory
     return FallbackMatcherFactory(primary, secondary)
+
+
+def _handover_factory(config: GuidedDecodingConfig) -> GrammarMatcherFactory:
+    """``backend="auto"``: both backends, each with the config it would have on its own (so
+    xgrammar's memory and disk caches key its grammars as a plain xgrammar factory does); the
+    routing between them is the hand-over factory's, whatever ``json_unenforced_keywords``
+    other than ``"ignore"`` says."""
+    import dataclasses
+
+    from .handover import HandOverMatcherFactory
+
+    sides = []
+    try:
+        for backend in (GuidedDecodingBackend.XGRAMMAR, GuidedDecodingBackend.LLGUIDANCE):
+            sides.append(_backend_factory(dataclasses.replace(
+                config, backend=backend, json_unenforced_keywords="error"), backend))
+    except ConfigError as e:
+        for f in sides:
+            f.close()
+        raise ConfigError(f"GuidedDecodingConfig.backend='auto' needs both backends, and one "
+                          f"cannot be built here: {e}") from e
+    return HandOverMatcherFactory(config, sides[0], sides[1])

@@ -114,6 +114,13 @@ class CompileHandle:
     def done(self) -> bool:
         return self.future.done()
 
+    def give_up(self) -> None:
+        """This handle's waiter stops waiting: counted once per handle; a compile no request
+        waits for any more is stopped where the backend can stop it."""
+        if self._on_timeout is not None and not self._gave_up:
+            self._gave_up = True
+            self._on_timeout(self.future)
+
     def result(self, timeout_s: float, *, backend: str, request_id: int | None = None
                ) -> CompiledGuide:
         """The compiled guide; waits at most until ``started + timeout_s``.
@@ -125,9 +132,7 @@ class CompileHandle:
         try:
             return self.future.result(timeout=max(remaining, 0.0))
         except FutureTimeout:
-            if self._on_timeout is not None and not self._gave_up:
-                self._gave_up = True  # (once per handle: it counts one waiter giving up)
-                self._on_timeout(self.future)
+            self.give_up()
             raise CompileTimeoutError(
                 f"compile did not finish within {timeout_s:g} s",
                 guide_type=self.params.guide_type.name, backend=backend,
