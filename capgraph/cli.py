@@ -2,7 +2,8 @@
 
     capgraph info                 versions, devices, backends, bundled tokenizers
     capgraph tokenizer [NAME]     load (and convert once) a bundled tokenizer, show its facts
-    capgraph bench BENCHMARK      the benchmark suite (build, tail, apply, memory, loop, all)
+    capgraph bench BENCHMARK      the benchmark suite (build, tail, compile, apply, memory, loop,
+                                  all)
     capgraph demo [OPTIONS]       guided generation with a tiny random Llama, outputs validated
 """
 
@@ -90,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     from .bench import add_arguments as add_bench_arguments
     p = sub.add_parser(
-        "bench", help="benchmark suite (build, tail, apply, memory, loop): tables and JSON",
+        "bench", help="benchmark suite (build, tail, compile, apply, memory, loop): tables and "
+        "JSON",
         description="Each sub-benchmark measures capgraph next to its baseline in one run, "
                     "prints a table and writes every figure with the machine and versions to "
                     "JSON (default results/<name>-<UTC timestamp>.json).")

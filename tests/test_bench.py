@@ -144,3 +144,24 @@ def test_all_runs_each_and_writes_one_file_each(tmp_path, monkeypatch):
     files = list((tmp_path / "r").glob("apply-*.json"))
     assert len(files) == 1
     assert set(json.loads(combined.read_text())["benchmarks"]) == {"apply"}
+
+
+def test_compile(tmp_path):
+    """compile: time to first mask and mask time per backend mode that can be built, ratios
+    over the schemas both served, and every mode that cannot be built named with its reason."""
+    from capgraph.bench.compile import MODES
+    doc = run_bench(tmp_path, "compile", "--tokenizer", SP, "--limit", "2")
+    measured = [r["mode"] for r in doc["rows"]]
+    assert measured and set(measured) | set(doc["skipped"]) == set(MODES)
+    assert "xgrammar" in measured
+    for r in doc["rows"]:
+        assert r["served"] + r["compile_failed"] + r["compile_timeout"] == 2
+        if r["served"]:
+            first = r["first_mask"]
+            assert 0 < first["p50"] <= first["p99"] <= first["max"]
+            assert r["compile"]["max"] <= first["max"] and r["mask"]["n"] == r["masks"]
+    for ratio in doc["ratios"]:  # "a / b", or "auto on xgrammar / xgrammar" (masks only)
+        mode, _, on = ratio["mode"].partition(" on ")
+        assert mode in measured and ratio["over"] in measured and ratio["schemas"] >= 1
+        assert ratio["first_mask_p99"] > 0 if not on else on == ratio["over"]
+    assert len(doc["per_schema"]) == 2 and doc["config_fields"]["compile_disk_cache_bytes"] == 0

@@ -1,6 +1,7 @@
 """``capgraph bench``: the benchmark suite, one module per sub-benchmark.
 
-    capgraph bench {build,tail,apply,memory,loop,all} [--quick] [--json PATH] [--results DIR]
+    capgraph bench {build,tail,compile,apply,memory,loop,all} [--quick] [--json PATH]
+                   [--results DIR]
 
 Each sub-benchmark measures capgraph side by side with its baseline in one run, prints a table
 and writes every figure, with the machine and the versions, to JSON (default
@@ -23,7 +24,7 @@ from typing import Sequence
 __all__ = ["main", "build_parser", "BENCHMARKS"]
 
 #: sub-benchmark name -> module under capgraph.bench (run in this order by ``all``)
-BENCHMARKS = ("build", "tail", "apply", "memory", "loop")
+BENCHMARKS = ("build", "tail", "compile", "apply", "memory", "loop")
 
 
 def _module(name: str):
