@@ -376,7 +376,7 @@ class GuidedDecoder:
         self._finish_build()
         self.slots.reset(slot)
         self._admission.slot_guides[slot] = None
-        self._pending_compiles.pop(slot, None)
+        self._forget_compile(slot)
 
     def close(self) -> None:
         """Release what the decoder owns: the compile pool of a factory it built itself
@@ -458,6 +458,8 @@ class GuidedDecoder:
         params = req.guided_decoding_params
         handle = self._pending_compiles.pop(req.seq_slot, None)  # type: ignore[arg-type]
         if handle is None or handle.params != params:
+            if handle is not None and not handle.done():
+                handle.give_up()  # (started for another guide: nobody waits for it now)
             handle = self.grammar_matcher_factory.compile_async(params)  # type: ignore[arg-type]
         compiled = handle.result(self.config.compile_timeout_s, backend=self.backend,
                                  request_id=req.request_id)
@@ -512,7 +514,16 @@ class GuidedDecoder:
                 continue
             handle = self._pending_compiles.get(slot)
             if handle is None or handle.params != params:
+                self._forget_compile(slot)
                 self._pending_compiles[slot] = self.grammar_matcher_factory.compile_async(params)
+
+    def _forget_compile(self, slot: int) -> None:
+        """Forget the compile started for ``slot``'s request; one still running stops being
+        waited for (a compile no request waits for is not kept, and is stopped where the
+        backend can stop it)."""
+        handle = self._pending_compiles.pop(slot, None)
+        if handle is not None and not handle.done():
+            handle.give_up()
 
     def _drop_slots(self, batch: GuidedRequests) -> None:
         """Drop the matchers of ``batch.dropped_slots`` (their requests failed admission),
@@ -520,7 +531,7 @@ class GuidedDecoder:
         self._finish_build()
         for slot in batch.dropped_slots:
             self.grammar_matchers[slot] = None
-            self._pending_compiles.pop(slot, None)
+            self._forget_compile(slot)
 
     def _rollback_rejected_tokens(self, requests: GuidedRequests) -> None:
         self._finish_build()

@@ -238,13 +238,14 @@ class _SlowFactory(GrammarMatcherFactory):
 
     backend_name = "fake"
 
-    def __init__(self, config, delay: float, nbytes: int = 100):
+    def __init__(self, config, delay: float, nbytes: int = 100, quick: tuple[str, ...] = ()):
         super().__init__(config)
         self.delay, self.nbytes, self.calls = delay, nbytes, 0
+        self.quick = quick  # guides that compile at once, whatever the delay
 
     def _compile(self, params):
         self.calls += 1
-        time.sleep(self.delay)
+        time.sleep(0.0 if params.guide in self.quick else self.delay)
         return params.guide, self.nbytes
 
     def create_from_compiled(self, compiled) -> GrammarMatcher:  # pragma: no cover
@@ -270,10 +271,8 @@ def test_concurrent_compiles_of_one_guide_share_one_compile():
 
 def test_compile_timeout_fails_only_that_handle():
     """A compile past the timeout raises CompileTimeoutError; a quick one still succeeds."""
-    factory = _SlowFactory(_vocab_config(compile_threads=2), delay=0.0)
-    factory.delay = 1.0
+    factory = _SlowFactory(_vocab_config(compile_threads=2), delay=1.0, quick=("fast",))
     slow = factory.compile_async(GuidedDecodingParams(GuideType.REGEX, "slow"))
-    factory.delay = 0.0
     fast = factory.compile_async(GuidedDecodingParams(GuideType.REGEX, "fast"))
     with pytest.raises(CompileTimeoutError) as info:
         slow.result(0.1, backend="fake", request_id=7)
@@ -388,3 +387,21 @@ def test_threads_do_not_share_matcher_state(factory_cache, tekken):
     for t in threads:
         t.join(timeout=60)
     assert not errors
+
+
+def test_a_queued_compile_every_waiter_gave_up_on_never_starts():
+    """Pins: with one compile slot busy, a queued compile whose only waiter timed out is not
+    run when the slot frees (it would hold the slot for a request that failed); asked for
+    again later, the guide compiles afresh."""
+    factory = _SlowFactory(_vocab_config(compile_threads=1), delay=0.5, quick=("b",))
+    busy = factory.compile_async(GuidedDecodingParams(GuideType.REGEX, "a"))
+    queued = factory.compile_async(GuidedDecodingParams(GuideType.REGEX, "b"))
+    with pytest.raises(CompileTimeoutError):
+        queued.result(0.05, backend="fake")
+    assert busy.result(5.0, backend="fake").payload == "a"
+    with pytest.raises(CompileTimeoutError, match="not started"):
+        queued.future.result(timeout=5.0)
+    assert factory.calls == 1
+    again = factory.compile_async(GuidedDecodingParams(GuideType.REGEX, "b"))
+    assert again.result(5.0, backend="fake").payload == "b" and factory.calls == 2
+    factory.close()

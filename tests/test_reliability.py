@@ -722,6 +722,26 @@ def test_a_compile_every_request_gave_up_on_is_not_kept(tiny, make):
         factory.close()
 
 
+def test_a_released_request_stops_waiting_for_its_compile(tiny, make):
+    """Pins: a slot released while its context request's compile still runs gives that
+    compile up: when it ends nothing keeps it (no request wants it), so a later request for
+    the guide compiles it again."""
+    config = dataclasses.replace(tiny, compile_timeout_s=30.0, compile_threads=1)
+    factory = _sleepy(create_matcher_factory(config), {"b+"}, 0.6)
+    slow = GuidedDecodingParams.regex("b+")
+    dec = make("eager", factory, 2)
+    try:
+        dec.add_batch([GuidedRequest.context(1, 0, slow)])  # starts the compile
+        dec.release(0)  # the request ended before its first step
+        time.sleep(1.5)  # the compile (0.6 s, if it started at all) is over
+        assert factory.cache.nbytes == 0 and factory.stats.compiled <= 1
+        compiled = factory.stats.compiled
+        assert step(dec, [GuidedRequest.context(2, 1, slow)], torch.zeros(1, 64)) == []
+        assert factory.stats.compiled == compiled + 1  # compiled afresh, not from a cache
+    finally:
+        factory.close()
+
+
 def test_timed_out_compiles_do_not_starve_other_requests(tiny, make):
     """After a request's compile timed out, a new request with a fast guide is still served."""
     config = dataclasses.replace(tiny, compile_timeout_s=0.3, compile_threads=1)

@@ -50,10 +50,10 @@ def create_matcher_factory(config: GuidedDecodingConfig) -> GrammarMatcherFactor
 
 
 def _handover_factory(config: GuidedDecodingConfig) -> GrammarMatcherFactory:
-    """``backend="auto"``: both backends, each with the config it would have on its own (so
-    xgrammar's memory and disk caches key its grammars as a plain xgrammar factory does); the
-    routing between them is the hand-over factory's, whatever ``json_unenforced_keywords``
-    other than ``"ignore"`` says."""
+    """``backend="auto"``: both backends, each with the user's config but its own ``backend``
+    and ``json_unenforced_keywords="error"`` (the routing between them is the hand-over
+    factory's; xgrammar's disk cache then keys its grammars as a plain xgrammar factory with
+    "error" does). Each side has its own memory cache of ``compile_cache_bytes``."""
     import dataclasses
 
     from .handover import HandOverMatcherFactory

@@ -346,6 +346,11 @@ class GrammarMatcherFactory(ABC):
                            job: _Compile | None = None) -> CompiledGuide:
         start = time.perf_counter()
         disk_key = None
+        with self._lock:
+            if job is not None and not job.wanted:  # every waiter gave up while it queued
+                raise CompileTimeoutError(
+                    "compile not started: every request waiting for it had given up",
+                    guide_type=params.guide_type.name, backend=self.backend_name)
         try:
             # bounded before any backend sees the guide (every factory comes through here)
             check_guide_limits(params, self._limits_backend(params),

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -79,7 +80,7 @@ class HandOverMatcher(GrammarMatcher):
     """
 
     __slots__ = ("_current", "_history", "_pending", "_xgrammar", "_timeout_s", "served_by",
-                 "handover_failed_reason", "handover_position")
+                 "handover_failed_reason", "handover_position", "_abandon")
 
     def __init__(self, llguidance_matcher: GrammarMatcher, pending: CompileHandle,
                  xgrammar_factory: GrammarMatcherFactory, timeout_s: float) -> None:
@@ -91,6 +92,9 @@ class HandOverMatcher(GrammarMatcher):
         self.served_by = "llguidance"
         self.handover_failed_reason: str | None = None
         self.handover_position: int | None = None
+        # a request that ends (its matcher dropped) before the compile lands stops waiting
+        # for it, so a compile nobody needs is stopped where the backend can stop it
+        self._abandon = weakref.finalize(self, _abandon_pending, pending)
 
     @property
     def current(self) -> GrammarMatcher:
@@ -149,12 +153,19 @@ class HandOverMatcher(GrammarMatcher):
         self.handover_position = len(history)
         self._pending = None
         self._history = None
+        self._abandon.detach()
 
     def _stay(self, reason: str) -> None:
+        self._abandon()  # (gives up a compile still running; nothing once it landed)
         self._pending = None
         self._history = None
         self.handover_failed_reason = reason
         _log.info("capgraph: request stays on llguidance: %s", reason)
+
+
+def _abandon_pending(handle: CompileHandle) -> None:
+    if not handle.done():
+        handle.give_up()
 
 
 class HandOverMatcherFactory(GrammarMatcherFactory):
@@ -188,18 +199,12 @@ class HandOverMatcherFactory(GrammarMatcherFactory):
         raise AssertionError("HandOverMatcherFactory compiles through its two backends")
 
     def xgrammar_ready(self, params: GuidedDecodingParams) -> bool:
-        """Whether xgrammar has ``params``' guide compiled: in its memory cache, or an entry
-        in its disk cache (loaded on its compile thread)."""
+        """Whether xgrammar has ``params``' guide compiled in its memory cache. (A disk entry
+        does not count: it may be damaged or slow to load; the request starts on llguidance
+        and hands over when xgrammar's load lands, which for a good entry is soon.)"""
         x = self.xgrammar
-        key = (params.guide_type.value, params.guide)
         with x._lock:
-            if x.cache.get(key) is not None:
-                return True
-        disk = x.disk_cache
-        if disk is None:
-            return False
-        disk_key = x._disk_key(params)
-        return disk_key is not None and disk.path_of(disk_key).exists()
+            return x.cache.get((params.guide_type.value, params.guide)) is not None
 
     def _start_xgrammar(self, params: GuidedDecodingParams) -> CompileHandle:
         """Start xgrammar's compile of ``params`` (a hook tests hold back)."""

@@ -122,13 +122,14 @@ class ProcessPoolStats:
 
 
 class _Worker:
-    __slots__ = ("process", "conn", "key", "stopped")
+    __slots__ = ("process", "conn", "key", "stopped", "generation")
 
-    def __init__(self, process: Any, conn: Connection) -> None:
+    def __init__(self, process: Any, conn: Connection, generation: int) -> None:
         self.process = process
         self.conn = conn
         self.key: Any = None  # the guide it compiles now (None: idle)
         self.stopped = False
+        self.generation = generation  # the pool's close count when it started
 
 
 class ProcessCompilePool:
@@ -153,6 +154,7 @@ class ProcessCompilePool:
         self._idle: list[_Worker] = []
         self._busy: list[_Worker] = []
         self._starting = 0  # slots reserved by workers being started
+        self._closed_generation = 0  # close() calls so far: older workers retire when idle
 
     @property
     def pids(self) -> list[int]:
@@ -179,8 +181,10 @@ class ProcessCompilePool:
         try:
             worker.conn.send(params)
             reply = worker.conn.recv()
-        except (EOFError, OSError):
+        except BaseException as e:
             self._discard(worker)
+            if not isinstance(e, (EOFError, OSError)):
+                raise  # (the worker's pipe state is unknown: it is not reused)
             if worker.stopped:
                 raise CompileTimeoutError("compile killed: every request waiting for it "
                                           "timed out", guide_type=params.guide_type.name,
@@ -192,8 +196,11 @@ class ProcessCompilePool:
                 f"memory limit of {self._limit_text()} "
                 "(GuidedDecodingConfig.compile_memory_limit_bytes)",
                 guide_type=params.guide_type.name, backend=_BACKEND) from None
-        self._release(worker)
         kind = reply[0]
+        if kind == "memory":  # (its C++ state after the failed allocation is not trusted)
+            self._discard(worker)
+        else:
+            self._release(worker)
         if kind == "ok":
             _, text, nbytes, compile_s, serialize_s = reply
             with self._cv:
@@ -227,9 +234,10 @@ class ProcessCompilePool:
             self.stats._add("deserialize_s", seconds)
 
     def close(self) -> None:
-        """Stop the idle workers (busy ones stay until their compile ends; later compiles
-        start new ones)."""
+        """Stop the idle workers; a busy one stops when its compile ends. A later compile
+        starts new ones (the pool stays usable, as the factory does)."""
         with self._cv:
+            self._closed_generation += 1
             idle, self._idle = self._idle, []
         for w in idle:
             try:
@@ -273,7 +281,7 @@ class ProcessCompilePool:
             name="capgraph-compile-worker", daemon=True)
         process.start()
         child.close()
-        worker = _Worker(process, parent)
+        worker = _Worker(process, parent, self._closed_generation)
         try:
             if not parent.poll(START_TIMEOUT_S):
                 raise TimeoutError(f"not ready after {START_TIMEOUT_S:g} s")
@@ -291,7 +299,8 @@ class ProcessCompilePool:
         with self._cv:
             self._busy.remove(worker)
             worker.key = None
-            if worker.stopped:  # its result came in just before the kill
+            if worker.stopped or worker.generation != self._closed_generation:
+                # killed just after its result came in, or the pool was closed meanwhile
                 self._cv.notify()
             else:
                 self._idle.append(worker)
