@@ -17,15 +17,7 @@ from capgraph.errors import (CompileQueueFullError, CompileResourceError, Compil
                              ConfigError, GrammarCompileError)
 from capgraph.grammar import create_matcher_factory
 from capgraph.tokenizers import encode_continuation
-
-
-def _anyof(depth: int) -> dict:
-    """A schema whose xgrammar compile takes minutes at depth 14 (2 cores, Tekken)."""
-    s: dict = {"type": "integer"}
-    for _ in range(depth):
-        s = {"anyOf": [{"type": "object", "properties": {"a": s, "b": {"type": "string"}}},
-                       {"type": "array", "items": s}]}
-    return s
+from cases import nested_anyof_schema as _anyof
 
 
 def _alive(pid: int) -> bool:

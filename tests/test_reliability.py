@@ -33,7 +33,8 @@ from capgraph.grammar.llguidance_backend import available as llg_available
 from capgraph.ops import logits_bitmask
 from capgraph.requests import GuidedRequest, GuidedRequests
 from capgraph.tokenizers import encode_continuation
-from cases import ARITH_EBNF, ARITH_LARK, STRUCTURAL_TAG, TOOL_CALL_SCHEMA
+from cases import (ARITH_EBNF, ARITH_LARK, STRUCTURAL_TAG, TOOL_CALL_SCHEMA,
+                   nested_anyof_schema as _anyof)
 from conftest import build_threads
 
 needs_llg = pytest.mark.skipif(not llg_available(), reason="llguidance extra not installed")
@@ -885,14 +886,6 @@ def test_dead_end_never_yields_nan_or_an_all_masked_row(kind, tiny, make):
 
 
 # -- hostile grammars ----------------------------------------------------------------------------
-
-def _anyof(depth: int) -> dict:
-    s: dict = {"type": "integer"}
-    for _ in range(depth):
-        s = {"anyOf": [{"type": "object", "properties": {"a": s, "b": {"type": "string"}}},
-                       {"type": "array", "items": s}]}
-    return s
-
 
 HOSTILE = {  # compile time with xgrammar 0.2.9 on Tekken, 2-core EPYC
     "nested_anyof_10": _anyof(10),  # ~1.8 s, 23 MB

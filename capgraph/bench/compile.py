@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from .common import Column, pick, print_table, summarize
-from .tail import load_records, valid_instances
+from .tail import chosen_records, valid_instances
 
 HELP = "time to first mask (cold compile) and per-token mask time per backend, with ratios"
 
@@ -64,21 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    try:
-        import jsonschema  # noqa: F401
-    except ImportError as e:
-        raise SystemExit("capgraph bench compile validates every instance with jsonschema: "
-                         "pip install jsonschema") from e
+    records = chosen_records(args, "compile", 4)
     from capgraph.tokenizers import load_tokenizer
 
     q = args.quick
     tokenizer = pick(args.tokenizer, q, "tekken", "tekken")
     repeat = max(1, pick(args.repeat, q, 1, 3))
-    records = load_records(args.data)
-    if q and not args.limit:
-        records = sorted(records, key=lambda r: len(json.dumps(r["schema"])))[:4]
-    elif args.limit:
-        records = records[:args.limit]
     tok = load_tokenizer(tokenizer)
     # cold compiles only: no disk cache, no memory cache; masks of schemas with keywords a
     # backend does not enforce are measured as is (as in bench tail)

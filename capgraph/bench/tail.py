@@ -72,12 +72,25 @@ def valid_instances(record: dict) -> tuple[list, list[str]]:
     return good, bad
 
 
-def run(args: argparse.Namespace) -> dict:
+def chosen_records(args: argparse.Namespace, bench: str, quick_count: int) -> list[dict]:
+    """The schema records a bench over them runs on: ``--data`` (default: the bundled subset),
+    the first ``--limit``, or with ``--quick`` the ``quick_count`` smallest. Exits naming
+    ``bench`` where jsonschema (which validates every instance) is missing."""
     try:
         import jsonschema  # noqa: F401
     except ImportError as e:
-        raise SystemExit("capgraph bench tail validates every instance with jsonschema: "
+        raise SystemExit(f"capgraph bench {bench} validates every instance with jsonschema: "
                          "pip install jsonschema") from e
+    records = load_records(args.data)
+    if args.limit:
+        return records[:args.limit]
+    if args.quick:  # the smallest schemas, so the smoke run stays short
+        return sorted(records, key=lambda r: len(json.dumps(r["schema"])))[:quick_count]
+    return records
+
+
+def run(args: argparse.Namespace) -> dict:
+    records = chosen_records(args, "tail", 8)
     from capgraph import GuidedDecodingConfig
     from capgraph.grammar import create_matcher_factory
     from capgraph.tokenizers import load_tokenizer
@@ -85,12 +98,6 @@ def run(args: argparse.Namespace) -> dict:
     q = args.quick
     tokenizer = pick(args.tokenizer, q, "tekken", "tekken")
     repeat = max(1, pick(args.repeat, q, 1, 3))
-    records = load_records(args.data)
-    if args.limit or q:
-        # quick: the smallest schemas, so the smoke run stays short
-        chosen = sorted(records, key=lambda r: len(json.dumps(r["schema"]))) if q and \
-            not args.limit else records
-        records = chosen[:args.limit or 8]
     tok = load_tokenizer(tokenizer)
     # mask timing only: schemas with keywords xgrammar does not enforce are measured as is;
     # compiles are timed, so none is read from the disk cache
