@@ -24,7 +24,7 @@ from ..errors import CompileQueueFullError, CompileTimeoutError, GrammarCompileE
 from ..params import GuidedDecodingConfig, GuidedDecodingParams
 from .._cache import cache_dir
 from .cache import ByteLRUCache
-from .compile_pool import CompilePool
+from .compile_pool import BACKGROUND_NICE, CompilePool
 from .disk_cache import FORMAT_VERSION, DiskCompileCache, Lookup, config_key, entry_key
 from .guide_limits import check_guide_limits
 
@@ -234,11 +234,15 @@ class GrammarMatcherFactory(ABC):
         guide share one compile."""
         return self.compile_async(params).future.result()
 
-    def compile_async(self, params: GuidedDecodingParams) -> CompileHandle:
+    def compile_async(self, params: GuidedDecodingParams, *,
+                      background: bool = False) -> CompileHandle:
         """Start compiling on the factory's thread pool; returns at once.
 
         A cached guide comes back as an already-completed handle; a guide already being
-        compiled joins that compile.
+        compiled joins that compile. ``background``: no request waits for this compile right
+        now (a hand-over's xgrammar compile), so it runs at the lowest CPU priority
+        (:data:`~capgraph.grammar.compile_pool.BACKGROUND_NICE`); a compile started in the
+        background stays there when a later request joins it.
         """
         key = (params.guide_type.value, params.guide)
         with self._lock:
@@ -256,7 +260,8 @@ class GrammarMatcherFactory(ABC):
                 job = _Compile()
                 try:
                     job.future = self._pool.submit(
-                        lambda: self._compile_and_store(key, params, job))
+                        lambda: self._compile_and_store(key, params, job),
+                        nice=BACKGROUND_NICE if background else 0)
                 except CompileQueueFullError as e:
                     refused: Future[CompiledGuide] = Future()
                     refused.set_exception(CompileQueueFullError(

@@ -7,17 +7,26 @@ background (its result is kept only if a request asks for it again meanwhile: se
 ``GrammarMatcherFactory``); at most ``max_abandoned`` such compiles run
 past their slot, so hostile guides cannot pile up threads without bound (past that, an
 abandoned compile keeps its slot until it ends).
+
+A compile submitted with a ``nice`` value runs at that lower CPU priority (Linux: the thread's
+own nice value, which the backend's compile threads started from it inherit), so a compile
+nobody waits for right now cannot take CPU time from the decode loop or from a compile a
+request waits for.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future
 from typing import Callable
 
 from ..errors import CompileQueueFullError, GrammarCompileError
 
-__all__ = ["CompilePool"]
+__all__ = ["CompilePool", "BACKGROUND_NICE"]
+
+#: The nice value of a background compile (:meth:`CompilePool.submit`): the lowest priority.
+BACKGROUND_NICE = 19
 
 
 class CompilePool:
@@ -53,9 +62,13 @@ class CompilePool:
         with self._cv:
             return len(self._abandoned)
 
-    def submit(self, job: Callable[[], object], name: str = "capgraph-compile") -> Future:
+    def submit(self, job: Callable[[], object], name: str = "capgraph-compile", *,
+               nice: int = 0) -> Future:
         """Run ``job`` on a new daemon thread once a slot is free; its result or exception
-        completes the returned future. Raises CompileQueueFullError past ``max_waiting``."""
+        completes the returned future. Raises CompileQueueFullError past ``max_waiting``.
+
+        ``nice`` > 0 lowers that thread's CPU priority by as much (where the platform lets a
+        thread do so; elsewhere the job runs at normal priority)."""
         future: Future = Future()
         with self._cv:
             if self.max_waiting is not None and self._waiting >= self.max_waiting:
@@ -64,7 +77,7 @@ class CompilePool:
                     "slots; retry later")
             self._waiting += 1
             generation = self._generation
-        threading.Thread(target=self._run, args=(job, future, generation), name=name,
+        threading.Thread(target=self._run, args=(job, future, generation, nice), name=name,
                          daemon=True).start()
         return future
 
@@ -83,7 +96,10 @@ class CompilePool:
             self._generation += 1
             self._cv.notify_all()
 
-    def _run(self, job: Callable[[], object], future: Future, generation: int) -> None:
+    def _run(self, job: Callable[[], object], future: Future, generation: int,
+             nice: int) -> None:
+        if nice > 0:
+            lower_thread_priority(nice)
         with self._cv:
             while len(self._holding) >= self.slots and generation == self._generation:
                 self._cv.wait()
@@ -104,3 +120,18 @@ class CompilePool:
                 self._holding.discard(future)
                 self._abandoned.discard(future)
                 self._cv.notify()
+
+
+def lower_thread_priority(nice: int) -> bool:
+    """Raise the calling thread's nice value by ``nice`` (Linux, where a thread's nice value is
+    its own; a thread cannot lower it again without privileges, so call this only on a thread
+    that does nothing else afterwards). Returns whether it did."""
+    get_id = getattr(threading, "get_native_id", None)
+    if get_id is None or not hasattr(os, "setpriority") or not os.path.isdir("/proc/self/task"):
+        return False
+    try:
+        tid = get_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        return False
+    return True

@@ -7,7 +7,9 @@ mask several times faster once compiled. So:
 
 - A regex or JSON-schema guide that xgrammar has not compiled yet (neither in its memory
   cache nor on disk) is compiled by both: the compile handle completes as soon as llguidance
-  has it, while xgrammar's compile runs on. Its matcher is a :class:`HandOverMatcher`.
+  has it, while xgrammar's compile runs on in the background, at the lowest CPU priority (so
+  it takes no CPU time from llguidance's compiles and first masks, or from the decode loop).
+  Its matcher is a :class:`HandOverMatcher`.
 - Every other guide goes to xgrammar alone: one xgrammar already compiled, a JSON guide
   (xgrammar's builtin grammar compiles at once), and the guide types whose text the two
   backends read differently or llguidance does not take (an EBNF guide is GBNF to xgrammar and
@@ -207,14 +209,18 @@ class HandOverMatcherFactory(GrammarMatcherFactory):
             return x.cache.get((params.guide_type.value, params.guide)) is not None
 
     def _start_xgrammar(self, params: GuidedDecodingParams) -> CompileHandle:
-        """Start xgrammar's compile of ``params`` (a hook tests hold back)."""
-        return self.xgrammar.compile_async(params)
+        """Start xgrammar's compile of ``params`` in the background (lowest CPU priority: the
+        request is served by llguidance meanwhile); a hook tests hold back."""
+        return self.xgrammar.compile_async(params, background=True)
 
-    def compile_async(self, params: GuidedDecodingParams) -> CompileHandle:
+    def compile_async(self, params: GuidedDecodingParams, *,
+                      background: bool = False) -> CompileHandle:
         """The compile of ``params``' guide; returns at once. The handle completes with
-        llguidance's compile for a guide handed over later, else with xgrammar's."""
+        llguidance's compile for a guide handed over later, else with xgrammar's (which runs
+        in the background where a hand-over serves the request meanwhile, or where
+        ``background`` asks for it)."""
         if params.guide_type not in HANDOVER_GUIDES or self.xgrammar_ready(params):
-            return self.xgrammar.compile_async(params)
+            return self.xgrammar.compile_async(params, background=background)
         xhandle = self._start_xgrammar(params)
         lhandle = self.llguidance.compile_async(params)
         out: Future[CompiledGuide] = Future()
