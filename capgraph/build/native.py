@@ -13,6 +13,10 @@ Two strategies, both for the xgrammar backend with ``fill_threads=1``:
 
 Both report per request a status code (:class:`~capgraph.build.base.Status`) and counts;
 a matcher that terminated in C++ re-reads its state here (``XGrammarMatcher.sync_state``).
+A matcher that forwards to an ``XGrammarMatcher`` once settled (a request handed over from
+llguidance, :class:`~capgraph.build.slots.Delegating`) is run through its delegate's FFI
+object from then on, and re-reads its state through its own ``sync_state``; until then the
+batch holding it fills in Python.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ __all__ = ["NativeBuild", "NativeLoopBuild", "make_native_build", "xgrammar_fact
 
 
 def xgrammar_factory(factory: GrammarMatcherFactory) -> Any:
-    """The xgrammar factory inside ``factory`` (itself, or the xgrammar side of a fallback
-    factory), or None."""
+    """The xgrammar factory inside ``factory`` (itself, the xgrammar side of a fallback
+    factory, or the one a hand-over factory hands requests over to), or None."""
     from ..grammar.fallback import FallbackMatcherFactory
+    from ..grammar.handover import HandOverMatcherFactory
     from ..grammar.xgrammar_backend import XGrammarMatcherFactory
 
     if isinstance(factory, XGrammarMatcherFactory):
@@ -43,12 +48,16 @@ def xgrammar_factory(factory: GrammarMatcherFactory) -> Any:
         for side in (factory.primary, factory.secondary):
             if isinstance(side, XGrammarMatcherFactory):
                 return side
+    if isinstance(factory, HandOverMatcherFactory) and \
+            isinstance(factory.xgrammar, XGrammarMatcherFactory):
+        return factory.xgrammar
     return None
 
 
 class NativeLoopBuild(PythonBuild):
     """Python selection, then the C++ loop for every selected request whose matcher is a plain
-    ``XGrammarMatcher`` (a batch holding any other matcher fills in Python).
+    ``XGrammarMatcher`` or forwards to one (a batch holding any other matcher fills in
+    Python).
 
     Args:
         slots, factory, budget_ms: as for :class:`~capgraph.build.python.PythonBuild`.
@@ -189,14 +198,18 @@ class NativeBuild(NativeLoopBuild):
 def native_handle_of(matcher_type: type) -> Callable[[Any], int | bool | None]:
     """What the CPython entry runs for a matcher (:class:`~capgraph.build.slots.SlotMatchers`
     keeps it per slot): None for no matcher, the address of the FFI object of an exact
-    ``matcher_type`` instance (``ffi_address``), False for any other matcher (a subclass or
-    wrapper must run its own methods) or one without an FFI object."""
+    ``matcher_type`` instance (``ffi_address``) or of a settled
+    :class:`~capgraph.build.slots.Delegating` matcher's delegate of that type, False for any
+    other matcher (a subclass or wrapper must run its own methods) or one without an FFI
+    object."""
 
     def handle_of(matcher: Any) -> int | bool | None:
         if matcher is None:
             return None
         if type(matcher) is not matcher_type:
-            return False
+            matcher = getattr(matcher, "delegate", None)
+            if type(matcher) is not matcher_type:
+                return False
         return getattr(matcher, "ffi_address", 0) or False
 
     return handle_of

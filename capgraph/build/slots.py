@@ -9,7 +9,8 @@ them on the rows it filled.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, TypeGuard
+import weakref
+from typing import Any, Callable, Protocol, Sequence, TypeGuard
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ from ..bitmask import (allocate_host_bitmask, allocate_host_token_mask, split_la
 from ..grammar import GrammarMatcher
 from ..requests import GuidedRequest
 
-__all__ = ["SlotMatchers", "SlotState", "probe_window"]
+__all__ = ["Delegating", "SlotMatchers", "SlotState", "probe_window"]
 
 
 def _no_compiles(request: GuidedRequest) -> GrammarMatcher:
@@ -30,6 +31,19 @@ def _python_only(matcher: object) -> bool | None:
     return None if matcher is None else False
 
 
+class Delegating(Protocol):
+    """A matcher that forwards every call, unchanged, to another matcher once it has settled
+    (for example :class:`~capgraph.grammar.handover.HandOverMatcher`): native code may then
+    drive the delegate directly, and calls the forwarder's ``sync_state`` after it did."""
+
+    @property
+    def delegate(self) -> GrammarMatcher | None:
+        """The matcher every call goes to now, or None while this one runs its own methods."""
+
+    def on_delegate(self, callback: Callable[[Any], None] | None) -> None:
+        """Call ``callback(self)`` once :attr:`delegate` is set."""
+
+
 class SlotMatchers(list[GrammarMatcher | None]):
     """The matcher of each slot: a list of fixed length, with :attr:`handles` beside it.
 
@@ -38,17 +52,26 @@ class SlotMatchers(list[GrammarMatcher | None]):
     matcher's FFI object, False for a matcher only Python can run). It is recomputed on every
     assignment, so the two never disagree: the C++ side runs the address it finds, and a stale
     one would run an object that may have been freed. Changing the length raises TypeError.
+
+    A matcher that forwards to another one once it settles (a :class:`Delegating` matcher,
+    such as a request handed over between backends) is watched while tracking: when its
+    delegate is set, its slot's handle is recomputed then (``handle_of`` may look at the
+    delegate), so no step pays for looking.
     """
 
     def __init__(self, num_slots: int) -> None:
         super().__init__([None] * num_slots)
         self.handles: list[Any] = [None] * num_slots
         self._handle_of: Callable[[Any], Any] = _python_only
+        self._tracking = False
 
     def track(self, handle_of: Callable[[Any], Any]) -> None:
         """Compute the handles with ``handle_of`` from now on (the current matchers' too)."""
         self._handle_of = handle_of
+        self._tracking = True
         self.handles[:] = [handle_of(m) for m in self]
+        for slot, m in enumerate(self):
+            self._watch(slot, m)
 
     def __setitem__(self, index: Any, value: Any) -> None:
         if isinstance(index, slice):
@@ -56,12 +79,37 @@ class SlotMatchers(list[GrammarMatcher | None]):
             new[index] = value
             if len(new) != len(self):
                 raise TypeError(f"the {len(self)} slots' matcher list has a fixed length")
+            old = list(self)
             super().__setitem__(slice(None), new)
             self.handles[:] = [self._handle_of(m) for m in new]
+            for slot, (m, before) in enumerate(zip(new, old)):
+                if m is not before:
+                    self._watch(slot, m)
             return
         handle = self._handle_of(value)  # (first: a failure here changes neither list)
         super().__setitem__(index, value)
         self.handles[index] = handle
+        if handle is False and self._tracking:
+            self._watch(index, value)
+
+    def _watch(self, slot: int, matcher: Any) -> None:
+        """Have a :class:`Delegating` ``matcher`` not settled yet refresh ``slot``'s handle
+        when it settles. The callback holds this list weakly (no cycle through the matcher)
+        and changes nothing once the slot holds another matcher."""
+        if not self._tracking or getattr(matcher, "delegate", True) is not None:
+            return  # (no delegate protocol, or settled already)
+        on_delegate = getattr(matcher, "on_delegate", None)
+        if on_delegate is None:
+            return
+        ref = weakref.ref(self)
+
+        def refresh(settled: Any) -> None:
+            slots = ref()
+            if slots is not None and slot < len(slots) and \
+                    list.__getitem__(slots, slot) is settled:
+                slots.handles[slot] = slots._handle_of(settled)
+
+        on_delegate(refresh)
 
     def _fixed(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"the {len(self)} slots' matcher list has a fixed length and order "

@@ -38,7 +38,7 @@ import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -79,10 +79,14 @@ class HandOverMatcher(GrammarMatcher):
             refused a token of the replay, failed or timed out compiling), else None.
         handover_position: the number of tokens the xgrammar matcher was fed at the switch
             (None before it).
+
+    Once it is settled (handed over, or staying on llguidance) it is a pure forwarder:
+    :attr:`delegate` names the backend matcher every call goes to, so native code may drive
+    that matcher directly; :meth:`on_delegate` tells a watcher when it settles.
     """
 
     __slots__ = ("_current", "_history", "_pending", "_xgrammar", "_timeout_s", "served_by",
-                 "handover_failed_reason", "handover_position", "_abandon")
+                 "handover_failed_reason", "handover_position", "_abandon", "_watcher")
 
     def __init__(self, llguidance_matcher: GrammarMatcher, pending: CompileHandle,
                  xgrammar_factory: GrammarMatcherFactory, timeout_s: float) -> None:
@@ -97,11 +101,25 @@ class HandOverMatcher(GrammarMatcher):
         # a request that ends (its matcher dropped) before the compile lands stops waiting
         # for it, so a compile nobody needs is stopped where the backend can stop it
         self._abandon = weakref.finalize(self, _abandon_pending, pending)
+        self._watcher: Callable[[GrammarMatcher], None] | None = None
 
     @property
     def current(self) -> GrammarMatcher:
         """The backend matcher serving now (without looking for a hand-over)."""
         return self._current
+
+    @property
+    def delegate(self) -> GrammarMatcher | None:
+        """The backend matcher this one forwards every call to, unchanged, once settled
+        (xgrammar's after the hand-over, llguidance's once it stays there); None while a
+        hand-over may still come (its fills look for it and its accepts are recorded)."""
+        return self._current if self._pending is None else None
+
+    def on_delegate(self, callback: Callable[[GrammarMatcher], None] | None) -> None:
+        """Call ``callback(self)`` when :attr:`delegate` is set (once, at the fill that hands
+        over or gives up); replaces an earlier callback, None removes it. The matcher keeps
+        a reference to it (a callback that holds this matcher makes a reference cycle)."""
+        self._watcher = callback
 
     def accept_token(self, token_id: int) -> bool:
         ok = self._current.accept_token(token_id)
@@ -120,6 +138,14 @@ class HandOverMatcher(GrammarMatcher):
 
     def is_terminated(self) -> bool:
         return self._current.is_terminated()
+
+    def sync_state(self) -> None:
+        """Re-read the serving matcher's state after native code advanced it directly (the
+        native host build, through :attr:`delegate`); a matcher without cached state has
+        nothing to re-read."""
+        sync = getattr(self._current, "sync_state", None)
+        if sync is not None:
+            sync()
 
     def serving(self) -> GrammarMatcher:
         """The matcher that fills this request's mask now: hands over to xgrammar first where
@@ -156,6 +182,7 @@ class HandOverMatcher(GrammarMatcher):
         self._pending = None
         self._history = None
         self._abandon.detach()
+        self._settled()
 
     def _stay(self, reason: str) -> None:
         self._abandon()  # (gives up a compile still running; nothing once it landed)
@@ -163,6 +190,13 @@ class HandOverMatcher(GrammarMatcher):
         self._history = None
         self.handover_failed_reason = reason
         _log.info("capgraph: request stays on llguidance: %s", reason)
+        self._settled()
+
+    def _settled(self) -> None:
+        """Tell the watcher (:meth:`on_delegate`) that :attr:`delegate` is set now."""
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher(self)
 
 
 def _abandon_pending(handle: CompileHandle) -> None:

@@ -275,6 +275,13 @@ class XGrammarMatcher(GrammarMatcher):
         return self._chandle
 
 
+def _delegate_handle(matcher: GrammarMatcher) -> Any:
+    """The FFI object of the ``XGrammarMatcher`` ``matcher`` forwards every call to (its
+    ``delegate``, see capgraph.build.slots.Delegating), or None."""
+    delegate = getattr(matcher, "delegate", None)
+    return delegate._handle if type(delegate) is XGrammarMatcher else None
+
+
 #: The modules whose code shapes an xgrammar compile (their source is in the disk-cache key).
 _COMPILE_MODULES = ("capgraph.grammar.xgrammar_backend", "capgraph.grammar.semantics",
                     "capgraph.grammar.schema_policy", "capgraph.grammar.guide_limits",
@@ -513,10 +520,11 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         return XGrammarMatcher
 
     def native_handles(self, matchers: Sequence[GrammarMatcher]) -> list | None:
-        """The FFI object of every plain ``XGrammarMatcher``; None if one of ``matchers`` is a
-        subclass or wrapper (its own methods must run) or xgrammar exposes no FFI object."""
-        handles = [m._handle if type(m) is XGrammarMatcher else None  # type: ignore[attr-defined]
-                   for m in matchers]
+        """The FFI object of every plain ``XGrammarMatcher`` (or of the one a matcher forwards
+        to, its ``delegate``); None if one of ``matchers`` is a subclass or wrapper that must
+        run its own methods, or xgrammar exposes no FFI object."""
+        handles = [m._handle if type(m) is XGrammarMatcher  # type: ignore[attr-defined]
+                   else _delegate_handle(m) for m in matchers]
         return None if None in handles else handles
 
     def batch_fill(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
