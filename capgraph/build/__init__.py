@@ -7,9 +7,9 @@ A decoder chooses its strategy once, at construction (``GuidedDecoder(host_build
 ``"native-loop"``         :class:`NativeLoopBuild`: Python selection, the loop in C++
 ``"native"``              :class:`NativeBuild`: a steady-state step in one C++ call
                           (the native loop for any other batch)
-``"auto"`` (default)      ``"native"`` where it builds (xgrammar, ``fill_threads=1``, a C++
-                          compiler), following ``GuidedDecodingConfig.native_build``; else
-                          ``"python"``
+``"auto"`` (default)      ``"native"`` where it builds (the xgrammar or auto backend,
+                          ``fill_threads=1``, a C++ compiler), following
+                          ``GuidedDecodingConfig.native_build``; else ``"python"``
 a callable                ``(slots, factory, budget_ms) -> HostBuild``: a strategy of your own
 ========================  ===============================================================
 

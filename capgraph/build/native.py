@@ -1,6 +1,7 @@
 """The native host builds: the same loop as :mod:`capgraph.build.python`, in C++.
 
-Two strategies, both for the xgrammar backend with ``fill_threads=1``:
+Two strategies, both for the xgrammar backend (or the auto one, which hands requests over to
+xgrammar) with ``fill_threads=1``:
 
 - :class:`NativeLoopBuild` (``"native-loop"``): :func:`~capgraph.build.python.select` in
   Python, then the advance-and-fill loop of every selected request in one C++ call
@@ -225,7 +226,8 @@ def make_native_build(slots: SlotState, factory: GrammarMatcherFactory, budget_m
     C++ loop calls (default: xgrammar's own FFI methods); tests hand in wrapped ones.
 
     Raises:
-        ConfigError: the factory is not xgrammar's or its ``fill_threads`` is not 1.
+        ConfigError: the factory has no xgrammar side (:func:`xgrammar_factory`) or its
+            ``fill_threads`` is not 1.
         NativeBuildError: the library cannot be built or refuses the buffers.
     """
     xgr_factory = xgrammar_factory(factory)
