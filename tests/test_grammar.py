@@ -368,6 +368,31 @@ def test_llguidance_sticky_error_is_raised(factory_cache):
         matcher.rollback(5)  # more than was ever consumed
 
 
+@needs_llg
+def test_llguidance_matchers_are_independent_copies_of_the_compiled_guide(factory_cache, tekken):
+    """llguidance's compiled guide is a matcher built once (first mask computed); every request
+    gets a copy: one advanced, rolled back or in error leaves the next one at the start, with
+    the same first mask as a matcher built from the grammar text."""
+    import llguidance
+    import llguidance.torch
+    factory = factory_cache("tekken", "llguidance")
+    case = LLG_CASES[0]
+    compiled = factory.compile(case.params)
+    first = allocate_host_bitmask(2, factory.config.vocab_size_padded, pin=False)
+    fresh = llguidance.LLMatcher(factory.tokenizer, compiled.payload.grammar, log_level=0)
+    llguidance.torch.fill_next_token_bitmask(fresh, first, 0)
+    advanced = factory.create_from_compiled(compiled)
+    tokens = encode_continuation(tekken, case.valid)
+    assert all(advanced.accept_token(t) for t in tokens[:3])
+    with pytest.raises(MatcherError):
+        advanced.rollback(50)  # more than it consumed: this copy is in error now
+    factory.create_from_compiled(compiled).fill_next_token_bitmask(first, 1)
+    assert torch.equal(first[0], first[1])
+    assert not compiled.payload.template.is_error()
+    again, _, n = teacher_force(factory, tekken, case, case.valid)
+    assert n == len(tokens)
+
+
 def test_threads_do_not_share_matcher_state(factory_cache, tekken):
     """Matchers created concurrently from one compiled guide advance independently."""
     factory = factory_cache("tekken")

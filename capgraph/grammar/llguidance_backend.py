@@ -8,6 +8,7 @@ wrapper, and :meth:`rollback` counts a stop token llguidance never consumed as o
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -29,7 +30,7 @@ try:  # optional extra
 except ImportError:  # pragma: no cover - exercised where the extra is absent
     llguidance = None  # type: ignore[assignment]
 
-__all__ = ["LLGuidanceMatcher", "LLGuidanceMatcherFactory", "available"]
+__all__ = ["LLGuidanceGuide", "LLGuidanceMatcher", "LLGuidanceMatcherFactory", "available"]
 
 BACKEND = "llguidance"
 # one JSON whitespace character, as xgrammar reads it: [\x20\x0A\x0D\x09]
@@ -59,6 +60,22 @@ def _refuse(what: str) -> None:
 def available() -> bool:
     """Whether the llguidance extra is installed."""
     return llguidance is not None
+
+
+#: What a compiled guide's parser and lexer count for in the compile cache's byte bound,
+#: besides the grammar text: llguidance does not report its size; a template of a bundled
+#: JSON schema, first mask computed, grows the process by a few tens of KiB.
+_TEMPLATE_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class LLGuidanceGuide:
+    """llguidance's compiled guide: the grammar text and the matcher built from it, at the
+    start with its first mask computed (every request's matcher is a copy of it; the template
+    itself is never advanced)."""
+
+    grammar: str
+    template: "llguidance.LLMatcher"
 
 
 class LLGuidanceMatcher(GrammarMatcher):
@@ -145,6 +162,7 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
             config.tokenizer, n_vocab=config.vocab_size_padded,  # type: ignore[arg-type]
             eos_token=self.eos_token)
         self._json_options = json_whitespace_options(config)
+        self._mask_words = (config.vocab_size_padded + 31) // 32
 
     def _likely_allowed_ids(self) -> Sequence[int]:
         t = self.tokenizer
@@ -177,21 +195,30 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
                                     backend=BACKEND)
 
     def _compile(self, params: GuidedDecodingParams) -> tuple[Any, int]:
+        """The guide's grammar built into an ``LLMatcher`` (llguidance parses the grammar and
+        builds its parser and lexer there) with its first mask computed once, so the lexer
+        states the start needs are built too: :meth:`create_from_compiled` hands each request
+        a copy of it, which fills its first mask at once."""
         grammar = self._grammar_text(params)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self.tokenizer)
-        if is_error:
-            detail = messages[0] if messages else "invalid grammar"
+        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if template.is_error():
+            detail = template.get_error() or "invalid grammar"
             if params.guide_type is GuideType.EBNF_GRAMMAR and "::=" in params.guide:
                 detail += (" (this looks like GBNF; the llguidance backend takes Lark, the "
                            "xgrammar backend takes GBNF/EBNF)")
             raise GrammarCompileError(detail, guide_type=params.guide_type.name,
                                       backend=BACKEND)
-        if (messages and params.guide_type is GuideType.JSON_SCHEMA
+        warnings = template.get_grammar_warnings()
+        if (warnings and params.guide_type is GuideType.JSON_SCHEMA
                 and self.config.json_unenforced_keywords != "ignore"):
             # a warning is llguidance saying it approximates (oneOf as anyOf, ignored keys)
-            _refuse("; ".join(f"llguidance reported: {m}" for m in messages))
-        return grammar, len(grammar.encode())
+            _refuse("; ".join(f"llguidance reported: {m}" for m in warnings))
+        scratch = torch.zeros((1, self._mask_words), dtype=torch.int32)
+        llguidance.torch.fill_next_token_bitmask(template, scratch, 0)
+        if template.is_error():
+            raise GrammarCompileError(f"the grammar has no valid start: {template.get_error()}",
+                                      guide_type=params.guide_type.name, backend=BACKEND)
+        return LLGuidanceGuide(grammar, template), _TEMPLATE_BYTES + len(grammar.encode())
 
     @staticmethod
     def _refuse_unenforced(guide: str) -> None:
@@ -202,8 +229,8 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
             _refuse(describe(found))
 
     def create_from_compiled(self, compiled: CompiledGuide) -> LLGuidanceMatcher:
-        matcher = llguidance.LLMatcher(self.tokenizer, compiled.payload, log_level=0)
-        return LLGuidanceMatcher(matcher, self.eos_token)
+        guide: LLGuidanceGuide = compiled.payload
+        return LLGuidanceMatcher(guide.template.deep_copy(), self.eos_token)
 
     def batch_fill(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
                    indices: Sequence[int]) -> None:
