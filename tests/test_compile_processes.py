@@ -33,6 +33,37 @@ def _alive(pid: int) -> bool:
         return False
 
 
+#: Memory the hostile compile must hold before it is timed out (MB of resident memory), and
+#: how much this process's resident size may move meanwhile (allocator noise, not a compile).
+_COMPILE_MB = 64
+_RSS_SLACK_MB = 48
+
+
+def _rss_mb(pid: int) -> float:
+    """Resident memory of ``pid`` in MB (0 where it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _children_mb(*excluding: int) -> float:
+    """Resident memory of this process's live children (not ``excluding``), in MB."""
+    total = 0.0
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in excluding:
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and _alive(int(name)):
+            total += _rss_mb(int(name))
+    return total
+
+
 def _salted(schema: dict) -> GuidedDecodingParams:
     return GuidedDecodingParams.json_schema({**schema, "title": uuid.uuid4().hex})
 
@@ -57,7 +88,9 @@ def test_config_validates_isolation_and_memory_limit(tekken):
 
 def test_timed_out_compile_is_killed_and_the_others_are_served(procs):
     """A compile that takes minutes times out: its worker process is gone within a second of
-    the timeout, the other requests of the batch are served, and the next request with a
+    the timeout, the machine's memory is back (this process never grew by the compile's
+    memory, and this process plus its children hold no more than before without the killed
+    worker), the other requests of the batch are served, and the next request with a
     different schema compiles normally."""
     slow = _salted(_anyof(14))
     good = [_salted({"type": "object", "properties": {"n": {"type": "integer"}}}),
@@ -72,13 +105,23 @@ def test_timed_out_compile_is_killed_and_the_others_are_served(procs):
         pid = procs.processes.pid_compiling((slow.guide_type.value, slow.guide))
         time.sleep(0.01)
     assert pid is not None and _alive(pid)
+    start_mb = _rss_mb(pid)
+    while _rss_mb(pid) - start_mb < _COMPILE_MB and time.monotonic() < deadline + 30:
+        time.sleep(0.05)  # until the compile holds memory worth getting back
+    parent_mb, others_mb, worker_mb = _rss_mb(os.getpid()), _children_mb(pid), _rss_mb(pid)
+    assert worker_mb - start_mb >= _COMPILE_MB
     with pytest.raises(CompileTimeoutError):
-        slow_handle.result(time.monotonic() - slow_handle.started + 0.5, backend="xgrammar")
+        slow_handle.result(time.monotonic() - slow_handle.started, backend="xgrammar")
     timed_out = time.monotonic()
     while _alive(pid) and time.monotonic() - timed_out < 1.0:
         time.sleep(0.01)
     assert not _alive(pid), "the timed-out compile's worker still runs"
     assert pid not in procs.processes.pids
+    # the memory is back: this process never held the compile's, and its worker's is gone
+    after_mb = _rss_mb(os.getpid())
+    assert after_mb - parent_mb < _RSS_SLACK_MB, (parent_mb, after_mb)
+    assert after_mb + _children_mb() < parent_mb + others_mb + _RSS_SLACK_MB, \
+        (parent_mb, others_mb, worker_mb, after_mb, _children_mb())
     assert procs.processes.stats.killed >= 1
     after = _salted({"type": "object", "properties": {"s": {"type": "string"}}})
     assert procs.compile_async(after).result(60, backend="xgrammar").nbytes > 0
@@ -114,20 +157,25 @@ def test_compile_errors_keep_their_type_and_fields(procs):
 
 
 def test_masks_equal_in_thread_compiles(procs, tekken):
-    """Grammars compiled in a worker give the same masks as in-thread ones over a few
-    teacher-forced tokens of a valid output."""
+    """Grammars compiled in a worker, and cheap ones compiled in the decoder's process, give
+    the same masks as in-thread ones over a few teacher-forced tokens of a valid output."""
     threads = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(tekken))
-    cases = [
-        ({"type": "object", "properties": {"city": {"type": "string"},
+    cases = [  # (schema, text, compiled in a worker)
+        ({"type": "object", "properties": {"city": {"anyOf": [{"type": "string"},
+                                                              {"type": "null"}]},
                                            "n": {"type": "integer"}}},
-         '{"city": "Paris", "n": 12}'),
-        ({"type": "array", "items": {"enum": ["a", "bc"]}}, '["bc", "a"]'),
+         '{"city": "Paris", "n": 12}', True),
+        ({"type": "array", "items": {"enum": ["a", "bc"]}}, '["bc", "a"]', False),
     ]
     V = procs.config.vocab_size_padded
     words = (V + 31) // 32
-    for schema, text in cases:
+    for schema, text, in_worker in cases:
         params = GuidedDecodingParams.json_schema({**schema, "title": uuid.uuid4().hex})
+        stats = procs.processes.stats
+        before = (len(stats.compile_s), stats.compiled_here)
         a, b = procs.create(params), threads.create(params)
+        assert (len(stats.compile_s), stats.compiled_here) == \
+            ((before[0] + 1, before[1]) if in_worker else (before[0], before[1] + 1))
         tokens = encode_continuation(tekken, text)
         for t in [*tokens, *(procs.config.stop_token_ids or [])]:
             ma = torch.zeros(1, words, dtype=torch.int32)
@@ -145,8 +193,9 @@ def test_a_burst_of_schemas_creates_at_most_compile_threads_processes(procs):
     compiles beyond the queue bound fail at once with CompileQueueFullError."""
     before = {p.pid for p in multiprocessing.active_children()}
     salt = uuid.uuid4().hex
-    params = [GuidedDecodingParams.json_schema(
-        json.dumps({"type": "object", "properties": {f"k{i}_{salt}": {"type": "integer"}}}))
+    params = [GuidedDecodingParams.json_schema(json.dumps(  # (anyOf: not cheap, to a worker)
+        {"type": "object", "properties": {f"k{i}_{salt}": {"anyOf": [{"type": "integer"},
+                                                                     {"type": "null"}]}}}))
         for i in range(200)]
     handles = [procs.compile_async(p) for p in params]
     most = 0
@@ -161,3 +210,160 @@ def test_a_burst_of_schemas_creates_at_most_compile_threads_processes(procs):
     after = {p.pid for p in multiprocessing.active_children()} - before
     assert most <= 2 and len(procs.processes.pids) <= 2 and len(after) <= 2
     assert ok + refused == 200 and ok >= 2 * 4 and refused > 0
+
+
+def _hostile_guides() -> dict[str, GuidedDecodingParams]:
+    """Guides whose xgrammar compile is slow or large (measured, or unbounded by their size)."""
+    ebnf = "root ::= item+\n" + "\n".join(
+        f'item ::= "k{i}" [a-z]{{0,4}} | "v{i}" ("," [0-9]+)*' for i in range(200))
+    return {
+        "nested anyOf": GuidedDecodingParams.json_schema(_anyof(14)),
+        "1000 patternProperties": GuidedDecodingParams.json_schema(
+            {"type": "object", "patternProperties": {f"^p{i}_[a-z]+$": {"type": "string"}
+                                                     for i in range(1000)}}),
+        "huge minItems": GuidedDecodingParams.json_schema(
+            {"type": "array", "items": {"type": "object"}, "minItems": 50_000}),
+        "huge maxLength": GuidedDecodingParams.json_schema(
+            {"type": "string", "maxLength": 60_000}),
+        "counted dot": GuidedDecodingParams.regex(".{0,64}"),
+        "counted group": GuidedDecodingParams.regex("((.|,){1,4}){1,4}"),
+        "long nested regex": GuidedDecodingParams.regex(
+            "(" + "|".join(f"(w{i}[a-z]+)+" for i in range(12)) + ")*"),
+        "repetition count": GuidedDecodingParams.regex("a{1000}"),
+        "large EBNF": GuidedDecodingParams.ebnf(ebnf),
+        "small EBNF": GuidedDecodingParams.ebnf('root ::= "a"'),
+        "additionalProperties": GuidedDecodingParams.json_schema(
+            {"type": "object", "properties": {"a": {"type": "string", "minLength": 1}},
+             "required": ["a"], "additionalProperties": True}),
+        "$ref": GuidedDecodingParams.json_schema(
+            {"$defs": {"x": {"type": "integer"}}, "properties": {"a": {"$ref": "#/$defs/x"}}}),
+    }
+
+
+def test_cost_estimate_sends_every_hostile_guide_to_a_worker(tekken):
+    """why_not_cheap calls no hostile guide cheap (each with its reason), and calls the
+    common cheap ones cheap: builtin JSON, short regexes, flat schemas without combinators."""
+    from capgraph.grammar.compile_cost import why_not_cheap
+    from cases import ORDER_SCHEMA, TOOL_CALL_SCHEMA
+    config = GuidedDecodingConfig.from_tokenizer(tekken)
+    for name, params in _hostile_guides().items():
+        assert why_not_cheap(params, config), name
+    cheap = [GuidedDecodingParams.json(), GuidedDecodingParams.regex("[a-z]+@[a-z]+\\.com"),
+             GuidedDecodingParams.regex("[A-Z]{2}-[0-9]{4}"),
+             GuidedDecodingParams.json_schema(TOOL_CALL_SCHEMA),
+             GuidedDecodingParams.json_schema({"type": "string", "maxLength": 255}),
+             GuidedDecodingParams.json_schema({"type": "array", "items": {"type": "string",
+                                                                          "format": "email"}})]
+    for params in cheap:
+        assert why_not_cheap(params, config) is None, params.guide
+    assert "anyOf" in why_not_cheap(GuidedDecodingParams.json_schema(ORDER_SCHEMA), config)
+    wide = GuidedDecodingConfig.from_tokenizer(tekken, json_whitespace="bounded",
+                                               json_max_whitespace=64)
+    assert "json_max_whitespace" in why_not_cheap(GuidedDecodingParams.json(), wide)
+
+
+def test_cheap_guides_compile_here_and_the_others_in_a_worker(procs):
+    """In process mode a guide estimated cheap is compiled in the decoder's process (no worker
+    compile counted) and one that is not goes to a worker."""
+    stats = procs.processes.stats
+    here, in_worker = stats.compiled_here, len(stats.compile_s)
+    cheap = GuidedDecodingParams.regex(f"[a-z]+{uuid.uuid4().hex[:16]}")
+    assert procs.compile(cheap).nbytes > 0
+    assert (stats.compiled_here, len(stats.compile_s)) == (here + 1, in_worker)
+    costly = _salted({"anyOf": [{"type": "integer"}, {"type": "string"}]})
+    assert procs.compile(costly).nbytes > 0
+    assert (stats.compiled_here, len(stats.compile_s)) == (here + 1, in_worker + 1)
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_a_compile_stopped_while_its_worker_starts_never_runs(tekken):
+    """A request that times out while the worker for its compile is still starting: the
+    compile never reaches a worker (no worker compiles it, none burns CPU for it), the worker
+    started for it serves the next compile instead of being started again."""
+    config = GuidedDecodingConfig.from_tokenizer(tekken, compile_isolation="process",
+                                                 compile_threads=1)
+    factory = create_matcher_factory(config)
+    pool = factory.processes
+    try:
+        slow = _salted(_anyof(12))  # (minutes to compile; checked before it in 0.1 s)
+        handle = factory.compile_async(slow)
+        with pytest.raises(CompileTimeoutError):
+            handle.result(1.0, backend="xgrammar")
+        assert pool.stats.spawned == 0, "the worker was ready before the timeout"
+        deadline = time.monotonic() + 120
+        while pool.stats.not_started == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.stats.not_started == 1 and pool.stats.spawned == 1
+        assert pool.pid_compiling((slow.guide_type.value, slow.guide)) is None
+        (pid,) = pool.pids
+        ticks = _cpu_ticks(pid)
+        time.sleep(0.5)
+        assert _cpu_ticks(pid) - ticks <= 5, "the idle worker burns CPU: it compiles"
+        assert pool.stats.compile_s == []
+        after = _salted({"anyOf": [{"type": "integer"}, {"type": "string"}]})
+        assert factory.compile_async(after).result(60, backend="xgrammar").nbytes > 0
+        assert pool.stats.spawned == 1 and pool.pids == [pid]
+    finally:
+        factory.close()
+
+
+def test_a_compile_stopped_while_waiting_for_a_worker_fails_at_once(tekken):
+    """With the only worker busy, a compile waiting for it that nobody waits for any more
+    leaves compile() within a second with CompileTimeoutError and never runs."""
+    import threading
+    from capgraph.grammar.process_pool import ProcessCompilePool
+    config = GuidedDecodingConfig.from_tokenizer(tekken)
+    pool = ProcessCompilePool(config, workers=1, memory_limit_bytes=0)
+    outcome: dict[str, BaseException | None] = {}
+
+    def compile_(name: str, params: GuidedDecodingParams) -> None:
+        try:
+            pool.compile(name, params)
+            outcome[name] = None
+        except BaseException as e:  # noqa: BLE001 - looked at below
+            outcome[name] = e
+
+    try:
+        busy = threading.Thread(target=compile_, args=("busy", _salted(_anyof(14))))
+        busy.start()
+        deadline = time.monotonic() + 120
+        while pool.pid_compiling("busy") is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pool.pid_compiling("busy") is not None
+        queued = threading.Thread(target=compile_, args=("queued", _salted(_anyof(3))))
+        queued.start()
+        time.sleep(0.2)
+        assert "queued" not in outcome  # it waits for the worker
+        stopped = time.monotonic()
+        assert pool.stop("queued")
+        queued.join(1.0)
+        assert not queued.is_alive() and time.monotonic() - stopped < 1.0
+        assert isinstance(outcome["queued"], CompileTimeoutError)
+        assert pool.stats.not_started == 1 and pool.pid_compiling("busy") is not None
+        assert pool.stop("busy")
+        busy.join(5.0)
+        assert isinstance(outcome["busy"], CompileTimeoutError)
+        assert pool.stats.compile_s == []
+    finally:
+        pool.close()
+
+
+def test_workers_run_at_a_lower_cpu_priority(procs):
+    """Every thread of a compile worker (xgrammar's compile threads included) runs at nice
+    WORKER_NICE or lower priority, so a compile cannot take CPU from the decode loop."""
+    from capgraph.grammar.process_pool import WORKER_NICE
+    assert procs.compile(_salted({"anyOf": [{"type": "integer"}, {"type": "null"}]})).nbytes
+    pids = procs.processes.pids
+    assert pids
+    for pid in pids:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        assert len(tasks) >= 1
+        for tid in tasks:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                nice = int(f.read().rsplit(")", 1)[1].split()[16])
+            assert nice >= WORKER_NICE, (pid, tid, nice)

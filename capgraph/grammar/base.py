@@ -291,6 +291,16 @@ class GrammarMatcherFactory(ABC):
         default cannot (a compile on a thread runs to its end)."""
         return False
 
+    def _still_wanted(self, key: tuple[str, str]) -> bool:
+        """Whether a request still waits for the compile of ``key`` in flight (True where none
+        is in flight). A backend that can stop compiles asks this once it can be stopped and
+        before the costly work, so a compile whose waiters all gave up before
+        :meth:`_stop_compile` could find it never starts (must not be called under a lock
+        :meth:`_stop_compile` takes)."""
+        with self._lock:
+            job = self._inflight.get(key)
+            return job is None or job.wanted
+
     def _forget(self, key: tuple[str, str], job: _Compile) -> None:
         with self._lock:  # done (stored, failed or cancelled): later requests start afresh
             if self._inflight.get(key) is job:

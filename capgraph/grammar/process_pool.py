@@ -8,9 +8,17 @@ most ``workers`` of them; each builds its own
 :class:`~capgraph.grammar.xgrammar_backend.XGrammarMatcherFactory` once and compiles with its
 ``_compile`` (keyword policy, converter warnings, repairs and limits all apply). A compile that
 nobody waits for any more (:meth:`ProcessCompilePool.stop`) is killed: SIGTERM, then SIGKILL
-after :data:`KILL_GRACE_S`; its worker is replaced on demand. Each worker runs under
-``RLIMIT_AS`` = its size once started + ``memory_limit_bytes``; a compile over it fails with
-:class:`~capgraph.errors.CompileResourceError`.
+after :data:`KILL_GRACE_S`; its worker is replaced on demand. A compile stopped before it
+reached a worker (waiting for one, or for its worker to start) never runs; a worker started
+for it finishes starting and serves the next compile, so a compile timeout shorter than a
+worker's start (a few seconds: spawn, import, vocabulary) still lets later compiles through.
+Each worker runs under ``RLIMIT_AS`` = its size once started + ``memory_limit_bytes``; a
+compile over it fails with :class:`~capgraph.errors.CompileResourceError`; and at nice
+:data:`WORKER_NICE`, so that its compile takes CPU time only where the decode loop leaves some.
+
+Guides :func:`~capgraph.grammar.compile_cost.why_not_cheap` calls cheap compile in the
+decoder's process instead (:meth:`ProcessCompilePool.compiles_here`): a worker's round trip
+(serialize, pipe, deserialize) costs them about as much as their compile.
 """
 
 from __future__ import annotations
@@ -22,18 +30,24 @@ import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 from .. import errors
 from ..errors import CompileResourceError, CompileTimeoutError, GrammarCompileError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams
+from .compile_cost import why_not_cheap
 
-__all__ = ["ProcessCompilePool", "ProcessPoolStats", "KILL_GRACE_S", "START_TIMEOUT_S"]
+__all__ = ["ProcessCompilePool", "ProcessPoolStats", "KILL_GRACE_S", "START_TIMEOUT_S",
+           "WORKER_NICE"]
 
 #: Seconds a stopped worker gets between SIGTERM and SIGKILL.
 KILL_GRACE_S = 0.2
 #: Seconds a new worker may take to import xgrammar and build its factory.
 START_TIMEOUT_S = 120.0
+#: How much a worker lowers its CPU priority (its nice value, Linux and macOS): below the
+#: decode loop's threads, which keep the default 0, so a contended core goes to them first.
+#: On an idle machine it costs a compile nothing (``python -m capgraph.grammar.compile_cost``).
+WORKER_NICE = 10
 _BACKEND = "xgrammar"
 #: Errors a worker may send back by name (anything else arrives as GrammarCompileError).
 _ERRORS = {cls.__name__: cls for cls in (GrammarCompileError, errors.UnsupportedGuideError,
@@ -70,11 +84,41 @@ def _is_memory_error(e: BaseException) -> bool:
     return False
 
 
-def _worker_main(conn: Connection, config: GuidedDecodingConfig, memory_limit: int) -> None:
-    """A worker's life: build the factory, then answer one compile request after another
-    until the parent closes its end (or sends None)."""
+def _lower_priority(nice: int, target: int | None) -> int | None:
+    """Give every thread of this process the nice value ``target`` where it has a lower one
+    (None: this thread's + ``nice``, at most 19); returns ``target``. Linux keeps a nice value
+    per thread (a new thread inherits its creator's), so every thread the spawn start and the
+    imports made is reniced; where ``/proc`` is absent ``os.nice`` sets the process's."""
+    if nice <= 0:
+        return None
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except (OSError, ValueError):
+        if target is None:
+            try:
+                os.nice(nice)
+            except (OSError, AttributeError):
+                pass
+        return target
+    if target is None:
+        target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < target:
+                os.setpriority(os.PRIO_PROCESS, tid, target)
+        except OSError:  # (a thread that ended meanwhile)
+            pass
+    return target
+
+
+def _worker_main(conn: Connection, config: GuidedDecodingConfig, memory_limit: int,
+                 nice: int) -> None:
+    """A worker's life: lower its priority, build the factory, then answer one compile
+    request after another until the parent closes its end (or sends None)."""
+    target = _lower_priority(nice, None)
     from .xgrammar_backend import XGrammarMatcherFactory
     factory = XGrammarMatcherFactory(config)
+    _lower_priority(nice, target)  # (threads the factory started)
     if memory_limit:
         _limit_memory(memory_limit)
     conn.send(("ready", os.getpid()))
@@ -109,7 +153,9 @@ class ProcessPoolStats:
     """Counters of a :class:`ProcessCompilePool` (for monitoring, tests and benchmarks)."""
 
     spawned: int = 0  #: worker processes started
+    compiled_here: int = 0  #: guides estimated cheap, compiled in the decoder's process
     killed: int = 0  #: workers stopped because nobody waited for their compile any more
+    not_started: int = 0  #: compiles stopped before they reached a worker (never run)
     died: int = 0  #: workers that died while compiling (memory limit, crash)
     compile_s: list[float] = field(default_factory=list)  #: in-worker compile, per guide
     serialize_s: list[float] = field(default_factory=list)  #: in-worker serialize_json
@@ -132,6 +178,16 @@ class _Worker:
         self.generation = generation  # the pool's close count when it started
 
 
+class _Waiting:
+    """A compile without a worker yet: waiting for one to be free, or for its own to start."""
+
+    __slots__ = ("key", "stopped")
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+        self.stopped = False  # nobody waits for it any more: it will not run
+
+
 class ProcessCompilePool:
     """At most ``workers`` spawned processes compiling xgrammar guides, one guide at a time.
 
@@ -140,12 +196,20 @@ class ProcessCompilePool:
             cache and process isolation off (it must pickle: a Hugging Face tokenizer does).
         workers: the most processes alive at once (``compile_threads``).
         memory_limit_bytes: address space a worker may add once started; 0: no limit.
+        nice: how much each worker lowers its CPU priority (default :data:`WORKER_NICE`).
+        wanted: ``wanted(key)``: whether a request still waits for the compile of ``key``,
+            asked once :meth:`stop` can find the compile and before it waits for a worker;
+            where it says False, the compile never runs. Called without this pool's lock
+            held; None: always wanted.
     """
 
     def __init__(self, config: GuidedDecodingConfig, workers: int,
-                 memory_limit_bytes: int) -> None:
+                 memory_limit_bytes: int, nice: int = WORKER_NICE,
+                 wanted: Callable[[Any], bool] | None = None) -> None:
         self.workers = workers
         self.memory_limit_bytes = memory_limit_bytes
+        self.nice = nice
+        self._wanted = wanted
         self.stats = ProcessPoolStats()
         self._config = dataclasses.replace(config, compile_isolation="thread",
                                            compile_disk_cache_bytes=0, compile_cache_bytes=0)
@@ -153,6 +217,7 @@ class ProcessCompilePool:
         self._cv = threading.Condition()
         self._idle: list[_Worker] = []
         self._busy: list[_Worker] = []
+        self._waiting: list[_Waiting] = []  # compiles in compile() without a worker yet
         self._starting = 0  # slots reserved by workers being started
         self._closed_generation = 0  # close() calls so far: older workers retire when idle
 
@@ -171,13 +236,23 @@ class ProcessCompilePool:
                     return w.process.pid
         return None
 
+    def compiles_here(self, params: GuidedDecodingParams) -> bool:
+        """Whether ``params`` is cheap enough to compile in the decoder's process
+        (:func:`~capgraph.grammar.compile_cost.why_not_cheap`) rather than in a worker;
+        counted in :attr:`ProcessPoolStats.compiled_here`."""
+        if why_not_cheap(params, self._config) is not None:
+            return False
+        with self._cv:
+            self.stats.compiled_here += 1
+        return True
+
     def compile(self, key: Any, params: GuidedDecodingParams) -> tuple[str, int, float]:
         """Compile ``params`` in a worker (blocks, on a compile thread): ``(serialized
         grammar, nbytes, compile seconds)``, or raises the compile's GrammarCompileError,
         :class:`CompileResourceError` where the worker went over its memory limit or died,
-        :class:`CompileTimeoutError` where :meth:`stop` killed it. ``key`` names the compile
-        for :meth:`stop`."""
-        worker = self._acquire(key)
+        :class:`CompileTimeoutError` where :meth:`stop` killed it or stopped it before it
+        reached a worker. ``key`` names the compile for :meth:`stop`."""
+        worker = self._acquire(key, params)
         try:
             worker.conn.send(params)
             reply = worker.conn.recv()
@@ -217,17 +292,24 @@ class ProcessCompilePool:
                                                      backend=backend)
 
     def stop(self, key: Any) -> bool:
-        """Kill the worker compiling ``key`` (nobody waits for it any more); its compile
-        thread reaps it and its slot goes to the next compile. Does not block. Returns
-        whether one was found."""
+        """Nobody waits for the compile of ``key`` any more: kill the worker compiling it (its
+        compile thread reaps it and its slot goes to the next compile), or, where it has no
+        worker yet, make sure it never runs. Does not block. Returns whether one was found."""
+        found = False
         with self._cv:
             for w in self._busy:
                 if w.key == key and not w.stopped:
                     w.stopped = True
                     self.stats.killed += 1
                     w.process.terminate()
-                    return True
-        return False
+                    found = True
+            for waiting in self._waiting:
+                if waiting.key == key and not waiting.stopped:
+                    waiting.stopped = True
+                    found = True
+            if found:
+                self._cv.notify_all()
+        return found
 
     def record_deserialize(self, seconds: float) -> None:
         with self._cv:
@@ -252,32 +334,65 @@ class ProcessCompilePool:
             return "none"
         return f"{self.memory_limit_bytes / (1 << 20):g} MiB"
 
-    def _acquire(self, key: Any) -> _Worker:
+    def _acquire(self, key: Any, params: GuidedDecodingParams) -> _Worker:
+        """An idle worker, or a new one, for the compile of ``key``; raises
+        :class:`CompileTimeoutError` where :meth:`stop` stopped it first."""
+        waiting = _Waiting(key)
         with self._cv:
-            while not self._idle and \
+            self._waiting.append(waiting)
+        # (its waiters may have given up before stop() could find it)
+        gave_up = self._wanted is not None and not self._wanted(key)
+        with self._cv:
+            waiting.stopped = waiting.stopped or gave_up
+            while not waiting.stopped and not self._idle and \
                     len(self._busy) + len(self._idle) + self._starting >= self.workers:
                 self._cv.wait()
-            if self._idle:
-                worker = self._idle.pop()
-                worker.key = key
-                self._busy.append(worker)
-                return worker
+            if waiting.stopped or self._idle:
+                self._waiting.remove(waiting)
+                if waiting.stopped:
+                    self.stats.not_started += 1
+                    raise self._not_started(params)
+                return self._assign(self._idle.pop(), key)
             self._starting += 1
         try:
             worker = self._start()
-        finally:
+        except BaseException:
             with self._cv:
                 self._starting -= 1
-                self._cv.notify()
-        with self._cv:
-            worker.key = key
-            self._busy.append(worker)
+                self._waiting.remove(waiting)
+                self._cv.notify_all()
+            raise
+        with self._cv:  # (one step from waiting to busy: stop() always finds the compile)
+            self._starting -= 1
+            self._waiting.remove(waiting)
+            if not waiting.stopped:
+                return self._assign(worker, key)
+            # stopped while its worker started: the worker serves the next compile instead
+            self.stats.not_started += 1
+            keep = worker.generation == self._closed_generation
+            if keep:
+                self._idle.append(worker)
+            self._cv.notify_all()
+        if not keep:
+            self._reap(worker)
+        raise self._not_started(params)
+
+    def _assign(self, worker: _Worker, key: Any) -> _Worker:
+        worker.key = key  # (under the lock)
+        self._busy.append(worker)
         return worker
+
+    @staticmethod
+    def _not_started(params: GuidedDecodingParams) -> CompileTimeoutError:
+        return CompileTimeoutError("compile not started: every request waiting for it timed "
+                                   "out before a compile worker was free",
+                                   guide_type=params.guide_type.name, backend=_BACKEND)
 
     def _start(self) -> _Worker:
         parent, child = self._context.Pipe()
         process = self._context.Process(
-            target=_worker_main, args=(child, self._config, self.memory_limit_bytes),
+            target=_worker_main,
+            args=(child, self._config, self.memory_limit_bytes, self.nice),
             name="capgraph-compile-worker", daemon=True)
         process.start()
         child.close()
@@ -301,10 +416,10 @@ class ProcessCompilePool:
             worker.key = None
             if worker.stopped or worker.generation != self._closed_generation:
                 # killed just after its result came in, or the pool was closed meanwhile
-                self._cv.notify()
+                self._cv.notify_all()
             else:
                 self._idle.append(worker)
-                self._cv.notify()
+                self._cv.notify_all()
                 return
         self._reap(worker)
 
@@ -312,7 +427,7 @@ class ProcessCompilePool:
         with self._cv:
             if worker in self._busy:
                 self._busy.remove(worker)
-            self._cv.notify()
+            self._cv.notify_all()
         self._reap(worker)
 
     @staticmethod

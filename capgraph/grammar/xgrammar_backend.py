@@ -335,7 +335,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         self.processes: ProcessCompilePool | None = None
         if config.compile_isolation == "process":
             self.processes = ProcessCompilePool(config, config.compile_threads,
-                                                config.compile_memory_limit_bytes)
+                                                config.compile_memory_limit_bytes,
+                                                wanted=self._still_wanted)
             self._pool.max_waiting = 4 * config.compile_threads
 
     def _compiler_placing(self, placed: frozenset[int]) -> xgr.GrammarCompiler:
@@ -389,9 +390,9 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
             self.processes.close()
 
     def _compile(self, params: GuidedDecodingParams) -> tuple[Any, int]:
-        if self.processes is not None:
+        if self.processes is not None and not self.processes.compiles_here(params):
             return self._compile_in_process(params)
-        return self._compile_here(params)
+        return self._compile_here(params)  # (in process mode: a guide estimated cheap)
 
     def _compile_in_process(self, params: GuidedDecodingParams) -> tuple[Any, int]:
         """:meth:`_compile_here` in a worker process, the grammar sent back serialized."""
