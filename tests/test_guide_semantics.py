@@ -369,3 +369,70 @@ def test_schema_rewrite_reaches_draft07_dependencies():
     pattern = rewritten["dependencies"]["enum"]["properties"]["code"]["pattern"]
     assert "\\d" not in pattern and "0-9" in pattern
     assert rewritten["dependencies"]["a"] == ["b", "c"]
+
+
+# (schema, instance, accepted) under the strict reading both backends share: properties and
+# items a schema lists some of are the only ones; a bare object or array allows anything; a
+# schema that requires a property it does not list means JSON Schema's default
+UNLISTED_TABLE = [
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, '{"a": 1}', True),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, '{"a": 1, "b": 2}', False),
+    ({"type": "object", "properties": {}}, "{}", True),
+    ({"type": "object", "properties": {}}, '{"b": 2}', False),
+    ({"type": "object"}, '{"b": 2}', True),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+     '{"a": 1, "b": 2}', True),
+    ({"type": "object", "properties": {"o": {"type": "object", "properties": {"x": {}}}}},
+     '{"o": {"x": 1, "y": 2}}', False),
+    ({"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                {"type": "string"}]}, '{"a": 1, "z": 0}', False),
+    ({"$defs": {"P": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+      "$ref": "#/$defs/P"}, '{"a": 1, "z": 0}', False),
+    ({"type": "array", "prefixItems": [{"type": "integer"}]}, "[1]", True),
+    ({"type": "array", "prefixItems": [{"type": "integer"}]}, "[1, 2]", False),
+    ({"type": "array"}, "[1, 2]", True),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unlisted_properties_and_items_are_absent_on_both_backends(factory_cache,
+                                                                   tokenizer_cache, backend):
+    """A schema that lists properties (or tuple items) allows no others, on llguidance as on
+    xgrammar (whose strict reading it is); a bare object or array, or an explicit
+    ``additionalProperties: true``, allows them on both."""
+    tok = tokenizer_cache("tekken")
+    factory = factory_cache("tekken", backend)
+    got = [(s, t, accepts(factory, tok, GuidedDecodingParams.json_schema(s), t))
+           for s, t, _ in UNLISTED_TABLE]
+    assert got == UNLISTED_TABLE
+
+
+def test_llguidance_schema_writes_out_only_describing_defaults():
+    """The rewrite adds ``additionalProperties``/``items``/``additionalItems: false`` where the
+    schema describes the instance and leaves conditions, ``allOf`` branches, data, explicit
+    values and a requirement of an unlisted property as written."""
+    from capgraph.grammar.semantics import llguidance_schema
+
+    def rewrite(schema):
+        return json.loads(llguidance_schema(json.dumps(schema)))
+
+    props = {"a": {}}
+    assert rewrite({"properties": props}) == {"properties": props,
+                                               "additionalProperties": False}
+    assert rewrite({"properties": props, "unevaluatedProperties": True}) == \
+        {"properties": props, "unevaluatedProperties": True}
+    assert rewrite({"items": [{}]}) == {"items": [{}], "additionalItems": False}
+    assert rewrite({"prefixItems": [{}], "items": {}}) == {"prefixItems": [{}], "items": {}}
+    for condition in ("not", "if", "contains", "propertyNames"):
+        assert rewrite({condition: {"properties": props}}) == {condition: {"properties": props}}
+    both = {"allOf": [{"properties": props}, {"properties": {"b": {}}}]}
+    assert rewrite(both) == both
+    assert rewrite({"enum": [{"properties": {}}]}) == {"enum": [{"properties": {}}]}
+    assert rewrite({"properties": props, "required": ["b"]}) == \
+        {"properties": props, "required": ["b"]}
+    assert rewrite({"patternProperties": {"^x": {}}, "required": ["xy"]}) == \
+        {"patternProperties": {"^x": {}}, "required": ["xy"], "additionalProperties": False}
+    # a property called "properties" is a name, its schema still gets the default
+    assert rewrite({"properties": {"properties": {"properties": props}}}) == {
+        "properties": {"properties": {"properties": props, "additionalProperties": False}},
+        "additionalProperties": False}

@@ -17,7 +17,7 @@ from ..errors import ConfigError, GrammarCompileError, MatcherError, Unsupported
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
 from .semantics import (JSON_CONTAINER_SCHEMA, JSON_WHITESPACE_CHARS, ascii_classes,
-                        ascii_schema_patterns)
+                        llguidance_schema)
 from .schema_policy import describe, unenforced_in_text
 
 if TYPE_CHECKING:
@@ -179,8 +179,8 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
                 return llguidance.LLMatcher.grammar_from_json_schema(  # as on xgrammar
                     JSON_CONTAINER_SCHEMA, overrides=self._json_options)
             if gt is GuideType.JSON_SCHEMA:
-                return llguidance.LLMatcher.grammar_from_json_schema(  # ECMA-262 patterns
-                    ascii_schema_patterns(guide), overrides=self._json_options)
+                return llguidance.LLMatcher.grammar_from_json_schema(  # as xgrammar reads it
+                    llguidance_schema(guide), overrides=self._json_options)
             if gt is GuideType.REGEX:
                 # \d and \w as ECMA-262 (ASCII), as on xgrammar
                 return llguidance.LLMatcher.grammar_from_regex(ascii_classes(guide))

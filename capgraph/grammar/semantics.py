@@ -11,15 +11,18 @@
   REGEX guides and schema patterns alike; llguidance reads ``\\d`` and ``\\w`` as Unicode
   classes (``1३4`` would match ``\\d+``), so the llguidance backend rewrites them with
   :func:`ascii_classes` / :func:`ascii_schema_patterns` first. Its ``\\s`` already agrees.
+- Properties and items a JSON schema does not list are absent where it lists some (xgrammar's
+  strict reading); llguidance is given those defaults written out (:func:`llguidance_schema`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 __all__ = ["JSON_CONTAINER_SCHEMA", "JSON_WHITESPACE_CHARS", "ascii_classes",
-           "ascii_schema_patterns"]
+           "ascii_schema_patterns", "llguidance_schema"]
 
 #: ``GuideType.JSON`` on every backend: a JSON object or array (the "JSON mode" of serving
 #: engines; xgrammar's builtin JSON grammar, which fills a mask twice as fast as a schema).
@@ -83,28 +86,94 @@ _SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchema
 def ascii_schema_patterns(schema_text: str) -> str:
     """The JSON schema ``schema_text`` with :func:`ascii_classes` applied to every ``pattern``
     and every ``patternProperties`` key; text that is not JSON is returned unchanged."""
+    return _rewrite(schema_text, unlisted_absent=False)
+
+
+def llguidance_schema(schema_text: str) -> str:
+    """The JSON schema ``schema_text`` as llguidance must be given it to mean what xgrammar
+    reads: :func:`ascii_classes` in every pattern, and properties and items a schema does not
+    list are absent.
+
+    xgrammar (in the strict mode capgraph compiles with) reads an object schema that lists
+    ``properties`` or ``patternProperties`` without ``additionalProperties`` /
+    ``unevaluatedProperties`` as allowing no other property, and ``prefixItems`` (or draft-07's
+    list-form ``items``) without ``items`` / ``additionalItems`` / ``unevaluatedItems`` as
+    allowing no further item; llguidance reads JSON Schema's default (allowed). (A schema
+    that ``required`` a property it does not list means the default, and keeps it.) So those
+    defaults are written out as ``false`` for llguidance, on every schema that describes the
+    instance itself or one of its parts: the root, property and item schemas, ``anyOf`` /
+    ``oneOf`` branches and ``$defs`` / ``definitions`` entries. Conditions (``not``, ``if``,
+    ``contains``, ``propertyNames``, ...) and ``allOf`` branches (which xgrammar merges with
+    their parent before it reads them) are left as written. A bare ``{"type": "object"}`` or ``{"type": "array"}`` allows anything on
+    both. Text that is not JSON is returned unchanged."""
+    return _rewrite(schema_text, unlisted_absent=True)
+
+
+# Where a subschema describes (part of) the instance itself, so the strict reading applies to
+# it: keyword -> how it holds subschemas ("one", "list", "map").
+_DESCRIBING = {"properties": "map", "patternProperties": "map", "additionalProperties": "one",
+               "items": "one", "prefixItems": "list", "additionalItems": "one",
+               "anyOf": "list", "oneOf": "list", "$defs": "map", "definitions": "map"}
+
+
+def _strict_defaults(node: dict[str, Any], result: dict[str, Any]) -> None:
+    """Write out xgrammar's reading of unlisted properties and items into ``result``."""
+    required = node.get("required")
+    requires_unlisted = isinstance(required, list) and any(
+        not _listed(node, name) for name in required)
+    if (("properties" in node or "patternProperties" in node) and not requires_unlisted
+            and "additionalProperties" not in node and "unevaluatedProperties" not in node):
+        result["additionalProperties"] = False
+    if "prefixItems" in node:
+        if "items" not in node and "unevaluatedItems" not in node:
+            result["items"] = False
+    elif isinstance(node.get("items"), list):  # draft-07's tuple form
+        if "additionalItems" not in node and "unevaluatedItems" not in node:
+            result["additionalItems"] = False
+
+
+def _listed(node: dict[str, Any], name: Any) -> bool:
+    """Whether the object schema ``node`` lists property ``name`` (by name or pattern; a
+    pattern Python cannot read counts as not listing it)."""
+    listed = node.get("properties")
+    if isinstance(listed, dict) and name in listed:
+        return True
+    patterns = node.get("patternProperties")
+    for pattern in patterns if isinstance(patterns, dict) and isinstance(name, str) else ():
+        try:
+            if re.search(pattern, name):
+                return True
+        except (re.error, TypeError):
+            continue
+    return False
+
+
+def _rewrite(schema_text: str, unlisted_absent: bool) -> str:
     try:
         schema = json.loads(schema_text)
     except ValueError:
         return schema_text
 
-    def walk(node: Any) -> Any:
+    def walk(node: Any, describes: bool) -> Any:
         if isinstance(node, list):
-            return [walk(item) for item in node]
+            return [walk(item, describes) for item in node]
         if not isinstance(node, dict):
             return node
         result: dict[str, Any] = {}
         for key, value in node.items():
+            inner = describes and key in _DESCRIBING
             if key in _DATA_KEYWORDS:
                 result[key] = value
             elif key == "pattern" and isinstance(value, str):
                 result[key] = ascii_classes(value)
             elif key == "patternProperties" and isinstance(value, dict):
-                result[key] = {ascii_classes(k): walk(v) for k, v in value.items()}
+                result[key] = {ascii_classes(k): walk(v, inner) for k, v in value.items()}
             elif key in _SCHEMA_MAPS and isinstance(value, dict):
-                result[key] = {k: walk(v) for k, v in value.items()}
+                result[key] = {k: walk(v, inner) for k, v in value.items()}
             else:
-                result[key] = walk(value)
+                result[key] = walk(value, inner)
+        if unlisted_absent and describes:
+            _strict_defaults(node, result)
         return result
 
-    return json.dumps(walk(schema))
+    return json.dumps(walk(schema, True))
