@@ -337,7 +337,8 @@ class GuidedDecodingConfig:
             the fill slower (docs/BENCHMARKS.md): the hand-off to the pool's threads costs more
             than the rows it spreads.
         native_build: the every-step build loop in C++ (:mod:`capgraph.build.native`,
-            xgrammar backend with ``fill_threads=1``): ``"auto"`` (default) compiles it on the
+            xgrammar or auto backend with ``fill_threads=1``; an auto request once handed
+            over to xgrammar): ``"auto"`` (default) compiles it on the
             first decoder of the machine (a few seconds, then cached on disk) and falls back to
             the Python loop, with one warning, where it cannot; ``"on"`` makes that an error;
             ``"off"`` always runs the Python loop. Both give the same masks, counters and
