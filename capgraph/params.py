@@ -323,10 +323,16 @@ class GuidedDecodingConfig:
         compile_isolation: where xgrammar compiles run. ``"thread"`` (default): on threads of
             the decoder's process; a compile past its timeout fails its request but runs on.
             ``"process"``: in spawned worker processes (:mod:`capgraph.grammar.process_pool`);
-            a compile whose every waiter timed out is killed, so its CPU and memory come back,
-            and compiles queued beyond ``4 * compile_threads`` fail at once with
-            :class:`~capgraph.errors.CompileQueueFullError`. llguidance compiles (about 1 ms)
-            always run on threads.
+            a compile whose every waiter timed out is killed, so its CPU and memory come back
+            (one that had not reached a worker yet never runs), and compiles queued beyond
+            ``4 * compile_threads`` fail at once with
+            :class:`~capgraph.errors.CompileQueueFullError`. Workers run at a lower CPU
+            priority (nice 10) than the decode loop. Guides estimated cheap
+            (:func:`capgraph.grammar.compile_cost.why_not_cheap`: builtin JSON, short regexes,
+            small schemas without combinators, references or ``additionalProperties``)
+            still compile on threads of the decoder's process, skipping the worker's
+            serialize-and-load round trip; EBNF grammars and structural tags always go to a
+            worker. llguidance compiles (about 1 ms) always run on threads.
         compile_memory_limit_bytes: with ``compile_isolation="process"``, the address space a
             compile worker may add to what it holds once started (``RLIMIT_AS``; Linux and
             macOS); a compile over it fails its request with
