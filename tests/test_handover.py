@@ -8,6 +8,7 @@ llguidance alone before the switch and by xgrammar alone after it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -23,6 +24,7 @@ from capgraph.errors import ConfigError, UnsupportedGuideError  # noqa: E402
 from capgraph.grammar import create_matcher_factory  # noqa: E402
 from capgraph.grammar.base import CompileHandle  # noqa: E402
 from capgraph.grammar.handover import HandOverMatcher, HandOverMatcherFactory  # noqa: E402
+from capgraph.grammar.semantics import handover_schema  # noqa: E402
 from capgraph.params import GuidedDecodingBackend, GuideType  # noqa: E402
 from capgraph.tokenizers import encode_continuation  # noqa: E402
 
@@ -133,6 +135,13 @@ class Rows:
         return row[0]
 
 
+def llguidance_side(params):
+    """The guide the llguidance side of a hand-over compiles for ``params``."""
+    if params.guide_type is not GuideType.JSON_SCHEMA:
+        return params
+    return dataclasses.replace(params, guide=handover_schema(params.guide))
+
+
 def walk(factory, sides, params, tokens, release_at: int, drafts: int = 0, seed: int = 0):
     """Teacher-force ``tokens`` through a hand-over matcher and both backends alone, releasing
     the xgrammar compile before fill number ``release_at``. With ``drafts``, each step accepts
@@ -146,7 +155,7 @@ def walk(factory, sides, params, tokens, release_at: int, drafts: int = 0, seed:
     assert compiled.backend == "auto"
     hand = factory.create_from_compiled(compiled)
     assert isinstance(hand, HandOverMatcher) and hand.served_by == "llguidance"
-    refs = {"llguidance": llg.create(params), "xgrammar": xgr.create(params)}
+    refs = {"llguidance": llg.create(llguidance_side(params)), "xgrammar": xgr.create(params)}
     rows = Rows(factory.config.vocab_size_padded)
     fills = 0
 
@@ -290,6 +299,43 @@ def test_routing(tok, sides):
     with pytest.raises(UnsupportedGuideError, match="neither backend"):
         compiled(GuidedDecodingParams.json_schema({"type": "array", "uniqueItems": True}),
                  release=True)
+
+
+LENGTH_LIMITED = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}},
+                  "required": ["s"]}
+
+
+def test_length_limited_strings_take_no_escape_before_the_switch(tok, sides):
+    """xgrammar takes no escape inside a length-limited string, so neither does the
+    llguidance side of a hand-over: an escape llguidance alone would take is refused before
+    the switch too, and a text without one is handed over, rows equal on both sides."""
+    xgr, llg = sides
+    factory = held_factory(tok, sides)
+    params = GuidedDecodingParams.json_schema(LENGTH_LIMITED)
+    escaped = encode_continuation(tok, '{"s": "a\\nb"}')
+    alone = llg.create(params)
+    assert all(alone.accept_token(t) for t in escaped)  # JSON Schema allows it
+    for side in (factory.create_from_compiled(factory.compile_async(params).result(
+            10, backend="auto")), xgr.create(params)):
+        assert not all(side.accept_token(t) for t in escaped)
+    factory.release()
+    tokens = usable(sides, tok, params, '{"s": "abc"}')
+    assert tokens is not None
+    walk(factory, sides, params, tokens, release_at=3, drafts=2)
+
+
+def test_a_schema_the_backends_read_differently_is_not_handed_over(tok, sides):
+    """A length-limited string with a pattern of its own cannot be told to take no escape, so
+    no request switches backends for it: xgrammar is asked first (no compile held for a later
+    switch), and as it refuses such a schema, llguidance serves it alone, saying why."""
+    factory = held_factory(tok, sides)
+    params = GuidedDecodingParams.json_schema({"type": "string", "maxLength": 6,
+                                               "pattern": "^[a-z]+$"})
+    compiled = factory.compile_async(params).result(30, backend="auto")
+    assert not factory.held
+    assert compiled.backend == "llguidance"
+    assert "xgrammar refused it" in compiled.fallback_reason
+    assert not isinstance(factory.create_from_compiled(compiled), HandOverMatcher)
 
 
 def test_auto_config_validation(tok):

@@ -167,6 +167,14 @@ class FallbackMatcherFactory(GrammarMatcherFactory):
         self.primary.close()
         self.secondary.close()
 
+    def __del__(self) -> None:
+        # collected: only this factory's own pool; each backend factory closes itself when it
+        # is collected, and one shared with other users (tests do that) is not closed under them
+        try:
+            GrammarMatcherFactory.close(self)
+        except Exception:
+            pass
+
 
 def _finding(error: GrammarCompileError) -> str:
     """A backend's refusal without the advice on how to get past it (which names this very
