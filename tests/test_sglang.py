@@ -48,6 +48,12 @@ CASES = {
         "required": ["name", "age", "tags"]}),
         '{"name": "Ada Lovelace", "age": 36, "tags": ["math", "poetry"]}'),
     "regex": ("regex", r"\d{3}-[a-z]+( [A-Z][a-z]*)*", "415-abc Hello World"),
+    # SGLang's legacy structural-tag format (free text, then a triggered JSON call)
+    "structural_tag": ("structural_tag", json.dumps({
+        "structures": [{"begin": "<function=get>", "end": "</function>", "schema": {
+            "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}],
+        "triggers": ["<function="]}),
+        'Sure. <function=get>{"q": "weather"}</function>'),
     "ebnf": ("ebnf", 'root ::= expr\nexpr ::= term ("+" term)*\nterm ::= [0-9]+ | "(" expr ")"',
              "(12+3)+45"),
 }
@@ -122,8 +128,8 @@ def test_masks_equal_sglang_xgrammar_row_for_row(case, tekken, sglang_xgrammar,
         ours.accept_token(token)
         theirs.accept_token(token)
         assert ours.is_terminated() == theirs.is_terminated() == (i == len(tokens) - 1)
-    # inside a JSON string SGLang's xgrammar backend lets [INST], <s>, ... through
-    assert (specials_allowed_by_sglang > 0) == (case == "json_schema")
+    # inside a JSON string or free text SGLang's xgrammar backend lets [INST], <s>, ... through
+    assert (specials_allowed_by_sglang > 0) == (case in ("json_schema", "structural_tag"))
     ours.rollback(3)
     theirs.rollback(3)
     assert not ours.is_terminated() and not theirs.is_terminated()

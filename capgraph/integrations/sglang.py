@@ -297,15 +297,17 @@ def _current_tag_format(key_string: str) -> str:
     if not (isinstance(tag, dict) and "structures" in tag and "triggers" in tag):
         return key_string
     import xgrammar as xgr
+    from xgrammar.structural_tag import TriggeredTagsFormat
 
     try:
         items = [xgr.StructuralTagItem(begin=s["begin"],
                                        schema=json.dumps(s.get("schema") or {}),
                                        end=s["end"]) for s in tag["structures"]]
         converted = xgr.StructuralTag.from_legacy_structural_tag(items, tag["triggers"])
-        converted.format.at_least_one = bool(tag.get("at_least_one", False))
     except (KeyError, TypeError, ValueError):
         return key_string
+    if isinstance(converted.format, TriggeredTagsFormat):
+        converted.format.at_least_one = bool(tag.get("at_least_one", False))
     return str(converted.model_dump_json())
 
 
