@@ -292,7 +292,7 @@ def test_dead_end_row_allows_only_stop_tokens(tekken, capgraph_backend, caplog):
         def is_terminated(self):
             return False
 
-    g.matcher = NothingAllowed()
+    g.matcher, g._handle = NothingAllowed(), None
     mask = g.allocate_vocab_mask(len(tekken), 2, "cpu")
     with caplog.at_level("ERROR"):
         g.fill_vocab_mask_batched([GrammarRow(0, g)], mask)

@@ -73,6 +73,8 @@ class CapgraphGrammar(BaseGrammarObject):
         self.key_string = key_string
         self.grammar_stats = grammar_stats
         self.matcher: GrammarMatcher = backend.factory.create_from_compiled(compiled)
+        # the xgrammar FFI object the C++ fill runs (None: the matcher's own methods must run)
+        self._handle = _native_handle(self.matcher)
         self.num_accepted = 0
         self._dead_end_logged = False
 
@@ -133,15 +135,22 @@ class CapgraphGrammar(BaseGrammarObject):
         """
         ours: list[CapgraphGrammar] = []
         rows: list[int] = []
+        handles: list | None = []
+        backend = self.backend
         for row, grammar in entries:
-            if isinstance(grammar, CapgraphGrammar) and grammar.backend is self.backend:
+            if type(grammar) is CapgraphGrammar and grammar.backend is backend:
                 ours.append(grammar)
                 rows.append(row)
+                handle = grammar._handle
+                if handle is None:
+                    handles = None
+                elif handles is not None:
+                    handles.append(handle)
             else:
                 grammar.fill_vocab_mask(vocab_mask, row)
         if not ours:
             return
-        dead = self.backend.masks.fill([g.matcher for g in ours], rows, vocab_mask)
+        dead = backend.masks.fill([g.matcher for g in ours], handles, rows, vocab_mask)
         for k in dead:
             ours[k]._on_dead_end(vocab_mask, rows[k])
 
@@ -309,6 +318,14 @@ def _current_tag_format(key_string: str) -> str:
     if isinstance(converted.format, TriggeredTagsFormat):
         converted.format.at_least_one = bool(tag.get("at_least_one", False))
     return str(converted.model_dump_json())
+
+
+def _native_handle(matcher: GrammarMatcher) -> Any:
+    """The xgrammar FFI object of a plain ``XGrammarMatcher`` (what the C++ fill runs), else
+    None (an llguidance, hand-over or wrapped matcher: its own methods must run)."""
+    from ..grammar.xgrammar_backend import XGrammarMatcher
+
+    return matcher._handle if type(matcher) is XGrammarMatcher else None
 
 
 def _clip(text: str, limit: int = 200) -> str:

@@ -43,11 +43,14 @@ _STATUS_FAULT = 3
 class _Slot:
     """One host buffer of the ring, its C++ builder (built lazily) and its pending copy."""
 
-    __slots__ = ("bitmask", "token_mask", "builder", "copied")
+    __slots__ = ("bitmask", "bitmask_np", "token_mask", "builder", "copied")
 
     def __init__(self, rows: int, vocab_size: int) -> None:
         # bitmask: [rows, ceil(V/32)] int32 (pinned where CUDA is available)
         self.bitmask = allocate_host_bitmask(rows, vocab_size)
+        # NumPy's fill of a few rows costs ~1 us where torch's intra-op threads can cost ms
+        # while other threads hold the cores
+        self.bitmask_np = self.bitmask.numpy()
         self.token_mask = allocate_host_token_mask(rows)  # the builder marks filled rows here
         self.builder: Any = None
         self.copied: Any = None  # CUDA event recorded after the last device copy, or None
@@ -70,6 +73,7 @@ class MaskRing:
         self.vocab_size = vocab_size
         self.words = words_per_row(vocab_size)
         self._slots: list[_Slot | None] = [None] * depth
+        self._by_address: dict[int, _Slot] = {}  # buffer address -> its slot
         self._next = 0
         self._lock = threading.Lock()
         self._native: Callable[[_Slot], Any] | None = self._native_maker()
@@ -127,48 +131,45 @@ class MaskRing:
             self._next = (i + 1) % len(self._slots)
             slot = self._slots[i]
             if slot is None or slot.bitmask.shape[0] < batch_size:
+                if slot is not None:
+                    del self._by_address[slot.bitmask.data_ptr()]
                 rows = batch_size if slot is None else max(batch_size, 2 * slot.bitmask.shape[0])
                 slot = self._slots[i] = _Slot(rows, self.vocab_size)
+                self._by_address[slot.bitmask.data_ptr()] = slot
             elif slot.copied is not None:
                 slot.copied.synchronize()  # (returns at once where the copy is done)
             slot.copied = None
-        mask = slot.bitmask[:batch_size]
-        mask.fill_(-1)
-        return mask
+        slot.bitmask_np[:batch_size].fill(-1)
+        return slot.bitmask[:batch_size]
 
     def _slot_of(self, mask: torch.Tensor) -> _Slot | None:
         """The slot whose buffer ``mask`` starts at (a ring mask), else None."""
-        if mask.device.type != "cpu" or mask.dtype != torch.int32 or not mask.is_contiguous():
+        slot = self._by_address.get(mask.data_ptr())
+        if slot is None or mask.device.type != "cpu" or not mask.is_contiguous():
             return None
-        address = mask.data_ptr()
-        for slot in self._slots:
-            if slot is not None and slot.bitmask.data_ptr() == address:
-                return slot
-        return None
+        return slot
 
-    def fill(self, matchers: Sequence[GrammarMatcher], rows: Sequence[int],
-             mask: torch.Tensor) -> list[int]:
+    def fill(self, matchers: Sequence[GrammarMatcher], handles: list | None,
+             rows: Sequence[int], mask: torch.Tensor) -> list[int]:
         """Fill ``mask[rows[i]]`` from ``matchers[i]``; returns the positions ``i`` whose row
-        allows no token at all (a dead end; the row is left as filled)."""
+        allows no token at all (a dead end; the row is left as filled).
+
+        ``handles``: the xgrammar FFI object of every matcher (``XGrammarMatcher._handle``),
+        or None where some matcher has none; with them a ring mask fills in the C++ build.
+        """
         if not matchers:
             return []
-        if mask.dim() != 2 or mask.shape[1] != self.words:
-            raise ValueError(f"fill_vocab_mask_batched: the mask has shape "
-                             f"{tuple(mask.shape)}, expected [rows, {self.words}]")
-        slot = self._slot_of(mask) if self._native is not None else None
-        if slot is not None:
-            handles = self._native_handles(matchers)
-            if handles is not None:
+        if mask.dim() != 2 or mask.shape[1] != self.words or mask.dtype != torch.int32:
+            raise ValueError(f"fill_vocab_mask_batched: the mask is {mask.dtype} of shape "
+                             f"{tuple(mask.shape)}, expected int32 [rows, {self.words}]")
+        if handles is not None and self._native is not None:
+            slot = self._slot_of(mask)
+            if slot is not None:
                 return self._fill_native(slot, handles, rows)
         self.factory.batch_fill(matchers, mask, rows)
         index = torch.tensor(list(rows), dtype=torch.long)
         valid = rows_have_valid_token(mask.index_select(0, index), self.vocab_size)
         return [i for i, ok in enumerate(valid.tolist()) if not ok]
-
-    def _native_handles(self, matchers: Sequence[GrammarMatcher]) -> list | None:
-        from ..build.native import xgrammar_factory
-
-        return xgrammar_factory(self.factory).native_handles(matchers)
 
     def _fill_native(self, slot: _Slot, handles: list, rows: Sequence[int]) -> list[int]:
         assert self._native is not None
@@ -179,7 +180,7 @@ class MaskRing:
         if builder.out.shape[0] < n:  # (a ring mask has at most the buffer's rows)
             raise ValueError(f"fill_vocab_mask_batched: {n} rows exceed the mask's "
                              f"{builder.out.shape[0]}")
-        unusual = builder.step(handles, [-1] * n, list(rows), [], [], 0, 0)
+        unusual = builder.step(handles, [-1] * n, rows, (), (), 0, 0)
         if not unusual:
             return []
         out = builder.out[:n]
