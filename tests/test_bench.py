@@ -186,5 +186,7 @@ def test_sglang(tmp_path):
     for r in doc["rows"]:
         assert r["vocab"] == 32000 and r["steps"] == 3
         assert math.isclose(r["fill_ratio"], r["capgraph_fill_ms"] / r["sglang_fill_ms"])
+        assert math.isclose(r["step_ratio"], r["capgraph_step_ms"] / r["sglang_step_ms"])
+        assert r["capgraph_alloc_ms"] > 0 and r["sglang_alloc_ms"] > 0
         assert math.isclose(r["accept_ratio"], r["capgraph_accept_ms"] / r["sglang_accept_ms"])
         assert len(r["capgraph_fill_steps_ms"]) == len(r["sglang_fill_steps_ms"]) == 3

@@ -5,7 +5,10 @@ request teacher-forced through its own valid instance) with the same tokenizer. 
 SGLang's ``SamplingBatchInfo.update_regex_vocab_mask`` does on the host: ``allocate_vocab_mask``
 for the batch, then ``fill_vocab_mask_batched`` over every request's row (SGLang's xgrammar
 backend fills row by row through the base class; capgraph's fills a ring mask in one call of
-its C++ build). Advancing every grammar by its next token is timed apart (``accept``). The
+its C++ build); the allocation and the fill are timed apart, as is advancing every grammar by
+its next token (``accept``). SGLang's allocation is a ``torch.full`` of the whole mask, which
+runs on torch's intra-op threads (``--threads`` sets their number); capgraph's resets a reused
+buffer with NumPy. The
 sides alternate step by step, so a change of machine load hits both, and the figures are
 medians over steps; capgraph / SGLang < 1 means capgraph is faster. The first step's masks are
 checked equal (less the special tokens capgraph never allows) before anything is timed.
@@ -29,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1 32 128)")
     p.add_argument("--tokenizer", help="bundled tokenizer (default tekken)")
     p.add_argument("--steps", type=int, help="timed steps per batch size (default 40)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
 
 
 def _import_sglang():
@@ -46,6 +50,10 @@ def run(args: argparse.Namespace) -> dict:
     from capgraph.integrations.sglang import CapgraphGrammarBackend
     from capgraph.tokenizers import load_tokenizer
 
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     q = args.quick
     batches = pick(args.batches, q, [1, 4], [1, 32, 128])
     name = pick(args.tokenizer, q, "tekken", "tekken")
@@ -59,26 +67,30 @@ def run(args: argparse.Namespace) -> dict:
         for batch in batches:
             row = measure(tok, name, sglang_backend, capgraph_backend, batch, steps)
             rows.append(row)
-            print(f"  {name} V={V} batch={batch}: fill sglang {row['sglang_fill_ms']:.3f} ms, "
-                  f"capgraph {row['capgraph_fill_ms']:.3f} ms, ratio {row['fill_ratio']:.2f}; "
+            print(f"  {name} V={V} batch={batch}: allocate+fill sglang "
+                  f"{row['sglang_step_ms']:.3f} ms, capgraph {row['capgraph_step_ms']:.3f} ms "
+                  f"(ratio {row['step_ratio']:.2f}); fill alone ratio {row['fill_ratio']:.2f}; "
                   f"accept ratio {row['accept_ratio']:.2f}", flush=True)
     finally:
         capgraph_backend.close()
     print_table(COLUMNS, rows)
     return {"rows": rows, "native_fill": capgraph_backend.masks.native,
-            "method": "median over steps of host time per step; fill = allocate_vocab_mask + "
+            "torch_threads": torch.get_num_threads(),
+            "method": "median over steps of host time per step; step = allocate_vocab_mask + "
                       "fill_vocab_mask_batched over every request (SGLang's "
-                      "update_regex_vocab_mask without the device copy); accept = accept_token "
-                      "of every request; sides alternate step by step"}
+                      "update_regex_vocab_mask without the device copy), alloc and fill its "
+                      "two parts; accept = accept_token of every request; sides alternate "
+                      "step by step"}
 
 
-COLUMNS = [Column("tokenizer", "tokenizer"), Column("vocab", "V"), Column("batch", "batch"),
-           Column("sglang_fill_ms", "sglang xgrammar fill ms", ".4f"),
+COLUMNS = [Column("tokenizer", "tokenizer"), Column("batch", "batch"),
+           Column("sglang_alloc_ms", "sglang alloc ms", ".4f"),
+           Column("sglang_fill_ms", "sglang fill ms", ".4f"),
+           Column("capgraph_alloc_ms", "capgraph alloc ms", ".4f"),
            Column("capgraph_fill_ms", "capgraph fill ms", ".4f"),
-           Column("fill_ratio", "capgraph/sglang fill", ".2f"),
-           Column("sglang_accept_ms", "sglang accept ms", ".4f"),
-           Column("capgraph_accept_ms", "capgraph accept ms", ".4f"),
-           Column("accept_ratio", "capgraph/sglang accept", ".2f")]
+           Column("fill_ratio", "fill capgraph/sglang", ".2f"),
+           Column("step_ratio", "alloc+fill capgraph/sglang", ".2f"),
+           Column("accept_ratio", "accept capgraph/sglang", ".2f")]
 
 
 def _keep_bits(tok, words: int):
@@ -117,9 +129,10 @@ def measure(tok, name: str, sglang_backend, capgraph_backend, batch: int, steps:
     def fill(grammars):
         t0 = time.perf_counter()
         mask = grammars[0].allocate_vocab_mask(vocab_size=V, batch_size=batch, device="cpu")
+        t1 = time.perf_counter()
         grammars[0].fill_vocab_mask_batched(
             [GrammarRow(row=i, grammar=g) for i, g in enumerate(grammars)], mask)
-        return time.perf_counter() - t0, mask
+        return t1 - t0, time.perf_counter() - t1, mask
 
     def accept(grammars, s):
         t0 = time.perf_counter()
@@ -127,20 +140,27 @@ def measure(tok, name: str, sglang_backend, capgraph_backend, batch: int, steps:
             g.accept_token(t[s])
         return time.perf_counter() - t0
 
-    _, theirs = fill(sides["sglang"])
-    _, ours = fill(sides["capgraph"])
+    theirs = fill(sides["sglang"])[2]
+    ours = fill(sides["capgraph"])[2]
     if not torch.equal(ours, theirs & _keep_bits(tok, ours.shape[1])):
         raise RuntimeError(f"batch {batch}: capgraph's first mask differs from SGLang's")
-    times: dict[str, list[float]] = {f"{s}_{w}": [] for s in sides for w in ("fill", "accept")}
+    times: dict[str, list[float]] = {f"{s}_{w}": [] for s in sides
+                                     for w in ("alloc", "fill", "step", "accept")}
     order = list(sides)
     for s in range(steps):
         for side in (order if s % 2 == 0 else order[::-1]):
             times[f"{side}_accept"].append(accept(sides[side], s))
-            times[f"{side}_fill"].append(fill(sides[side])[0])
+            alloc_s, fill_s, _ = fill(sides[side])
+            times[f"{side}_alloc"].append(alloc_s)
+            times[f"{side}_fill"].append(fill_s)
+            times[f"{side}_step"].append(alloc_s + fill_s)
     ms = {k: median(v) * 1e3 for k, v in times.items()}
     return {"tokenizer": name, "vocab": V, "batch": batch, "steps": steps,
+            "sglang_alloc_ms": ms["sglang_alloc"], "capgraph_alloc_ms": ms["capgraph_alloc"],
             "sglang_fill_ms": ms["sglang_fill"], "capgraph_fill_ms": ms["capgraph_fill"],
             "fill_ratio": ms["capgraph_fill"] / ms["sglang_fill"],
+            "sglang_step_ms": ms["sglang_step"], "capgraph_step_ms": ms["capgraph_step"],
+            "step_ratio": ms["capgraph_step"] / ms["sglang_step"],
             "sglang_accept_ms": ms["sglang_accept"],
             "capgraph_accept_ms": ms["capgraph_accept"],
             "accept_ratio": ms["capgraph_accept"] / ms["sglang_accept"],
