@@ -343,7 +343,7 @@ def _declared_entry_point() -> tuple[str, str]:
 def test_entry_point_registers_backend_with_sglang(tmp_path, monkeypatch):
     """The entry point pyproject.toml declares, once installed, is found and run by SGLang's
     plugin loader (group sglang.srt.plugins), and makes ``capgraph`` a --grammar-backend choice
-    whose registry entry builds this backend."""
+    that SGLang's own argument parser accepts and whose registry entry builds this backend."""
     from sglang.srt.arg_groups.choices import GRAMMAR_BACKEND_CHOICES
     from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
 
@@ -364,6 +364,14 @@ def test_entry_point_registers_backend_with_sglang(tmp_path, monkeypatch):
     plugins[BACKEND_NAME][0]()  # idempotent
     assert GRAMMAR_BACKEND_REGISTRY[BACKEND_NAME] is create_backend
     assert GRAMMAR_BACKEND_CHOICES.count(BACKEND_NAME) == 1
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "m", "--grammar-backend", BACKEND_NAME])
+    assert args.grammar_backend == BACKEND_NAME
 
 
 def test_installed_capgraph_declares_the_entry_point():
