@@ -174,6 +174,33 @@ def test_batched_fill_equals_single_fill(tekken, capgraph_backend):
     assert (single[0] == -1).all() and not (single[1] == -1).all()
 
 
+def test_llguidance_backend_through_sglang_contract(tekken):
+    """With CAPGRAPH_SGLANG_CONFIG's backend="llguidance" the same object contract holds (its
+    matchers fill through their own methods): teacher-forced regex output, batched fill equal
+    to single fills, termination at the stop token, rollback."""
+    pytest.importorskip("llguidance", reason="the llguidance extra is not installed")
+    backend = CapgraphGrammarBackend(tekken, len(tekken), [tekken.eos_token_id],
+                                     config={"backend": "llguidance"})
+    try:
+        key_type, guide, text = CASES["regex"]
+        g = _dispatch(backend, key_type, guide)
+        assert g.compiled.backend == "llguidance" and g._handle is None
+        tokens = _tokens(tekken, text)
+        for token in tokens:
+            batched = g.allocate_vocab_mask(len(tekken), 2, "cpu")
+            g.fill_vocab_mask_batched([GrammarRow(1, g)], batched)
+            single = torch.full_like(batched, -1)
+            g.fill_vocab_mask(single, 1)
+            assert torch.equal(batched, single) and (batched[0] == -1).all()
+            assert int(batched[1, token // 32]) >> (token % 32) & 1
+            g.accept_token(token)
+        assert g.is_terminated()
+        g.rollback(1)
+        assert not g.is_terminated()
+    finally:
+        backend.close()
+
+
 def test_batched_fill_runs_capgraphs_native_build(capgraph_backend):
     """Where the C++ host build compiles here, the backend's ring masks fill through it."""
     from capgraph.build import library

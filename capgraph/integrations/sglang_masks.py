@@ -8,8 +8,10 @@ buffers taken in turn, each bound once to its own :class:`~capgraph.build.librar
 so a step allocates nothing and fills every row in one C++ call (xgrammar's FFI methods, no
 Python between rows), which also checks each filled row for a dead end. A buffer is handed
 out again only after the device copy made from it last time has completed (a CUDA event per
-buffer), so a ``non_blocking`` copy never reads a buffer being refilled. On the host a mask
-must be applied before ``depth`` more masks are allocated (SGLang applies it in the same step).
+buffer), so a ``non_blocking`` copy never reads a buffer being refilled. A mask used on the
+host, or copied other than through ``move_vocab_mask`` (SGLang's speculative path copies its
+tree masks itself), must be done with before ``depth`` more masks are allocated: SGLang uses
+each mask within its step and waits for that step's sampled tokens before the next.
 
 Where the native build is not available (another grammar backend, ``native_build="off"``, no
 compiler) the rows fill through the factory's ``batch_fill`` and the same dead-end check runs
@@ -77,7 +79,6 @@ class MaskRing:
         self._next = 0
         self._lock = threading.Lock()
         self._native: Callable[[_Slot], Any] | None = self._native_maker()
-        self._stop_ids = sorted(factory.config.stop_token_ids or ())
 
     @property
     def native(self) -> bool:
@@ -87,23 +88,22 @@ class MaskRing:
     def _native_maker(self) -> Callable[[_Slot], Any] | None:
         """A function binding a :class:`NativeBuilder` to a slot, or None where the factory's
         config or the machine rules the C++ build out (``native_build="on"``: an error)."""
-        config = self.factory.config
+        from ..build import library
+        from ..build.library import NativeBuilder, matcher_methods
         from ..build.native import xgrammar_factory
 
-        xgr_factory = xgrammar_factory(self.factory)
+        config = self.factory.config
         if config.native_build == "off":
             return None
+        xgr_factory = xgrammar_factory(self.factory)
         if xgr_factory is None or config.fill_threads != 1:
             if config.native_build == "on":
                 raise ConfigError("GuidedDecodingConfig.native_build='on' needs the xgrammar "
                                   "backend with fill_threads=1 for SGLang's batched fill")
             return None
         try:
-            from ..build.library import NativeBuilder, matcher_methods
-
             methods = matcher_methods(xgr_factory.ffi_matcher_type())
-            from ..build import library
-            library.load()
+            library.load()  # (compiles on the machine's first use, then cached on disk)
         except NativeBuildError as e:
             if config.native_build == "on":
                 raise
