@@ -37,6 +37,7 @@ from sglang.srt.constrained.base_grammar_backend import (BaseGrammarBackend,
 
 from ..errors import CapgraphError, ConfigError, RequestError
 from ..grammar import CompiledGuide, GrammarMatcher, GrammarMatcherFactory, create_matcher_factory
+from ..ops import logits_bitmask
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .sglang_masks import DEFAULT_RING_DEPTH, MaskRing
 
@@ -184,10 +185,8 @@ class CapgraphGrammar(BaseGrammarObject):
 
     @staticmethod
     def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor) -> None:
-        """Set the logits of disallowed tokens to -inf in place (:func:`capgraph.ops.logits_bitmask`;
-        graph-safe on CUDA, any device torch runs on)."""
-        from ..ops import logits_bitmask
-
+        """Set the logits of disallowed tokens to -inf in place
+        (:func:`capgraph.ops.logits_bitmask`: graph-safe on CUDA, any device torch runs on)."""
         logits_bitmask(logits, vocab_mask)
 
     # -- jump-forward --------------------------------------------------------------------------
