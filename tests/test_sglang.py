@@ -225,6 +225,37 @@ def test_ring_reuses_buffers_and_grows(capgraph_backend):
         ring.allocate(0)
 
 
+def test_ring_waits_for_a_device_copy_before_reuse(capgraph_backend, monkeypatch):
+    """A ring buffer copied to a CUDA device (move_vocab_mask records an event on that
+    device's current stream) is handed out again only after that event completes, and before
+    its rows are reset; buffers of other slots and host-only masks wait for nothing."""
+    ring = capgraph_backend.masks
+    waits = []
+
+    class FakeEvent:  # stands in for torch.cuda.Event on this CPU-only build
+        def record(self, stream):
+            self.stream = stream
+
+        def synchronize(self):
+            waits.append((self.stream, int(mask[0, 0])))  # the buffer is not reset yet
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
+    mask = ring.allocate(2)
+    mask[0, 0] = 7
+    ring.copied(mask, torch.device("cuda", 1))
+    for _ in range(len(ring._slots) - 1):
+        ring.allocate(2)
+    assert waits == []
+    again = ring.allocate(2)
+    assert again.data_ptr() == mask.data_ptr() and (again == -1).all()
+    assert waits == [("stream of cuda:1", 7)]
+    ring.copied(torch.full((2, ring.words), -1, dtype=torch.int32), torch.device("cuda", 0))
+    for _ in range(len(ring._slots)):
+        ring.allocate(2)
+    assert len(waits) == 1  # (a mask outside the ring records nothing)
+
+
 @pytest.mark.parametrize("key", [("regex", "("), ("ebnf", 'root ::= "a" (')])
 def test_invalid_guide_is_reported_as_sglang_reports_it(key, sglang_xgrammar, capgraph_backend):
     """A guide that does not compile comes back through SGLang's compile path

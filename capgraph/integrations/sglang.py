@@ -180,7 +180,7 @@ class CapgraphGrammar(BaseGrammarObject):
         """The mask on ``device`` (a ``non_blocking`` copy from pinned memory on CUDA)."""
         moved = vocab_mask.to(device, non_blocking=True)
         if moved.device.type == "cuda" and moved is not vocab_mask:
-            self.backend.masks.copied(vocab_mask)
+            self.backend.masks.copied(vocab_mask, moved.device)
         return moved
 
     @staticmethod

@@ -191,11 +191,12 @@ class MaskRing:
                                f"{messages[0] if messages else 'native build fault'}")
         return [k for k in range(n) if out[k, 0] == _STATUS_DEAD_END]
 
-    def copied(self, mask: torch.Tensor) -> None:
-        """Record that a device copy of the ring mask ``mask`` was just enqueued on the current
-        CUDA stream: its buffer is not handed out again before that copy completes."""
+    def copied(self, mask: torch.Tensor, device: torch.device) -> None:
+        """Record that a copy of the ring mask ``mask`` to the CUDA ``device`` was just enqueued
+        (on that device's current stream, where torch enqueues it): its buffer is not handed
+        out again before that copy completes."""
         slot = self._slot_of(mask)
         if slot is not None:
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(device))
             slot.copied = event
