@@ -1,6 +1,6 @@
 """``capgraph bench``: the benchmark suite, one module per sub-benchmark.
 
-    capgraph bench {build,tail,compile,apply,memory,loop,all} [--quick] [--json PATH]
+    capgraph bench {build,tail,compile,apply,memory,loop,sglang,all} [--quick] [--json PATH]
                    [--results DIR]
 
 Each sub-benchmark measures capgraph side by side with its baseline in one run, prints a table
@@ -25,6 +25,8 @@ __all__ = ["main", "build_parser", "BENCHMARKS"]
 
 #: sub-benchmark name -> module under capgraph.bench (run in this order by ``all``)
 BENCHMARKS = ("build", "tail", "compile", "apply", "memory", "loop")
+#: sub-benchmarks that need an optional package (``sglang``: SGLang), left out of ``all``
+OPTIONAL_BENCHMARKS = ("sglang",)
 
 
 def _module(name: str):
@@ -52,12 +54,13 @@ def build_parser(prog: str = "capgraph bench") -> argparse.ArgumentParser:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the sub-benchmark subcommands to ``parser`` (for mounting under another CLI)."""
     sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
-    for name in BENCHMARKS:
+    for name in (*BENCHMARKS, *OPTIONAL_BENCHMARKS):
         module = _module(name)
         p = sub.add_parser(name, help=module.HELP, description=module.__doc__.split("\n\n")[0])
         _add_common(p)
         module.add_arguments(p)
-    p = sub.add_parser("all", help="every sub-benchmark with its defaults, one JSON file each")
+    p = sub.add_parser("all", help="every sub-benchmark with its defaults, one JSON file each "
+                       f"(not {', '.join(OPTIONAL_BENCHMARKS)})")
     _add_common(p)
 
 

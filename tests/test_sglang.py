@@ -1,0 +1,450 @@
+"""capgraph as an SGLang grammar backend, against SGLang's real classes and its own xgrammar
+backend on the same guides and the same (bundled Tekken) tokenizer.
+
+SGLang is an optional extra: without it these tests skip, unless ``CAPGRAPH_REQUIRE_SGLANG=1``
+(set by ``.ci/run``, which installs it) makes its absence a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+_REQUIRED = os.environ.get("CAPGRAPH_REQUIRE_SGLANG", "").strip() in ("1", "true", "yes")
+try:
+    from sglang.srt.constrained.base_grammar_backend import (GRAMMAR_BACKEND_REGISTRY,
+                                                             GrammarRow, InvalidGrammarObject)
+    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
+except ImportError as e:  # (SGLang absent, or one of the small packages it imports)
+    if _REQUIRED:
+        pytest.fail(f"CAPGRAPH_REQUIRE_SGLANG is set but SGLang's grammar modules do not "
+                    f"import: {e}", pytrace=False)
+    pytest.skip(f"SGLang is not importable ({e}); install ci/sglang-requirements.txt with "
+                f"--no-deps to run these tests", allow_module_level=True)
+
+from capgraph.errors import ConfigError  # noqa: E402
+from capgraph.integrations.sglang import (BACKEND_NAME, CONFIG_ENV,  # noqa: E402
+                                          CapgraphGrammar, CapgraphGrammarBackend,
+                                          config_from_server_args, create_backend)
+from capgraph.tokenizers import special_token_ids  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+# SGLang's xgrammar backend passes xgrammar a deprecated argument; not ours
+pytestmark = pytest.mark.filterwarnings("ignore:max_rollback_tokens is deprecated")
+
+# (SGLang key type, guide, text a model would generate under it)
+CASES = {
+    "json_schema": ("json", json.dumps({
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                       "tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["name", "age", "tags"]}),
+        '{"name": "Ada Lovelace", "age": 36, "tags": ["math", "poetry"]}'),
+    "regex": ("regex", r"\d{3}-[a-z]+( [A-Z][a-z]*)*", "415-abc Hello World"),
+    # SGLang's legacy structural-tag format (free text, then a triggered JSON call)
+    "structural_tag": ("structural_tag", json.dumps({
+        "structures": [{"begin": "<function=get>", "end": "</function>", "schema": {
+            "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}],
+        "triggers": ["<function="]}),
+        'Sure. <function=get>{"q": "weather"}</function>'),
+    "ebnf": ("ebnf", 'root ::= expr\nexpr ::= term ("+" term)*\nterm ::= [0-9]+ | "(" expr ")"',
+             "(12+3)+45"),
+}
+
+
+@pytest.fixture(scope="module")
+def sglang_xgrammar(tekken):
+    """SGLang's own xgrammar backend, as SGLang builds it for this tokenizer."""
+    return XGrammarGrammarBackend(tekken, vocab_size=len(tekken),
+                                  model_eos_token_ids=[tekken.eos_token_id])
+
+
+@pytest.fixture(scope="module")
+def capgraph_backend(tekken):
+    backend = CapgraphGrammarBackend(tekken, len(tekken), [tekken.eos_token_id])
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def keep_bits(tekken):
+    """[words] int32: every bit set except the special tokens that are not stop tokens, which
+    capgraph masks on every guided row and SGLang's xgrammar backend reads as plain text."""
+    words = -(-len(tekken) // 32)
+    keep = torch.full((words,), -1, dtype=torch.int64)
+    for t in special_token_ids(tekken) - {tekken.eos_token_id}:
+        keep[t // 32] &= ~(1 << (t % 32))
+    return keep.to(torch.int32)
+
+
+def _dispatch(backend, key_type: str, guide: str):
+    grammar = backend._init_value_dispatch((key_type, guide), False)
+    assert not isinstance(grammar, InvalidGrammarObject), grammar
+    return grammar
+
+
+def _tokens(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+
+
+def _assert_same_mask(capgraph_grammar, sglang_grammar, keep, what: str) -> bool:
+    """One row each, filled by each backend's own methods: capgraph's row is SGLang's with the
+    non-stop special tokens cleared, bit for bit. Returns whether SGLang's row allowed a
+    special token there."""
+    vocab = capgraph_grammar.backend.vocab_size
+    ours = capgraph_grammar.allocate_vocab_mask(vocab, 1, "cpu")
+    capgraph_grammar.fill_vocab_mask_batched([GrammarRow(0, capgraph_grammar)], ours)
+    theirs = sglang_grammar.allocate_vocab_mask(vocab, 1, "cpu")
+    sglang_grammar.fill_vocab_mask(theirs, 0)
+    expected = theirs[0] & keep
+    differ = (ours[0] != expected).nonzero().flatten().tolist()
+    assert not differ, f"{what}: words {differ[:5]} differ"
+    return not torch.equal(theirs[0], expected)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_masks_equal_sglang_xgrammar_row_for_row(case, tekken, sglang_xgrammar,
+                                                 capgraph_backend, keep_bits):
+    """Teacher-forced through a whole output and its stop token, then rolled back and copied:
+    at every step capgraph's mask equals SGLang's xgrammar backend's (less the special
+    tokens capgraph never allows), termination agrees, rollback of 3 tokens returns both to
+    the same masks, and a copy starts over on both."""
+    key_type, guide, text = CASES[case]
+    ours, theirs = (_dispatch(capgraph_backend, key_type, guide),
+                    _dispatch(sglang_xgrammar, key_type, guide))
+    assert isinstance(ours, CapgraphGrammar)
+    tokens = _tokens(tekken, text)
+    specials_allowed_by_sglang = 0
+    for i, token in enumerate(tokens):
+        specials_allowed_by_sglang += _assert_same_mask(ours, theirs, keep_bits,
+                                                        f"{case} before token {i}")
+        ours.accept_token(token)
+        theirs.accept_token(token)
+        assert ours.is_terminated() == theirs.is_terminated() == (i == len(tokens) - 1)
+    # inside a JSON string or free text SGLang's xgrammar backend lets [INST], <s>, ... through
+    assert (specials_allowed_by_sglang > 0) == (case in ("json_schema", "structural_tag"))
+    ours.rollback(3)
+    theirs.rollback(3)
+    assert not ours.is_terminated() and not theirs.is_terminated()
+    _assert_same_mask(ours, theirs, keep_bits, f"{case} after rollback(3)")
+    for token in tokens[-3:]:
+        ours.accept_token(token)
+        theirs.accept_token(token)
+    assert ours.is_terminated() and theirs.is_terminated()
+    ours_copy, theirs_copy = ours.copy(), theirs.copy()
+    assert ours_copy.grammar_stats.is_cache_hit and not ours_copy.is_terminated()
+    _assert_same_mask(ours_copy, theirs_copy, keep_bits, f"{case} copy")
+    ours_copy.accept_token(tokens[0])
+    theirs_copy.accept_token(tokens[0])
+    _assert_same_mask(ours_copy, theirs_copy, keep_bits, f"{case} copy after one token")
+
+
+def test_batched_fill_equals_single_fill(tekken, capgraph_backend):
+    """A batched fill (the C++ build on a ring mask, xgrammar's batch matcher on any other
+    mask) writes exactly what single fills write into the listed rows and leaves the other
+    rows unconstrained."""
+    grammars = []
+    for case in sorted(CASES):
+        key_type, guide, text = CASES[case]
+        tokens = _tokens(tekken, text)
+        for advance in (0, 1, len(tokens) // 2):
+            g = _dispatch(capgraph_backend, key_type, guide)
+            for t in tokens[:advance]:
+                g.accept_token(t)
+            grammars.append(g)
+    rows = [2 * k + 1 for k in range(len(grammars))]  # every other row, the rest unlisted
+    batch = 2 * len(grammars) + 1
+    single = torch.full((batch, grammars[0].backend.masks.words), -1, dtype=torch.int32)
+    for g, row in zip(grammars, rows):
+        g.fill_vocab_mask(single, row)
+    entries = [GrammarRow(row, g) for row, g in zip(rows, grammars)]
+    ring_mask = grammars[0].allocate_vocab_mask(len(tekken), batch, "cpu")
+    grammars[0].fill_vocab_mask_batched(entries, ring_mask)
+    assert torch.equal(ring_mask, single)
+    other = torch.full_like(single, -1)
+    grammars[0].fill_vocab_mask_batched(list(reversed(entries)), other)
+    assert torch.equal(other, single)
+    assert (single[0] == -1).all() and not (single[1] == -1).all()
+
+
+def test_llguidance_backend_through_sglang_contract(tekken):
+    """With CAPGRAPH_SGLANG_CONFIG's backend="llguidance" the same object contract holds (its
+    matchers fill through their own methods): teacher-forced regex output, batched fill equal
+    to single fills, termination at the stop token, rollback."""
+    pytest.importorskip("llguidance", reason="the llguidance extra is not installed")
+    backend = CapgraphGrammarBackend(tekken, len(tekken), [tekken.eos_token_id],
+                                     config={"backend": "llguidance"})
+    try:
+        key_type, guide, text = CASES["regex"]
+        g = _dispatch(backend, key_type, guide)
+        assert g.compiled.backend == "llguidance" and g._handle is None
+        tokens = _tokens(tekken, text)
+        for token in tokens:
+            batched = g.allocate_vocab_mask(len(tekken), 2, "cpu")
+            g.fill_vocab_mask_batched([GrammarRow(1, g)], batched)
+            single = torch.full_like(batched, -1)
+            g.fill_vocab_mask(single, 1)
+            assert torch.equal(batched, single) and (batched[0] == -1).all()
+            assert int(batched[1, token // 32]) >> (token % 32) & 1
+            g.accept_token(token)
+        assert g.is_terminated()
+        g.rollback(1)
+        assert not g.is_terminated()
+    finally:
+        backend.close()
+
+
+def test_batched_fill_runs_capgraphs_native_build(capgraph_backend):
+    """Where the C++ host build compiles here, the backend's ring masks fill through it."""
+    from capgraph.build import library
+
+    reason = library.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"capgraph's C++ host build is unavailable here: {reason}")
+    assert capgraph_backend.masks.native
+
+
+def test_ring_reuses_buffers_and_grows(capgraph_backend):
+    """allocate_vocab_mask hands out the ring's buffers in turn (no allocation per step once
+    warm), every bit set each time, and grows a buffer for a larger batch."""
+    ring = capgraph_backend.masks
+    first = [ring.allocate(4) for _ in range(len(ring._slots))]
+    first[0][1].zero_()
+    again = ring.allocate(4)
+    assert again.data_ptr() == first[0].data_ptr() and (again == -1).all()
+    big = ring.allocate(300)
+    assert big.shape == (300, ring.words) and (big == -1).all()
+    with pytest.raises(ValueError, match="batch_size"):
+        ring.allocate(0)
+
+
+def test_ring_waits_for_a_device_copy_before_reuse(capgraph_backend, monkeypatch):
+    """A ring buffer copied to a CUDA device (move_vocab_mask records an event on that
+    device's current stream) is handed out again only after that event completes, and before
+    its rows are reset; buffers of other slots and host-only masks wait for nothing."""
+    ring = capgraph_backend.masks
+    waits = []
+
+    class FakeEvent:  # stands in for torch.cuda.Event on this CPU-only build
+        def record(self, stream):
+            self.stream = stream
+
+        def synchronize(self):
+            waits.append((self.stream, int(mask[0, 0])))  # the buffer is not reset yet
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
+    mask = ring.allocate(2)
+    mask[0, 0] = 7
+    ring.copied(mask, torch.device("cuda", 1))
+    for _ in range(len(ring._slots) - 1):
+        ring.allocate(2)
+    assert waits == []
+    again = ring.allocate(2)
+    assert again.data_ptr() == mask.data_ptr() and (again == -1).all()
+    assert waits == [("stream of cuda:1", 7)]
+    ring.copied(torch.full((2, ring.words), -1, dtype=torch.int32), torch.device("cuda", 0))
+    for _ in range(len(ring._slots)):
+        ring.allocate(2)
+    assert len(waits) == 1  # (a mask outside the ring records nothing)
+
+
+@pytest.mark.parametrize("key", [("regex", "("), ("ebnf", 'root ::= "a" (')])
+def test_invalid_guide_is_reported_as_sglang_reports_it(key, sglang_xgrammar, capgraph_backend):
+    """A guide that does not compile comes back through SGLang's compile path
+    (get_cached_or_future_value -> future) as an InvalidGrammarObject with a message, as on
+    SGLang's own backend; capgraph's message names its error."""
+    for backend in (capgraph_backend, sglang_xgrammar):
+        value, cache_hit = backend.get_cached_or_future_value(key, False)
+        assert not cache_hit
+        result = value.result(timeout=60)
+        assert isinstance(result, InvalidGrammarObject) and result.error_message
+    assert capgraph_backend.get_cached_or_future_value(key, False)[0].result(
+        timeout=60).error_message.startswith("GrammarCompileError: cannot compile")
+
+
+@pytest.mark.parametrize("key_type, guide, error", [
+    ("json", json.dumps({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
+     "UnsupportedGuideError: .*uniqueItems"),
+    ("json", '{"type": "object", "properties": ', "GrammarCompileError"),
+    ("regex", "a{70000}", "UnsupportedGuideError: .*70000"),
+])
+def test_unenforceable_guide_is_an_invalid_grammar(key_type, guide, error, capgraph_backend):
+    """capgraph's refusals (a schema keyword xgrammar would not enforce, a repetition count
+    over max_repetition_count, malformed schema text) reach SGLang as InvalidGrammarObject
+    naming the error and what was wrong."""
+    result = capgraph_backend._init_value_dispatch((key_type, guide), False)
+    assert isinstance(result, InvalidGrammarObject)
+    assert re.search(error, result.error_message), result.error_message
+
+
+def test_rejected_token_raises_value_error_and_keeps_state(tekken, capgraph_backend):
+    """accept_token of a token the grammar refuses raises a ValueError (what SGLang catches
+    to abort the request) naming the token, and leaves the grammar where it was; a
+    terminated grammar ignores further tokens, as SGLang's xgrammar backend does."""
+    g = _dispatch(capgraph_backend, "regex", "[0-9]+")
+    letter = tekken.encode("x", add_special_tokens=False)[0]
+    digit = tekken.encode("7", add_special_tokens=False)[0]
+    with pytest.raises(ValueError, match=f"rejects token {letter}"):
+        g.accept_token(letter)
+    g.accept_token(digit)
+    g.accept_token(tekken.eos_token_id)
+    assert g.is_terminated() and g.num_accepted == 2
+    g.accept_token(letter)  # ignored once terminated
+    assert g.num_accepted == 2
+
+
+def test_apply_vocab_mask_matches_xgrammar(tekken, capgraph_backend):
+    """apply_vocab_mask (capgraph's op) masks logits exactly as xgrammar's CPU apply does."""
+    import xgrammar as xgr
+
+    g = _dispatch(capgraph_backend, "json", json.dumps({"type": "integer"}))
+    mask = g.allocate_vocab_mask(len(tekken), 2, "cpu")
+    g.fill_vocab_mask_batched([GrammarRow(1, g)], mask)
+    moved = g.move_vocab_mask(mask, "cpu")
+    logits = torch.randn(2, len(tekken), generator=torch.Generator().manual_seed(0))
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, moved, backend="cpu")
+    g.apply_vocab_mask(logits, moved)
+    assert torch.equal(logits, expected)
+    assert logits[0].isfinite().all() and 0 < int(logits[1].isfinite().sum()) < 1000
+    g.reset_vocab_mask(mask)
+    assert (mask == -1).all()
+
+
+def test_jump_forward_matches_sglang_xgrammar(tekken, sglang_xgrammar, capgraph_backend):
+    """try_jump_forward returns the text the grammar forces next, as SGLang's xgrammar
+    backend does, and jump_and_retokenize rolls back to the common prefix and re-accepts."""
+    guide = "hello (world|there)"
+    ours, theirs = _dispatch(capgraph_backend, "regex", guide), \
+        _dispatch(sglang_xgrammar, "regex", guide)
+    helper = ours.try_jump_forward(tekken)
+    assert helper == theirs.try_jump_forward(tekken) and helper[1].startswith("hello")
+    assert ours.jump_forward_str_state(helper) == (helper[1], -1)
+    old = tekken.encode("hello", add_special_tokens=False)
+    new = tekken.encode("hello wor", add_special_tokens=False)
+    for t in old:
+        ours.accept_token(t)
+    ours.jump_and_retokenize(old, new, -1)
+    assert ours.num_accepted == len(new)
+    assert ours.try_jump_forward(tekken) is None or "ld".startswith(ours.try_jump_forward(
+        tekken)[1])
+
+
+def test_dead_end_row_allows_only_stop_tokens(tekken, capgraph_backend, caplog):
+    """A grammar whose state allows no token would mask a whole logits row to -inf: its row
+    allows the stop tokens instead (so the request ends) and an error names the guide."""
+    g = _dispatch(capgraph_backend, "regex", "[0-9]+")
+
+    class NothingAllowed:
+        def fill_next_token_bitmask(self, bitmask, index):
+            bitmask[index].zero_()
+
+        def is_terminated(self):
+            return False
+
+    g.matcher, g._handle = NothingAllowed(), None
+    mask = g.allocate_vocab_mask(len(tekken), 2, "cpu")
+    with caplog.at_level("ERROR"):
+        g.fill_vocab_mask_batched([GrammarRow(0, g)], mask)
+    allowed = [t for t in range(len(tekken)) if int(mask[0, t // 32]) >> (t % 32) & 1]
+    assert allowed == [tekken.eos_token_id]
+    assert (mask[1] == -1).all()
+    assert "allows no token" in caplog.text and "[0-9]+" in caplog.text
+
+
+def test_config_from_server_args(monkeypatch):
+    """SGLang's JSON whitespace flags map onto json_whitespace; CAPGRAPH_SGLANG_CONFIG adds
+    GuidedDecodingConfig fields; what capgraph cannot honour is a named error."""
+    args = types.SimpleNamespace(constrained_json_whitespace_pattern=None,
+                                 constrained_json_disable_any_whitespace=False,
+                                 constrained_json_max_whitespace_cnt=None)
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    assert config_from_server_args(args) == {}
+    args.constrained_json_max_whitespace_cnt = 4
+    assert config_from_server_args(args) == {"json_whitespace": "bounded",
+                                             "json_max_whitespace": 4}
+    args.constrained_json_disable_any_whitespace = True
+    monkeypatch.setenv(CONFIG_ENV, '{"compile_timeout_s": 5, "backend": "xgrammar"}')
+    assert config_from_server_args(args) == {"json_whitespace": "compact",
+                                             "compile_timeout_s": 5, "backend": "xgrammar"}
+    monkeypatch.setenv(CONFIG_ENV, "[1]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        config_from_server_args(args)
+    args.constrained_json_whitespace_pattern = r"[ ]?"
+    with pytest.raises(ConfigError, match="whitespace-pattern"):
+        config_from_server_args(args)
+
+
+def test_backend_refuses_fields_sglang_sets(tekken):
+    """The backend config may not override what SGLang's own arguments set."""
+    with pytest.raises(ConfigError, match="stop_token_ids"):
+        CapgraphGrammarBackend(tekken, len(tekken), config={"stop_token_ids": [1]})
+
+
+def _declared_entry_point() -> tuple[str, str]:
+    text = (ROOT / "pyproject.toml").read_text()
+    section = re.search(r'\[project\.entry-points\."sglang\.srt\.plugins"\]\n(.*?)(?:\n\[|\Z)',
+                        text, re.S)
+    assert section, "pyproject.toml declares no sglang.srt.plugins entry point"
+    name, value = re.search(r'^(\w+)\s*=\s*"([^"]+)"', section.group(1), re.M).groups()
+    return name, value
+
+
+def test_entry_point_registers_backend_with_sglang(tmp_path, monkeypatch):
+    """The entry point pyproject.toml declares, once installed, is found and run by SGLang's
+    plugin loader (group sglang.srt.plugins), and makes ``capgraph`` a --grammar-backend choice
+    that SGLang's own argument parser accepts and whose registry entry builds this backend."""
+    from sglang.srt.arg_groups.choices import GRAMMAR_BACKEND_CHOICES
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+
+    name, value = _declared_entry_point()
+    assert name == BACKEND_NAME and value == "capgraph.integrations.sglang:register"
+    # an installed distribution declaring exactly that entry point
+    dist = tmp_path / "capgraph_entry_point_probe-0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: capgraph-entry-point-probe\n"
+                                   "Version: 0\n")
+    (dist / "entry_points.txt").write_text(f"[{GENERAL_PLUGINS_GROUP}]\n{name} = {value}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    monkeypatch.delitem(GRAMMAR_BACKEND_REGISTRY, BACKEND_NAME, raising=False)
+    plugins = load_plugins_by_group(GENERAL_PLUGINS_GROUP)
+    assert BACKEND_NAME in plugins
+    plugins[BACKEND_NAME][0]()
+    plugins[BACKEND_NAME][0]()  # idempotent
+    assert GRAMMAR_BACKEND_REGISTRY[BACKEND_NAME] is create_backend
+    assert GRAMMAR_BACKEND_CHOICES.count(BACKEND_NAME) == 1
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "m", "--grammar-backend", BACKEND_NAME])
+    assert args.grammar_backend == BACKEND_NAME
+
+
+def test_installed_capgraph_declares_the_entry_point():
+    """The capgraph distribution installed from this tree carries the entry point (what
+    `pip install` of this pyproject gives SGLang)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        dist = distribution("capgraph")
+    except PackageNotFoundError:
+        pytest.skip("capgraph is not installed as a distribution")
+    origin = Path(sys.modules["capgraph"].__file__).resolve().parent.parent
+    url = json.loads(dist.read_text("direct_url.json") or "{}").get("url")
+    if url is not None and url != origin.as_uri():  # (an editable install of another tree)
+        pytest.skip(f"the installed capgraph metadata comes from {url}, not {origin}")
+    found = {(ep.name, ep.value) for ep in dist.entry_points
+             if ep.group == "sglang.srt.plugins"}
+    assert found == {_declared_entry_point()}
