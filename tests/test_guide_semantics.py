@@ -436,23 +436,3 @@ def test_llguidance_schema_writes_out_only_describing_defaults():
     assert rewrite({"properties": {"properties": {"properties": props}}}) == {
         "properties": {"properties": {"properties": props, "additionalProperties": False}},
         "additionalProperties": False}
-
-
-def test_handover_schema_keeps_escapes_out_of_length_limited_strings_only():
-    """The hand-over's llguidance schema: a length-limited string gets a pattern of the
-    characters that need no escape; property names, enum/const strings and data are left as
-    they are; a length-limited string with its own pattern or format has no such schema."""
-    from capgraph.grammar.semantics import _NO_ESCAPE, handover_schema
-
-    def rewrite(schema):
-        out = handover_schema(json.dumps(schema))
-        return out if out is None else json.loads(out)
-
-    plain = {"type": "object", "properties": {"minLength": {"type": "integer"}}}
-    assert handover_schema(json.dumps(plain)) == json.dumps(plain)  # unchanged text
-    assert rewrite({"properties": {"s": {"type": "string", "maxLength": 3}}}) == \
-        {"properties": {"s": {"type": "string", "maxLength": 3, "pattern": _NO_ESCAPE}}}
-    assert rewrite({"enum": ["a"], "minLength": 1}) == {"enum": ["a"], "minLength": 1}
-    assert rewrite({"const": {"minLength": 1}}) == {"const": {"minLength": 1}}
-    assert rewrite({"type": "string", "minLength": 1, "pattern": "a"}) is None
-    assert rewrite({"items": {"type": "string", "maxLength": 2, "format": "date"}}) is None

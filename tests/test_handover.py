@@ -8,7 +8,6 @@ llguidance alone before the switch and by xgrammar alone after it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import time
@@ -24,7 +23,6 @@ from capgraph.errors import ConfigError, UnsupportedGuideError  # noqa: E402
 from capgraph.grammar import create_matcher_factory  # noqa: E402
 from capgraph.grammar.base import CompileHandle  # noqa: E402
 from capgraph.grammar.handover import HandOverMatcher, HandOverMatcherFactory  # noqa: E402
-from capgraph.grammar.semantics import handover_schema  # noqa: E402
 from capgraph.params import GuidedDecodingBackend, GuideType  # noqa: E402
 from capgraph.tokenizers import encode_continuation  # noqa: E402
 
@@ -135,13 +133,6 @@ class Rows:
         return row[0]
 
 
-def llguidance_side(params):
-    """The guide the llguidance side of a hand-over compiles for ``params``."""
-    if params.guide_type is not GuideType.JSON_SCHEMA:
-        return params
-    return dataclasses.replace(params, guide=handover_schema(params.guide))
-
-
 def walk(factory, sides, params, tokens, release_at: int, drafts: int = 0, seed: int = 0):
     """Teacher-force ``tokens`` through a hand-over matcher and both backends alone, releasing
     the xgrammar compile before fill number ``release_at``. With ``drafts``, each step accepts
@@ -155,7 +146,7 @@ def walk(factory, sides, params, tokens, release_at: int, drafts: int = 0, seed:
     assert compiled.backend == "auto"
     hand = factory.create_from_compiled(compiled)
     assert isinstance(hand, HandOverMatcher) and hand.served_by == "llguidance"
-    refs = {"llguidance": llg.create(llguidance_side(params)), "xgrammar": xgr.create(params)}
+    refs = {"llguidance": llg.create(params), "xgrammar": xgr.create(params)}
     rows = Rows(factory.config.vocab_size_padded)
     fills = 0
 
@@ -301,41 +292,25 @@ def test_routing(tok, sides):
                  release=True)
 
 
-LENGTH_LIMITED = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}},
-                  "required": ["s"]}
-
-
-def test_length_limited_strings_take_no_escape_before_the_switch(tok, sides):
-    """xgrammar takes no escape inside a length-limited string, so neither does the
-    llguidance side of a hand-over: an escape llguidance alone would take is refused before
-    the switch too, and a text without one is handed over, rows equal on both sides."""
-    xgr, llg = sides
+def test_an_escape_xgrammar_refuses_keeps_the_request_on_llguidance(tok, sides):
+    """xgrammar takes no escape inside a length-limited string (stricter than the schema;
+    docs/CONFORMANCE.md), llguidance does: a request that wrote one before the switch is not
+    handed over (the replay is refused, the reason recorded) and goes on, on llguidance, to a
+    text the schema accepts."""
     factory = held_factory(tok, sides)
-    params = GuidedDecodingParams.json_schema(LENGTH_LIMITED)
-    escaped = encode_continuation(tok, '{"s": "a\\nb"}')
-    alone = llg.create(params)
-    assert all(alone.accept_token(t) for t in escaped)  # JSON Schema allows it
-    for side in (factory.create_from_compiled(factory.compile_async(params).result(
-            10, backend="auto")), xgr.create(params)):
-        assert not all(side.accept_token(t) for t in escaped)
-    factory.release()
-    tokens = usable(sides, tok, params, '{"s": "abc"}')
-    assert tokens is not None
-    walk(factory, sides, params, tokens, release_at=3, drafts=2)
-
-
-def test_a_schema_the_backends_read_differently_is_not_handed_over(tok, sides):
-    """A length-limited string with a pattern of its own cannot be told to take no escape, so
-    no request switches backends for it: xgrammar is asked first (no compile held for a later
-    switch), and as it refuses such a schema, llguidance serves it alone, saying why."""
-    factory = held_factory(tok, sides)
-    params = GuidedDecodingParams.json_schema({"type": "string", "maxLength": 6,
-                                               "pattern": "^[a-z]+$"})
-    compiled = factory.compile_async(params).result(30, backend="auto")
-    assert not factory.held
-    assert compiled.backend == "llguidance"
-    assert "xgrammar refused it" in compiled.fallback_reason
-    assert not isinstance(factory.create_from_compiled(compiled), HandOverMatcher)
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}},
+              "required": ["s"]}
+    params = GuidedDecodingParams.json_schema(schema)
+    hand = factory.create_from_compiled(factory.compile_async(params).result(10, backend="auto"))
+    rows = Rows(factory.config.vocab_size_padded)
+    tokens = encode_continuation(tok, '{"s": "a\\nb"}') + [tok.eos_token_id]
+    for k, t in enumerate(tokens):
+        if k == 6:
+            factory.release()
+        rows.of(hand)
+        assert hand.accept_token(t), k
+    assert hand.is_terminated() and hand.served_by == "llguidance"
+    assert "xgrammar refused token" in hand.handover_failed_reason
 
 
 def test_auto_config_validation(tok):
@@ -443,3 +418,18 @@ def test_generation_with_auto_validates(tok, sides, make_decoder):
     jsonschema.validate(json.loads(texts[0]), schema)
     assert re.fullmatch(regex, texts[1]), texts[1]
     assert served == {0: "xgrammar", 1: "xgrammar"}
+
+
+def test_backend_agreement_tool_counts_rows(capsys):
+    """``tools/backend_agreement.py`` (the figures README gives for the two backends' masks)
+    runs over the bundled schemas and reports rows compared, equal, and llguidance-only."""
+    from conftest import load_tool
+
+    assert load_tool("backend_agreement").main(["--limit", "3"]) == 0
+    out = capsys.readouterr().out
+    figures = {name.strip(): int(value) for name, _, value in
+               (line.partition(":") for line in out.splitlines())
+               if value.strip().isdigit()}
+    assert figures["schemas compared"] >= 1 and figures["rows"] > 0
+    assert 0 <= figures["rows equal"] <= figures["rows"]
+    assert 0 <= figures["rows where llguidance allows a token xgrammar refuses"] <= figures["rows"]

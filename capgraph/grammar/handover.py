@@ -14,11 +14,6 @@ mask several times faster once compiled. So:
   (xgrammar's builtin grammar compiles at once), and the guide types whose text the two
   backends read differently or llguidance does not take (an EBNF guide is GBNF to xgrammar and
   Lark to llguidance; structural tags are xgrammar's).
-- The llguidance side compiles the schema as :func:`~capgraph.grammar.semantics.handover_schema`
-  gives it, so that it allows nothing xgrammar would refuse on replay (a length-limited string
-  takes no escape there, as on xgrammar); a schema where that cannot be said (such a string
-  with a pattern or format of its own) is served by xgrammar (llguidance where xgrammar
-  refuses it) with no hand-over.
 - A JSON schema one backend refuses (its keyword policy,
   :mod:`capgraph.grammar.schema_policy`, or its compile error) is served by the other one
   alone, and refused only when both refuse it: there is no hand-over between backends that do
@@ -51,7 +46,6 @@ from ..errors import GrammarCompileError, UnsupportedGuideError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, CompileHandle, GrammarMatcher, GrammarMatcherFactory
 from .fallback import _finding
-from .semantics import handover_schema
 
 __all__ = ["HandOverMatcher", "HandOverMatcherFactory", "HandOverGuide", "HANDOVER_GUIDES",
            "BACKEND"]
@@ -261,15 +255,8 @@ class HandOverMatcherFactory(GrammarMatcherFactory):
         ``background`` asks for it)."""
         if params.guide_type not in HANDOVER_GUIDES or self.xgrammar_ready(params):
             return self.xgrammar.compile_async(params, background=background)
-        llguidance_params = params
-        if params.guide_type is GuideType.JSON_SCHEMA:
-            guide = handover_schema(params.guide)
-            if guide is None:  # the backends cannot be made to agree: no hand-over
-                return self._xgrammar_first(params)
-            if guide != params.guide:
-                llguidance_params = dataclasses.replace(params, guide=guide)
         xhandle = self._start_xgrammar(params)
-        lhandle = self.llguidance.compile_async(llguidance_params)
+        lhandle = self.llguidance.compile_async(params)
         out: Future[CompiledGuide] = Future()
 
         def xgrammar_alone(xf: Future, refused: BaseException) -> None:
@@ -299,40 +286,6 @@ class HandOverMatcherFactory(GrammarMatcherFactory):
         def gave_up(_: Future) -> None:
             lhandle.give_up()
             xhandle.give_up()
-
-        return CompileHandle(out, params, gave_up)
-
-    def _xgrammar_first(self, params: GuidedDecodingParams) -> CompileHandle:
-        """A guide the two backends read differently: xgrammar serves it, llguidance only
-        where xgrammar refuses it (as :class:`~capgraph.grammar.fallback.FallbackMatcherFactory`
-        does), and no request switches between them."""
-        xhandle = self.xgrammar.compile_async(params)
-        out: Future[CompiledGuide] = Future()
-        handles = [xhandle]
-
-        def llguidance_done(lf: Future, refused: BaseException) -> None:
-            error = lf.exception()
-            if error is None:
-                reason = ("xgrammar refused it: "
-                          f"{_finding(refused) if isinstance(refused, GrammarCompileError) else refused}")
-                _settle(out, result=dataclasses.replace(lf.result(), fallback_reason=reason))
-            else:
-                _settle(out, error=_both_refused(error, refused, params))
-
-        def xgrammar_done(xf: Future) -> None:
-            refused = xf.exception()
-            if refused is None:
-                _settle(out, result=xf.result())
-                return
-            lhandle = self.llguidance.compile_async(params)
-            handles.append(lhandle)
-            lhandle.future.add_done_callback(lambda lf: llguidance_done(lf, refused))
-
-        xhandle.future.add_done_callback(xgrammar_done)
-
-        def gave_up(_: Future) -> None:
-            for handle in handles:
-                handle.give_up()
 
         return CompileHandle(out, params, gave_up)
 

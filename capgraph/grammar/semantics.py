@@ -22,7 +22,7 @@ import re
 from typing import Any
 
 __all__ = ["JSON_CONTAINER_SCHEMA", "JSON_WHITESPACE_CHARS", "ascii_classes",
-           "ascii_schema_patterns", "handover_schema", "llguidance_schema"]
+           "ascii_schema_patterns", "llguidance_schema"]
 
 #: ``GuideType.JSON`` on every backend: a JSON object or array (the "JSON mode" of serving
 #: engines; xgrammar's builtin JSON grammar, which fills a mask twice as fast as a schema).
@@ -177,53 +177,3 @@ def _rewrite(schema_text: str, unlisted_absent: bool) -> str:
         return result
 
     return json.dumps(walk(schema, True))
-
-
-#: The characters a JSON string holds without an escape (not a quote, a backslash or a
-#: control character): a pattern over them keeps escapes out of a string, as xgrammar's
-#: length-limited strings do (llguidance takes no optional escape under a pattern).
-_NO_ESCAPE = '^[^"\\\\\\x00-\\x1f]*$'
-
-
-def handover_schema(schema_text: str) -> str | None:
-    """The JSON schema the llguidance side of a hand-over (``backend="auto"``) compiles so
-    that it allows nothing xgrammar would refuse on replay, or None where that cannot be said
-    in a schema (the request then waits for xgrammar alone).
-
-    Beyond :func:`llguidance_schema`'s reading, which both backends share, xgrammar takes no
-    escape inside a string with ``minLength``/``maxLength`` (its length counts characters as
-    written): such a string gets a pattern of the characters that need none here; one that has a
-    ``pattern`` or ``format`` of its own already cannot take a second one, so its schema gets
-    None. A schema without length-limited strings comes back as given."""
-    try:
-        schema = json.loads(schema_text)
-    except ValueError:
-        return schema_text
-    clash = False
-
-    def walk(node: Any) -> Any:
-        nonlocal clash
-        if isinstance(node, list):
-            return [walk(item) for item in node]
-        if not isinstance(node, dict):
-            return node
-        result: dict[str, Any] = {}
-        for key, value in node.items():
-            if key in _DATA_KEYWORDS:
-                result[key] = value
-            elif (key in _SCHEMA_MAPS or key == "patternProperties") and isinstance(value, dict):
-                result[key] = {name: walk(v) for name, v in value.items()}  # names, not keywords
-            else:
-                result[key] = walk(value)
-        if ("minLength" in node or "maxLength" in node) and not (
-                "enum" in node or "const" in node):  # (their values decide)
-            if "pattern" in node or "format" in node:
-                clash = True
-            else:
-                result["pattern"] = _NO_ESCAPE
-        return result
-
-    rewritten = walk(schema)
-    if clash:
-        return None
-    return schema_text if rewritten == schema else json.dumps(rewritten)
