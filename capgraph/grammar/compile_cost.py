@@ -9,17 +9,17 @@ instead, and reaches its first mask that much sooner.
 The estimate is a whitelist, so that it errs one way only: a guide it cannot bound goes to a
 worker, where a long compile can be killed. Compile cost in xgrammar 0.2.9 does not follow a
 guide's size (measured with Tekken on 2 cores): a 287-character schema whose object allows
-``additionalProperties`` compiled in 0.66 s and one of 24 optional properties plus
-``additionalProperties`` in 6.5 s, while string ``maxLength`` 4096, arrays of ``minItems`` 256,
-formats, enums and number ranges stayed under 25 ms; the regex ``.{0,64}`` took 1.1 s but
-``[^x]{0,64}x`` 12 ms, and ``(a+)+b`` 0.2 ms. So cheap means:
+``additionalProperties`` compiled in 0.66 s and one of 24 optional enum properties (by
+``$ref``) plus ``additionalProperties`` in 6.5 s, while string ``maxLength`` 4096, arrays of
+``minItems`` 256, formats, enums and number ranges stayed under 25 ms; the regex ``.{0,64}``
+took 1.1 s but ``[^x]{0,64}x`` 12 ms, and ``(a+)+b`` 0.2 ms. So cheap means:
 
 - JSON (any value): always, unless ``json_whitespace="bounded"`` allows more than
   :data:`MAX_WHITESPACE` characters (the grammar grows with it: 0.17 s at 256);
 - a regex of at most :data:`MAX_REGEX_CHARS` characters whose counted repetitions
   (``{n}``, ``{n,m}``) apply to single characters, classes or escapes, never to groups, and sum
   to at most :data:`MAX_REGEX_COUNTS`; ``*``, ``+`` and ``?`` are free (xgrammar compiles
-  them to an automaton: nesting them costs nothing at compile time);
+  them to an automaton: nesting them costs little at compile time);
 - a JSON schema of at most :data:`MAX_SCHEMA_CHARS` characters, :data:`MAX_SCHEMA_NODES`
   subschemas nested at most :data:`MAX_SCHEMA_DEPTH` deep, without combinators, references,
   conditionals or pattern-keyed properties (:data:`COSTLY_KEYWORDS`), no object that allows
@@ -30,7 +30,10 @@ formats, enums and number ranges stayed under 25 ms; the regex ``.{0,64}`` took 
 
 ``python -m capgraph.grammar.compile_cost`` (:func:`main`) measures the estimate over the
 bundled JSON schemas: the share it calls cheap, their compile time here and their time through
-a worker.
+a worker. With xgrammar 0.2.9, Tekken, 2 cores: 48 of the 108 schemas are cheap; they compile
+here in p50 11 ms, p99 18 ms, max 20 ms, and through a worker in p50 25 ms, p99 79 ms, max
+91 ms. Guides built to the limits above compiled here in 20-100 ms, under 3 MiB each (the
+test ``test_guides_at_the_estimates_limits_compile_small_and_fast`` keeps them bounded).
 """
 
 from __future__ import annotations
