@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 from capgraph import GuidedDecodingConfig, GuidedDecodingParams
-from capgraph.grammar.compile_pool import BACKGROUND_NICE, CompilePool
+from capgraph.grammar.compile_pool import BACKGROUND_NICE, CompilePool, run_lowered
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"),
@@ -29,34 +29,58 @@ def _own_nice() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
-def test_pool_runs_a_background_job_at_lower_priority_and_others_at_normal():
-    """``submit(nice=19)`` lowers only that job's thread; a plain job and the caller keep
-    their priority."""
+def test_pool_lowers_only_the_heavy_part_of_a_background_job():
+    """``submit(nice=19)``: the job's own thread keeps its priority (its Python work must not
+    hold the GIL starved), what it runs through ``run_lowered`` runs at the lowest; a plain
+    job runs it at normal priority, and so does a caller outside the pool."""
     pool = CompilePool(2)
     base = _own_nice()
-    low = pool.submit(_own_nice, nice=BACKGROUND_NICE).result(10)
-    plain = pool.submit(_own_nice).result(10)
-    assert low == min(19, base + BACKGROUND_NICE)
-    assert plain == base
-    assert _own_nice() == base
+
+    def job():
+        return _own_nice(), run_lowered(_own_nice)
+
+    assert pool.submit(job, nice=BACKGROUND_NICE).result(10) == \
+        (base, min(19, base + BACKGROUND_NICE))
+    assert pool.submit(job).result(10) == (base, base)
+    assert run_lowered(_own_nice) == base
+    with pytest.raises(ZeroDivisionError):  # an error of the lowered part reaches the job
+        pool.submit(lambda: run_lowered(lambda: 1 // 0), nice=BACKGROUND_NICE).result(10)
+
+
+class _RecordingCompiler:
+    """xgrammar's GrammarCompiler, recording the nice value of the thread of each compile."""
+
+    def __init__(self, compiler, seen: list[int], delay_s: float) -> None:
+        self._compiler, self._seen, self._delay_s = compiler, seen, delay_s
+
+    def __getattr__(self, name):
+        method = getattr(self._compiler, name)
+        if not name.startswith("compile_"):
+            return method
+
+        def compile_recorded(*args, **kwargs):
+            self._seen.append(_own_nice())
+            time.sleep(self._delay_s)  # (slow: llguidance lands first, a hand-over guide)
+            return method(*args, **kwargs)
+        return compile_recorded
 
 
 def test_hand_over_compiles_xgrammar_in_the_background(tokenizer_cache, factory_cache,
                                                        monkeypatch):
-    """A hand-over guide: xgrammar's compile thread runs at the lowest priority while
-    llguidance's (the one the request waits for) runs at normal priority; an xgrammar-only
-    guide (EBNF) compiles at normal priority."""
+    """A hand-over guide: xgrammar's C++ compile runs at the lowest priority while
+    llguidance's compile (the one the request waits for) and xgrammar's Python part run at
+    normal priority; an xgrammar-only guide (EBNF) compiles at normal priority."""
     pytest.importorskip("llguidance", reason="the llguidance extra is not installed")
     from capgraph.grammar.handover import HandOverMatcherFactory
 
     tok = tokenizer_cache(TOKENIZER)
     xgr, llg = factory_cache(TOKENIZER, "xgrammar"), factory_cache(TOKENIZER, "llguidance")
-    seen: dict[str, list[int]] = {"xgrammar": [], "llguidance": []}
+    compiled_at: list[int] = []
+    monkeypatch.setattr(xgr, "_compiler", _RecordingCompiler(xgr._compiler, compiled_at, 0.2))
+    python_at: dict[str, list[int]] = {"xgrammar": [], "llguidance": []}
     for name, side in (("xgrammar", xgr), ("llguidance", llg)):
         def recording(params, _compile=side._compile, _name=name):
-            seen[_name].append(_own_nice())
-            if _name == "xgrammar":
-                time.sleep(0.2)  # (a slow compile: llguidance lands first, a hand-over guide)
+            python_at[_name].append(_own_nice())
             return _compile(params)
         monkeypatch.setattr(side, "_compile", recording)
     factory = HandOverMatcherFactory(
@@ -67,10 +91,10 @@ def test_hand_over_compiles_xgrammar_in_the_background(tokenizer_cache, factory_
     compiled = factory.compile_async(params).result(30, backend="auto")
     assert compiled.backend == "auto"
     compiled.payload.xgrammar.result(30, backend="xgrammar")
-    assert seen["llguidance"] == [base]
-    assert seen["xgrammar"] == [min(19, base + BACKGROUND_NICE)]
+    assert python_at == {"xgrammar": [base], "llguidance": [base]}
+    assert compiled_at == [min(19, base + BACKGROUND_NICE)]
 
-    seen["xgrammar"].clear()
+    compiled_at.clear()
     ebnf = GuidedDecodingParams.ebnf(f'root ::= "{uuid.uuid4().hex}" [0-9]+')
     factory.compile_async(ebnf).result(30, backend="auto")
-    assert seen["xgrammar"] == [base]
+    assert compiled_at == [base]

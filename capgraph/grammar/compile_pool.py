@@ -8,10 +8,12 @@ background (its result is kept only if a request asks for it again meanwhile: se
 past their slot, so hostile guides cannot pile up threads without bound (past that, an
 abandoned compile keeps its slot until it ends).
 
-A compile submitted with a ``nice`` value runs at that lower CPU priority (Linux: the thread's
-own nice value, which the backend's compile threads started from it inherit), so a compile
-nobody waits for right now cannot take CPU time from the decode loop or from a compile a
-request waits for.
+A compile submitted with a ``nice`` value runs its heavy, GIL-free part at that lower CPU
+priority (:func:`run_lowered`: Linux, a thread's own nice value, which the backend's compile
+threads started from it inherit), so a compile nobody waits for right now cannot take CPU time
+from the decode loop or from a compile a request waits for. Its Python part (keyword checks,
+conversion) stays at normal priority: a starved thread must never hold the GIL, or a lock,
+that a request's thread waits for.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 from ..errors import CompileQueueFullError, GrammarCompileError
 
-__all__ = ["CompilePool", "BACKGROUND_NICE"]
+__all__ = ["CompilePool", "BACKGROUND_NICE", "run_lowered"]
+
+T = TypeVar("T")
 
 #: The nice value of a background compile (:meth:`CompilePool.submit`): the lowest priority.
 BACKGROUND_NICE = 19
@@ -98,8 +102,7 @@ class CompilePool:
 
     def _run(self, job: Callable[[], object], future: Future, generation: int,
              nice: int) -> None:
-        if nice > 0:
-            lower_thread_priority(nice)
+        _job.nice = nice  # (what run_lowered() reads on this thread)
         with self._cv:
             while len(self._holding) >= self.slots and generation == self._generation:
                 self._cv.wait()
@@ -120,6 +123,34 @@ class CompilePool:
                 self._holding.discard(future)
                 self._abandoned.discard(future)
                 self._cv.notify()
+
+
+_job = threading.local()  # .nice: the priority the compile job on this thread asked for
+
+
+def run_lowered(fn: Callable[[], T]) -> T:
+    """``fn()`` at the lower priority the calling compile job was submitted with: on a thread
+    of its own that lowers its nice value first (this thread waits for it, holding no GIL);
+    called here, as is, for any other job or thread. For the GIL-free part of a compile
+    (xgrammar's C++ compile), which also starts the backend's own compile threads from it."""
+    nice = getattr(_job, "nice", 0)
+    if nice <= 0:
+        return fn()
+    box: dict[str, Any] = {}
+
+    def lowered() -> None:
+        lower_thread_priority(nice)
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the job's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=lowered, name="capgraph-compile-background", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 def lower_thread_priority(nice: int) -> bool:

@@ -5,10 +5,11 @@ returns a :class:`HandOverMatcherFactory` over an xgrammar and an llguidance fac
 llguidance compiles a guide in about a millisecond; xgrammar may take seconds, but fills a
 mask several times faster once compiled. So:
 
-- A regex or JSON-schema guide that xgrammar has not compiled yet (neither in its memory
-  cache nor on disk) is compiled by both: the compile handle completes as soon as llguidance
-  has it, while xgrammar's compile runs on in the background, at the lowest CPU priority (so
-  it takes no CPU time from llguidance's compiles and first masks, or from the decode loop).
+- A regex or JSON-schema guide that xgrammar has not compiled yet (its memory cache; a disk
+  entry loads in the background like a compile) is compiled by llguidance, and the compile
+  handle completes as soon as llguidance has it; xgrammar's compile starts then, in the
+  background, its C++ part at the lowest CPU priority (so it takes no CPU time from
+  llguidance's compiles and first masks, or from the decode loop).
   Its matcher is a :class:`HandOverMatcher`.
 - Every other guide goes to xgrammar alone: one xgrammar already compiled, a JSON guide
   (xgrammar's builtin grammar compiles at once), and the guide types whose text the two
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 import weakref
 from concurrent.futures import Future
@@ -255,8 +257,11 @@ class HandOverMatcherFactory(GrammarMatcherFactory):
         ``background`` asks for it)."""
         if params.guide_type not in HANDOVER_GUIDES or self.xgrammar_ready(params):
             return self.xgrammar.compile_async(params, background=background)
-        xhandle = self._start_xgrammar(params)
+        # llguidance first, alone: xgrammar's compile (and the Python work of its conversion)
+        # starts once llguidance has the guide, so it takes nothing from the time to first mask
         lhandle = self.llguidance.compile_async(params)
+        handles = [lhandle]
+        abandoned = threading.Event()  # the request gave up before llguidance landed
         out: Future[CompiledGuide] = Future()
 
         def xgrammar_alone(xf: Future, refused: BaseException) -> None:
@@ -269,14 +274,16 @@ class HandOverMatcherFactory(GrammarMatcherFactory):
                 _settle(out, error=_both_refused(refused, error, params))
 
         def llguidance_done(lf: Future) -> None:
+            if abandoned.is_set():  # nobody waits: start no xgrammar compile
+                return
             refused = lf.exception()
-            if refused is not None:  # xgrammar alone, or neither
+            if refused is not None:  # xgrammar alone (a request waits for it), or neither
+                xhandle = self.xgrammar.compile_async(params)
+                handles.append(xhandle)
                 xhandle.future.add_done_callback(lambda xf: xgrammar_alone(xf, refused))
                 return
-            xf = xhandle.future
-            if xf.done() and xf.exception() is None:  # xgrammar was the faster: no hand-over
-                _settle(out, result=xf.result())
-                return
+            xhandle = self._start_xgrammar(params)
+            handles.append(xhandle)
             compiled = lf.result()
             _settle(out, result=CompiledGuide(params, BACKEND, HandOverGuide(compiled, xhandle),
                                               compiled.nbytes, compiled.compile_s))
@@ -284,8 +291,9 @@ class HandOverMatcherFactory(GrammarMatcherFactory):
         lhandle.future.add_done_callback(llguidance_done)
 
         def gave_up(_: Future) -> None:
-            lhandle.give_up()
-            xhandle.give_up()
+            abandoned.set()
+            for handle in list(handles):
+                handle.give_up()
 
         return CompileHandle(out, params, gave_up)
 

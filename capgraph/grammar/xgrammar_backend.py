@@ -16,6 +16,7 @@ import xgrammar as xgr
 from ..errors import GrammarCompileError, NativeBuildError, UnsupportedGuideError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
+from .compile_pool import run_lowered
 from .converter_log import converter_warnings
 from .disk_cache import source_digest
 from .process_pool import ProcessCompilePool
@@ -412,11 +413,11 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
             refuse = self.config.json_unenforced_keywords != "ignore"
             if gt is GuideType.JSON:  # a JSON object or array, as on llguidance
                 if self.config.json_whitespace == "any":  # (twice as fast per step)
-                    compiled = self._compiler.compile_builtin_json_grammar()
+                    compiled = run_lowered(self._compiler.compile_builtin_json_grammar)
                 else:
                     grammar, _ = _converted(lambda: xgr.Grammar.from_json_schema(
                         JSON_CONTAINER_SCHEMA, strict_mode=False, **self._json_options))
-                    compiled = self._compiler.compile_grammar(grammar)
+                    compiled = run_lowered(lambda: self._compiler.compile_grammar(grammar))
             elif gt is GuideType.JSON_SCHEMA:
                 if refuse:
                     self._refuse_unenforced(guide)
@@ -424,11 +425,12 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                     lambda: xgr.Grammar.from_json_schema(guide, **self._json_options))
                 if warned and refuse:
                     _refuse("; ".join(f"xgrammar reported: {w}" for w in warned))
-                compiled = self._compiler.compile_grammar(_repair_length_strings(grammar))
+                repaired = _repair_length_strings(grammar)
+                compiled = run_lowered(lambda: self._compiler.compile_grammar(repaired))
             elif gt is GuideType.REGEX:
-                compiled = self._compiler.compile_regex(guide)
+                compiled = run_lowered(lambda: self._compiler.compile_regex(guide))
             elif gt is GuideType.EBNF_GRAMMAR:
-                compiled = self._compiler.compile_grammar(guide)
+                compiled = run_lowered(lambda: self._compiler.compile_grammar(guide))
             elif gt is GuideType.STRUCTURAL_TAG:
                 tag, placed = _resolve_tag_tokens(guide, self._special_ids_by_name)
                 if refuse:  # the JSON schemas a tag embeds: as JSON-schema guides
@@ -436,7 +438,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 grammar, warned = _converted(lambda: xgr.Grammar.from_structural_tag(tag))
                 if warned and refuse:
                     _refuse("; ".join(f"xgrammar reported: {w}" for w in warned))
-                compiled = self._compiler_placing(placed).compile_grammar(grammar)
+                compiler = self._compiler_placing(placed)
+                compiled = run_lowered(lambda: compiler.compile_grammar(grammar))
             else:  # pragma: no cover - GuideType is closed
                 raise UnsupportedGuideError("unknown guide type", guide_type=str(gt),
                                             backend=BACKEND)
