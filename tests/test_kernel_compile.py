@@ -183,11 +183,12 @@ static EmuDim3 blockIdx, threadIdx, gridDim;
 
 _DRIVER = """
 typedef void (*EmuKernel)(void*, long long, const unsigned*, long long, const int*, const int*,
-                          long long, long long, long long);
+                          long long, long long, long long, const void*, long long, long long);
 extern "C" void emu_launch(void* kernel, unsigned grid_x, unsigned grid_y, void* logits,
                            long long logits_stride, const unsigned* bitmask,
                            long long bitmask_stride, const int* token_mask, const int* d2t,
-                           long long rows, long long width, long long col_offset) {
+                           long long rows, long long width, long long col_offset,
+                           const void* indices, long long index_bytes, long long logits_rows) {
     EmuKernel k = (EmuKernel)kernel;
     gridDim = {grid_x, grid_y, 1};
     for (unsigned by = 0; by < grid_y; ++by)
@@ -196,7 +197,7 @@ extern "C" void emu_launch(void* kernel, unsigned grid_x, unsigned grid_y, void*
                 blockIdx = {bx, by, 0};
                 threadIdx = {t, 0, 0};
                 k(logits, logits_stride, bitmask, bitmask_stride, token_mask, d2t, rows, width,
-                  col_offset);
+                  col_offset, indices, index_bytes, logits_rows);
             }
 }
 """
@@ -221,6 +222,7 @@ def emulated(tmp_path_factory):
     so.emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
                               ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong,
                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
+                              ctypes.c_longlong, ctypes.c_longlong, ctypes.c_void_p,
                               ctypes.c_longlong, ctypes.c_longlong]
 
     def launch(plan):
