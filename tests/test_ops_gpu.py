@@ -202,14 +202,15 @@ def expect_cpu_rows(logits, bitmask, indices, token_mask=None, d2t=None, col_off
     return out
 
 
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("vocab", [32000, 128001, 151936])
+@pytest.mark.parametrize("vocab", [32000, 128001])
 @pytest.mark.parametrize("batch", [1, 64, 512])
-def test_indices_match_cpu(batch, vocab, dtype, index_dtype):
-    """Indices on the GPU (a random half of the rows, unsorted, int32 and int64) with a
-    compact bitmask and a token mask over it: bit-exact with the CPU implementation, the rows
-    not named untouched; also on a misaligned column slice with a d2t table."""
+def test_indices_match_cpu(batch, vocab, dtype):
+    """Indices on the GPU (a random half of the rows, unsorted; int32 at V=32000, int64 at
+    V=128001) with a compact bitmask and a token mask over it: bit-exact with the CPU
+    implementation, the rows not named untouched; also on a misaligned column slice with a
+    d2t table."""
+    index_dtype = torch.int32 if vocab == 32000 else torch.int64
     gen = torch.Generator(device="cuda").manual_seed(batch * 3 + vocab)
     chosen = torch.randperm(batch, generator=gen, device="cuda")[:max(1, batch // 2)]
     indices = chosen.to(index_dtype)
