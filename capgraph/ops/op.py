@@ -116,7 +116,7 @@ def _indices_tensor(indices: Sequence[int], device: torch.device) -> torch.Tenso
         raise _fail("indices", f"must hold ints, got {bad[0]!r} ({type(bad[0]).__name__})")
     try:
         host = torch.tensor(items, dtype=torch.int64)
-    except RuntimeError as e:  # an int past int64
+    except (RuntimeError, ValueError, OverflowError) as e:  # an int past int64
         raise _fail("indices", f"holds a value outside int64 ({e})") from None
     return host if device.type == "cpu" else host.to(device)
 
