@@ -70,17 +70,19 @@ def check(logits, bitmask, indices, token_mask=None, d2t=None, col_offset=0):
     assert masked.any() or not active, "the case masked nothing: it pins nothing"
 
 
-@pytest.mark.parametrize("index_form", ["list", "int64", "int32"])
+@pytest.mark.parametrize("index_form", ["list", "int64", "int32", "strided"])
 @pytest.mark.parametrize("vocab", [31, 33, 1000, 1001])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_indices_match_reference(dtype, vocab, index_form):
-    """Unsorted indices given as a list, an int64 and an int32 tensor mask exactly their rows
-    with the compact bitmask's rows in order, for every dtype and V not a multiple of 32."""
+    """Unsorted indices given as a list, an int64 and an int32 tensor, and a strided int32
+    view, mask exactly their rows with the compact bitmask's rows in order, for every dtype and
+    V not a multiple of 32."""
     g = torch.Generator().manual_seed(zlib.crc32(f"{dtype}{vocab}{index_form}".encode()))
     logits = random_logits(g, 7, vocab, dtype)
     rows = [5, 0, 3]
     indices = {"list": rows, "int64": torch.tensor(rows),
-               "int32": torch.tensor(rows, dtype=torch.int32)}[index_form]
+               "int32": torch.tensor(rows, dtype=torch.int32),
+               "strided": torch.tensor([5, 6, 0, 6, 3], dtype=torch.int32)[::2]}[index_form]
     check(logits, random_words(g, 3, words_per_row(vocab)), indices)
 
 
