@@ -5,6 +5,9 @@
 //   * with d2t:    draft id   g = col_offset + j, global (target) id t = g + d2t[g]
 // and is masked (written as -inf) where bit (t % 32) of word (t / 32) of bitmask row r is 0.
 // Rows whose token_mask entry is 0 are not touched. token_mask may be null.
+// Rows are mask rows: mask row r reads bitmask row r and token_mask[r] and masks logits row r,
+// or logits row indices[r] where indices is not null (int32 or int64 entries, index_bytes 4 or
+// 8); an index outside [0, logits_rows) is skipped, so a bad index never writes out of bounds.
 //
 // Grid: x = blocks along the row (each covers kThreads * kBitsPerThread columns), y = rows
 // (a grid-stride loop over rows past 65535). Each thread handles groups of kPack adjacent
@@ -92,7 +95,9 @@ __device__ __forceinline__ void mask_logits(E* __restrict__ logits, long long lo
                                             long long bitmask_row_stride,
                                             const int* __restrict__ token_mask,
                                             const int* __restrict__ d2t, long long rows,
-                                            long long width, long long col_offset) {
+                                            long long width, long long col_offset,
+                                            const void* __restrict__ indices,
+                                            long long index_bytes, long long logits_rows) {
     static_assert(kBitsPerThread % kPack == 0, "a thread handles whole packed groups");
     static_assert(int(sizeof(E)) * kPack <= 16, "at most 16 bytes per access");
     typedef Pack<E, kPack> PackT;
@@ -105,7 +110,16 @@ __device__ __forceinline__ void mask_logits(E* __restrict__ logits, long long lo
         if (token_mask != nullptr && token_mask[row] == 0) {
             continue;
         }
-        E* row_logits = logits + row * logits_row_stride;
+        long long logits_row = row;
+        if (indices != nullptr) {  // one load per row and block, outside the column loop
+            logits_row = index_bytes == 8 ? static_cast<const long long*>(indices)[row]
+                                          : static_cast<long long>(
+                                                static_cast<const int*>(indices)[row]);
+            if (logits_row < 0 || logits_row >= logits_rows) {
+                continue;
+            }
+        }
+        E* row_logits = logits + logits_row * logits_row_stride;
         const unsigned* row_words = bitmask + row * bitmask_row_stride;
 #pragma unroll
         for (int step = 0; step < kBitsPerThread / kPack; ++step) {
@@ -155,11 +169,13 @@ constexpr unsigned short kNegInfBF16 = 0xFF80u;
         E* __restrict__ logits, long long logits_row_stride,                                  \
         const unsigned* __restrict__ bitmask, long long bitmask_row_stride,                   \
         const int* __restrict__ token_mask, const int* __restrict__ d2t, long long rows,      \
-        long long width, long long col_offset) {                                              \
+        long long width, long long col_offset, const void* __restrict__ indices,              \
+        long long index_bytes, long long logits_rows) {                                       \
         capgraph::mask_logits<E, NEG_INF, BITS, PACK, D2T>(logits, logits_row_stride,         \
                                                            bitmask, bitmask_row_stride,       \
                                                            token_mask, d2t, rows, width,      \
-                                                           col_offset);                       \
+                                                           col_offset, indices, index_bytes,  \
+                                                           logits_rows);                      \
     }
 
 // one (dtype, bits, pack): the plain entry point and its d2t twin

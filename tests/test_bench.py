@@ -95,13 +95,14 @@ def test_tail_data_is_bundled_and_valid():
 
 
 def test_apply(tmp_path):
-    """apply: capgraph next to xgrammar's CPU applies, results checked equal before timing."""
+    """apply: capgraph (also through its indices argument) next to xgrammar's CPU applies,
+    results checked equal before timing."""
     doc = run_bench(tmp_path, "apply", "--batches", "1", "3", "--vocab", "4096", "--repeat", "2")
     assert {(r["dtype"], r["batch"]) for r in doc["rows"]} == {
         ("fp32", 1), ("fp32", 3), ("bf16", 1), ("bf16", 3)}
     for r in doc["rows"]:
         assert r["errors"] == {}, r["errors"]
-        for name in ("capgraph", "xgr_cpu", "xgr_torch_native"):
+        for name in ("capgraph", "capgraph_indices", "xgr_cpu", "xgr_torch_native"):
             assert r[name]["median_ms"] > 0
         assert r["ratio_vs_best_xgrammar"] > 0 and r["best_xgrammar"].startswith("xgr_")
 

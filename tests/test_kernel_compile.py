@@ -183,11 +183,12 @@ static EmuDim3 blockIdx, threadIdx, gridDim;
 
 _DRIVER = """
 typedef void (*EmuKernel)(void*, long long, const unsigned*, long long, const int*, const int*,
-                          long long, long long, long long);
+                          long long, long long, long long, const void*, long long, long long);
 extern "C" void emu_launch(void* kernel, unsigned grid_x, unsigned grid_y, void* logits,
                            long long logits_stride, const unsigned* bitmask,
                            long long bitmask_stride, const int* token_mask, const int* d2t,
-                           long long rows, long long width, long long col_offset) {
+                           long long rows, long long width, long long col_offset,
+                           const void* indices, long long index_bytes, long long logits_rows) {
     EmuKernel k = (EmuKernel)kernel;
     gridDim = {grid_x, grid_y, 1};
     for (unsigned by = 0; by < grid_y; ++by)
@@ -196,7 +197,7 @@ extern "C" void emu_launch(void* kernel, unsigned grid_x, unsigned grid_y, void*
                 blockIdx = {bx, by, 0};
                 threadIdx = {t, 0, 0};
                 k(logits, logits_stride, bitmask, bitmask_stride, token_mask, d2t, rows, width,
-                  col_offset);
+                  col_offset, indices, index_bytes, logits_rows);
             }
 }
 """
@@ -221,6 +222,7 @@ def emulated(tmp_path_factory):
     so.emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
                               ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong,
                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
+                              ctypes.c_longlong, ctypes.c_longlong, ctypes.c_void_p,
                               ctypes.c_longlong, ctypes.c_longlong]
 
     def launch(plan):
@@ -367,7 +369,8 @@ def test_launcher_host_path_with_a_fake_cuda_core(emulated, monkeypatch):
     a stream would, before the launcher's temporaries go) by the host emulation, which must
     give the reference result. Pins: torch's current stream is the
     launch stream, module load and SM count once per device, launch configs cached, a strided
-    token mask made dense, an int32-overflowing problem sent to the torch path."""
+    token mask and strided indices made dense, empty indices launch nothing, an
+    int32-overflowing problem sent to the torch path."""
     from types import SimpleNamespace
 
     launches, loads = [], []
@@ -418,6 +421,17 @@ def test_launcher_host_path_with_a_fake_cuda_core(emulated, monkeypatch):
         assert stream == ("stream", 0xABC) and config.block == THREADS_PER_BLOCK
         assert args[4] != token_mask.data_ptr()  # the strided mask was made dense
         assert torch.equal(bits(view), bits(expected)), (dtype, col_offset, use_d2t)
+    chosen = torch.tensor([5, 9, 0, 9, 3, 9])[::2]  # strided indices: made dense
+    parent, view = _logits(g, 6, 4000, torch.float32, "shift2")
+    bitmask = _random_bitmask(g, 3, words_per_row(4000))
+    expected = logits_bitmask_reference(view, bitmask, indices=[5, 0, 3])
+    kernel(view, bitmask, None, None, 0, chosen)
+    args = launches[-1][3]
+    assert args[-3] != chosen.data_ptr() and args[-2:] == (8, 6)
+    assert torch.equal(bits(view), bits(expected))
+    n = len(launches)
+    kernel(view, bitmask[:0], None, None, 0, chosen[:0])  # no mask rows: no launch
+    assert len(launches) == n
     assert loads == ["cubin:sm_90"]
     for _ in range(2):
         kernel(torch.zeros(2, 2048), torch.zeros(2, 64, dtype=torch.int32), None, None, 0)
@@ -428,3 +442,51 @@ def test_launcher_host_path_with_a_fake_cuda_core(emulated, monkeypatch):
     no_bits = torch.zeros(1, 1, dtype=torch.int32).expand(1, 2**26)  # metadata-sized only
     kernel(huge, no_bits, None, None, 2**31 - 64)
     assert len(launches) == n and torch.isneginf(huge).all()  # torch path, not the kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("col_offset,use_d2t", [(0, False), (29, False), (13, True)])
+def test_emulated_kernel_with_indices(emulated, dtype, index_dtype, col_offset, use_d2t):
+    """With indices the kernel masks logits row indices[i] with bitmask row i (and token_mask
+    entry i), reading int32 and int64 indices: bit-exact against the reference, rows not named
+    untouched, grid.y = len(indices)."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{dtype}{index_dtype}{col_offset}".encode()))
+    rows, width, chosen = 9, 2000, [7, 0, 4, 5]
+    parent, view = _logits(g, rows, width, dtype, "shift1")
+    indices = torch.tensor(chosen, dtype=index_dtype)
+    token_mask = torch.tensor([1, 1, 0, 1], dtype=torch.int32)
+    if use_d2t:
+        target = col_offset + width + 45
+        d2t = random_d2t(g, col_offset + width, target)
+        bitmask = _random_bitmask(g, len(chosen), words_per_row(target))
+    else:
+        d2t = None
+        bitmask = _random_bitmask(g, len(chosen), words_per_row(col_offset + width))
+    expected = logits_bitmask_reference(view, bitmask, token_mask, d2t, col_offset=col_offset,
+                                        indices=chosen)
+    before = parent.clone()
+    plan = plan_launch(view, bitmask, token_mask, d2t, col_offset, 132, indices)
+    assert plan.grid[1] == len(chosen)
+    assert plan.args[-3:] == (indices.data_ptr(), indices.element_size(), rows)
+    emulated(plan)
+    assert torch.equal(bits(view), bits(expected)), plan
+    for r in (1, 2, 3, 4, 6, 8):  # 4: named, but its token_mask entry is 0
+        assert torch.equal(bits(parent[r]), bits(before[r])), f"row {r} changed"
+    assert torch.equal(bits(parent[:, 0]), bits(before[:, 0]))
+
+
+def test_emulated_kernel_skips_out_of_range_indices(emulated):
+    """An index outside [0, rows) (a precondition the host cannot check on a GPU without a
+    sync) is skipped by the kernel: nothing is written outside the logits, in-range entries are
+    still masked."""
+    g = torch.Generator().manual_seed(47)
+    parent = torch.randn(12, 300, generator=g)
+    view = parent[:8]
+    before = parent.clone()
+    bitmask = torch.zeros(4, words_per_row(300), dtype=torch.int32)  # mask everything
+    indices = torch.tensor([6, -1, 8, 2])
+    emulated(plan_launch(view, bitmask, None, None, 0, 132, indices))
+    assert torch.isneginf(parent[6]).all() and torch.isneginf(parent[2]).all()
+    changed = [r for r in range(12) if not torch.equal(bits(parent[r]), bits(before[r]))]
+    assert changed == [2, 6]

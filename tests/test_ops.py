@@ -293,7 +293,7 @@ def _args(**over):
 BAD_ARGS = {
     "int_logits": (_args(logits=torch.zeros(2, 100, dtype=torch.int32)), "logits"),
     "float64_logits": (_args(logits=torch.zeros(2, 100, dtype=torch.float64)), "logits"),
-    "1d_logits": (_args(logits=torch.zeros(100)), "logits"),
+    "3d_logits": (_args(logits=torch.zeros(1, 2, 100)), "logits"),
     "column_stride": (_args(logits=torch.zeros(100, 2).t()), "logits"),
     "int64_bitmask": (_args(bitmask=torch.zeros(2, 4, dtype=torch.int64)), "bitmask"),
     "uint8_bitmask": (_args(bitmask=torch.zeros(2, 16, dtype=torch.uint8)), "bitmask"),

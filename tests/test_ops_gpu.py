@@ -192,3 +192,110 @@ def test_graph_capture_and_replay_with_new_inputs():
         torch.cuda.synchronize()
         for static, name in ((logits_a, "a"), (logits_b, "b"), (logits_c, "c")):
             assert torch.equal(bits(static.cpu()), bits(expected[name])), (step, name)
+
+
+def expect_cpu_rows(logits, bitmask, indices, token_mask=None, d2t=None, col_offset=0):
+    """The CPU implementation's result with indices."""
+    out = logits.cpu()
+    cpu = [None if t is None else t.cpu() for t in (bitmask, token_mask, d2t)]
+    logits_bitmask(out, *cpu, col_offset=col_offset, indices=indices.cpu())
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab", [32000, 128001])
+@pytest.mark.parametrize("batch", [1, 64, 512])
+def test_indices_match_cpu(batch, vocab, dtype):
+    """Indices on the GPU (a random half of the rows, unsorted; int32 at V=32000, int64 at
+    V=128001) with a compact bitmask and a token mask over it: bit-exact with the CPU
+    implementation, the rows not named untouched; also on a misaligned column slice with a
+    d2t table."""
+    index_dtype = torch.int32 if vocab == 32000 else torch.int64
+    gen = torch.Generator(device="cuda").manual_seed(batch * 3 + vocab)
+    chosen = torch.randperm(batch, generator=gen, device="cuda")[:max(1, batch // 2)]
+    indices = chosen.to(index_dtype)
+    n = indices.numel()
+    bitmask = random_bitmask(gen, n, words_per_row(vocab))
+    token_mask = torch.randint(0, 2, (n,), generator=gen, dtype=torch.int32, device="cuda")
+    logits = random_logits(gen, batch, vocab, dtype)
+    expected = expect_cpu_rows(logits, bitmask, indices, token_mask)
+    logits_bitmask(logits, bitmask, token_mask, indices=indices)
+    assert torch.equal(bits(logits.cpu()), bits(expected))
+
+    draft = vocab // 4
+    d2t = random_d2t(gen, draft, vocab, device="cuda")
+    parent = random_logits(gen, batch, draft, dtype, pad=3)
+    view = parent[:, 1:1 + draft - 5]
+    expected = expect_cpu_rows(view, bitmask, indices, token_mask, d2t, col_offset=5)
+    logits_bitmask(view, bitmask, token_mask, d2t, col_offset=5, indices=indices)
+    assert torch.equal(bits(view.cpu()), bits(expected))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_1d_logits_and_empty_indices(dtype):
+    """1-D logits (one row, 1-D bitmask) give the CPU result; empty indices change nothing."""
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    row = random_logits(gen, 1, 128001, dtype)[0]
+    words = random_bitmask(gen, 1, words_per_row(128001))[0]
+    expected = expect_cpu(row.unsqueeze(0), words.unsqueeze(0))[0]
+    logits_bitmask(row, words)
+    assert torch.equal(bits(row.cpu()), bits(expected))
+    logits = random_logits(gen, 4, 1000, dtype)
+    before = logits.clone()
+    logits_bitmask(logits, random_bitmask(gen, 0, 32),
+                   indices=torch.empty(0, dtype=torch.int64, device="cuda"))
+    assert torch.equal(bits(logits), bits(before))
+
+
+def test_indices_out_of_range_are_skipped():
+    """An index outside the logits' rows cannot be checked without a sync; the kernel skips it
+    and writes nothing outside the logits (the parent's other rows keep their bits)."""
+    gen = torch.Generator(device="cuda").manual_seed(19)
+    parent = random_logits(gen, 12, 4096, torch.float32)
+    before = parent.clone()
+    indices = torch.tensor([6, -1, 8, 2, 1 << 40], device="cuda")
+    logits_bitmask(parent[:8], torch.zeros(5, 128, dtype=torch.int32, device="cuda"),
+                   indices=indices)
+    changed = (bits(parent) != bits(before)).any(dim=1).nonzero().flatten().tolist()
+    assert set(changed) <= {2, 6} and torch.isneginf(parent[[2, 6]]).all()
+
+
+def test_indices_no_sync_no_allocation_and_graph_replay():
+    """With device indices a call neither synchronises nor allocates; captured in a CUDA
+    graph, replays with new logits, bitmask, token mask and indices contents give each step's
+    CPU result."""
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    rows, vocab, n = 32, 32000, 12
+    logits = torch.empty(rows, vocab, dtype=torch.bfloat16, device="cuda")
+    bitmask = torch.empty(n, words_per_row(vocab), dtype=torch.int32, device="cuda")
+    token_mask = torch.ones(n, dtype=torch.int32, device="cuda")
+    indices = torch.arange(n, dtype=torch.int32, device="cuda")
+    logits.copy_(random_logits(gen, rows, vocab, torch.bfloat16))
+    bitmask.copy_(random_bitmask(gen, n, words_per_row(vocab)))
+    logits_bitmask(logits, bitmask, token_mask, indices=indices)  # warm-up
+    torch.cuda.synchronize()
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits_bitmask(logits, bitmask, token_mask, indices=indices)
+        logits_bitmask(logits[:, 3:900], bitmask, token_mask, col_offset=3, indices=indices)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits_bitmask(logits, bitmask, token_mask, indices=indices)
+    for step in range(3):
+        new = random_logits(gen, rows, vocab, torch.bfloat16)
+        bm = random_bitmask(gen, n, words_per_row(vocab))
+        tm = torch.randint(0, 2, (n,), generator=gen, dtype=torch.int32, device="cuda")
+        chosen = torch.randperm(rows, generator=gen, device="cuda")[:n].to(torch.int32)
+        expected = expect_cpu_rows(new, bm, chosen, tm)
+        logits.copy_(new)
+        bitmask.copy_(bm)
+        token_mask.copy_(tm)
+        indices.copy_(chosen)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(logits.cpu()), bits(expected)), step

@@ -2,7 +2,9 @@
 
 For each dtype and batch B: logits ``[B, V]`` (randn), a random bitmask (every bit a coin flip,
 the worst case for per-element branches) and a token mask with every even row on (B = 1: its
-one row; larger B: half the rows); xgrammar gets the active rows as ``indices``. Every method's
+one row; larger B: half the rows); xgrammar gets the active rows as ``indices``, and so does
+capgraph's ``capgraph_indices`` case (the op's ``indices`` argument, a device tensor, with the
+compact bitmask of those rows, gathered before timing). Every method's
 result is checked bit for bit against capgraph's before timing. Each timed call starts from a
 fresh copy of the logits (the copy is not timed) and the methods take turns within each
 repetition, so a change of machine load hits all of them alike. Figures are medians per call.
@@ -74,6 +76,20 @@ def cpu_methods() -> dict[str, Callable]:
 
     return {"capgraph": ours, "capgraph_torch": ours_torch, "xgr_cpu": _xgrammar_backend("cpu"),
             "xgr_torch_native": _xgrammar_backend("torch_native")}
+
+
+def _indices_method(bitmask, indices: list[int]) -> Callable:
+    """capgraph's op with ``indices``: the active rows as a tensor on the bitmask's device and
+    their compact bitmask, both made here, outside the timed call."""
+    import torch
+
+    from capgraph.ops import logits_bitmask
+    rows = torch.tensor(indices, dtype=torch.int64).to(bitmask.device)
+    compact = bitmask[rows]
+
+    def ours_indices(logits, bitmask, token_mask, indices, vocab):
+        logits_bitmask(logits, compact, indices=rows)
+    return ours_indices
 
 
 def cuda_methods(xgrammar_cuda: bool = True) -> dict[str, Callable]:
@@ -173,6 +189,7 @@ def bench(device: str, batches, vocab: int, dtypes, repeat: int,
             methods = cpu_methods() if device == "cpu" else cuda_methods(xgrammar_cuda)
             original, bitmask, token_mask, indices = _inputs(batch, vocab, dtype_name, device,
                                                              gen)
+            methods["capgraph_indices"] = _indices_method(bitmask, indices)
             args = (bitmask, token_mask, indices, vocab)
             errors = _check(methods, original, args)
             work = original.clone()
@@ -195,11 +212,13 @@ def _ms(name: str) -> Callable[[dict], float | None]:
 CPU_COLUMNS = [Column("dtype", "dtype"), Column("batch", "B"), Column("active_rows", "active"),
                Column(_ms("capgraph"), "capgraph ms", ".3f"),
                Column(_ms("capgraph_torch"), "capgraph torch ms", ".3f"),
+               Column(_ms("capgraph_indices"), "capgraph idx ms", ".3f"),
                Column(_ms("xgr_cpu"), "xgr cpu ms", ".3f"),
                Column(_ms("xgr_torch_native"), "xgr torch ms", ".3f"),
                Column("ratio_vs_best_xgrammar", "capgraph/best", ".2f")]
 CUDA_COLUMNS = [Column("dtype", "dtype"), Column("batch", "B"), Column("active_rows", "active"),
                 Column(_ms("capgraph"), "capgraph ms", ".4f"),
+                Column(_ms("capgraph_indices"), "capgraph idx ms", ".4f"),
                 Column(_ms("xgr_cuda"), "xgr cuda ms", ".4f"),
                 Column(_ms("xgr_triton"), "xgr triton ms", ".4f"),
                 Column(_ms("xgr_torch_native"), "xgr torch ms", ".4f"),

@@ -1,9 +1,10 @@
 """The ``logits_bitmask`` op: masks logits in place from a token bitmask.
 
-``logits_bitmask`` checks its arguments and calls the torch custom op
-``torch.ops.capgraph.logits_bitmask``; its kernel is pure torch on every device until a
-dedicated CUDA backend (``capgraph/ops/cuda.py``) is present. ``logits_bitmask_reference`` is a
-brute-force copy of the semantics for tests.
+``logits_bitmask`` checks its arguments (2-D or 1-D logits, optional ``indices`` of the rows to
+mask) and calls the torch custom op ``torch.ops.capgraph.logits_bitmask``; its kernels are the
+C++ CPU mask (``cpu_mask``), the NVRTC-compiled CUDA kernel (``cuda``) and the torch code that
+serves wherever neither can (``torch_impl``). ``logits_bitmask_reference`` is a brute-force
+copy of the semantics for tests.
 """
 
 from __future__ import annotations

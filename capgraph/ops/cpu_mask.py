@@ -1,7 +1,8 @@
 """The CPU kernel of ``logits_bitmask`` in C++ (``csrc/cpu_mask.cc``): one pass over the logits.
 
 The torch code (:mod:`capgraph.ops.torch_impl`) makes five passes; this library's
-``apply_bitmask`` makes one, with AVX2 / AVX-512 clones where the CPU has them. It is a small
+``apply_bitmask`` makes one, with AVX2 / AVX-512 clones where the CPU has them;
+``apply_bitmask_indices`` is the same pass over chosen logits rows. It is a small
 library of its own (tvm-ffi's headers only), built on first use through :mod:`capgraph.jit`
 with the machine's C++ compiler and cached under ``$CAPGRAPH_CACHE_DIR/native``; nothing
 compiles at import.
@@ -19,7 +20,7 @@ from .. import jit
 from ..errors import NativeBuildError
 from ..params import native_build_env
 
-__all__ = ["cpu_apply", "load", "unavailable_reason"]
+__all__ = ["cpu_apply", "cpu_apply_indices", "load", "unavailable_reason"]
 
 _LIBRARY = "cpu_mask"
 _SOURCES = ("cpu_mask.cc",)
@@ -69,3 +70,17 @@ def cpu_apply() -> Any:
             except NativeBuildError:
                 _cpu_apply = False
     return _cpu_apply or None
+
+
+_cpu_apply_indices: Any = None
+
+
+def cpu_apply_indices() -> Any:
+    """The one-pass CPU mask over chosen rows, ``apply_bitmask_indices(logits, bitmask,
+    token_mask, col_offset, indices)`` (bitmask row ``i`` masks logits row ``indices[i]``;
+    arguments, index range and distinctness checked by :func:`capgraph.ops.logits_bitmask`),
+    or None where :func:`cpu_apply` is None."""
+    global _cpu_apply_indices
+    if _cpu_apply_indices is None:
+        _cpu_apply_indices = cpu_apply() is not None and load().apply_bitmask_indices
+    return _cpu_apply_indices or None

@@ -88,8 +88,10 @@ class LaunchPlan(NamedTuple):
     """One launch: entry point, grid ``(x, y)`` of 256-thread blocks, and kernel arguments.
 
     ``args`` follow the kernel signature: ``(logits, logits_row_stride, bitmask,
-    bitmask_row_stride, token_mask, d2t, rows, width, col_offset)``, pointers as ints (0 for
-    null). Every parameter is 64-bit on the device side, matching Python ints.
+    bitmask_row_stride, token_mask, d2t, rows, width, col_offset, indices, index_bytes,
+    logits_rows)``, pointers as ints (0 for null); ``rows`` counts mask rows (``len(indices)``
+    where indices are given), ``logits_rows`` the logits' rows. Every parameter is 64-bit on
+    the device side, matching Python ints.
     """
 
     kernel: str
@@ -123,19 +125,24 @@ def _bits_per_thread(rows: int, width: int, pack: int, sm_count: int) -> int:
 
 
 def plan_launch(logits: torch.Tensor, bitmask: torch.Tensor, token_mask: torch.Tensor | None,
-                d2t: torch.Tensor | None, col_offset: int, sm_count: int) -> LaunchPlan:
+                d2t: torch.Tensor | None, col_offset: int, sm_count: int,
+                indices: torch.Tensor | None = None) -> LaunchPlan:
     """The launch for these (already checked) arguments; reads metadata only, never data.
 
-    Preconditions (``kernel_fits``): ``rows >= 1``, ``width >= 1``, ``col_offset + width`` in
-    int32; ``token_mask`` and ``d2t`` contiguous.
+    Preconditions (``kernel_fits``): ``rows >= 1`` (mask rows: ``len(indices)`` where given),
+    ``width >= 1``, ``col_offset + width`` in int32; ``token_mask``, ``d2t`` and ``indices``
+    contiguous.
     """
-    rows, width = logits.shape
+    logits_rows, width = logits.shape
+    rows = logits_rows if indices is None else indices.size(0)
     pack = _pack_width(logits)
     bits = _bits_per_thread(rows, width, pack, sm_count)
     grid = (-(-width // (THREADS_PER_BLOCK * bits)), min(rows, _MAX_GRID_Y))
     args = (logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0),
             0 if token_mask is None else token_mask.data_ptr(),
-            0 if d2t is None else d2t.data_ptr(), rows, width, col_offset)
+            0 if d2t is None else d2t.data_ptr(), rows, width, col_offset,
+            0 if indices is None else indices.data_ptr(),
+            0 if indices is None else indices.element_size(), logits_rows)
     return LaunchPlan(kernel_name(logits.dtype, bits, pack, d2t is not None), grid, args)
 
 
@@ -287,7 +294,8 @@ class _DeviceKernels:
 
 class _CudaLogitsBitmask:
     """The callable :func:`load_kernel` returns: ``(logits, bitmask, token_mask, d2t,
-    col_offset) -> None``, arguments already checked by :func:`capgraph.ops.logits_bitmask`."""
+    col_offset, indices=None) -> None``, arguments already checked by
+    :func:`capgraph.ops.logits_bitmask`."""
 
     def __init__(self, core: Any) -> None:
         self._core = core
@@ -322,10 +330,12 @@ class _CudaLogitsBitmask:
 
     def __call__(self, logits: torch.Tensor, bitmask: torch.Tensor,
                  token_mask: torch.Tensor | None, d2t: torch.Tensor | None,
-                 col_offset: int) -> None:
+                 col_offset: int, indices: torch.Tensor | None = None) -> None:
+        if logits.numel() == 0 or (indices is not None and indices.numel() == 0):
+            return  # nothing to mask (and a grid of 0 rows is not a launch)
         if not kernel_fits(logits, col_offset):
             from .torch_impl import apply_logits_bitmask_
-            apply_logits_bitmask_(logits, bitmask, token_mask, d2t, col_offset)
+            apply_logits_bitmask_(logits, bitmask, token_mask, d2t, col_offset, indices)
             return
         # 1-D views with a stride are legal op arguments; the kernel indexes them densely
         # (a copy only for that unusual case).
@@ -333,21 +343,24 @@ class _CudaLogitsBitmask:
             token_mask = token_mask.contiguous()
         if d2t is not None and d2t.stride(0) != 1:
             d2t = d2t.contiguous()
+        if indices is not None and indices.stride(0) != 1:
+            indices = indices.contiguous()
         index = logits.device.index
         if index is None:
             index = torch.cuda.current_device()
         if index != torch.cuda.current_device():
             with torch.cuda.device(index):  # makes that device's primary context current
-                self._launch(index, logits, bitmask, token_mask, d2t, col_offset)
+                self._launch(index, logits, bitmask, token_mask, d2t, col_offset, indices)
             return
         self._ensure_context(index)
-        self._launch(index, logits, bitmask, token_mask, d2t, col_offset)
+        self._launch(index, logits, bitmask, token_mask, d2t, col_offset, indices)
 
     def _launch(self, index: int, logits: torch.Tensor, bitmask: torch.Tensor,
                 token_mask: torch.Tensor | None, d2t: torch.Tensor | None,
-                col_offset: int) -> None:
+                col_offset: int, indices: torch.Tensor | None) -> None:
         kernels = self.device(index)
-        plan = plan_launch(logits, bitmask, token_mask, d2t, col_offset, kernels.sm_count)
+        plan = plan_launch(logits, bitmask, token_mask, d2t, col_offset, kernels.sm_count,
+                           indices)
         stream = kernels.stream(torch.cuda.current_stream(index))
         self._core.launch(stream, kernels.config(plan.grid), kernels.kernels[plan.kernel],
                           *plan.args)

@@ -1,7 +1,8 @@
 """``logits_bitmask``: the public function, its argument checks and the registered op.
 
 The op is ``torch.ops.capgraph.logits_bitmask`` (schema ``(Tensor(a!) logits, Tensor bitmask,
-Tensor? token_mask, Tensor? d2t, SymInt col_offset) -> ()``) with a fake kernel, so that
+Tensor? token_mask, Tensor? d2t, SymInt col_offset, Tensor? indices=None) -> ()``, 2-D logits
+only) with a fake kernel, so that
 ``torch.compile(fullgraph=True)`` traces through it (logits functionalised as mutated). On CPU
 its kernel is vectorised torch (:mod:`capgraph.ops.torch_impl`). On CUDA tensors the first call
 imports :mod:`capgraph.ops.cuda`, which compiles ``csrc/logits_bitmask.cu`` through NVRTC (cached
@@ -15,37 +16,49 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-from typing import Callable
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from ..bitmask import BITS_PER_WORD, bitmask_dtype, d2t_dtype, token_mask_dtype
 from ..errors import TensorArgError
 from .torch_impl import apply_logits_bitmask_
 
-__all__ = ["logits_bitmask", "logits_bitmask_op"]
+__all__ = ["logits_bitmask", "logits_bitmask_op", "index_dtypes"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: dtypes an ``indices`` tensor may have (a list of ints becomes int64).
+index_dtypes = (torch.int32, torch.int64)
 
 
 def logits_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
                    token_mask: torch.Tensor | None = None, d2t: torch.Tensor | None = None,
-                   *, col_offset: int = 0) -> None:
+                   *, col_offset: int = 0,
+                   indices: torch.Tensor | Sequence[int] | None = None) -> None:
     """Set the logits of disallowed tokens to -inf, in place. Returns None.
 
     Graph-safe: on CUDA it launches work on the current stream and never synchronises with the
-    host, so it may be captured in a CUDA graph. On CPU a token mask is read on the host to skip
-    inactive rows.
+    host, so it may be captured in a CUDA graph (``indices`` then given as a CUDA tensor). On
+    CPU a token mask is read on the host to skip inactive rows.
+
+    The mask rows are the bitmask rows the call reads: row ``i`` of the bitmask (and entry
+    ``i`` of ``token_mask``) masks logits row ``i``, or logits row ``indices[i]`` where
+    ``indices`` is given.
 
     Args:
-        logits: ``[rows, W]`` float32/float16/bfloat16, unit column stride; any row stride
-            (a column slice of a wider tensor or every other row is fine). Written through the
-            view; masked entries become exactly -inf, every other entry keeps its bits.
-        bitmask: ``[>= rows, words]`` int32, unit column stride, any row stride. Bit ``b`` of
-            word ``w`` (LSB first, xgrammar's layout) is global id ``32*w + b``; 1 = allowed.
-            Rows past ``rows`` are ignored.
-        token_mask: ``[>= rows]`` int32 or None. Row ``r`` is left untouched where
-            ``token_mask[r] == 0``; None masks every row. Entries past ``rows`` are ignored.
+        logits: ``[rows, W]``, or ``[W]`` for a single row; float32/float16/bfloat16, unit
+            column stride; any row stride (a column slice of a wider tensor or every other row
+            is fine). Written through the view; masked entries become exactly -inf, every other
+            entry keeps its bits.
+        bitmask: ``[mask_rows, words]`` int32, unit column stride, any row stride (``[words]``
+            also accepted with 1-D logits). Bit ``b`` of word ``w`` (LSB first, xgrammar's
+            layout) is global id ``32*w + b``; 1 = allowed. Without ``indices`` it needs
+            ``>= rows`` rows (rows past ``rows`` are ignored); with ``indices`` exactly
+            ``len(indices)`` rows.
+        token_mask: ``[>= mask_rows]`` int32 or None. Mask row ``i`` is skipped (its logits row
+            left untouched) where ``token_mask[i] == 0``; None masks every row. Entries past
+            the mask rows are ignored.
         d2t: None, or the FULL draft-to-target table: ``[draft_vocab]`` int32, draft id ``g``
             is target id ``g + d2t[g]`` (EAGLE-3 convention).
         col_offset: global id of logits column 0.
@@ -59,35 +72,88 @@ def logits_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
               row. Requires ``len(d2t) >= col_offset + W`` and every such target id in
               ``[0, 32*words)``; the target range is checked on CPU (one reduction), and is a
               precondition on other devices (checking it there would synchronise).
+        indices: None (every logits row), or the logits rows to mask: a 1-D int32/int64 tensor
+            on the logits' device, or a sequence of ints, distinct, each in ``[0, rows)``;
+            other rows are untouched and empty indices mask nothing. Unlike xgrammar's
+            ``apply_token_bitmask_inplace(..., indices=)``, which masks logits row ``k`` with
+            bitmask row ``k``, the bitmask here is compact: its row ``i`` belongs to logits
+            row ``indices[i]`` (xgrammar's call is this one with ``bitmask[indices]``). Range
+            and distinctness are checked on CPU; on other devices they are a precondition (a
+            check would synchronise): the CUDA kernel skips an out-of-range index, and of
+            duplicates any one row's mask may win. A sequence is copied to the device on each
+            call (not capturable); pass a device tensor inside a CUDA graph.
 
     Raises:
         TensorArgError: naming the argument and the values received.
     """
-    _check_args(logits, bitmask, token_mask, d2t, col_offset)
-    logits_bitmask_op(logits, bitmask, token_mask, d2t, col_offset)
+    if indices is not None and not isinstance(indices, torch.Tensor):
+        indices = _indices_tensor(indices, logits.device)
+    if logits.dim() == 1:
+        if indices is not None:
+            raise _fail("indices", "must be None with 1-D logits (one row): pass 2-D logits "
+                        "[rows, W] to choose rows")
+        logits = logits.unsqueeze(0)  # a view: the op writes through it
+        if bitmask.dim() == 1:
+            bitmask = bitmask.unsqueeze(0)
+    _check_args(logits, bitmask, token_mask, d2t, col_offset, indices)
+    logits_bitmask_op(logits, bitmask, token_mask, d2t, col_offset, indices)
 
 
 def _fail(arg: str, problem: str) -> TensorArgError:
     return TensorArgError(f"logits_bitmask: {arg} {problem}")
 
 
+def _indices_tensor(indices: Sequence[int], device: torch.device) -> torch.Tensor:
+    """A sequence of row indices as an int64 tensor on ``device``; anything but ints is refused
+    here (torch would turn floats and bools into numbers silently)."""
+    try:
+        items = list(indices)
+    except TypeError:
+        raise _fail("indices", f"must be a tensor or a sequence of ints, got "
+                    f"{type(indices).__name__}") from None
+    bad = [x for x in items if isinstance(x, bool) or not isinstance(x, (int, np.integer))]
+    if bad:
+        raise _fail("indices", f"must hold ints, got {bad[0]!r} ({type(bad[0]).__name__})")
+    try:
+        host = torch.tensor(items, dtype=torch.int64)
+    except (RuntimeError, ValueError, OverflowError) as e:  # an int past int64
+        raise _fail("indices", f"holds a value outside int64 ({e})") from None
+    return host if device.type == "cpu" else host.to(device)
+
+
 def _check_args(logits: torch.Tensor, bitmask: torch.Tensor, token_mask: torch.Tensor | None,
-                d2t: torch.Tensor | None, col_offset: int) -> None:
+                d2t: torch.Tensor | None, col_offset: int,
+                indices: torch.Tensor | None = None) -> None:
     """Metadata checks only: no data is read, so nothing synchronises."""
     if logits.dtype not in _FLOAT_DTYPES:
         raise _fail("logits", f"must be float32, float16 or bfloat16, got {logits.dtype}")
     if logits.dim() != 2:
-        raise _fail("logits", f"must be 2-D [rows, W], got shape {tuple(logits.shape)}")
+        raise _fail("logits", f"must be 2-D [rows, W] or 1-D [W], got shape "
+                    f"{tuple(logits.shape)}")
     rows, width = logits.shape
     if width > 1 and logits.stride(1) != 1:
         raise _fail("logits", f"must have unit column stride, got strides {logits.stride()}")
     if bitmask.dtype != bitmask_dtype:
         raise _fail("bitmask", f"must be int32, got {bitmask.dtype}")
     if bitmask.dim() != 2:
-        raise _fail("bitmask", f"must be 2-D [rows, words], got shape {tuple(bitmask.shape)}")
+        raise _fail("bitmask", f"must be 2-D [rows, words] (or 1-D [words] with 1-D logits), "
+                    f"got shape {tuple(bitmask.shape)}")
     if bitmask.size(1) > 1 and bitmask.stride(1) != 1:
         raise _fail("bitmask", f"must have unit column stride, got strides {bitmask.stride()}")
-    if bitmask.size(0) < rows:
+    mask_rows = rows
+    if indices is not None:
+        if indices.dtype not in index_dtypes:
+            raise _fail("indices", f"must be int32 or int64, got {indices.dtype}")
+        if indices.dim() != 1:
+            raise _fail("indices", f"must be 1-D [n], got shape {tuple(indices.shape)}")
+        if indices.device != logits.device:
+            raise _fail("indices", f"is on {indices.device}, logits on {logits.device}")
+        mask_rows = indices.size(0)
+        if bitmask.size(0) != mask_rows:
+            raise _fail("bitmask", f"has {bitmask.size(0)} rows, but indices has {mask_rows} "
+                        f"entries: with indices, bitmask row i masks logits row indices[i] "
+                        f"(for xgrammar's layout, pass bitmask[indices])")
+    elif bitmask.size(0) < rows:
         raise _fail("bitmask", f"has {bitmask.size(0)} rows, fewer than logits' {rows}")
     if col_offset < 0:
         raise _fail("col_offset", f"must be >= 0, got {col_offset}")
@@ -107,12 +173,28 @@ def _check_args(logits: torch.Tensor, bitmask: torch.Tensor, token_mask: torch.T
     if token_mask is not None:
         if token_mask.dtype != token_mask_dtype:
             raise _fail("token_mask", f"must be int32, got {token_mask.dtype}")
-        if token_mask.dim() != 1 or token_mask.size(0) < rows:
-            raise _fail("token_mask", f"must be 1-D with >= {rows} entries, got shape "
+        if token_mask.dim() != 1 or token_mask.size(0) < mask_rows:
+            raise _fail("token_mask", f"must be 1-D with >= {mask_rows} entries, got shape "
                         f"{tuple(token_mask.shape)}")
     for name, t in (("bitmask", bitmask), ("token_mask", token_mask), ("d2t", d2t)):
         if t is not None and t.device != logits.device:
             raise _fail(name, f"is on {t.device}, logits on {logits.device}")
+
+
+def _check_indices_values(indices: torch.Tensor, rows: int) -> None:
+    """On CPU: every index lies in [0, rows) and none repeats (the C++ mask trusts both)."""
+    values = indices.numpy()
+    lo, hi = int(values.min()), int(values.max())
+    if lo < 0 or hi >= rows:
+        bad = lo if lo < 0 else hi
+        where = int(np.flatnonzero(values == bad)[0])
+        raise _fail("indices", f"entry {where} is {bad}, outside the logits' rows [0, {rows})")
+    seen = np.bincount(values, minlength=rows)
+    if values.size > 1 and seen.max() > 1:
+        row = int(np.flatnonzero(seen > 1)[0])
+        where = np.flatnonzero(values == row)[:2].tolist()
+        raise _fail("indices", f"names logits row {row} twice (entries {where[0]} and "
+                    f"{where[1]}): each row may be masked once")
 
 
 def _check_d2t_targets(d2t: torch.Tensor, col_offset: int, width: int, words: int) -> None:
@@ -139,30 +221,33 @@ def _cuda_kernel() -> Callable[..., None] | None:
 # 131k-row apply; a plain kernel registration costs ~1.6 us.
 _LIB = torch.library.Library("capgraph", "FRAGMENT")
 _LIB.define("logits_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor? token_mask, "
-            "Tensor? d2t, SymInt col_offset) -> ()")
+            "Tensor? d2t, SymInt col_offset, Tensor? indices=None) -> ()")
 
 
 def _logits_bitmask_kernel(logits: torch.Tensor, bitmask: torch.Tensor,
                            token_mask: torch.Tensor | None, d2t: torch.Tensor | None,
-                           col_offset: int) -> None:
+                           col_offset: int, indices: torch.Tensor | None = None) -> None:
     """The kernel of every real device; arguments already checked by :func:`logits_bitmask`."""
-    if logits.numel() == 0:
+    if logits.numel() == 0 or (indices is not None and indices.numel() == 0):
         return
     if logits.device.type == "cuda":
         kernel = _cuda_kernel()
         if kernel is not None:
-            kernel(logits, bitmask, token_mask, d2t, col_offset)
+            kernel(logits, bitmask, token_mask, d2t, col_offset, indices)
             return
-    elif d2t is not None and logits.device.type == "cpu":
-        _check_d2t_targets(d2t, col_offset, logits.size(1), bitmask.size(1))
-    apply_logits_bitmask_(logits, bitmask, token_mask, d2t, col_offset)
+    elif logits.device.type == "cpu":
+        if d2t is not None:
+            _check_d2t_targets(d2t, col_offset, logits.size(1), bitmask.size(1))
+        if indices is not None:
+            _check_indices_values(indices, logits.size(0))
+    apply_logits_bitmask_(logits, bitmask, token_mask, d2t, col_offset, indices)
 
 
 _LIB.impl("logits_bitmask", _logits_bitmask_kernel, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("capgraph::logits_bitmask", lib=_LIB)
-def _logits_bitmask_fake(logits, bitmask, token_mask, d2t, col_offset) -> None:
+def _logits_bitmask_fake(logits, bitmask, token_mask, d2t, col_offset, indices=None) -> None:
     return None
 
 

@@ -12,6 +12,8 @@ allocate no scratch. On CPU a token mask is read through NumPy and only runs of 
 touched; on other devices nothing reads data back to the host (inactive rows get an all-ones
 keep), so the path never synchronises and may be captured in a CUDA graph.
 
+With ``indices`` the blocks run over the bitmask's rows and gather/scatter their logits rows.
+
 Precondition: arguments checked by :func:`capgraph.ops.logits_bitmask`.
 """
 
@@ -23,7 +25,7 @@ import threading
 import numpy as np
 import torch
 
-from .cpu_mask import cpu_apply
+from .cpu_mask import cpu_apply, cpu_apply_indices
 
 __all__ = ["apply_logits_bitmask_", "apply_logits_bitmask_torch_"]
 
@@ -94,22 +96,36 @@ def _scalar(value: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 
 def apply_logits_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
                           token_mask: torch.Tensor | None, d2t: torch.Tensor | None,
-                          col_offset: int) -> None:
+                          col_offset: int, indices: torch.Tensor | None = None) -> None:
     """Mask ``logits`` in place (semantics: :func:`capgraph.ops.logits_bitmask`)."""
     if (d2t is None and logits.device.type == "cpu" and logits.stride(1) == 1
-            and bitmask.stride(1) == 1 and (token_mask is None or token_mask.stride(0) == 1)):
-        native = cpu_apply()  # the same, in one pass over the logits (csrc/cpu_mask.cc)
-        if native is not None:
-            native(logits, bitmask, token_mask, col_offset)
-            return
-    apply_logits_bitmask_torch_(logits, bitmask, token_mask, d2t, col_offset)
+            and bitmask.stride(1) == 1 and (token_mask is None or token_mask.stride(0) == 1)
+            and (indices is None or indices.stride(0) == 1)):
+        # the same, in one pass over the logits (csrc/cpu_mask.cc)
+        if indices is None:
+            native = cpu_apply()
+            if native is not None:
+                native(logits, bitmask, token_mask, col_offset)
+                return
+        else:
+            native = cpu_apply_indices()
+            if native is not None:
+                native(logits, bitmask, token_mask, col_offset, indices)
+                return
+    apply_logits_bitmask_torch_(logits, bitmask, token_mask, d2t, col_offset, indices)
 
 
 def apply_logits_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor,
                                 token_mask: torch.Tensor | None, d2t: torch.Tensor | None,
-                                col_offset: int) -> None:
-    """The torch code of :func:`apply_logits_bitmask_` (any device, d2t, no compiler)."""
-    rows, width = logits.shape
+                                col_offset: int, indices: torch.Tensor | None = None) -> None:
+    """The torch code of :func:`apply_logits_bitmask_` (any device, d2t, no compiler).
+
+    With ``indices`` the blocks run over the mask rows (bitmask row ``i`` for logits row
+    ``indices[i]``): each block's logits rows are gathered, masked and scattered back; indices
+    are distinct (checked on CPU, a precondition elsewhere), so the scatter is exact.
+    """
+    width = logits.size(1)
+    rows = logits.size(0) if indices is None else indices.size(0)  # mask rows
     if rows == 0 or width == 0:
         return
     int_dtype, neg_inf_bits = _INT_VIEW[logits.dtype]
@@ -151,6 +167,8 @@ def apply_logits_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor,
     neg_inf = _scalar(neg_inf_bits, int_dtype, device)
     sign = _scalar(31, torch.int32, device)
     logits_int = logits.view(int_dtype)
+    if indices is not None and indices.dtype != torch.int64:
+        indices = indices.long()  # index_copy_ takes int64 only
     for start, end in spans:
         n = end - start
         if d2t is None:
@@ -165,7 +183,13 @@ def apply_logits_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor,
         keep.bitwise_right_shift_(sign)  # arithmetic: sign bit -> all ones / all zeros
         if narrow is not None:
             keep = narrow[:n * width].view(n, width).copy_(keep)
-        block = logits_int[start:end]
+        if indices is None:
+            block = logits_int[start:end]
+        else:
+            rows_of_block = indices[start:end]
+            block = logits_int.index_select(0, rows_of_block)  # [n, width], a copy
         block.bitwise_xor_(neg_inf)
         block.bitwise_and_(keep)
         block.bitwise_xor_(neg_inf)
+        if indices is not None:
+            logits_int.index_copy_(0, rows_of_block, block)
