@@ -389,7 +389,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
         self.num_accepted_tokens[:counts.shape[0]].copy_(counts, non_blocking=True)
         with_nodes = accepted_draft_nodes is not None
-        if with_nodes:
+        if accepted_draft_nodes is not None:
             nodes = self._per_request("accepted_draft_nodes", accepted_draft_nodes)
             self.accepted_draft_nodes[:nodes.shape[0]].copy_(nodes, non_blocking=True)
         self._streams.record_tokens()

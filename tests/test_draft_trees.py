@@ -375,3 +375,30 @@ def test_draft_tree_batches_agree_across_strategies(factory, tekken):
             GuidedRequest.generation(1, 1, cases[1].params, texts[1][0],
                                      draft_tokens=texts[1][1:4])]
     assert_steps_agree(decs, step, 3)
+
+
+def test_readme_tree_example_runs():
+    """The README's draft-tree example runs after its decode-loop example, as printed, with
+    no failure, and after its rollback the matcher stands where a fresh one fed the accepted
+    tokens does (the next step's row 0 equals that matcher's mask after the bonus token)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    first = re.search(r"## Using it in a decode loop\s+```python\n(.*?)```", readme, re.S)
+    tree = re.search(r"Draft trees \(EAGLE-style.*?```python\n(.*?)```", readme, re.S)
+    assert first and tree, "the README lost its decode-loop or draft-tree example"
+    namespace: dict = {}
+    exec(compile(first.group(1), "README.md", "exec"), namespace)
+    exec(compile(tree.group(1), "README.md", "exec"), namespace)
+    dec, text = namespace["decoder"], namespace["text"]
+    assert namespace["failed"] == []
+    assert dec.num_advanced_tokens[0] == 4
+    V = dec.vocab_size_padded
+    dec.execute(torch.zeros(5, V))
+    fresh = dec.grammar_matcher_factory.create(namespace["schema"])
+    for t in text[:5]:
+        assert fresh.accept_token(t)
+    row = allocate_host_bitmask(1, V)
+    fresh.fill_next_token_bitmask(row, 0)
+    assert dec.token_mask_host[0] and torch.equal(dec.bitmask_host[0], row[0])

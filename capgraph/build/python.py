@@ -128,8 +128,8 @@ def select(requests: GuidedRequests, state: SlotState
                 outcomes.append(fault(i, e))
                 continue
             if parents is not None:
-                trees.append((i, slot, matcher, offset, req_drafts[:len(parents)], parents,
-                              token))
+                trees.append((i, slot, matcher, offset,
+                              cast("list[int]", req_drafts)[:len(parents)], parents, token))
                 continue
             add_index(i)
             add_slot(slot)
@@ -344,29 +344,33 @@ class PythonBuild(HostBuild):
                 outcomes.append((i, Status.DEAD_END, None))
                 return
             n = len(tokens)
+            if budget and (elapsed := perf_counter() - start) > budget:
+                outcomes.append(self._over_budget(i, slot, range(offset, offset + 1 + n),
+                                                  elapsed))
+                return
             children: list[list[int]] = [[] for _ in range(n + 1)]  # [parent + 1]: its nodes
             for j in range(n):
                 children[parents[j] + 1].append(j)
             stops = state.stop_ids
             path = [iter(children[0])]  # per node on the matcher's path, its children to visit
             while path:
-                j = next(path[-1], None)
-                if j is None:
+                node = next(path[-1], None)
+                if node is None:
                     path.pop()
                     if path:  # leave the node whose subtree is done
                         matcher.rollback(1)
                     continue
-                if not matcher.accept_token(tokens[j]):
+                if not matcher.accept_token(tokens[node]):
                     continue  # the draft left the grammar: its subtree stays unguided
-                if (tokens[j] in stops and matcher.is_terminated()) or \
-                        not self._fill_node(matcher, offset + 1 + j, slot):
+                if (tokens[node] in stops and matcher.is_terminated()) or \
+                        not self._fill_node(matcher, offset + 1 + node, slot):
                     matcher.rollback(1)  # a stop token or a dead position: no row below it
                     continue
                 if budget and (elapsed := perf_counter() - start) > budget:
                     outcomes.append(self._over_budget(i, slot, range(offset, offset + 1 + n),
                                                       elapsed))
                     return
-                path.append(iter(children[j + 1]))
+                path.append(iter(children[node + 1]))
         except Exception as e:
             state.token_mask_np[offset:offset + 1 + len(tokens)] = 0
             state.num_guided_tokens[slot] = 0
