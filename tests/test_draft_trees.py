@@ -402,3 +402,12 @@ def test_readme_tree_example_runs():
     row = allocate_host_bitmask(1, V)
     fresh.fill_next_token_bitmask(row, 0)
     assert dec.token_mask_host[0] and torch.equal(dec.bitmask_host[0], row[0])
+
+
+def test_llguidance_tree_rows_equal_brute_force(factory_cache):
+    """The same brute-force check on the llguidance backend (whose matcher counts its own
+    termination in rollback), over a JSON schema and a regex."""
+    pytest.importorskip("llguidance", reason="the llguidance extra is not installed")
+    factory = factory_cache("tekken", "llguidance")
+    dec = GuidedDecoder(factory.config, 2, K, factory=factory)
+    run(factory, 5, ["json_schema_tool", "regex_phone"], [dec], check_brute_force=True)
