@@ -13,6 +13,8 @@ import random
 import pytest
 import torch
 
+import hostfunc
+
 from capgraph import GuideType
 from capgraph.bitmask import allocate_host_bitmask
 from capgraph.capturable import CapturableGuidedDecoder
@@ -144,14 +146,23 @@ def make_sequences(factory, case_names: list[str]) -> list[Sequence]:
 
 
 def run(factory, seed: int, case_names: list[str], decoders, check_brute_force: bool,
-        capturable: CapturableGuidedDecoder | None = None) -> None:
+        capturable: CapturableGuidedDecoder | None = None, graphed: bool = False) -> None:
     """Drive ``decoders`` (eager) and ``capturable`` (tokens from the token tensor, accepted
-    nodes from a tensor) through the sequences' steps; every decoder's masked logits must
-    agree, and (``check_brute_force``) every row must equal the brute force's."""
+    nodes from a tensor; ``graphed``: its step captured once in a HostGraph and replayed)
+    through the sequences' steps; every decoder's masked logits must agree, and
+    (``check_brute_force``) every row must equal the brute force's."""
     rng = random.Random(seed)
     seqs = make_sequences(factory, case_names)
     V = factory.config.vocab_size_padded
     S = len(seqs)
+    graph = static = None
+    if capturable is not None and graphed:
+        static = torch.zeros(S * (K + 1), V)
+        capturable.add_batch([GuidedRequest.placeholder(-1 - i, K) for i in range(S)],
+                             runtime_draft_len=K)  # shapes for the capture
+        graph = hostfunc.HostGraph()
+        with hostfunc.capture(graph):
+            capturable.execute(static)
     step = 0
     while not all(s.done for s in seqs):
         live = [s for s in seqs if not s.done]
@@ -184,8 +195,15 @@ def run(factory, seed: int, case_names: list[str], decoders, check_brute_force: 
                     torch.tensor([r.num_accepted_draft_tokens + 1 for r in reqs]),
                     torch.tensor([-1 if r.accepted_draft_node is None else r.accepted_draft_node
                                   for r in reqs]))
-            out = logits.clone()
-            capturable.execute(out)
+            if graph is not None:
+                static.zero_()
+                static[:logits.shape[0]].copy_(logits)
+                graph.replay()
+                hostfunc.drain()
+                out = static[:logits.shape[0]].clone()
+            else:
+                out = logits.clone()
+                capturable.execute(out)
             assert capturable.take_failed_requests() == [], f"step {step}"
             n = capturable.requests.num_bitmask_tokens
             results.append((out, capturable.token_mask_host[:n].clone(),
@@ -219,6 +237,8 @@ def run(factory, seed: int, case_names: list[str], decoders, check_brute_force: 
     for dec in decoders + ([capturable] if capturable is not None else []):
         for s in seqs:
             assert dec.grammar_matchers[s.slot].is_terminated(), s.case.name
+    if graph is not None:
+        graph.reset()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -247,6 +267,20 @@ def test_native_and_capturable_equal_python_on_trees(factory, seed):
         run(factory, seed, names, decs, check_brute_force=False, capturable=capt)
     finally:
         capt.close()
+
+
+def test_capturable_hostgraph_replay_equals_eager_on_trees(factory):
+    """The capturable decoder's step captured once in a HostGraph and replayed each step
+    (tree tokens from the token tensor, parents from the requests, accepted nodes through
+    rollback_rejected_batch) masks every logit as the eager decoder does."""
+    eager = GuidedDecoder(factory.config, 2, K, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, 2, K, factory=factory)
+    try:
+        run(factory, 6, ["json_schema_order", "regex_phone"], [eager], check_brute_force=False,
+            capturable=capt, graphed=True)
+    finally:
+        capt.close()
+    assert hostfunc.live_entries() == 0
 
 
 def test_chain_given_as_tree_equals_the_chain(factory, tekken):
