@@ -579,7 +579,8 @@ class GuidedDecoder:
         (a second call keeps nothing more)."""
         if tokens is None:
             return
-        node, accepted = req.accepted_draft_node, req.num_accepted_draft_tokens
+        node = getattr(req, "accepted_draft_node", None)  # (an object without tree fields)
+        accepted = req.num_accepted_draft_tokens
         index = as_int(node) if node is not None else (-1 if accepted in (None, 0) else None)
         if index is None or not -1 <= index < len(tokens):
             self._record_failed([self._fail(req, RequestError(
