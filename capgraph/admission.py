@@ -3,7 +3,8 @@
 :class:`Admission` holds, per slot, the guide its matcher is (being) created for, in
 ``add_batch`` order (the matcher itself may be created later, by a host callback). A request
 passes when its fields have the exact types the build reads and, where it advances a matcher,
-it carries its slot's guide. A request that fails is replaced by an unguided stand-in with the
+it carries its slot's guide; a draft tree's parents must form a tree (each parent an earlier
+node or -1), and the number of its nodes must match its draft tokens. A request that fails is replaced by an unguided stand-in with the
 same rows and reported; a matcher it owned is dropped (by the decoder, before the build).
 """
 
@@ -62,7 +63,8 @@ class Admission:
                         and req.is_generation_only_first_iteration is False
                         and type(slot := req.seq_slot) is int and 0 <= slot < nseq
                         and guides[slot] is params and type(req.request_id) is int
-                        and ((d := req.draft_tokens) is None or type(d) is list)):
+                        and ((d := req.draft_tokens) is None or type(d) is list)
+                        and getattr(req, "draft_parents", None) is None):  # (a tree: checked)
                     # (the values read per token, new_token and each draft token, are checked
                     # where the build reads them, before the request's matcher moves;
                     # num_accepted_draft_tokens by rollback_rejected_tokens)

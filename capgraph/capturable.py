@@ -92,6 +92,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self.draft_new_tokens = torch.zeros(S, dtype=torch.int32, pin_memory=pin)
         # [batch position]: accepted tokens of the last verification, bonus token included
         self.num_accepted_tokens = torch.zeros(S, dtype=torch.int32, pin_memory=pin)
+        # [batch position]: the deepest accepted node of each request's draft tree (-1: none)
+        self.accepted_draft_nodes = torch.full((S,), -1, dtype=torch.int32, pin_memory=pin)
         self._new_tokens_np = self.new_tokens.numpy()
         self.requests_hostfunc: GuidedRequests | None = None  # read and written by callbacks
         self._draft_requests: GuidedRequests | None = None
@@ -135,7 +137,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         """Bytes held by the decoder's buffers, the pinned token buffers included."""
         sizes = super().memory_bytes()
         sizes["host"] += (self.new_tokens.nbytes + self.draft_new_tokens.nbytes
-                          + self.num_accepted_tokens.nbytes)
+                          + self.num_accepted_tokens.nbytes + self.accepted_draft_nodes.nbytes)
         return sizes
 
     # -- host side ---------------------------------------------------------------------------
@@ -369,21 +371,31 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._streams.record_bitmask()
         self._join_and_apply(logits, d2t, self._streams.is_capturing())
 
-    def rollback_rejected_batch(self, num_accepted_tokens: torch.Tensor) -> None:
+    def rollback_rejected_batch(self, num_accepted_tokens: torch.Tensor,
+                                accepted_draft_nodes: torch.Tensor | None = None) -> None:
         """Roll back the rejected drafts for drafters without a logits loop (graph-safe).
 
         Args:
             num_accepted_tokens: int ``[batch]`` indexed by position in the latest
                 ``add_batch``: accepted tokens per request including the bonus token.
+            accepted_draft_nodes: optional int ``[batch]``, same positions: for a request
+                whose drafts were a tree, its deepest accepted node (-1: none); it replaces the
+                request's ``accepted_draft_node`` (entries of chain requests are not read).
+                Whether it is given is fixed in a captured graph; its values are read at
+                each replay.
 
         Call after the drafting kernels have been enqueued (the callbacks need the GIL).
         """
         counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
         self.num_accepted_tokens[:counts.shape[0]].copy_(counts, non_blocking=True)
+        with_nodes = accepted_draft_nodes is not None
+        if accepted_draft_nodes is not None:
+            nodes = self._per_request("accepted_draft_nodes", accepted_draft_nodes)
+            self.accepted_draft_nodes[:nodes.shape[0]].copy_(nodes, non_blocking=True)
         self._streams.record_tokens()
         with self._streams.side():
             self._streams.wait_tokens()
-            self.accepted_host_step()
+            self.accepted_host_step(with_nodes)
             self._streams.record_bitmask()  # capture needs every fork joined
         if self.device.type == "cpu" and not self._streams.is_capturing():
             self._sync_side()
@@ -422,10 +434,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
                      *([(cls.rollback_draft_tokens_hostfunc,)] if last else []))
 
     @hostfunc.hostfunc
-    def accepted_host_step(self) -> None:
+    def accepted_host_step(self, with_nodes: bool = False) -> None:
         """fetch_accepted_batch, rollback_rejected_tokens."""
         cls = CapturableGuidedDecoder
-        self._stages((cls.fetch_accepted_batch,), (cls.rollback_rejected_tokens_hostfunc,))
+        self._stages((cls.fetch_accepted_batch, with_nodes),
+                     (cls.rollback_rejected_tokens_hostfunc,))
 
     def _pop(self) -> None:
         """Take the next queued batch, checking its epoch."""
@@ -509,19 +522,28 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._draft_requests = GuidedRequests(drafts, 0)
 
     @_callback("fetch_accepted_batch")
-    def fetch_accepted_batch(self) -> None:
+    def fetch_accepted_batch(self, with_nodes: bool = False) -> None:
         # the batch whose verification counts these are: queued (not yet fetched) or current
         batch = self._queue[0][1] if self._queue else self.requests_hostfunc
-        self._take_accepted(batch)
+        self._take_accepted(batch, with_nodes)
         self._rollback_batch = batch
 
-    def _take_accepted(self, batch: GuidedRequests | None) -> None:
+    def _take_accepted(self, batch: GuidedRequests | None, with_nodes: bool = False) -> None:
         self._finish_build()  # (the counters read below)
         if batch is None:
             return
         counts = self.num_accepted_tokens.tolist()
+        nodes = self.accepted_draft_nodes.tolist() if with_nodes else None
+        current_tree = self.slots.current_tree
         for i, req in enumerate(batch.requests):
             if req.guided_decoding_params is None or not self.slots.slot_ok(req.seq_slot):
+                continue
+            if current_tree(req.seq_slot) is not None:  # type: ignore[arg-type]
+                # a tree's matcher is back at its root: the accepted node decides, and a
+                # count with no node is refused by the rollback, never clamped to the root
+                req.num_accepted_draft_tokens = counts[i] - 1
+                if nodes is not None:
+                    req.accepted_draft_node = nodes[i]
                 continue
             # verification can accept past a draft EOS where the matcher stopped advancing
             req.num_accepted_draft_tokens = \

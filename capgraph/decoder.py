@@ -347,6 +347,12 @@ class GuidedDecoder:
         accepted count is clamped to what the matcher actually advanced (a draft EOS stops
         the matcher while verification may accept past it). Failures go to the next
         ``execute`` / ``take_failed_requests``.
+
+        A request whose drafts were a tree in the previous build carries
+        ``accepted_draft_node`` instead (the deepest accepted node, -1 for none; it may be
+        left None when no draft was accepted): its matcher, back at the root after the
+        build, is fed the path from the root to that node, so it stands where a chain of
+        the accepted drafts would (clamped where the grammar refuses or stops, as above).
         """
         self._rollback_rejected_tokens(self._require_batch())
 
@@ -404,6 +410,7 @@ class GuidedDecoder:
         if self._inflight is not None:
             self._finish_build()
         clear = requests.num_bitmask_tokens if clear_rows is None else clear_rows
+        self.slots.num_builds += 1  # (a draft tree stored before now is no longer current)
         if asynchronous and self.host_build.begin(requests, clear):
             self._inflight = requests
             self._masked_rows = True  # (until the join says: the token mask decides)
@@ -541,6 +548,10 @@ class GuidedDecoder:
             slot = req.seq_slot
             if not self.slots.slot_ok(slot) or self.num_advanced_tokens[slot] <= 0:  # type: ignore[index]
                 continue
+            tree = self.slots.current_tree(slot)
+            if tree is not None:
+                self._keep_tree_path(req, slot, tree[1], tree[2])
+                continue
             advanced = self.num_advanced_tokens[slot]  # type: ignore[index]
             n = req.num_accepted_draft_tokens
             accepted = 0 if n is None else as_int(n)
@@ -558,6 +569,46 @@ class GuidedDecoder:
                 self._record_failed([self._fail(req, e)])
                 continue
             self.num_advanced_tokens[slot] = keep  # type: ignore[index]  # a second call rolls back nothing
+
+    def _keep_tree_path(self, req: GuidedRequest, slot: int, tokens: list[int] | None,
+                        parents: list[int]) -> None:
+        """After a build that traversed a draft tree (its matcher back at the root), feed the
+        matcher the path from the root to ``req.accepted_draft_node``. The path is clamped
+        where the grammar stops it (a refused token, a terminating stop token), as a chain's
+        accepted count is clamped to its advances. ``tokens`` None: a path was kept already
+        (a second call keeps nothing more)."""
+        if tokens is None:
+            return
+        node = getattr(req, "accepted_draft_node", None)  # (an object without tree fields)
+        accepted = req.num_accepted_draft_tokens
+        index = as_int(node) if node is not None else (-1 if accepted in (None, 0) else None)
+        if index is None or not -1 <= index < len(tokens):
+            self._record_failed([self._fail(req, RequestError(
+                f"cannot keep the accepted path of the draft tree ({len(tokens)} nodes with "
+                f"rows): accepted_draft_node={node!r}, num_accepted_draft_tokens={accepted!r} "
+                "(a tree needs the index of its deepest accepted node, -1 for none)",
+                request_id=req.request_id, seq_slot=slot))])
+            return
+        path = []
+        while index >= 0:
+            path.append(tokens[index])
+            index = parents[index]
+        matcher = self.grammar_matchers[slot]
+        kept = 0
+        try:
+            if matcher is not None:
+                stops = self.slots.stop_ids
+                for token in reversed(path):
+                    if not matcher.accept_token(token):
+                        break
+                    kept += 1
+                    if token in stops and matcher.is_terminated():
+                        break
+        except Exception as e:
+            self._record_failed([self._fail(req, e)])
+            return
+        self.num_advanced_tokens[slot] += kept
+        self.slots.draft_trees[slot] = (self.slots.num_builds, None, parents)
 
     def _rollback_draft_tokens(self, requests: GuidedRequests) -> None:
         self._finish_build()

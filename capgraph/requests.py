@@ -7,6 +7,12 @@ sees this step's values even after the engine has moved on.
 Row layout (:class:`GuidedRequests`): rows follow request order; a context request takes 1 row,
 a generation request ``1 + draft_len`` rows (the golden token and each draft position), and
 in a draft step every request takes 1 row. Unguided requests take their rows but get no mask.
+
+Draft trees: a generation request whose ``draft_parents`` is set carries a tree of drafts
+instead of a chain. Node ``j`` is ``draft_tokens[j]``, its parent ``draft_parents[j]`` (an
+earlier node, or -1 for a child of the root, the position after ``new_token``); row 0 is the
+root's mask and row ``1 + j`` the mask after the path from the root to node ``j``. A chain
+is the tree ``draft_parents = [-1, 0, 1, ...]``.
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ import torch
 from .errors import LayoutError, RequestError
 from .params import GuidedDecodingParams
 
-__all__ = ["GuidedRequest", "GuidedRequests", "NATIVE_RECORD_FIELDS", "REQUEST_FIELDS", "as_int",
-           "checked_request"]
+__all__ = ["GuidedRequest", "GuidedRequests", "NATIVE_RECORD_FIELDS", "REQUEST_FIELDS",
+           "TREE_FIELDS", "as_int", "checked_request", "checked_parents"]
 
 
 @dataclass(slots=True)
@@ -46,6 +52,11 @@ class GuidedRequest:
         is_draft: this is a draft-model step.
         draft_tokens: proposed tokens to verify this step (generation requests).
         num_accepted_draft_tokens: how many of the previous step's drafts the target accepted.
+        draft_parents: ``None`` for a chain of drafts; for a tree, the parent of each draft
+            node (``draft_parents[j] < j``, -1 for a child of the root), one per draft token.
+        accepted_draft_node: after a step whose drafts were a tree, the deepest node the
+            target accepted (-1: none); the path from the root to it is kept by
+            ``rollback_rejected_tokens``. Not read after a chain.
     """
 
     guided_decoding_params: GuidedDecodingParams | None = None
@@ -60,6 +71,8 @@ class GuidedRequest:
     is_draft: bool = False
     draft_tokens: list[int] | None = None
     num_accepted_draft_tokens: int | None = None
+    draft_parents: list[int] | None = None
+    accepted_draft_node: int | None = None
 
     def require_matcher_init(self) -> bool:
         """A new matcher is created at the last context chunk (never for draft requests)."""
@@ -95,12 +108,17 @@ class GuidedRequest:
         if type(drafts) is list:
             drafts = list(drafts)
         # (any other draft_tokens value is left to checked_request, which copies a tuple,
-        # tensor or array into a new list of ints and refuses the rest)
+        # tensor or array into a new list of ints and refuses the rest; the same for a tree's
+        # parents. An object without the tree fields carries chains.)
+        parents = getattr(request, "draft_parents", None)
+        if type(parents) is list:
+            parents = list(parents)
         return cls(request.guided_decoding_params, request.request_id, request.seq_slot,
                    request.prev_seq_slot, request.is_context_init_state,
                    request.is_last_context_chunk, request.is_generation_in_progress_state,
                    request.is_generation_only_first_iteration, request.new_token,
-                   request.is_draft, drafts, request.num_accepted_draft_tokens)
+                   request.is_draft, drafts, request.num_accepted_draft_tokens, parents,
+                   getattr(request, "accepted_draft_node", None))
 
     @classmethod
     def placeholder(cls, request_id: int, num_draft_tokens: int = 0) -> "GuidedRequest":
@@ -120,18 +138,29 @@ class GuidedRequest:
     def generation(cls, request_id: int, seq_slot: int, params: GuidedDecodingParams | None,
                    new_token: int, *, draft_tokens: Sequence[int] | None = None,
                    num_accepted_draft_tokens: int = 0, prev_seq_slot: int | None = None,
-                   ) -> "GuidedRequest":
-        """A request in a generation step (convenience for engines and tests); a list of
-        drafts is copied, any other value is left for ``add_batch`` to convert or refuse."""
+                   draft_parents: Sequence[int] | None = None,
+                   accepted_draft_node: int | None = None) -> "GuidedRequest":
+        """A request in a generation step (convenience for engines and tests); lists of
+        drafts and parents are copied, any other value is left for ``add_batch`` to convert
+        or refuse. ``draft_parents`` makes the drafts a tree (see the module docstring)."""
         drafts: object = [] if draft_tokens is None else draft_tokens
         if type(drafts) is list:
             drafts = list(drafts)
+        parents: object = draft_parents
+        if type(parents) is list:
+            parents = list(parents)
         return cls(params, request_id, seq_slot, prev_seq_slot, False, False, True, False,
-                   new_token, False, drafts, num_accepted_draft_tokens)  # type: ignore[arg-type]
+                   new_token, False, drafts, num_accepted_draft_tokens,  # type: ignore[arg-type]
+                   parents, accepted_draft_node)  # type: ignore[arg-type]
 
 
-#: The fields every request object must have (GuidedRequest's, in constructor order).
-REQUEST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(GuidedRequest))
+#: The fields a request object may leave out: it then carries chains of drafts only.
+TREE_FIELDS: tuple[str, ...] = ("draft_parents", "accepted_draft_node")
+
+#: The fields every request object must have (GuidedRequest's, in constructor order, less
+#: :data:`TREE_FIELDS`).
+REQUEST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(GuidedRequest)
+                                        if f.name not in TREE_FIELDS)
 
 #: The fields of a request that the native build's CPython entry reads, in the order of its
 #: ``RecordField`` positions (``csrc/host_build.h``): ``NativeBuilder.bind_fast`` hands these
@@ -140,7 +169,7 @@ REQUEST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(GuidedRequest))
 NATIVE_RECORD_FIELDS: tuple[str, ...] = (
     "guided_decoding_params", "seq_slot", "new_token", "is_generation_in_progress_state",
     "is_draft", "is_context_init_state", "draft_tokens", "request_id",
-    "is_generation_only_first_iteration")
+    "is_generation_only_first_iteration", "draft_parents")
 
 
 def _show(value: Any) -> str:
@@ -180,7 +209,9 @@ def checked_request(request: Any, index: int, *, num_slots: int, vocab_size: int
     refused, never iterated. Token ids are checked against ``[0, vocab_size)`` where this step
     reads them; ``tokens_elsewhere``: a generation request with a ``prev_seq_slot`` takes its new
     token and drafts from a token tensor instead (the capturable decoder's ``new_tokens``), so
-    those two fields are not read. An unguided request is returned as it is (only its rows count).
+    those two fields are not read. ``draft_parents`` must describe a tree over the draft tokens
+    (:func:`checked_parents`); an object without it carries chains. An unguided request is
+    returned as it is (only its rows count).
 
     Raises:
         LayoutError: ``request`` lacks a GuidedRequest field, or its ``is_draft`` /
@@ -190,6 +221,8 @@ def checked_request(request: Any, index: int, *, num_slots: int, vocab_size: int
     """
     try:
         values = [getattr(request, name) for name in REQUEST_FIELDS]
+        parents_raw = getattr(request, "draft_parents", None)
+        accepted_node = getattr(request, "accepted_draft_node", None)
     except Exception as e:
         raise LayoutError(f"requests[{index}] is not a GuidedRequest ({type(e).__name__}: "
                           f"{e})") from None
@@ -234,8 +267,15 @@ def checked_request(request: Any, index: int, *, num_slots: int, vocab_size: int
         checked.draft_tokens = _checked_drafts(drafts, max_num_draft_tokens, vocab_size, bad)
         if checked.draft_tokens and is_context and not is_draft:
             raise bad(f"draft_tokens {_show(drafts)} on a context request (it takes one row)")
+        checked.draft_parents = checked_parents(  # (a context request: refused below)
+            parents_raw, None if is_context and not is_draft else
+            len(checked.draft_tokens or ()), max_num_draft_tokens, bad)
     else:
         checked.new_token, checked.draft_tokens = token, drafts  # (replaced from the tensor)
+        checked.draft_parents = checked_parents(parents_raw, None, max_num_draft_tokens, bad)
+    if checked.draft_parents and is_context and not is_draft:
+        raise bad(f"draft_parents {_show(parents_raw)} on a context request (it takes one row)")
+    checked.accepted_draft_node = accepted_node  # (read and checked by the rollback)
     if accepted is not None:
         checked.num_accepted_draft_tokens = as_int(accepted)
         if checked.num_accepted_draft_tokens is None or checked.num_accepted_draft_tokens < 0:
@@ -252,18 +292,54 @@ def _checked_new_token(token: Any, read: bool, vocab_size: int, bad: Any) -> int
     return value
 
 
+def _int_sequence(values: Any, name: str, what: str, bad: Any) -> Any:
+    """``values`` as something to iterate for ints (a tensor as a list); refuses a string,
+    a mapping, a non-sequence, a tensor or array that is not 1-D or not of integers."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or (
+            isinstance(values, (torch.Tensor, np.ndarray)) and values.ndim != 1):
+        raise bad(f"{name} {_show(values)} is not a sequence of {what} (list, tuple or 1-D "
+                  "integer tensor)")
+    if isinstance(values, torch.Tensor):
+        if values.dtype.is_floating_point or values.dtype.is_complex or \
+                values.dtype == torch.bool:
+            raise bad(f"{name} is a {values.dtype} tensor; {what} are integers")
+        return values.tolist()
+    return values
+
+
+def checked_parents(parents: Any, num_tokens: int | None, max_drafts: int, bad: Any
+                    ) -> list[int] | None:
+    """A draft tree's ``draft_parents`` as a new list of ints, or None for a chain.
+
+    Each node's parent is an earlier node or -1 (the root): ``-1 <= parents[j] < j``, so the
+    nodes are in an order where a parent comes first and every list of such numbers is a tree.
+    ``num_tokens``: the number of draft tokens the request carries (None: its tokens come
+    from a tensor of ``max_drafts`` positions). ``bad(detail)`` makes the error raised.
+    """
+    if parents is None:
+        return None
+    values = _int_sequence(parents, "draft_parents", "node indices", bad)
+    out = []
+    for j, p in enumerate(values):
+        value = as_int(p)
+        if value is None:
+            raise bad(f"draft_parents[{j}] {_show(p)} is not an integer node index")
+        if not -1 <= value < j:
+            raise bad(f"draft_parents[{j}]={value} is not an earlier node or -1 (the root): "
+                      "a tree's nodes come after their parents")
+        out.append(value)
+    if len(out) > max_drafts:
+        raise bad(f"a draft tree of {len(out)} nodes exceeds max_num_draft_tokens={max_drafts}")
+    if num_tokens is not None and len(out) != num_tokens:
+        raise bad(f"draft_parents has {len(out)} entries for {num_tokens} draft tokens (one "
+                  "parent per draft node)")
+    return out
+
+
 def _checked_drafts(drafts: Any, max_drafts: int, vocab_size: int, bad: Any) -> list[int] | None:
     if drafts is None:
         return None
-    if isinstance(drafts, (str, bytes, dict)) or not hasattr(drafts, "__len__") or (
-            isinstance(drafts, (torch.Tensor, np.ndarray)) and drafts.ndim != 1):
-        raise bad(f"draft_tokens {_show(drafts)} is not a sequence of token ids (list, tuple "
-                  "or 1-D integer tensor)")
-    if isinstance(drafts, torch.Tensor):
-        if drafts.dtype.is_floating_point or drafts.dtype.is_complex or \
-                drafts.dtype == torch.bool:
-            raise bad(f"draft_tokens is a {drafts.dtype} tensor; token ids are integers")
-        drafts = drafts.tolist()
+    drafts = _int_sequence(drafts, "draft_tokens", "token ids", bad)
     out = []
     for i, t in enumerate(drafts):
         value = as_int(t)

@@ -67,8 +67,9 @@ enum RecordField : int {
   kDrafts,           // draft_tokens: a list of ints, or None
   kRequestId,        // request_id
   kFirstIteration,   // is_generation_only_first_iteration
+  kDraftParents,     // draft_parents: None for a chain (a tree is built in Python)
 };
-constexpr int kRecordFields = kFirstIteration + 1;
+constexpr int kRecordFields = kDraftParents + 1;
 
 // One request's draft tokens: read from a plain array (the CPython entry) or from a tvm-ffi
 // Array starting at `first` (the tvm-ffi step).

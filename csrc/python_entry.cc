@@ -216,6 +216,13 @@ int64_t IndexValue(PyObject* v, int64_t bound) {
 // bools).
 int BoolValue(PyObject* v) { return v == Py_True ? 1 : v == Py_False ? 0 : -1; }
 
+// Whether `request` carries a chain of drafts: draft_parents None, or no such attribute (an
+// object without the tree fields). A draft tree is built by the Python build.
+bool ChainRequest(const RequestFields& request) {
+  Ref parents(request.Read(RecordField::kDraftParents));
+  return !parents || parents.get() == Py_None;
+}
+
 // Read the batch into st->entries; false where some guided request is not the plain case.
 // A request's fields are read first (the reads may run Python code, which may change any list
 // here: each request is held while it is read, each list's size is re-read before an item is
@@ -250,6 +257,7 @@ bool Collect(FastState* st, PyObject* requests, PyObject* offsets, int64_t draft
       token = IndexValue(value.get(), st->vocab_size);
     }
     if (token < 0) return false;
+    if (!ChainRequest(request)) return false;
     Ref drafts(request.Read(RecordField::kDrafts));
     if (!drafts) return false;
     // no Python code runs from here to is_terminated
@@ -458,8 +466,9 @@ int BeginCall(PyObject* const* args, Py_ssize_t nargs, const char* name, FastSta
 // is_context_init_state are exact bools; or a guided one that is generating
 // (is_generation_in_progress_state True, is_context_init_state and
 // is_generation_only_first_iteration False, is_draft an exact bool) with an exact-int seq_slot
-// in range whose slot_guides entry is its guide object, an exact-int request_id, and
-// draft_tokens None or an exact list. A field whose read raises fails it.
+// in range whose slot_guides entry is its guide object, an exact-int request_id,
+// draft_tokens None or an exact list, and no draft tree (ChainRequest). A field whose read
+// raises fails it, except draft_parents (an object without it carries chains).
 bool Admitted(const RequestFields& request, int64_t num_slots, PyObject* guides) {
   Ref params(request.Read(RecordField::kParams));
   if (!params) return false;
@@ -488,6 +497,7 @@ bool Admitted(const RequestFields& request, int64_t num_slots, PyObject* guides)
     Ref drafts(request.Read(RecordField::kDrafts));
     if (!drafts || (drafts.get() != Py_None && !PyList_CheckExact(drafts.get()))) return false;
   }
+  if (!ChainRequest(request)) return false;
   Ref slot_value(request.Read(RecordField::kSlot));
   // (last: no Python code runs between this bound and the guide read)
   const int64_t slot = IndexValue(slot_value.get(),

@@ -12,6 +12,11 @@ xgrammar) with ``fill_threads=1``:
   the whole step in one call, the GIL released while xgrammar works; it can also run that work on a
   thread of its own (:meth:`NativeBuild.begin`). Any other batch takes the native loop.
 
+Neither builds draft trees: the CPython entry declines a batch holding a request with
+``draft_parents`` (and its admission test leaves such a request to Python's), and the native
+loop builds the chains of that batch while the tree requests take
+:meth:`~capgraph.build.python.PythonBuild._fill_tree`.
+
 Both report per request a status code (:class:`~capgraph.build.base.Status`) and counts;
 a matcher that terminated in C++ re-reads its state here (``XGrammarMatcher.sync_state``).
 A matcher that forwards to an ``XGrammarMatcher`` once settled (a request handed over from

@@ -16,6 +16,19 @@ batch of one or two requests runs that loop request by request; a larger one run
 rounds, each round one batched backend call over every request still guided
 (:meth:`PythonBuild._fill_rounds`), because a batched call costs less than its per-request
 calls from Python.
+
+A request whose drafts are a tree (``draft_parents``, see :mod:`capgraph.requests`) is built
+request by request, in xgrammar's ``traverse_draft_tree`` order (:meth:`PythonBuild._fill_tree`)::
+
+    accept the new token; fill row 0 (the root)
+    depth first from the root, children in node order:
+        accept the node's draft (refused: the node and its subtree stay unguided)
+        fill row 1 + node; visit its children; roll the matcher back by one
+
+so the matcher ends the build where the root is (one token advanced) and the slot keeps the
+tree for ``rollback_rejected_tokens``, which feeds it the accepted path. Where xgrammar
+writes an empty mask for a node the grammar refuses, such a node is left unguided here, as a
+refused draft of a chain is: a chain is the tree ``[-1, 0, 1, ...]`` and gets the same rows.
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ from ..requests import GuidedRequest, GuidedRequests, as_int
 from .base import PLAIN, HostBuild, Outcome, Status, StepResult
 from .slots import SlotState
 
-__all__ = ["Active", "PythonBuild", "select"]
+__all__ = ["Active", "PythonBuild", "TreeEntry", "select"]
 
 
 class Active:
@@ -54,17 +67,23 @@ class Active:
         return Active(*([column[k] for k in idx] for column in self.columns))
 
 
+#: a request with a draft tree in a build: ``(index in the batch, slot, matcher, first row,
+#: draft tokens (at most the step's draft length), parents, new token)``
+TreeEntry = tuple[int, int, GrammarMatcher, int, list[int], list[int], int]
+
+
 def fault(index: int, error: BaseException, status: Status = Status.FAULT) -> Outcome:
     """The outcome of a request whose check or matcher call raised ``error``."""
     return index, status, f"{type(error).__name__}: {error}"
 
 
 def select(requests: GuidedRequests, state: SlotState
-           ) -> tuple[Active, list[Outcome], list[int]]:
+           ) -> tuple[Active, list[Outcome], list[int], list[TreeEntry]]:
     """Which requests of the step take part, their matchers created where due.
 
-    Returns the :class:`Active` columns, the outcomes of requests that failed here, and the
-    slots of draft requests (their advances are added to ``num_advanced_draft_tokens``). The
+    Returns the :class:`Active` columns, the outcomes of requests that failed here, the
+    slots of draft requests (their advances are added to ``num_advanced_draft_tokens``) and
+    the requests whose drafts are a tree (:data:`TreeEntry`, not in the columns). The
     common request (a target request generating, with an int slot seen once and an int token
     in the vocabulary) is checked inline; every other one takes :func:`_prepare`. Each slot's
     counters of the last build are zeroed as its request is met.
@@ -76,6 +95,7 @@ def select(requests: GuidedRequests, state: SlotState
     outcomes: list[Outcome] = []
     seen: set[int] = set()
     draft_slots: list[int] = []
+    trees: list[TreeEntry] = []
     nseq, V, draft_len = state.max_num_sequences, state.vocab_size_padded, \
         requests.max_num_draft_tokens
     matchers, advanced, guided, draft_terminated = (
@@ -92,9 +112,11 @@ def select(requests: GuidedRequests, state: SlotState
             seen.add(slot)
             advanced[slot] = guided[slot] = 0
             req_drafts = req.draft_tokens
+            parents = None
             if req_drafts:
                 try:
                     req_drafts = _checked_drafts(req, draft_len, state)
+                    parents = getattr(req, "draft_parents", None)
                 except Exception as e:
                     outcomes.append(fault(i, e))
                     continue
@@ -104,6 +126,10 @@ def select(requests: GuidedRequests, state: SlotState
                     continue
             except Exception as e:
                 outcomes.append(fault(i, e))
+                continue
+            if parents is not None:
+                trees.append((i, slot, matcher, offset,
+                              cast("list[int]", req_drafts)[:len(parents)], parents, token))
                 continue
             add_index(i)
             add_slot(slot)
@@ -121,9 +147,15 @@ def select(requests: GuidedRequests, state: SlotState
         if req.is_draft:
             draft_slots.append(slot)  # type: ignore[arg-type]
         if entry is not None:
+            parents = getattr(req, "draft_parents", None)
+            if parents is not None and entry[3] and entry[4] is not None:
+                tree_slot, matcher, offset, drafts, token = entry
+                trees.append((i, tree_slot, matcher, offset, drafts[:len(parents)], parents,
+                              token))
+                continue
             for column, value in zip(act.columns, (i, *entry)):
                 column.append(value)
-    return act, outcomes, draft_slots
+    return act, outcomes, draft_slots, trees
 
 
 def _prepare(req: GuidedRequest, offset: int, draft_len: int, seen: set[int],
@@ -211,9 +243,11 @@ class PythonBuild(HostBuild):
         state = self.slots
         state.token_mask_np[:clear_rows] = 0  # first: a build that fails masks nothing
         self._masked = False
-        act, outcomes, draft_slots = select(requests, state)
+        act, outcomes, draft_slots, trees = select(requests, state)
         if act.index:
             self._fill(act, outcomes, requests.max_num_draft_tokens)
+        for entry in trees:
+            self._fill_tree(entry, outcomes)
         if draft_slots:
             # a draft request that faulted is dropped (its advances are never rolled back)
             faulted = {requests.requests[i].seq_slot for i, status, _ in outcomes
@@ -288,6 +322,75 @@ class PythonBuild(HostBuild):
                     outcomes.append(fault(i, e))
                     break
                 k += 1
+
+    # -- draft trees -------------------------------------------------------------------------
+    def _fill_tree(self, entry: TreeEntry, outcomes: list[Outcome]) -> None:
+        """Build one request whose drafts are a tree (the module docstring's second loop; its
+        tokens were checked by :func:`select`); with a budget, timed as a request of
+        :meth:`_fill_sequential` is. A fault or an overrun leaves all of the request's rows
+        unmasked."""
+        i, slot, matcher, offset, tokens, parents, token = entry
+        state = self.slots
+        budget = self._budget_s
+        start = perf_counter() if budget else 0.0
+        try:
+            if not matcher.accept_token(token):
+                outcomes.append((i, Status.REJECTED, None))
+                return
+            state.num_advanced_tokens[slot] += 1
+            if token in state.stop_ids and matcher.is_terminated():
+                return
+            if not self._fill_node(matcher, offset, slot):
+                outcomes.append((i, Status.DEAD_END, None))
+                return
+            n = len(tokens)
+            if budget and (elapsed := perf_counter() - start) > budget:
+                outcomes.append(self._over_budget(i, slot, range(offset, offset + 1 + n),
+                                                  elapsed))
+                return
+            children: list[list[int]] = [[] for _ in range(n + 1)]  # [parent + 1]: its nodes
+            for j in range(n):
+                children[parents[j] + 1].append(j)
+            stops = state.stop_ids
+            path = [iter(children[0])]  # per node on the matcher's path, its children to visit
+            while path:
+                node = next(path[-1], None)
+                if node is None:
+                    path.pop()
+                    if path:  # leave the node whose subtree is done
+                        matcher.rollback(1)
+                    continue
+                if not matcher.accept_token(tokens[node]):
+                    continue  # the draft left the grammar: its subtree stays unguided
+                if (tokens[node] in stops and matcher.is_terminated()) or \
+                        not self._fill_node(matcher, offset + 1 + node, slot):
+                    matcher.rollback(1)  # a stop token or a dead position: no row below it
+                    continue
+                if budget and (elapsed := perf_counter() - start) > budget:
+                    outcomes.append(self._over_budget(i, slot, range(offset, offset + 1 + n),
+                                                      elapsed))
+                    return
+                path.append(iter(children[node + 1]))
+        except Exception as e:
+            state.token_mask_np[offset:offset + 1 + len(tokens)] = 0
+            state.num_guided_tokens[slot] = 0
+            outcomes.append(fault(i, e))
+            return
+        state.draft_trees[slot] = (state.num_builds, tokens, parents)
+
+    def _fill_node(self, matcher: GrammarMatcher, row: int, slot: int) -> bool:
+        """Fill ``row`` from ``matcher`` (``slot``'s) and mark it guided; False (unmarked)
+        where it allows no token."""
+        state = self.slots
+        matcher.fill_next_token_bitmask(state.bitmask, row)
+        if state.tail is not None:
+            state.clear_tail([row])
+        if state.dead_rows([row]):
+            return False
+        state.num_guided_tokens[slot] += 1
+        state.token_mask_np[row] = 1
+        self._masked = True
+        return True
 
     def _over_budget(self, i: int, slot: int, rows: range, elapsed_s: float) -> Outcome:
         """Request ``i`` went over the host-step budget: its ``rows`` of this step are

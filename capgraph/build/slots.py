@@ -150,6 +150,12 @@ class SlotState:
         self.num_guided_tokens = [0] * S  #: rows masked in the last build
         self.num_advanced_draft_tokens = [0] * S  #: tokens accepted over a drafting loop
         self.is_draft_terminated = [False] * S  #: the drafting loop stopped guiding the slot
+        #: builds run so far (the decoder counts them): a stored draft tree belongs to one
+        self.num_builds = 0
+        #: per slot, the draft tree the last build traversed, for the rollback to keep its
+        #: accepted path: ``(build number, tokens, parents)`` of the nodes that had rows
+        #: (``tokens`` None once the rollback kept a path); None where there was none
+        self.draft_trees: list[tuple[int, list[int] | None, list[int]] | None] = [None] * S
         rows = S * (max_num_draft_tokens + 1)
         self.words = words_per_row(V)
         self.bitmask = allocate_host_bitmask(rows, V)
@@ -182,6 +188,12 @@ class SlotState:
         self.num_advanced_tokens[slot] = self.num_guided_tokens[slot] = 0
         self.num_advanced_draft_tokens[slot] = 0
         self.is_draft_terminated[slot] = False
+        self.draft_trees[slot] = None
+
+    def current_tree(self, slot: int) -> tuple[int, list[int] | None, list[int]] | None:
+        """The draft tree ``slot``'s request had in the latest build, or None."""
+        tree = self.draft_trees[slot]
+        return tree if tree is not None and tree[0] == self.num_builds else None
 
     def dead_rows(self, rows: list[int]) -> list[int]:
         """Dead-end guard: positions in ``rows`` whose row allows no token below
