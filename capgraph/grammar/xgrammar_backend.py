@@ -15,7 +15,7 @@ import xgrammar as xgr
 
 from ..errors import GrammarCompileError, NativeBuildError, UnsupportedGuideError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
-from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
+from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory, whole_utf8_prefix
 from .converter_log import converter_warnings
 from .disk_cache import source_digest
 from .process_pool import ProcessCompilePool
@@ -262,6 +262,12 @@ class XGrammarMatcher(GrammarMatcher):
 
     def is_terminated(self) -> bool:
         return self._terminated
+
+    def forced_bytes(self, max_bytes: int) -> bytes:
+        """xgrammar's jump-forward string (whole characters only), cut to ``max_bytes``."""
+        if self._terminated or max_bytes <= 0:
+            return b""
+        return whole_utf8_prefix(self._matcher.find_jump_forward_string().encode(), max_bytes)
 
     def sync_state(self) -> None:
         """Re-read the termination flag after the FFI object was advanced directly (by the
