@@ -394,18 +394,29 @@ class GuidedDecoder:
             RequestError: ``seq_slot`` is outside ``[0, max_num_sequences)``.
             ConfigError: the config has no tokenizer to encode forced text with.
         """
-        slot = as_int(seq_slot)
-        if slot is None or not self.slots.slot_ok(slot):
-            raise RequestError(f"forced_tokens: seq_slot {seq_slot!r} is not a slot index in "
-                               f"[0, max_num_sequences={self.max_num_sequences})",
-                               seq_slot=slot)
+        return self.forced_tokens_batch([seq_slot], max_tokens)[0]
+
+    def forced_tokens_batch(self, seq_slots: Sequence[int], max_tokens: int
+                            ) -> list[list[int]]:
+        """:meth:`forced_tokens` for each of ``seq_slots`` (checked and synchronised once:
+        what a drafter calls per step)."""
         if type(max_tokens) is not int or max_tokens < 0:
             raise ConfigError(f"forced_tokens: max_tokens={max_tokens!r} must be an int >= 0")
+        slots = [as_int(s) for s in seq_slots]
+        for given, slot in zip(seq_slots, slots):
+            if slot is None or not self.slots.slot_ok(slot):
+                raise RequestError(f"forced_tokens: seq_slot {given!r} is not a slot index in "
+                                   f"[0, max_num_sequences={self.max_num_sequences})",
+                                   seq_slot=slot)
         self._finish_build()
-        matcher = self.grammar_matchers[slot]
-        if matcher is None or max_tokens == 0:
-            return []
-        return self.forced_encoder(matcher, max_tokens)
+        matchers, encoder = self.grammar_matchers, self.forced_encoder
+        limit = max_tokens * encoder.max_bytes_per_token
+        out: list[list[int]] = []
+        for slot in slots:
+            matcher = matchers[slot]  # type: ignore[index]
+            forced = matcher.forced_bytes(limit) if matcher is not None else b""
+            out.append(encoder.encode(forced, max_tokens) if forced else [])
+        return out
 
     @property
     def forced_encoder(self) -> ForcedTokenEncoder:

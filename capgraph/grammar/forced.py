@@ -25,7 +25,8 @@ class ForcedTokenEncoder:
 
     Args:
         tokenizer: the tokenizer the model was trained with (its ``encode`` is called with
-            ``add_special_tokens=False``).
+            ``add_special_tokens=False``; a dummy-prefix space is kept off, as
+            :func:`capgraph.tokenizers.encode_continuation` does).
         max_bytes_per_token: bytes of forced text asked for per wanted token (the text is
             bounded before it is encoded, so a long forced run costs no more than this).
         keep_last: keep the last token of an encoding that reaches the end of the forced
@@ -44,14 +45,28 @@ class ForcedTokenEncoder:
         self.tokenizer = tokenizer
         self.max_bytes_per_token = max_bytes_per_token
         self.keep_last = keep_last
+        # a sentencepiece-style tokenizer prepends a dummy-prefix space to what it encodes:
+        # encode "\n" + text and drop the newline's ids, as capgraph.tokenizers'
+        # encode_continuation does (probed once here, not per call)
+        probe = list(tokenizer.encode("\n", add_special_tokens=False))
+        convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+        dummy = bool(probe) and convert is not None and \
+            str(convert(probe[0])).startswith("\u2581")
+        self._probe: list[int] | None = probe if dummy else None
+
+    def _encode_text(self, text: str) -> list[int]:
+        if self._probe is None:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = list(self.tokenizer.encode("\n" + text, add_special_tokens=False))
+        n = len(self._probe)
+        return ids[n:] if ids[:n] == self._probe else []  # (no clean split: no drafts)
 
     def encode(self, forced: bytes, max_tokens: int) -> list[int]:
         """At most ``max_tokens`` token ids of the tokenizer's encoding of ``forced``
         (whole UTF-8 characters), asked for with ``max_tokens * max_bytes_per_token`` bytes."""
         if max_tokens <= 0 or not forced:
             return []
-        ids = list(self.tokenizer.encode(forced.decode("utf-8", "replace"),
-                                         add_special_tokens=False))
+        ids = self._encode_text(forced.decode("utf-8", "replace"))
         reached_end = len(forced) < max_tokens * self.max_bytes_per_token
         if len(ids) <= max_tokens and reached_end and not self.keep_last:
             ids = ids[:-1]
@@ -65,5 +80,5 @@ class ForcedTokenEncoder:
         ``max_tokens``; empty where nothing is forced."""
         if max_tokens <= 0:
             return []
-        return self.encode(matcher.forced_bytes(max_tokens * self.max_bytes_per_token),
-                           max_tokens)
+        forced = matcher.forced_bytes(max_tokens * self.max_bytes_per_token)
+        return self.encode(forced, max_tokens) if forced else []

@@ -221,7 +221,7 @@ class XGrammarMatcher(GrammarMatcher):
     """
 
     __slots__ = ("_matcher", "_stop_ids", "_terminated", "_handle", "_chandle", "_accept",
-                 "_fill")
+                 "_fill", "_jump")
 
     def __init__(self, matcher: xgr.GrammarMatcher, stop_ids: frozenset[int] = frozenset()) -> None:
         self._matcher = matcher
@@ -229,6 +229,10 @@ class XGrammarMatcher(GrammarMatcher):
         self._terminated = matcher.is_terminated()
         handle = _ffi(matcher, "accept_token", "fill_next_token_bitmask")
         self._handle = handle  # what BatchGrammarMatcher's FFI object takes, or None
+        # the jump-forward string, a str (FFI string subclass: no conversion needed)
+        jump = _ffi(matcher, "find_jump_forward_string")
+        self._jump: Callable[[], str] = (jump.find_jump_forward_string if jump is not None
+                                         else matcher.find_jump_forward_string)
         # its address, for the C++ fast path (capgraph.build.native; 0: none)
         chandle = getattr(handle, "__chandle__", None)
         self._chandle: int = int(chandle()) if chandle is not None else 0
@@ -267,7 +271,8 @@ class XGrammarMatcher(GrammarMatcher):
         """xgrammar's jump-forward string (whole characters only), cut to ``max_bytes``."""
         if self._terminated or max_bytes <= 0:
             return b""
-        return whole_utf8_prefix(self._matcher.find_jump_forward_string().encode(), max_bytes)
+        forced = self._jump()
+        return whole_utf8_prefix(forced.encode(), max_bytes) if forced else b""
 
     def sync_state(self) -> None:
         """Re-read the termination flag after the FFI object was advanced directly (by the
