@@ -385,9 +385,11 @@ class GuidedDecoder:
         tokenizer's own encoding of the text every continuation starts with
         (:class:`~capgraph.grammar.forced.ForcedTokenEncoder`), read from the slot's matcher
         as the latest build left it (after that step's accept: its new token and the drafts
-        it advanced). The matcher is unchanged; empty for a slot without a matcher or where
-        nothing is forced. Meant as drafts: verification keeps the output exact whatever they
-        are. Host-side and synchronous (waits for a build in flight); with the capturable
+        it advanced), so the first of them is what the token sampled from that state must be
+        where the model follows the tokenizer's encoding, and the rest are drafts for the
+        next step once it is. The matcher is unchanged; empty for a slot without a matcher or
+        where nothing is forced. Meant as drafts: verification keeps the output exact
+        whatever they are. Host-side and synchronous (waits for a build in flight); with the capturable
         decoder call it only once the step's callbacks have run.
 
         Raises:
