@@ -30,7 +30,8 @@ from .build.slots import SlotMatchers
 from .build import make_host_build
 from .errors import (BudgetExceededError, ConfigError, DeadEndError, LayoutError,
                      QueueEpochError, RequestError)
-from .grammar import CompileHandle, GrammarMatcher, GrammarMatcherFactory, create_matcher_factory
+from .grammar import (CompileHandle, ForcedTokenEncoder, GrammarMatcher, GrammarMatcherFactory,
+                      create_matcher_factory)
 from .ops import logits_bitmask
 from .ops.cpu_mask import cpu_apply
 from .ops.op import _FLOAT_DTYPES, _cuda_kernel
@@ -149,6 +150,7 @@ class GuidedDecoder:
         self._failed: list[FailedRequest] = []
         self._failed_lock = threading.Lock()  # callbacks record failures from other threads
         self._masked_rows = False  # the last build set some token_mask entry
+        self._forced_encoder: ForcedTokenEncoder | None = None
         #: the host build strategy (capgraph.build), chosen once
         self.host_build: HostBuild = make_host_build(
             host_build, slots, self.grammar_matcher_factory,
@@ -383,6 +385,58 @@ class GuidedDecoder:
         self.slots.reset(slot)
         self._admission.slot_guides[slot] = None
         self._forget_compile(slot)
+
+    def forced_tokens(self, seq_slot: int, max_tokens: int) -> list[int]:
+        """The tokens the grammar of ``seq_slot`` forces next, at most ``max_tokens``: the
+        tokenizer's own encoding of the text every continuation starts with
+        (:class:`~capgraph.grammar.forced.ForcedTokenEncoder`), read from the slot's matcher
+        as the latest build left it (after that step's accept: its new token and the drafts
+        it advanced), so the first of them is what the token sampled from that state must be
+        where the model follows the tokenizer's encoding, and the rest are drafts for the
+        next step once it is. The matcher is unchanged; empty for a slot without a matcher or
+        where nothing is forced. Meant as drafts: verification keeps the output exact
+        whatever they are. Host-side and synchronous (waits for a build in flight); with the capturable
+        decoder call it only once the step's callbacks have run.
+
+        Raises:
+            RequestError: ``seq_slot`` is outside ``[0, max_num_sequences)``.
+            ConfigError: the config has no tokenizer to encode forced text with.
+        """
+        return self.forced_tokens_batch([seq_slot], max_tokens)[0]
+
+    def forced_tokens_batch(self, seq_slots: Sequence[int], max_tokens: int
+                            ) -> list[list[int]]:
+        """:meth:`forced_tokens` for each of ``seq_slots`` (checked and synchronised once:
+        what a drafter calls per step)."""
+        if type(max_tokens) is not int or max_tokens < 0:
+            raise ConfigError(f"forced_tokens: max_tokens={max_tokens!r} must be an int >= 0")
+        slots = [as_int(s) for s in seq_slots]
+        for given, slot in zip(seq_slots, slots):
+            if slot is None or not self.slots.slot_ok(slot):
+                raise RequestError(f"forced_tokens: seq_slot {given!r} is not a slot index in "
+                                   f"[0, max_num_sequences={self.max_num_sequences})",
+                                   seq_slot=slot)
+        self._finish_build()
+        matchers, encoder = self.grammar_matchers, self.forced_encoder
+        limit = max_tokens * encoder.max_bytes_per_token
+        out: list[list[int]] = []
+        for slot in slots:
+            matcher = matchers[slot]  # type: ignore[index]
+            forced = matcher.forced_bytes(limit) if matcher is not None else b""
+            out.append(encoder.encode(forced, max_tokens) if forced else [])
+        return out
+
+    @property
+    def forced_encoder(self) -> ForcedTokenEncoder:
+        """What :meth:`forced_tokens` encodes forced text with (built on first use from the
+        config's tokenizer; assign one to change its options)."""
+        if self._forced_encoder is None:
+            self._forced_encoder = ForcedTokenEncoder(self.config.tokenizer)
+        return self._forced_encoder
+
+    @forced_encoder.setter
+    def forced_encoder(self, encoder: ForcedTokenEncoder) -> None:
+        self._forced_encoder = encoder
 
     def close(self) -> None:
         """Release what the decoder owns: the compile pool of a factory it built itself

@@ -92,8 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests, cycling JSON schema / regex / EBNF (default: 6)")
     p.add_argument("--batch-size", type=int, default=4, metavar="N",
                    help="sequence slots; extra requests join as slots free (default: 4)")
-    p.add_argument("--drafter", choices=("none", "model", "ngram"), default="none",
-                   help="speculative decoding: a second tiny model, prompt lookup, or none")
+    p.add_argument("--drafter", choices=("none", "model", "ngram", "grammar", "grammar+ngram",
+                                         "grammar+model"), default="none",
+                   help="speculative decoding: a second tiny model, prompt lookup, the tokens "
+                        "the grammar forces (alone or followed by one of the others), or none")
     p.add_argument("--draft-tokens", type=int, default=4, metavar="K",
                    help="drafts per sequence per step with --drafter (default: 4)")
     p.add_argument("--decoder", choices=("eager", "capturable"), default="eager",

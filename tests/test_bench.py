@@ -191,3 +191,25 @@ def test_sglang(tmp_path):
         assert r["capgraph_alloc_ms"] > 0 and r["sglang_alloc_ms"] > 0
         assert math.isclose(r["accept_ratio"], r["capgraph_accept_ms"] / r["sglang_accept_ms"])
         assert len(r["capgraph_fill_steps_ms"]) == len(r["sglang_fill_steps_ms"]) == 3
+
+
+def test_spec(tmp_path):
+    """spec: teacher-forced steps per token per draft source over JSONSchemaBench and the tool
+    calls (grammar drafts accepted: under one step per token), generation per drafter equal
+    to greedy output, and the forced-token query's cost over the build."""
+    pytest.importorskip("capgraph.runtime")
+    from capgraph.bench.spec import DRAFTS, SOURCES
+    doc = run_bench(tmp_path, "spec", "--tokenizer", SP, "--limit", "3", "--num-draft-tokens",
+                    "3", "--max-new-tokens", "8", "--batch", "2", "--steps", "3")
+    rows = {(r["workload"], r["data"], r["drafts"]): r for r in doc["rows"]}
+    for data in ("jsonschemabench", "tool-calls"):
+        for source in SOURCES:
+            r = rows[("teacher-forced", data, source)]
+            assert r["tokens"] > 0 and 0 < r["steps_per_token"] <= 1
+            assert math.isclose(r["steps_per_token"] + r["accepted_share"], 1.0)
+    assert rows[("teacher-forced", "tool-calls", "tokenizer")]["steps_per_token"] < 0.8
+    for draft in DRAFTS:
+        r = rows[("generate", "demo", draft)]
+        assert r["exact"] is True and r["tokens_per_s"] > 0 and r["steps_per_token"] <= 1
+    cost = rows[("cost", "batch 2", "build+forced")]
+    assert cost["ratio"] >= 1 and cost["ms"] >= rows[("cost", "batch 2", "build")]["ms"]

@@ -302,7 +302,7 @@ def test_capturable_decoder_equals_eager(sp, model, factory, greedy_run):
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("draft", ["none", "ngram"])
+@pytest.mark.parametrize("draft", ["none", "ngram", "grammar+ngram"])
 def test_graph_replay_equals_eager_on_gpu(sp, factory, draft):
     """On CUDA, generation replaying captured decode-step graphs equals eager CUDA generation
     token for token (eager decoder: the graph holds the forward)."""
@@ -317,7 +317,7 @@ def test_graph_replay_equals_eager_on_gpu(sp, factory, draft):
 @needs_cuda
 @needs_capturable
 @pytest.mark.gpu
-@pytest.mark.parametrize("draft", ["none", "ngram", "model"])
+@pytest.mark.parametrize("draft", ["none", "ngram", "model", "grammar", "grammar+model"])
 def test_captured_guided_step_equals_eager_on_gpu(sp, factory, draft):
     """With the capturable decoder the graph holds forward, mask and sampling; outputs equal
     the eager decoder's token for token, with speculative decoding too (drafts verified and

@@ -1,6 +1,6 @@
 """``capgraph bench``: the benchmark suite, one module per sub-benchmark.
 
-    capgraph bench {build,tail,compile,apply,memory,loop,sglang,all} [--quick] [--json PATH]
+    capgraph bench {build,tail,compile,apply,memory,loop,spec,sglang,all} [--quick] [--json PATH]
                    [--results DIR]
 
 Each sub-benchmark measures capgraph side by side with its baseline in one run, prints a table
@@ -24,7 +24,7 @@ from typing import Sequence
 __all__ = ["main", "build_parser", "BENCHMARKS"]
 
 #: sub-benchmark name -> module under capgraph.bench (run in this order by ``all``)
-BENCHMARKS = ("build", "tail", "compile", "apply", "memory", "loop")
+BENCHMARKS = ("build", "tail", "compile", "apply", "memory", "loop", "spec")
 #: sub-benchmarks that need an optional package (``sglang``: SGLang), left out of ``all``
 OPTIONAL_BENCHMARKS = ("sglang",)
 

@@ -6,9 +6,10 @@ from ..errors import ConfigError
 from ..params import GuidedDecodingBackend, GuidedDecodingConfig
 from .base import (CompiledGuide, CompileHandle, CompileStats, GrammarMatcher,
                    GrammarMatcherFactory)
+from .forced import ForcedTokenEncoder
 
 __all__ = ["GrammarMatcher", "GrammarMatcherFactory", "CompiledGuide", "CompileHandle",
-           "CompileStats", "create_matcher_factory"]
+           "CompileStats", "ForcedTokenEncoder", "create_matcher_factory"]
 
 
 def _backend_factory(config: GuidedDecodingConfig,

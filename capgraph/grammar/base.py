@@ -29,7 +29,7 @@ from .disk_cache import FORMAT_VERSION, DiskCompileCache, Lookup, config_key, en
 from .guide_limits import check_guide_limits
 
 __all__ = ["GrammarMatcher", "GrammarMatcherFactory", "CompiledGuide", "CompileHandle",
-           "CompileStats"]
+           "CompileStats", "whole_utf8_prefix"]
 
 _log = logging.getLogger(__name__)
 #: Keys a factory remembers as loading slower than they compile (not written again).
@@ -58,6 +58,28 @@ class GrammarMatcher(ABC):
     @abstractmethod
     def is_terminated(self) -> bool:
         """Whether the matcher has accepted a stop token; a terminated matcher masks nothing."""
+
+    def forced_bytes(self, max_bytes: int) -> bytes:
+        """At most ``max_bytes`` bytes that every continuation of the current state starts
+        with (the text the grammar forces next), cut to whole UTF-8 characters; the state is
+        unchanged. Empty where nothing is forced, the matcher is terminated, or the backend
+        cannot tell (this default)."""
+        return b""
+
+
+def whole_utf8_prefix(data: bytes, max_bytes: int) -> bytes:
+    """The longest prefix of ``data[:max_bytes]`` made of whole UTF-8 characters; empty
+    where ``data`` starts inside a character (after a token that split one)."""
+    if max_bytes <= 0 or not data or 0x80 <= data[0] < 0xC0:
+        return b""
+    cut = data[:max_bytes]
+    # a character cut short at the end: back up to its lead byte and drop it
+    i = len(cut) - 1
+    while i > 0 and 0x80 <= cut[i] < 0xC0:
+        i -= 1
+    lead = cut[i]
+    width = 1 if lead < 0x80 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+    return cut if i + width <= len(cut) else cut[:i]
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,6 +141,9 @@ class HandOverMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return self._current.is_terminated()
 
+    def forced_bytes(self, max_bytes: int) -> bytes:
+        return self._current.forced_bytes(max_bytes)
+
     def sync_state(self) -> None:
         """Re-read the serving matcher's state after native code advanced it directly (the
         native host build, through :attr:`delegate`); a matcher without cached state has

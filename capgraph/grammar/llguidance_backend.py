@@ -15,7 +15,7 @@ import torch
 
 from ..errors import ConfigError, GrammarCompileError, MatcherError, UnsupportedGuideError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
-from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
+from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory, whole_utf8_prefix
 from .semantics import (JSON_CONTAINER_SCHEMA, JSON_WHITESPACE_CHARS, ascii_classes,
                         llguidance_schema)
 from .schema_policy import describe, unenforced_in_text
@@ -139,6 +139,14 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def is_terminated(self) -> bool:
         return self._terminated
+
+    def forced_bytes(self, max_bytes: int) -> bytes:
+        """llguidance's forced bytes, cut to whole characters and ``max_bytes``."""
+        if self._terminated or max_bytes <= 0 or self._matcher.is_stopped():
+            return b""
+        forced = self._matcher.compute_ff_bytes()
+        self._check()
+        return whole_utf8_prefix(forced, max_bytes)
 
 
 class LLGuidanceMatcherFactory(GrammarMatcherFactory):

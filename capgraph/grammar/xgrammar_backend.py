@@ -15,7 +15,7 @@ import xgrammar as xgr
 
 from ..errors import GrammarCompileError, NativeBuildError, UnsupportedGuideError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
-from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory
+from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory, whole_utf8_prefix
 from .compile_pool import run_lowered
 from .converter_log import converter_warnings
 from .disk_cache import source_digest
@@ -222,7 +222,7 @@ class XGrammarMatcher(GrammarMatcher):
     """
 
     __slots__ = ("_matcher", "_stop_ids", "_terminated", "_handle", "_chandle", "_accept",
-                 "_fill")
+                 "_fill", "_jump")
 
     def __init__(self, matcher: xgr.GrammarMatcher, stop_ids: frozenset[int] = frozenset()) -> None:
         self._matcher = matcher
@@ -230,6 +230,10 @@ class XGrammarMatcher(GrammarMatcher):
         self._terminated = matcher.is_terminated()
         handle = _ffi(matcher, "accept_token", "fill_next_token_bitmask")
         self._handle = handle  # what BatchGrammarMatcher's FFI object takes, or None
+        # the jump-forward string, a str (FFI string subclass: no conversion needed)
+        jump = _ffi(matcher, "find_jump_forward_string")
+        self._jump: Callable[[], str] = (jump.find_jump_forward_string if jump is not None
+                                         else matcher.find_jump_forward_string)
         # its address, for the C++ fast path (capgraph.build.native; 0: none)
         chandle = getattr(handle, "__chandle__", None)
         self._chandle: int = int(chandle()) if chandle is not None else 0
@@ -263,6 +267,13 @@ class XGrammarMatcher(GrammarMatcher):
 
     def is_terminated(self) -> bool:
         return self._terminated
+
+    def forced_bytes(self, max_bytes: int) -> bytes:
+        """xgrammar's jump-forward string (whole characters only), cut to ``max_bytes``."""
+        if self._terminated or max_bytes <= 0:
+            return b""
+        forced = self._jump()
+        return whole_utf8_prefix(forced.encode(), max_bytes) if forced else b""
 
     def sync_state(self) -> None:
         """Re-read the termination flag after the FFI object was advanced directly (by the

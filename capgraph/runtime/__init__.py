@@ -7,7 +7,7 @@ Importing this package loads torch and transformers; ``import capgraph`` does no
 
 from __future__ import annotations
 
-from .drafter import Drafter, ModelDrafter, NgramDrafter
+from .drafter import Drafter, GrammarDrafter, ModelDrafter, NgramDrafter
 from .engine import generate
 from .model import SlotKVCache, load_model, tiny_llama
 from .results import GenerationResult, GenerationResults, Timings
@@ -17,4 +17,4 @@ from .sampler import Sampler, SamplingParams, greedy, sample_no_sync
 __all__ = ["generate", "GenerationResult", "GenerationResults", "Timings", "tiny_llama",
            "load_model", "SlotKVCache", "ModelRunner", "EagerGraph", "graph_batch_sizes",
            "Sampler", "SamplingParams", "greedy", "sample_no_sync", "Drafter", "NgramDrafter",
-           "ModelDrafter"]
+           "ModelDrafter", "GrammarDrafter"]

@@ -6,19 +6,25 @@ picks greedily, so a drafter can be wrong (or numerically noisy) without changin
 * :class:`NgramDrafter` — prompt lookup: find the latest earlier occurrence of the context's
   last ``n`` tokens (longest ``n`` first) and propose what followed it.
 * :class:`ModelDrafter` — a second, smaller causal LM run greedily over its own slot cache.
+* :class:`GrammarDrafter` — the tokens a sequence's grammar forces next (JSON keys of a
+  schema, punctuation, the fixed parts of a tool call), in the tokenizer's own encoding; an
+  optional second drafter continues after that forced prefix.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from ..errors import ConfigError
+from ..grammar import CompileHandle, ForcedTokenEncoder, GrammarMatcher, GrammarMatcherFactory
+from ..params import GuidedDecodingParams
 from .runner import ModelRunner
 
-__all__ = ["Drafter", "NgramDrafter", "ModelDrafter"]
+__all__ = ["Drafter", "NgramDrafter", "ModelDrafter", "GrammarDrafter"]
 
 
 class Drafter(ABC):
@@ -29,12 +35,27 @@ class Drafter(ABC):
             raise ConfigError(f"num_draft_tokens={num_draft_tokens} must be >= 1 to draft")
         self.num_draft_tokens = num_draft_tokens
 
-    def start(self, slot: int, prompt: Sequence[int]) -> None:
-        """A sequence starts in ``slot`` with ``prompt`` (default: nothing to do)."""
+    def start(self, slot: int, prompt: Sequence[int],
+              guide: GuidedDecodingParams | None = None) -> None:
+        """A sequence starts in ``slot`` with ``prompt`` under ``guide`` (default: nothing to
+        do)."""
+
+    def release(self, slot: int) -> None:
+        """The sequence in ``slot`` finished (default: nothing to do)."""
 
     @abstractmethod
     def propose(self, slots: Sequence[int], contexts: Sequence[Sequence[int]]) -> list[list[int]]:
         """``num_draft_tokens`` tokens to follow each context (prompt + output so far)."""
+
+    def propose_after(self, slots: Sequence[int], contexts: Sequence[Sequence[int]],
+                      prefixes: Sequence[Sequence[int]]) -> list[list[int]]:
+        """``num_draft_tokens - len(prefix)`` tokens to follow each ``context + prefix``
+        (the prefix drafted by another drafter; default: :meth:`propose` on the joined
+        contexts)."""
+        k = self.num_draft_tokens
+        joined = [list(c) + list(p) for c, p in zip(contexts, prefixes)]
+        return [d[:max(k - len(p), 0)]
+                for d, p in zip(self.propose(slots, joined), prefixes)]
 
 
 class NgramDrafter(Drafter):
@@ -96,7 +117,8 @@ class ModelDrafter(Drafter):
         return self.pair_runner.vocab_size
 
     @torch.no_grad()
-    def start(self, slot: int, prompt: Sequence[int]) -> None:
+    def start(self, slot: int, prompt: Sequence[int],
+              guide: GuidedDecodingParams | None = None) -> None:
         self.pair_runner.prefill(slot, prompt)
 
     @torch.no_grad()
@@ -113,3 +135,146 @@ class ModelDrafter(Drafter):
             single.input_ids[:B].copy_(out[-1])
             out.append(single.forward_step(B).argmax(-1, keepdim=True))
         return torch.cat(out, dim=1).tolist()
+
+    @torch.no_grad()
+    def propose_after(self, slots: Sequence[int], contexts: Sequence[Sequence[int]],
+                      prefixes: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Greedy drafts after each ``context + prefix``, with the prefix written into the
+        draft cache on the way: ``k + 1`` one-token rounds for every sequence whatever its
+        prefix length. Round ``r`` feeds position ``len(context) - 2 + r``: the known token
+        while the joined context has one there, else the previous round's argmax; a round
+        whose output falls past the joined context gives a draft."""
+        k, single = self.num_draft_tokens, self.single_runner
+        B = len(slots)
+        lengths = [len(c) for c in contexts]
+        joined = [list(c) + list(p)[:k] for c, p in zip(contexts, prefixes)]
+        # known[b, r]: the token of sequence b at position len(context) - 2 + r, where known
+        known = torch.zeros(B, k + 1, dtype=torch.long)
+        is_known = torch.zeros(B, k + 1, dtype=torch.bool)
+        for b, (n, j) in enumerate(zip(lengths, joined)):
+            tail = j[n - 2:n - 1 + k]
+            known[b, :len(tail)] = torch.tensor(tail, dtype=torch.long)
+            is_known[b, :len(tail)] = True
+        known, is_known = known.to(single.device), is_known.to(single.device)
+        outs: list[torch.Tensor] = []
+        prev = known[:, 0]
+        for r in range(k + 1):
+            single.load_step(slots, [[0]] * B, [n - 2 + r for n in lengths])
+            prev = torch.where(is_known[:, r], known[:, r], prev)  # [B]
+            single.input_ids[:B, 0].copy_(prev)
+            prev = single.forward_step(B).argmax(-1)  # [B]
+            outs.append(prev)
+        picks = torch.stack(outs, dim=1).tolist()  # [B, k + 1]
+        # round r predicts position len(context) - 1 + r: drafts start at r = len(prefix) + 1
+        return [row[len(j) - n + 1:] for row, n, j in zip(picks, lengths, joined)]
+
+
+@dataclass(slots=True)
+class _GrammarSlot:
+    """A guided sequence as the grammar drafter follows it."""
+
+    guide: GuidedDecodingParams
+    prompt_len: int
+    handle: CompileHandle | None  # the compile to create the matcher from (None: created)
+    matcher: GrammarMatcher | None = None
+    fed: int = 0  # output tokens the matcher has accepted
+
+
+class GrammarDrafter(Drafter):
+    """Drafts the tokens each sequence's grammar forces next, then lets ``then`` continue.
+
+    The drafter keeps its own matcher per guided sequence, created from the decoder's factory
+    (the compiled guide is shared through the factory's cache) and advanced by the tokens the
+    sequence has accepted. Keeping it apart from the decoder's matchers makes it work the same
+    with the eager and the capturable decoder (whose matchers belong to the build's host
+    callbacks) and costs one accept per accepted token plus one forced-text query per sequence
+    and step (a few microseconds with xgrammar). A compile not finished yet, an unguided
+    sequence, or a matcher that refuses an accepted token (it then stops drafting for that
+    sequence; see :attr:`num_refused`) drafts nothing from the grammar.
+
+    Every proposal has exactly ``num_draft_tokens`` tokens: the forced prefix (the
+    tokenizer's encoding, :class:`~capgraph.grammar.forced.ForcedTokenEncoder`), then
+    ``then``'s drafts after it, then, without ``then``, the prefix's last token (or the
+    context's) repeated, as :class:`NgramDrafter` pads.
+
+    Args:
+        factory: the matcher factory of the decoder that masks the sequences (None where
+            no sequence is guided).
+        tokenizer: the model's tokenizer (encodes the forced text).
+        num_draft_tokens: ``k``.
+        then: a drafter that continues after the forced prefix (same ``k``), or None.
+        encoder: how forced text becomes tokens (default: ``ForcedTokenEncoder(tokenizer)``).
+    """
+
+    def __init__(self, factory: GrammarMatcherFactory | None, tokenizer: object,
+                 num_draft_tokens: int, then: Drafter | None = None,
+                 encoder: ForcedTokenEncoder | None = None) -> None:
+        super().__init__(num_draft_tokens)
+        if then is not None and then.num_draft_tokens != num_draft_tokens:
+            raise ConfigError(f"GrammarDrafter: the continuing drafter proposes "
+                              f"{then.num_draft_tokens} tokens, not {num_draft_tokens}")
+        self.factory = factory
+        self.then = then
+        self.encoder = encoder or ForcedTokenEncoder(tokenizer)
+        self._slots: dict[int, _GrammarSlot] = {}
+        self.num_forced = 0  #: tokens drafted from the grammar
+        self.num_refused = 0  #: sequences whose matcher refused an accepted token
+
+    def start(self, slot: int, prompt: Sequence[int],
+              guide: GuidedDecodingParams | None = None) -> None:
+        self._slots.pop(slot, None)
+        if guide is not None:
+            if self.factory is None:
+                raise ConfigError("GrammarDrafter: a guided sequence needs the decoder's "
+                                  "matcher factory (built without one)")
+            self._slots[slot] = _GrammarSlot(guide, len(prompt), self.factory.compile_async(guide))
+        if self.then is not None:
+            self.then.start(slot, prompt, guide)
+
+    def forced(self, slot: int, context: Sequence[int]) -> list[int]:
+        """The grammar's forced tokens after ``context`` for the sequence in ``slot`` (at most
+        ``num_draft_tokens``), after feeding its matcher the output tokens it has not seen."""
+        state = self._slots.get(slot)
+        if state is None:
+            return []
+        matcher = self._matcher(state)
+        if matcher is None:
+            return []
+        output = context[state.prompt_len:]
+        while state.fed < len(output):
+            if not matcher.accept_token(output[state.fed]):
+                self.num_refused += 1
+                del self._slots[slot]
+                return []
+            state.fed += 1
+        return self.encoder(matcher, self.num_draft_tokens)
+
+    def _matcher(self, state: _GrammarSlot) -> GrammarMatcher | None:
+        if state.matcher is None and state.handle is not None and state.handle.done() \
+                and self.factory is not None:
+            handle, state.handle = state.handle, None
+            try:
+                state.matcher = self.factory.create_from_compiled(
+                    handle.result(0.0, backend=self.factory.backend_name))
+            except Exception:  # noqa: BLE001 - the decoder reports the guide's failure
+                return None
+        return state.matcher
+
+    def propose(self, slots: Sequence[int], contexts: Sequence[Sequence[int]]) -> list[list[int]]:
+        k = self.num_draft_tokens
+        prefixes = [self.forced(s, c) for s, c in zip(slots, contexts)]
+        self.num_forced += sum(len(p) for p in prefixes)
+        if self.then is not None:
+            rests = self.then.propose_after(slots, contexts, prefixes)
+            return [(p + r)[:k] for p, r in zip(prefixes, rests)]
+        out = []
+        for p, c in zip(prefixes, contexts):
+            pad = p[-1] if p else c[-1]
+            out.append(p + [pad] * (k - len(p)))
+        return out
+
+    def release(self, slot: int) -> None:
+        """The sequence in ``slot`` finished: forget its matcher."""
+        self._slots.pop(slot, None)
+        if self.then is not None:
+            self.then.release(slot)

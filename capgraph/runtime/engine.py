@@ -20,7 +20,7 @@ from ..capturable import CapturableGuidedDecoder
 from ..decoder import GuidedDecoder
 from ..errors import ConfigError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams
-from .drafter import Drafter, ModelDrafter, NgramDrafter
+from .drafter import Drafter, GrammarDrafter, ModelDrafter, NgramDrafter
 from .guide import GuideDriver, StageClock
 from .model import tiny_llama
 from .runner import ModelRunner, graph_batch_sizes
@@ -29,7 +29,10 @@ from .sampler import Sampler, SamplingParams
 from .scheduler import Sequence as Seq
 from .scheduler import SlotScheduler
 
-__all__ = ["generate"]
+__all__ = ["generate", "DRAFTS"]
+
+#: The ``draft`` choices of :func:`generate`.
+DRAFTS = ("none", "model", "ngram", "grammar", "grammar+ngram", "grammar+model")
 
 
 def generate(prompts: Sequence[str | Sequence[int]],
@@ -52,8 +55,11 @@ def generate(prompts: Sequence[str | Sequence[int]],
         max_new_tokens: the length limit per request (finish reason ``"length"``).
         max_batch_size: sequence slots; more requests wait and join as slots free.
         draft: ``"none"``, ``"model"`` (a second small LM, ``draft_model`` or a random
-            ``tiny_llama``) or ``"ngram"`` (prompt lookup). Needs greedy decoding; the output
-            equals non-speculative greedy output token for token.
+            ``tiny_llama``), ``"ngram"`` (prompt lookup), ``"grammar"`` (the tokens each
+            guide forces next, :class:`~capgraph.runtime.drafter.GrammarDrafter`), or
+            ``"grammar+ngram"`` / ``"grammar+model"`` (the forced tokens first, the other
+            drafter after them). Needs greedy decoding; the output equals non-speculative
+            greedy output token for token.
         num_draft_tokens: drafts per sequence per step.
         decoder: ``"eager"`` (:class:`~capgraph.decoder.GuidedDecoder`) or ``"capturable"``
             (``capgraph.capturable.CapturableGuidedDecoder``, host work as stream callbacks).
@@ -96,8 +102,8 @@ class _Engine:
         if max_new_tokens < 1 or max_batch_size < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens} and max_batch_size="
                               f"{max_batch_size} must be >= 1")
-        if draft not in ("none", "model", "ngram"):
-            raise ConfigError(f"draft={draft!r}: expected 'none', 'model' or 'ngram'")
+        if draft not in DRAFTS:
+            raise ConfigError(f"draft={draft!r}: expected one of {', '.join(map(repr, DRAFTS))}")
         if decoder not in ("eager", "capturable"):
             raise ConfigError(f"decoder={decoder!r}: expected 'eager' or 'capturable'")
         self.K = K = num_draft_tokens if draft != "none" else 0
@@ -125,8 +131,13 @@ class _Engine:
                                   f"vocabulary [0, {self.runner.vocab_size})")
         self.sampler = Sampler(sampling, self.device)
         self.clock = StageClock(self.device, sync=True)
-        self.drafter = self._drafter(draft, draft_model, model, S, max_seq_len, sampling.seed)
         self.guide = self._guide(decoder, factory, backend, S)
+        try:
+            self.drafter = self._drafter(draft, draft_model, model, S, max_seq_len,
+                                         sampling.seed)
+        except BaseException:
+            self.close()
+            raise
         self.stop_ids = (list(self.guide.decoder.config.stop_token_ids or []) if self.guide else
                          [t for t in [tokenizer.eos_token_id] if t is not None])
         self.scheduler = SlotScheduler(self.sequences, S)
@@ -167,6 +178,11 @@ class _Engine:
         return seqs
 
     def _drafter(self, draft, draft_model, model, S, max_seq_len, seed) -> Drafter | None:
+        if draft.startswith("grammar"):
+            then = self._drafter(draft.partition("+")[2] or "none", draft_model, model, S,
+                                 max_seq_len, seed)
+            factory = self._factory if self.guide is not None else None
+            return GrammarDrafter(factory, self.tokenizer, self.K, then=then)
         if draft == "ngram":
             return NgramDrafter(self.K)
         if draft == "model":
@@ -248,6 +264,8 @@ class _Engine:
             for seq in self.scheduler.retire_finished():
                 if self.guide is not None:
                     self.guide.release(seq.seq_slot)
+                if self.drafter is not None:
+                    self.drafter.release(seq.seq_slot)
                 finished += 1
                 if bar is not None:
                     bar.update(1)
@@ -262,7 +280,7 @@ class _Engine:
             logits = torch.cat([self.runner.prefill(s.seq_slot, s.prompt) for s in seqs])
             if self.drafter is not None:
                 for s in seqs:
-                    self.drafter.start(s.seq_slot, s.prompt)
+                    self.drafter.start(s.seq_slot, s.prompt, s.guide)
         if self.guide is not None:
             self.guide.begin_context(seqs)
             self.guide.apply(logits)

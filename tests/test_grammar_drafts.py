@@ -1,0 +1,255 @@
+"""Forced tokens as drafts: the backends' forced text, its encoding, the decoder's per-slot
+query, and generation with the grammar drafter equal to greedy generation token for token.
+
+Generation runs the demo's guides (the bundled tool-call schema, the date regex, the key=value
+grammar) with the Tekken tokenizer and the runtime's tiny random Llama, as ``capgraph demo``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from capgraph import GuidedDecodingConfig, GuidedDecodingParams
+from capgraph.decoder import GuidedDecoder
+from capgraph.errors import ConfigError, RequestError
+from capgraph.demo import DEFAULT_PROMPTS, bundled_schema, demo_guides
+from capgraph.grammar import ForcedTokenEncoder, create_matcher_factory
+from capgraph.grammar.base import whole_utf8_prefix
+from capgraph.grammar.llguidance_backend import available as llguidance_available
+from capgraph.requests import GuidedRequest
+from capgraph.runtime import GrammarDrafter, NgramDrafter, generate, tiny_llama
+
+needs_llguidance = pytest.mark.skipif(not llguidance_available(),
+                                      reason="the llguidance extra is not installed")
+
+SCHEMA = json.dumps({
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"], "additionalProperties": False})
+PROMPTS = [p for ps in DEFAULT_PROMPTS.values() for p in ps]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def compact_factory(tok, backend: str = "xgrammar"):
+    return create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
+        tok, backend=backend, json_whitespace="compact"))
+
+
+@pytest.fixture(scope="module")
+def factory(tekken):
+    f = compact_factory(tekken)
+    yield f
+    f.close()
+
+
+@pytest.fixture(scope="module")
+def model(tekken):
+    return tiny_llama(len(tekken), seed=0, eos_token_id=tekken.eos_token_id)
+
+
+def demo_batch(guides=None):
+    guides = guides or demo_guides(bundled_schema())
+    return PROMPTS, [guides[i // 2] for i in range(len(PROMPTS))]
+
+
+def run(tok, model, factory, prompts, guides, **kw):
+    kw.setdefault("max_new_tokens", 60)
+    kw.setdefault("max_batch_size", 4)
+    return generate(prompts, guides, model=model, tokenizer=tok, factory=factory, **kw)
+
+
+@pytest.fixture(scope="module")
+def greedy(tekken, model, factory):
+    return run(tekken, model, factory, *demo_batch())
+
+
+# -- forced text -------------------------------------------------------------------------------
+
+def test_whole_utf8_prefix_never_cuts_a_character():
+    """Forced bytes are cut to whole UTF-8 characters: at the byte bound, at a character cut
+    short by the backend, and not at all where the data starts inside a character."""
+    e_acute = "é".encode()  # 2 bytes
+    assert whole_utf8_prefix(b"ab" + e_acute, 3) == b"ab"
+    assert whole_utf8_prefix(b"ab" + e_acute, 4) == b"ab" + e_acute
+    assert whole_utf8_prefix(b"ab" + e_acute[:1], 10) == b"ab"
+    assert whole_utf8_prefix(e_acute[1:] + b"ab", 10) == b""
+    assert whole_utf8_prefix("€x".encode(), 10) == "€x".encode()
+    assert whole_utf8_prefix(b"abc", 0) == b""
+
+
+@pytest.mark.parametrize("backend", ["xgrammar",
+                                     pytest.param("llguidance", marks=needs_llguidance)])
+def test_forced_bytes_follow_the_grammar_and_leave_the_state(tekken, backend):
+    """Each backend forces a schema's keys and punctuation, nothing inside a free string, and
+    nothing once terminated; asking changes neither the state nor the mask."""
+    f = compact_factory(tekken, backend)
+    try:
+        m = f.create(GuidedDecodingParams.json_schema(SCHEMA))
+        assert m.forced_bytes(64) == b'{"name":"'
+        assert m.forced_bytes(4) == b'{"na'
+        for t in tekken.encode('{"name":"Bob', add_special_tokens=False):
+            assert m.accept_token(t)
+        assert m.forced_bytes(64) == b""
+        before = torch.zeros((1, (len(tekken) + 31) // 32), dtype=torch.int32)
+        after = before.clone()
+        m.fill_next_token_bitmask(before, 0)
+        for t in tekken.encode('","', add_special_tokens=False):
+            assert m.accept_token(t)
+        assert m.forced_bytes(64) == b'age":'
+        m.rollback(len(tekken.encode('","', add_special_tokens=False)))
+        m.fill_next_token_bitmask(after, 0)
+        assert torch.equal(before, after)
+        for t in tekken.encode('","age":7}', add_special_tokens=False):
+            assert m.accept_token(t)
+        assert m.accept_token(f.config.stop_token_ids[0]) and m.is_terminated()
+        assert m.forced_bytes(64) == b""
+    finally:
+        f.close()
+
+
+def test_encoder_drafts_the_tokenizers_own_encoding_within_the_bound(tekken):
+    """Forced text becomes the tokenizer's encoding of it; a bound that cuts the text never
+    drafts the token it cut; ``keep_last=False`` leaves out the token at the end of the
+    forced text; bad arguments raise ConfigError."""
+    text = b'{"name":"'
+    own = tekken.encode(text.decode(), add_special_tokens=False)
+    enc = ForcedTokenEncoder(tekken)
+    assert enc.encode(text, 16) == own
+    assert enc.encode(text, 1) == own[:1]
+    assert enc.encode(text, 0) == [] and enc.encode(b"", 5) == []
+    assert ForcedTokenEncoder(tekken, keep_last=False).encode(text, 16) == own[:-1]
+    short = ForcedTokenEncoder(tekken, max_bytes_per_token=3)  # 2 tokens: 6 bytes asked for
+    cut = tekken.encode('{"name', add_special_tokens=False)
+    assert len(cut) == 2 and short(_Forcing(text), 2) == cut[:1]
+    with pytest.raises(ConfigError, match="max_bytes_per_token"):
+        ForcedTokenEncoder(tekken, max_bytes_per_token=0)
+    with pytest.raises(ConfigError, match="tokenizer"):
+        ForcedTokenEncoder(None)
+
+
+class _Forcing:
+    """A matcher stand-in that forces a fixed text (only ``forced_bytes`` is called)."""
+
+    def __init__(self, text: bytes) -> None:
+        self.text = text
+
+    def forced_bytes(self, max_bytes: int) -> bytes:
+        return whole_utf8_prefix(self.text, max_bytes)
+
+
+def test_decoder_forced_tokens_after_the_steps_accept(tekken, factory):
+    """``GuidedDecoder.forced_tokens`` reads the slot's matcher as the latest build left it
+    (after the new token it accepted), without changing it; a slot without a matcher forces
+    nothing; a bad slot or bound raises a named error."""
+    params = GuidedDecodingParams.json_schema(SCHEMA)
+    V = factory.config.vocab_size_padded
+    dec = GuidedDecoder(factory.config, 2, 0, factory=factory)
+    try:
+        dec.add_batch([GuidedRequest.context(7, 0, params)])
+        assert dec.execute(torch.zeros(1, V)) == []
+        own = tekken.encode('{"name":"', add_special_tokens=False)
+        assert dec.forced_tokens(0, 16) == own
+        assert dec.forced_tokens(0, 16) == own  # unchanged by asking
+        assert dec.forced_tokens(1, 16) == []  # no matcher there
+        first = own[0]
+        dec.add_batch([GuidedRequest.generation(7, 0, params, first)])
+        assert dec.execute(torch.zeros(1, V)) == []
+        rest = tekken.encode('{"name":"', add_special_tokens=False)[1:]
+        assert dec.forced_tokens(0, 16) == rest
+        with pytest.raises(RequestError, match="seq_slot"):
+            dec.forced_tokens(2, 4)
+        with pytest.raises(ConfigError, match="max_tokens"):
+            dec.forced_tokens(0, -1)
+    finally:
+        dec.close()
+
+
+# -- the drafter -------------------------------------------------------------------------------
+
+def test_grammar_drafter_pads_and_hands_over_to_the_next_drafter(tekken, factory):
+    """A proposal always has k tokens: the forced prefix, then the continuing drafter's
+    tokens after it (n-gram over context + prefix), or the prefix's last token repeated;
+    an unguided sequence drafts only from the continuing drafter."""
+    params = GuidedDecodingParams.json_schema(SCHEMA)
+    factory.compile(params)  # compiled: the drafter's matcher exists at the first proposal
+    prompt = [1, 2, 3]
+    forced = tekken.encode('{"name":"', add_special_tokens=False)
+    k = len(forced) + 2
+    alone = GrammarDrafter(factory, tekken, k)
+    alone.start(0, prompt, params)
+    alone.start(1, prompt, None)
+    out = alone.propose([0, 1], [prompt, prompt])
+    assert out[0] == forced + [forced[-1]] * 2
+    assert out[1] == [prompt[-1]] * k
+    ngram = NgramDrafter(k)
+    combined = GrammarDrafter(factory, tekken, k, then=ngram)
+    combined.start(0, prompt, params)
+    after = combined.propose([0], [prompt])[0]
+    assert after[:len(forced)] == forced
+    assert after[len(forced):] == ngram.lookup(prompt + forced)[:2]
+    # the output so far is fed to the drafter's matcher: after the forced text, a free string
+    assert combined.propose([0], [prompt + forced])[0] == ngram.lookup(prompt + forced)
+    with pytest.raises(ConfigError, match="proposes"):
+        GrammarDrafter(factory, tekken, 3, then=NgramDrafter(2))
+    assert alone.num_forced == len(forced) and alone.num_refused == 0
+
+
+@pytest.mark.parametrize("draft", ["grammar", "grammar+ngram", "grammar+model"])
+@pytest.mark.parametrize("decoder", ["eager", "capturable"])
+def test_grammar_drafts_equal_greedy_generation(tekken, model, factory, greedy, draft, decoder):
+    """Over the demo's schema, regex and grammar, generation with the grammar drafter alone or
+    combined equals greedy generation without speculation token for token, with the eager and
+    the capturable decoder, and takes fewer steps (the schema's keys are drafted and
+    accepted)."""
+    out = run(tekken, model, factory, *demo_batch(), draft=draft, num_draft_tokens=4,
+              decoder=decoder)
+    assert [r.tokens for r in out] == [r.tokens for r in greedy]
+    assert [r.finish_reason for r in out] == [r.finish_reason for r in greedy]
+    assert sum(r.num_accepted_draft_tokens for r in out) > 0
+    assert out.timings.steps < greedy.timings.steps
+
+
+@pytest.mark.parametrize("decoder", ["eager", "capturable"])
+def test_grammar_drafts_on_the_graph_path_equal_greedy(tekken, model, factory, greedy, decoder):
+    """The graph path's fixed draft length (shorter proposals padded, batches padded to a
+    captured size), replayed by the CPU stand-in, gives greedy output token for token."""
+    out = run(tekken, model, factory, *demo_batch(), draft="grammar+ngram",
+              num_draft_tokens=3, decoder=decoder, cuda_graph=True)
+    assert [r.tokens for r in out] == [r.tokens for r in greedy]
+
+
+def test_grammar_drafts_with_unguided_and_one_draft(tekken, model, factory):
+    """A batch mixing guided and unguided requests, with one draft per step, gives greedy
+    output; the unguided request drafts nothing from the grammar."""
+    prompts, guides = PROMPTS[:3], [demo_guides(bundled_schema())[0], None,
+                                    demo_guides(bundled_schema())[1]]
+    base = run(tekken, model, factory, prompts, guides, max_new_tokens=30)
+    out = run(tekken, model, factory, prompts, guides, max_new_tokens=30, draft="grammar",
+              num_draft_tokens=1)
+    assert [r.tokens for r in out] == [r.tokens for r in base]
+
+
+@needs_llguidance
+def test_grammar_drafts_equal_greedy_on_llguidance(tekken, model):
+    """With the llguidance backend (its forced bytes), the schema and regex guides give
+    greedy output token for token with the grammar drafter."""
+    f = compact_factory(tekken, "llguidance")
+    try:
+        guides = demo_guides(bundled_schema())[:2]
+        prompts, gs = PROMPTS[:4], [guides[0], guides[0], guides[1], guides[1]]
+        base = run(tekken, model, f, prompts, gs)
+        out = run(tekken, model, f, prompts, gs, draft="grammar", num_draft_tokens=4)
+        assert [r.tokens for r in out] == [r.tokens for r in base]
+        assert out.timings.steps < base.timings.steps
+    finally:
+        f.close()
+
+
+def test_draft_choice_is_checked(tekken, model, factory):
+    """An unknown draft choice raises ConfigError listing the choices."""
+    with pytest.raises(ConfigError, match="grammar\\+ngram"):
+        run(tekken, model, factory, PROMPTS[:1], None, draft="grammar+beam")
