@@ -395,8 +395,8 @@ class GuidedDecoder:
         where the model follows the tokenizer's encoding, and the rest are drafts for the
         next step once it is. The matcher is unchanged; empty for a slot without a matcher or
         where nothing is forced. Meant as drafts: verification keeps the output exact
-        whatever they are. Host-side and synchronous (waits for a build in flight); with the capturable
-        decoder call it only once the step's callbacks have run.
+        whatever they are. Host-side and synchronous (waits for a build in flight); with the
+        capturable decoder call it only once the step's callbacks have run.
 
         Raises:
             RequestError: ``seq_slot`` is outside ``[0, max_num_sequences)``.
