@@ -501,6 +501,12 @@ class GrammarMatcherFactory(ABC):
 
     def __del__(self) -> None:  # best effort; pools also die with the interpreter
         try:
-            self.close()
+            self._close_collected()
         except Exception:
             pass
+
+    def _close_collected(self) -> None:
+        """What closes when the factory is collected: :meth:`close` (a factory built over
+        other factories closes only its own pool: each of those closes itself when collected,
+        and one shared with other users is not closed under them)."""
+        self.close()

@@ -340,13 +340,8 @@ class HandOverMatcherFactory(GrammarMatcherFactory):
         self.xgrammar.close()
         self.llguidance.close()
 
-    def __del__(self) -> None:
-        # collected: only this factory's own pool; each backend factory closes itself when it
-        # is collected, and one shared with other users (tests do that) is not closed under them
-        try:
-            GrammarMatcherFactory.close(self)
-        except Exception:
-            pass
+    def _close_collected(self) -> None:
+        GrammarMatcherFactory.close(self)  # (its own pool only)
 
 
 def _settle(out: Future, *, result: Any = None, error: BaseException | None = None) -> None:
