@@ -246,3 +246,54 @@ def test_budget_error_carries_its_context():
     err = BudgetExceededError(request_id=7, seq_slot=2, elapsed_ms=93.25, budget_ms=50.0)
     assert (err.request_id, err.seq_slot, err.elapsed_ms, err.budget_ms) == (7, 2, 93.25, 50.0)
     assert "93.2 ms" in str(err) and "50 ms budget" in str(err) and "request_id=7" in str(err)
+
+
+class _FaultyAtSecondFill(GrammarMatcher):
+    """``inner``, except that its second fill raises (a fault after a row was filled)."""
+
+    def __init__(self, inner: GrammarMatcher) -> None:
+        self.inner, self.fills = inner, 0
+
+    def accept_token(self, token_id: int) -> bool:
+        return self.inner.accept_token(token_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        self.fills += 1
+        if self.fills == 2:
+            raise RuntimeError("fault at the second fill")
+        self.inner.fill_next_token_bitmask(bitmask, index)
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+
+@pytest.mark.parametrize("kind", ["eager", "capturable"])
+@pytest.mark.parametrize("build", ["python", "native"])
+def test_a_fault_after_a_filled_row_leaves_all_its_rows_unmasked(tiny, build, kind):
+    """A request whose matcher faults at its second row (the first already filled) fails
+    alone with all its rows of the step unmasked, the row filled before the fault too, as
+    every failure leaves them; the other request's rows are masked."""
+    methods = None
+    if build == "native":
+        def faulty_fill(fill, handle, bitmask, index, debug, calls=[0]):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("fault at the second fill")
+            return fill(handle, bitmask, index, debug)
+        methods = AimedMethods(fill=faulty_fill)
+    dec = _decoder(tiny, build, kind, slots=2, drafts=2, methods=methods)
+    _step(dec, [GuidedRequest.context(i, i, HEALTHY) for i in range(2)], 2)
+    if build == "python":
+        dec.grammar_matchers[1] = _FaultyAtSecondFill(dec.grammar_matchers[1])
+    else:
+        methods.aim(dec.grammar_matchers[1])
+    logits, failed = _step(dec, [GuidedRequest.generation(i, i, HEALTHY, A,
+                                                          draft_tokens=[A, A])
+                                 for i in range(2)], 6)
+    assert [f[0] for f in failed] == [1] and "fault at the second fill" in failed[0][1]
+    assert all(_allowed(logits[r]) == [0, 1, 2] for r in range(3))
+    assert all(_allowed(logits[r]) == list(range(V)) for r in range(3, 6))
+    dec.close()
