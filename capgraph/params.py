@@ -341,7 +341,18 @@ class GuidedDecodingConfig:
             calling thread, 0 lets xgrammar choose (half the hardware threads). Measured with
             batches of 8 and 64 on a 2-core and a 16-core host, every thread count above 1 made
             the fill slower (docs/BENCHMARKS.md): the hand-off to the pool's threads costs more
-            than the rows it spreads.
+            than the rows it spreads. The native build (``native_build``) needs 1 here and
+            has a pool of its own, ``native_fill_threads``.
+        native_fill_threads: threads of the native build's fill (:mod:`capgraph.build.native`):
+            the calling thread and ``native_fill_threads - 1`` threads of a pool of the
+            decoder's own (started by the first step that uses them, parked between steps,
+            ended by ``close()``), which split a step's requests from
+            ``capgraph.build.library.POOL_MIN_REQUESTS`` requests on, where they pay;
+            smaller steps fill on the calling thread. Masks, counters and failures are the
+            same for every value. 0 (default): automatic, ``min(cores, 8)`` (1 on one core);
+            1: the calling thread only; up to 256. A field of its own, not ``fill_threads``:
+            that one sizes xgrammar's batch fill for the Python build, where more threads
+            were measured slower (see above), and the native build requires it at 1.
         native_build: the every-step build loop in C++ (:mod:`capgraph.build.native`,
             xgrammar or auto backend with ``fill_threads=1``; an auto request once handed
             over to xgrammar): ``"auto"`` (default) compiles it on the
@@ -393,6 +404,7 @@ class GuidedDecodingConfig:
     compile_isolation: str = "thread"
     compile_memory_limit_bytes: int = DEFAULT_COMPILE_MEMORY_LIMIT_BYTES
     fill_threads: int = 1
+    native_fill_threads: int = 0
     native_build: str = field(default_factory=_default_native_build)
     json_whitespace: str = "any"
     json_max_whitespace: int = 8
@@ -478,6 +490,7 @@ class GuidedDecodingConfig:
                 "xgrammar only where both enforce its schema, which "
                 "json_unenforced_keywords='ignore' hides; use 'error' or 'fallback'")
         _int_field("fill_threads", self.fill_threads, 0, 1024)
+        _int_field("native_fill_threads", self.native_fill_threads, 0, 256)  # (MAX_FILL_THREADS)
         _int_field("max_repetition_count", self.max_repetition_count, 1, 2**31 - 1)
         budget = self.host_step_budget_ms
         if budget is not None and (type(budget) not in (int, float)

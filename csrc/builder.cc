@@ -24,13 +24,185 @@
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/string.h>
 
+#include <pthread.h>  // pthread_setname_np, pthread_sigmask
+#include <signal.h>
+#include <unistd.h>  // getpid: a forked child starts its own pool
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <system_error>
+#include <thread>
+#include <utility>
 
 namespace capgraph {
+
+// The fill threads of one Builder: started by its first parallel step, parked on a condition
+// variable between steps, joined by Stop (ClosePool, ~Builder). A parallel section publishes
+// its requests; each thread that joins it (the caller always does) claims requests one at a
+// time from a shared counter until none is left, so a slow request does not hold up the
+// others. The caller then closes the section (a thread woken later finds nothing to join) and
+// waits until every thread that joined has left it: the section's data, on the caller's
+// stack, outlives every use. Pool threads never take the GIL and touch no Python object
+// (a matcher method handed in from Python may take it itself, as on the caller's thread).
+class FillPool {
+ public:
+  struct Section {
+    const Builder* builder;
+    const void* context;
+    Builder::EntryFn entry;
+    std::string* errors;  // one per request
+    int64_t n;
+  };
+
+  FillPool() : pid_(getpid()) {}
+  FillPool(const FillPool&) = delete;
+  FillPool& operator=(const FillPool&) = delete;
+  ~FillPool() { Stop(); }
+
+  // The process that started the threads (a forked child has none of them).
+  pid_t pid() const { return pid_; }
+
+  // Run the section on the calling thread and up to `workers` pool threads (started here as
+  // needed; fewer where the system refuses a thread); how many threads ran requests, the
+  // caller included, in *threads, and how many requests the pool threads ran in *pooled.
+  void Run(const Section& section, int64_t workers, int64_t* threads, int64_t* pooled) {
+    workers = Grow(workers);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      section_ = section;
+      next_.store(0, std::memory_order_relaxed);
+      ++generation_;
+      open_ = true;
+      joined_ = pooled_ = 0;
+      wanted_ = workers;
+    }
+    if (workers == static_cast<int64_t>(threads_.size())) {
+      wake_.notify_all();
+    } else {
+      for (int64_t i = 0; i < workers; ++i) wake_.notify_one();
+    }
+    Claim(section);
+    // a thread still in the section is running its last request (a few microseconds): wait
+    // for it spinning a little before sleeping, which costs a wake-up of its own
+    const int64_t deadline = NowNs() + kSpinNs;
+    while (busy_.load(std::memory_order_acquire) != 0 && NowNs() < deadline) CpuRelax();
+    std::unique_lock<std::mutex> lock(mu_);
+    open_ = false;
+    left_.wait(lock, [this] { return busy_.load(std::memory_order_relaxed) == 0; });
+    *threads = 1 + joined_;
+    *pooled = pooled_;
+  }
+
+  // End and join the threads (each finishes the section it joined first).
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (std::thread& t : threads_) t.join();
+    threads_.clear();
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = false;
+  }
+
+  int64_t size() const { return static_cast<int64_t>(threads_.size()); }
+
+ private:
+  static constexpr const char* kThreadName = "capgraph-fill";  // as profilers, /proc show it
+  static constexpr int64_t kSpinNs = 20000;  // the caller's spin before it sleeps
+
+  static void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+
+  // Start threads up to `wanted`; how many there are (at most `wanted` are woken).
+  int64_t Grow(int64_t wanted) {
+    while (static_cast<int64_t>(threads_.size()) < wanted) {
+      uint64_t generation;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        generation = generation_;
+      }
+      try {
+        threads_.emplace_back(&FillPool::Work, this, generation);
+      } catch (const std::system_error&) {
+        break;  // (the threads there are run the section; the caller runs whatever is left)
+      }
+#ifdef __linux__
+      pthread_setname_np(threads_.back().native_handle(), kThreadName);
+#endif
+    }
+    return std::min<int64_t>(wanted, size());
+  }
+
+  // Run requests of the section until none is left, on this thread's own budget clock; how
+  // many this thread ran.
+  int64_t Claim(const Section& s) {
+    Builder::StepClock clock_state;
+    Builder::StepClock* clock = s.builder->StartClock(&clock_state, false);
+    int64_t ran = 0;
+    for (int64_t k; (k = next_.fetch_add(1, std::memory_order_relaxed)) < s.n; ++ran) {
+      s.entry(s.context, k, clock, s.errors + k);
+    }
+    return ran;
+  }
+
+  void Work(uint64_t seen) {
+    sigset_t all;  // signals go to the process's other threads (Python's handlers among them)
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, nullptr);
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      wake_.wait(lock, [&] {
+        return stop_ || (generation_ != seen && open_ && joined_ < wanted_);
+      });
+      if (stop_) return;
+      seen = generation_;
+      if (next_.load(std::memory_order_relaxed) >= section_.n) continue;  // (woken too late)
+      ++joined_;
+      busy_.fetch_add(1, std::memory_order_relaxed);
+      const Section section = section_;
+      lock.unlock();
+      const int64_t ran = Claim(section);
+      lock.lock();
+      pooled_ += ran;
+      if (busy_.fetch_sub(1, std::memory_order_release) == 1 && !open_) left_.notify_one();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable wake_;  // a section opened, or stop
+  std::condition_variable left_;  // the last thread in a closed section left it
+  std::vector<std::thread> threads_;  // (only the thread that runs sections changes it)
+  std::atomic<int64_t> next_{0};  // the next request to claim
+  // under mu_:
+  Section section_{};
+  uint64_t generation_ = 0;  // sections opened so far
+  bool open_ = false, stop_ = false;
+  int64_t wanted_ = 0, joined_ = 0, pooled_ = 0;
+  std::atomic<int64_t> busy_{0};  // threads in the section (changed under mu_, read outside)
+  const pid_t pid_;
+};
+
+Builder::Builder() = default;
+
+Builder::~Builder() {
+  if (pool_ != nullptr && pool_->pid() != getpid()) {
+    (void)pool_.release();  // a forked child: the parent's threads are not here to join
+  }
+}
 
 bool Builder::IsStop(int64_t token) const {
   for (int64_t s : stop_ids) {
@@ -96,16 +268,16 @@ bool Builder::OverBudget(StepClock* clock, double* ms) const {
 
 // One request: accept `token` (< 0: none, the matcher was created this step), fill its
 // rows from `offset`, then follow its `nd` drafts (drafts[i] is the i-th). Writes
-// {status, accepted, guided} to o3; a fault's message is appended to `errors`.
+// {status, accepted, guided} to o3; a fault's message to *error.
 //
 // With a budget (`clock`), a request that would otherwise be plainly OK and took longer
 // ends with kOverBudget: its rows unmasked, its counts zero (Python drops its matcher), the
-// milliseconds measured appended to `errors`. It is measured once, at its end: xgrammar's
+// milliseconds measured written to *error. It is measured once, at its end: xgrammar's
 // calls cannot be interrupted, and one clock read per request keeps the common step's cost
 // within noise, so a slow request costs at most its own rows' calls, in one step.
 void Builder::RunOne(const ObjectRef& m, int64_t token, int64_t offset, int64_t nd,
                      Drafts drafts, int64_t draft_len, int64_t rows, int32_t* mask, int32_t* o3,
-                     StepClock* clock) {
+                     StepClock* clock, std::string* error) const {
   int32_t status = kOk;
   int32_t accepted = 0, guided = 0;
   bool terminated = false;
@@ -141,10 +313,10 @@ void Builder::RunOne(const ObjectRef& m, int64_t token, int64_t offset, int64_t 
     }
   } catch (const tvm::ffi::Error& e) {
     status = kFault;
-    errors.push_back(e.kind() + ": " + e.message());
+    *error = e.kind() + ": " + e.message();
   } catch (const std::exception& e) {
     status = kFault;
-    errors.push_back(std::string("RuntimeError: ") + e.what());
+    *error = std::string("RuntimeError: ") + e.what();
   }
   double ms = 0;
   if (clock != nullptr && OverBudget(clock, &ms) && status == kOk) {
@@ -152,7 +324,7 @@ void Builder::RunOne(const ObjectRef& m, int64_t token, int64_t offset, int64_t 
     status = kOverBudget;
     accepted = guided = 0;
     terminated = false;  // (its matcher is dropped)
-    errors.push_back(std::to_string(ms));
+    *error = std::to_string(ms);
   }
   if (terminated) status |= kTerminated;
   o3[0] = status;
@@ -173,6 +345,72 @@ int32_t* Builder::BeginStep(int64_t clear_rows) {
   return mask;
 }
 
+void Builder::RunEntries(int64_t n, const int32_t* out3, bool parallel, bool cpu_time,
+                         const void* context, EntryFn entry) {
+  last_start_ns = NowNs();
+  if (static_cast<int64_t>(entry_errors_.size()) < n) entry_errors_.resize(n);
+  std::string* step_errors = entry_errors_.data();
+  const int64_t workers = std::min(fill_threads, n) - 1;
+  if (parallel && workers > 0 && n >= pool_min_requests) {
+    if (pool_ != nullptr && pool_->pid() != getpid()) {
+      (void)pool_.release();  // a forked child: the parent's threads are not here
+    }
+    if (pool_ == nullptr) pool_ = std::make_unique<FillPool>();
+    pool_->Run(FillPool::Section{this, context, entry, step_errors, n}, workers, &last_threads,
+               &last_pool_requests);
+  } else {
+    StepClock clock_state;
+    StepClock* clock = StartClock(&clock_state, cpu_time);
+    for (int64_t k = 0; k < n; ++k) entry(context, k, clock, step_errors + k);
+    last_threads = n > 0 ? 1 : 0;
+    last_pool_requests = 0;
+  }
+  for (int64_t k = 0; k < n; ++k) {  // (a request writes a message only with these statuses)
+    const int32_t kind = out3[k * 3] & ~kTerminated;
+    if (kind == kFault || kind == kOverBudget) {
+      errors.push_back(std::move(step_errors[k]));
+      step_errors[k].clear();
+    }
+  }
+  last_end_ns = NowNs();
+}
+
+void Builder::SetFill(int64_t threads, int64_t min_requests) {
+  if (threads < 1 || threads > kMaxFillThreads || min_requests < 1) {
+    TVM_FFI_THROW(ValueError) << "host build: fill threads " << threads << " (expected 1 to "
+                              << kMaxFillThreads << ") or pool_min_requests " << min_requests
+                              << " (expected >= 1)";
+  }
+  fill_threads = threads;
+  pool_min_requests = min_requests;
+  if (pool_ != nullptr && pool_->size() > threads - 1) ClosePool();
+}
+
+void Builder::ClosePool() {
+  if (pool_ == nullptr) return;
+  if (pool_->pid() != getpid()) {
+    (void)pool_.release();  // a forked child: the parent's threads are not here to join
+    return;
+  }
+  pool_->Stop();
+  pool_.reset();
+}
+
+// The Python side never hands in a step whose requests share a matcher or a row; a caller
+// that did gets the one-thread result.
+bool Builder::Disjoint(std::vector<std::pair<const void*, int64_t>>* matchers,
+              std::vector<std::pair<int64_t, int64_t>>* spans) {
+  std::sort(matchers->begin(), matchers->end());
+  for (size_t k = 1; k < matchers->size(); ++k) {
+    if ((*matchers)[k].first == (*matchers)[k - 1].first) return false;
+  }
+  std::sort(spans->begin(), spans->end());
+  for (size_t k = 1; k < spans->size(); ++k) {
+    if ((*spans)[k].first <= (*spans)[k - 1].second) return false;
+  }
+  return true;
+}
+
 // One step over n requests. tokens[k] < 0: the matcher was created this step (fill only).
 int64_t Builder::Step(const Array<ObjectRef>& matchers, const Array<int64_t>& tokens,
                       const Array<int64_t>& offsets, const Array<int64_t>& num_drafts,
@@ -191,18 +429,33 @@ int64_t Builder::Step(const Array<ObjectRef>& matchers, const Array<int64_t>& to
   int32_t* o = static_cast<int32_t*>(out.data_ptr());
   int32_t* mask = BeginStep(clear_rows);
   const int64_t rows = bitmask.size(0);
-  int64_t unusual = 0;
+  draft_starts_.resize(n);
   int64_t draft_pos = 0;
-  StepClock clock_state;
-  StepClock* clock = StartClock(&clock_state, false);
   for (int64_t k = 0; k < n; ++k) {
-    const int64_t nd = num_drafts.size() ? num_drafts[k] : 0;
-    const int64_t first_draft = draft_pos;
-    draft_pos += nd;
-    RunOne(matchers[k], tokens[k], offsets[k], nd, Drafts{nullptr, &drafts, first_draft},
-           draft_len, rows, mask, o + k * 3, clock);
-    if (o[k * 3] != kOk) ++unusual;
+    draft_starts_[k] = draft_pos;
+    draft_pos += num_drafts.size() ? num_drafts[k] : 0;
   }
+  bool parallel = fill_threads > 1 && n >= pool_min_requests;
+  if (parallel) {
+    std::vector<std::pair<const void*, int64_t>> keys(n);
+    std::vector<std::pair<int64_t, int64_t>> spans(n);
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t nd = num_drafts.size() ? num_drafts[k] : 0;
+      keys[k] = {matchers[k].get(), k};
+      spans[k] = {offsets[k], offsets[k] + std::min(nd, draft_len)};
+    }
+    parallel = Disjoint(&keys, &spans);
+  }
+  const int64_t* starts = draft_starts_.data();
+  ForEachRequest(n, o, parallel, false,
+                 [&](int64_t k, StepClock* clock, std::string* error) {
+                   const int64_t nd = num_drafts.size() ? num_drafts[k] : 0;
+                   RunOne(matchers[k], tokens[k], offsets[k], nd,
+                          Drafts{nullptr, &drafts, starts[k]}, draft_len, rows, mask,
+                          o + k * 3, clock, error);
+                 });
+  int64_t unusual = 0;
+  for (int64_t k = 0; k < n; ++k) unusual += o[k * 3] != kOk;
   return unusual;
 }
 
@@ -231,13 +484,20 @@ void CheckInt32(const Tensor& t, int ndim, const char* what) {
 }
 
 // make_builder(accept, fill, is_terminated, bitmask, token_mask, out, stop_ids, full_words,
-//              tail_mask, clear_word, clear_keep) -> [step, errors, address, set_budget]
+//              tail_mask, clear_word, clear_keep)
+//   -> [step, errors, address, set_budget, set_fill, close_pool, last_step]
 //   step(matchers, tokens, offsets, num_drafts, drafts, draft_len, clear_rows)
 //     -> how many requests are not plainly OK; token_mask[:clear_rows] is zeroed first
 //   errors() -> the messages of the last step's faults and the milliseconds measured for its
 //     over-budget requests (as text), in request order
 //   address: the Builder's address for python_entry.cc's make_fast (kept alive by step)
 //   set_budget(ns): one request's host-step budget from the next step on (0: none)
+//   set_fill(threads, min_requests): the fill's threads in all (1: the calling thread only)
+//     and the fewest requests a step needs to use more than one (Builder::SetFill)
+//   close_pool(): end the fill threads (a later step of min_requests starts them again)
+//   last_step() -> [threads, pool requests, start ns, end ns] of the last step's requests
+//     (how many threads ran them, the caller included; how many the pool's threads ran;
+//     the monotonic clock of std::chrono::steady_clock, CLOCK_MONOTONIC on Linux)
 Array<Any> MakeBuilder(Function accept, Function fill, Function is_terminated, Tensor bitmask,
                        Tensor token_mask, Tensor out, Array<int64_t> stop_ids,
                        int64_t full_words, int64_t tail_mask, int64_t clear_word,
@@ -287,8 +547,16 @@ Array<Any> MakeBuilder(Function accept, Function fill, Function is_terminated, T
     }
     b->budget_ns = budget_ns;
   });
+  Function set_fill = Function::FromTyped([b](int64_t threads, int64_t min_requests) -> void {
+    b->SetFill(threads, min_requests);
+  });
+  Function close_pool = Function::FromTyped([b]() -> void { b->ClosePool(); });
+  Function last_step = Function::FromTyped([b]() -> Array<int64_t> {
+    return Array<int64_t>{b->last_threads, b->last_pool_requests, b->last_start_ns,
+                          b->last_end_ns};
+  });
   const int64_t address = static_cast<int64_t>(reinterpret_cast<intptr_t>(b.get()));
-  return Array<Any>{step, errors, address, set_budget};
+  return Array<Any>{step, errors, address, set_budget, set_fill, close_pool, last_step};
 }
 
 }  // namespace

@@ -17,7 +17,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <time.h>  // clock_gettime(CLOCK_THREAD_CPUTIME_ID)
@@ -83,8 +85,16 @@ struct Drafts {
   }
 };
 
+class FillPool;
+
 // One decoder's build loop, bound to its host bitmask, token mask and output rows
 // (make_builder in builder.cc creates it; the CPython entry reaches it by address).
+//
+// A step's requests are independent: each writes only its own {status, accepted, guided}
+// triplet, its own rows and token-mask entries and its own error message, and runs its own
+// matcher (no two requests of a step share one). RunEntries splits them across a pool of
+// fill threads and the calling thread from `pool_min_requests` requests on; the results are
+// the same as one thread's, in request order.
 struct Builder {
   Function accept, fill, is_terminated;
   Tensor bitmask, token_mask, out;
@@ -95,7 +105,20 @@ struct Builder {
   int64_t clear_word = -1;  // first word holding ids >= the tokenizer's vocabulary (-1: none)
   uint32_t clear_keep = 0;  // bits of clear_word below the tokenizer's vocabulary
   int64_t budget_ns = 0;    // one request's host step may take this long (0: no budget)
+  // the last step's fault messages and over-budget milliseconds, in request order
   std::vector<std::string> errors;
+  // the fill: this many threads in all (the calling thread and fill_threads - 1 pool
+  // threads) for a step of at least pool_min_requests requests; one thread below
+  int64_t fill_threads = 1;
+  int64_t pool_min_requests = 1;
+  // the last RunEntries: threads that ran requests (the caller included), requests the pool
+  // threads ran, and its start and end on the monotonic clock (NowNs)
+  int64_t last_threads = 0, last_pool_requests = 0, last_start_ns = 0, last_end_ns = 0;
+
+  Builder();
+  ~Builder();  // joins the pool's threads (in a forked child, leaves the parent's alone)
+  Builder(const Builder&) = delete;
+  Builder& operator=(const Builder&) = delete;
 
   // The host-step budget's clock over one step: a request's wall time runs from the end of
   // the one before it (one clock read per request). On the build thread (`cpu0` >= 0) an
@@ -116,9 +139,41 @@ struct Builder {
 
   // One request: accept `token` (< 0: none, the matcher was created this step), fill its
   // rows from `offset`, then follow its `nd` drafts. Writes {status, accepted, guided} to o3;
-  // a fault's message is appended to `errors`. Touches no Python object (any thread).
+  // a fault's message or the over-budget milliseconds to *error. Touches no Python object
+  // and nothing another request writes (any thread, several at once).
   void RunOne(const ObjectRef& m, int64_t token, int64_t offset, int64_t nd, Drafts drafts,
-              int64_t draft_len, int64_t rows, int32_t* mask, int32_t* o3, StepClock* clock);
+              int64_t draft_len, int64_t rows, int32_t* mask, int32_t* o3, StepClock* clock,
+              std::string* error) const;
+
+  // Request k of a step: run it (RunOne) with this thread's clock, its message in *error.
+  using EntryFn = void (*)(const void* context, int64_t k, StepClock* clock,
+                           std::string* error);
+
+  // Run requests [0, n) of a step, each once: entry(context, k, ...) writes out3[k * 3 ...].
+  // On the pool's threads and the calling thread where `parallel` and n reaches
+  // pool_min_requests (each thread with its own budget clock: a request's time runs from the
+  // end of the one before it on the same thread), else in order on the calling thread
+  // (`cpu_time`: see StepClock). Then appends the messages of the faulted and over-budget
+  // requests to `errors`, in request order. Never takes the GIL; throws nothing.
+  void RunEntries(int64_t n, const int32_t* out3, bool parallel, bool cpu_time,
+                  const void* context, EntryFn entry);
+
+  // RunEntries with a callable entry(k, clock, error).
+  template <class F>
+  void ForEachRequest(int64_t n, const int32_t* out3, bool parallel, bool cpu_time,
+                      const F& entry) {
+    RunEntries(n, out3, parallel, cpu_time, &entry,
+               [](const void* c, int64_t k, StepClock* clock, std::string* error) {
+                 (*static_cast<const F*>(c))(k, clock, error);
+               });
+  }
+
+  // Set the fill's thread count and threshold (ValueError: threads < 1 or > kMaxFillThreads,
+  // min_requests < 1); a pool larger than now needed is ended (a later step starts another).
+  void SetFill(int64_t threads, int64_t min_requests);
+
+  // End the pool's threads (a parked pool: at once); a later parallel step starts new ones.
+  void ClosePool();
 
   // Zero token_mask[:clear_rows] (the step's layout rows start unmasked) and the errors;
   // returns the token mask. Throws a tvm-ffi ValueError for clear_rows outside the bitmask.
@@ -129,7 +184,19 @@ struct Builder {
                const Array<int64_t>& offsets, const Array<int64_t>& num_drafts,
                const Array<int64_t>& drafts, int64_t draft_len, int64_t clear_rows);
 
+  // Whether no two of a step's requests share a matcher (matchers: {address, k}) or a row
+  // (spans: request k's rows [first, last]); only then may they run on several threads.
+  // Sorts both.
+  static bool Disjoint(std::vector<std::pair<const void*, int64_t>>* matchers,
+                       std::vector<std::pair<int64_t, int64_t>>* spans);
+
+  static constexpr int64_t kMaxFillThreads = 256;
+
  private:
+  std::unique_ptr<FillPool> pool_;  // started by the first parallel step
+  std::vector<std::string> entry_errors_;  // per request of the step being run
+  std::vector<int64_t> draft_starts_;  // Step: where request k's drafts start
+
   bool IsStop(int64_t token) const;
   int32_t* Row(int64_t row) const;
   void ClearTail(int64_t row) const;

@@ -29,6 +29,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 // What Python passes is explicit data, never the layout of its objects:
@@ -383,18 +384,32 @@ int Begin(FastState* st, PyObject* const* args, const char* name) {
 }
 
 // The xgrammar work of a taken step: no Python object is touched (any thread, GIL or not).
-// `cpu_time`: on the build thread, whose wall time includes waits behind the caller's threads.
+// `cpu_time`: on the build thread, whose wall time includes waits behind the caller's threads;
+// it runs the requests alone (it yields to the caller's threads, which keep the cores busy:
+// a CPU forward), while any other caller splits them across the Builder's fill threads from
+// its pool_min_requests on.
 void RunJob(FastState* st, bool cpu_time = false) {
   Builder* b = st->builder;
   const int64_t n = static_cast<int64_t>(st->entries.size());
-  Builder::StepClock clock_state;
-  Builder::StepClock* clock = b->StartClock(&clock_state, cpu_time);
-  for (int64_t k = 0; k < n; ++k) {
-    const FastEntry& e = st->entries[k];
-    b->RunOne(e.matcher, e.token, e.offset, e.num_drafts,
-              Drafts{st->drafts.data() + e.first_draft}, st->job_draft_len, st->job_rows,
-              st->job_mask, st->out.data() + k * 3, clock);
+  bool parallel = !cpu_time && b->fill_threads > 1 && n >= b->pool_min_requests;
+  if (parallel) {  // (Collect takes each slot once; this also rules out a shared matcher)
+    std::vector<std::pair<const void*, int64_t>> matchers(n);
+    std::vector<std::pair<int64_t, int64_t>> spans(n);
+    for (int64_t k = 0; k < n; ++k) {
+      const FastEntry& e = st->entries[k];
+      matchers[k] = {e.matcher.get(), k};
+      spans[k] = {e.offset, e.offset + e.num_drafts};
+    }
+    parallel = Builder::Disjoint(&matchers, &spans);
   }
+  int32_t* out = st->out.data();
+  b->ForEachRequest(n, out, parallel, cpu_time,
+                    [st, b, out](int64_t k, Builder::StepClock* clock, std::string* error) {
+                      const FastEntry& e = st->entries[k];
+                      b->RunOne(e.matcher, e.token, e.offset, e.num_drafts,
+                                Drafts{st->drafts.data() + e.first_draft}, st->job_draft_len,
+                                st->job_rows, st->job_mask, out + k * 3, clock, error);
+                    });
 }
 
 // The second half, with the GIL held: write the counters back, report what was unusual,

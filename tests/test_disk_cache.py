@@ -306,6 +306,7 @@ def test_key_follows_the_fields_that_change_a_compile(tok, cache_root):
         changed = dataclasses.replace(base.config, **{name: value})
         assert dc.config_key(changed) != base_text, name
     irrelevant = {"compile_threads": 3, "compile_timeout_s": 5.0, "fill_threads": 2,
+                  "native_fill_threads": 3,
                   "compile_cache_bytes": 1 << 20, "host_step_budget_ms": 10.0,
                   "native_build": "off", "compile_disk_cache_bytes": 1 << 20,
                   "compile_isolation": "process", "compile_memory_limit_bytes": 1 << 30}

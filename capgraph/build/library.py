@@ -47,10 +47,12 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from .. import jit
-from ..errors import NativeBuildError
+from ..errors import ConfigError, NativeBuildError
 
-__all__ = ["FastPath", "NativeBuildError", "NativeBuilder", "load", "python_module",
-           "unavailable_reason", "source_path", "matcher_methods",
+__all__ = ["FastPath", "NativeBuildError", "NativeBuilder", "StepThreads", "load",
+           "python_module", "unavailable_reason", "source_path", "matcher_methods",
+           "automatic_fill_threads", "POOL_MIN_REQUESTS", "MAX_AUTO_FILL_THREADS",
+           "MAX_FILL_THREADS",
            "STATUS_REJECTED", "STATUS_DEAD_END", "STATUS_FAULT", "STATUS_OVER_BUDGET",
            "TERMINATED"]
 
@@ -59,6 +61,16 @@ __all__ = ["FastPath", "NativeBuildError", "NativeBuilder", "load", "python_modu
 # request's step took longer than its budget (NativeBuilder.set_budget_ms); its rows are left
 # unmasked and its counts are zero
 STATUS_REJECTED, STATUS_DEAD_END, STATUS_FAULT, STATUS_OVER_BUDGET, TERMINATED = 1, 2, 3, 4, 8
+
+#: The fewest requests a step needs before the fill uses more than one thread
+#: (:meth:`NativeBuilder.set_fill_threads`); below it, waking the pool's threads costs more
+#: than they save. Measured with ``tools/bench_fill_threads.py`` (docs/BENCHMARKS.md,
+#: "native fill threads").
+POOL_MIN_REQUESTS = 8
+#: The most fill threads ``native_fill_threads=0`` (automatic) starts.
+MAX_AUTO_FILL_THREADS = 8
+#: The most fill threads a builder takes (csrc/host_build.h, kMaxFillThreads).
+MAX_FILL_THREADS = 256
 
 _LIBRARY = "host_build"
 _SOURCES = ("builder.cc", "python_entry.cc")
@@ -172,7 +184,8 @@ class NativeBuilder:
             clear[0], (1 << clear[1]) - 1 if clear[1] else 0)
         accept, fill, is_terminated = methods
         try:
-            self.step, self._errors, self._address, self._set_budget = module.make_builder(
+            (self.step, self._errors, self._address, self._set_budget, self._set_fill,
+             self._close_pool, self._last_step) = module.make_builder(
                 accept, fill, is_terminated, tvm_ffi.from_dlpack(bitmask),
                 tvm_ffi.from_dlpack(token_mask), tvm_ffi.from_dlpack(self._out),
                 [int(t) for t in stop_ids], int(full_words), int(tail_mask) & 0xFFFFFFFF,
@@ -180,7 +193,42 @@ class NativeBuilder:
         except Exception as e:
             raise NativeBuildError(f"the native build refused its buffers: "
                                    f"{type(e).__name__}: {e}") from e
+        # the fill threads run the matcher methods, which a test may hand in as Python
+        # callables: they need the GIL, so the step must not hold it (tvm-ffi's default)
+        self.step.release_gil = True
         self._keep = (bitmask, token_mask)  # the C++ side views their memory
+        self.fill_threads, self.pool_min_requests = 1, 1
+
+    def set_fill_threads(self, threads: int, min_requests: int = POOL_MIN_REQUESTS) -> None:
+        """Fill a step's requests on ``threads`` threads in all: the calling thread and
+        ``threads - 1`` threads of this builder's pool (started by the first step that uses
+        them, parked between steps, ended by :meth:`close`), for a step of at least
+        ``min_requests`` requests; one thread below (``threads=1``: always). The results are
+        the same; a request's host-step budget is measured on the thread that runs it.
+        ``FastPath.begin``'s thread, which yields to the caller's, always fills alone.
+
+        Raises:
+            ConfigError: ``threads`` outside ``[1, MAX_FILL_THREADS]`` or ``min_requests``
+                below 1 (or either not an int).
+        """
+        for name, value, low, high in (("threads", threads, 1, MAX_FILL_THREADS),
+                                       ("min_requests", min_requests, 1, None)):
+            if type(value) is not int or value < low or (high is not None and value > high):
+                bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+                raise ConfigError(f"NativeBuilder.set_fill_threads: {name}={value!r}, "
+                                  f"expected an int {bound}")
+        self._set_fill(threads, min_requests)
+        self.fill_threads, self.pool_min_requests = threads, min_requests
+
+    def last_step(self) -> StepThreads:
+        """How the last step's requests ran (:class:`StepThreads`)."""
+        threads, pooled, start_ns, end_ns = (int(x) for x in self._last_step())
+        return StepThreads(threads, pooled, start_ns, end_ns)
+
+    def close(self) -> None:
+        """End the fill threads (parked between steps: at once); a later step that uses the
+        pool starts new ones."""
+        self._close_pool()
 
     def errors(self) -> list[str]:
         """Messages of the last step's faulted requests and the milliseconds measured for
@@ -217,6 +265,30 @@ class NativeBuilder:
                                  len(handles), int(vocab_size), int(max_num_draft_tokens))
         return FastPath(module.fast_step, module.fast_begin, module.fast_end, module.fast_close,
                         module.fast_admit, state)
+
+
+class StepThreads(NamedTuple):
+    """How a step's requests ran (:meth:`NativeBuilder.last_step`): on ``threads`` threads
+    (the calling one included; 0: no request), ``pool_requests`` of them on the pool's
+    threads, from ``start_ns`` to ``end_ns`` on the monotonic clock that
+    :func:`time.monotonic_ns` reads (Linux: ``CLOCK_MONOTONIC``)."""
+
+    threads: int
+    pool_requests: int
+    start_ns: int
+    end_ns: int
+
+
+def automatic_fill_threads(cores: int | None = None) -> int:
+    """The fill threads ``GuidedDecodingConfig.native_fill_threads=0`` stands for:
+    ``min(cores, MAX_AUTO_FILL_THREADS)``, ``cores`` the CPUs this process may run on
+    (``os.sched_getaffinity``, else ``os.cpu_count()``); 1 on one core."""
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_AUTO_FILL_THREADS))
 
 
 class FastPath(NamedTuple):

@@ -17,6 +17,10 @@ Neither builds draft trees: the CPython entry declines a batch holding a request
 loop builds the chains of that batch while the tree requests take
 :meth:`~capgraph.build.python.PythonBuild._fill_tree`.
 
+Both fill a step of ``POOL_MIN_REQUESTS`` requests or more on several threads
+(``GuidedDecodingConfig.native_fill_threads``; :meth:`NativeBuilder.set_fill_threads`), with
+the same results as one thread.
+
 Both report per request a status code (:class:`~capgraph.build.base.Status`) and counts;
 a matcher that terminated in C++ re-reads its state here (``XGrammarMatcher.sync_state``).
 A matcher that forwards to an ``XGrammarMatcher`` once settled (a request handed over from
@@ -33,7 +37,8 @@ from typing import Any, Callable, Iterable, Sequence
 from ..errors import ConfigError
 from ..grammar import GrammarMatcherFactory
 from ..requests import GuidedRequests
-from .library import STATUS_OVER_BUDGET, TERMINATED, FastPath, NativeBuilder, matcher_methods
+from .library import (POOL_MIN_REQUESTS, STATUS_OVER_BUDGET, TERMINATED, FastPath,
+                      NativeBuilder, automatic_fill_threads, matcher_methods)
 from .base import PLAIN, Outcome, Status, StepResult
 from .python import Active, PythonBuild, fault
 from .slots import SlotState
@@ -78,6 +83,10 @@ class NativeLoopBuild(PythonBuild):
         self.builder = builder
         self._xgrammar = xgrammar_factory(factory)
         builder.set_budget_ms(self.budget_ms)
+
+    def close(self) -> None:
+        super().close()
+        self.builder.close()  # (the fill threads)
 
     def _fill(self, act: Active, outcomes: list[Outcome], draft_len: int) -> None:
         handles = self._xgrammar.native_handles(act.matchers)
@@ -189,7 +198,10 @@ class NativeBuild(NativeLoopBuild):
             if self._inflight is not None:
                 self.finish()  # (its outcomes go unread: close() is the strategy's end)
         finally:
-            self.entry.close(self.entry.state)
+            try:
+                self.entry.close(self.entry.state)
+            finally:
+                super().close()
 
     def _entry_result(self, requests: Sequence, result: tuple) -> StepResult:
         masked, unusual = result
@@ -245,6 +257,8 @@ def make_native_build(slots: SlotState, factory: GrammarMatcherFactory, budget_m
     builder = NativeBuilder(methods, slots.bitmask, slots.token_mask, slots.max_num_sequences,
                             sorted(slots.stop_ids), slots.full_words, slots.tail_mask,
                             slots.tail)
+    threads = factory.config.native_fill_threads or automatic_fill_threads()
+    builder.set_fill_threads(threads, POOL_MIN_REQUESTS)
     fast = None
     if entry:
         slots.matchers.track(native_handle_of(xgr_factory.matcher_type()))

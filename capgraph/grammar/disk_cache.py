@@ -68,7 +68,7 @@ TOKENIZER_FIELDS = ("tokenizer", "encoded_vocab", "stop_token_ids", "vocab_size_
 #: Fields that do not change a compiled grammar (how and where it is compiled, cached, used).
 NOT_KEY_FIELDS = ("compile_cache_bytes", "compile_disk_cache_bytes", "compile_timeout_s",
                   "compile_threads", "compile_isolation", "compile_memory_limit_bytes",
-                  "fill_threads", "native_build", "host_step_budget_ms")
+                  "fill_threads", "native_fill_threads", "native_build", "host_step_budget_ms")
 
 #: Estimated seconds per serialized byte to load an entry (read, inflate, deserialize): the
 #: median measured with xgrammar 0.2.9, Tekken, the bundled schemas, 2 cores, was 16 ns (11-30).
