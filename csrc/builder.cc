@@ -351,7 +351,9 @@ void Builder::RunEntries(int64_t n, const int32_t* out3, bool parallel, bool cpu
   if (static_cast<int64_t>(entry_errors_.size()) < n) entry_errors_.resize(n);
   std::string* step_errors = entry_errors_.data();
   const int64_t workers = std::min(fill_threads, n) - 1;
-  if (parallel && workers > 0 && n >= pool_min_requests) {
+  const bool eligible = parallel && workers > 0 && n >= pool_min_requests;
+  const bool pooled = eligible && choice.UsePool();
+  if (pooled) {
     if (pool_ != nullptr && pool_->pid() != getpid()) {
       (void)pool_.release();  // a forked child: the parent's threads are not here
     }
@@ -365,6 +367,8 @@ void Builder::RunEntries(int64_t n, const int32_t* out3, bool parallel, bool cpu
     last_threads = n > 0 ? 1 : 0;
     last_pool_requests = 0;
   }
+  last_end_ns = NowNs();
+  if (eligible) choice.Record(pooled, n, last_end_ns - last_start_ns);
   for (int64_t k = 0; k < n; ++k) {  // (a request writes a message only with these statuses)
     const int32_t kind = out3[k * 3] & ~kTerminated;
     if (kind == kFault || kind == kOverBudget) {
@@ -372,10 +376,31 @@ void Builder::RunEntries(int64_t n, const int32_t* out3, bool parallel, bool cpu
       step_errors[k].clear();
     }
   }
-  last_end_ns = NowNs();
 }
 
-void Builder::SetFill(int64_t threads, int64_t min_requests) {
+bool FillChoice::UsePool() {
+  probing = false;
+  if (!adaptive || pool_ns == 0) return true;
+  if (alone_ns == 0) return false;
+  const bool pool_wins = pool_ns <= alone_ns;
+  if (++since_probe < probe_every) return pool_wins;
+  since_probe = 0;
+  probing = true;
+  return !pool_wins;
+}
+
+void FillChoice::Record(bool pooled, int64_t n, int64_t ns) {
+  const double x = static_cast<double>(ns) / static_cast<double>(n);
+  double& average = pooled ? pool_ns : alone_ns;
+  // (a probe's side has not run for a while: its time replaces the average)
+  average = average == 0 || probing ? x : average + kWeight * (x - average);
+  if (probing) {
+    probe_every = pool_ns <= alone_ns ? kProbeMin : std::min(probe_every * 2, kProbeMax);
+    probing = false;
+  }
+}
+
+void Builder::SetFill(int64_t threads, int64_t min_requests, bool adaptive) {
   if (threads < 1 || threads > kMaxFillThreads || min_requests < 1) {
     TVM_FFI_THROW(ValueError) << "host build: fill threads " << threads << " (expected 1 to "
                               << kMaxFillThreads << ") or pool_min_requests " << min_requests
@@ -383,6 +408,8 @@ void Builder::SetFill(int64_t threads, int64_t min_requests) {
   }
   fill_threads = threads;
   pool_min_requests = min_requests;
+  choice = FillChoice();
+  choice.adaptive = adaptive;
   if (pool_ != nullptr && pool_->size() > threads - 1) ClosePool();
 }
 
@@ -492,8 +519,9 @@ void CheckInt32(const Tensor& t, int ndim, const char* what) {
 //     over-budget requests (as text), in request order
 //   address: the Builder's address for python_entry.cc's make_fast (kept alive by step)
 //   set_budget(ns): one request's host-step budget from the next step on (0: none)
-//   set_fill(threads, min_requests): the fill's threads in all (1: the calling thread only)
-//     and the fewest requests a step needs to use more than one (Builder::SetFill)
+//   set_fill(threads, min_requests, adaptive): the fill's threads in all (1: the calling
+//     thread only), the fewest requests a step needs to use more than one, and whether the
+//     pool runs only where it has been faster (FillChoice; Builder::SetFill)
 //   close_pool(): end the fill threads (a later step of min_requests starts them again)
 //   last_step() -> [threads, pool requests, start ns, end ns] of the last step's requests
 //     (how many threads ran them, the caller included; how many the pool's threads ran;
@@ -547,9 +575,10 @@ Array<Any> MakeBuilder(Function accept, Function fill, Function is_terminated, T
     }
     b->budget_ns = budget_ns;
   });
-  Function set_fill = Function::FromTyped([b](int64_t threads, int64_t min_requests) -> void {
-    b->SetFill(threads, min_requests);
-  });
+  Function set_fill = Function::FromTyped(
+      [b](int64_t threads, int64_t min_requests, bool adaptive) -> void {
+        b->SetFill(threads, min_requests, adaptive);
+      });
   Function close_pool = Function::FromTyped([b]() -> void { b->ClosePool(); });
   Function last_step = Function::FromTyped([b]() -> Array<int64_t> {
     return Array<int64_t>{b->last_threads, b->last_pool_requests, b->last_start_ns,

@@ -87,14 +87,34 @@ struct Drafts {
 
 class FillPool;
 
+// Whether a step that may use the fill pool does: the pool and the calling thread alone each
+// keep an average of their time per request over such steps, and the faster one runs the
+// step. Now and then the other one runs a step instead (a probe, whose time replaces that
+// one's average): every kProbeMin-th step while the pool wins; while it loses, the interval
+// doubles with each lost probe, up to kProbeMax. Where other work keeps the cores busy, a
+// pool thread waits to be scheduled and the pool loses: it then costs one probe step in
+// kProbeMax. `adaptive` false: the pool runs every such step (to measure it).
+struct FillChoice {
+  static constexpr int64_t kProbeMin = 16, kProbeMax = 256;
+  static constexpr double kWeight = 0.25;  // of a step in its side's average
+  bool adaptive = true;
+  double pool_ns = 0, alone_ns = 0;  // per request; 0: not measured yet
+  int64_t since_probe = 0, probe_every = kProbeMin;
+  bool probing = false;  // the step being run is a probe
+
+  bool UsePool();
+  void Record(bool pooled, int64_t n, int64_t ns);
+};
+
 // One decoder's build loop, bound to its host bitmask, token mask and output rows
 // (make_builder in builder.cc creates it; the CPython entry reaches it by address).
 //
 // A step's requests are independent: each writes only its own {status, accepted, guided}
 // triplet, its own rows and token-mask entries and its own error message, and runs its own
 // matcher (no two requests of a step share one). RunEntries splits them across a pool of
-// fill threads and the calling thread from `pool_min_requests` requests on; the results are
-// the same as one thread's, in request order.
+// fill threads and the calling thread from `pool_min_requests` requests on, where the pool
+// has been the faster lately (FillChoice); the results are the same as one thread's, in
+// request order.
 struct Builder {
   Function accept, fill, is_terminated;
   Tensor bitmask, token_mask, out;
@@ -111,6 +131,7 @@ struct Builder {
   // threads) for a step of at least pool_min_requests requests; one thread below
   int64_t fill_threads = 1;
   int64_t pool_min_requests = 1;
+  FillChoice choice;
   // the last RunEntries: threads that ran requests (the caller included), requests the pool
   // threads ran, and its start and end on the monotonic clock (NowNs)
   int64_t last_threads = 0, last_pool_requests = 0, last_start_ns = 0, last_end_ns = 0;
@@ -145,15 +166,23 @@ struct Builder {
               int64_t draft_len, int64_t rows, int32_t* mask, int32_t* o3, StepClock* clock,
               std::string* error) const;
 
+  // RunOne on one thread at a time, its message (if any) appended to `errors`.
+  void RunOne(const ObjectRef& m, int64_t token, int64_t offset, int64_t nd, Drafts drafts,
+              int64_t draft_len, int64_t rows, int32_t* mask, int32_t* o3, StepClock* clock) {
+    std::string error;
+    RunOne(m, token, offset, nd, drafts, draft_len, rows, mask, o3, clock, &error);
+    if (!error.empty()) errors.push_back(std::move(error));
+  }
+
   // Request k of a step: run it (RunOne) with this thread's clock, its message in *error.
   using EntryFn = void (*)(const void* context, int64_t k, StepClock* clock,
                            std::string* error);
 
   // Run requests [0, n) of a step, each once: entry(context, k, ...) writes out3[k * 3 ...].
-  // On the pool's threads and the calling thread where `parallel` and n reaches
-  // pool_min_requests (each thread with its own budget clock: a request's time runs from the
-  // end of the one before it on the same thread), else in order on the calling thread
-  // (`cpu_time`: see StepClock). Then appends the messages of the faulted and over-budget
+  // On the pool's threads and the calling thread where `parallel`, n reaches
+  // pool_min_requests and `choice` picks the pool (each thread with its own budget clock: a
+  // request's time runs from the end of the one before it on the same thread), else in order
+  // on the calling thread (`cpu_time`: see StepClock). Then appends the messages of the faulted and over-budget
   // requests to `errors`, in request order. Never takes the GIL; throws nothing.
   void RunEntries(int64_t n, const int32_t* out3, bool parallel, bool cpu_time,
                   const void* context, EntryFn entry);
@@ -168,9 +197,10 @@ struct Builder {
                });
   }
 
-  // Set the fill's thread count and threshold (ValueError: threads < 1 or > kMaxFillThreads,
-  // min_requests < 1); a pool larger than now needed is ended (a later step starts another).
-  void SetFill(int64_t threads, int64_t min_requests);
+  // Set the fill's thread count, threshold and whether `choice` adapts (ValueError: threads
+  // < 1 or > kMaxFillThreads, min_requests < 1); its averages start again. A pool larger than
+  // now needed is ended (a later step starts another).
+  void SetFill(int64_t threads, int64_t min_requests, bool adaptive);
 
   // End the pool's threads (a parked pool: at once); a later parallel step starts new ones.
   void ClosePool();

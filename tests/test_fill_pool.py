@@ -116,12 +116,12 @@ class SlotFaults:
 
     def host_build(self, entry: bool, threads: int, min_requests: int = 1):
         """A ``host_build`` callable: the native strategy (``entry``) or the native loop,
-        filling on ``threads`` threads from ``min_requests`` requests on."""
+        filling on ``threads`` threads from ``min_requests`` requests on, every such step."""
 
         def make(slots, factory, budget_ms):
             build = make_native_build(slots, factory, budget_ms, entry=entry,
                                       methods=self.methods(factory))
-            build.builder.set_fill_threads(threads, min_requests)
+            build.builder.set_fill_threads(threads, min_requests, adaptive=False)
             return build
         return make
 
@@ -285,7 +285,7 @@ def test_pool_gives_the_one_thread_results_on_tekken_json():
              encode_continuation(tok, compact(calls[i % len(calls)])) for i in range(batch)]
     decs = [GuidedDecoder(dataclasses.replace(factory.config, native_fill_threads=t), batch,
                           drafts, factory=factory, host_build="native") for t in (1, 4)]
-    decs[1].host_build.builder.set_fill_threads(4, 1)
+    decs[1].host_build.builder.set_fill_threads(4, 1, adaptive=False)
     pooled = 0
     try:
         for dec in decs:
@@ -347,7 +347,7 @@ def test_pool_fills_while_another_thread_holds_the_gil(tiny):
                                             host_step_budget_ms=None), batch, drafts,
                         factory=tiny, host_build="native")
     builder = dec.host_build.builder
-    builder.set_fill_threads(THREADS, 1)
+    builder.set_fill_threads(THREADS, 1, adaptive=False)
     try:
         dec.add_batch([GuidedRequest.context(i, i, ALIVE) for i in range(batch)])
         assert dec.build() == []
@@ -385,7 +385,7 @@ def test_close_joins_the_pool_and_a_later_step_starts_it_again(tiny):
     dec = GuidedDecoder(dataclasses.replace(tiny.config, native_fill_threads=3), 16, 0,
                         factory=tiny, host_build="native")
     builder = dec.host_build.builder
-    builder.set_fill_threads(3, 1)
+    builder.set_fill_threads(3, 1, adaptive=False)
     assert not fill_threads() - before  # started on first use, not at construction
     dec.add_batch([GuidedRequest.context(i, i, ALIVE) for i in range(16)])
     assert dec.build() == []
@@ -410,7 +410,7 @@ def test_forked_child_starts_its_own_pool(tiny):
     nor touches the parent's threads (which would hang); the parent's pool goes on."""
     dec = GuidedDecoder(dataclasses.replace(tiny.config, native_fill_threads=3), 8, 0,
                         factory=tiny, host_build="native")
-    dec.host_build.builder.set_fill_threads(3, 1)
+    dec.host_build.builder.set_fill_threads(3, 1, adaptive=False)
     dec.add_batch([GuidedRequest.context(i, i, ALIVE) for i in range(8)])
     assert dec.build() == []
     parent_threads = fill_threads()
@@ -442,7 +442,7 @@ def test_a_step_sharing_a_matcher_or_a_row_runs_on_one_thread(tiny):
     calling thread (the one-thread result), though its pool was asked to start at 1."""
     dec = GuidedDecoder(tiny.config, 4, 1, factory=tiny, host_build="native-loop")
     builder = dec.host_build.builder
-    builder.set_fill_threads(4, 1)
+    builder.set_fill_threads(4, 1, adaptive=False)
     try:
         a, b = tiny.create(ALIVE), tiny.create(ALIVE)
         ha, hb = a.native, b.native  # (xgrammar's matchers: their FFI objects)
@@ -478,6 +478,58 @@ def test_small_steps_fill_on_the_calling_thread(tiny):
         dec.close()
 
 
+class _SleepyOn:
+    """xgrammar's methods, except that every fill on the ``side`` given -- the thread that
+    made this object ("caller") or any other ("pool") -- sleeps 1 ms first."""
+
+    def __init__(self, side: str) -> None:
+        self.side, self.caller = side, threading.get_ident()
+
+    def host_build(self, threads: int):
+        def make(slots, factory, budget_ms):
+            accept, fill, is_terminated = native.matcher_methods(
+                xgrammar_factory(factory).ffi_matcher_type())
+
+            def slow_fill(handle, bitmask, index, debug):
+                if (threading.get_ident() == self.caller) == (self.side == "caller"):
+                    time.sleep(0.001)
+                return fill(handle, bitmask, index, debug)
+
+            build = make_native_build(slots, factory, budget_ms,
+                                      methods=(accept, slow_fill, is_terminated))
+            build.builder.set_fill_threads(threads, 1)  # (adaptive: the default)
+            return build
+        return make
+
+
+@pytest.mark.parametrize("slow", ["pool", "caller"])
+def test_adaptive_choice_runs_the_faster_side(tiny, slow):
+    """By default a step that may use the pool runs where it has been faster per request:
+    when the pool's threads are slow (their fills sleep 1 ms, the calling thread's do not),
+    40 steps of 24 requests run on the calling thread alone but for the first and a probe or
+    two; when the calling thread is slow, all but a few probes run on the pool."""
+    batch, steps = 24, 40
+    config = dataclasses.replace(tiny.config, host_step_budget_ms=None)
+    dec = GuidedDecoder(config, batch, 0, factory=tiny,
+                        host_build=_SleepyOn(slow).host_build(THREADS))
+    builder = dec.host_build.builder
+    pooled = 0
+    try:
+        dec.add_batch([GuidedRequest.context(i, i, ALIVE) for i in range(batch)])
+        assert dec.build() == []
+        pooled += builder.last_step().threads > 1
+        for n in range(steps - 1):
+            dec.add_batch([GuidedRequest.generation(i, i, ALIVE, n % 2) for i in range(batch)])
+            assert dec.build() == []
+            pooled += builder.last_step().threads > 1
+    finally:
+        dec.close()
+    if slow == "pool":
+        assert pooled <= 3, f"{pooled} of {steps} steps on a slow pool"
+    else:
+        assert pooled >= steps - 4, f"{pooled} of {steps} steps on a fast pool"
+
+
 def test_automatic_fill_threads():
     """native_fill_threads=0 stands for min(cores, 8), and 1 thread on one core."""
     assert native.automatic_fill_threads(1) == 1
@@ -494,21 +546,23 @@ def test_native_fill_threads_is_validated(tiny, value):
         dataclasses.replace(tiny.config, native_fill_threads=value)
 
 
-@pytest.mark.parametrize("threads, min_requests", [(0, 1), (257, 1), (2, 0), (2.0, 1),
-                                                   (True, 4), (2, "8")])
-def test_set_fill_threads_is_validated(tiny, threads, min_requests):
-    """NativeBuilder.set_fill_threads refuses thread counts outside [1, 256] and thresholds
-    below 1 (or not ints) with a ConfigError naming the argument; the C++ side refuses them
-    too (a ValueError), and the builder keeps its setting."""
+@pytest.mark.parametrize("threads, min_requests, adaptive", [
+    (0, 1, True), (257, 1, True), (2, 0, True), (2.0, 1, True), (True, 4, True),
+    (2, "8", True), (2, 8, 1)])
+def test_set_fill_threads_is_validated(tiny, threads, min_requests, adaptive):
+    """NativeBuilder.set_fill_threads refuses thread counts outside [1, 256], thresholds
+    below 1 (or not ints) and a non-bool adaptive with a ConfigError naming the argument; the
+    C++ side refuses the numbers too (a ValueError), and the builder keeps its setting."""
     dec = GuidedDecoder(tiny.config, 2, 0, factory=tiny, host_build="native")
     builder = dec.host_build.builder
     try:
-        kept = (builder.fill_threads, builder.pool_min_requests)
-        with pytest.raises(ConfigError, match="set_fill_threads: (threads|min_requests)="):
-            builder.set_fill_threads(threads, min_requests)
-        assert (builder.fill_threads, builder.pool_min_requests) == kept
-        if type(threads) is int and type(min_requests) is int:
+        kept = (builder.fill_threads, builder.pool_min_requests, builder.adaptive)
+        with pytest.raises(ConfigError,
+                           match="set_fill_threads: (threads|min_requests|adaptive)="):
+            builder.set_fill_threads(threads, min_requests, adaptive)
+        assert (builder.fill_threads, builder.pool_min_requests, builder.adaptive) == kept
+        if type(threads) is int and type(min_requests) is int and adaptive is True:
             with pytest.raises(ValueError, match="fill threads"):
-                builder._set_fill(threads, min_requests)
+                builder._set_fill(threads, min_requests, True)
     finally:
         dec.close()

@@ -197,9 +197,10 @@ class NativeBuilder:
         # callables: they need the GIL, so the step must not hold it (tvm-ffi's default)
         self.step.release_gil = True
         self._keep = (bitmask, token_mask)  # the C++ side views their memory
-        self.fill_threads, self.pool_min_requests = 1, 1
+        self.fill_threads, self.pool_min_requests, self.adaptive = 1, 1, True
 
-    def set_fill_threads(self, threads: int, min_requests: int = POOL_MIN_REQUESTS) -> None:
+    def set_fill_threads(self, threads: int, min_requests: int = POOL_MIN_REQUESTS,
+                         adaptive: bool = True) -> None:
         """Fill a step's requests on ``threads`` threads in all: the calling thread and
         ``threads - 1`` threads of this builder's pool (started by the first step that uses
         them, parked between steps, ended by :meth:`close`), for a step of at least
@@ -207,9 +208,16 @@ class NativeBuilder:
         the same; a request's host-step budget is measured on the thread that runs it.
         ``FastPath.begin``'s thread, which yields to the caller's, always fills alone.
 
+        ``adaptive`` (default): such a step runs on the pool only while the pool has been
+        faster per request than the calling thread alone (each side's recent average; the
+        other side runs a step now and then to stay measured: every 16th while the pool
+        wins, from every 16th to every 256th while it loses), so a machine whose cores are
+        busy with other work pays next to nothing for the pool. False: the pool runs every
+        such step (``tools/bench_fill_threads.py`` measures it so).
+
         Raises:
-            ConfigError: ``threads`` outside ``[1, MAX_FILL_THREADS]`` or ``min_requests``
-                below 1 (or either not an int).
+            ConfigError: ``threads`` outside ``[1, MAX_FILL_THREADS]``, ``min_requests``
+                below 1 (either not an int), or ``adaptive`` not a bool.
         """
         for name, value, low, high in (("threads", threads, 1, MAX_FILL_THREADS),
                                        ("min_requests", min_requests, 1, None)):
@@ -217,8 +225,12 @@ class NativeBuilder:
                 bound = f">= {low}" if high is None else f"in [{low}, {high}]"
                 raise ConfigError(f"NativeBuilder.set_fill_threads: {name}={value!r}, "
                                   f"expected an int {bound}")
-        self._set_fill(threads, min_requests)
-        self.fill_threads, self.pool_min_requests = threads, min_requests
+        if type(adaptive) is not bool:
+            raise ConfigError(f"NativeBuilder.set_fill_threads: adaptive={adaptive!r}, "
+                              "expected a bool")
+        self._set_fill(threads, min_requests, adaptive)
+        self.fill_threads, self.pool_min_requests, self.adaptive = threads, min_requests, \
+            adaptive
 
     def last_step(self) -> StepThreads:
         """How the last step's requests ran (:class:`StepThreads`)."""
