@@ -182,8 +182,9 @@ struct Builder {
   // On the pool's threads and the calling thread where `parallel`, n reaches
   // pool_min_requests and `choice` picks the pool (each thread with its own budget clock: a
   // request's time runs from the end of the one before it on the same thread), else in order
-  // on the calling thread (`cpu_time`: see StepClock). Then appends the messages of the faulted and over-budget
-  // requests to `errors`, in request order. Never takes the GIL; throws nothing.
+  // on the calling thread (`cpu_time`: see StepClock). Then appends the messages of the
+  // faulted and over-budget requests to `errors`, in request order. Never takes the GIL;
+  // what a matcher method throws is its request's fault (RunOne).
   void RunEntries(int64_t n, const int32_t* out3, bool parallel, bool cpu_time,
                   const void* context, EntryFn entry);
 

@@ -22,6 +22,11 @@ there and returns, so that no Python thread competes with a CPU forward for the 
 :class:`FastPath`).
 ``CAPGRAPH_NATIVE_PYTHON=off`` builds without it.
 
+Both steps fill a step of :data:`POOL_MIN_REQUESTS` requests or more on a pool of threads of
+the builder's own and the calling thread (:meth:`NativeBuilder.set_fill_threads`;
+``GuidedDecodingConfig.native_fill_threads``), where the pool has been the faster lately; the
+results are those of one thread. Its threads (``capgraph-fill``) never take the GIL.
+
 Nothing compiles at import. :func:`load` builds the library (``builder.cc`` and
 ``python_entry.cc``) on first use through :mod:`capgraph.jit`: the machine's C++ compiler
 (``$CXX``, else ``c++``) against tvm-ffi's headers (xgrammar's own FFI layer, installed with
@@ -66,7 +71,7 @@ STATUS_REJECTED, STATUS_DEAD_END, STATUS_FAULT, STATUS_OVER_BUDGET, TERMINATED =
 #: (:meth:`NativeBuilder.set_fill_threads`); below it, waking the pool's threads costs more
 #: than they save. Measured with ``tools/bench_fill_threads.py`` (docs/BENCHMARKS.md,
 #: "native fill threads").
-POOL_MIN_REQUESTS = 8
+POOL_MIN_REQUESTS = 32
 #: The most fill threads ``native_fill_threads=0`` (automatic) starts.
 MAX_AUTO_FILL_THREADS = 8
 #: The most fill threads a builder takes (csrc/host_build.h, kMaxFillThreads).
@@ -250,8 +255,9 @@ class NativeBuilder:
     def set_budget_ms(self, budget_ms: float | None) -> None:
         """One request's host-step budget from the next step on (None or 0: none): a request
         whose accept and fills take longer, measured on the monotonic clock once per request
-        (from the previous request's end to its own), ends with :data:`STATUS_OVER_BUDGET`. On ``FastPath.begin``'s thread,
-        which runs at nice 19, an overrun also needs the thread's CPU time to agree."""
+        (from the end of the previous request on the same thread to its own), ends with
+        :data:`STATUS_OVER_BUDGET`. On ``FastPath.begin``'s thread, which runs at nice 19, an
+        overrun also needs the thread's CPU time to agree."""
         self._set_budget(int(round((budget_ms or 0) * 1e6)))
 
     def bind_fast(self, handles: list, draft_terminated: list, advanced: list, guided: list,
