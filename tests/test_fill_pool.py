@@ -54,6 +54,28 @@ def tiny():
     factory.close()
 
 
+@pytest.fixture(scope="module")
+def tekken():
+    """Tekken (131072 tokens), an xgrammar factory over it, and the bundled JSON schemas'
+    guides with valid texts for 256 requests (the build benchmark's hotel schema for even
+    requests, the tool-call schema for odd ones)."""
+    from capgraph.bench.build import SCHEMA, instance
+    from capgraph.bench.spec import compact, tool_calls
+    from capgraph.demo import bundled_schema
+    from capgraph.tokenizers import encode_continuation, load_tokenizer
+
+    tok = load_tokenizer("tekken")
+    factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(tok, native_build="on"))
+    hotel = GuidedDecodingParams.json_schema(json.dumps(SCHEMA))
+    tool = GuidedDecodingParams.json_schema(json.dumps(bundled_schema()))
+    calls = tool_calls()
+    guides = [hotel if i % 2 == 0 else tool for i in range(256)]
+    texts = [encode_continuation(tok, instance(i)) if i % 2 == 0 else
+             encode_continuation(tok, compact(calls[i % len(calls)])) for i in range(256)]
+    yield tok, factory, guides, texts
+    factory.close()
+
+
 def fill_threads() -> set[str]:
     """Ids of this process's threads named as the fill pool's, ``capgraph-fill`` (Linux)."""
     found = set()
@@ -264,25 +286,13 @@ def test_pool_gives_the_one_thread_results(tiny, batch):
         assert pooled[1] > 0 and pooled[3] > 0, pooled
 
 
-def test_pool_gives_the_one_thread_results_on_tekken_json():
+def test_pool_gives_the_one_thread_results_on_tekken_json(tekken):
     """Tekken (131072 tokens) and the bundled JSON schemas, 256 requests with two drafts each
     (right ones, and for every third request a wrong one): 1 and 4 fill threads leave the
     same bitmask rows, token masks, counters and failures step after step, and the pool's
     threads ran requests."""
-    from capgraph.bench.build import SCHEMA, instance
-    from capgraph.bench.spec import compact, tool_calls
-    from capgraph.demo import bundled_schema
-    from capgraph.tokenizers import encode_continuation, load_tokenizer
-
-    tok = load_tokenizer("tekken")
-    factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(tok, native_build="on"))
-    hotel = GuidedDecodingParams.json_schema(json.dumps(SCHEMA))
-    tool = GuidedDecodingParams.json_schema(json.dumps(bundled_schema()))
-    calls = tool_calls()
+    tok, factory, guides, texts = tekken
     batch, drafts = 256, 2
-    guides = [hotel if i % 2 == 0 else tool for i in range(batch)]
-    texts = [encode_continuation(tok, instance(i)) if i % 2 == 0 else
-             encode_continuation(tok, compact(calls[i % len(calls)])) for i in range(batch)]
     decs = [GuidedDecoder(dataclasses.replace(factory.config, native_fill_threads=t), batch,
                           drafts, factory=factory, host_build="native") for t in (1, 4)]
     decs[1].host_build.builder.set_fill_threads(4, 1, adaptive=False)
@@ -326,43 +336,50 @@ def test_pool_gives_the_one_thread_results_on_tekken_json():
     assert pooled > 0
 
 
-def _sleeping_holder(go: threading.Event, seconds: float, times: dict) -> None:
-    """Once ``go`` is set and this thread has the GIL: hold it for ``seconds`` (libc usleep
-    through ctypes.PyDLL, which keeps it)."""
+def _sleeping_holder(go: list, seconds: float, times: dict) -> None:
+    """Once ``go[0]`` is set (waiting for it in Python, so that this thread is already asking
+    for the GIL when the step releases it): hold the GIL for ``seconds`` (libc usleep through
+    ctypes.PyDLL, which keeps it)."""
     libc = ctypes.PyDLL(None)
-    go.wait()
+    while not go[0]:
+        pass
     times["t0"] = time.monotonic_ns()
     libc.usleep(int(seconds * 1e6))
     times["t1"] = time.monotonic_ns()
 
 
-def test_pool_fills_while_another_thread_holds_the_gil(tiny):
+def test_pool_fills_while_another_thread_holds_the_gil(tekken):
     """While another thread holds the GIL (a 1.5 s libc usleep called through ctypes.PyDLL),
-    a 256-request step split across 4 fill threads runs to its end: the step, pool threads
-    included, ends (its native end time) inside the window, with most of it run there. The
-    holder is released just before the step, so it takes the GIL where the step releases it;
-    the step's requests call xgrammar's own methods, which never take the GIL."""
-    batch, drafts = 256, 3
-    dec = GuidedDecoder(dataclasses.replace(tiny.config, native_fill_threads=THREADS,
+    a step of 256 JSON-schema requests on Tekken (15 drafts each: about 4000 fills, several
+    ms) split across the calling thread and a pool thread runs to its end: the step, pool
+    thread included, ends (its native end time) inside the window, with most of it run
+    there. The holder waits for the GIL while the step starts, so it takes it where the step
+    releases it (two fill threads leave it a core to run on at once here); the step's
+    requests call xgrammar's own methods, which never take the GIL."""
+    _, factory, guides, texts = tekken
+    batch, drafts = 256, 15
+    guides, texts = [guides[0]] * batch, texts[0::2] * 2  # (the hotel schema: long texts)
+    dec = GuidedDecoder(dataclasses.replace(factory.config, native_fill_threads=2,
                                             host_step_budget_ms=None), batch, drafts,
-                        factory=tiny, host_build="native")
+                        factory=factory, host_build="native")
     builder = dec.host_build.builder
-    builder.set_fill_threads(THREADS, 1, adaptive=False)
+    builder.set_fill_threads(2, 1, adaptive=False)
     try:
-        dec.add_batch([GuidedRequest.context(i, i, ALIVE) for i in range(batch)])
+        dec.add_batch([GuidedRequest.context(i, i, g) for i, g in enumerate(guides)])
         assert dec.build() == []
-        for attempt in range(5):  # the holder must take the GIL while the step runs
-            dec.add_batch([GuidedRequest.generation(i, i, ALIVE, attempt % 2,
-                                                    draft_tokens=[0, 1, 0])
-                           for i in range(batch)])
+        for attempt in range(8):  # the holder must take the GIL while the step runs
+            p = 16 * attempt  # (every draft is accepted: the next step starts 16 tokens on)
+            dec.add_batch([GuidedRequest.generation(i, i, guides[i], t[p],
+                                                    draft_tokens=t[p + 1:p + 16],
+                                                    num_accepted_draft_tokens=drafts)
+                           for i, t in enumerate(texts)])
             times: dict = {}
-            go = threading.Event()
+            go = [False]
             holder = threading.Thread(target=_sleeping_holder, args=(go, 1.5, times))
             holder.start()
-            go.set()
+            go[0] = True
             failed = dec.build()  # (its GIL-free part runs while the holder sleeps)
             holder.join()
-            dec.rollback_rejected_tokens()
             stats = builder.last_step()
             assert failed == [] and stats.threads >= 1
             t0, t1 = times["t0"], times["t1"]
@@ -371,7 +388,7 @@ def test_pool_fills_while_another_thread_holds_the_gil(tiny):
                     inside > (stats.end_ns - stats.start_ns) / 2:
                 break  # (else the holder slept before the step, or at its very end)
         else:
-            pytest.fail("in 5 attempts the GIL holder never overlapped a pooled step")
+            pytest.fail("in 8 attempts the GIL holder never overlapped a pooled step")
         assert t0 < stats.end_ns < t1, "the pool waited for the GIL"
     finally:
         dec.close()
@@ -438,20 +455,31 @@ def test_forked_child_starts_its_own_pool(tiny):
 
 def test_a_step_sharing_a_matcher_or_a_row_runs_on_one_thread(tiny):
     """The tvm-ffi step splits its requests only when no two share a matcher or a bitmask
-    row: handed the same matcher twice, or overlapping rows, it runs them in order on the
-    calling thread (the one-thread result), though its pool was asked to start at 1."""
-    dec = GuidedDecoder(tiny.config, 4, 1, factory=tiny, host_build="native-loop")
+    row: over 20 steps of 32 requests, distinct ones run on the pool's threads at least once,
+    while the same requests with one matcher handed in twice, or with two overlapping row
+    ranges, run in order on the calling thread every time (the one-thread result)."""
+    n = 32
+    dec = GuidedDecoder(tiny.config, 2 * n, 1, factory=tiny, host_build="native-loop")
     builder = dec.host_build.builder
     builder.set_fill_threads(4, 1, adaptive=False)
     try:
-        a, b = tiny.create(ALIVE), tiny.create(ALIVE)
-        ha, hb = a.native, b.native  # (xgrammar's matchers: their FFI objects)
-        builder.step([ha, hb], [-1, -1], [0, 2], [], [], 0, 8)
-        assert builder.last_step().threads >= 1
-        builder.step([ha, ha], [0, 1], [0, 2], [], [], 0, 8)
-        assert builder.last_step().threads == 1 and builder.last_step().pool_requests == 0
-        builder.step([ha, hb], [0, 1], [0, 1], [1, 1], [0, 1], 1, 8)  # rows 0-1 and 1-2
-        assert builder.last_step().threads == 1
+        handles = tiny.native_handles([tiny.create(ALIVE) for _ in range(n)])
+        rows = 4 * n
+        builder.step(handles, [-1] * n, list(range(n)), [], [], 0, rows)  # (fills only)
+        assert builder.out[:n, 0].tolist() == [0] * n
+        shared = handles[:-1] + handles[:1]  # the first matcher twice
+        cases = {"distinct": (handles, list(range(n)), [], [], 0),
+                 "shared": (shared, list(range(n)), [], [], 0),
+                 # request k: rows 2k and 2k+1, except that request 1 starts on row 1
+                 "overlap": (handles, [0, 1] + [2 * k for k in range(2, n)], [1] * n,
+                             [k % 2 for k in range(n)], 1)}
+        pooled = {name: 0 for name in cases}
+        for step in range(20):
+            for name, (ms, offsets, num_drafts, drafts, draft_len) in cases.items():
+                builder.step(ms, [step % 2] * n, offsets, num_drafts, drafts, draft_len, rows)
+                assert builder.out[:n, 0].tolist() == [0] * n, name  # (ALIVE takes a and b)
+                pooled[name] += builder.last_step().threads > 1
+        assert pooled["distinct"] > 0 and pooled["shared"] == pooled["overlap"] == 0, pooled
     finally:
         dec.close()
 
