@@ -19,12 +19,16 @@ Importing this package loads no CUDA library and touches no device.
 
 from .api import (
     HostFunction,
+    add_drain_hook,
     check_errors,
     drain,
     hostfunc,
     is_capturing,
     launch,
+    launch_native,
     live_entries,
+    record_error,
+    remove_drain_hook,
     synchronize,
 )
 from .backend import active_backend, cuda_available, use_backend
@@ -40,6 +44,10 @@ from .host_stream import HostEvent, HostStream, current_stream, use_stream
 
 __all__ = [
     "launch",
+    "launch_native",
+    "add_drain_hook",
+    "remove_drain_hook",
+    "record_error",
     "hostfunc",
     "HostFunction",
     "drain",
