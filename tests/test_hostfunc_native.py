@@ -480,3 +480,136 @@ def test_lane_library_is_built_once_into_the_cache(tmp_path: Path) -> None:
     third = _run(code, env)
     assert third.returncode == 0 and str(built[0]) in third.stdout, third.stderr
     assert built[0].stat().st_mtime_ns == mtime and sorted(cache.iterdir()) == built
+
+
+# ---- CUDA call sequence against the fake libcuda ----
+
+from test_hostfunc_fake_driver import calls, fake_libcuda, names, run_script  # noqa: E402,F401
+
+needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None,
+                               reason="gcc not found: cannot build the fake libcuda")
+
+PROBE = """
+class FakeProbe(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("calls", "calls_with_gil", "retains", "releases")]
+
+def addr(name):
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+CALL, RETAIN, RELEASE = addr("fake_probe_call"), addr("fake_probe_retain"), addr("fake_probe_release")
+probe = FakeProbe()
+UD = ctypes.addressof(probe)
+
+def counts():
+    return [probe.calls, probe.calls_with_gil, probe.retains, probe.releases]
+"""
+
+
+def run_probe(lib: Path, body: str) -> dict:
+    """run_script with the probe (fake_probe_* functions and their counters) defined."""
+    return run_script(lib, PROBE + textwrap.dedent(body))
+
+
+@needs_gcc
+def test_fake_eager_native_launch_reaches_the_raw_driver_entry(fake_libcuda: Path) -> None:
+    """Pins the eager CUDA route: launch_native calls the driver's own cuLaunchHostFunc
+    (resolved through cuGetProcAddress) with the raw fn and userData, the GIL released; fn runs
+    without the GIL, in stream order with Python callbacks; a retain/release pair brackets the
+    one run (release launched right behind fn); drain waits; no registry entry is held."""
+    r = run_probe(fake_libcuda, """
+        seen = []
+        with hostfunc.use_backend(backend):
+            hostfunc.launch_native(CALL, UD)
+            hostfunc.launch(lambda: seen.append(probe.calls))
+            hostfunc.launch_native(CALL, UD, retain=RETAIN, release=RELEASE)
+            live = hostfunc.live_entries()
+            after_launch = counts()
+            hostfunc.drain()
+            done(seen=seen, live=live, after_launch=after_launch, counts=counts(),
+                 call=CALL, release=RELEASE, ud=UD, live_end=hostfunc.live_entries())
+    """)
+    assert r["seen"] == [1], "the Python callback did not run between the two native calls"
+    assert r["after_launch"][2:] == [1, 0]  # retained at launch, not yet released
+    assert r["counts"] == [2, 0, 1, 1], "fn ran with the GIL held, or release did not run"
+    assert r["live_end"] == 0 and r["live"] <= 1  # (the Python callback's entry, if pending)
+    launches = calls(r["log"], "cuLaunchHostFunc")
+    assert len(launches) == 4
+    native = [c for c in launches if int(c["fn"], 16) in (r["call"], r["release"])]
+    assert [int(c["fn"], 16) for c in native] == [r["call"], r["call"], r["release"]]
+    assert all(int(c["userData"], 16) == r["ud"] for c in native), "userData not passed raw"
+    assert all(c["gil"] == "0" and c["stream"] == "0x5000" for c in launches)
+    assert calls(r["log"], "cuStreamSynchronize"), "drain did not wait for the stream"
+
+
+@needs_gcc
+def test_fake_captured_native_launch_adds_a_raw_host_node(fake_libcuda: Path) -> None:
+    """Pins the captured CUDA route: retain runs once at capture; with retain/release the
+    sequence is GetCaptureInfo -> UserObjectCreate(user_data, release) -> RetainUserObject(MOVE)
+    -> AddHostNode(raw fn, raw userData) -> UpdateCaptureDependencies, without them no user
+    object; replays run fn each time without the GIL; the graph's destruction calls release
+    once; no registry entry is held."""
+    r = run_probe(fake_libcuda, """
+        with hostfunc.use_backend(backend):
+            lib.fake_begin_capture(STREAM, GRAPH)
+            hostfunc.launch_native(CALL, UD, retain=RETAIN, release=RELEASE)
+            hostfunc.launch_native(CALL, UD)
+            lib.fake_end_capture()
+            captured, live = counts(), hostfunc.live_entries()
+            lib.fake_replay(GRAPH, 4)
+            replayed = counts()
+            lib.fake_destroy_graph(GRAPH)
+            done(captured=captured, live=live, replayed=replayed, destroyed=counts(),
+                 call=CALL, release=RELEASE, ud=UD)
+    """)
+    assert r["captured"] == [0, 0, 1, 0] and r["live"] == 0
+    assert r["replayed"] == [8, 0, 1, 0], "replays must run both nodes, without the GIL"
+    assert r["destroyed"] == [8, 0, 1, 1]
+    log = r["log"]
+    seq = [n for n in names(log) if n.startswith("cu") and n not in ("cuInit",
+                                                                     "cuStreamIsCapturing")]
+    assert seq == ["cuStreamGetCaptureInfo_v3", "cuUserObjectCreate", "cuGraphRetainUserObject",
+                   "cuGraphAddHostNode", "cuStreamUpdateCaptureDependencies_v2",
+                   "cuStreamGetCaptureInfo_v3", "cuGraphAddHostNode",
+                   "cuStreamUpdateCaptureDependencies_v2"]
+    (obj,) = calls(log, "cuUserObjectCreate")
+    assert int(obj["ptr"]) == r["ud"] and int(obj["destroy"], 16) == r["release"]
+    assert obj["flags"] == "1"                                    # NO_DESTRUCTOR_SYNC
+    (retain,) = calls(log, "cuGraphRetainUserObject")
+    assert retain["obj"] == obj["obj"] and retain["flags"] == "1"  # MOVE
+    nodes = calls(log, "cuGraphAddHostNode")
+    assert all(int(n["fn"], 16) == r["call"] and int(n["userData"]) == r["ud"] for n in nodes)
+    assert nodes[1]["deps"] == f"[{nodes[0]['node']}]"
+    assert not calls(log, "cuLaunchHostFunc")
+
+
+@needs_gcc
+@pytest.mark.parametrize("failing, capture, released_at_once", [
+    ("cuLaunchHostFunc", False, 1),
+    ("cuUserObjectCreate", True, 1),
+    ("cuGraphRetainUserObject", True, 1),
+    ("cuGraphAddHostNode", True, 0),
+])
+def test_fake_driver_failure_after_retain_releases_once(
+        fake_libcuda: Path, failing: str, capture: bool, released_at_once: int) -> None:
+    """Pins: a driver refusal raises HostFuncLaunchError naming the call; a retain already
+    done is undone by exactly one release, at once where the graph does not own it yet, with
+    the graph's destruction where it does (cuGraphAddHostNode fails after the MOVE)."""
+    r = run_probe(fake_libcuda, f"""
+        with hostfunc.use_backend(backend):
+            if {capture}:
+                lib.fake_begin_capture(STREAM, GRAPH)
+            lib.fake_fail({failing!r}.encode(), 999)
+            try:
+                hostfunc.launch_native(CALL, UD, retain=RETAIN, release=RELEASE)
+                err = None
+            except hostfunc.HostFuncLaunchError as e:
+                err = dict(call=e.call, code=e.code)
+            at_once = counts()
+            lib.fake_end_capture()
+            lib.fake_destroy_graph(GRAPH)
+            hostfunc.drain()
+            done(err=err, at_once=at_once, end=counts())
+    """)
+    assert r["err"] == {"call": failing, "code": 999}
+    assert r["at_once"] == [0, 0, 1, released_at_once]
+    assert r["end"] == [0, 0, 1, 1], "release must run exactly once"
