@@ -58,14 +58,14 @@ class _Worker:
     """The queue and thread of one HostStream; holds no reference to the stream itself, so an
     unreferenced HostStream is collected and its thread told to stop.
 
-    Each queued task carries the lane ticket of the latest native call enqueued before it (0:
-    none); the worker waits for that ticket before running the task.
+    Once the stream has a native lane, each task queued is wrapped so that it first waits for
+    the native calls enqueued before it (see :func:`_after_lane`).
     """
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.cond = threading.Condition()
-        self.tasks: deque[tuple[Task, int]] = deque()
+        self.tasks: deque[Task] = deque()
         self.enqueued = 0
         self.completed = 0
         self.closed = False
@@ -80,7 +80,9 @@ class _Worker:
             if self.closed:
                 raise HostFuncUsageError(f"{self.name} is closed")
             lane = self.lane
-            self.tasks.append((task, 0 if lane is None else lane.enqueued))
+            if lane is not None:
+                task = functools.partial(_after_lane, lane, lane.enqueued, task)
+            self.tasks.append(task)
             self.enqueued += 1
             self._wake()
             return self.enqueued
@@ -109,7 +111,8 @@ class _Worker:
             if self.completed >= self.enqueued:
                 lane.push(call)
                 return
-            self.tasks.append((functools.partial(_hand_to_lane, lane, call), lane.enqueued))
+            self.tasks.append(functools.partial(_after_lane, lane, lane.enqueued,
+                                                functools.partial(_hand_to_lane, lane, call)))
             self.enqueued += 1
             self._wake()
 
@@ -156,11 +159,8 @@ class _Worker:
                 if not self.tasks:
                     lane = self.lane
                     break
-                task, lane_ticket = self.tasks.popleft()
-                lane = self.lane
+                task = self.tasks.popleft()
             try:
-                if lane_ticket and lane is not None:
-                    lane.wait(lane_ticket)  # earlier native calls first (GIL released)
                 task()
             except BaseException as exc:  # noqa: BLE001 — tasks are ours and should not raise;
                 # if one does, keep the worker alive (drains would hang) and report it.
@@ -213,6 +213,12 @@ class _Worker:
                 lane.close(wait=join)
         elif join and not self._in_own_task():
             thread.join(timeout)
+
+
+def _after_lane(lane: Lane, ticket: int, task: Task) -> None:
+    # A task queued once the stream has a lane: the native calls enqueued before it first.
+    lane.wait(ticket)  # (GIL released; returns at once for ticket 0 or a reached one)
+    task()
 
 
 def _hand_to_lane(lane: Lane, call: NativeCall) -> None:

@@ -140,6 +140,7 @@ class Lane:
         self._handle: int | None = handle
         self._lock = threading.Lock()
         self.enqueued = 0  # ticket of the latest push (pushes come under the stream's lock)
+        self._reached = 0  # a ticket known to have returned
 
     def push(self, call: NativeCall) -> int:
         """Append ``call`` (and its ``release`` right behind it where one is given)."""
@@ -171,11 +172,12 @@ class Lane:
             HostFuncTimeoutError: ``timeout`` seconds passed first.
         """
         handle = self._handle
-        if handle is None or ticket <= 0:
+        if handle is None or ticket <= self._reached:
             return
         ns = -1 if timeout is None else max(0, int(timeout * 1e9))
         if not self._lib.hf_lane_wait(handle, ticket, ns):
             raise HostFuncTimeoutError(f"{self.name}'s native lane", timeout or 0.0)
+        self._reached = max(self._reached, ticket)  # (a lost race only costs a C call)
 
     def close(self, wait: bool = True) -> None:
         """End the thread once its queue is empty; with ``wait``, return after it ended."""
