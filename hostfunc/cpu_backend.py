@@ -23,6 +23,7 @@ class CpuBackend:
     """Launches host callbacks on the calling thread's current :class:`~hostfunc.HostStream`."""
 
     name = "cpu"
+    _lane_built = False  # the lane library was built and loaded (set on first native launch)
 
     def launch(self, fn: Callable[..., Any], args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> None:
@@ -61,8 +62,10 @@ class CpuBackend:
             HostFuncUsageError: the lane library cannot be built (no C compiler), or the
                 stream is closed (a ``retain`` already done is undone with ``release``).
         """
-        from .lane import lane_library
-        lane_library()  # fail here, before any retain, when there is no compiler
+        if not self._lane_built:  # fail here, before any retain, when there is no compiler
+            from .lane import lane_library
+            lane_library()
+            self._lane_built = True
         stream = current_stream()
         graph = stream.capture_graph
         if graph is not None:

@@ -12,7 +12,7 @@ thread started on the stream's first native call (:class:`hostfunc.native.Lane`)
 Python runs between the stream reaching the call and its return. The stream stays one ordered
 queue: a native call on a stream with nothing queued or running in Python goes straight to the
 lane; otherwise it is queued behind the Python tasks, and the worker hands it to the lane and
-waits for it (GIL released). A Python task never starts while earlier native calls of its stream
+waits for it (GIL released; consecutive queued native calls are handed over together). A Python task never starts while earlier native calls of its stream
 are unfinished (the worker waits for the lane first, GIL released). ``synchronize``, ``query``,
 ``HostEvent.record`` on an idle stream and ``inline_when_idle`` count native calls too.
 """
@@ -111,8 +111,11 @@ class _Worker:
             if self.completed >= self.enqueued:
                 lane.push(call)
                 return
-            self.tasks.append(functools.partial(_after_lane, lane, lane.enqueued,
-                                                functools.partial(_hand_to_lane, lane, call)))
+            last = self.tasks[-1] if self.tasks else None
+            if type(last) is _NativeBatch and not last.started:
+                last.calls.append(call)  # one hand-over for consecutive native calls
+                return
+            self.tasks.append(_NativeBatch(self.cond, lane, call))
             self.enqueued += 1
             self._wake()
 
@@ -221,10 +224,28 @@ def _after_lane(lane: Lane, ticket: int, task: Task) -> None:
     task()
 
 
-def _hand_to_lane(lane: Lane, call: NativeCall) -> None:
-    # A queued native call, on the worker: earlier native calls have returned (the worker
-    # waited for them); run this one on the lane and wait for it, GIL released.
-    lane.wait(lane.push(call))
+class _NativeBatch:
+    """Native calls queued behind Python tasks, as one task: when the worker reaches it, it
+    hands them to the lane (behind any native calls still running there, in order) and waits
+    for the last, GIL released. Calls enqueued while it is the last queued task and not yet
+    started join it."""
+
+    __slots__ = ("cond", "lane", "calls", "started")
+
+    def __init__(self, cond: threading.Condition, lane: Lane, call: NativeCall) -> None:
+        self.cond = cond
+        self.lane = lane
+        self.calls = [call]
+        self.started = False
+
+    def __call__(self) -> None:
+        with self.cond:
+            self.started = True
+            calls = self.calls
+        ticket = 0
+        for call in calls:
+            ticket = self.lane.push(call)
+        self.lane.wait(ticket)
 
 
 # Workers are daemon threads; one still running Python (dropping a tensor, say) while the

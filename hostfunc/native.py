@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import HostFuncUsageError
 
@@ -23,8 +23,7 @@ __all__ = ["NativeCall", "TestFunctions", "call_c", "check_native_args", "test_f
 _ADDRESS_MAX = 2 * (sys.maxsize + 1) - 1  # the largest pointer value
 
 
-@dataclass(frozen=True, slots=True)
-class NativeCall:
+class NativeCall(NamedTuple):
     """One native host call: ``fn(user_data)``, with the optional ``retain``/``release`` pair
     that ties ``user_data``'s lifetime to the enqueued or captured call (0: none)."""
 
@@ -42,6 +41,10 @@ def check_native_args(fn: object, user_data: object, retain: object,
         HostFuncUsageError: an address is not an int, is zero or does not fit a pointer;
             ``user_data`` is not a pointer-sized int; only one of ``retain``/``release``.
     """
+    if (type(fn) is int and 0 < fn <= _ADDRESS_MAX and retain is None and release is None
+            and type(user_data) is int and 0 <= user_data <= _ADDRESS_MAX):
+        return NativeCall(fn, user_data)  # the every-step case, checked without a closure
+
     def address(name: str, value: object) -> int:
         if type(value) is not int:  # bool is an int subclass; so are IntEnums: refuse both
             raise HostFuncUsageError(

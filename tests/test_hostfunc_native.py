@@ -260,6 +260,26 @@ def test_graph_replay_runs_native_calls_each_time(fns: TestFunctions, stream: Ho
     graph.reset()
 
 
+def test_back_to_back_replays_keep_order_with_mixed_steps(fns: TestFunctions,
+                                                          stream: HostStream) -> None:
+    """Pins order when native calls queue behind Python work (replays launched back to back:
+    consecutive native steps are handed to the lane together): 50 replays of [Python, native,
+    native, Python, native] log exactly that sequence 50 times."""
+    log = SharedLog(512)
+    graph = HostGraph()
+    with hostfunc.capture(graph, stream):
+        hostfunc.launch(log.python_append, 1)
+        hostfunc.launch_native(fns.append, log.native_args(2))
+        hostfunc.launch_native(fns.append, log.native_args(3))
+        hostfunc.launch(log.python_append, 4)
+        hostfunc.launch_native(fns.append, log.native_args(5))
+    for _ in range(50):
+        graph.replay(stream)
+    stream.synchronize(WAIT_S)
+    assert log.values() == [1, 2, 3, 4, 5] * 50
+    graph.reset()
+
+
 def test_retain_and_release_follow_the_graph(fns: TestFunctions, stream: HostStream) -> None:
     """Pins the lifetime contract: retain once at capture; replays call neither; release once
     at reset (deferred until a replay in flight has finished) or at collection; eager, retain

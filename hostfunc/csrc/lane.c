@@ -5,6 +5,9 @@
  * one pthread that pops and calls them. Nothing here touches Python; every call may be made
  * with the GIL released (ctypes.CDLL releases it around each call).
  *
+ * An idle lane polls its queue for SPIN_NS (yielding the CPU between polls) before it sleeps, so
+ * that a burst of pushes (a graph replay) costs one wake-up rather than one per call.
+ *
  * Counters: `enqueued` is the ticket of the latest pushed call, `completed` the number of calls
  * that have returned. hf_lane_wait(ticket) blocks until `completed >= ticket`.
  *
@@ -22,7 +25,10 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <sched.h>
 #include <time.h>
+
+enum { SPIN_NS = 50000 };  /* how long an idle lane polls before it sleeps */
 
 typedef void (*hf_fn)(void *);
 
@@ -36,9 +42,10 @@ typedef struct {
     pthread_cond_t work;      /* signalled on push and on close */
     pthread_cond_t done;      /* signalled when a call completes */
     hf_call *ring;            /* capacity entries, head..head+count-1 (mod capacity) */
-    size_t capacity, head, count;
+    size_t capacity, head, count;  /* count: written under mu, also polled without it */
     uint64_t enqueued;        /* tickets handed out (ticket of the latest push) */
     uint64_t completed;       /* calls that have returned */
+    uint64_t wake_at;         /* smallest ticket a waiter waits for (UINT64_MAX: none) */
     int closing;              /* no more pushes; end once the queue is empty */
     int detached;             /* closed without wait: the thread frees the lane */
     pthread_t thread;
@@ -63,18 +70,30 @@ static void *lane_main(void *arg) {
     pthread_setname_np(pthread_self(), "hostfunc-lane");  /* what tests and debuggers see */
     pthread_mutex_lock(&lane->mu);
     for (;;) {
+        if (lane->count == 0 && !lane->closing) {
+            /* Calls often come in bursts (a replay pushes its steps one by one): poll briefly
+             * before sleeping, so that a burst costs one wake-up rather than one per call. */
+            pthread_mutex_unlock(&lane->mu);
+            int64_t until = now_ns() + SPIN_NS;
+            while (!__atomic_load_n(&lane->count, __ATOMIC_ACQUIRE) && now_ns() < until)
+                sched_yield();
+            pthread_mutex_lock(&lane->mu);
+        }
         while (lane->count == 0 && !lane->closing)
             pthread_cond_wait(&lane->work, &lane->mu);
         if (lane->count == 0)
             break;  /* closing and drained */
         hf_call call = lane->ring[lane->head];
         lane->head = (lane->head + 1) % lane->capacity;
-        lane->count--;
+        __atomic_store_n(&lane->count, lane->count - 1, __ATOMIC_RELEASE);  /* (polled above) */
         pthread_mutex_unlock(&lane->mu);
         call.fn(call.user_data);
         pthread_mutex_lock(&lane->mu);
         lane->completed++;
-        pthread_cond_broadcast(&lane->done);
+        if (lane->completed >= lane->wake_at) {  /* wake waiters only when one is due */
+            lane->wake_at = UINT64_MAX;            /* (those not yet due register again) */
+            pthread_cond_broadcast(&lane->done);
+        }
     }
     int detached = lane->detached;
     pthread_mutex_unlock(&lane->mu);
@@ -89,6 +108,7 @@ hf_lane *hf_lane_create(void) {
     if (!lane)
         return NULL;
     lane->capacity = 64;
+    lane->wake_at = UINT64_MAX;
     lane->ring = malloc(lane->capacity * sizeof *lane->ring);
     if (!lane->ring) {
         free(lane);
@@ -133,7 +153,7 @@ uint64_t hf_lane_push(hf_lane *lane, hf_fn fn, void *user_data, hf_fn release) {
         lane->ring[tail] = (hf_call){fn, user_data};
         if (release)
             lane->ring[(tail + 1) % lane->capacity] = (hf_call){release, user_data};
-        lane->count += n;
+        __atomic_store_n(&lane->count, lane->count + n, __ATOMIC_RELEASE);  /* (polled unlocked) */
         lane->enqueued += n;
         ticket = lane->enqueued;
         pthread_cond_signal(&lane->work);
@@ -156,6 +176,8 @@ int hf_lane_wait(hf_lane *lane, uint64_t ticket, int64_t timeout_ns) {
     pthread_mutex_lock(&lane->mu);
     int reached = 1;
     while (lane->completed < ticket) {
+        if (ticket < lane->wake_at)
+            lane->wake_at = ticket;
         if (timeout_ns < 0) {
             pthread_cond_wait(&lane->done, &lane->mu);
         } else if (pthread_cond_timedwait(&lane->done, &lane->mu, &until) == ETIMEDOUT) {
