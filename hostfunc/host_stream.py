@@ -8,13 +8,14 @@ calling thread, like ``torch.cuda.stream``; :func:`current_stream` returns it.
 Waits (``synchronize``) release the GIL while they wait (``threading.Condition.wait`` does).
 
 Native host functions (:func:`hostfunc.launch_native`) run on the stream's native lane, a C
-thread started on the stream's first native call (:class:`hostfunc.native.Lane`), so that no
+thread started on the stream's first native call (:class:`hostfunc.lane.Lane`), so that no
 Python runs between the stream reaching the call and its return. The stream stays one ordered
 queue: a native call on a stream with nothing queued or running in Python goes straight to the
 lane; otherwise it is queued behind the Python tasks, and the worker hands it to the lane and
-waits for it (GIL released; consecutive queued native calls are handed over together). A Python task never starts while earlier native calls of its stream
-are unfinished (the worker waits for the lane first, GIL released). ``synchronize``, ``query``,
-``HostEvent.record`` on an idle stream and ``inline_when_idle`` count native calls too.
+waits for it (GIL released; consecutive queued native calls are handed over together). A Python
+task never starts while earlier native calls of its stream are unfinished (the worker waits for
+the lane first, GIL released). ``synchronize``, ``query``, ``HostEvent.record`` on an idle
+stream and ``inline_when_idle`` count native calls too.
 """
 
 from __future__ import annotations

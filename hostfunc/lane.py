@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 from .errors import HostFuncTimeoutError, HostFuncUsageError
@@ -116,6 +117,8 @@ def lane_library() -> ctypes.CDLL:
         lib.hf_lane_completed.argtypes = [p]
         lib.hf_lane_close.restype = None
         lib.hf_lane_close.argtypes = [p, ctypes.c_int]
+        lib.hf_lane_release.restype = None
+        lib.hf_lane_release.argtypes = [p]
         _lib.append(lib)
         return lib
 
@@ -124,8 +127,9 @@ class Lane:
     """One C thread running native calls in order, for one HostStream (see ``csrc/lane.c``).
 
     ``push`` returns a ticket; ``wait(ticket)`` blocks (GIL released) until that call and every
-    earlier one has returned. ``close`` ends the thread once its queue is empty; it may be
-    called more than once (only the first counts).
+    earlier one has returned. ``close`` ends the thread once its queue is empty (any number of
+    times, from any thread); the lane stays readable after it. The C lane is freed when this
+    object is collected, so no thread can call into freed memory.
 
     Raises:
         HostFuncUsageError: (constructor) the lane library cannot be built, or no thread.
@@ -137,17 +141,14 @@ class Lane:
         handle = self._lib.hf_lane_create()
         if not handle:
             raise HostFuncUsageError(f"{name}: could not start a native lane thread")
-        self._handle: int | None = handle
-        self._lock = threading.Lock()
+        self._handle: int = handle
+        weakref.finalize(self, self._lib.hf_lane_release, handle)
         self.enqueued = 0  # ticket of the latest push (pushes come under the stream's lock)
         self._reached = 0  # a ticket known to have returned
 
     def push(self, call: NativeCall) -> int:
         """Append ``call`` (and its ``release`` right behind it where one is given)."""
-        handle = self._handle
-        if handle is None:
-            raise HostFuncUsageError(f"{self.name}'s native lane is closed")
-        ticket = int(self._lib.hf_lane_push(handle, call.fn, call.user_data,
+        ticket = int(self._lib.hf_lane_push(self._handle, call.fn, call.user_data,
                                             call.release or None))
         if ticket == 0:
             raise HostFuncUsageError(f"{self.name}'s native lane refused a call (closed or "
@@ -157,8 +158,7 @@ class Lane:
 
     def completed(self) -> int:
         """Number of calls that have returned."""
-        handle = self._handle
-        return self.enqueued if handle is None else int(self._lib.hf_lane_completed(handle))
+        return int(self._lib.hf_lane_completed(self._handle))
 
     def idle(self) -> bool:
         """Every call pushed so far has returned."""
@@ -171,20 +171,17 @@ class Lane:
         Raises:
             HostFuncTimeoutError: ``timeout`` seconds passed first.
         """
-        handle = self._handle
-        if handle is None or ticket <= self._reached:
+        if ticket <= self._reached:
             return
         ns = -1 if timeout is None else max(0, int(timeout * 1e9))
-        if not self._lib.hf_lane_wait(handle, ticket, ns):
+        if not self._lib.hf_lane_wait(self._handle, ticket, ns):
             raise HostFuncTimeoutError(f"{self.name}'s native lane", timeout or 0.0)
         self._reached = max(self._reached, ticket)  # (a lost race only costs a C call)
 
     def close(self, wait: bool = True) -> None:
-        """End the thread once its queue is empty; with ``wait``, return after it ended."""
-        with self._lock:
-            handle, self._handle = self._handle, None
-        if handle is not None:
-            self._lib.hf_lane_close(handle, int(wait))
+        """End the thread once its queue is empty; with ``wait``, return after it ended (GIL
+        released while waiting)."""
+        self._lib.hf_lane_close(self._handle, int(wait))
 
 
 class AppendArgs(ctypes.Structure):

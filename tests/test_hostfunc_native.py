@@ -348,6 +348,27 @@ def test_close_ends_the_lane_after_its_calls(fns: TestFunctions) -> None:
     assert wait_until(lambda: lane_threads() == before), "the dropped stream's lane lives on"
 
 
+def test_close_while_another_thread_waits_on_the_lane(fns: TestFunctions) -> None:
+    """Pins: closing a stream (no Python worker, lane only) while another thread synchronizes
+    on it lets both return once the native calls ran; the closed stream still answers query
+    and synchronize (the lane is freed only when nothing refers to it)."""
+    stream = HostStream("native-close-race")
+    stamp = ctypes.c_int64(0)
+    with hostfunc.use_stream(stream):
+        hostfunc.launch_native(fns.spin_ns, 150 * MS)
+        hostfunc.launch_native(fns.timestamp_ns, ctypes.addressof(stamp))
+    waited: list[int] = []
+    waiter = threading.Thread(target=lambda: (stream.synchronize(WAIT_S),
+                                              waited.append(stamp.value)))
+    waiter.start()
+    time.sleep(0.02)
+    stream.close()
+    waiter.join(WAIT_S)
+    assert waited and waited[0] != 0 and stamp.value != 0
+    assert stream.query()
+    stream.synchronize(WAIT_S)
+
+
 # ---- the GIL window ----
 
 def _hold_gil_for_2s() -> tuple[int, int]:

@@ -11,9 +11,12 @@
  * Counters: `enqueued` is the ticket of the latest pushed call, `completed` the number of calls
  * that have returned. hf_lane_wait(ticket) blocks until `completed >= ticket`.
  *
- * Closing: hf_lane_close(lane, wait) stops the lane once its queue is empty. With `wait` it joins
- * the thread and frees the lane; without, the thread frees the lane itself as it ends. Python
- * calls it exactly once per lane; no other call may follow.
+ * Closing: hf_lane_close(lane, wait) stops the lane once its queue is empty (later pushes are
+ * refused); with `wait` it returns once the thread has ended. It may be called any number of
+ * times, from any thread; the lane stays readable (counters, waits) after it.
+ * Freeing: hf_lane_release(lane), once, when nothing can call into the lane any more (Python:
+ * the Lane object's finalizer). It frees at once if the thread has ended; else the thread frees
+ * the lane as it ends, so a collected stream never waits for its queued calls.
  *
  * The hf_test_* functions at the end are for tests and demos only: small native host functions
  * whose effects a test can read (a spin, a CLOCK_MONOTONIC timestamp, counters, a shared log).
@@ -47,7 +50,8 @@ typedef struct {
     uint64_t completed;       /* calls that have returned */
     uint64_t wake_at;         /* smallest ticket a waiter waits for (UINT64_MAX: none) */
     int closing;              /* no more pushes; end once the queue is empty */
-    int detached;             /* closed without wait: the thread frees the lane */
+    int exited;               /* the thread has left its loop */
+    int detached;             /* released while running: the thread frees the lane */
     pthread_t thread;
 } hf_lane;
 
@@ -95,10 +99,12 @@ static void *lane_main(void *arg) {
             pthread_cond_broadcast(&lane->done);
         }
     }
+    lane->exited = 1;
+    pthread_cond_broadcast(&lane->done);
     int detached = lane->detached;
     pthread_mutex_unlock(&lane->mu);
     if (detached)
-        lane_free(lane);  /* nobody joins a detached lane; nobody else touches it again */
+        lane_free(lane);  /* released: nobody else touches it again */
     return NULL;
 }
 
@@ -203,16 +209,28 @@ uint64_t hf_lane_completed(hf_lane *lane) {
     return n;
 }
 
-/* Stop the lane once its queue is empty (see the top of the file). */
+/* Stop the lane once its queue is empty; with `wait`, return once its thread has ended. */
 void hf_lane_close(hf_lane *lane, int wait) {
     pthread_mutex_lock(&lane->mu);
     lane->closing = 1;
-    lane->detached = !wait;
-    pthread_t thread = lane->thread;
     pthread_cond_signal(&lane->work);
+    while (wait && !lane->exited)
+        pthread_cond_wait(&lane->done, &lane->mu);
     pthread_mutex_unlock(&lane->mu);
-    if (wait) {
-        pthread_join(thread, NULL);
+}
+
+/* Free the lane (closing it first); see the top of the file. No call may follow. */
+void hf_lane_release(hf_lane *lane) {
+    pthread_mutex_lock(&lane->mu);
+    lane->closing = 1;
+    pthread_cond_signal(&lane->work);
+    int exited = lane->exited;
+    if (!exited)
+        lane->detached = 1;
+    pthread_t thread = lane->thread;
+    pthread_mutex_unlock(&lane->mu);
+    if (exited) {
+        pthread_join(thread, NULL);  /* (at once: it has left its loop) */
         lane_free(lane);
     } else {
         pthread_detach(thread);
