@@ -537,7 +537,8 @@ class FakeProbe(ctypes.Structure):
 def addr(name):
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
-CALL, RETAIN, RELEASE = addr("fake_probe_call"), addr("fake_probe_retain"), addr("fake_probe_release")
+CALL = addr("fake_probe_call")
+RETAIN, RELEASE = addr("fake_probe_retain"), addr("fake_probe_release")
 probe = FakeProbe()
 UD = ctypes.addressof(probe)
 

@@ -375,6 +375,10 @@ void fake_probe_call(void *user_data) {
     __sync_fetch_and_add(&p->calls, 1);
 }
 
-void fake_probe_retain(void *user_data) { __sync_fetch_and_add(&((FakeProbe *)user_data)->retains, 1); }
+void fake_probe_retain(void *user_data) {
+    __sync_fetch_and_add(&((FakeProbe *)user_data)->retains, 1);
+}
 
-void fake_probe_release(void *user_data) { __sync_fetch_and_add(&((FakeProbe *)user_data)->releases, 1); }
+void fake_probe_release(void *user_data) {
+    __sync_fetch_and_add(&((FakeProbe *)user_data)->releases, 1);
+}
