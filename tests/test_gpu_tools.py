@@ -137,6 +137,26 @@ def test_last_step_timeline_summary_and_landmarks(prof):
         "mask_kernels": ["capgraph_logits_bitmask_f32_b32_p4"], "all_three": True}
 
 
+def test_analyse_reports_the_last_step(prof):
+    """analyse(), the text and JSON that profile_cupti prints and writes after a trace: the
+    last step's length and timeline, the summary, the landmarks line; a trace without a
+    graph launch says it has no replayed step."""
+    text, out = prof.analyse(prof.drop_nested_driver(_trace(prof)), MAIN)
+    assert text.startswith("last replayed step: 0.7 us (all 2 steps: 2, 1 us)")
+    assert "summary over the 2 replayed steps" in text
+    assert text.endswith("landmarks in the last step: 2 capgraph ranges; host node ranges: "
+                         "CapturableGuidedDecoder.build; mask kernel: "
+                         "capgraph_logits_bitmask_f32_b32_p4")
+    assert out["step_us"] == [2.0, 0.71] and out["landmarks"]["all_three"] is True
+    assert out["last_step"][0] == {
+        "kind": "nvtx", "name": "CapturableGuidedDecoder.add_batch", "start": 3_000,
+        "end": 3_050, "track": "main", "domain": "capgraph", "offset_us": 0.0}
+    json.dumps(out)  # what --json writes
+    text, out = prof.analyse(_trace(prof)[:2], MAIN)
+    assert text == "no graph launch in the trace: no replayed step to show"
+    assert out["last_step"] == [] and out["landmarks"] == {}
+
+
 def test_landmarks_without_host_node_ranges(prof):
     """capgraph ranges only on the main thread (no host node seen) do not make all three."""
     last = [r for r in _trace(prof) if r.track != "thread 77"]
@@ -185,15 +205,15 @@ def _fake_cupti():
         activity_enable=enable,
         activity_disable=lambda kind: calls.append(("disable", kind.name)),
         activity_flush_all=lambda flag: calls.append(("flush", flag)),
-        get_callback_name=lambda domain, cbid: {(2, 211): "cudaGraphLaunch",
+        get_callback_name=lambda domain, cbid: {(2, 211): "cudaGraphLaunch_v10000",
                                                 (1, 514): "cuGraphLaunch"}[(domain, cbid)],
         calls=calls)
 
 
 def test_cupti_trace_converts_activity_records(prof):
     """CuptiTrace enables the six kinds (one refused is reported, the rest trace), copies
-    each record type into a Record (API names through get_callback_name, an unknown cbid
-    named by number, marker pairs joined), keeps a conversion error instead of raising into
+    each record type into a Record (API names through get_callback_name without their
+    version suffix, an unknown cbid named by number, marker pairs joined), keeps a conversion error instead of raising into
     CUPTI's thread, and flushes and disables on stop."""
     cupti = _fake_cupti()
     A = cupti.ActivityKind

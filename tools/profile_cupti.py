@@ -30,6 +30,7 @@ import ctypes
 import glob
 import json
 import os
+import re
 import sys
 import threading
 from dataclasses import asdict, dataclass
@@ -210,6 +211,36 @@ def landmarks(records: Sequence[Record], main_thread: int | None) -> dict[str, A
             "all_three": bool(ours) and bool(host) and bool(masks)}
 
 
+def analyse(records: Sequence[Record], main_thread: int | None, marker: str = STEP_MARKER,
+            max_lines: int | None = None, summary_rows: int | None = None
+            ) -> tuple[str, dict[str, Any]]:
+    """A trace's text report (the last replayed step's timeline, the summary over every
+    replayed step, the landmarks) and its JSON fields: step_us, last_step (records with
+    their offset and track label), summary, landmarks."""
+    starts = step_starts(records, marker)
+    step_us = step_durations_us(records, starts)
+    if not starts:
+        return ("no graph launch in the trace: no replayed step to show",
+                {"step_us": [], "last_step": [], "summary": summarize(records), "landmarks": {}})
+    end = teardown_start(records, starts[-1])
+    last = step_records(records, starts[-1], end)
+    marks = landmarks(last, main_thread)
+    summary = summarize(step_records(records, starts[0], end))
+    text = "\n".join([
+        f"last replayed step: {step_us[-1]:.1f} us (all {len(starts)} steps: "
+        + ", ".join(f"{d:.0f}" for d in step_us) + " us)", "",
+        format_timeline(last, starts[-1], main_thread, max_lines), "",
+        f"summary over the {len(starts)} replayed steps", "",
+        format_summary(summary, summary_rows), "",
+        f"landmarks in the last step: {marks['capgraph_ranges']} capgraph ranges; host node "
+        f"ranges: {', '.join(marks['host_node_ranges']) or 'none'}; mask kernel: "
+        f"{', '.join(marks['mask_kernels']) or 'none'}"])
+    return text, {"step_us": step_us,
+                  "last_step": [dict(asdict(r), offset_us=(r.start - starts[-1]) / 1e3,
+                                     track=track_label(r.track, main_thread)) for r in last],
+                  "summary": summary, "landmarks": marks}
+
+
 def find_libcupti(maps_text: str, search_dirs: Sequence[str]) -> str | None:
     """The libcupti this process has mapped (``/proc/self/maps`` text), else the first one
     under ``search_dirs`` (sys.path entries) in a wheel's layout."""
@@ -267,10 +298,13 @@ class CuptiTrace:
         self._convert = self._converters()
 
     def _api_name(self, domain: int, cbid: int) -> str:
+        """The API call's name, without the version suffix CUPTI's runtime names carry
+        (``cudaGraphLaunch_v10000`` -> ``cudaGraphLaunch``)."""
         key = (domain, cbid)
         if key not in self._api_names:
             try:
-                self._api_names[key] = str(self.cupti.get_callback_name(domain, cbid))
+                name = str(self.cupti.get_callback_name(domain, cbid))
+                self._api_names[key] = re.sub(r"_v\d+$", "", name)
             except Exception:  # noqa: BLE001 - an unnamed id is still shown
                 self._api_names[key] = f"cbid {cbid}"
         return self._api_names[key]
@@ -426,39 +460,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         records = drop_nested_driver(trace.stop())
     main_thread = threading.get_native_id()
-    starts = step_starts(records, args.step_marker)
     print(f"profile_cupti: {torch.cuda.get_device_name()}, libcupti {libcupti}, NVTX "
           f"{'live' if _nvtx.ACTIVE else 'inactive (no injection: no ranges recorded)'}, "
-          f"{len(records)} records, {len(starts)} replayed steps "
-          f"({results.timings.steps} decode steps in generate)")
+          f"{len(records)} records ({results.timings.steps} decode steps in generate)")
     for name, why in trace.unavailable.items():
         print(f"  activity {name}: not enabled ({why})")
     for error in trace.errors:
         print(f"  record conversion error: {error}")
+    text, analysis = analyse(records, main_thread, args.step_marker, args.max_lines,
+                             args.summary_rows)
+    print(text)
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name(), "libcupti": libcupti,
         "nvtx_active": _nvtx.ACTIVE, "args": vars(args), "unavailable": trace.unavailable,
-        "errors": trace.errors, "step_us": step_durations_us(records, starts)}
-    if not starts:
-        print("profile_cupti: no graph launch in the trace: no replayed step to show")
-        out.update(last_step=[], summary=summarize(records), landmarks={})
-    else:
-        end = teardown_start(records, starts[-1])
-        last = step_records(records, starts[-1], end)
-        replayed = step_records(records, starts[0], end)
-        marks = landmarks(last, main_thread)
-        summary = summarize(replayed)
-        print(f"\nlast replayed step ({out['step_us'][-1]:.1f} us; steps: "
-              + ", ".join(f"{d:.0f}" for d in out["step_us"]) + " us)\n")
-        print(format_timeline(last, starts[-1], main_thread, args.max_lines))
-        print(f"\nsummary over the {len(starts)} replayed steps\n")
-        print(format_summary(summary, args.summary_rows))
-        print(f"\nlandmarks in the last step: {marks['capgraph_ranges']} capgraph ranges; "
-              f"host node ranges: {', '.join(marks['host_node_ranges']) or 'none'}; "
-              f"mask kernel: {', '.join(marks['mask_kernels']) or 'none'}")
-        out.update(last_step=[dict(asdict(r), offset_us=(r.start - starts[-1]) / 1e3,
-                                   track=track_label(r.track, main_thread)) for r in last],
-                   summary=summary, landmarks=marks)
+        "errors": trace.errors, **analysis}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
