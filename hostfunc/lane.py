@@ -21,11 +21,14 @@ import tempfile
 import threading
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import HostFuncTimeoutError, HostFuncUsageError
-from .native import NativeCall, TestFunctions
 
-__all__ = ["AppendArgs", "Lane", "lane_library", "lane_test_functions"]
+if TYPE_CHECKING:
+    from .native import NativeCall
+
+__all__ = ["AppendArgs", "Lane", "lane_library"]
 
 SOURCE = Path(__file__).with_name("csrc") / "lane.c"
 CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
@@ -185,20 +188,8 @@ class Lane:
 
 
 class AppendArgs(ctypes.Structure):
-    """The ``user_data`` of :attr:`TestFunctions.append`."""
+    """The ``user_data`` of :attr:`hostfunc.native.TestFunctions.append`."""
 
     _fields_ = [("log", ctypes.POINTER(ctypes.c_int64)),
                 ("length", ctypes.POINTER(ctypes.c_int64)),
                 ("value", ctypes.c_int64)]
-
-
-def lane_test_functions() -> TestFunctions:
-    """See :func:`hostfunc.native.test_functions`."""
-    lib = lane_library()
-
-    def addr(name: str) -> int:
-        return int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0)
-
-    return TestFunctions(addr("hf_test_spin_ns"), addr("hf_test_timestamp_ns"),
-                         addr("hf_test_count_call"), addr("hf_test_count_retain"),
-                         addr("hf_test_count_release"), addr("hf_test_append"))

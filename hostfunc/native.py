@@ -110,8 +110,17 @@ def test_functions() -> TestFunctions:
     Raises:
         HostFuncUsageError: the lane library cannot be built (no C compiler).
     """
-    from .lane import lane_test_functions
-    return lane_test_functions()
+    import ctypes
+
+    from .lane import lane_library
+    lib = lane_library()
+
+    def address(name: str) -> int:
+        return int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0)
+
+    return TestFunctions(address("hf_test_spin_ns"), address("hf_test_timestamp_ns"),
+                         address("hf_test_count_call"), address("hf_test_count_retain"),
+                         address("hf_test_count_release"), address("hf_test_append"))
 
 
 test_functions.__test__ = False  # type: ignore[attr-defined]
