@@ -31,6 +31,12 @@ and no Python (no GIL) is on the stream's path:
   ``CFUNCTYPE`` (a ctypes foreign call releases the GIL). With a ``retain``/``release`` pair,
   ``retain`` runs now and ``release`` is launched right behind ``fn``.
 
+tests/test_hostfunc_native.py pins the native sequence against the fake libcuda (raw values
+reach the driver, ``fn`` runs without the GIL, one ``release`` on every failure path).
+UNVERIFIED (needs a GPU; tests/test_hostfunc_native_gpu.py checks it): that a real driver hands
+out ``cuLaunchHostFunc`` through ``cuGetProcAddress`` as used here, and that a native host node
+completes while another thread holds the GIL, captured and eager.
+
 What pins it: tests/test_hostfunc_fake_driver.py runs the call sequence against a fake
 libcuda (argument passing -- the raw fn pointer and integer userData reach the driver unchanged
 --, GIL release during the calls, replay running the bound call each time, the destructor
