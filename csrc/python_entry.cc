@@ -763,9 +763,11 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //   decoder's [positions, num_slots] int32 token buffer (a DLPack-capable CPU tensor);
 //   fallback(epoch): the Python host step of a Python step. run/retain/release: addresses of
 //   the C functions `void f(void*)` to launch with `address`.
-// node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer) -> bool
-//   queue the step's native job; False (nothing queued) where the batch is not the plain case:
-//   the caller then queues a Python step (node_push_python).
+// node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer, fill)
+//   -> bool: queue the step's native job; False (nothing queued) where the batch is not the
+//   plain case: the caller then queues a Python step (node_push_python). `fill`: the batch
+//   indices of the context requests whose matchers the caller creates now (their row is
+//   filled without accepting a token); other context requests have nothing to do.
 // node_push_python(node, epoch); node_drop(node) -> bool: forget the oldest job (the host
 //   side consumed its batch); node_set_slot(node, slot, handle, stopped).
 // node_take(node, advanced, guided) -> [(epoch, error, masked, unusual, columns)]
@@ -782,6 +784,9 @@ constexpr const char* kNodeCapsule = "capgraph_host_build.HostNode";
 struct NodeEntry {
   int64_t slot, token, offset, first_draft, num_drafts, index;
   bool from_buffer;
+  // a context request: its matcher was created at add_batch (fill its row, accept nothing),
+  // or it has nothing to do this step (`skip`: an earlier chunk; its counters are zeroed)
+  bool fill_only, skip;
 };
 
 struct NodeJob {
@@ -905,7 +910,7 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d) {
       drafts = column.data() + 1;
     }
     const ObjectRef& m = refs[i];
-    if (!m.defined()) continue;  // no matcher, or its drafting loop stopped: skipped
+    if (e.skip || !m.defined()) continue;  // nothing to do, no matcher, or drafting stopped
     int32_t o3[3] = {kOk, 0, 0};
     std::string message;
     bool terminated = false;
@@ -916,7 +921,7 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d) {
       message = std::string("RuntimeError: is_terminated: ") + ex.what();
     }
     if (terminated) continue;
-    if (o3[0] == kOk && (token < 0 || token >= n->vocab_size)) {
+    if (o3[0] == kOk && !e.fill_only && (token < 0 || token >= n->vocab_size)) {
       o3[0] = kFault;
       message = "RequestError: new_token " + std::to_string(token) + " from the token buffer "
                 "is outside the vocabulary [0, " + std::to_string(n->vocab_size) + ")";
@@ -1081,26 +1086,29 @@ PyObject* NodeCreate(PyObject*, PyObject* args) {
 // Read one request of a node job into `job`: false where it is not the plain case (then the
 // step is a Python step). `seen`: the slots met so far.
 bool PushOne(HostNode* n, FastState* st, PyObject* request_obj, int64_t index, int64_t offset,
-             int64_t draft_len, bool from_buffer, std::vector<uint8_t>* seen, NodeJob* job) {
+             int64_t draft_len, bool from_buffer, bool fill, std::vector<uint8_t>* seen,
+             NodeJob* job) {
   const RequestFields request(st, request_obj);
   Ref params(request.Read(RecordField::kParams));
   if (!params) return false;
   if (params.get() == Py_None) return true;  // unguided: no rows of its own to fill
   {
-    Ref generating(request.Read(RecordField::kGenerating));
-    if (generating.get() != Py_True) return false;
-  }
-  {
     Ref is_draft(request.Read(RecordField::kIsDraft));
     if (is_draft.get() != Py_False) return false;
   }
+  bool context;
   {
-    Ref context(request.Read(RecordField::kContext));
-    if (context.get() != Py_False) return false;
+    Ref value(request.Read(RecordField::kContext));
+    if (BoolValue(value.get()) < 0) return false;
+    context = value.get() == Py_True;
   }
   {
+    Ref generating(request.Read(RecordField::kGenerating));
+    if (generating.get() != (context ? Py_False : Py_True)) return false;
+  }
+  if (!context) {  // (a disaggregated first step's matcher is created at add_batch)
     Ref first(request.Read(RecordField::kFirstIteration));
-    if (first.get() != Py_False) return false;  // (its matcher is created in Python)
+    if (BoolValue(first.get()) < 0) return false;
   }
   if (!ChainRequest(request)) return false;
   int64_t slot;
@@ -1109,13 +1117,20 @@ bool PushOne(HostNode* n, FastState* st, PyObject* request_obj, int64_t index, i
     slot = IndexValue(value.get(), n->num_slots);
   }
   if (slot < 0 || (*seen)[slot]) return false;
+  if (context) {  // one row; created at add_batch (`fill`) or nothing to do
+    (*seen)[slot] = 1;
+    job->entries.push_back(NodeEntry{slot, -1, offset, static_cast<int64_t>(job->drafts.size()),
+                                     0, index, false, fill, !fill});
+    return true;
+  }
   bool buffered = false;
   if (from_buffer) {
     Ref prev(request.Read(RecordField::kPrevSlot));
     if (!prev) return false;
     buffered = prev.get() != Py_None;
   }
-  NodeEntry e{slot, -1, offset, static_cast<int64_t>(job->drafts.size()), 0, index, buffered};
+  NodeEntry e{slot, -1, offset, static_cast<int64_t>(job->drafts.size()), 0, index, buffered,
+              false, false};
   if (buffered) {  // the token and drafts of the slot's column, read by the node
     e.num_drafts = std::min<int64_t>(n->positions - 1, draft_len);
   } else {
@@ -1140,11 +1155,13 @@ bool PushOne(HostNode* n, FastState* st, PyObject* request_obj, int64_t index, i
   return true;
 }
 
-// node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer) -> bool
+// node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer, fill)
+//   -> bool
 PyObject* NodePush(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 8 || !PyList_CheckExact(args[2]) || !PyList_CheckExact(args[3])) {
+  if (nargs != 9 || !PyList_CheckExact(args[2]) || !PyList_CheckExact(args[3]) ||
+      !PyList_CheckExact(args[8])) {
     PyErr_SetString(PyExc_TypeError, "node_push(node, fast, requests: list, offsets: list, "
-                    "draft_len, clear_rows, epoch, from_buffer)");
+                    "draft_len, clear_rows, epoch, from_buffer, fill: list)");
     return nullptr;
   }
   HostNode* n = NodeArg(args[0]);
@@ -1167,6 +1184,15 @@ PyObject* NodePush(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   std::vector<uint8_t> seen(static_cast<size_t>(n->num_slots), 0);
   PyObject* requests = args[2];
   PyObject* offsets = args[3];
+  std::vector<uint8_t> fill(static_cast<size_t>(PyList_GET_SIZE(requests)), 0);
+  for (Py_ssize_t k = 0; k < PyList_GET_SIZE(args[8]); ++k) {
+    const int64_t i = IndexValue(PyList_GET_ITEM(args[8], k), PyList_GET_SIZE(requests));
+    if (i < 0) {
+      PyErr_SetString(PyExc_ValueError, "node_push: fill holds a batch index out of range");
+      return nullptr;
+    }
+    fill[i] = 1;
+  }
   bool plain = PyList_GET_SIZE(offsets) == PyList_GET_SIZE(requests);
   for (Py_ssize_t i = 0; plain && i < PyList_GET_SIZE(requests); ++i) {
     if (i >= PyList_GET_SIZE(offsets)) {  // (a field's Python code may change the lists)
@@ -1175,7 +1201,8 @@ PyObject* NodePush(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     const int64_t offset = IndexValue(PyList_GET_ITEM(offsets, i), clear_rows + 1);
     plain = offset >= 0 && PushOne(n, st, PyList_GET_ITEM(requests, i), i, offset, draft_len,
-                                   from_buffer, &seen, &job);
+                                   from_buffer, i < static_cast<Py_ssize_t>(fill.size()) &&
+                                   fill[i], &seen, &job);
   }
   if (!plain) Py_RETURN_FALSE;
   std::lock_guard<std::mutex> lock(n->mu);
