@@ -152,6 +152,27 @@ def test_time_boxed_replay_and_rows_without_host_node(gpu_report, tmp_path):
     assert "profile (CUPTI): no results" in text
 
 
+def test_failed_replay_run_is_named_and_missed(gpu_report, tmp_path):
+    """A guided run that raised (its row carries the error) is a missed target with the
+    error shown, and a failed warm-up is listed under the table."""
+    rows = [_replay_row("tiny", 64, 1.01),
+            {"model": "tiny", "batch": 64, "host_node": "native",
+             "error": "CallbackError: native node refused the guide"}]
+    _write(tmp_path, [], rows, host_nodes={"python": "measured", "native": "measured"})
+    data = json.loads((tmp_path / "bench_replay.json").read_text())
+    data["errors"] = ["tiny warm-up, native host node: RuntimeError: no library",
+                      "tiny batch 64, native host node: CallbackError: native node refused "
+                      "the guide"]
+    (tmp_path / "bench_replay.json").write_text(json.dumps(data))
+    text = gpu_report.report(tmp_path)
+    assert _verdict(text, "native", "tiny", 64) == [
+        "failed: CallbackError: native node refused the guide", "no"]
+    assert _verdict(text, "python", "tiny", 64) == ["1.010x", "yes"]
+    assert "- tiny batch 64, native host node: failed: CallbackError: native node" in text
+    assert "- tiny warm-up, native host node: RuntimeError: no library" in text
+    assert "| tiny | 64 | native |" not in text
+
+
 def test_cpu_replay_run_gives_no_verdict(gpu_report, tmp_path):
     """bench_graph_replay.py --device cpu writes "replayed": false; its ratios are shown but
     judge no GPU target."""

@@ -353,6 +353,29 @@ def test_bench_graph_replay_cpu_run_writes_rows(bench, tmp_path, capsys, one_tor
             assert f"{kind}: {why}" in printed
 
 
+def test_bench_graph_replay_failed_guided_run_is_reported(bench, tmp_path, monkeypatch,
+                                                          one_torch_thread):
+    """A guided run that raises becomes a row with its error and an entry of the JSON's
+    errors, the run goes on, and the tool exits 1."""
+    import capgraph
+    real = capgraph.generate
+
+    def failing(prompts, guides, **kw):
+        if guides is not None and kw["max_new_tokens"] == 3:  # the measured guided runs
+            raise RuntimeError("host node died")
+        return real(prompts, guides, **kw)
+
+    monkeypatch.setattr(capgraph, "generate", failing)
+    out = tmp_path / "replay.json"
+    assert bench.main(["--device", "cpu", "--points", "tiny:2", "--steps", "3",
+                       "--warmup-steps", "1", "--tokenizer", "mistral-sp32k",
+                       "--host-node", "python", "--json", str(out)]) == 1
+    data = json.loads(out.read_text())
+    assert data["rows"] == [{"model": "tiny", "batch": 2, "host_node": "python",
+                             "error": "RuntimeError: host node died"}]
+    assert data["errors"] == ["tiny batch 2, python host node: RuntimeError: host node died"]
+
+
 def test_generate_host_node_option(monkeypatch):
     """generate(host_node=...) reaches the capturable decoder's constructor as given, and is
     refused with the eager decoder (which runs no host node)."""

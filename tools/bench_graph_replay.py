@@ -25,7 +25,8 @@ us/row" the same time per built row (decode rows plus one context row per reques
 empty where generate() times no build stage (a native node runs no Python build).
 
 Prints a table; --json writes every figure (rewritten after each row, so a time-boxed run
-keeps what it measured). Exits 0 with a message where no CUDA device is present; ``--device
+keeps what it measured). A guided run that raises is reported (in its row, the JSON's
+"errors" and exit status 1) and the other runs go on. Exits 0 with a message where no CUDA device is present; ``--device
 cpu`` runs the same protocol on the CPU stand-in (no graph replay: a check of the tool, not a
 measurement).
 
@@ -39,7 +40,7 @@ import inspect
 import json
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 #: model name -> tiny_llama keyword arguments
 MODEL_SIZES: dict[str, dict[str, Any]] = {
@@ -178,18 +179,43 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{'guided ms/step':>16}{'ratio':>8}{'host build ms/step':>20}"
           f"{'host build us/row':>19}")
     model_name, model = None, None
+    errors: list[str] = []  # a failing guided run is reported and the others still run
+
+    def guarded(what: str, fn: Callable[[], Any]) -> tuple[Any, str | None]:
+        try:
+            return fn(), None
+        except Exception as e:  # noqa: BLE001 - named in the row, the JSON and the exit code
+            error = f"{type(e).__name__}: {e}"
+            errors.append(f"{what}: {error}")
+            print(f"{what}: failed: {error}")
+            return None, error
+
+    def write() -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(out, errors=errors), f, indent=1)
+
     try:
         for name, batch in points:
             prompts = [f"Call {i}:" for i in range(batch)]
             if name != model_name:
                 model_name, model = name, tiny_llama(len(tok), seed=0, device=args.device,
                                                      **MODEL_SIZES[name])
-                for _, host_node in runs:  # first-use costs (kernel compile, grammar cache)
-                    run(model, prompts, [guide] * batch, args.warmup_steps + 1, host_node)
+                for kind, host_node in runs:  # first-use costs (kernel compile, grammar cache)
+                    guarded(f"{name} warm-up, {kind} host node",
+                            lambda: run(model, prompts, [guide] * batch, args.warmup_steps + 1,
+                                        host_node))
             unguided = step_figures(run(model, prompts, None, args.steps, None), batch)
             for kind, host_node in runs:
-                guided = step_figures(run(model, prompts, [guide] * batch, args.steps,
-                                          host_node), batch)
+                results, error = guarded(
+                    f"{name} batch {batch}, {kind} host node",
+                    lambda: run(model, prompts, [guide] * batch, args.steps, host_node))
+                if error is not None:
+                    out["rows"].append({"model": name, "batch": batch, "host_node": kind,
+                                        "error": error})
+                    write()
+                    continue
+                guided = step_figures(results, batch)
                 ratio = guided["ms_per_step"] / unguided["ms_per_step"]
                 row = {"model": name, "batch": batch, "host_node": kind,
                        "unguided_steps": unguided["steps"], "guided_steps": guided["steps"],
@@ -198,9 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "host_build_ms_per_step": guided["host_build_ms_per_step"],
                        "host_build_us_per_row": guided["host_build_us_per_row"]}
                 out["rows"].append(row)
-                if args.json:
-                    with open(args.json, "w") as f:
-                        json.dump(out, f, indent=1)
+                write()
                 counts = f"{unguided['steps']}/{guided['steps']}"
                 print(f"{name:>6}{batch:>6}{kind:>10}{counts:>11}"
                       f"{unguided['ms_per_step']:>18.3f}{guided['ms_per_step']:>16.3f}"
@@ -208,10 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{_cell(row['host_build_us_per_row'], 19, '.2f')}")
     finally:
         factory.close()
-    if args.json and not out["rows"]:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return 0
+    write()
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -159,9 +159,12 @@ def replay_section(data: dict | None) -> tuple[str, dict]:
         return "bench_graph_replay: no results", {}
     if "error" in data:
         return f"bench_graph_replay: {data['error']}", {}
-    rows, ratios = [], {}
+    rows, ratios, failed = [], {}, {}
     for r in data.get("rows", []):
         kind = r.get("host_node", "python")
+        if "error" in r:
+            failed[(kind, r.get("model"), r["batch"])] = r["error"]
+            continue
         rows.append([r.get("model", "?"), r["batch"], kind,
                      f"{r['unguided_steps']}/{r['guided_steps']}",
                      _fmt(r["unguided_ms_per_step"], ".3f"), _fmt(r["guided_ms_per_step"], ".3f"),
@@ -176,10 +179,14 @@ def replay_section(data: dict | None) -> tuple[str, dict]:
         ratios = {}
     if unavailable:
         head += "\n\n" + "\n".join(f"- {k} host node: {v}" for k, v in unavailable.items())
+    problems = [f"{m} batch {b}, {k} host node: failed: {e}" for (k, m, b), e in failed.items()]
+    problems += [e for e in data.get("errors", []) if "warm-up" in e]
+    if problems:
+        head += "\n\n" + "\n".join(f"- {p}" for p in problems)
     return head + "\n\n" + table(
         ["model", "batch", "host node", "steps unguided/guided", "unguided ms/step",
          "guided ms/step", "ratio", "host build ms/step", "host build us/row"], rows), \
-        {"ratios": ratios, "unavailable": unavailable}
+        {"ratios": ratios, "failed": failed, "unavailable": unavailable}
 
 
 def profile_section(data: dict | None) -> tuple[str, dict]:
@@ -233,6 +240,11 @@ def targets_section(kernel: dict, replay: dict, profile: dict | None = None) -> 
                          f"node | {unavailable[kind]} | - |")
             continue
         for model, batch in REPLAY_POINTS:
+            error = (replay.get("failed") or {}).get((kind, model, batch))
+            if error is not None:
+                lines.append(f"| replayed guided step <= {REPLAY_TARGET}x unguided, {kind} host "
+                             f"node, {model} model, batch {batch} | failed: {error[:120]} | no |")
+                continue
             lines.append(line(f"replayed guided step <= {REPLAY_TARGET}x unguided, {kind} host "
                               f"node, {model} model, batch {batch}",
                               ratios.get((kind, model, batch)), lambda v: v <= REPLAY_TARGET,
