@@ -26,9 +26,9 @@ empty where generate() times no build stage (a native node runs no Python build)
 
 Prints a table; --json writes every figure (rewritten after each row, so a time-boxed run
 keeps what it measured). A guided run that raises is reported (in its row, the JSON's
-"errors" and exit status 1) and the other runs go on. Exits 0 with a message where no CUDA device is present; ``--device
-cpu`` runs the same protocol on the CPU stand-in (no graph replay: a check of the tool, not a
-measurement).
+"errors" and exit status 1) and the other runs go on. Exits 0 with a message where no CUDA
+device is present; ``--device cpu`` runs the same protocol on the CPU stand-in (no graph
+replay: a check of the tool, not a measurement).
 
     python tools/bench_graph_replay.py --points tiny:64,tiny:256,small:8,small:64,small:256
 """
@@ -110,7 +110,7 @@ def host_node_runs(choice: str, native_missing: str | None) -> tuple[list[tuple[
     return runs, missing
 
 
-def step_figures(results: Any, batch: int) -> dict[str, Any]:
+def step_figures(results: Any) -> dict[str, Any]:
     """Per-step figures of one generate() call: ms per replayed step, decode steps, and the
     host build's time per step and per built row (None where no build stage was timed)."""
     t = results.timings
@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     guarded(f"{name} warm-up, {kind} host node",
                             lambda: run(model, prompts, [guide] * batch, args.warmup_steps + 1,
                                         host_node))
-            unguided = step_figures(run(model, prompts, None, args.steps, None), batch)
+            unguided = step_figures(run(model, prompts, None, args.steps, None))
             for kind, host_node in runs:
                 results, error = guarded(
                     f"{name} batch {batch}, {kind} host node",
@@ -215,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         "error": error})
                     write()
                     continue
-                guided = step_figures(results, batch)
+                guided = step_figures(results)
                 ratio = guided["ms_per_step"] / unguided["ms_per_step"]
                 row = {"model": name, "batch": batch, "host_node": kind,
                        "unguided_steps": unguided["steps"], "guided_steps": guided["steps"],
