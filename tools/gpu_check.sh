@@ -13,11 +13,11 @@
 #   kernel          15  NVRTC compile and load of csrc/logits_bitmask.cu
 #   gpu-tests      140  pytest -m gpu: op, hostfunc, capturable decoder, draft trees, drafts
 #   bench-kernel    25  tools/bench_kernel.py against xgrammar's Triton kernel
-#   bench-apply     15  capgraph bench apply on CUDA
+#   bench-apply     20  capgraph bench apply on CUDA
 #   bench-hostfunc  10  tools/bench_hostfunc.py: eager and replayed host nodes
-#   bench-replay    70  tools/bench_graph_replay.py: guided/unguided replayed step at tiny 64,
+#   bench-replay    60  tools/bench_graph_replay.py: guided/unguided replayed step at tiny 64,
 #                       256 and small 8, 64, 256, per host-node kind (python, native)
-#   bench-loop      15  capgraph bench loop on CUDA, batch 8 first and last
+#   bench-loop      20  capgraph bench loop on CUDA, batch 8 first and last
 #   fill-threads    25  tools/bench_fill_threads.py --quick (where the file exists)
 #   profile         25  tools/profile_nsys.sh: nsys, else the CUPTI trace of replayed steps
 #   xgr-cuda        20  bench_kernel.py with xgrammar's CUDA kernel (if its build finished)
@@ -82,14 +82,14 @@ run gpu-tests 140 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs ${PER_TEST[@
     --junitxml="$OUT/gpu_tests.xml"
 [ -f tools/bench_kernel.py ] && run bench-kernel 25 "$PY" tools/bench_kernel.py \
     --no-xgrammar-cuda --repeat 20 --json "$OUT/bench_kernel.json"
-run bench-apply 15 "$PY" -m capgraph.bench apply --no-cpu --no-xgrammar-cuda \
+run bench-apply 20 "$PY" -m capgraph.bench apply --no-cpu --no-xgrammar-cuda \
     --json "$OUT/bench_apply.json"
 run bench-hostfunc 10 "$PY" tools/bench_hostfunc.py
 # the host-bound points first, so a run cut by its box keeps the ones the issue is about
-run bench-replay 70 "$PY" tools/bench_graph_replay.py --host-node both \
+run bench-replay 60 "$PY" tools/bench_graph_replay.py --host-node both \
     --points tiny:64,tiny:256,small:8,small:64,small:256 --json "$OUT/bench_replay.json"
 # batch 8 measured first and again last: the two must agree (the warm-up defect check)
-run bench-loop 15 "$PY" -m capgraph.bench loop --device cuda --batches 8 1 8 --steps 30 \
+run bench-loop 20 "$PY" -m capgraph.bench loop --device cuda --batches 8 1 8 --steps 30 \
     --json "$OUT/bench_loop.json"
 [ -f tools/bench_fill_threads.py ] && run fill-threads 25 "$PY" tools/bench_fill_threads.py --quick
 # nsys where the image has a working one, else CUPTI (profile_cupti.json, profile_cupti.txt)
