@@ -347,6 +347,8 @@ def test_bench_graph_replay_cpu_run_writes_rows(bench, tmp_path, capsys, one_tor
         assert r["ratio"] == pytest.approx(r["guided_ms_per_step"] / r["unguided_ms_per_step"])
         if r["host_node"] == "python":
             assert r["host_build_ms_per_step"] > 0 and r["host_build_us_per_row"] > 0
+        # the native node serves captured steps: no graph here, so it ran none
+        assert r["native_node_ms_per_step"] is None and r["native_node_us_per_row"] is None
     printed = capsys.readouterr().out
     for kind, why in data["host_nodes"].items():
         if why != "measured":
@@ -378,7 +380,10 @@ def test_bench_graph_replay_failed_guided_run_is_reported(bench, tmp_path, monke
 
 def test_generate_host_node_option(monkeypatch):
     """generate(host_node=...) reaches the capturable decoder's constructor as given, and is
-    refused with the eager decoder (which runs no host node)."""
+    refused with the eager decoder (which runs no host node); the native node's own time (its
+    host_node_stats) comes back as the "host_node" stage where the node ran steps, and there
+    is no such stage where it ran none."""
+    from capgraph import GuidedDecodingParams
     from capgraph.errors import ConfigError
     from capgraph.runtime import engine, generate, tiny_llama
     from capgraph.tokenizers import load_tokenizer
@@ -386,19 +391,31 @@ def test_generate_host_node_option(monkeypatch):
     with pytest.raises(ConfigError, match="host_node='native' needs decoder='capturable'"):
         generate(["x"], None, decoder="eager", host_node="native")
     seen = []
+    node_runs = [3]
 
     class Recording(engine.CapturableGuidedDecoder):
         def __init__(self, *args, host_node=None, **kwargs):
             seen.append(host_node)
             super().__init__(*args, **kwargs)
 
+        @property
+        def host_node_stats(self):
+            return SimpleNamespace(runs=node_runs[0], python_runs=0, busy_ns=1_500_000, rows=6)
+
     monkeypatch.setattr(engine, "CapturableGuidedDecoder", Recording)
     tok = load_tokenizer("mistral-sp32k")
-    from capgraph import GuidedDecodingParams
-    results = generate(["Date:"], GuidedDecodingParams.regex(r"[0-9]{2}"),
-                       model=tiny_llama(len(tok), seed=0), tokenizer=tok, max_new_tokens=2,
-                       decoder="capturable", host_node="native")
+    model = tiny_llama(len(tok), seed=0)
+
+    def run(host_node):
+        return generate(["Date:"], GuidedDecodingParams.regex(r"[0-9]{2}"), model=model,
+                        tokenizer=tok, max_new_tokens=2, decoder="capturable",
+                        host_node=host_node)
+    results = run("native")
     assert seen == ["native"] and len(results) == 1
+    assert results.timings.stages["host_node"] == pytest.approx(1.5e-3)
+    node_runs[0] = 0
+    assert "host_node" not in run("python").timings.stages
+    assert seen == ["native", "python"]
 
 
 def test_gpu_check_time_boxes():

@@ -21,8 +21,11 @@ than the grammar work of 64 rows, so the host node, not the GPU, sets the guided
 length; ``small`` (hidden 1024, 16 layers, random weights) has a forward long enough to hide
 that work. "host build ms/step" is the guided run's time in the decoder's Python host build
 (run inside the step's host node, so it overlaps the forward) per decode step, and "host build
-us/row" the same time per built row (decode rows plus one context row per request); both are
-empty where generate() times no build stage (a native node runs no Python build).
+us/row" the same time per built row (decode rows plus one context row per request); empty
+where generate() timed no Python build (a native node's steady-state steps run none).
+"native node ms/step" and "us/row" are the native host node's own time (the decoder's
+``host_node_stats``, which generate() reports as its "host_node" stage), empty for the
+Python callback.
 
 Prints a table; --json writes every figure (rewritten after each row, so a time-boxed run
 keeps what it measured). A guided run that raises is reported (in its row, the JSON's
@@ -48,6 +51,9 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
 #: the points the issue's target names, in the order they run (the host-bound ones first)
 DEFAULT_POINTS = "tiny:64,tiny:256,small:8,small:64,small:256"
 HOST_NODE_CHOICES = ("python", "native", "both")
+#: a row's host-side figures (step_figures' keys besides the step time and count)
+FIGURE_KEYS = ("host_build_ms_per_step", "host_build_us_per_row", "native_node_ms_per_step",
+               "native_node_us_per_row")
 
 
 def parse_points(text: str) -> list[tuple[str, int]]:
@@ -111,15 +117,18 @@ def host_node_runs(choice: str, native_missing: str | None) -> tuple[list[tuple[
 
 
 def step_figures(results: Any) -> dict[str, Any]:
-    """Per-step figures of one generate() call: ms per replayed step, decode steps, and the
-    host build's time per step and per built row (None where no build stage was timed)."""
+    """Per-step figures of one generate() call: ms per replayed step, decode steps, and per
+    step and per built row the Python host build's time and the native host node's own time
+    (each None where generate() timed no such stage)."""
     t = results.timings
     steps = max(t.steps, 1)
-    build = t.stages.get("build")
-    rows = sum(r.num_steps for r in results) + len(results)  # decode rows + context rows
-    return {"ms_per_step": t.stages.get("forward", t.total_s) / steps * 1e3, "steps": t.steps,
-            "host_build_ms_per_step": None if build is None else build / steps * 1e3,
-            "host_build_us_per_row": None if build is None else build / max(rows, 1) * 1e6}
+    rows = max(sum(r.num_steps for r in results) + len(results), 1)  # decode + context rows
+    out = {"ms_per_step": t.stages.get("forward", t.total_s) / steps * 1e3, "steps": t.steps}
+    for stage, key in (("build", "host_build"), ("host_node", "native_node")):
+        seconds = t.stages.get(stage)
+        out[f"{key}_ms_per_step"] = None if seconds is None else seconds / steps * 1e3
+        out[f"{key}_us_per_row"] = None if seconds is None else seconds / rows * 1e6
+    return out
 
 
 def _cell(value: float | None, width: int, spec: str = ".3f") -> str:
@@ -177,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"{'model':>6}{'batch':>6}{'host node':>10}{'steps u/g':>11}{'unguided ms/step':>18}"
           f"{'guided ms/step':>16}{'ratio':>8}{'host build ms/step':>20}"
-          f"{'host build us/row':>19}")
+          f"{'host build us/row':>19}{'native node ms/step':>21}{'native node us/row':>20}")
     model_name, model = None, None
     errors: list[str] = []  # a failing guided run is reported and the others still run
 
@@ -221,15 +230,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "unguided_steps": unguided["steps"], "guided_steps": guided["steps"],
                        "unguided_ms_per_step": unguided["ms_per_step"],
                        "guided_ms_per_step": guided["ms_per_step"], "ratio": ratio,
-                       "host_build_ms_per_step": guided["host_build_ms_per_step"],
-                       "host_build_us_per_row": guided["host_build_us_per_row"]}
+                       **{k: guided[k] for k in FIGURE_KEYS}}
                 out["rows"].append(row)
                 write()
                 counts = f"{unguided['steps']}/{guided['steps']}"
                 print(f"{name:>6}{batch:>6}{kind:>10}{counts:>11}"
                       f"{unguided['ms_per_step']:>18.3f}{guided['ms_per_step']:>16.3f}"
                       f"{ratio:>8.3f}{_cell(row['host_build_ms_per_step'], 20)}"
-                      f"{_cell(row['host_build_us_per_row'], 19, '.2f')}")
+                      f"{_cell(row['host_build_us_per_row'], 19, '.2f')}"
+                      f"{_cell(row['native_node_ms_per_step'], 21)}"
+                      f"{_cell(row['native_node_us_per_row'], 20, '.2f')}")
     finally:
         factory.close()
     write()

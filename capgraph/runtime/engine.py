@@ -356,6 +356,11 @@ class _Engine:
                     leave=False)
 
     def _results(self) -> GenerationResults:
+        # the native host node times itself (on the driver's or the lane's thread); it serves
+        # captured steps only, so a run without a graph has no such stage
+        stats = getattr(self.guide.decoder, "host_node_stats", None) if self.guide else None
+        if stats is not None and stats.runs:
+            self.clock.add("host_node", stats.busy_ns / 1e9)
         out = GenerationResults()
         ntok = 0
         for s in self.sequences:
