@@ -49,7 +49,8 @@ def _replay_row(model, batch, ratio, host_node="python", build_ms=0.4):
 
 def _profile(mask_kernels=("capgraph_logits_bitmask_f32_b32_p4",),
              host_ranges=("CapturableGuidedDecoder.build",)):
-    return {"device": "NVIDIA H200", "nvtx_active": True, "step_us": [610.0, 598.5],
+    return {"device": "NVIDIA H200", "nvtx_active": True, "host_node": "native",
+            "step_us": [610.0, 598.5],
             "unavailable": {}, "landmarks": {
                 "capgraph_ranges": 5, "host_node_ranges": list(host_ranges),
                 "mask_kernels": list(mask_kernels),
@@ -84,7 +85,8 @@ def _write(out: Path, kernel_rows, replay_rows, failing=False, xgr_rows=None, ho
 
 def _verdict(text, kind, model, batch):
     """The measured cell and the verdict of one replay target line."""
-    name = f"| replayed guided step <= 1.05x unguided, {kind} host node, {model} model, batch {batch} |"
+    name = (f"| replayed guided step <= 1.05x unguided, {kind} host node, {model} model, "
+            f"batch {batch} |")
     line = next(line for line in text.splitlines() if line.startswith(name))
     return [cell.strip() for cell in line[len(name):].strip(" |").split("|")]
 
@@ -113,7 +115,7 @@ def test_targets_met(gpu_report, tmp_path):
     assert "xgr_cuda: skipped (--no-xgrammar-cuda)" in text
     assert ("| profile: capgraph ranges, host node and mask kernel in one replayed step | "
             "capgraph ranges, host node, mask kernel | yes |") in text
-    assert "2 replayed steps of 610, 598 us" in text
+    assert "native host node; NVTX live): 2 replayed steps of 610, 598 us" in text
     assert "| nvtx | CapturableGuidedDecoder.build | 2 | 401.0 | 802.0 |" in text
 
 

@@ -166,6 +166,28 @@ def test_landmarks_without_host_node_ranges(prof):
         "CapturableGuidedDecoder.add_batch", "CapturableGuidedDecoder.execute"]
 
 
+def test_native_node_record_on_cuptis_clock(prof):
+    """The native node's last run (its monotonic-clock timestamps) becomes a record on
+    CUPTI's clock through the offset of the tightest bracketed reading, and counts as the
+    host node in the landmarks; a node that ran nothing gives no record."""
+    readings = iter([100, 5_000, 130,  # 30 ns bracket
+                     200, 5_095, 210,  # 10 ns bracket: offset 5_095 - 205 = 4_890
+                     300, 5_300, 340])
+    offset = prof.clock_offset_ns(lambda: next(readings), lambda: next(readings), samples=3)
+    assert offset == 4_890
+    stats = SimpleNamespace(runs=12, python_runs=0, last_start_ns=1_000, last_end_ns=1_250,
+                            busy_ns=3_000, rows=768)
+    node = prof.node_record(stats, offset)
+    assert (node.kind, node.start, node.end, node.track) == ("node", 5_890, 6_140,
+                                                             "native node")
+    assert prof.node_record(SimpleNamespace(runs=0), offset) is None
+    assert prof.node_record(None, offset) is None
+    last = [r for r in _trace(prof) if r.track != "thread 77"] + [node]
+    marks = prof.landmarks(last, MAIN)
+    assert marks["host_node_ranges"] == ["native host node (its last run)"]
+    assert marks["all_three"] is True
+
+
 def test_find_libcupti(prof, tmp_path):
     """The libcupti the process has mapped wins; else the first in a wheel's layout under a
     search directory; else None."""
@@ -213,8 +235,9 @@ def _fake_cupti():
 def test_cupti_trace_converts_activity_records(prof):
     """CuptiTrace enables the six kinds (one refused is reported, the rest trace), copies
     each record type into a Record (API names through get_callback_name without their
-    version suffix, an unknown cbid named by number, marker pairs joined), keeps a conversion error instead of raising into
-    CUPTI's thread, and flushes and disables on stop."""
+    version suffix, an unknown cbid named by number, marker pairs joined), keeps a
+    conversion error instead of raising into CUPTI's thread, and flushes and disables on
+    stop."""
     cupti = _fake_cupti()
     A = cupti.ActivityKind
     trace = prof.CuptiTrace(cupti)

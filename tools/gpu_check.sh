@@ -119,6 +119,6 @@ cat "$SUMMARY"
 # The device tool brings back at most 8 files from $OUT: every result file goes into one
 # archive beside the log, the summary and the report (unpack it and run tools/gpu_report.py on
 # the folder to remake the report).
-(cd "$OUT" && files=$(ls | grep -vxE "gpu_check.log|summary.txt|report.md|gpu_check_results.tar.gz") \
-  && [ -n "$files" ] && tar -czf gpu_check_results.tar.gz $files && rm -f $files \
+keep="gpu_check.log|summary.txt|report.md|gpu_check_results.tar.gz"
+(cd "$OUT" && files=$(ls | grep -vxE "$keep") && [ -n "$files" ] && tar -czf gpu_check_results.tar.gz $files && rm -f $files \
   && echo "results archived in $OUT/gpu_check_results.tar.gz: $(echo $files)")

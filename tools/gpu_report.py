@@ -201,9 +201,10 @@ def profile_section(data: dict | None) -> tuple[str, dict]:
         return f"profile (CUPTI): {data['error']}", {}
     marks = data.get("landmarks") or {}
     steps = data.get("step_us") or []
-    text = (f"profile (CUPTI, {data.get('device', '?')}; NVTX "
-            f"{'live' if data.get('nvtx_active') else 'inactive'}): {len(steps)} replayed "
-            f"steps of " + ", ".join(f"{d:.0f}" for d in steps) + " us")
+    nvtx = "live" if data.get("nvtx_active") else "inactive"
+    text = (f"profile (CUPTI, {data.get('device', '?')}; {data.get('host_node', '?')} host "
+            f"node; NVTX {nvtx}): {len(steps)} replayed steps of "
+            + ", ".join(f"{d:.0f}" for d in steps) + " us")
     if data.get("unavailable"):
         text += "\n\n" + "\n".join(f"- activity {k}: {v}" for k, v in
                                       data["unavailable"].items())
@@ -212,7 +213,8 @@ def profile_section(data: dict | None) -> tuple[str, dict]:
                  f"ranges: {', '.join(marks.get('host_node_ranges') or []) or 'none'}; mask "
                  f"kernel: {', '.join(marks.get('mask_kernels') or []) or 'none'}")
     rows = [[r["kind"], r["name"][:80], r["count"], _fmt(r["mean_us"], ".1f"),
-             _fmt(r["total_us"], ".1f")] for r in (data.get("summary") or [])[:PROFILE_SUMMARY_ROWS]]
+             _fmt(r["total_us"], ".1f")]
+            for r in (data.get("summary") or [])[:PROFILE_SUMMARY_ROWS]]
     if rows:
         text += "\n\n" + table(["kind", "name", "count", "mean us", "total us"], rows)
     return text, marks

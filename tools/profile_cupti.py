@@ -33,6 +33,7 @@ import os
 import re
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -51,8 +52,9 @@ LIBCUPTI_DIRS = ("nvidia/cu13/lib", "nvidia/cuda_cupti/lib", "nvidia/cu12/lib")
 class Record:
     """One traced interval (ns on CUPTI's clock, which host and device records share).
 
-    ``kind``: nvtx, kernel, memcpy, memset, runtime or driver; ``track``: ``thread <tid>``
-    for host records, ``stream <id>`` for device work."""
+    ``kind``: nvtx, kernel, memcpy, memset, runtime, driver, or node (the native host
+    node's last run, from its own timestamps); ``track``: ``thread <tid>`` for host records,
+    ``stream <id>`` for device work, ``native node`` for the node."""
 
     kind: str
     name: str
@@ -180,8 +182,9 @@ def summarize(records: Iterable[Record]) -> list[dict[str, Any]]:
     groups: dict[tuple[str, str], list[int]] = {}
     for r in records:
         groups.setdefault((r.kind, r.name), []).append(r.duration)
-    rows: list[dict[str, Any]] = [{"kind": k, "name": n, "count": len(d), "mean_us": sum(d) / len(d) / 1e3,
-             "total_us": sum(d) / 1e3} for (k, n), d in groups.items()]
+    rows: list[dict[str, Any]] = [
+        {"kind": k, "name": n, "count": len(d), "mean_us": sum(d) / len(d) / 1e3,
+         "total_us": sum(d) / 1e3} for (k, n), d in groups.items()]
     rows.sort(key=lambda row: (-row["total_us"], row["kind"], row["name"]))
     return rows
 
@@ -201,10 +204,12 @@ def format_summary(rows: Sequence[dict], limit: int | None = None,
 
 def landmarks(records: Sequence[Record], main_thread: int | None) -> dict[str, Any]:
     """What one step shows of the three things the profile is for: capgraph's NVTX ranges,
-    the host node (capgraph ranges on a thread other than the main one: the driver's
-    callback thread runs host nodes) and the mask kernel."""
+    the host node (capgraph ranges on a thread other than the main one — the driver's
+    callback thread runs host nodes — or the native node's own record) and the mask
+    kernel."""
     ours = [r for r in records if r.kind == "nvtx" and r.domain == DOMAIN]
-    host = sorted({r.name for r in ours if track_label(r.track, main_thread) != "main"})
+    host = sorted({r.name for r in ours if track_label(r.track, main_thread) != "main"}
+                  | {r.name for r in records if r.kind == "node"})
     masks = sorted({r.name for r in records if r.kind == "kernel"
                     and r.name.startswith(MASK_KERNEL_PREFIX)})
     return {"capgraph_ranges": len(ours), "host_node_ranges": host, "mask_kernels": masks,
@@ -239,6 +244,31 @@ def analyse(records: Sequence[Record], main_thread: int | None, marker: str = ST
                   "last_step": [dict(asdict(r), offset_us=(r.start - starts[-1]) / 1e3,
                                      track=track_label(r.track, main_thread)) for r in last],
                   "summary": summary, "landmarks": marks}
+
+
+def node_record(stats: Any, clock_offset_ns: int) -> Record | None:
+    """The native host node's last run as a record on CUPTI's clock: ``stats`` is its
+    ``host_node_stats`` (monotonic-clock ns), ``clock_offset_ns`` CUPTI's clock minus the
+    monotonic clock. None where the node ran no step."""
+    if stats is None or not stats.runs:
+        return None
+    return Record("node", "native host node (its last run)", stats.last_start_ns + clock_offset_ns,
+                  stats.last_end_ns + clock_offset_ns, "native node")
+
+
+def clock_offset_ns(cupti_now: Callable[[], int], monotonic_now: Callable[[], int],
+                    samples: int = 9) -> int:
+    """CUPTI's clock minus the monotonic clock, from the tightest of ``samples`` bracketed
+    readings (monotonic, CUPTI, monotonic)."""
+    best: tuple[int, int] | None = None
+    for _ in range(samples):
+        before = monotonic_now()
+        theirs = cupti_now()
+        after = monotonic_now()
+        if best is None or after - before < best[0]:
+            best = (after - before, theirs - (before + after) // 2)
+    assert best is not None
+    return best[1]
 
 
 def find_libcupti(maps_text: str, search_dirs: Sequence[str]) -> str | None:
@@ -397,8 +427,9 @@ def _sibling(module: str) -> Any:
     return __import__(module)
 
 
-def _workload(args: argparse.Namespace) -> Callable[[int], Any]:
-    """One guided generate() of ``steps`` decode steps, on a model built once."""
+def _workload(args: argparse.Namespace) -> Callable[[int], tuple[Any, str, Any]]:
+    """One guided generate() of ``steps`` decode steps, on a model built once. The decoder
+    class generate() builds is replaced by a subclass that keeps what its host node did."""
     import torch
 
     from capgraph import GuidedDecodingConfig, GuidedDecodingParams, generate
@@ -407,6 +438,17 @@ def _workload(args: argparse.Namespace) -> Callable[[int], Any]:
     from capgraph.runtime import tiny_llama
     from capgraph.tokenizers import load_tokenizer
 
+    from capgraph.runtime import engine
+
+    class Observed(engine.CapturableGuidedDecoder):  # type: ignore[misc, valid-type]
+        """generate()'s decoder, keeping its host-node kind and stats when it closes."""
+
+        def close(self) -> None:
+            seen.append((self.host_node, self.host_node_stats))
+            super().close()
+
+    seen: list[tuple[str, Any]] = []
+    engine.CapturableGuidedDecoder = Observed  # type: ignore[misc]
     sizes = _sibling("bench_graph_replay").MODEL_SIZES
     tok = load_tokenizer(args.tokenizer)
     factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
@@ -415,13 +457,16 @@ def _workload(args: argparse.Namespace) -> Callable[[int], Any]:
     model = tiny_llama(len(tok), seed=0, device="cuda", **sizes[args.model])
     prompts = [f"Call {i}:" for i in range(args.batch)]
 
-    def run(steps: int) -> Any:
+    def run(steps: int) -> tuple[Any, str, Any]:
+        """generate()'s results, the host-node kind that served it and the node's stats."""
+        seen.clear()
         results = generate(prompts, [guide] * args.batch, model=model, tokenizer=tok,
                            max_new_tokens=steps + 1, max_batch_size=args.batch,
                            decoder="capturable", cuda_graph=True, device="cuda",
                            factory=factory, host_node=args.host_node)
         torch.cuda.synchronize()
-        return results
+        kind, stats = seen[-1] if seen else ("?", None)
+        return results, kind, stats
     return run
 
 
@@ -456,13 +501,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     trace = CuptiTrace(cupti)
     trace.start()
     try:
-        results = run(args.steps)
+        results, kind, stats = run(args.steps)
     finally:
         records = drop_nested_driver(trace.stop())
+    node = node_record(stats, clock_offset_ns(cupti.get_timestamp, time.monotonic_ns))
+    if node is not None:
+        records.append(node)
     main_thread = threading.get_native_id()
     print(f"profile_cupti: {torch.cuda.get_device_name()}, libcupti {libcupti}, NVTX "
           f"{'live' if _nvtx.ACTIVE else 'inactive (no injection: no ranges recorded)'}, "
-          f"{len(records)} records ({results.timings.steps} decode steps in generate)")
+          f"{kind} host node, {len(records)} records ({results.timings.steps} decode steps "
+          f"in generate)")
     for name, why in trace.unavailable.items():
         print(f"  activity {name}: not enabled ({why})")
     for error in trace.errors:
@@ -472,7 +521,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text)
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name(), "libcupti": libcupti,
-        "nvtx_active": _nvtx.ACTIVE, "args": vars(args), "unavailable": trace.unavailable,
+        "nvtx_active": _nvtx.ACTIVE, "host_node": kind, "args": vars(args),
+        "node_stats": None if stats is None else list(stats), "unavailable": trace.unavailable,
         "errors": trace.errors, **analysis}
     if args.json:
         with open(args.json, "w") as f:

@@ -45,8 +45,8 @@ class Timings:
     ``forward`` is the decode forward (with a CUDA graph: the whole replayed step, in which
     ``build`` and ``apply`` also run); ``build`` is host mask building in Python,
     ``host_node`` the native host node's own time (present where it ran steps of the
-    capturable decoder), ``apply`` masking the logits, ``sample`` picking tokens, ``draft`` the drafter,
-    ``prefill`` prompt forwards.
+    capturable decoder), ``apply`` masking the logits, ``sample`` picking tokens, ``draft``
+    the drafter, ``prefill`` prompt forwards.
     """
 
     stages: dict[str, float]
