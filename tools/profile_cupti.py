@@ -444,7 +444,8 @@ def _workload(args: argparse.Namespace) -> Callable[[int], tuple[Any, str, Any]]
         """generate()'s decoder, keeping its host-node kind and stats when it closes."""
 
         def close(self) -> None:
-            seen.append((self.host_node, self.host_node_stats))
+            seen.append((getattr(self, "host_node", "python"),
+                         getattr(self, "host_node_stats", None)))
             super().close()
 
     seen: list[tuple[str, Any]] = []
