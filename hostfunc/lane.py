@@ -145,7 +145,9 @@ class Lane:
         if not handle:
             raise HostFuncUsageError(f"{name}: could not start a native lane thread")
         self._handle: int = handle
-        weakref.finalize(self, self._lib.hf_lane_release, handle)
+        # Freed when collected; not at interpreter exit, where weakref runs every finalizer
+        # even for lanes still referenced (the exit hook of host_stream closes those).
+        weakref.finalize(self, self._lib.hf_lane_release, handle).atexit = False
         self.enqueued = 0  # ticket of the latest push (pushes come under the stream's lock)
         self._reached = 0  # a ticket known to have returned
 
