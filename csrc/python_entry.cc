@@ -19,6 +19,10 @@
 
 #include "host_build.h"
 
+#ifdef CAPGRAPH_WITH_NVTX
+#include <nvtx3/nvToolsExt.h>  // header-only NVTX v3 (capgraph/build/library.py finds it)
+#endif
+
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/object.h>
 
@@ -962,10 +966,36 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d) {
   }
 }
 
+// Each run of the node as an NVTX range in the "capgraph" domain (the Python stages' domain:
+// capgraph/_nvtx.py), where the library was built with NVTX's headers; a no-op otherwise, and
+// close to one while no tool is attached.
+class NodeRange {
+ public:
+#ifdef CAPGRAPH_WITH_NVTX
+  NodeRange() {
+    static const nvtxDomainHandle_t domain = nvtxDomainCreateA("capgraph");
+    static const nvtxStringHandle_t name =
+        nvtxDomainRegisterStringA(domain, "CapturableGuidedDecoder.host_node");
+    nvtxEventAttributes_t a{};
+    a.version = NVTX_VERSION;
+    a.size = NVTX_EVENT_ATTRIB_STRUCT_SIZE;
+    a.messageType = NVTX_MESSAGE_TYPE_REGISTERED;
+    a.message.registered = name;
+    domain_ = domain;
+    nvtxDomainRangePushEx(domain_, &a);
+  }
+  ~NodeRange() { nvtxDomainRangePop(domain_); }
+
+ private:
+  nvtxDomainHandle_t domain_;
+#endif
+};
+
 // The host node: take the next job and run it (see the section's comment). Never throws.
 void RunNode(void* p) {
   auto* n = static_cast<HostNode*>(p);
   std::lock_guard<std::mutex> serial(n->run_mu);
+  const NodeRange range;
   const int64_t t0 = NowNs();
   n->last_start.store(t0);
   NodeDone d;

@@ -10,8 +10,10 @@ creates its NVTX domain (so the "capgraph" ranges reach CUPTI), runs one short g
 CUPTI activity for kernels, memcpy, memset, CUDA runtime and driver API calls and NVTX markers.
 A replayed step runs from the capgraph range that starts it on the host (``--step-marker``,
 default the decoder's ``add_batch``) through its graph launch to the next step's marker. The
-native host node emits no NVTX range: its last run (its own ``host_node_stats`` timestamps,
-moved onto CUPTI's clock) is added as a ``node`` record.
+native host node marks each run as the range ``CapturableGuidedDecoder.host_node`` on the
+driver's callback thread where capgraph's C++ library was built with NVTX's headers
+(``capgraph.build.library.nvtx_include``); its last run is also added, from its own
+``host_node_stats`` timestamps moved onto CUPTI's clock, as a ``node`` record.
 
 Prints the last step as a text timeline (per record: start offset and duration in us, kind,
 track — ``main`` or ``cpu <tid>`` for host threads, where a host node runs on the driver's

@@ -83,9 +83,46 @@ def _python_flags() -> list[str]:
     return ["-DCAPGRAPH_WITH_PYTHON", f"-I{include}"]
 
 
+def nvtx_include() -> str | None:
+    """The folder holding NVTX v3's headers (``nvtx3/nvToolsExt.h``, header-only: nothing to
+    link), or None: ``$CAPGRAPH_NVTX_INCLUDE``, the CUDA toolkit's (``$CUDA_HOME``,
+    ``/usr/local/cuda``), or the ``nvidia-nvtx`` wheel's (a dependency of CUDA builds of
+    torch: ``nvidia/nvtx/include`` or ``nvidia/cu13/include``). With them the native host
+    node marks each run as an NVTX range in the ``capgraph`` domain, as the Python stages are
+    marked (``capgraph._nvtx``); ``CAPGRAPH_NVTX_INCLUDE=off`` builds without."""
+    given = (os.environ.get("CAPGRAPH_NVTX_INCLUDE") or "").strip()
+    if given.lower() == "off":
+        return None
+    candidates = [given] if given else []
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            candidates.append(os.path.join(home, "include"))
+    try:
+        import nvidia  # type: ignore[import-not-found]  # the namespace of NVIDIA's wheels
+
+        for root in getattr(nvidia, "__path__", []):
+            candidates.extend(sorted(str(p) for p in Path(root).glob("*/include")))
+    except ImportError:
+        pass
+    for folder in candidates:
+        if os.path.isfile(os.path.join(folder, "nvtx3", "nvToolsExt.h")):
+            return folder
+    return None
+
+
+def _nvtx_flags() -> list[str]:
+    """The native node's NVTX range, where the headers are found (:func:`nvtx_include`) and
+    the library has its CPython side (the node lives there)."""
+    include = nvtx_include()
+    if include is None or not _python_flags():
+        return []
+    return ["-DCAPGRAPH_WITH_NVTX", f"-I{include}"]
+
+
 def _library_spec() -> jit.JitSpec:
     """The host build library's :class:`~capgraph.jit.JitSpec` (reads the compiler's version)."""
-    return jit.cxx_library(_LIBRARY, _SOURCES, headers=_HEADERS, cflags=_python_flags())
+    return jit.cxx_library(_LIBRARY, _SOURCES, headers=_HEADERS,
+                           cflags=_python_flags() + _nvtx_flags())
 
 
 _lock = threading.Lock()
