@@ -369,6 +369,27 @@ def test_close_while_another_thread_waits_on_the_lane(fns: TestFunctions) -> Non
     stream.synchronize(WAIT_S)
 
 
+@needs_cc
+def test_process_with_live_lanes_exits_cleanly() -> None:
+    """Pins the exit path: a process that leaves 20 streams with lanes (idle and busy) alive
+    exits with status 0, three times over (freeing a lane at exit while its stream could still
+    close it crashed or hung such a process)."""
+    code = """
+        import hostfunc
+        from hostfunc.native import test_functions
+        fns = test_functions()
+        streams = [hostfunc.HostStream(f"s{i}") for i in range(20)]
+        with hostfunc.use_backend("cpu"):
+            for i, s in enumerate(streams):
+                with hostfunc.use_stream(s):
+                    hostfunc.launch_native(fns.spin_ns, (i % 3) * MS)
+        print("OK")
+    """.replace("MS", str(MS))
+    for _ in range(3):
+        proc = _run(code, {})
+        assert proc.returncode == 0 and "OK" in proc.stdout, (proc.returncode, proc.stderr)
+
+
 # ---- the GIL window ----
 
 def _hold_gil_for_2s() -> tuple[int, int]:
