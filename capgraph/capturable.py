@@ -17,9 +17,10 @@ skipping a batch); failures and callback exceptions reach the caller through
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 
@@ -27,12 +28,19 @@ import hostfunc
 
 from ._nvtx import nvtx_range
 from .bitmask import _pin_host
-from .decoder import GuidedDecoder, _request_id
-from .errors import CallbackError, LayoutError, QueueEpochError, TensorArgError
+from .decoder import FailedRequest, GuidedDecoder, _request_id
+from .build.base import Status
+from .build.library import HostNode, NodeStats
+from .errors import (CallbackError, ConfigError, LayoutError, NativeBuildError, QueueEpochError,
+                     TensorArgError)
 from .requests import GuidedRequest, GuidedRequests
 from .streams import HostStepStreams, StepStreams
 
-__all__ = ["CapturableGuidedDecoder"]
+__all__ = ["CapturableGuidedDecoder", "HOST_NODES", "HostNodeChoice"]
+
+#: what ``CapturableGuidedDecoder(host_node=...)`` accepts
+HOST_NODES = ("auto", "native", "python")
+HostNodeChoice = Literal["auto", "native", "python"]
 
 
 def _callback(name: str) -> Callable:
@@ -75,6 +83,19 @@ class CapturableGuidedDecoder(GuidedDecoder):
     after the step's sync. Callback exceptions are re-raised by the drain that ends each
     non-captured ``execute`` (and by ``hostfunc.drain()``), as ``hostfunc.HostFuncError``.
 
+    ``host_node`` chooses the step's host callback: ``"native"``, the C++ host node, which a
+    replayed graph calls as a C function that never takes the GIL for a steady-state batch
+    (every guided request a target request generating, with a chain of drafts; any other
+    batch is a Python step inside the same node, which takes the GIL); ``"python"``, the
+    Python host callback (any backend and strategy); ``"auto"`` (default): native where the
+    decoder's host build is the native one (:mod:`capgraph.build`) and hostfunc can launch
+    native functions here (a C compiler for the CPU stand-in's lane), else Python. The
+    native node serves every step from the first capture of the decoder's step on (steps
+    before any capture, such as graph warm-up, take the Python callback, which on the CPU
+    stand-in runs the build on the C++ build's own thread). With the native node, a step's
+    batch is read at ``add_batch`` and what the step did is read back at the next
+    ``add_batch``, ``take_failed_requests`` or drain.
+
     Where the signatures differ from :class:`GuidedDecoder`'s (on purpose, marked
     ``type: ignore[override]``): ``add_batch(requests, new_tokens=None,
     runtime_draft_len=None)`` takes the token tensor second (a positional draft length is
@@ -82,7 +103,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
     returns None. It is built on the base class's protected interface only.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, host_node: HostNodeChoice = "auto", **kwargs) -> None:
         super().__init__(*args, **kwargs)
         S, D = self.max_num_sequences, self.max_num_draft_tokens
         pin = _pin_host()
@@ -112,6 +133,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
             hostfunc.cuda_available()
         # the CPU step outside capture builds on that thread (see _enqueue_step)
         self._async_build = self.bitmask is self.bitmask_host and self.host_build.asynchronous
+        self._node: HostNode | None = None
+        self._node_active = False  # a step was captured with the node: every step takes it
+        #: which host step the step's callback runs: ``"native"`` (the C++ host node,
+        #: :class:`~capgraph.build.library.HostNode`) or ``"python"``
+        self.host_node: str = self._make_host_node(host_node)
 
     @property
     def queued_batches(self) -> int:
@@ -169,6 +195,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
             raise LayoutError(f"requests must be a sequence of GuidedRequest, got "
                               f"{type(requests).__name__}")
+        if self._node_active:
+            self._node_collect()  # (what the last step did, before this batch is admitted)
         snapshot = GuidedRequest.snapshot
         try:
             snapshots = [snapshot(r) for r in requests]
@@ -182,6 +210,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._copy_new_tokens(new_tokens)
         self._put_epoch += 1
         self._queue.append((self._put_epoch, batch, new_tokens is not None))  # type: ignore[arg-type]
+        if self._node_active:
+            self._node_push(self._put_epoch, batch, new_tokens is not None)
         self.active = next(batch.valid_requests(), None) is not None  # type: ignore[union-attr]
         if not self._streams.is_capturing():
             self._streams.record_tokens()  # orders the callbacks after the token copy
@@ -227,10 +257,14 @@ class CapturableGuidedDecoder(GuidedDecoder):
         queued batch is left for the capture (which only needs its shapes) to consume.
         """
         self._warmup += 1
+        if self._node is not None:
+            self._node.set_warmup(True)
         try:
             yield
         finally:
             self._warmup -= 1
+            if self._node is not None and not self._warmup:
+                self._node.set_warmup(False)
 
     # -- the step ----------------------------------------------------------------------------
     @nvtx_range("CapturableGuidedDecoder.prepare")
@@ -260,9 +294,18 @@ class CapturableGuidedDecoder(GuidedDecoder):
         # inline): a Python thread beside a CPU forward costs more in GIL hand-offs than that
         # Python (docs/BENCHMARKS.md, "loop"). A captured step builds synchronously: its
         # replays run the apply right after it.
+        node = self._node
+        if node is not None and capturing and not self._node_active:
+            self._node_active = True  # (the batches queued from now on queue jobs too)
+            node.set_epoch(self._put_epoch)
         with self._streams.side():
             self._streams.wait_tokens()
-            self.host_step(self._async_build and not capturing)  # fetch, init, build: one callback
+            if node is not None and self._node_active and (capturing or not self._warmup):
+                # the C++ host node (a warm-up run outside capture takes the Python step)
+                hostfunc.launch_native(node.run, node.address, retain=node.retain,
+                                       release=node.release)
+            else:
+                self.host_step(self._async_build and not capturing)  # fetch, init, build
             self.copy_bitmask(num_rows or self.bitmask_host.shape[0])
             self._streams.record_bitmask()
         self._prepared = True
@@ -481,6 +524,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if self._queue:
             _, batch, _ = self._queue.popleft()
             self._fetched_epoch += 1
+            if self._node_active:
+                self._node.drop()  # type: ignore[union-attr]
             if batch.dropped_slots:
                 self._drop_slots(batch)
 
@@ -599,3 +644,183 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if close is not None:
             close()
         super().close()
+        if self._node is not None:
+            hostfunc.remove_drain_hook(self._node_hook)
+
+    # -- the native host node ----------------------------------------------------------------
+    def _make_host_node(self, choice: object) -> str:
+        """``"native"`` with :attr:`_node` made, or ``"python"`` (see the class docstring).
+
+        Raises:
+            ConfigError: ``choice`` is not one of :data:`HOST_NODES`, or ``"native"`` where
+                the native node cannot run (the reason is named).
+        """
+        if choice not in HOST_NODES:
+            raise ConfigError(f"host_node={choice!r} is not one of {HOST_NODES}")
+        if choice == "python":
+            return "python"
+        reason = self._host_node_unavailable()
+        if reason is None:
+            try:
+                self._node = node = HostNode(self.host_build.entry,  # type: ignore[attr-defined]
+                                             self.new_tokens, _python_step(self))
+            except NativeBuildError as e:
+                reason = str(e)
+        if reason is not None:
+            if choice == "native":
+                raise ConfigError(f"host_node='native' is not available: {reason}")
+            return "python"
+        slots = self.slots
+        mirror = _mirror(node, slots)
+        slots.matchers.on_change = slots.is_draft_terminated.on_change = mirror
+        for slot in range(self.max_num_sequences):
+            mirror(slot)
+        self._node_hook = _collect_hook(self)
+        hostfunc.add_drain_hook(self._node_hook)
+        return "native"
+
+    def _host_node_unavailable(self) -> str | None:
+        """Why the native host node cannot serve this decoder, or None."""
+        entry = getattr(self.host_build, "entry", None)
+        if entry is None:
+            return (f"the host build is {self.host_build.name!r}; the native node runs the "
+                    "'native' one (the xgrammar or auto backend, fill_threads=1)")
+        if self.device.type == "cpu":  # the CPU stand-in runs native calls on a C thread
+            from hostfunc.lane import lane_library
+            try:
+                lane_library()
+            except hostfunc.HostFuncUsageError as e:
+                return str(e)
+        return None
+
+    @property
+    def host_node_stats(self) -> NodeStats | None:
+        """The native host node's counters and latest timestamps (None: the Python host
+        callback serves this decoder)."""
+        return None if self._node is None else self._node.stats()
+
+    def _node_push(self, epoch: int, batch: GuidedRequests, from_buffer: bool) -> None:
+        """Queue the step of ``batch`` on the native node, and create here, on the host, the
+        matchers its new (context) and disaggregated requests need, so that the node runs
+        them too; a batch the node declines is a Python step."""
+        node = self._node
+        assert node is not None
+        requests = batch.requests
+        fill = [i for i, req in enumerate(requests) if req.require_matcher_init()]
+        if batch.dropped_slots or not node.push(
+                requests, batch.offsets, batch.max_num_draft_tokens,
+                self.token_mask_host.shape[0], epoch, from_buffer, fill):
+            node.push_python(epoch)
+            return
+        # (the node checked every slot: an int in range, once in the batch). A slot's counters
+        # go to zero with its new matcher, so a rollback still to run for the step before
+        # (rollback_rejected_batch after this add_batch) leaves the new matcher alone.
+        matchers, failed = self.grammar_matchers, []
+        advanced, guided = self.num_advanced_tokens, self.num_guided_tokens
+        for i in fill:
+            req = requests[i]
+            matchers[req.seq_slot] = None  # type: ignore[index]
+            advanced[req.seq_slot] = guided[req.seq_slot] = 0  # type: ignore[index]
+            try:
+                matchers[req.seq_slot] = self._create_matcher(req)  # type: ignore[index]
+            except Exception as e:
+                failed.append(self._fail(req, e))
+        for req in requests:
+            if req.is_generation_only_first_iteration and not req.is_draft and \
+                    req.guided_decoding_params is not None and not req.is_context_init_state:
+                advanced[req.seq_slot] = guided[req.seq_slot] = 0  # type: ignore[index]
+                try:
+                    matchers[req.seq_slot] = self._create_matcher(req)  # type: ignore[index]
+                except Exception as e:
+                    failed.append(self._fail(req, e))
+        self._record_failed(failed)
+
+    def _node_collect(self) -> None:
+        """Read what the native node's steps did since the last read, in order: counters,
+        the tokens it read from the token buffer, failures (interpreted as any build's), and
+        queue errors (kept for the next drain, as a Python step's)."""
+        node = self._node
+        if node is None or not self._node_active:
+            return
+        for epoch, error, masked, unusual, columns in node.take(self.num_advanced_tokens,
+                                                                 self.num_guided_tokens):
+            if error is not None:
+                self._queue.clear()
+                self.requests_hostfunc = None
+                self._fetched_epoch = self._put_epoch
+                hostfunc.record_error("CapturableGuidedDecoder.host_node",
+                                      QueueEpochError(error))
+                continue
+            if not self._queue or self._queue[0][0] != epoch:
+                hostfunc.record_error("CapturableGuidedDecoder.host_node", QueueEpochError(
+                    f"the host node ran epoch {epoch}, which is not the oldest batch queued "
+                    f"({[e for e, _, _ in self._queue]})"))
+                continue
+            _, batch, _ = self._queue.popleft()
+            self._fetched_epoch = epoch
+            self.requests_hostfunc = batch
+            self.slots.num_builds += 1
+            self._masked_rows = masked
+            if columns is not None:
+                reqs = batch.requests
+                for index, values in columns:
+                    reqs[index].new_token, reqs[index].draft_tokens = values[0], values[1:]
+            if unusual is not None:
+                outcomes: list = []
+                self.host_build._statuses(  # type: ignore[attr-defined]
+                    ((i, batch.requests[i].seq_slot, status, message)
+                     for i, status, message in unusual), outcomes)
+                self._record_failed(self._interpret(batch, outcomes, unmask=False))
+
+    def _finish_build(self) -> None:
+        self._node_collect()
+        super()._finish_build()
+
+    def take_failed_requests(self) -> list[FailedRequest]:
+        """Failures recorded since the last call (the native node's steps read first), then
+        forgets them."""
+        self._node_collect()
+        return super().take_failed_requests()
+
+    def _run_python_step(self, epoch: int) -> None:
+        """A Python step of the native node (the node holds no GIL; this runs under it): the
+        steps before it are read, then the Python host step runs; its errors go to the next
+        drain."""
+        try:
+            self._node_collect()
+            CapturableGuidedDecoder.host_step.__wrapped__(self, False)
+        except BaseException as e:  # noqa: BLE001 - nothing may escape into the node
+            hostfunc.record_error("CapturableGuidedDecoder.host_step", e)
+
+
+def _python_step(decoder: CapturableGuidedDecoder) -> Callable[[int], None]:
+    """The node's fallback, holding the decoder weakly (the node lives in the decoder)."""
+    ref = weakref.ref(decoder)
+
+    def step(epoch: int) -> None:
+        d = ref()
+        if d is not None:
+            d._run_python_step(epoch)
+    return step
+
+
+def _mirror(node: HostNode, slots) -> Callable[[int], None]:
+    """Keep the node's per-slot table in step with ``slots`` (called with a changed slot)."""
+    handles, stopped = slots.matchers.handles, slots.is_draft_terminated
+
+    def mirror(slot: int) -> None:
+        node.set_slot(slot, handles[slot], stopped[slot])
+    return mirror
+
+
+def _collect_hook(decoder: CapturableGuidedDecoder) -> Callable[[], None]:
+    """A drain hook reading the decoder's native steps (held weakly)."""
+    ref = weakref.ref(decoder)
+
+    def hook() -> None:
+        d = ref()
+        if d is None:
+            hostfunc.remove_drain_hook(hook)
+        else:
+            d._node_collect()
+    return hook

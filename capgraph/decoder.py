@@ -487,13 +487,14 @@ class GuidedDecoder:
         outcomes, self._masked_rows = result
         self._record_failed(self._interpret(requests, outcomes))
 
-    def _interpret(self, requests: GuidedRequests, outcomes: Sequence[Outcome]
-                   ) -> list[FailedRequest]:
+    def _interpret(self, requests: GuidedRequests, outcomes: Sequence[Outcome],
+                   unmask: bool = True) -> list[FailedRequest]:
         """What each outcome of a build means for its request (the one place for it, whichever
         strategy ran): a refused new token or a dead first row stops a draft step's guidance
         and fails a target request; a fault or a budget overrun fails the request. A failed
         request's matcher is dropped (:meth:`_fail`) and its rows of the step are left
-        unmasked, those a strategy filled before the failure too."""
+        unmasked, those a strategy filled before the failure too (``unmask`` False: the
+        strategy unmasked them itself, and the token mask may hold a later step by now)."""
         failed: list[FailedRequest] = []
         offsets, end = requests.offsets, requests.num_bitmask_tokens
         for index, status, detail in outcomes:
@@ -502,8 +503,9 @@ class GuidedDecoder:
             if status in (Status.REJECTED, Status.DEAD_END) and req.is_draft:
                 self.is_draft_terminated[slot] = True  # type: ignore[index]
                 continue
-            stop = offsets[index + 1] if index + 1 < len(offsets) else end
-            self.slots.token_mask_np[offsets[index]:stop] = 0
+            if unmask:
+                stop = offsets[index + 1] if index + 1 < len(offsets) else end
+                self.slots.token_mask_np[offsets[index]:stop] = 0
             if status == Status.REJECTED:
                 failed.append(self._fail(req, RequestError(
                     f"new_token {req.new_token} is not allowed by the grammar",

@@ -183,7 +183,9 @@ def _capture(harness: StepHarness, device: torch.device, warmup: int
 @contextmanager
 def record_host_callbacks() -> Iterator[list[str]]:
     """Record the name of every host callback launched inside the block, in the order they
-    run (eager runs, and replays of graphs captured inside the block).
+    run (eager runs, and replays of graphs captured inside the block). Native host functions
+    (:func:`hostfunc.launch_native`, such as the capturable decoder's native host node) run
+    no Python and are not recorded; a decoder's ``host_node_stats`` counts its node's runs.
 
     Example::
 

@@ -70,8 +70,9 @@ enum RecordField : int {
   kRequestId,        // request_id
   kFirstIteration,   // is_generation_only_first_iteration
   kDraftParents,     // draft_parents: None for a chain (a tree is built in Python)
+  kPrevSlot,         // prev_seq_slot: None for a new request (the host node reads it)
 };
-constexpr int kRecordFields = kDraftParents + 1;
+constexpr int kRecordFields = kPrevSlot + 1;
 
 // One request's draft tokens: read from a plain array (the CPython entry) or from a tvm-ffi
 // Array starting at `first` (the tvm-ffi step).

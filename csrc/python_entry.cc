@@ -19,11 +19,17 @@
 
 #include "host_build.h"
 
+#ifdef CAPGRAPH_WITH_NVTX
+#include <nvtx3/nvToolsExt.h>  // header-only NVTX v3 (capgraph/build/library.py finds it)
+#endif
+
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/object.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <cstdint>
 #include <exception>
 #include <mutex>
@@ -69,6 +75,7 @@ using capgraph::kFault;
 using capgraph::kOk;
 using capgraph::kOverBudget;
 using capgraph::kTerminated;
+using capgraph::NowNs;
 using capgraph::kRecordFields;
 using capgraph::RecordField;
 using tvm::ffi::ObjectRef;
@@ -749,6 +756,721 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
   return capsule;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The native host node: a capturable decoder's step (fetch the batch, advance the matchers,
+// fill the bitmask, guard dead ends, report per request) as one C function, RunNode, that a
+// captured graph calls as its host node (hostfunc.launch_native) and that never takes the GIL
+// for a steady-state batch.
+//
+// Python prepares each step's job at add_batch time (NodePush: the batch's requests read once,
+// as Collect reads them, into plain entries) and reads what the step did after the step's sync
+// (NodeTake). Between the two, the node reads only native state: its job queue, its per-slot
+// table (which matcher a slot's requests run, kept by Python through NodeSetSlot whenever a
+// slot's matcher or its drafting-stopped flag changes), the decoder's pinned token buffer (the
+// tokens a replayed step sampled) and the Builder's buffers. A batch that is not the plain
+// case, or a slot whose matcher only Python can run when the node comes, makes that step a
+// Python step: the node takes the GIL and calls the decoder's Python host step (`fallback`),
+// which builds it as the Python callback would.
+//
+// Lifetime: a HostNode is counted (the decoder's capsule holds one reference, each captured
+// graph one more through hostfunc's retain/release); the last release may come on a driver
+// thread, so it only moves the node to a list that the next Python call into this module
+// frees (with the GIL: the node holds Python and tvm-ffi objects).
+//
+// node_create(fast, new_tokens, fallback) -> (capsule, run, retain, release, address)
+//   fast: make_fast's state (its Builder and request field descriptors); new_tokens: the
+//   decoder's [positions, num_slots] int32 token buffer (a DLPack-capable CPU tensor);
+//   fallback(epoch): the Python host step of a Python step. run/retain/release: addresses of
+//   the C functions `void f(void*)` to launch with `address`.
+// node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer, fill)
+//   -> bool: queue the step's native job; False (nothing queued) where the batch is not the
+//   plain case: the caller then queues a Python step (node_push_python). `fill`: the batch
+//   indices of the context requests whose matchers the caller creates now (their row is
+//   filled without accepting a token); other context requests have nothing to do.
+// node_push_python(node, epoch); node_drop(node) -> bool: forget the oldest job (the host
+//   side consumed its batch); node_set_slot(node, slot, handle, stopped).
+// node_take(node, advanced, guided) -> [(epoch, error, masked, unusual, columns)]
+//   every step the node ended since the last call, in order, counters written to the lists;
+//   error: None or the queue error's text; unusual: as fast_step's; columns: None or
+//   [(batch index, [token, draft, ...])] of the tokens read from the token buffer.
+// node_stats(node) -> (runs, python_runs, last_start_ns, last_end_ns, busy_ns, rows)
+// node_set_warmup(node, on): runs from now on are warm-up runs (no job taken, nothing masked).
+// node_set_epoch(node, epoch): the latest batch consumed before the node serves steps.
+// node_shutdown(): Python steps are refused from now on (interpreter exit).
+
+constexpr const char* kNodeCapsule = "capgraph_host_build.HostNode";
+
+struct NodeEntry {
+  int64_t slot, token, offset, first_draft, num_drafts, index;
+  bool from_buffer;
+  // a context request: its matcher was created at add_batch (fill its row, accept nothing),
+  // or it has nothing to do this step (`skip`: an earlier chunk; its counters are zeroed)
+  bool fill_only, skip;
+};
+
+struct NodeJob {
+  int64_t epoch = 0;
+  bool python = false;
+  int64_t draft_len = 0, clear_rows = 0;
+  std::vector<NodeEntry> entries;  // every plain guided request of the batch, in batch order
+  std::vector<int64_t> drafts;
+};
+
+struct NodeDone {
+  int64_t epoch = 0;
+  std::string error;  // a queue error: nothing was built
+  bool masked = false;
+  std::vector<int64_t> seen_slots;  // the slots whose counters the step zeroes
+  std::vector<int64_t> slots, index;  // per request the Builder ran
+  std::vector<int32_t> out;  // per request the Builder ran: status, accepted, guided
+  std::vector<std::string> messages;  // per request the Builder ran: its fault / ms, or ""
+  std::vector<int64_t> columns;  // per request reading the buffer: index, positions values
+};
+
+struct HostNode {
+  std::atomic<int64_t> refs{1};
+  Builder* builder = nullptr;
+  PyObject* keep = nullptr;  // make_fast's `keep` (the Builder's step Function): its owner
+  PyObject* buffer = nullptr;  // the token buffer's tensor, which owns `tokens`
+  const int32_t* tokens = nullptr;  // [positions, num_slots] int32
+  int64_t positions = 0, num_slots = 0, vocab_size = 0, max_drafts = 0;
+  PyObject* fallback = nullptr;
+  std::mutex mu;  // jobs, done and the slot table
+  std::deque<NodeJob> jobs;
+  std::deque<NodeDone> done;
+  std::vector<ObjectRef> slot_matcher;  // per slot: the FFI object a step runs, or none
+  std::vector<uint8_t> slot_kind;  // 0: no matcher, 1: native, 2: only Python can run it
+  std::vector<uint8_t> slot_stopped;  // the drafting loop stopped guiding the slot
+  std::mutex run_mu;  // one step at a time
+  std::atomic<int64_t> runs{0}, python_runs{0}, last_start{0}, last_end{0}, busy_ns{0},
+      rows{0};
+  std::atomic<bool> warmup{false};  // steps take no job and mask nothing (graph warm-up)
+  int64_t last_epoch = 0;  // (under mu) the epoch of the latest job taken or dropped
+};
+
+std::atomic<bool> g_node_shutdown{false};
+std::mutex g_grave_mu;
+std::vector<HostNode*> g_grave;  // released nodes, freed by the next Python call
+
+void NodeRetain(void* p) { static_cast<HostNode*>(p)->refs.fetch_add(1); }
+
+void NodeRelease(void* p) {
+  auto* n = static_cast<HostNode*>(p);
+  if (n->refs.fetch_sub(1) == 1) {
+    std::lock_guard<std::mutex> lock(g_grave_mu);
+    g_grave.push_back(n);
+  }
+}
+
+// Free the released nodes (with the GIL: they hold Python and tvm-ffi objects).
+void BuryNodes() {
+  std::vector<HostNode*> dead;
+  {
+    std::lock_guard<std::mutex> lock(g_grave_mu);
+    if (g_grave.empty()) return;
+    dead.swap(g_grave);
+  }
+  for (HostNode* n : dead) {
+    Py_XDECREF(n->fallback);
+    Py_XDECREF(n->buffer);
+    PyObject* keep = n->keep;
+    delete n;  // (its matcher references first, the Builder's owner after them)
+    Py_XDECREF(keep);
+  }
+}
+
+void DestroyNode(PyObject* capsule) {
+  auto* n = static_cast<HostNode*>(PyCapsule_GetPointer(capsule, kNodeCapsule));
+  if (n != nullptr) NodeRelease(n);
+  BuryNodes();
+}
+
+// A Python step: the decoder's Python host step under the GIL (it reports its own errors).
+void RunPython(HostNode* n, int64_t epoch) {
+  if (g_node_shutdown.load()) return;  // (the interpreter is exiting: no thread may enter it)
+  n->python_runs.fetch_add(1);
+  PyGILState_STATE gil = PyGILState_Ensure();
+  PyObject* r = PyObject_CallFunction(n->fallback, "L", static_cast<long long>(epoch));
+  if (r == nullptr) PyErr_WriteUnraisable(n->fallback);  // (the fallback catches its own)
+  Py_XDECREF(r);
+  PyGILState_Release(gil);
+}
+
+// One native job: the Builder's loop over the entries whose slot has a native matcher.
+void RunNative(HostNode* n, const NodeJob& job, NodeDone* d) {
+  Builder* b = n->builder;
+  const int64_t k = static_cast<int64_t>(job.entries.size());
+  std::vector<ObjectRef> refs(static_cast<size_t>(k));
+  {
+    std::lock_guard<std::mutex> lock(n->mu);
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t slot = job.entries[i].slot;
+      if (n->slot_kind[slot] == 1 && !n->slot_stopped[slot]) refs[i] = n->slot_matcher[slot];
+    }
+  }
+  int32_t* mask = b->BeginStep(job.clear_rows);
+  const int64_t rows = b->bitmask.size(0);
+  const int32_t* tokens = n->tokens;
+  Builder::StepClock clock_state;
+  Builder::StepClock* clock = b->StartClock(&clock_state, false);
+  std::vector<int64_t> column(static_cast<size_t>(n->positions));
+  for (int64_t i = 0; i < k; ++i) {
+    const NodeEntry& e = job.entries[i];
+    d->seen_slots.push_back(e.slot);
+    int64_t token = e.token;
+    const int64_t* drafts = job.drafts.data() + e.first_draft;
+    if (e.from_buffer) {
+      d->columns.push_back(e.index);
+      for (int64_t p = 0; p < n->positions; ++p) {
+        column[p] = tokens[p * n->num_slots + e.slot];
+        d->columns.push_back(column[p]);
+      }
+      token = column[0];
+      drafts = column.data() + 1;
+    }
+    const ObjectRef& m = refs[i];
+    if (e.skip || !m.defined()) continue;  // nothing to do, no matcher, or drafting stopped
+    int32_t o3[3] = {kOk, 0, 0};
+    std::string message;
+    bool terminated = false;
+    try {
+      terminated = b->is_terminated(m).cast<bool>();
+    } catch (const std::exception& ex) {
+      o3[0] = kFault;
+      message = std::string("RuntimeError: is_terminated: ") + ex.what();
+    }
+    if (terminated) continue;
+    if (o3[0] == kOk && !e.fill_only && (token < 0 || token >= n->vocab_size)) {
+      o3[0] = kFault;
+      message = "RequestError: new_token " + std::to_string(token) + " from the token buffer "
+                "is outside the vocabulary [0, " + std::to_string(n->vocab_size) + ")";
+    }
+    bool bad_draft = false;
+    for (int64_t j = 0; o3[0] == kOk && j < e.num_drafts; ++j) {
+      if (drafts[j] < 0 || drafts[j] >= n->vocab_size) bad_draft = true;
+    }
+    if (bad_draft) {
+      o3[0] = kFault;
+      message = "RequestError: a draft token from the token buffer is outside the vocabulary "
+                "[0, " + std::to_string(n->vocab_size) + ")";
+    }
+    if (o3[0] == kOk) {
+      const size_t before = b->errors.size();
+      b->RunOne(m, token, e.offset, e.num_drafts, Drafts{drafts}, job.draft_len, rows, mask, o3,
+                clock);
+      if (b->errors.size() > before) message = b->errors.back();
+      n->rows.fetch_add(o3[2]);
+    }
+    if ((o3[0] & ~kTerminated) != kOk) {
+      // a failed request: the rows it filled before the failure stay unmasked, and its
+      // matcher runs no later step (Python drops it when it reads this step)
+      for (int64_t r = e.offset; r < e.offset + o3[2] && r < rows; ++r) mask[r] = 0;
+      ObjectRef dropped;
+      std::lock_guard<std::mutex> lock(n->mu);
+      if (n->slot_kind[e.slot] == 1 && n->slot_matcher[e.slot].same_as(m)) {
+        std::swap(n->slot_matcher[e.slot], dropped);
+        n->slot_kind[e.slot] = 0;
+      }
+    } else if (o3[2]) {
+      d->masked = true;
+    }
+    d->slots.push_back(e.slot);
+    d->index.push_back(e.index);
+    d->out.insert(d->out.end(), o3, o3 + 3);
+    d->messages.push_back(std::move(message));
+  }
+}
+
+// Each run of the node as an NVTX range in the "capgraph" domain (the Python stages' domain:
+// capgraph/_nvtx.py), where the library was built with NVTX's headers; a no-op otherwise, and
+// close to one while no tool is attached.
+class NodeRange {
+ public:
+#ifdef CAPGRAPH_WITH_NVTX
+  NodeRange() {
+    static const nvtxDomainHandle_t domain = nvtxDomainCreateA("capgraph");
+    static const nvtxStringHandle_t name =
+        nvtxDomainRegisterStringA(domain, "CapturableGuidedDecoder.host_node");
+    nvtxEventAttributes_t a{};
+    a.version = NVTX_VERSION;
+    a.size = NVTX_EVENT_ATTRIB_STRUCT_SIZE;
+    a.messageType = NVTX_MESSAGE_TYPE_REGISTERED;
+    a.message.registered = name;
+    domain_ = domain;
+    nvtxDomainRangePushEx(domain_, &a);
+  }
+  ~NodeRange() { nvtxDomainRangePop(domain_); }
+
+ private:
+  nvtxDomainHandle_t domain_;
+#endif
+};
+
+// The host node: take the next job and run it (see the section's comment). Never throws.
+void RunNode(void* p) {
+  auto* n = static_cast<HostNode*>(p);
+  std::lock_guard<std::mutex> serial(n->run_mu);
+  const NodeRange range;
+  const int64_t t0 = NowNs();
+  n->last_start.store(t0);
+  NodeDone d;
+  NodeJob job;
+  bool have = false;
+  if (n->warmup.load()) {  // a warm-up run: no job taken, nothing masked, nothing reported
+    try {
+      n->builder->BeginStep(n->builder->bitmask.size(0));
+    } catch (const std::exception&) {  // (full rows are always in bounds)
+    }
+    n->last_end.store(NowNs());
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(n->mu);
+    const int64_t expected = n->last_epoch + 1;
+    if (n->jobs.empty()) {
+      d.error = "no batch queued for this step (expected epoch " + std::to_string(expected) +
+                "): a replay or execute without its add_batch";
+    } else {
+      job = std::move(n->jobs.front());
+      n->jobs.pop_front();
+      have = true;
+      d.epoch = n->last_epoch = job.epoch;
+      if (job.epoch != expected || !n->jobs.empty()) {  // (as CapturableGuidedDecoder._pop)
+        std::string extra;
+        for (const NodeJob& j : n->jobs) {
+          extra += (extra.empty() ? "" : ", ") + std::to_string(j.epoch);
+          n->last_epoch = j.epoch;
+        }
+        d.error = "fetched epoch " + std::to_string(job.epoch) + ", expected " +
+                  std::to_string(expected) + "; still queued: [" + extra +
+                  "] (an add_batch without its execute)";
+        n->jobs.clear();
+      }
+    }
+  }
+  bool python = have && d.error.empty() && job.python;
+  if (have && d.error.empty() && !python) {
+    std::lock_guard<std::mutex> lock(n->mu);
+    for (const NodeEntry& e : job.entries) {
+      if (n->slot_kind[e.slot] == 2 && !n->slot_stopped[e.slot]) python = true;
+    }
+  }
+  if (python) {
+    RunPython(n, job.epoch);  // (it takes its batch and reports itself: no done record)
+  } else {
+    try {
+      if (d.error.empty()) {
+        RunNative(n, job, &d);
+      } else {
+        n->builder->BeginStep(n->builder->bitmask.size(0));  // a step out of step masks nothing
+      }
+    } catch (const std::exception& ex) {  // (BeginStep's bounds: a bug, reported as such)
+      d.error = std::string("host node: ") + ex.what();
+    }
+    std::lock_guard<std::mutex> lock(n->mu);
+    n->done.push_back(std::move(d));
+  }
+  const int64_t t1 = NowNs();
+  n->busy_ns.fetch_add(t1 - t0);
+  n->last_end.store(t1);
+  n->runs.fetch_add(1);
+}
+
+HostNode* NodeArg(PyObject* capsule) {
+  return static_cast<HostNode*>(PyCapsule_GetPointer(capsule, kNodeCapsule));
+}
+
+
+// node_create(fast, buffer, address, positions, fallback): see the section's comment; the
+// buffer's layout is checked by the caller (capgraph/build/library.py), which hands its data
+// address.
+PyObject* NodeCreate(PyObject*, PyObject* args) {
+  PyObject *fast_capsule, *buffer, *fallback;
+  long long address = 0, positions = 0;
+  if (!PyArg_ParseTuple(args, "OOLLO", &fast_capsule, &buffer, &address, &positions,
+                        &fallback)) {
+    return nullptr;
+  }
+  BuryNodes();
+  auto* st = static_cast<FastState*>(PyCapsule_GetPointer(fast_capsule, kCapsule));
+  if (st == nullptr) return nullptr;
+  if (!PyCallable_Check(fallback) || address == 0 || positions < 1) {
+    PyErr_SetString(PyExc_ValueError, "node_create: a callable fallback, a buffer address and "
+                    "positions >= 1 are needed");
+    return nullptr;
+  }
+  auto* n = new HostNode();
+  n->builder = st->builder;
+  n->keep = st->keep;
+  n->buffer = buffer;
+  n->fallback = fallback;
+  Py_INCREF(st->keep);
+  Py_INCREF(buffer);
+  Py_INCREF(fallback);
+  n->tokens = reinterpret_cast<const int32_t*>(static_cast<intptr_t>(address));
+  n->positions = positions;
+  n->num_slots = st->num_slots;
+  n->vocab_size = st->vocab_size;
+  n->max_drafts = st->max_drafts;
+  n->slot_matcher.resize(static_cast<size_t>(n->num_slots));
+  n->slot_kind.assign(static_cast<size_t>(n->num_slots), 0);
+  n->slot_stopped.assign(static_cast<size_t>(n->num_slots), 0);
+  PyObject* capsule = PyCapsule_New(n, kNodeCapsule, DestroyNode);
+  if (capsule == nullptr) {
+    NodeRelease(n);
+    BuryNodes();
+    return nullptr;
+  }
+  return Py_BuildValue("(NKKKK)", capsule,
+                       static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(&RunNode)),
+                       static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(&NodeRetain)),
+                       static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(&NodeRelease)),
+                       static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(n)));
+}
+
+// Read one request of a node job into `job`: false where it is not the plain case (then the
+// step is a Python step). `seen`: the slots met so far.
+bool PushOne(HostNode* n, FastState* st, PyObject* request_obj, int64_t index, int64_t offset,
+             int64_t draft_len, bool from_buffer, bool fill, std::vector<uint8_t>* seen,
+             NodeJob* job) {
+  const RequestFields request(st, request_obj);
+  Ref params(request.Read(RecordField::kParams));
+  if (!params) return false;
+  if (params.get() == Py_None) return true;  // unguided: no rows of its own to fill
+  {
+    Ref is_draft(request.Read(RecordField::kIsDraft));
+    if (is_draft.get() != Py_False) return false;
+  }
+  bool context;
+  {
+    Ref value(request.Read(RecordField::kContext));
+    if (BoolValue(value.get()) < 0) return false;
+    context = value.get() == Py_True;
+  }
+  {
+    Ref generating(request.Read(RecordField::kGenerating));
+    if (generating.get() != (context ? Py_False : Py_True)) return false;
+  }
+  if (!context) {  // (a disaggregated first step's matcher is created at add_batch)
+    Ref first(request.Read(RecordField::kFirstIteration));
+    if (BoolValue(first.get()) < 0) return false;
+  }
+  if (!ChainRequest(request)) return false;
+  int64_t slot;
+  {
+    Ref value(request.Read(RecordField::kSlot));
+    slot = IndexValue(value.get(), n->num_slots);
+  }
+  if (slot < 0 || (*seen)[slot]) return false;
+  if (context) {  // one row; created at add_batch (`fill`) or nothing to do
+    (*seen)[slot] = 1;
+    job->entries.push_back(NodeEntry{slot, -1, offset, static_cast<int64_t>(job->drafts.size()),
+                                     0, index, false, fill, !fill});
+    return true;
+  }
+  bool buffered = false;
+  if (from_buffer) {
+    Ref prev(request.Read(RecordField::kPrevSlot));
+    if (!prev) return false;
+    buffered = prev.get() != Py_None;
+  }
+  NodeEntry e{slot, -1, offset, static_cast<int64_t>(job->drafts.size()), 0, index, buffered,
+              false, false};
+  if (buffered) {  // the token and drafts of the slot's column, read by the node
+    e.num_drafts = std::min<int64_t>(n->positions - 1, draft_len);
+  } else {
+    Ref value(request.Read(RecordField::kToken));
+    e.token = IndexValue(value.get(), n->vocab_size);
+    if (e.token < 0) return false;
+    Ref drafts(request.Read(RecordField::kDrafts));
+    if (!drafts) return false;
+    if (drafts.get() != Py_None) {
+      PyObject* list = drafts.get();
+      if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) > n->max_drafts) return false;
+      e.num_drafts = std::min<int64_t>(PyList_GET_SIZE(list), draft_len);
+      for (int64_t j = 0; j < e.num_drafts; ++j) {
+        const int64_t x = IndexValue(PyList_GET_ITEM(list, j), n->vocab_size);
+        if (x < 0) return false;
+        job->drafts.push_back(x);
+      }
+    }
+  }
+  (*seen)[slot] = 1;
+  job->entries.push_back(e);
+  return true;
+}
+
+// node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer, fill)
+//   -> bool
+PyObject* NodePush(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 9 || !PyList_CheckExact(args[2]) || !PyList_CheckExact(args[3]) ||
+      !PyList_CheckExact(args[8])) {
+    PyErr_SetString(PyExc_TypeError, "node_push(node, fast, requests: list, offsets: list, "
+                    "draft_len, clear_rows, epoch, from_buffer, fill: list)");
+    return nullptr;
+  }
+  HostNode* n = NodeArg(args[0]);
+  auto* st = static_cast<FastState*>(PyCapsule_GetPointer(args[1], kCapsule));
+  if (n == nullptr || st == nullptr) return nullptr;
+  const long long draft_len = PyLong_AsLongLong(args[4]);
+  const long long clear_rows = PyLong_AsLongLong(args[5]);
+  const long long epoch = PyLong_AsLongLong(args[6]);
+  if (PyErr_Occurred()) return nullptr;
+  if (draft_len < 0 || clear_rows < 0 || clear_rows > n->builder->bitmask.size(0)) {
+    PyErr_Format(PyExc_ValueError, "node_push: draft_len %lld / clear_rows %lld out of range",
+                 draft_len, clear_rows);
+    return nullptr;
+  }
+  const bool from_buffer = PyObject_IsTrue(args[7]) == 1;
+  NodeJob job;
+  job.epoch = epoch;
+  job.draft_len = draft_len;
+  job.clear_rows = clear_rows;
+  std::vector<uint8_t> seen(static_cast<size_t>(n->num_slots), 0);
+  PyObject* requests = args[2];
+  PyObject* offsets = args[3];
+  std::vector<uint8_t> fill(static_cast<size_t>(PyList_GET_SIZE(requests)), 0);
+  for (Py_ssize_t k = 0; k < PyList_GET_SIZE(args[8]); ++k) {
+    const int64_t i = IndexValue(PyList_GET_ITEM(args[8], k), PyList_GET_SIZE(requests));
+    if (i < 0) {
+      PyErr_SetString(PyExc_ValueError, "node_push: fill holds a batch index out of range");
+      return nullptr;
+    }
+    fill[i] = 1;
+  }
+  bool plain = PyList_GET_SIZE(offsets) == PyList_GET_SIZE(requests);
+  for (Py_ssize_t i = 0; plain && i < PyList_GET_SIZE(requests); ++i) {
+    if (i >= PyList_GET_SIZE(offsets)) {  // (a field's Python code may change the lists)
+      plain = false;
+      break;
+    }
+    const int64_t offset = IndexValue(PyList_GET_ITEM(offsets, i), clear_rows + 1);
+    plain = offset >= 0 && PushOne(n, st, PyList_GET_ITEM(requests, i), i, offset, draft_len,
+                                   from_buffer, i < static_cast<Py_ssize_t>(fill.size()) &&
+                                   fill[i], &seen, &job);
+  }
+  if (!plain) Py_RETURN_FALSE;
+  std::lock_guard<std::mutex> lock(n->mu);
+  n->jobs.push_back(std::move(job));
+  Py_RETURN_TRUE;
+}
+
+// node_push_python(node, epoch): queue a Python step.
+PyObject* NodePushPython(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HostNode* n = nargs == 2 ? NodeArg(args[0]) : nullptr;
+  if (n == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "node_push_python(node, epoch)");
+    return nullptr;
+  }
+  const long long epoch = PyLong_AsLongLong(args[1]);
+  if (epoch == -1 && PyErr_Occurred()) return nullptr;
+  NodeJob job;
+  job.epoch = epoch;
+  job.python = true;
+  std::lock_guard<std::mutex> lock(n->mu);
+  n->jobs.push_back(std::move(job));
+  Py_RETURN_NONE;
+}
+
+// node_drop(node) -> bool: forget the oldest queued job (False: none was queued).
+PyObject* NodeDrop(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HostNode* n = nargs == 1 ? NodeArg(args[0]) : nullptr;
+  if (n == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "node_drop(node)");
+    return nullptr;
+  }
+  NodeJob job;  // (its destruction after the lock)
+  {
+    std::lock_guard<std::mutex> lock(n->mu);
+    if (n->jobs.empty()) Py_RETURN_FALSE;
+    job = std::move(n->jobs.front());
+    n->jobs.pop_front();
+    n->last_epoch = job.epoch;
+  }
+  Py_RETURN_TRUE;
+}
+
+// node_set_slot(node, slot, handle, stopped): what a step runs for `slot` from now on.
+PyObject* NodeSetSlot(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HostNode* n = nargs == 4 ? NodeArg(args[0]) : nullptr;
+  if (n == nullptr) {
+    if (!PyErr_Occurred()) {
+      PyErr_SetString(PyExc_TypeError, "node_set_slot(node, slot, handle, stopped)");
+    }
+    return nullptr;
+  }
+  const int64_t slot = IndexValue(args[1], n->num_slots);
+  if (slot < 0) {
+    PyErr_Format(PyExc_IndexError, "node_set_slot: slot %R is outside [0, %lld)", args[1],
+                 static_cast<long long>(n->num_slots));
+    return nullptr;
+  }
+  PyObject* handle = args[2];
+  ObjectRef ref;
+  uint8_t kind = 0;
+  if (PyLong_CheckExact(handle)) {
+    void* address = PyLong_AsVoidPtr(handle);
+    if (address == nullptr) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "node_set_slot: null handle");
+      return nullptr;
+    }
+    ref = tvm::ffi::detail::ObjectUnsafe::ObjectRefFromObjectPtr<ObjectRef>(
+        tvm::ffi::detail::ObjectUnsafe::ObjectPtrFromUnowned<tvm::ffi::Object>(
+            static_cast<TVMFFIObject*>(address)));
+    kind = 1;
+  } else if (handle != Py_None) {
+    kind = 2;
+  }
+  const uint8_t stopped = PyObject_IsTrue(args[3]) == 1;
+  {
+    std::lock_guard<std::mutex> lock(n->mu);
+    std::swap(n->slot_matcher[slot], ref);  // (the old reference goes after the lock)
+    n->slot_kind[slot] = kind;
+    n->slot_stopped[slot] = stopped;
+  }
+  Py_RETURN_NONE;
+}
+
+// node_take(node, advanced, guided): see the section's comment.
+PyObject* NodeTake(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyList_Check(args[1]) || !PyList_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "node_take(node, advanced: list, guided: list)");
+    return nullptr;
+  }
+  HostNode* n = NodeArg(args[0]);
+  if (n == nullptr) return nullptr;
+  BuryNodes();
+  std::deque<NodeDone> done;
+  {
+    std::lock_guard<std::mutex> lock(n->mu);
+    done.swap(n->done);
+  }
+  PyObject* advanced = args[1];
+  PyObject* guided = args[2];
+  PyObject* result = PyList_New(0);
+  if (result == nullptr) return nullptr;
+  for (const NodeDone& d : done) {
+    for (int64_t slot : d.seen_slots) {
+      if (slot < PyList_GET_SIZE(advanced)) SetCount(advanced, slot, 0);
+      if (slot < PyList_GET_SIZE(guided)) SetCount(guided, slot, 0);
+    }
+    PyObject* unusual = Py_None;
+    Py_INCREF(unusual);
+    for (size_t k = 0; k < d.slots.size(); ++k) {
+      const int32_t* o = d.out.data() + k * 3;
+      const int64_t slot = d.slots[k];
+      if (o[1] && slot < PyList_GET_SIZE(advanced)) SetCount(advanced, slot, o[1]);
+      if (o[2] && slot < PyList_GET_SIZE(guided)) SetCount(guided, slot, o[2]);
+      if (o[0] == kOk) continue;
+      if (unusual == Py_None) {
+        Py_DECREF(unusual);
+        unusual = PyList_New(0);
+        if (unusual == nullptr) {
+          Py_DECREF(result);
+          return nullptr;
+        }
+      }
+      const std::string& text = d.messages[k];
+      PyObject* item = text.empty()
+          ? Py_BuildValue("(LiO)", static_cast<long long>(d.index[k]), o[0], Py_None)
+          : Py_BuildValue("(Lis#)", static_cast<long long>(d.index[k]), o[0], text.data(),
+                          static_cast<Py_ssize_t>(text.size()));
+      if (item == nullptr || PyList_Append(unusual, item) < 0) {
+        Py_XDECREF(item);
+        Py_DECREF(unusual);
+        Py_DECREF(result);
+        return nullptr;
+      }
+      Py_DECREF(item);
+    }
+    PyObject* columns = Py_None;
+    Py_INCREF(columns);
+    if (!d.columns.empty()) {
+      Py_DECREF(columns);
+      columns = PyList_New(0);
+      const size_t width = static_cast<size_t>(n->positions) + 1;
+      for (size_t at = 0; columns != nullptr && at + width <= d.columns.size(); at += width) {
+        PyObject* values = PyList_New(n->positions);
+        for (int64_t p = 0; values != nullptr && p < n->positions; ++p) {
+          PyList_SET_ITEM(values, p, PyLong_FromLongLong(d.columns[at + 1 + p]));
+        }
+        PyObject* item = values == nullptr ? nullptr
+            : Py_BuildValue("(LN)", static_cast<long long>(d.columns[at]), values);
+        if (item == nullptr || PyList_Append(columns, item) < 0) {
+          Py_XDECREF(item);
+          Py_CLEAR(columns);
+          break;
+        }
+        Py_DECREF(item);
+      }
+      if (columns == nullptr) {
+        Py_DECREF(unusual);
+        Py_DECREF(result);
+        return nullptr;
+      }
+    }
+    PyObject* error = d.error.empty() ? (Py_INCREF(Py_None), Py_None)
+        : PyUnicode_DecodeUTF8(d.error.data(), static_cast<Py_ssize_t>(d.error.size()),
+                               "replace");
+    PyObject* item = error == nullptr ? nullptr
+        : Py_BuildValue("(LNONN)", static_cast<long long>(d.epoch), error,
+                        d.masked ? Py_True : Py_False, unusual, columns);
+    if (item == nullptr || PyList_Append(result, item) < 0) {
+      Py_XDECREF(item);
+      Py_DECREF(result);
+      return nullptr;
+    }
+    Py_DECREF(item);
+  }
+  return result;
+}
+
+// node_stats(node) -> (runs, python_runs, last_start_ns, last_end_ns, busy_ns, rows)
+PyObject* NodeStats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HostNode* n = nargs == 1 ? NodeArg(args[0]) : nullptr;
+  if (n == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "node_stats(node)");
+    return nullptr;
+  }
+  return Py_BuildValue("(LLLLLL)", static_cast<long long>(n->runs.load()),
+                       static_cast<long long>(n->python_runs.load()),
+                       static_cast<long long>(n->last_start.load()),
+                       static_cast<long long>(n->last_end.load()),
+                       static_cast<long long>(n->busy_ns.load()),
+                       static_cast<long long>(n->rows.load()));
+}
+
+// node_set_warmup(node, on): whether the node's runs are warm-up runs (see RunNode).
+PyObject* NodeSetWarmup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HostNode* n = nargs == 2 ? NodeArg(args[0]) : nullptr;
+  if (n == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "node_set_warmup(node, on)");
+    return nullptr;
+  }
+  n->warmup.store(PyObject_IsTrue(args[1]) == 1);
+  Py_RETURN_NONE;
+}
+
+// node_set_epoch(node, epoch): the epoch of the latest batch consumed (the next job's is one more).
+PyObject* NodeSetEpoch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HostNode* n = nargs == 2 ? NodeArg(args[0]) : nullptr;
+  if (n == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "node_set_epoch(node, epoch)");
+    return nullptr;
+  }
+  const long long epoch = PyLong_AsLongLong(args[1]);
+  if (epoch == -1 && PyErr_Occurred()) return nullptr;
+  std::lock_guard<std::mutex> lock(n->mu);
+  n->last_epoch = epoch;
+  Py_RETURN_NONE;
+}
+
+// node_shutdown(): refuse Python steps from now on (registered at interpreter exit).
+PyObject* NodeShutdown(PyObject*, PyObject* const*, Py_ssize_t) {
+  g_node_shutdown.store(true);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef g_methods[] = {
     {"make_fast", reinterpret_cast<PyCFunction>(MakeFast), METH_VARARGS,
      "Bind a host builder to a decoder's per-slot lists and its request type's fields."},
@@ -762,6 +1484,30 @@ PyMethodDef g_methods[] = {
      METH_FASTCALL, "Wait for the step fast_begin started and return fast_step's result."},
     {"fast_close", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(FastClose)),
      METH_FASTCALL, "End the state's build thread (fast_begin starts it again)."},
+    {"node_create", reinterpret_cast<PyCFunction>(NodeCreate), METH_VARARGS,
+     "Create a native host node bound to a fast state and a token buffer."},
+    {"node_push", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodePush)),
+     METH_FASTCALL, "Queue a step's native job, or return False (a Python step)."},
+    {"node_push_python",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodePushPython)),
+     METH_FASTCALL, "Queue a Python step."},
+    {"node_drop", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeDrop)),
+     METH_FASTCALL, "Forget the oldest queued job."},
+    {"node_set_slot", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeSetSlot)),
+     METH_FASTCALL, "Set what a step runs for a slot."},
+    {"node_take", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeTake)),
+     METH_FASTCALL, "The steps the node ended since the last call."},
+    {"node_stats", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeStats)),
+     METH_FASTCALL, "Counters and timestamps of the node's runs."},
+    {"node_set_warmup",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeSetWarmup)), METH_FASTCALL,
+     "Make the node's runs warm-up runs (no job, no mask) or not."},
+    {"node_set_epoch",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeSetEpoch)), METH_FASTCALL,
+     "Set the epoch of the latest batch consumed."},
+    {"node_shutdown",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeShutdown)), METH_FASTCALL,
+     "Refuse Python steps from now on (interpreter exit)."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef g_module = {PyModuleDef_HEAD_INIT, "capgraph_host_build",

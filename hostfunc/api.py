@@ -12,10 +12,13 @@ from types import MethodType
 from typing import Any, Generic, ParamSpec, overload
 
 from .backend import active_backend
+from .errors import HostFuncUsageError
+from .native import check_native_args
 from .registry import REGISTRY
 
-__all__ = ["launch", "hostfunc", "HostFunction", "drain", "synchronize", "check_errors",
-           "is_capturing", "live_entries"]
+__all__ = ["launch", "launch_native", "hostfunc", "HostFunction", "drain", "synchronize",
+           "check_errors", "is_capturing", "live_entries", "add_drain_hook", "remove_drain_hook",
+           "record_error"]
 
 P = ParamSpec("P")
 
@@ -45,6 +48,46 @@ def launch(fn: Callable[P, object], /, *args: P.args, **kwargs: P.kwargs) -> Non
     active_backend().launch(fn, args, kwargs)
 
 
+def launch_native(fn: int, user_data: int, *, retain: int | None = None,
+                  release: int | None = None) -> None:
+    """Enqueue the C function ``fn(user_data)`` on the current stream; return at once.
+
+    ``fn``, ``retain`` and ``release`` are addresses of C functions ``void f(void *user_data)``
+    (for example read with ctypes from a loaded library); ``user_data`` is a pointer-sized int
+    passed through unchanged. The call is ordered on the stream with the Python callbacks
+    around it, on the same backend as :func:`launch`.
+
+    ``fn`` runs on a thread that does not hold the GIL and never takes it: no Python runs
+    between the stream reaching the call and ``fn`` returning, so it completes while another
+    Python thread holds the GIL (on CUDA it is the driver's host node itself; on the CPU
+    stand-in, the stream's native lane, a C thread). What ``fn`` does wrong is its own
+    business: hostfunc cannot see it, and no registry entry is held (:func:`live_entries`).
+
+    Eager (not capturing): runs once. Capturing: recorded as a host node that runs on every
+    replay. Lifetime of ``user_data``: without ``retain``/``release`` the caller keeps it
+    alive. With them, ``retain(user_data)`` runs now on this thread, and ``release(user_data)``
+    once the work no longer needs it: captured, when the graph and all its instantiations are
+    gone (CUDA: a user object whose destructor is ``release``; CPU stand-in:
+    ``HostGraph.reset()`` or collection, after replays in flight finish); eager, right after
+    ``fn`` ran, in stream order. ``release`` may run on any thread and must not need the GIL.
+
+    Raises:
+        HostFuncUsageError: an address is not an int or is zero, ``user_data`` is not a
+            pointer-sized int, only one of ``retain``/``release`` was given, the backend runs
+            no native functions, or (CPU stand-in) there is no C compiler to build the lane.
+        HostFuncLaunchError: the driver refused the launch (nothing was enqueued, and a
+            ``retain`` already done was undone with ``release``).
+    """
+    call = check_native_args(fn, user_data, retain, release)
+    backend = active_backend()
+    launch_call = getattr(backend, "launch_native", None)
+    if launch_call is None:
+        raise HostFuncUsageError(
+            f"the active hostfunc backend {backend.name!r} ({type(backend).__name__}) does not "
+            f"run native host functions")
+    launch_call(call)
+
+
 def drain(timeout: float | None = None) -> None:
     """Wait until every callback enqueued so far has run, then re-raise the first callback error.
 
@@ -62,6 +105,7 @@ def drain(timeout: float | None = None) -> None:
     """
     REGISTRY.collect()
     active_backend().wait_all(timeout)
+    _run_drain_hooks()
     REGISTRY.collect()
     REGISTRY.raise_pending()
 
@@ -76,8 +120,42 @@ def check_errors() -> None:
     Raises:
         HostFuncError: a callback raised since the last drain or check.
     """
+    _run_drain_hooks()
     REGISTRY.collect()
     REGISTRY.raise_pending()
+
+
+#: what add_drain_hook registered, in order
+_DRAIN_HOOKS: list[Callable[[], None]] = []
+
+
+def add_drain_hook(hook: Callable[[], None]) -> None:
+    """Have :func:`drain` (after its wait) and :func:`check_errors` call ``hook()`` before they
+    raise pending errors: for work that runs outside hostfunc's view and leaves its failures
+    for Python to read, such as a native host function (see :func:`launch_native`) whose
+    owner turns what it recorded into :func:`record_error` calls. A hook that raises is
+    reported as a callback error under its name."""
+    _DRAIN_HOOKS.append(hook)
+
+
+def remove_drain_hook(hook: Callable[[], None]) -> None:
+    """Stop calling ``hook`` (a no-op if it is not registered)."""
+    try:
+        _DRAIN_HOOKS.remove(hook)
+    except ValueError:
+        pass
+
+
+def record_error(fn_name: str, error: BaseException) -> None:
+    """Keep ``error`` for the next :func:`drain` / :func:`check_errors`, as if the callback
+    ``fn_name`` had raised it (re-raised as :class:`HostFuncError` with ``error`` as its
+    cause)."""
+    REGISTRY.record_error(fn_name, error)
+
+
+def _run_drain_hooks() -> None:
+    for hook in list(_DRAIN_HOOKS):
+        REGISTRY.call(hook, (), {})
 
 
 def is_capturing() -> bool:

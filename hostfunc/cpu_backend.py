@@ -1,5 +1,8 @@
 """Host callbacks on the CPU stand-in: the current HostStream runs them, or records them into the
-HostGraph it is capturing into. Same contract as the CUDA backend."""
+HostGraph it is capturing into. Same contract as the CUDA backend.
+
+Native host functions run on the stream's native lane (a C thread, see
+:mod:`hostfunc.host_stream`); they need a C compiler for the lane's first build."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from typing import Any
 
 from . import _context
 from .host_stream import all_streams, current_stream
+from .native import NativeCall, call_c
 from .registry import REGISTRY
 
 __all__ = ["CpuBackend"]
@@ -19,6 +23,7 @@ class CpuBackend:
     """Launches host callbacks on the calling thread's current :class:`~hostfunc.HostStream`."""
 
     name = "cpu"
+    _lane_built = False  # the lane library was built and loaded (set on first native launch)
 
     def launch(self, fn: Callable[..., Any], args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> None:
@@ -45,6 +50,34 @@ class CpuBackend:
             stream.enqueue(functools.partial(REGISTRY.run, key))
         except BaseException:
             REGISTRY.release(key)
+            raise
+
+    def launch_native(self, call: NativeCall) -> None:
+        """Enqueue a native call on the current HostStream's lane, or record it into the graph
+        that stream is capturing into (``retain`` now, ``release`` with the graph). Eager, a
+        ``retain``/``release`` pair brackets the one run: ``retain`` now, ``release`` right
+        after ``fn`` on the lane.
+
+        Raises:
+            HostFuncUsageError: the lane library cannot be built (no C compiler), or the
+                stream is closed (a ``retain`` already done is undone with ``release``).
+        """
+        if not self._lane_built:  # fail here, before any retain, when there is no compiler
+            from .lane import lane_library
+            lane_library()
+            self._lane_built = True
+        stream = current_stream()
+        graph = stream.capture_graph
+        if graph is not None:
+            graph.add_native(call)
+            return
+        if call.retain:
+            call_c(call.retain, call.user_data)
+        try:
+            stream.enqueue_native(call)
+        except BaseException:
+            if call.release:
+                call_c(call.release, call.user_data)
             raise
 
     def is_capturing(self) -> bool:

@@ -18,6 +18,25 @@ refer to it: every failure path either releases the entry at once or leaves it t
 
 The bindings release the GIL inside every driver call; the trampolines take it (ctypes does).
 
+Native host functions (:func:`hostfunc.launch_native`) take the same two routes with the raw C
+function and ``user_data`` in place of the trampoline and key, so the driver calls them directly
+and no Python (no GIL) is on the stream's path:
+
+- captured: the sequence above; the user object (``cuUserObjectCreate(user_data, release)``) only
+  where a ``retain``/``release`` pair is given, ``retain(user_data)`` called first on the calling
+  thread, ``release`` called once at once if a driver call refuses before the graph owns it;
+- eager: not the bindings' ``cuLaunchHostFunc``, whose wrapper takes the GIL before calling the
+  function, but the driver's own entry point, resolved once with ``driver.cuGetProcAddress``
+  (legacy default-stream semantics, as torch's stream handles use) and called through a ctypes
+  ``CFUNCTYPE`` (a ctypes foreign call releases the GIL). With a ``retain``/``release`` pair,
+  ``retain`` runs now and ``release`` is launched right behind ``fn``.
+
+tests/test_hostfunc_native.py pins the native sequence against the fake libcuda (raw values
+reach the driver, ``fn`` runs without the GIL, one ``release`` on every failure path).
+UNVERIFIED (needs a GPU; tests/test_hostfunc_native_gpu.py checks it): that a real driver hands
+out ``cuLaunchHostFunc`` through ``cuGetProcAddress`` as used here, and that a native host node
+completes while another thread holds the GIL, captured and eager.
+
 What pins it: tests/test_hostfunc_fake_driver.py runs the call sequence against a fake
 libcuda (argument passing -- the raw fn pointer and integer userData reach the driver unchanged
 --, GIL release during the calls, replay running the bound call each time, the destructor
@@ -33,10 +52,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+import ctypes
 from types import ModuleType
 from typing import Any
 
 from .errors import HostFuncLaunchError, HostFuncTimeoutError
+from .native import NativeCall, call_c
 from .registry import REGISTRY, callable_name
 from .trampoline import trampoline_addresses
 
@@ -46,6 +67,10 @@ _SUCCESS = 0
 _NOT_READY = 600        # CUDA_ERROR_NOT_READY
 _INVALID_HANDLE = 400   # CUDA_ERROR_INVALID_HANDLE
 _POLL_S = 0.0005
+_GET_PROC_ADDRESS_LEGACY_STREAM = 1  # CU_GET_PROC_ADDRESS_LEGACY_STREAM
+# CUresult cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)
+_LAUNCH_HOST_FUNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_void_p)
 
 
 def torch_current_stream() -> int:
@@ -78,6 +103,7 @@ class CudaBackend:
         self._run_fn: Any = None       # CUhostFn of the run trampoline
         self._release_fn: Any = None   # CUhostFn of the release trampoline
         self._launched_on: set[int] = set()  # streams with eager launches since the last drain
+        self._raw_launch: Any = None   # the driver's own cuLaunchHostFunc (ctypes), on first use
 
     # ---- driver access ----
 
@@ -167,6 +193,89 @@ class CudaBackend:
         params = d.CUDA_HOST_NODE_PARAMS()
         params.fn = self._run_fn
         params.userData = key
+        (node,) = self._call("cuGraphAddHostNode", name, d.cuGraphAddHostNode, graph, deps,
+                             num_deps, params)
+        self._call("cuStreamUpdateCaptureDependencies", name,
+                   d.cuStreamUpdateCaptureDependencies, stream, [node], None, 1,
+                   d.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES)
+
+    # ---- native host functions ----
+
+    def launch_native(self, call: NativeCall) -> None:
+        """Enqueue the C function ``call.fn(call.user_data)`` on the current stream (see the
+        module docstring); a retain done here is undone with release if the driver refuses."""
+        d = self._drv()
+        name = f"<native {call.fn:#x}>"
+        handle = self._stream_of()
+        stream = d.CUstream(handle)
+        status, _seq, graph, deps, edges, num_deps = self._call(
+            "cuStreamGetCaptureInfo", name, d.cuStreamGetCaptureInfo, stream)
+        status = int(status)
+        if status == int(d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE):
+            self._launch_native_eager(handle, call, name)
+        elif status == int(d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE):
+            self._add_native_captured(d, stream, graph, deps, edges, num_deps, call, name)
+        else:
+            raise HostFuncLaunchError("cuStreamGetCaptureInfo", status, name,
+                                      "the stream's capture sequence was invalidated")
+
+    def _raw_launch_host_func(self, name: str) -> Any:
+        if self._raw_launch is None:
+            d = self._drv()
+            (version,) = self._call("cuDriverGetVersion", name, d.cuDriverGetVersion)
+            address, _status = self._call("cuGetProcAddress", name, d.cuGetProcAddress,
+                                          b"cuLaunchHostFunc", int(version),
+                                          _GET_PROC_ADDRESS_LEGACY_STREAM)
+            if not address:
+                raise HostFuncLaunchError("cuGetProcAddress", _status, name,
+                                          "the driver has no cuLaunchHostFunc")
+            self._raw_launch = _LAUNCH_HOST_FUNC(int(address))
+        return self._raw_launch
+
+    def _launch_native_eager(self, handle: int, call: NativeCall, name: str) -> None:
+        raw = self._raw_launch_host_func(name)
+        if call.retain:
+            call_c(call.retain, call.user_data)
+        err = raw(handle, call.fn, call.user_data)  # GIL released during the foreign call
+        if err != _SUCCESS:
+            if call.release:
+                call_c(call.release, call.user_data)
+            raise HostFuncLaunchError("cuLaunchHostFunc", err, name)
+        with self._lock:
+            self._launched_on.add(handle)
+        if call.release:
+            err = raw(handle, call.release, call.user_data)
+            if err != _SUCCESS:  # fn is enqueued: release now would free what it still uses
+                raise HostFuncLaunchError(
+                    "cuLaunchHostFunc", err, name, "fn was enqueued but its release was not; "
+                    "user_data keeps the reference that retain took")
+
+    def _add_native_captured(self, d: Any, stream: Any, graph: Any, deps: Any, edges: Any,
+                             num_deps: int, call: NativeCall, name: str) -> None:
+        for edge in edges or ():  # (as for Python callbacks: see _add_captured)
+            if edge.from_port or edge.to_port or edge.type:
+                raise HostFuncLaunchError("cuStreamGetCaptureInfo", "non-default edge data",
+                                          name, "host nodes cannot follow programmatic edges")
+        if call.retain:
+            call_c(call.retain, call.user_data)
+            try:
+                (obj,) = self._call(
+                    "cuUserObjectCreate", name, d.cuUserObjectCreate, call.user_data,
+                    d.CUhostFn(call.release), 1,
+                    d.CUuserObject_flags.CU_USER_OBJECT_NO_DESTRUCTOR_SYNC)
+            except BaseException:
+                call_c(call.release, call.user_data)
+                raise
+            try:
+                self._call("cuGraphRetainUserObject", name, d.cuGraphRetainUserObject, graph,
+                           obj, 1, d.CUuserObjectRetain_flags.CU_GRAPH_USER_OBJECT_MOVE)
+            except BaseException:
+                d.cuUserObjectRelease(obj, 1)  # its destructor is release
+                raise
+        # The graph owns user_data's reference from here on; a failure leaves it to the graph.
+        params = d.CUDA_HOST_NODE_PARAMS()
+        params.fn = d.CUhostFn(call.fn)
+        params.userData = call.user_data
         (node,) = self._call("cuGraphAddHostNode", name, d.cuGraphAddHostNode, graph, deps,
                              num_deps, params)
         self._call("cuStreamUpdateCaptureDependencies", name,

@@ -5,6 +5,10 @@ A :class:`HostGraph` owns the registry entries of the calls captured into it, th
 owns them through a user object: they live until :meth:`HostGraph.reset` or until the graph is
 collected, and if a replay is still running then, they go once it has finished (the driver defers
 a user object's destructor the same way). :func:`capture` is the ``torch.cuda.graph`` analogue.
+
+Native host functions captured into a graph (:func:`hostfunc.launch_native`) hold no registry
+entry: their ``retain`` runs at capture, their ``release`` when the graph's entries are released
+(after replays in flight finish), and each replay runs them on the stream's native lane.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from contextlib import contextmanager
 
 from .errors import HostFuncUsageError
 from .host_stream import HostStream, current_stream, use_stream
+from .native import NativeCall, call_c
 from .registry import REGISTRY
 
 __all__ = ["HostGraph", "capture"]
@@ -31,6 +36,8 @@ class _Ownership:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.keys: list[int] = []
+        self.natives: list[NativeCall] = []  # captured native calls with a release to call
+        self.num_native = 0
         self.in_flight = 0
         self.released = False
 
@@ -55,8 +62,11 @@ class _Ownership:
     def _hand_back(self) -> None:
         with self.lock:
             keys, self.keys = self.keys, []
+            natives, self.natives = self.natives, []
         for key in keys:
             REGISTRY.defer_release(key)
+        for call in natives:  # on whichever thread lets go last; the GIL is released in C
+            call_c(call.release, call.user_data)
 
 
 class HostGraph:
@@ -79,9 +89,9 @@ class HostGraph:
 
     @property
     def num_callbacks(self) -> int:
-        """Number of callbacks captured (each runs once per replay)."""
+        """Number of callbacks captured, Python and native (each runs once per replay)."""
         with self._own.lock:
-            return len(self._own.keys)
+            return len(self._own.keys) + self._own.num_native
 
     def capture_begin(self, stream: HostStream) -> None:
         """Start recording what is launched on ``stream``.
@@ -110,6 +120,21 @@ class HostGraph:
             self._own.keys.append(key)
         def step(stream: HostStream) -> None:
             stream.enqueue(functools.partial(REGISTRY.run, key))
+        self._steps.append(step)
+
+    def add_native(self, call: NativeCall) -> None:
+        """Record a native call (called by the backend): ``call.retain`` runs now, on this
+        thread; ``call.release`` when the graph's entries are released."""
+        if call.retain:
+            call_c(call.retain, call.user_data)
+        with self._own.lock:
+            self._own.num_native += 1
+            if call.release:
+                self._own.natives.append(call)
+        replayed = NativeCall(call.fn, call.user_data)
+
+        def step(stream: HostStream) -> None:
+            stream.enqueue_native(replayed)
         self._steps.append(step)
 
     def add_step(self, step: Step) -> None:

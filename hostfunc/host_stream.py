@@ -6,11 +6,22 @@ that another stream (or the host) can wait for. :func:`use_stream` makes a strea
 calling thread, like ``torch.cuda.stream``; :func:`current_stream` returns it.
 
 Waits (``synchronize``) release the GIL while they wait (``threading.Condition.wait`` does).
+
+Native host functions (:func:`hostfunc.launch_native`) run on the stream's native lane, a C
+thread started on the stream's first native call (:class:`hostfunc.lane.Lane`), so that no
+Python runs between the stream reaching the call and its return. The stream stays one ordered
+queue: a native call on a stream with nothing queued or running in Python goes straight to the
+lane; otherwise it is queued behind the Python tasks, and the worker hands it to the lane and
+waits for it (GIL released; consecutive queued native calls are handed over together). A Python
+task never starts while earlier native calls of its stream are unfinished (the worker waits for
+the lane first, GIL released). ``synchronize``, ``query``, ``HostEvent.record`` on an idle
+stream and ``inline_when_idle`` count native calls too.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import threading
 import time
@@ -25,6 +36,8 @@ from .registry import REGISTRY
 
 if TYPE_CHECKING:
     from .host_graph import HostGraph
+    from .lane import Lane
+    from .native import NativeCall
 
 __all__ = ["HostStream", "HostEvent", "use_stream", "current_stream", "explicit_stream",
            "all_streams"]
@@ -44,7 +57,11 @@ def _left(deadline: float | None) -> float | None:
 
 class _Worker:
     """The queue and thread of one HostStream; holds no reference to the stream itself, so an
-    unreferenced HostStream is collected and its thread told to stop."""
+    unreferenced HostStream is collected and its thread told to stop.
+
+    Once the stream has a native lane, each task queued is wrapped so that it first waits for
+    the native calls enqueued before it (see :func:`_after_lane`).
+    """
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -55,6 +72,7 @@ class _Worker:
         self.closed = False
         self.inline: int | None = None  # ident of the thread running a task inline, if any
         self.thread: threading.Thread | None = None
+        self.lane: Lane | None = None   # started on the first native call
         _ALL_WORKERS.add(self)
 
     def put(self, task: Task) -> int:
@@ -62,19 +80,55 @@ class _Worker:
         with self.cond:
             if self.closed:
                 raise HostFuncUsageError(f"{self.name} is closed")
+            lane = self.lane
+            if lane is not None:
+                task = functools.partial(_after_lane, lane, lane.enqueued, task)
             self.tasks.append(task)
             self.enqueued += 1
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-                self.thread.start()
-            self.cond.notify_all()
+            self._wake()
             return self.enqueued
 
+    def _wake(self) -> None:
+        # (under self.cond) a task was appended: start the thread if needed, wake it
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self.thread.start()
+        self.cond.notify_all()
+
+    def put_native(self, call: NativeCall) -> None:
+        """Enqueue a native call: straight to the lane when nothing is queued or running in
+        Python, else as a task that hands it to the lane when the worker reaches it."""
+        if self.lane is None:
+            from .lane import Lane, lane_library
+            lane_library()  # a first build happens here, outside the stream's lock
+            with self.cond:
+                if self.lane is None and not self.closed:
+                    self.lane = Lane(self.name)
+        with self.cond:
+            if self.closed:
+                raise HostFuncUsageError(f"{self.name} is closed")
+            lane = self.lane
+            assert lane is not None
+            if self.completed >= self.enqueued:
+                lane.push(call)
+                return
+            last = self.tasks[-1] if self.tasks else None
+            if type(last) is _NativeBatch and not last.started:
+                last.calls.append(call)  # one hand-over for consecutive native calls
+                return
+            self.tasks.append(_NativeBatch(self.cond, lane, call))
+            self.enqueued += 1
+            self._wake()
+
     def idle(self) -> bool:
-        """Nothing queued or running (without the lock: ``completed`` is read first, and only
-        grows up to ``enqueued``, so a busy stream never reads as idle)."""
+        """Nothing queued or running, native calls included (without the lock: ``completed``
+        is read first, and only grows up to ``enqueued``, so a busy stream never reads as
+        idle)."""
         completed = self.completed
-        return completed >= self.enqueued
+        if completed < self.enqueued:
+            return False
+        lane = self.lane
+        return lane is None or lane.idle()
 
     def claim_if_idle(self) -> bool:
         """With nothing queued or running, count one task as running on the calling thread
@@ -83,7 +137,8 @@ class _Worker:
         with self.cond:
             if self.closed:
                 raise HostFuncUsageError(f"{self.name} is closed")
-            if self.completed < self.enqueued:
+            if self.completed < self.enqueued or (self.lane is not None
+                                                  and not self.lane.idle()):
                 return False
             self.enqueued += 1
             self.inline = threading.get_ident()
@@ -106,7 +161,8 @@ class _Worker:
                 while self.inline is not None or (not self.tasks and not self.closed):
                     self.cond.wait()
                 if not self.tasks:
-                    return
+                    lane = self.lane
+                    break
                 task = self.tasks.popleft()
             try:
                 task()
@@ -117,8 +173,11 @@ class _Worker:
             with self.cond:
                 self.completed += 1
                 self.cond.notify_all()
+        if lane is not None:  # closed and drained: end the lane once its calls returned
+            lane.close(wait=True)
 
-    def wait_for(self, ticket: int, timeout: float | None) -> None:
+    def wait_for(self, ticket: int, timeout: float | None, lane_ticket: int = 0) -> None:
+        """Wait until Python task ``ticket`` and native call ``lane_ticket`` have finished."""
         if self._in_own_task():
             raise HostFuncUsageError(f"{self.name} cannot wait for itself from one of its tasks")
         deadline = _deadline(timeout)
@@ -128,16 +187,66 @@ class _Worker:
                 if left == 0.0:
                     raise HostFuncTimeoutError(self.name, timeout or 0.0)
                 self.cond.wait(left)
+            lane = self.lane
+        if lane_ticket and lane is not None:
+            lane.wait(lane_ticket, _left(deadline))
 
-    def close(self, join: bool = False, timeout: float | None = 5.0) -> None:
-        """Stop the worker once its queue is empty; with ``join``, wait for its thread to end
-        (never from the worker itself)."""
+    def tickets(self) -> tuple[int, int]:
+        """The (Python, native) tickets of everything enqueued so far."""
+        with self.cond:
+            lane = self.lane
+            return self.enqueued, 0 if lane is None else lane.enqueued
+
+    def stop(self) -> None:
+        """Refuse later enqueues; the worker (and lane) end once their queues are empty."""
         with self.cond:
             self.closed = True
             self.cond.notify_all()
-            thread = self.thread
-        if join and thread is not None and not self._in_own_task():
+
+    def close(self, join: bool = False, timeout: float | None = 5.0) -> None:
+        """Stop the worker once its queue is empty; with ``join``, wait for its thread to end
+        (never from the worker itself). The lane ends after the worker: the worker thread
+        closes it as it ends; with no worker thread, it is closed here (waited for with
+        ``join``, else it ends by itself once its calls returned)."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+            thread, lane = self.thread, self.lane
+        if thread is None:
+            if lane is not None:
+                lane.close(wait=join)
+        elif join and not self._in_own_task():
             thread.join(timeout)
+
+
+def _after_lane(lane: Lane, ticket: int, task: Task) -> None:
+    # A task queued once the stream has a lane: the native calls enqueued before it first.
+    lane.wait(ticket)  # (GIL released; returns at once for ticket 0 or a reached one)
+    task()
+
+
+class _NativeBatch:
+    """Native calls queued behind Python tasks, as one task: when the worker reaches it, it
+    hands them to the lane (behind any native calls still running there, in order) and waits
+    for the last, GIL released. Calls enqueued while it is the last queued task and not yet
+    started join it."""
+
+    __slots__ = ("cond", "lane", "calls", "started")
+
+    def __init__(self, cond: threading.Condition, lane: Lane, call: NativeCall) -> None:
+        self.cond = cond
+        self.lane = lane
+        self.calls = [call]
+        self.started = False
+
+    def __call__(self) -> None:
+        with self.cond:
+            self.started = True
+            calls = self.calls
+        ticket = 0
+        for call in calls:
+            ticket = self.lane.push(call)
+        self.lane.wait(ticket)
 
 
 # Workers are daemon threads; one still running Python (dropping a tensor, say) while the
@@ -149,7 +258,7 @@ _ALL_WORKERS: weakref.WeakSet[_Worker] = weakref.WeakSet()
 def _join_workers_at_exit() -> None:
     workers = list(_ALL_WORKERS)
     for worker in workers:
-        worker.close()
+        worker.stop()
     for worker in workers:
         worker.close(join=True)
 
@@ -188,6 +297,15 @@ class HostStream:
         """Append ``task`` (which must not raise) to the queue; returns its ticket number."""
         return self._worker.put(task)
 
+    def enqueue_native(self, call: NativeCall) -> None:
+        """Append a native call (``call.fn(call.user_data)``, then ``call.release`` where
+        given) in stream order; it runs on the stream's native lane, without the GIL.
+
+        Raises:
+            HostFuncUsageError: the stream is closed, or the lane library cannot be built.
+        """
+        self._worker.put_native(call)
+
     @property
     def thread(self) -> threading.Thread | None:
         """The worker thread running this stream's tasks; None until a task needed it (tasks
@@ -210,9 +328,8 @@ class HostStream:
             HostFuncTimeoutError: ``timeout`` seconds passed first.
             HostFuncUsageError: called from one of this stream's own tasks (it would deadlock).
         """
-        with self._worker.cond:
-            ticket = self._worker.enqueued
-        self._worker.wait_for(ticket, timeout)
+        ticket, lane_ticket = self._worker.tickets()
+        self._worker.wait_for(ticket, timeout, lane_ticket)
 
     def wait_event(self, event: HostEvent) -> None:
         """Make later work on this stream wait until ``event``'s latest record has completed."""

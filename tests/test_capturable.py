@@ -448,7 +448,9 @@ class _StreamLog:
 def test_prepare_records_the_tokens_event_inside_a_capture_once(factory_cache, capturing,
                                                                ready, expect):
     factory = factory_cache("mistral-sp32k")
-    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory)
+    # the Python host callback (replaced below): a native node would really be launched on
+    # this faked capture (the event order around either is the same code)
+    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="python")
     try:
         capt.add_batch([GuidedRequest.context(1, 0, GuidedDecodingParams.regex("a+"))])
         original, capt._streams = capt._streams, _StreamLog(capturing)

@@ -31,7 +31,38 @@ def _kernel_row(batch, ours_us, gbps, copy_gbps, triton_us=None, cuda_us=None, *
     return row
 
 
-def _write(out: Path, kernel_rows, replay_ratio_64, failing=False, xgr_rows=None):
+POINTS = [("tiny", 64), ("tiny", 256), ("small", 8), ("small", 64), ("small", 256)]
+
+
+def _replay_row(model, batch, ratio, host_node="python", build_ms=0.4):
+    node_ms = 0.1 if host_node == "native" else None
+    row = {"model": model, "batch": batch, "unguided_steps": 63, "guided_steps": 60,
+           "unguided_ms_per_step": 2.0, "guided_ms_per_step": 2.0 * ratio, "ratio": ratio,
+           "host_build_ms_per_step": build_ms,
+           "host_build_us_per_row": None if build_ms is None else build_ms * 1e3 / batch,
+           "native_node_ms_per_step": node_ms,
+           "native_node_us_per_row": None if node_ms is None else node_ms * 1e3 / batch}
+    if host_node is not None:
+        row["host_node"] = host_node
+    return row
+
+
+def _profile(mask_kernels=("capgraph_logits_bitmask_f32_b32_p4",),
+             host_ranges=("CapturableGuidedDecoder.build",)):
+    return {"device": "NVIDIA H200", "nvtx_active": True, "host_node": "native",
+            "step_us": [610.0, 598.5],
+            "unavailable": {}, "landmarks": {
+                "capgraph_ranges": 5, "host_node_ranges": list(host_ranges),
+                "mask_kernels": list(mask_kernels),
+                "all_three": bool(mask_kernels) and bool(host_ranges)},
+            "summary": [{"kind": "kernel", "name": "capgraph_logits_bitmask_f32_b32_p4",
+                         "count": 2, "mean_us": 6.25, "total_us": 12.5},
+                        {"kind": "nvtx", "name": "CapturableGuidedDecoder.build", "count": 2,
+                         "mean_us": 401.0, "total_us": 802.0}]}
+
+
+def _write(out: Path, kernel_rows, replay_rows, failing=False, xgr_rows=None, host_nodes=None,
+           profile=None):
     (out / "summary.txt").write_text("kernel rc=0 3s\ngpu-tests rc=0 90s\n")
     failure = ('<testcase classname="tests.test_ops_gpu" name="test_x"><failure message="boom&#10;'
                'trace"/></testcase>' if failing else "")
@@ -44,46 +75,135 @@ def _write(out: Path, kernel_rows, replay_ratio_64, failing=False, xgr_rows=None
     if xgr_rows is not None:
         (out / "bench_kernel_xgr_cuda.json").write_text(json.dumps(
             {"device": "NVIDIA H200", "vocab": 128000, "rows": xgr_rows}))
-    (out / "bench_replay.json").write_text(json.dumps({"device": "NVIDIA H200", "rows": [
-        {"batch": 8, "unguided_steps": 64, "guided_steps": 60, "unguided_ms_per_step": 1.0,
-         "guided_ms_per_step": 1.2, "ratio": 1.2},
-        {"batch": 64, "unguided_steps": 64, "guided_steps": 64, "unguided_ms_per_step": 2.0,
-         "guided_ms_per_step": 2.0 * replay_ratio_64, "ratio": replay_ratio_64}]}))
+    replay = {"device": "NVIDIA H200", "steps": 64, "rows": replay_rows}
+    if host_nodes is not None:
+        replay["host_nodes"] = host_nodes
+    (out / "bench_replay.json").write_text(json.dumps(replay))
+    if profile is not None:
+        (out / "profile_cupti.json").write_text(json.dumps(profile))
+
+
+def _verdict(text, kind, model, batch):
+    """The measured cell and the verdict of one replay target line."""
+    name = (f"| replayed guided step <= 1.05x unguided, {kind} host node, {model} model, "
+            f"batch {batch} |")
+    line = next(line for line in text.splitlines() if line.startswith(name))
+    return [cell.strip() for cell in line[len(name):].strip(" |").split("|")]
 
 
 def test_targets_met(gpu_report, tmp_path):
+    """Every target met: kernel rows, xgrammar's CUDA run, all five replay points for both
+    host-node kinds at <= 1.05x, and a profile that shows all three landmarks."""
+    rows = [_replay_row(m, b, 1.0 + i / 100, kind) for kind in ("python", "native")
+            for i, (m, b) in enumerate(POINTS)]
     _write(tmp_path, [_kernel_row(1, 5.0, 100, 3000, triton_us=9.0),
                       _kernel_row(256, 50.0, 3600, 4000, triton_us=80.0),
-                      _kernel_row(4096, 700.0, 3900, 4200, triton_us=1000.0)], 1.02,
-           xgr_rows=[_kernel_row(4096, 700.0, 3900, 4200, cuda_us=900.0)])
+                      _kernel_row(4096, 700.0, 3900, 4200, triton_us=1000.0)], rows,
+           xgr_rows=[_kernel_row(4096, 700.0, 3900, 4200, cuda_us=900.0)],
+           host_nodes={"python": "measured", "native": "measured"}, profile=_profile())
     text = gpu_report.report(tmp_path)
     assert "GPU tests: 2 passed, 0 failed, 0 errors, 1 skipped" in text
     assert "| bf16 | random | 4096 | 700.0 | 3900 | 4200 | 92.9 | - | 1000.0 | 0.70 |" in text
     assert "| kernel >= 80% of copy bandwidth at batch >= 256 | lowest 90.0% | yes |" in text
     assert "| kernel no slower than xgrammar's fastest at any batch | worst 0.78x | yes |" in text
-    assert "| replayed guided step <= 1.05x unguided at batch 64 | 1.020x | yes |" in text
+    for kind in ("python", "native"):
+        for i, (model, batch) in enumerate(POINTS):
+            assert _verdict(text, kind, model, batch) == [f"{1.0 + i / 100:.3f}x", "yes"]
+    assert ("| small | 256 | native | 63/60 | 2.000 | 2.080 | 1.040 | 0.400 | 1.56 | 0.100 | "
+            "0.39 |") in text
+    assert "| tiny | 64 | python | 63/60 | 2.000 | 2.000 | 1.000 | 0.400 | 6.25 | - | - |" in text
     assert "xgr_cuda: skipped (--no-xgrammar-cuda)" in text
+    assert ("| profile: capgraph ranges, host node and mask kernel in one replayed step | "
+            "capgraph ranges, host node, mask kernel | yes |") in text
+    assert "native host node; NVTX live): 2 replayed steps of 610, 598 us" in text
+    assert "| nvtx | CapturableGuidedDecoder.build | 2 | 401.0 | 802.0 |" in text
 
 
 def test_targets_missed_and_failures_named(gpu_report, tmp_path):
+    """Missed targets say no; a failing test is named; a host-node kind the decoder lacks is
+    reported as not available (not as missed); a profile without the mask kernel says no."""
+    rows = [_replay_row(m, b, 1.2 if (m, b) == ("tiny", 64) else 1.01, build_ms=None)
+            for m, b in POINTS]
+    why = "not available (CapturableGuidedDecoder takes no host_node argument)"
     _write(tmp_path, [_kernel_row(256, 50.0, 2000, 4000, triton_us=40.0,
-                                  xgr_triton_error="result differs from capgraph's")], 1.2,
-           failing=True)
+                                  xgr_triton_error="result differs from capgraph's")], rows,
+           failing=True, host_nodes={"python": "measured", "native": why},
+           profile=_profile(mask_kernels=()))
     text = gpu_report.report(tmp_path)
     assert "1 failed" in text and "tests.test_ops_gpu::test_x (failure: boom)" in text
     assert "| kernel >= 80% of copy bandwidth at batch >= 256 | lowest 50.0% | no |" in text
     assert "worst 1.25x | no |" in text
-    assert "| replayed guided step <= 1.05x unguided at batch 64 | 1.200x | no |" in text
+    assert _verdict(text, "python", "tiny", 64) == ["1.200x", "no"]
+    assert _verdict(text, "python", "small", 256) == ["1.010x", "yes"]
+    assert f"| replayed guided step <= 1.05x unguided, native host node | {why} | - |" in text
+    assert f"- native host node: {why}" in text
+    assert "| tiny | 64 | python | 63/60 | 2.000 | 2.400 | 1.200 | - | - | - | - |" in text
     assert "xgr_triton_error: result differs from capgraph's" in text
+    assert ("| profile: capgraph ranges, host node and mask kernel in one replayed step | "
+            "capgraph ranges, host node | no |") in text
+
+
+def test_time_boxed_replay_and_rows_without_host_node(gpu_report, tmp_path):
+    """A replay run stopped by its time box leaves its later points "not measured"; a row
+    without a host_node field (the format before there were two kinds) counts as the Python
+    callback's."""
+    _write(tmp_path, [], [_replay_row("tiny", 64, 1.3, host_node=None),
+                          _replay_row("tiny", 256, 1.6, host_node=None)])
+    text = gpu_report.report(tmp_path)
+    assert _verdict(text, "python", "tiny", 64) == ["1.300x", "no"]
+    assert _verdict(text, "python", "tiny", 256) == ["1.600x", "no"]
+    for model, batch in POINTS[2:]:
+        assert _verdict(text, "python", model, batch) == ["not measured", "-"]
+    for model, batch in POINTS:
+        assert _verdict(text, "native", model, batch) == ["not measured", "-"]
+    assert "profile (CUPTI): no results" in text
+
+
+def test_failed_replay_run_is_named_and_missed(gpu_report, tmp_path):
+    """A guided run that raised (its row carries the error) is a missed target with the
+    error shown, and a failed warm-up is listed under the table."""
+    rows = [_replay_row("tiny", 64, 1.01),
+            {"model": "tiny", "batch": 64, "host_node": "native",
+             "error": "CallbackError: native node refused the guide"}]
+    _write(tmp_path, [], rows, host_nodes={"python": "measured", "native": "measured"})
+    data = json.loads((tmp_path / "bench_replay.json").read_text())
+    data["errors"] = ["tiny warm-up, native host node: RuntimeError: no library",
+                      "tiny batch 64, native host node: CallbackError: native node refused "
+                      "the guide"]
+    (tmp_path / "bench_replay.json").write_text(json.dumps(data))
+    text = gpu_report.report(tmp_path)
+    assert _verdict(text, "native", "tiny", 64) == [
+        "failed: CallbackError: native node refused the guide", "no"]
+    assert _verdict(text, "python", "tiny", 64) == ["1.010x", "yes"]
+    assert "- tiny batch 64, native host node: failed: CallbackError: native node" in text
+    assert "- tiny warm-up, native host node: RuntimeError: no library" in text
+    assert "| tiny | 64 | native |" not in text
+
+
+def test_cpu_replay_run_gives_no_verdict(gpu_report, tmp_path):
+    """bench_graph_replay.py --device cpu writes "replayed": false; its ratios are shown but
+    judge no GPU target."""
+    _write(tmp_path, [], [_replay_row("tiny", 64, 1.01)])
+    data = json.loads((tmp_path / "bench_replay.json").read_text())
+    (tmp_path / "bench_replay.json").write_text(json.dumps(dict(data, replayed=False)))
+    text = gpu_report.report(tmp_path)
+    assert "| tiny | 64 | python | 63/60 | 2.000 | 2.020 | 1.010 | 0.400 | 6.25 | - | - |" in text
+    assert "not replayed in CUDA graphs (a CPU run)" in text
+    assert _verdict(text, "python", "tiny", 64) == ["not measured", "-"]
 
 
 def test_missing_and_truncated_files_are_said(gpu_report, tmp_path):
+    """No files, or a JSON file cut mid-write: each section says so, every target is "not
+    measured" (2 kernel + 5 points x 2 host-node kinds + the profile), and a missing folder
+    exits 2."""
     (tmp_path / "bench_kernel.json").write_text('{"rows": [')  # killed mid-write
+    (tmp_path / "bench_replay.json").write_text('{"rows": [{"model"')
     text = gpu_report.report(tmp_path)
     assert "GPU tests: no junit XML" in text
     assert "bench_kernel.json is not readable JSON" in text
-    assert "bench_graph_replay: no results" in text
-    assert text.count("not measured") == 3
+    assert "bench_graph_replay: bench_replay.json is not readable JSON" in text
+    assert "profile (CUPTI): no results" in text
+    assert text.count("not measured") == 2 + 10 + 1
     assert gpu_report.main([str(tmp_path / "nowhere")]) == 2
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import hostfunc
+from capgraph import ConfigError
 from capgraph.capturable import CapturableGuidedDecoder
 from capgraph.requests import GuidedRequest
 from capgraph.testing import compare_eager_and_replay, record_host_callbacks
@@ -18,8 +19,9 @@ CASE = CASES[2]  # a regex
 class DecoderStep:
     """A capturable decoder masking static logits: the step a user would capture."""
 
-    def __init__(self, factory, tokens, extra_torch_op=False):
-        self.decoder = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory)
+    def __init__(self, factory, tokens, extra_torch_op=False, host_node="auto"):
+        self.decoder = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory,
+                                               host_node=host_node)
         self.logits = torch.zeros(1, factory.config.vocab_size_padded)
         self.tokens, self.extra = tokens, extra_torch_op
 
@@ -60,12 +62,17 @@ def test_a_step_that_does_not_replay_is_caught(factory_cache, tekken):
         report.assert_equal()
 
 
-def test_host_callbacks_are_recorded_in_order(factory_cache, tekken):
+@pytest.mark.parametrize("host_node", ["python", "native"])
+def test_host_callbacks_are_recorded_in_order(factory_cache, tekken, host_node):
     """record_host_callbacks sees the fused host step eagerly, and the host step then the
-    apply at every replay of a captured step."""
+    apply at every replay of a captured step; with the native host node, a replay's host
+    step is the node, which runs no Python and is not seen (the apply is)."""
     factory = factory_cache("tekken")
     tokens = encode_continuation(tekken, CASE.valid)
-    harness = DecoderStep(factory, tokens)
+    try:
+        harness = DecoderStep(factory, tokens, host_node=host_node)
+    except ConfigError as e:
+        pytest.skip(f"the native host node is not available here: {e}")
     with record_host_callbacks() as names:
         harness.prepare(0)
         harness.step()
@@ -81,7 +88,11 @@ def test_host_callbacks_are_recorded_in_order(factory_cache, tekken):
             graph.replay()
             hostfunc.drain()
     graph.reset()
-    assert names == ["host_step", "apply", "host_step", "apply"]
+    if host_node == "python":
+        assert names == ["host_step", "apply", "host_step", "apply"]
+    else:
+        assert names == ["apply", "apply"]
+        assert harness.decoder.host_node_stats.runs == 2
 
 
 def test_records_plain_hostfunc_launches_and_stops_after_the_block():

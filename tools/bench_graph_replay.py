@@ -1,43 +1,160 @@
 #!/usr/bin/env python3
 """GPU: the cost of a replayed guided decode step next to a replayed unguided one.
 
-Runs ``capgraph.generate`` on the same prompts with the same tiny random Llama, CUDA-graph replay
-on, the capturable decoder: a warm-up run, then unguided, then every request under the bundled
-tool-call JSON schema, all at the same max_new_tokens. The figure is (guided replayed-step time)
-/ (unguided replayed-step time), each the generate() "forward" stage (with a graph: the whole
-replayed step) divided by its decode steps; the issue's target is <= 1.05 at batch 64. Guided
-requests may finish earlier (their grammar completes), which shrinks later steps' batch, so the
-table shows both runs' step counts; compare at equal counts. Prints a table; --json writes
-every figure. Exits 0 with a message where no CUDA device is present.
+Runs ``capgraph.generate`` on the same prompts with the same random Llama, CUDA-graph replay
+on, the capturable decoder: per model one short guided warm-up run per host-node kind, then at
+each point (model, batch) an unguided run and one guided run per host-node kind, every request
+under the bundled tool-call JSON schema, all at the same max_new_tokens. The figure is (guided
+replayed-step time) / (unguided replayed-step time), each the generate() "forward" stage (with
+a graph: the whole replayed step) divided by its decode steps; the issue's target is <= 1.05
+at every default point. Guided requests may finish earlier (their grammar completes), which
+shrinks later steps' batch, so the table shows both runs' step counts; compare at equal counts.
 
-Models (--models): ``tiny`` is the demo's model (hidden 64, 2 layers), whose replayed step
-(~0.4 ms at batch 64 on an H200) is shorter than the grammar work of 64 rows, so the host
-work, not the GPU, sets the guided step's length; ``small`` (hidden 1024, 16 layers, random
-weights) has a forward long enough to hide that work, which shows what the overlap gives.
-"host build ms/step" is the guided run's mean time in the decoder's host build (inside the
-step's host callback, so it overlaps the forward), the figure to hold against the forward.
+Host-node kinds (--host-node): ``python`` is the host callback that runs the decoder's Python
+build under the GIL; ``native`` the C function the decoder's ``host_node="native"`` argument
+selects. Where ``capgraph.CapturableGuidedDecoder`` takes no ``host_node`` argument, its one
+host node is the Python callback: "python" runs with the decoder's default and "native" is
+reported as not available.
 
-    python tools/bench_graph_replay.py --batch 64 --steps 64 --models tiny,small
+Models: ``tiny`` is the demo's model (hidden 64, 2 layers), whose replayed step is shorter
+than the grammar work of 64 rows, so the host node, not the GPU, sets the guided step's
+length; ``small`` (hidden 1024, 16 layers, random weights) has a forward long enough to hide
+that work. "host build ms/step" is the guided run's time in the decoder's Python host build
+(run inside the step's host node, so it overlaps the forward) per decode step, and "host build
+us/row" the same time per built row (decode rows plus one context row per request); empty
+where generate() timed no Python build (a native node's steady-state steps run none).
+"native node ms/step" and "us/row" are the native host node's own time (the decoder's
+``host_node_stats``, which generate() reports as its "host_node" stage), empty for the
+Python callback.
+
+Prints a table; --json writes every figure (rewritten after each row, so a time-boxed run
+keeps what it measured). A guided run that raises is reported (in its row, the JSON's
+"errors" and exit status 1) and the other runs go on. Exits 0 with a message where no CUDA
+device is present; ``--device cpu`` runs the same protocol on the CPU stand-in (no graph
+replay: a check of the tool, not a measurement).
+
+    python tools/bench_graph_replay.py --points tiny:64,tiny:256,small:8,small:64,small:256
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
+from typing import Any, Callable, Sequence
+
+#: model name -> tiny_llama keyword arguments
+MODEL_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {}, "small": {"hidden": 1024, "layers": 16, "heads": 16}}
+#: the points the issue's target names, in the order they run (the host-bound ones first)
+DEFAULT_POINTS = "tiny:64,tiny:256,small:8,small:64,small:256"
+HOST_NODE_CHOICES = ("python", "native", "both")
+#: a row's host-side figures (step_figures' keys besides the step time and count)
+FIGURE_KEYS = ("host_build_ms_per_step", "host_build_us_per_row", "native_node_ms_per_step",
+               "native_node_us_per_row")
 
 
-def main() -> int:
+def parse_points(text: str) -> list[tuple[str, int]]:
+    """``"tiny:64,small:8"`` -> ``[("tiny", 64), ("small", 8)]``; a ValueError names the bad
+    entry (unknown model, batch not an integer >= 1, missing colon) or a repeated point."""
+    points: list[tuple[str, int]] = []
+    for entry in (e.strip() for e in text.split(",")):
+        model, sep, batch = entry.partition(":")
+        if not sep or model not in MODEL_SIZES:
+            raise ValueError(f"point {entry!r}: expected MODEL:BATCH with MODEL one of "
+                             f"{', '.join(sorted(MODEL_SIZES))}")
+        try:
+            b = int(batch)
+        except ValueError:
+            b = 0
+        if b < 1:
+            raise ValueError(f"point {entry!r}: batch {batch!r} is not an integer >= 1")
+        if (model, b) in points:
+            raise ValueError(f"point {entry!r} is given twice")
+        points.append((model, b))
+    return points
+
+
+def native_host_node_support(decoder_cls: type | None = None) -> str | None:
+    """None when ``decoder_cls`` (default ``capgraph.CapturableGuidedDecoder``) takes a
+    ``host_node`` argument, else why not. Follows ``**kwargs`` constructors up the MRO, so a
+    subclass that forwards its keywords to a base class that takes the argument counts."""
+    if decoder_cls is None:
+        from capgraph import CapturableGuidedDecoder
+        decoder_cls = CapturableGuidedDecoder
+    for cls in decoder_cls.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters
+        if "host_node" in params:
+            return None
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            break
+    return f"{decoder_cls.__name__} takes no host_node argument"
+
+
+def host_node_runs(choice: str, native_missing: str | None) -> tuple[list[tuple[str, str | None]],
+                                                                     dict[str, str]]:
+    """Which guided runs to make for ``--host-node choice``: ``[(kind, host_node argument)]``
+    (argument None: the decoder's default, used for "python" where the decoder has one host
+    node) and ``{kind: why it is not run}``."""
+    if choice not in HOST_NODE_CHOICES:
+        raise ValueError(f"--host-node {choice!r}: expected one of {', '.join(HOST_NODE_CHOICES)}")
+    kinds = ["python", "native"] if choice == "both" else [choice]
+    runs: list[tuple[str, str | None]] = []
+    missing: dict[str, str] = {}
+    for kind in kinds:
+        if native_missing is None:
+            runs.append((kind, kind))
+        elif kind == "python":
+            runs.append((kind, None))
+        else:
+            missing[kind] = f"not available ({native_missing})"
+    return runs, missing
+
+
+def step_figures(results: Any) -> dict[str, Any]:
+    """Per-step figures of one generate() call: ms per replayed step, decode steps, and per
+    step and per built row the Python host build's time and the native host node's own time
+    (each None where generate() timed no such stage)."""
+    t = results.timings
+    steps = max(t.steps, 1)
+    rows = max(sum(r.num_steps for r in results) + len(results), 1)  # decode + context rows
+    out = {"ms_per_step": t.stages.get("forward", t.total_s) / steps * 1e3, "steps": t.steps}
+    for stage, key in (("build", "host_build"), ("host_node", "native_node")):
+        seconds = t.stages.get(stage)
+        out[f"{key}_ms_per_step"] = None if seconds is None else seconds / steps * 1e3
+        out[f"{key}_us_per_row"] = None if seconds is None else seconds / rows * 1e6
+    return out
+
+
+def _cell(value: float | None, width: int, spec: str = ".3f") -> str:
+    return f"{'-' if value is None else format(value, spec):>{width}}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--points", default=DEFAULT_POINTS,
+                    help=f"comma-separated MODEL:BATCH (default {DEFAULT_POINTS})")
     ap.add_argument("--steps", type=int, default=64, help="decode steps per request")
+    ap.add_argument("--warmup-steps", type=int, default=4,
+                    help="decode steps of each model's guided warm-up run")
+    ap.add_argument("--host-node", default="both", choices=HOST_NODE_CHOICES)
     ap.add_argument("--tokenizer", default="tekken")
-    ap.add_argument("--models", default="tiny", help="comma-separated: tiny, small")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--json", help="write the figures here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    try:
+        points = parse_points(args.points)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.steps < 1 or args.warmup_steps < 1:
+        ap.error(f"--steps {args.steps} and --warmup-steps {args.warmup_steps} must be >= 1")
     import torch
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_graph_replay: no CUDA device, nothing measured")
         return 0
     from capgraph import GuidedDecodingConfig, GuidedDecodingParams, generate
@@ -46,47 +163,87 @@ def main() -> int:
     from capgraph.runtime import tiny_llama
     from capgraph.tokenizers import load_tokenizer
 
-    sizes = {"tiny": {}, "small": dict(hidden=1024, layers=16, heads=16)}
-    models = args.models.split(",")
-    unknown = [m for m in models if m not in sizes]
-    if unknown:
-        ap.error(f"unknown model(s) {unknown}; choose from {sorted(sizes)}")
+    runs, missing = host_node_runs(args.host_node, native_host_node_support())
+    for kind, why in missing.items():
+        print(f"{kind}: {why}")
     tok = load_tokenizer(args.tokenizer)
     factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
         tok, json_whitespace="compact"))
     guide = GuidedDecodingParams.json_schema(bundled_schema())
-    rows = []
-    print(f"{'model':>6}{'batch':>6}{'steps u/g':>11}{'unguided ms/step':>18}"
-          f"{'guided ms/step':>16}{'ratio':>8}{'host build ms/step':>20}")
-    for model_name, batch in ((m, b) for m in models for b in args.batch):
-        if not rows or rows[-1]["model"] != model_name:
-            model = tiny_llama(len(tok), seed=0, device="cuda", **sizes[model_name])
-        prompts = [f"Call {i}:" for i in range(batch)]
-        per_step = {}
-        for name, guides in (("warmup", None), ("unguided", None), ("guided", [guide] * batch)):
+    device_name = (torch.cuda.get_device_name() if args.device == "cuda" else "cpu")
+    out: dict[str, Any] = {
+        "device": device_name, "replayed": args.device == "cuda", "steps": args.steps,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "host_nodes": {**{k: "measured" for k, _ in runs}, **missing}, "rows": []}
+
+    def run(model, prompts, guides, max_new_tokens, host_node):
+        if args.device == "cuda":
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            results = generate(prompts, guides, model=model, tokenizer=tok,
-                               max_new_tokens=args.steps, max_batch_size=batch,
-                               decoder="capturable", cuda_graph=True, device="cuda",
-                               factory=factory)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-            t = results.timings
-            per_step[name] = (t.stages.get("forward", wall) / max(t.steps, 1), t.steps, wall,
-                              t.stages.get("build", 0.0) / max(t.steps, 1))
-        (ug, ug_steps, _, _), (gd, gd_steps, _, build) = per_step["unguided"], per_step["guided"]
-        row = {"model": model_name, "batch": batch, "unguided_steps": ug_steps,
-               "guided_steps": gd_steps, "unguided_ms_per_step": ug * 1e3, "guided_ms_per_step": gd * 1e3,
-               "ratio": gd / ug, "host_build_ms_per_step": build * 1e3}
-        rows.append(row)
-        if args.json:  # written per row: a time-boxed run keeps what it measured
+        return generate(prompts, guides, model=model, tokenizer=tok,
+                        max_new_tokens=max_new_tokens, max_batch_size=len(prompts),
+                        decoder="capturable", cuda_graph=True, device=args.device,
+                        factory=factory, host_node=host_node)
+
+    print(f"{'model':>6}{'batch':>6}{'host node':>10}{'steps u/g':>11}{'unguided ms/step':>18}"
+          f"{'guided ms/step':>16}{'ratio':>8}{'host build ms/step':>20}"
+          f"{'host build us/row':>19}{'native node ms/step':>21}{'native node us/row':>20}")
+    model_name, model = None, None
+    errors: list[str] = []  # a failing guided run is reported and the others still run
+
+    def guarded(what: str, fn: Callable[[], Any]) -> tuple[Any, str | None]:
+        try:
+            return fn(), None
+        except Exception as e:  # noqa: BLE001 - named in the row, the JSON and the exit code
+            error = f"{type(e).__name__}: {e}"
+            errors.append(f"{what}: {error}")
+            print(f"{what}: failed: {error}")
+            return None, error
+
+    def write() -> None:
+        if args.json:
             with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-        print(f"{model_name:>6}{batch:>6}{f'{ug_steps}/{gd_steps}':>11}{ug * 1e3:>18.3f}"
-              f"{gd * 1e3:>16.3f}{gd / ug:>8.3f}{build * 1e3:>20.3f}")
-    factory.close()
-    return 0
+                json.dump(dict(out, errors=errors), f, indent=1)
+
+    try:
+        for name, batch in points:
+            prompts = [f"Call {i}:" for i in range(batch)]
+            if name != model_name:
+                model_name, model = name, tiny_llama(len(tok), seed=0, device=args.device,
+                                                     **MODEL_SIZES[name])
+                for kind, host_node in runs:  # first-use costs (kernel compile, grammar cache)
+                    guarded(f"{name} warm-up, {kind} host node",
+                            lambda: run(model, prompts, [guide] * batch, args.warmup_steps + 1,
+                                        host_node))
+            unguided = step_figures(run(model, prompts, None, args.steps, None))
+            for kind, host_node in runs:
+                results, error = guarded(
+                    f"{name} batch {batch}, {kind} host node",
+                    lambda: run(model, prompts, [guide] * batch, args.steps, host_node))
+                if error is not None:
+                    out["rows"].append({"model": name, "batch": batch, "host_node": kind,
+                                        "error": error})
+                    write()
+                    continue
+                guided = step_figures(results)
+                ratio = guided["ms_per_step"] / unguided["ms_per_step"]
+                row = {"model": name, "batch": batch, "host_node": kind,
+                       "unguided_steps": unguided["steps"], "guided_steps": guided["steps"],
+                       "unguided_ms_per_step": unguided["ms_per_step"],
+                       "guided_ms_per_step": guided["ms_per_step"], "ratio": ratio,
+                       **{k: guided[k] for k in FIGURE_KEYS}}
+                out["rows"].append(row)
+                write()
+                counts = f"{unguided['steps']}/{guided['steps']}"
+                print(f"{name:>6}{batch:>6}{kind:>10}{counts:>11}"
+                      f"{unguided['ms_per_step']:>18.3f}{guided['ms_per_step']:>16.3f}"
+                      f"{ratio:>8.3f}{_cell(row['host_build_ms_per_step'], 20)}"
+                      f"{_cell(row['host_build_us_per_row'], 19, '.2f')}"
+                      f"{_cell(row['native_node_ms_per_step'], 21)}"
+                      f"{_cell(row['native_node_us_per_row'], 20, '.2f')}")
+    finally:
+        factory.close()
+    write()
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

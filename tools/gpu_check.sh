@@ -1,13 +1,26 @@
 #!/usr/bin/env bash
 # The one script a lent GPU machine runs: build the CUDA kernel, run every GPU test (marker
-# "gpu"), run the GPU benchmarks, and print a short table last.
+# "gpu"), run the GPU benchmarks and the profile, and print a short table last.
 #
 # Here first:   PYTHON=.venv/bin/python bash tools/prepare_gpu_run.sh
 # Then, once:   device run  command="bash tools/gpu_check.sh"  carry=[".whl", ".gpu-cache"]
-#               timeout_s=420 (the steps' time boxes add up to 360 s; docs/BENCHMARKS.md says
-#               how long the last run took)
+#               timeout_s=420 (the steps' time boxes add up to 360 s; the rest is the wheel
+#               install, the version lines and the report)
 # Logs and JSON land in $OUT (the device tool brings them back) or ./gpu-check-out; the
 # Markdown tables and target verdicts (tools/gpu_report.py) are printed and kept in report.md.
+#
+# Time boxes (seconds; each step is stopped with SIGINT at its box, so what it wrote stays):
+#   kernel          15  NVRTC compile and load of csrc/logits_bitmask.cu
+#   gpu-tests      140  pytest -m gpu: op, hostfunc, capturable decoder, draft trees, drafts
+#   bench-kernel    25  tools/bench_kernel.py against xgrammar's Triton kernel
+#   bench-apply     20  capgraph bench apply on CUDA
+#   bench-hostfunc  10  tools/bench_hostfunc.py: eager and replayed host nodes
+#   bench-replay    60  tools/bench_graph_replay.py: guided/unguided replayed step at tiny 64,
+#                       256 and small 8, 64, 256, per host-node kind (python, native)
+#   bench-loop      20  capgraph bench loop on CUDA, batch 8 first and last
+#   fill-threads    25  tools/bench_fill_threads.py --quick (where the file exists)
+#   profile         25  tools/profile_nsys.sh: nsys, else the CUPTI trace of replayed steps
+#   xgr-cuda        20  bench_kernel.py with xgrammar's CUDA kernel (if its build finished)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -41,7 +54,7 @@ run() {  # run NAME SECONDS CMD...: time-boxed, logged, summarised; never aborts
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
 "$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" | tee -a "$LOG"
 # the versions that decide which code paths run (the image's, or the carried wheels')
-"$PY" -m pip list 2>/dev/null | grep -iE "^(torch|transformers|tokenizers|cuda-core|cuda-bindings|cuda-python|nvidia-cuda-nvrtc|triton|xgrammar|llguidance|apache-tvm-ffi) " | tee -a "$LOG"
+"$PY" -m pip list 2>/dev/null | grep -iE "^(torch|transformers|tokenizers|cuda-core|cuda-bindings|cuda-python|nvidia-cuda-nvrtc|nvidia-cuda-cupti|cupti-python|triton|xgrammar|llguidance|apache-tvm-ffi) " | tee -a "$LOG"
 
 # a per-test limit where pytest-timeout is installed, so one hang cannot eat the whole box
 PER_TEST=()
@@ -61,29 +74,34 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c \
   echo "xgrammar CUDA build rc=$?" ) > "$XGR_BUILD_LOG" 2>&1 &
 XGR_BUILD=$!
 
-# Time boxes add up to 360 s. Each step writes its results as it goes.
-run kernel 20 "$PY" -c "
+# Time boxes add up to 360 s (the header lists them). Each step writes its results as it goes.
+run kernel 15 "$PY" -c "
 from capgraph.ops.cuda import load_kernel
 k = load_kernel(); assert k is not None, 'no kernel'; print('kernel compiled and loaded')"
 run gpu-tests 140 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs ${PER_TEST[@]+"${PER_TEST[@]}"} tests \
     --junitxml="$OUT/gpu_tests.xml"
-[ -f tools/bench_kernel.py ] && run bench-kernel 35 "$PY" tools/bench_kernel.py \
+[ -f tools/bench_kernel.py ] && run bench-kernel 25 "$PY" tools/bench_kernel.py \
     --no-xgrammar-cuda --repeat 20 --json "$OUT/bench_kernel.json"
-run bench-apply 25 "$PY" -m capgraph.bench apply --no-cpu --no-xgrammar-cuda \
+run bench-apply 20 "$PY" -m capgraph.bench apply --no-cpu --no-xgrammar-cuda \
     --json "$OUT/bench_apply.json"
-run bench-hostfunc 15 "$PY" tools/bench_hostfunc.py
-run bench-replay 60 "$PY" tools/bench_graph_replay.py --batch 8 64 --models tiny,small \
-    --json "$OUT/bench_replay.json"
+run bench-hostfunc 10 "$PY" tools/bench_hostfunc.py
+# the host-bound points first, so a run cut by its box keeps the ones the issue is about
+run bench-replay 60 "$PY" tools/bench_graph_replay.py --host-node both \
+    --points tiny:64,tiny:256,small:8,small:64,small:256 --json "$OUT/bench_replay.json"
 # batch 8 measured first and again last: the two must agree (the warm-up defect check)
-run bench-loop 30 "$PY" -m capgraph.bench loop --device cuda --batches 8 1 8 --steps 30 \
+run bench-loop 20 "$PY" -m capgraph.bench loop --device cuda --batches 8 1 8 --steps 30 \
     --json "$OUT/bench_loop.json"
+[ -f tools/bench_fill_threads.py ] && run fill-threads 25 "$PY" tools/bench_fill_threads.py --quick
+# nsys where the image has a working one, else CUPTI (profile_cupti.json, profile_cupti.txt)
+run profile 25 env PYTHON="$PY" OUT="$OUT" bash tools/profile_nsys.sh --model tiny --batch 64 \
+    --steps 8 --max-lines 250
 if kill -0 "$XGR_BUILD" 2>/dev/null; then
   echo "xgrammar's CUDA build still running: its comparison is skipped" | tee -a "$LOG"
   # (a background subshell ignores SIGINT: stop its timeout, which stops the build)
   pkill -TERM -P "$XGR_BUILD" 2>/dev/null; kill -TERM "$XGR_BUILD" 2>/dev/null
 else
   cat "$XGR_BUILD_LOG" >> "$LOG"
-  [ -f tools/bench_kernel.py ] && grep -q "kernel built" "$XGR_BUILD_LOG" && run xgr-cuda 35 \
+  [ -f tools/bench_kernel.py ] && grep -q "kernel built" "$XGR_BUILD_LOG" && run xgr-cuda 20 \
       "$PY" tools/bench_kernel.py --dtypes bf16 --patterns random,dense --batches 1,64,1024,4096 \
       --repeat 20 --json "$OUT/bench_kernel_xgr_cuda.json"
 fi
@@ -97,3 +115,10 @@ grep -E "passed|failed|error" "$LOG" | tail -n 5
 echo
 echo "---- gpu_check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)) ----"
 cat "$SUMMARY"
+
+# The device tool brings back at most 8 files from $OUT: every result file goes into one
+# archive beside the log, the summary and the report (unpack it and run tools/gpu_report.py on
+# the folder to remake the report).
+keep="gpu_check.log|summary.txt|report.md|gpu_check_results.tar.gz"
+(cd "$OUT" && files=$(ls | grep -vxE "$keep") && [ -n "$files" ] && tar -czf gpu_check_results.tar.gz $files && rm -f $files \
+  && echo "results archived in $OUT/gpu_check_results.tar.gz: $(echo $files)")

@@ -3,14 +3,18 @@
 
 Reads the output folder of one GPU run (``summary.txt``, ``gpu_tests.xml``,
 ``bench_kernel.json``, ``bench_kernel_xgr_cuda.json``, ``bench_apply.json``,
-``bench_replay.json``; any of them may be missing) and prints, in Markdown: the step summary,
-the test counts with every failing test, one table per benchmark, and the verdict on each GPU
-target of the issues:
+``bench_replay.json``, ``profile_cupti.json``; any of them may be missing) and prints, in
+Markdown: the step summary, the test counts with every failing test, one table per benchmark,
+the profile's summary, and the verdict on each GPU target of the issues:
 
 * kernel bandwidth: at batch >= 256, at least 80% of the device-to-device copy's bandwidth
   measured in the same run, counting the bytes actually moved (every dtype and pattern);
 * kernel speed: never slower than xgrammar's fastest kernel (CUDA or Triton) at any batch;
-* graph replay: a replayed guided step costs at most 1.05x a replayed unguided one at batch 64.
+* graph replay: a replayed guided step costs at most 1.05x a replayed unguided one at each
+  point of :data:`REPLAY_POINTS` (the demo's tiny model at batch 64 and 256, the 1024-wide
+  model at batch 8, 64 and 256), per host-node kind (``python``, ``native``);
+* profile: the last traced replayed step shows capgraph's NVTX ranges, the host node's ranges
+  and the mask kernel.
 
     python tools/gpu_report.py OUT_DIR > /tmp/gpu_tables.md
 """
@@ -26,8 +30,11 @@ from typing import Any, Callable, Sequence
 
 BANDWIDTH_TARGET = 0.80  # of the copy's bandwidth, at batch >= 256
 BANDWIDTH_MIN_BATCH = 256
-REPLAY_TARGET = 1.05  # guided / unguided replayed step, at batch 64
-REPLAY_BATCH = 64
+REPLAY_TARGET = 1.05  # guided / unguided replayed step, at each of REPLAY_POINTS
+#: (model, batch) points of tools/bench_graph_replay.py that the replay target names
+REPLAY_POINTS = (("tiny", 64), ("tiny", 256), ("small", 8), ("small", 64), ("small", 256))
+HOST_NODES = ("python", "native")
+PROFILE_SUMMARY_ROWS = 15
 
 
 def _load(path: Path) -> Any | None:
@@ -94,7 +101,8 @@ def kernel_section(data: dict | None, title: str) -> tuple[str, dict]:
         return f"{title}: no results", {}
     if "error" in data:
         return f"{title}: {data['error']}", {}
-    rows, verdict = [], {"min_pct_copy_large": None, "max_ratio_vs_xgrammar": None}
+    rows: list[list[Any]] = []
+    verdict: dict[str, Any] = {"min_pct_copy_large": None, "max_ratio_vs_xgrammar": None}
     by_pattern: dict[str, float] = {}
     for r in data.get("rows", []):
         pct = 100 * r["ours_GBps"] / r["copy_GBps"] if r.get("copy_GBps") else None
@@ -144,24 +152,75 @@ def apply_section(data: dict | None) -> str:
 
 
 def replay_section(data: dict | None) -> tuple[str, dict]:
+    """bench_graph_replay.py's rows (one per model, batch and host-node kind) as a table, and
+    the verdict input: ``ratios[(kind, model, batch)]`` and ``unavailable[kind]``. A row
+    without a host-node kind is the Python callback's (the only kind before there were two)."""
     if data is None:
         return "bench_graph_replay: no results", {}
-    rows, verdict = [], {"ratio_at_64": {}}
-    models = any("model" in r for r in data.get("rows", []))
+    if "error" in data:
+        return f"bench_graph_replay: {data['error']}", {}
+    rows, ratios, failed = [], {}, {}
     for r in data.get("rows", []):
-        row = [r["batch"], f"{r['unguided_steps']}/{r['guided_steps']}",
-               _fmt(r["unguided_ms_per_step"], ".3f"), _fmt(r["guided_ms_per_step"], ".3f"),
-               _fmt(r["ratio"], ".3f"), _fmt(r.get("host_build_ms_per_step"), ".3f")]
-        rows.append(([r.get("model", "?")] if models else []) + row)
-        if r["batch"] == REPLAY_BATCH:
-            verdict["ratio_at_64"][r.get("model") if models else None] = r["ratio"]
-    headers = ["batch", "steps unguided/guided", "unguided ms/step", "guided ms/step", "ratio",
-               "host build ms/step"]
-    return (f"bench_graph_replay ({data.get('device', '?')})\n\n" + table(
-        (["model"] if models else []) + headers, rows)), verdict
+        kind = r.get("host_node", "python")
+        if "error" in r:
+            failed[(kind, r.get("model"), r["batch"])] = r["error"]
+            continue
+        rows.append([r.get("model", "?"), r["batch"], kind,
+                     f"{r['unguided_steps']}/{r['guided_steps']}",
+                     _fmt(r["unguided_ms_per_step"], ".3f"), _fmt(r["guided_ms_per_step"], ".3f"),
+                     _fmt(r["ratio"], ".3f"), _fmt(r.get("host_build_ms_per_step"), ".3f"),
+                     _fmt(r.get("host_build_us_per_row"), ".2f"),
+                     _fmt(r.get("native_node_ms_per_step"), ".3f"),
+                     _fmt(r.get("native_node_us_per_row"), ".2f")])
+        ratios[(kind, r.get("model"), r["batch"])] = r["ratio"]
+    unavailable = {k: v for k, v in (data.get("host_nodes") or {}).items() if v != "measured"}
+    head = f"bench_graph_replay ({data.get('device', '?')}"
+    head += f", {data['steps']} steps)" if "steps" in data else ")"
+    if data.get("replayed") is False:  # --device cpu: a check of the tool, no graph replay
+        head += "\n\n- not replayed in CUDA graphs (a CPU run): no verdicts from it"
+        ratios = {}
+    if unavailable:
+        head += "\n\n" + "\n".join(f"- {k} host node: {v}" for k, v in unavailable.items())
+    problems = [f"{m} batch {b}, {k} host node: failed: {e}" for (k, m, b), e in failed.items()]
+    problems += [e for e in data.get("errors", []) if "warm-up" in e]
+    if problems:
+        head += "\n\n" + "\n".join(f"- {p}" for p in problems)
+    return head + "\n\n" + table(
+        ["model", "batch", "host node", "steps unguided/guided", "unguided ms/step",
+         "guided ms/step", "ratio", "host build ms/step", "host build us/row",
+         "native node ms/step", "native node us/row"], rows), \
+        {"ratios": ratios, "failed": failed, "unavailable": unavailable}
 
 
-def targets_section(kernel: dict, replay: dict) -> str:
+def profile_section(data: dict | None) -> tuple[str, dict]:
+    """profile_cupti.py's JSON: the step lengths, what the last step shows, and the largest
+    entries of the summary (the full timeline is in profile_cupti.txt)."""
+    if data is None:
+        return "profile (CUPTI): no results", {}
+    if "error" in data:
+        return f"profile (CUPTI): {data['error']}", {}
+    marks = data.get("landmarks") or {}
+    steps = data.get("step_us") or []
+    nvtx = "live" if data.get("nvtx_active") else "inactive"
+    text = (f"profile (CUPTI, {data.get('device', '?')}; {data.get('host_node', '?')} host "
+            f"node; NVTX {nvtx}): {len(steps)} replayed steps of "
+            + ", ".join(f"{d:.0f}" for d in steps) + " us")
+    if data.get("unavailable"):
+        text += "\n\n" + "\n".join(f"- activity {k}: {v}" for k, v in
+                                      data["unavailable"].items())
+    if marks:
+        text += (f"\n\nlast step: {marks.get('capgraph_ranges', 0)} capgraph ranges; host node "
+                 f"ranges: {', '.join(marks.get('host_node_ranges') or []) or 'none'}; mask "
+                 f"kernel: {', '.join(marks.get('mask_kernels') or []) or 'none'}")
+    rows = [[r["kind"], r["name"][:80], r["count"], _fmt(r["mean_us"], ".1f"),
+             _fmt(r["total_us"], ".1f")]
+            for r in (data.get("summary") or [])[:PROFILE_SUMMARY_ROWS]]
+    if rows:
+        text += "\n\n" + table(["kind", "name", "count", "mean us", "total us"], rows)
+    return text, marks
+
+
+def targets_section(kernel: dict, replay: dict, profile: dict | None = None) -> str:
     def line(name: str, value: float | None, ok: Callable[[float], bool], shown: str) -> str:
         if value is None:
             return f"| {name} | not measured | - |"
@@ -178,12 +237,34 @@ def targets_section(kernel: dict, replay: dict) -> str:
         line("kernel no slower than xgrammar's fastest at any batch",
              kernel.get("max_ratio_vs_xgrammar"), lambda v: v <= 1.0, "worst {:.2f}x"),
     ]
-    ratios = replay.get("ratio_at_64") or {None: None}
-    for model, ratio in ratios.items():
-        suffix = f" ({model} model)" if model else ""
-        lines.append(line(f"replayed guided step <= {REPLAY_TARGET}x unguided at batch "
-                          f"{REPLAY_BATCH}{suffix}", ratio, lambda v: v <= REPLAY_TARGET,
-                          "{:.3f}x"))
+    ratios = replay.get("ratios") or {}
+    unavailable = replay.get("unavailable") or {}
+    for kind in HOST_NODES:
+        if kind in unavailable:
+            lines.append(f"| replayed guided step <= {REPLAY_TARGET}x unguided, {kind} host "
+                         f"node | {unavailable[kind]} | - |")
+            continue
+        for model, batch in REPLAY_POINTS:
+            error = (replay.get("failed") or {}).get((kind, model, batch))
+            if error is not None:
+                lines.append(f"| replayed guided step <= {REPLAY_TARGET}x unguided, {kind} host "
+                             f"node, {model} model, batch {batch} | failed: {error[:120]} | no |")
+                continue
+            lines.append(line(f"replayed guided step <= {REPLAY_TARGET}x unguided, {kind} host "
+                              f"node, {model} model, batch {batch}",
+                              ratios.get((kind, model, batch)), lambda v: v <= REPLAY_TARGET,
+                              "{:.3f}x"))
+    if profile is not None:
+        name = "profile: capgraph ranges, host node and mask kernel in one replayed step"
+        if not profile:
+            lines.append(f"| {name} | not measured | - |")
+        else:
+            seen = [what for what, ok in (
+                ("capgraph ranges", profile.get("capgraph_ranges")),
+                ("host node", profile.get("host_node_ranges")),
+                ("mask kernel", profile.get("mask_kernels"))) if ok]
+            lines.append(f"| {name} | {', '.join(seen) or 'none of them'} | "
+                         f"{'yes' if profile.get('all_three') else 'no'} |")
     return "\n".join(lines)
 
 
@@ -202,11 +283,13 @@ def report(out: Path) -> str:
     parts.append(apply_section(_load(out / "bench_apply.json")))
     replay_text, replay = replay_section(_load(out / "bench_replay.json"))
     parts.append(replay_text)
+    profile_text, profile = profile_section(_load(out / "profile_cupti.json"))
+    parts.append(profile_text)
     # the speed verdict over both kernel runs (the second adds xgrammar's CUDA kernel)
     ratios = [v for v in (kernel.get("max_ratio_vs_xgrammar"), xgr.get("max_ratio_vs_xgrammar"))
               if v is not None]
     kernel["max_ratio_vs_xgrammar"] = max(ratios) if ratios else None
-    parts.append(targets_section(kernel, replay))
+    parts.append(targets_section(kernel, replay, profile))
     return "\n\n".join(parts) + "\n"
 
 

@@ -217,6 +217,8 @@ class SoakReport:
     live_entries_end: int = -1
     cache_nbytes_max: int = 0
     outputs_digest: str = ""  #: hash of every finished output (equal across decoder kinds)
+    #: the graph decoder's host node: "native (runs, of which Python steps)" or "python"
+    host_node: str = ""
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -237,7 +239,8 @@ class SoakReport:
                 f" MiB; matchers_end={self.matchers_end} live_entries "
                 f"start={self.live_entries_start} end={self.live_entries_end}; "
                 f"cache_nbytes_max={self.cache_nbytes_max}; outputs={self.outputs_digest}; "
-                f"problems={len(self.problems)}")
+                + (f"host_node={self.host_node}; " if self.host_node else "")
+                + f"problems={len(self.problems)}")
 
 
 class Soak:
@@ -504,6 +507,9 @@ class Soak:
         rep.matchers_end = self.decoder.num_active_matchers
         rep.outputs_digest = self._digest.hexdigest()[:16]
         if self.graph is not None:
+            stats = getattr(self.decoder, "host_node_stats", None)
+            rep.host_node = "python" if stats is None else \
+                f"native ({stats.runs} steps, {stats.python_runs} of them Python steps)"
             self.graph.reset()
             self.graph = None
         hostfunc.drain()

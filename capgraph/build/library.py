@@ -54,10 +54,10 @@ import torch
 from .. import jit
 from ..errors import ConfigError, NativeBuildError
 
-__all__ = ["FastPath", "NativeBuildError", "NativeBuilder", "StepThreads", "load",
-           "python_module", "unavailable_reason", "source_path", "matcher_methods",
-           "automatic_fill_threads", "POOL_MIN_REQUESTS", "MAX_AUTO_FILL_THREADS",
-           "MAX_FILL_THREADS",
+__all__ = ["FastPath", "HostNode", "NativeBuildError", "NativeBuilder", "NodeStats",
+           "StepThreads", "load", "python_module", "unavailable_reason", "source_path",
+           "matcher_methods", "automatic_fill_threads", "POOL_MIN_REQUESTS",
+           "MAX_AUTO_FILL_THREADS", "MAX_FILL_THREADS",
            "STATUS_REJECTED", "STATUS_DEAD_END", "STATUS_FAULT", "STATUS_OVER_BUDGET",
            "TERMINATED"]
 
@@ -100,9 +100,46 @@ def _python_flags() -> list[str]:
     return ["-DCAPGRAPH_WITH_PYTHON", f"-I{include}"]
 
 
+def nvtx_include() -> str | None:
+    """The folder holding NVTX v3's headers (``nvtx3/nvToolsExt.h``, header-only: nothing to
+    link), or None: ``$CAPGRAPH_NVTX_INCLUDE``, the CUDA toolkit's (``$CUDA_HOME``,
+    ``/usr/local/cuda``), or the ``nvidia-nvtx`` wheel's (a dependency of CUDA builds of
+    torch: ``nvidia/nvtx/include`` or ``nvidia/cu13/include``). With them the native host
+    node marks each run as an NVTX range in the ``capgraph`` domain, as the Python stages are
+    marked (``capgraph._nvtx``); ``CAPGRAPH_NVTX_INCLUDE=off`` builds without."""
+    given = (os.environ.get("CAPGRAPH_NVTX_INCLUDE") or "").strip()
+    if given.lower() == "off":
+        return None
+    candidates = [given] if given else []
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            candidates.append(os.path.join(home, "include"))
+    try:
+        import nvidia  # type: ignore[import-not-found]  # the namespace of NVIDIA's wheels
+
+        for root in getattr(nvidia, "__path__", []):
+            candidates.extend(sorted(str(p) for p in Path(root).glob("*/include")))
+    except ImportError:
+        pass
+    for folder in candidates:
+        if os.path.isfile(os.path.join(folder, "nvtx3", "nvToolsExt.h")):
+            return folder
+    return None
+
+
+def _nvtx_flags() -> list[str]:
+    """The native node's NVTX range, where the headers are found (:func:`nvtx_include`) and
+    the library has its CPython side (the node lives there)."""
+    include = nvtx_include()
+    if include is None or not _python_flags():
+        return []
+    return ["-DCAPGRAPH_WITH_NVTX", f"-I{include}"]
+
+
 def _library_spec() -> jit.JitSpec:
     """The host build library's :class:`~capgraph.jit.JitSpec` (reads the compiler's version)."""
-    return jit.cxx_library(_LIBRARY, _SOURCES, headers=_HEADERS, cflags=_python_flags())
+    return jit.cxx_library(_LIBRARY, _SOURCES, headers=_HEADERS,
+                           cflags=_python_flags() + _nvtx_flags())
 
 
 _lock = threading.Lock()
@@ -334,3 +371,117 @@ class FastPath(NamedTuple):
     close: Callable[..., Any]
     admit: Callable[..., int]
     state: Any
+
+
+class NodeStats(NamedTuple):
+    """Counters of a :class:`HostNode`: steps run (``python_runs`` of them Python steps), the
+    monotonic-clock nanoseconds (``time.monotonic_ns``'s clock) at which the latest began and
+    ended, the nanoseconds spent in all of them and the rows they guided."""
+
+    runs: int
+    python_runs: int
+    last_start_ns: int
+    last_end_ns: int
+    busy_ns: int
+    rows: int
+
+
+class HostNode:
+    """A capturable decoder's step as a native host function (``csrc/python_entry.cc``, "the
+    native host node"), which a captured graph calls as its host node through
+    :func:`hostfunc.launch_native` (``run(address)``; ``retain`` / ``release`` tie the node's
+    life to the graph) and which never takes the GIL for a steady-state batch.
+
+    Per step: :meth:`push` (at ``add_batch``) reads the batch's requests into a native job, or
+    declines a batch that is not the plain case, which :meth:`push_python` then queues as a
+    Python step (the node takes the GIL and calls ``fallback(epoch)``); the node runs the job
+    when the stream reaches it; :meth:`take` (after the step's sync) returns what it did.
+    :meth:`set_slot` keeps the node's per-slot table in step with the decoder's matchers.
+
+    Args:
+        fast: the decoder's :class:`FastPath` (its Builder and request fields).
+        buffer: the decoder's pinned ``[positions, max_num_sequences]`` int32 token buffer,
+            read by the node for requests whose tokens come from it.
+        fallback: ``fallback(epoch)``, the decoder's Python host step (called under the GIL
+            on the node's thread; it must not raise).
+    """
+
+    def __init__(self, fast: FastPath, buffer: torch.Tensor, fallback: Callable[[int], None]
+                 ) -> None:
+        module = python_module()
+        if module is None or not hasattr(module, "node_create"):
+            raise NativeBuildError("the host build library has no native host node (built "
+                                   "without Python's headers)")
+        if buffer.device.type != "cpu" or buffer.dtype != torch.int32 or buffer.dim() != 2 \
+                or not buffer.is_contiguous():
+            raise NativeBuildError(f"the host node's token buffer must be a contiguous CPU "
+                                   f"int32 [positions, slots] tensor, got {buffer.dtype} "
+                                   f"{tuple(buffer.shape)} on {buffer.device}")
+        self._module = module
+        self._fast = fast
+        (self._capsule, self.run, self.retain, self.release,
+         self.address) = module.node_create(fast.state, buffer, buffer.data_ptr(),
+                                            buffer.shape[0], fallback)
+        self._push, self._push_python = module.node_push, module.node_push_python
+        self._drop, self._set_slot, self._take = (module.node_drop, module.node_set_slot,
+                                                  module.node_take)
+        _shutdown_at_exit(module)
+
+    def push(self, requests: list, offsets: list, draft_len: int, clear_rows: int, epoch: int,
+             from_buffer: bool, fill: list[int]) -> bool:
+        """Queue the step's native job; False (nothing queued) where the batch is not the
+        plain case (every guided request a target request, generating with a chain of drafts
+        or in its context phase, exact-int fields in range, each slot once).
+        ``from_buffer``: a generation request with a ``prev_seq_slot`` takes its token and
+        drafts from the token buffer (its slot's column) when the node runs. ``fill``: the
+        batch indices of the context requests whose matchers the caller creates now (the node
+        fills their row); any other context request has nothing to do this step."""
+        return self._push(self._capsule, self._fast.state, requests, offsets, draft_len,
+                          clear_rows, epoch, from_buffer, fill)
+
+    def push_python(self, epoch: int) -> None:
+        """Queue a Python step (the node calls ``fallback(epoch)`` under the GIL)."""
+        self._push_python(self._capsule, epoch)
+
+    def drop(self) -> bool:
+        """Forget the oldest queued step (its batch was consumed host side); False if none."""
+        return self._drop(self._capsule)
+
+    def set_slot(self, slot: int, handle: Any, stopped: bool) -> None:
+        """What the node runs for ``slot`` from now on: ``handle`` as in
+        :meth:`NativeBuilder.bind_fast` (None, an FFI object's address, or anything else for a
+        matcher only Python can run, which makes a step holding the slot a Python step);
+        ``stopped``: the slot's drafting loop stopped guiding it (skipped)."""
+        self._set_slot(self._capsule, slot, handle, stopped)
+
+    def take(self, advanced: list, guided: list) -> list[tuple]:
+        """The native steps run since the last call, in order, as ``(epoch, queue error or
+        None, masked, unusual, columns)`` (``unusual`` as :attr:`FastPath.step`'s;
+        ``columns``: None or ``[(batch index, [token, drafts...])]`` read from the token
+        buffer); their counters are written to ``advanced`` / ``guided`` (per slot)."""
+        return self._take(self._capsule, advanced, guided)
+
+    def set_warmup(self, on: bool) -> None:
+        """From now on the node's runs take no job and mask nothing (graph warm-up), or
+        run steps again."""
+        self._module.node_set_warmup(self._capsule, on)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch of the latest batch consumed: the next job's must be one more."""
+        self._module.node_set_epoch(self._capsule, epoch)
+
+    def stats(self) -> NodeStats:
+        """The node's counters and latest timestamps."""
+        return NodeStats(*self._module.node_stats(self._capsule))
+
+
+_exit_hooked: list[bool] = []
+
+
+def _shutdown_at_exit(module: Any) -> None:
+    """At interpreter exit, stop the nodes' Python steps (no thread may enter Python then)."""
+    if not _exit_hooked:
+        import atexit
+
+        _exit_hooked.append(True)
+        atexit.register(module.node_shutdown)

@@ -10,7 +10,7 @@ them on the rows it filled.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Protocol, Sequence, TypeGuard
+from typing import Any, Callable, Iterable, Protocol, Sequence, TypeGuard
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ from ..bitmask import (allocate_host_bitmask, allocate_host_token_mask, split_la
 from ..grammar import GrammarMatcher
 from ..requests import GuidedRequest
 
-__all__ = ["Delegating", "SlotMatchers", "SlotState", "probe_window"]
+__all__ = ["Delegating", "SlotFlags", "SlotMatchers", "SlotState", "probe_window"]
 
 
 def _no_compiles(request: GuidedRequest) -> GrammarMatcher:
@@ -57,6 +57,9 @@ class SlotMatchers(list[GrammarMatcher | None]):
     such as a request handed over between backends) is watched while tracking: when its
     delegate is set, its slot's handle is recomputed then (``handle_of`` may look at the
     delegate), so no step pays for looking.
+
+    :attr:`on_change`, when set, is called with the slot after every change of a slot's handle
+    (a native host node keeps its own table of them, :class:`~capgraph.build.library.HostNode`).
     """
 
     def __init__(self, num_slots: int) -> None:
@@ -64,6 +67,8 @@ class SlotMatchers(list[GrammarMatcher | None]):
         self.handles: list[Any] = [None] * num_slots
         self._handle_of: Callable[[Any], Any] = _python_only
         self._tracking = False
+        #: called with the slot after its handle changed (None: nobody listens)
+        self.on_change: Callable[[int], None] | None = None
 
     def track(self, handle_of: Callable[[Any], Any]) -> None:
         """Compute the handles with ``handle_of`` from now on (the current matchers' too)."""
@@ -72,6 +77,12 @@ class SlotMatchers(list[GrammarMatcher | None]):
         self.handles[:] = [handle_of(m) for m in self]
         for slot, m in enumerate(self):
             self._watch(slot, m)
+        self._changed(range(len(self)))
+
+    def _changed(self, slots: Iterable[int]) -> None:
+        if self.on_change is not None:
+            for slot in slots:
+                self.on_change(slot)
 
     def __setitem__(self, index: Any, value: Any) -> None:
         if isinstance(index, slice):
@@ -85,12 +96,15 @@ class SlotMatchers(list[GrammarMatcher | None]):
             for slot, (m, before) in enumerate(zip(new, old)):
                 if m is not before:
                     self._watch(slot, m)
+            self._changed(range(len(self)))
             return
         handle = self._handle_of(value)  # (first: a failure here changes neither list)
         super().__setitem__(index, value)
         self.handles[index] = handle
         if handle is False and self._tracking:
             self._watch(index, value)
+        if self.on_change is not None:
+            self.on_change(index % len(self))
 
     def _watch(self, slot: int, matcher: Any) -> None:
         """Have a :class:`Delegating` ``matcher`` not settled yet refresh ``slot``'s handle
@@ -108,6 +122,7 @@ class SlotMatchers(list[GrammarMatcher | None]):
             if slots is not None and slot < len(slots) and \
                     list.__getitem__(slots, slot) is settled:
                 slots.handles[slot] = slots._handle_of(settled)
+                slots._changed((slot,))
 
         on_delegate(refresh)
 
@@ -117,6 +132,24 @@ class SlotMatchers(list[GrammarMatcher | None]):
 
     __delitem__ = append = extend = insert = pop = remove = clear = _fixed  # type: ignore
     __iadd__ = __imul__ = sort = reverse = _fixed  # type: ignore
+
+
+class SlotFlags(list[bool]):
+    """A per-slot list of flags that calls :attr:`on_change` with the slot after each
+    assignment (the decoder's ``is_draft_terminated``, which a native host node mirrors)."""
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__([False] * num_slots)
+        #: called with the slot after its flag was assigned (None: nobody listens)
+        self.on_change: Callable[[int], None] | None = None
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        super().__setitem__(index, value)
+        if self.on_change is not None:
+            slots = range(len(self))[index] if isinstance(index, slice) else \
+                (index % len(self),)
+            for slot in slots:
+                self.on_change(slot)
 
 
 class SlotState:
@@ -149,7 +182,8 @@ class SlotState:
         self.num_advanced_tokens = [0] * S  #: tokens accepted in the last build
         self.num_guided_tokens = [0] * S  #: rows masked in the last build
         self.num_advanced_draft_tokens = [0] * S  #: tokens accepted over a drafting loop
-        self.is_draft_terminated = [False] * S  #: the drafting loop stopped guiding the slot
+        #: the drafting loop stopped guiding the slot
+        self.is_draft_terminated: SlotFlags = SlotFlags(S)
         #: builds run so far (the decoder counts them): a stored draft tree belongs to one
         self.num_builds = 0
         #: per slot, the draft tree the last build traversed, for the rollback to keep its

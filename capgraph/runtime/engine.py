@@ -43,7 +43,8 @@ def generate(prompts: Sequence[str | Sequence[int]],
              decoder: str = "eager", cuda_graph: bool | None = None,
              device: torch.device | str = "cpu", temperature: float = 0.0, top_k: int = 0,
              seed: int = 0, progress: bool | Callable[[int, int], None] = False,
-             backend: str = "xgrammar", factory: Any = None) -> GenerationResults:
+             backend: str = "xgrammar", factory: Any = None,
+             host_node: str | None = None) -> GenerationResults:
     """Generate a continuation of each prompt, each following its own guide.
 
     Args:
@@ -74,6 +75,9 @@ def generate(prompts: Sequence[str | Sequence[int]],
         factory: a matcher factory to reuse (its config must have the model's vocabulary);
             default: built for ``tokenizer`` with compact JSON (no free whitespace, so a
             model cannot loop on it).
+        host_node: the capturable decoder's ``host_node`` argument (which host function its
+            step runs, passed through unchecked); None leaves the decoder's default. Needs
+            ``decoder="capturable"``.
 
     Returns:
         :class:`GenerationResults`: one :class:`GenerationResult` per prompt, in order, with
@@ -85,7 +89,7 @@ def generate(prompts: Sequence[str | Sequence[int]],
                      num_draft_tokens=num_draft_tokens, draft_model=draft_model,
                      decoder=decoder, cuda_graph=cuda_graph, device=device,
                      sampling=SamplingParams(temperature, top_k, seed), progress=progress,
-                     backend=backend, factory=factory)
+                     backend=backend, factory=factory, host_node=host_node)
     try:
         with torch.no_grad():
             return engine.run()
@@ -98,7 +102,7 @@ class _Engine:
 
     def __init__(self, prompts, guides, *, model, tokenizer, max_new_tokens, max_batch_size,
                  draft, num_draft_tokens, draft_model, decoder, cuda_graph, device, sampling,
-                 progress, backend, factory) -> None:
+                 progress, backend, factory, host_node=None) -> None:
         if max_new_tokens < 1 or max_batch_size < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens} and max_batch_size="
                               f"{max_batch_size} must be >= 1")
@@ -106,6 +110,10 @@ class _Engine:
             raise ConfigError(f"draft={draft!r}: expected one of {', '.join(map(repr, DRAFTS))}")
         if decoder not in ("eager", "capturable"):
             raise ConfigError(f"decoder={decoder!r}: expected 'eager' or 'capturable'")
+        if host_node is not None and decoder != "capturable":
+            raise ConfigError(f"host_node={host_node!r} needs decoder='capturable' (the eager "
+                              f"decoder runs no host node), got decoder={decoder!r}")
+        self._decoder_options = {} if host_node is None else {"host_node": host_node}
         self.K = K = num_draft_tokens if draft != "none" else 0
         if K and not sampling.greedy:
             raise ConfigError("speculative decoding verifies greedily: use temperature=0")
@@ -214,7 +222,7 @@ class _Engine:
         dec: GuidedDecoder
         if kind == "capturable":
             dec = CapturableGuidedDecoder(factory.config, S, self.K, device=self.device,
-                                          factory=factory)
+                                          factory=factory, **self._decoder_options)
         else:
             dec = GuidedDecoder(factory.config, S, self.K, device=self.device, factory=factory)
         driver = GuideDriver(dec, self.K)
@@ -348,6 +356,11 @@ class _Engine:
                     leave=False)
 
     def _results(self) -> GenerationResults:
+        # the native host node times itself (on the driver's or the lane's thread); it serves
+        # captured steps only, so a run without a graph has no such stage
+        stats = getattr(self.guide.decoder, "host_node_stats", None) if self.guide else None
+        if stats is not None and stats.runs:
+            self.clock.add("host_node", stats.busy_ns / 1e9)
         out = GenerationResults()
         ntok = 0
         for s in self.sequences:

@@ -16,7 +16,12 @@
  *     as does cuUserObjectRelease when the count reaches zero;
  *   - cuLaunchHostFunc runs fn(userData) on a pthread that first joins the previous one, so
  *     eager callbacks keep stream order; cuStreamSynchronize joins the last of them;
- *   - fake_fail(name, code) makes the next call of one entry point fail with `code`.
+ *   - fake_fail(name, code) makes the next call of one entry point fail with `code`;
+ *   - cuGetProcAddress is itself resolvable (as on a real driver), so that code can look up the
+ *     raw cuLaunchHostFunc through driver.cuGetProcAddress;
+ *   - fake_probe_call / fake_probe_retain / fake_probe_release are native host functions for
+ *     tests: each adds one to its counter in the FakeProbe at user_data, and fake_probe_call
+ *     also counts the calls made while the calling thread held the GIL.
  * Build: gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o libcuda.so.1 fake_cuda.c -ldl -lpthread
  */
 #define _GNU_SOURCE
@@ -265,8 +270,11 @@ static CUresult f_cuStreamQuery(uintptr_t s) {
 }
 
 /* ---- symbol table ---- */
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags,
+                             int *status);
 typedef struct { const char *name; int min_version; void *fn; } Sym;
 static const Sym table[] = {
+    {"cuGetProcAddress", 12000, (void *)cuGetProcAddress_v2},
     {"cuInit", 2000, (void *)f_cuInit},
     {"cuDriverGetVersion", 2020, (void *)cuDriverGetVersion},
     {"cuStreamIsCapturing", 10000, (void *)f_cuStreamIsCapturing},
@@ -356,4 +364,21 @@ int fake_destroy_graph(uintptr_t graph) {
     pthread_join(t, NULL);
     logf_("fake_destroy_graph graph=%#lx", (unsigned long)graph);
     return 0;
+}
+
+/* ---- native host functions for tests: counters at user_data ---- */
+typedef struct { int64_t calls, calls_with_gil, retains, releases; } FakeProbe;
+
+void fake_probe_call(void *user_data) {
+    FakeProbe *p = user_data;
+    if (gil_held() != 0) __sync_fetch_and_add(&p->calls_with_gil, 1);
+    __sync_fetch_and_add(&p->calls, 1);
+}
+
+void fake_probe_retain(void *user_data) {
+    __sync_fetch_and_add(&((FakeProbe *)user_data)->retains, 1);
+}
+
+void fake_probe_release(void *user_data) {
+    __sync_fetch_and_add(&((FakeProbe *)user_data)->releases, 1);
 }

@@ -1,0 +1,402 @@
+"""The native host node (``CapturableGuidedDecoder(host_node="native")``) on hostfunc's CPU
+stand-in: a captured step replayed through the C++ node gives the eager decoder's masks,
+failures and matcher states; its steady state runs while another thread holds the GIL; a batch
+it cannot run natively becomes a Python step inside the node; queue epochs, warm-up and
+lifetimes hold as on the Python host callback."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import random
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hostfunc
+from capgraph import ConfigError, GuidedDecodingParams, GuideType, QueueEpochError
+from capgraph.capturable import CapturableGuidedDecoder
+from capgraph.decoder import GuidedDecoder
+from capgraph.requests import GuidedRequest
+from capgraph.tokenizers import encode_continuation
+from cases import CASES
+from test_capturable import Scenario
+
+GUIDED = [c for c in CASES if c.params.guide_type in
+          (GuideType.JSON_SCHEMA, GuideType.REGEX, GuideType.EBNF_GRAMMAR)]
+MS = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def factory(factory_cache):
+    return factory_cache("tekken")
+
+
+@pytest.fixture(scope="module")
+def native_ok(factory):
+    """Skip where the native node cannot run here (no C++ library or no C compiler)."""
+    try:
+        d = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="native")
+    except ConfigError as e:
+        pytest.skip(f"the native host node is not available here: {e}")
+    d.close()
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def capture(decoder: CapturableGuidedDecoder, requests, logits: torch.Tensor
+            ) -> hostfunc.HostGraph:
+    """Capture one step of ``decoder`` (its shapes from ``requests``) into a HostGraph."""
+    decoder.add_batch(requests)
+    graph = hostfunc.HostGraph()
+    with hostfunc.capture(graph):
+        decoder.execute(logits)
+    return graph
+
+
+def texts_of(tekken, cases):
+    return [encode_continuation(tekken, c.valid) for c in cases]
+
+
+@pytest.mark.parametrize("host_node", ["native", "python"])
+def test_replayed_steps_equal_the_eager_decoder(factory, tekken, native_ok, host_node):
+    """Three schema/regex/EBNF requests decoded through a replayed HostGraph, tokens from the
+    pinned token buffer: every step's masked logits and token mask equal GuidedDecoder's, on
+    the native node (which runs every step natively, the context step's matchers created at
+    its add_batch) and on the Python callback."""
+    V = factory.config.vocab_size_padded
+    cases = GUIDED[:3]
+    texts = texts_of(tekken, cases)
+    steps = min(len(t) for t in texts)
+    eager = GuidedDecoder(factory.config, 3, 0, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, 3, 0, factory=factory, host_node=host_node)
+    assert capt.host_node == host_node
+    static = torch.zeros(3, V)
+
+    def requests(step, buffered):
+        if step == 0:
+            return [GuidedRequest.context(i, i, c.params) for i, c in enumerate(cases)]
+        return [GuidedRequest.generation(i, i, c.params, None if buffered else texts[i][step - 1],
+                                         prev_seq_slot=i) for i, c in enumerate(cases)]
+
+    graph = capture(capt, requests(0, False), static)
+    for step in range(steps):
+        logits = torch.randn(3, V, generator=torch.Generator().manual_seed(step))
+        eager.add_batch(requests(step, False))
+        expect = logits.clone()
+        assert eager.execute(expect) == []
+        tokens = torch.zeros(1, 3, dtype=torch.int32)
+        if step:
+            tokens[0] = torch.tensor([t[step - 1] for t in texts], dtype=torch.int32)
+        capt.add_batch(requests(step, step > 0), tokens if step else None)
+        static.copy_(logits)
+        graph.replay()
+        hostfunc.drain()
+        assert capt.take_failed_requests() == []
+        assert same(static, expect), f"step {step}"
+        assert torch.equal(capt.token_mask_host[:3], eager.token_mask_host[:3])
+        assert capt.num_advanced_tokens == eager.num_advanced_tokens
+    if host_node == "native":
+        stats = capt.host_node_stats
+        assert stats.runs == steps and stats.python_runs == 0
+        assert stats.rows > 0
+    else:
+        assert capt.host_node_stats is None
+    graph.reset()
+    capt.close()
+
+
+def test_python_only_slot_makes_a_python_step(factory, tekken, native_ok):
+    """A slot whose matcher only Python can run (here: a wrapper that is not xgrammar's
+    matcher) turns the node's step into a Python step, with the same masks; once the slot
+    holds a native matcher again the node runs natively."""
+    V = factory.config.vocab_size_padded
+    case = GUIDED[0]
+    text = texts_of(tekken, [case])[0]
+    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="native")
+    static = torch.zeros(1, V)
+    graph = capture(capt, [GuidedRequest.context(1, 0, case.params)], static)
+    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
+    graph.replay()
+    hostfunc.drain()
+    native = capt.grammar_matchers[0]
+
+    class Wrapped:  # forwards everything: only Python can run it
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    capt.grammar_matchers[0] = Wrapped(native)
+    before = capt.host_node_stats.python_runs
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[0])])
+    graph.replay()
+    hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    assert capt.host_node_stats.python_runs == before + 1
+    assert capt.num_advanced_tokens[0] == 1 and capt.token_mask_host[0] == 1
+    capt.grammar_matchers[0] = native
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[1])])
+    graph.replay()
+    hostfunc.drain()
+    assert capt.host_node_stats.python_runs == before + 1  # native again
+    assert capt.num_advanced_tokens[0] == 1 and capt.token_mask_host[0] == 1
+    graph.reset()
+    capt.close()
+
+
+def test_failed_request_is_isolated_in_a_native_step(factory, tekken, native_ok):
+    """A request whose new token the grammar refuses, inside a native step, fails alone: it is
+    reported by take_failed_requests with its id, its rows stay unmasked and its matcher is
+    dropped (the next step leaves it unguided), while the other request's row is masked as the
+    eager decoder masks it."""
+    V = factory.config.vocab_size_padded
+    cases = GUIDED[:2]
+    texts = texts_of(tekken, cases)
+    eager = GuidedDecoder(factory.config, 2, 0, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="native")
+    static = torch.zeros(2, V)
+    ctx = [GuidedRequest.context(i + 1, i, c.params) for i, c in enumerate(cases)]
+    graph = capture(capt, ctx, static)
+    for d in (eager,):
+        d.add_batch(ctx)
+        d.execute(torch.zeros(2, V))
+    capt.add_batch(ctx)
+    graph.replay()
+    hostfunc.drain()
+    bad = GuidedRequest.generation(1, 0, cases[0].params, tokenizer_refused(eager, 0, V))
+    good = GuidedRequest.generation(2, 1, cases[1].params, texts[1][0])
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(3))
+    eager.add_batch([bad, good])
+    expect = logits.clone()
+    failed_eager = eager.execute(expect)
+    capt.add_batch([bad, good])
+    static.copy_(logits)
+    graph.replay()
+    hostfunc.drain()
+    failed = capt.take_failed_requests()
+    assert [i for i, _ in failed] == [1] and failed == failed_eager
+    assert capt.token_mask_host[0] == 0 and capt.token_mask_host[1] == 1
+    assert same(static, expect)
+    assert capt.grammar_matchers[0] is None
+    # the next step: request 1 unguided, request 2 guided
+    capt.add_batch([GuidedRequest.generation(1, 0, cases[0].params, 5),
+                    GuidedRequest.generation(2, 1, cases[1].params, texts[1][1])])
+    graph.replay()
+    hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    assert capt.token_mask_host[0] == 0 and capt.token_mask_host[1] == 1
+    graph.reset()
+    capt.close()
+
+
+def tokenizer_refused(decoder: GuidedDecoder, slot: int, V: int) -> int:
+    """A token id the slot's current grammar state refuses (read from its last mask row)."""
+    row = decoder.bitmask_host[slot]
+    for token in range(V):
+        if not (int(row[token // 32]) >> (token % 32)) & 1:
+            return token
+    raise AssertionError("every token is allowed")
+
+
+def test_queue_epochs_warmup_and_drain(factory, tekken, native_ok):
+    """On the native node: replays inside warmup() take no batch and mask nothing; a replay
+    without its add_batch and an extra add_batch raise QueueEpochError at the drain (as on
+    the Python callback); the step after works."""
+    V = factory.config.vocab_size_padded
+    case = GUIDED[2]
+    tokens = texts_of(tekken, [case])[0]
+    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="native")
+    static = torch.zeros(1, V)
+    graph = capture(capt, [GuidedRequest.context(1, 0, case.params)], static)
+    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
+    graph.replay()
+    hostfunc.drain()
+    assert capt.token_mask_host[0] == 1
+    with capt.warmup():
+        for _ in range(3):
+            static.zero_()
+            graph.replay()
+            hostfunc.drain()
+            assert torch.isfinite(static).all() and capt.token_mask_host[0] == 0
+    graph.replay()  # no add_batch
+    with pytest.raises(hostfunc.HostFuncError) as info:
+        hostfunc.drain()
+    assert isinstance(info.value.__cause__, QueueEpochError)
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, tokens[0])])
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, tokens[0])])  # extra put
+    graph.replay()
+    with pytest.raises(hostfunc.HostFuncError) as info:
+        hostfunc.drain()
+    assert isinstance(info.value.__cause__, QueueEpochError)
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, tokens[0])])
+    static.zero_()
+    graph.replay()
+    hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    assert capt.num_advanced_tokens[0] == 1 and capt.token_mask_host[0] == 1
+    assert torch.isneginf(static).any()
+    graph.reset()
+    capt.close()
+
+
+def _hold_gil(seconds: int) -> tuple[int, int]:
+    """Hold the GIL on a new thread for ``seconds`` (libc sleep through PyDLL keeps it);
+    the window in CLOCK_MONOTONIC ns (from a stamp taken holding the GIL)."""
+    window: list[int] = []
+
+    def hold() -> None:
+        libc = ctypes.PyDLL(None)
+        window.append(time.monotonic_ns())
+        libc.sleep(seconds)
+
+    holder = threading.Thread(target=hold, name="gil-holder")
+    holder.start()
+    holder.join(30)
+    assert len(window) == 1
+    return window[0], window[0] + seconds * 1_000_000_000
+
+
+def test_native_step_completes_while_another_thread_holds_the_gil(factory, tekken, native_ok):
+    """The issue's GIL test on the CPU stand-in: a HostGraph of [a 300 ms native spin (the
+    forward's stand-in), the guided step] is replayed, then another thread holds the GIL for
+    2 s; the node's step (timestamps written by the node) begins and ends inside that window,
+    and its masks are right. On the Python callback the same step ends after the window
+    (the test can fail)."""
+    from hostfunc.native import test_functions
+
+    spin = test_functions().spin_ns
+    V = factory.config.vocab_size_padded
+    cases = GUIDED[:2]
+    texts = texts_of(tekken, cases)
+    for host_node in ("native", "python"):
+        capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory,
+                                       host_node=host_node)
+        static = torch.zeros(2, V)
+        ctx = [GuidedRequest.context(i + 1, i, c.params) for i, c in enumerate(cases)]
+        capt.add_batch(ctx)
+        graph = hostfunc.HostGraph()
+        done = []
+        with hostfunc.capture(graph):
+            hostfunc.launch_native(spin, 300 * MS)
+            capt.execute(static)
+            if host_node == "python":
+                hostfunc.launch(lambda: done.append(time.monotonic_ns()))
+        capt.add_batch(ctx)
+        graph.replay()
+        hostfunc.drain()
+        gen = [GuidedRequest.generation(i + 1, i, c.params, texts[i][0])
+               for i, c in enumerate(cases)]
+        capt.add_batch(gen)
+        graph.replay()
+        start, end = _hold_gil(2)
+        hostfunc.drain()
+        assert capt.take_failed_requests() == []
+        assert capt.num_advanced_tokens[:2] == [1, 1]
+        if host_node == "native":
+            stats = capt.host_node_stats
+            assert start < stats.last_start_ns <= stats.last_end_ns < end, \
+                (start, stats.last_start_ns, stats.last_end_ns, end)
+            assert stats.python_runs == 0
+        else:
+            assert done[-1] > end
+        graph.reset()
+        capt.close()
+
+
+def test_graph_keeps_the_node_after_the_decoder_is_gone(factory, tekken, native_ok):
+    """A graph replayed after its decoder was closed and collected runs the node it holds
+    (retained by the graph: no freed memory is touched) and masks nothing; reset frees it."""
+    V = factory.config.vocab_size_padded
+    case = GUIDED[0]
+    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="native")
+    static = torch.zeros(1, V)
+    graph = capture(capt, [GuidedRequest.context(1, 0, case.params)], static)
+    mask = capt.token_mask_host
+    capt.close()
+    del capt
+    gc.collect()
+    for _ in range(3):
+        graph.replay()
+        hostfunc.drain()
+        assert mask[0] == 0
+    graph.reset()
+    gc.collect()
+
+
+def test_host_node_choice_is_checked(factory):
+    """host_node names its choices; 'native' where it cannot run names why."""
+    with pytest.raises(ConfigError, match="host_node"):
+        CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="fast")
+    with pytest.raises(ConfigError, match="native"):
+        CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_build="python",
+                                host_node="native")
+    d = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_build="python")
+    assert d.host_node == "python"
+    d.close()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), drafts=st.sampled_from([0, 2, 3]))
+def test_random_replayed_steps_equal_eager_with_drafts(factory, native_ok, seed, drafts):
+    """Random replayed steps of mixed guided/unguided, context/generation, disaggregated and
+    drafting requests (EOS inside drafts included), tokens from the pinned buffer, on the
+    native node: masks, failures and matcher states equal the eager decoder's, step for
+    step, and every step ran natively."""
+    rng = random.Random(seed)
+    slots = 4
+    scenario = Scenario(factory, rng, slots, drafts, 30)
+    V = factory.config.vocab_size_padded
+    rows = slots * (drafts + 1)
+    eager = GuidedDecoder(factory.config, slots, drafts, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, slots, drafts, factory=factory,
+                                   host_node="native")
+    static = torch.zeros(rows, V)
+    first, new_tokens, rl = scenario.step()
+    graph = capture(capt, first, static)
+    counts = None
+    pending = (first, new_tokens, rl)
+    for step in range(30):
+        reqs, new_tokens, rl = pending if step == 0 else scenario.step()
+        if not reqs:
+            continue
+        eager.add_batch(reqs, rl)
+        eager.rollback_rejected_tokens()
+        eager.init_disagg_gen_requests()
+        capt_reqs = [GuidedRequest(**{f: getattr(r, f) for f in r.__slots__}) for r in reqs]
+        for r in capt_reqs:
+            if r.prev_seq_slot is not None:
+                r.new_token, r.draft_tokens = None, None
+        capt.add_batch(capt_reqs, new_tokens, rl)
+        if counts is not None and drafts:
+            capt.rollback_rejected_batch(torch.tensor(
+                [counts.get(r.seq_slot, 1) for r in capt_reqs], dtype=torch.int32))
+        n = eager.requests.num_bitmask_tokens
+        logits = torch.randn(rows, V, generator=torch.Generator().manual_seed(step))
+        expect = logits.clone()
+        failed_a = eager.execute(expect[:n])
+        static.copy_(logits)
+        graph.replay()
+        hostfunc.drain()
+        failed_b = capt.take_failed_requests()
+        assert sorted(failed_a) == sorted(failed_b), f"step {step}"
+        assert same(static[:n], expect[:n]), f"logits differ at step {step}"
+        verified = scenario.verify(reqs)
+        counts = {r.seq_slot: c for r, c in zip(reqs, verified)}
+    for slot in range(slots):
+        a, b = eager.grammar_matchers[slot], capt.grammar_matchers[slot]
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.is_terminated() == b.is_terminated()
+    stats = capt.host_node_stats
+    assert stats.runs > 0 and stats.python_runs == 0  # context and disaggregated steps too
+    graph.reset()
+    capt.close()

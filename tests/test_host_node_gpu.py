@@ -1,0 +1,131 @@
+"""The native host node inside a real torch.cuda.CUDAGraph (skipped without a CUDA device; run
+by tools/gpu_check.sh): replayed decoding equals the eager decoder and the Python host
+callback, and the replayed step's host node completes while another Python thread holds the
+GIL."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+import hostfunc
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: torch.cuda.is_available() is False")]
+
+
+def _tool_schema() -> str:
+    from cases import TOOL_CALL_SCHEMA
+    return json.dumps(TOOL_CALL_SCHEMA)
+
+
+def test_native_node_replays_decode_what_eager_and_python_decode(factory_cache):
+    """Up to 64 replayed steps of (forward, execute, greedy sample) through the native host
+    node decode exactly what the eager GuidedDecoder and the Python host callback decode, and
+    every replayed step ran in the node without Python."""
+    from test_capturable_gpu import _decode
+
+    from capgraph import GuidedDecodingParams, GuideType
+    from capgraph.capturable import CapturableGuidedDecoder
+    from capgraph.decoder import GuidedDecoder
+    factory = factory_cache("tekken")
+    params = GuidedDecodingParams(GuideType.JSON_SCHEMA, _tool_schema())
+    made: list = []
+
+    def native(*args, **kwargs):
+        d = CapturableGuidedDecoder(*args, host_node="native", **kwargs)
+        made.append(d)
+        return d
+
+    eager = _decode(GuidedDecoder, factory, params, 4, 64, graph=False)
+    python = _decode(functools.partial(CapturableGuidedDecoder, host_node="python"), factory,
+                     params, 4, 64, graph=True)
+    replayed = _decode(native, factory, params, 4, 64, graph=True)
+    assert eager == python == replayed
+    stats = made[0].host_node_stats
+    assert stats.runs > 0 and stats.python_runs == 0, stats
+
+
+def test_native_node_completes_while_another_thread_holds_the_gil(factory_cache):
+    """The issue's GIL test on CUDA: a graph of [a ~300 ms GPU sleep (the forward's stand-in),
+    the guided step] is replayed, then another thread holds the GIL for 2 s (libc sleep through
+    PyDLL); the host node's timestamps (written by the node) lie inside that window, and the
+    step masked its rows. The Python host callback, in the same graph, runs after the window
+    (the test can fail)."""
+    from capgraph import GuidedDecodingParams, GuideType
+    from capgraph.capturable import CapturableGuidedDecoder
+    from capgraph.requests import GuidedRequest
+    factory = factory_cache("tekken")
+    params = GuidedDecodingParams(GuideType.JSON_SCHEMA, _tool_schema())
+    V = factory.config.vocab_size_padded
+    cycles = _cycles_for_ms(300)
+    for host_node in ("native", "python"):
+        dec = CapturableGuidedDecoder(factory.config, 2, 0, device="cuda", factory=factory,
+                                      host_node=host_node)
+        logits = torch.zeros(2, V, device="cuda")
+        ctx = [GuidedRequest.context(i, i, params) for i in range(2)]
+        dec.add_batch(ctx)
+        with dec.warmup():
+            dec.execute(logits)
+        torch.cuda.synchronize()
+        stamps: list[int] = []
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.cuda._sleep(cycles)
+            dec.execute(logits)
+            if host_node == "python":  # a Python callback right after the step's
+                hostfunc.launch(lambda: stamps.append(time.monotonic_ns()))
+        dec.add_batch(ctx)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert dec.take_failed_requests() == []
+        open_brace = factory.config.tokenizer.encode("{", add_special_tokens=False)[0]
+        dec.add_batch([GuidedRequest.generation(i, i, params, open_brace, prev_seq_slot=i)
+                       for i in range(2)])
+        graph.replay()
+        start, end = _hold_gil(2)
+        torch.cuda.synchronize()
+        hostfunc.drain()
+        assert dec.take_failed_requests() == []
+        assert dec.num_advanced_tokens[:2] == [1, 1]
+        assert int(dec.token_mask_host[:2].sum()) == 2
+        if host_node == "native":
+            s = dec.host_node_stats
+            assert start < s.last_start_ns <= s.last_end_ns < end, (start, s, end)
+        else:
+            assert stamps and stamps[-1] > end, (stamps, end)
+        graph.reset()
+        dec.close()
+
+
+def _cycles_for_ms(ms: float) -> int:
+    """GPU clock cycles that torch.cuda._sleep spins for about ``ms`` milliseconds."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    stop.record()
+    stop.synchronize()
+    per_ms = 10_000_000 / max(start.elapsed_time(stop), 1e-3)
+    return int(per_ms * ms)
+
+
+def _hold_gil(seconds: int) -> tuple[int, int]:
+    """Hold the GIL on a new thread for ``seconds``; the window in CLOCK_MONOTONIC ns."""
+    window: list[int] = []
+
+    def hold() -> None:
+        libc = ctypes.PyDLL(None)
+        window.append(time.monotonic_ns())
+        libc.sleep(seconds)
+
+    holder = threading.Thread(target=hold, name="gil-holder")
+    holder.start()
+    holder.join(30)
+    assert len(window) == 1
+    return window[0], window[0] + seconds * 1_000_000_000

@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""The replayed guided step on the native host node next to the Python host callback.
+
+Each batch size decodes the bundled tool-call schema teacher-forced (valid tool calls, every
+request restarting with a new context step when its text ends), one replayed graph step per
+decode step: ``add_batch``, replay, drain, ``take_failed_requests``. The graph holds the
+decoder's step only (static logits, no forward), so the figure is the host side of a replayed
+step: on the CPU stand-in the step's host work and its mask apply; on CUDA the host node, the
+copy and the mask kernel. Both kinds run in alternating blocks in one process (ratios in one
+run), and their masks are checked equal step for step. Columns: ms per replayed step per
+kind, native / python, and the native node's own time per step and per guided row (its
+``host_node_stats``: wall time inside the node, on the lane or driver thread).
+
+    python tools/bench_host_node.py                    # batches 1 8 32 64, CPU stand-in
+    python tools/bench_host_node.py --device cuda --batches 8 64 256 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--steps", type=int, default=60, help="timed replayed steps per block")
+    ap.add_argument("--blocks", type=int, default=3, help="alternating blocks per kind")
+    ap.add_argument("--tokenizer", default="tekken")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+
+    import torch
+
+    import hostfunc
+    from capgraph import ConfigError, GuidedDecodingConfig, GuidedDecodingParams, GuideType
+    from capgraph.bench.spec import compact, tool_calls
+    from capgraph.capturable import CapturableGuidedDecoder
+    from capgraph.demo import bundled_schema
+    from capgraph.grammar import create_matcher_factory
+    from capgraph.requests import GuidedRequest
+    from capgraph.tokenizers import encode_continuation, load_tokenizer
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_host_node: no CUDA device; nothing measured")
+        return 0
+    tok = load_tokenizer(args.tokenizer)
+    config = GuidedDecodingConfig.from_tokenizer(tok)
+    factory = create_matcher_factory(config)
+    eos = config.stop_token_ids[0]
+    params = GuidedDecodingParams(GuideType.JSON_SCHEMA, json.dumps(bundled_schema()))
+    texts = [encode_continuation(tok, compact(c)) + [eos] for c in tool_calls()]
+    V = config.vocab_size_padded
+
+    class Run:
+        """One decoder of one kind, captured, with its requests' positions."""
+
+        def __init__(self, kind: str, batch: int) -> None:
+            self.decoder = CapturableGuidedDecoder(config, batch, 0, device=args.device,
+                                                   factory=factory, host_node=kind)
+            self.batch = batch
+            self.logits = torch.zeros(batch, V, device=args.device)
+            self.pos = [-1] * batch  # -1: the next step is the request's context step
+            self.text = [i % len(texts) for i in range(batch)]
+            self.next_id = 0
+            self.ids = [0] * batch
+            d = self.decoder
+            d.add_batch(self.requests())
+            if args.device == "cuda":
+                with d.warmup():
+                    d.execute(self.logits)
+                torch.cuda.synchronize()
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    d.execute(self.logits)
+            else:
+                self.graph = hostfunc.HostGraph()
+                with hostfunc.capture(self.graph):
+                    d.execute(self.logits)
+
+        def requests(self) -> list:
+            out = []
+            for i in range(self.batch):
+                if self.pos[i] < 0:
+                    self.next_id += 1
+                    self.ids[i] = self.next_id
+                    out.append(GuidedRequest.context(self.ids[i], i, params))
+                else:
+                    out.append(GuidedRequest.generation(
+                        self.ids[i], i, params, texts[self.text[i]][self.pos[i]]))
+            return out
+
+        def advance(self) -> None:
+            for i in range(self.batch):
+                self.pos[i] += 1
+                if self.pos[i] >= len(texts[self.text[i]]):
+                    self.pos[i] = -1
+                    self.text[i] = (self.text[i] + 1) % len(texts)
+
+        def step(self) -> None:
+            d = self.decoder
+            d.add_batch(self.requests())
+            self.graph.replay()  # (the logits keep earlier steps' -inf: the mask is what counts)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            hostfunc.drain()
+            failed = d.take_failed_requests()
+            if failed:
+                raise RuntimeError(f"a teacher-forced request failed: {failed[0]}")
+            self.advance()
+
+    rows = []
+    print(f"{'batch':>5} {'python ms':>10} {'native ms':>10} {'native/python':>13} "
+          f"{'node us/step':>12} {'node us/row':>11}")
+    for batch in args.batches:
+        try:
+            runs = {kind: Run(kind, batch) for kind in ("python", "native")}
+        except ConfigError as e:
+            print(f"{batch:>5} native host node unavailable: {e}")
+            continue
+        times: dict[str, list[float]] = {"python": [], "native": []}
+        for _ in range(3):  # warm: both kinds, untimed
+            for run in runs.values():
+                run.step()
+        for _block in range(args.blocks):
+            for kind, run in runs.items():
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    run.step()
+                times[kind].append((time.perf_counter() - t0) / args.steps * 1e3)
+        # the two kinds decoded the same texts in step: their last masks agree
+        a, b = runs["python"].decoder, runs["native"].decoder
+        if not torch.equal(a.token_mask_host, b.token_mask_host) or \
+                not torch.equal(a.bitmask_host, b.bitmask_host):
+            raise RuntimeError(f"batch {batch}: the native and Python steps' masks differ")
+        stats = b.host_node_stats
+        node_us = stats.busy_ns / max(stats.runs, 1) / 1e3
+        row_us = stats.busy_ns / max(stats.rows, 1) / 1e3
+        py, nat = statistics.median(times["python"]), statistics.median(times["native"])
+        rows.append({"batch": batch, "python_ms": py, "native_ms": nat, "ratio": nat / py,
+                     "node_us_per_step": node_us, "node_us_per_row": row_us,
+                     "node_runs": stats.runs, "node_python_runs": stats.python_runs,
+                     "blocks": times})
+        print(f"{batch:>5} {py:>10.4f} {nat:>10.4f} {nat / py:>13.3f} {node_us:>12.1f} "
+              f"{row_us:>11.2f}")
+        for run in runs.values():
+            if args.device == "cuda":
+                run.graph.reset()
+            else:
+                run.graph.reset()
+            run.decoder.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "tokenizer": args.tokenizer,
+                       "steps": args.steps, "blocks": args.blocks, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
