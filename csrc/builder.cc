@@ -11,6 +11,8 @@
 // status means for the request (GuidedDecoder._interpret); this loop reports per request a
 // status and how many tokens it accepted and rows it guided.
 // python_entry.cc runs the same Builder from a CPython call without a Python loop.
+// The requests of a large step run on the Builder's fill threads too (FillPool, RunEntries,
+// FillChoice): they are independent, so the results are those of one thread.
 //
 // Compiled at run time with python_entry.cc into one library by capgraph/jit.py (for
 // capgraph/build/library.py: a C++17 compiler and tvm-ffi's headers, cached on disk), never
