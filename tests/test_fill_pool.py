@@ -594,3 +594,25 @@ def test_set_fill_threads_is_validated(tiny, threads, min_requests, adaptive):
                 builder._set_fill(threads, min_requests, True)
     finally:
         dec.close()
+
+
+def test_bench_fill_threads_tool_measures_and_writes_json(tmp_path, capsys):
+    """tools/bench_fill_threads.py (a short run: batches 1 and 40, threads 1 and 2, 3 steps)
+    prints its table and writes a row per batch with every decoder's time, ratio and pool
+    share, after checking that every decoder masked the same rows as the one-thread one."""
+    from conftest import load_tool
+
+    tool = load_tool("bench_fill_threads")
+    path = tmp_path / "fill.json"
+    assert tool.main(["--batches", "1", "40", "--threads", "1", "2", "--steps", "3",
+                      "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| batch |" in out and "2 thr / 1" in out and "auto / 1" in out
+    data = json.loads(path.read_text())
+    assert [row["batch"] for row in data["rows"]] == [1, 40]
+    for row in data["rows"]:
+        for name in ("t1", "t2", "auto"):
+            assert row[f"{name}_us"] > 0 and row[f"{name}_ratio"] > 0
+            assert 0 <= row[f"{name}_pool_share"] <= 1
+        assert row["t1_pool_share"] == 0
+    assert data["rows"][0]["t2_pool_share"] == 0  # (one request: nothing to split)
