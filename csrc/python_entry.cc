@@ -911,63 +911,102 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d) {
   int32_t* mask = b->BeginStep(job.clear_rows);
   const int64_t rows = b->bitmask.size(0);
   const int32_t* tokens = n->tokens;
-  Builder::StepClock clock_state;
-  Builder::StepClock* clock = b->StartClock(&clock_state, false);
-  std::vector<int64_t> column(static_cast<size_t>(n->positions));
+  const int64_t width = n->positions;
+  // 1. per request, in order: its token and drafts (the buffer's column where it reads
+  // one), whether it runs, and what fails it before it runs
+  struct Run {
+    int64_t entry, token;
+    const int64_t* drafts;
+  };
+  std::vector<int64_t> columns(static_cast<size_t>(k * width));
+  std::vector<Run> runs;
+  std::vector<int32_t> out;  // per request that reaches RunOne or fails before it
+  std::vector<int64_t> reported;  // its entry
+  std::vector<std::string> messages;
   for (int64_t i = 0; i < k; ++i) {
     const NodeEntry& e = job.entries[i];
     d->seen_slots.push_back(e.slot);
     int64_t token = e.token;
     const int64_t* drafts = job.drafts.data() + e.first_draft;
     if (e.from_buffer) {
+      int64_t* column = columns.data() + i * width;
       d->columns.push_back(e.index);
-      for (int64_t p = 0; p < n->positions; ++p) {
+      for (int64_t p = 0; p < width; ++p) {
         column[p] = tokens[p * n->num_slots + e.slot];
         d->columns.push_back(column[p]);
       }
       token = column[0];
-      drafts = column.data() + 1;
+      drafts = column + 1;
     }
     const ObjectRef& m = refs[i];
     if (e.skip || !m.defined()) continue;  // nothing to do, no matcher, or drafting stopped
-    int32_t o3[3] = {kOk, 0, 0};
     std::string message;
-    bool terminated = false;
     try {
-      terminated = b->is_terminated(m).cast<bool>();
+      if (b->is_terminated(m).cast<bool>()) continue;
     } catch (const std::exception& ex) {
-      o3[0] = kFault;
       message = std::string("RuntimeError: is_terminated: ") + ex.what();
     }
-    if (terminated) continue;
-    if (o3[0] == kOk && !e.fill_only && (token < 0 || token >= n->vocab_size)) {
-      o3[0] = kFault;
+    if (message.empty() && !e.fill_only && (token < 0 || token >= n->vocab_size)) {
       message = "RequestError: new_token " + std::to_string(token) + " from the token buffer "
                 "is outside the vocabulary [0, " + std::to_string(n->vocab_size) + ")";
     }
-    bool bad_draft = false;
-    for (int64_t j = 0; o3[0] == kOk && j < e.num_drafts; ++j) {
-      if (drafts[j] < 0 || drafts[j] >= n->vocab_size) bad_draft = true;
+    for (int64_t j = 0; message.empty() && j < e.num_drafts; ++j) {
+      if (drafts[j] < 0 || drafts[j] >= n->vocab_size) {
+        message = "RequestError: draft token " + std::to_string(drafts[j]) + " from the token "
+                  "buffer is outside the vocabulary [0, " + std::to_string(n->vocab_size) + ")";
+      }
     }
-    if (bad_draft) {
-      o3[0] = kFault;
-      message = "RequestError: a draft token from the token buffer is outside the vocabulary "
-                "[0, " + std::to_string(n->vocab_size) + ")";
+    reported.push_back(i);
+    out.insert(out.end(), {message.empty() ? kOk : kFault, 0, 0});
+    messages.push_back(std::move(message));
+    if (messages.back().empty()) runs.push_back(Run{i, token, drafts});
+  }
+  // 2. the xgrammar work: on the fill pool where the Builder's fill allows (each request its
+  // own matcher and rows), else in order on this thread
+  const int64_t nrun = static_cast<int64_t>(runs.size());
+  std::vector<int32_t> run_out(static_cast<size_t>(nrun * 3), 0);
+  bool parallel = b->fill_threads > 1 && nrun >= b->pool_min_requests;
+  if (parallel) {
+    std::vector<std::pair<const void*, int64_t>> matchers(static_cast<size_t>(nrun));
+    std::vector<std::pair<int64_t, int64_t>> spans(static_cast<size_t>(nrun));
+    for (int64_t r = 0; r < nrun; ++r) {
+      const NodeEntry& e = job.entries[runs[r].entry];
+      matchers[r] = {refs[runs[r].entry].get(), r};
+      spans[r] = {e.offset, e.offset + e.num_drafts};
     }
-    if (o3[0] == kOk) {
-      const size_t before = b->errors.size();
-      b->RunOne(m, token, e.offset, e.num_drafts, Drafts{drafts}, job.draft_len, rows, mask, o3,
-                clock);
-      if (b->errors.size() > before) message = b->errors.back();
+    parallel = Builder::Disjoint(&matchers, &spans);
+  }
+  const size_t errors_before = b->errors.size();
+  b->ForEachRequest(nrun, run_out.data(), parallel, false,
+                    [&](int64_t r, Builder::StepClock* clock, std::string* error) {
+                      const NodeEntry& e = job.entries[runs[r].entry];
+                      b->RunOne(refs[runs[r].entry], runs[r].token, e.offset, e.num_drafts,
+                                Drafts{runs[r].drafts}, job.draft_len, rows, mask,
+                                run_out.data() + r * 3, clock, error);
+                    });
+  // 3. in order: the results, and what a failed request leaves behind
+  size_t next_error = errors_before;
+  int64_t r = 0;
+  for (size_t q = 0; q < reported.size(); ++q) {
+    const int64_t i = reported[q];
+    const NodeEntry& e = job.entries[i];
+    int32_t* o3 = out.data() + q * 3;
+    if (r < nrun && runs[r].entry == i) {
+      std::copy(run_out.data() + r * 3, run_out.data() + r * 3 + 3, o3);
+      const int32_t kind = o3[0] & ~kTerminated;
+      if ((kind == kFault || kind == kOverBudget) && next_error < b->errors.size()) {
+        messages[q] = b->errors[next_error++];
+      }
       n->rows.fetch_add(o3[2]);
+      ++r;
     }
     if ((o3[0] & ~kTerminated) != kOk) {
       // a failed request: the rows it filled before the failure stay unmasked, and its
       // matcher runs no later step (Python drops it when it reads this step)
-      for (int64_t r = e.offset; r < e.offset + o3[2] && r < rows; ++r) mask[r] = 0;
+      for (int64_t row = e.offset; row < e.offset + o3[2] && row < rows; ++row) mask[row] = 0;
       ObjectRef dropped;
       std::lock_guard<std::mutex> lock(n->mu);
-      if (n->slot_kind[e.slot] == 1 && n->slot_matcher[e.slot].same_as(m)) {
+      if (n->slot_kind[e.slot] == 1 && n->slot_matcher[e.slot].same_as(refs[i])) {
         std::swap(n->slot_matcher[e.slot], dropped);
         n->slot_kind[e.slot] = 0;
       }
@@ -977,7 +1016,7 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d) {
     d->slots.push_back(e.slot);
     d->index.push_back(e.index);
     d->out.insert(d->out.end(), o3, o3 + 3);
-    d->messages.push_back(std::move(message));
+    d->messages.push_back(std::move(messages[q]));
   }
 }
 
@@ -1003,6 +1042,8 @@ class NodeRange {
 
  private:
   nvtxDomainHandle_t domain_;
+#else
+  NodeRange() {}  // (user-provided: a range object is not an unused variable)
 #endif
 };
 

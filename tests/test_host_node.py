@@ -351,14 +351,36 @@ def test_random_replayed_steps_equal_eager_with_drafts(factory, native_ok, seed,
     drafting requests (EOS inside drafts included), tokens from the pinned buffer, on the
     native node: masks, failures and matcher states equal the eager decoder's, step for
     step, and every step ran natively."""
+    _random_replay(factory, seed, drafts, slots=4)
+
+
+def test_node_steps_on_the_fill_pool_equal_eager(factory, native_ok):
+    """The node's steps split across the fill pool (two threads, from one request on, the
+    pool taking every step) give the eager decoder's masks, failures and matcher states over
+    random replayed steps of eight slots; the pool ran requests."""
+    pooled: list[int] = []
+
+    def setup(capt):
+        builder = capt.host_build.builder
+        builder.set_fill_threads(2, 1, adaptive=False)
+        return builder
+
+    def after_step(builder):
+        pooled.append(builder.last_step().pool_requests)
+
+    _random_replay(factory, 11, 2, slots=8, setup=setup, after_step=after_step)
+    assert sum(pooled) > 0
+
+
+def _random_replay(factory, seed, drafts, slots, setup=None, after_step=None):
     rng = random.Random(seed)
-    slots = 4
     scenario = Scenario(factory, rng, slots, drafts, 30)
     V = factory.config.vocab_size_padded
     rows = slots * (drafts + 1)
     eager = GuidedDecoder(factory.config, slots, drafts, factory=factory)
     capt = CapturableGuidedDecoder(factory.config, slots, drafts, factory=factory,
                                    host_node="native")
+    hook = setup(capt) if setup is not None else None
     static = torch.zeros(rows, V)
     first, new_tokens, rl = scenario.step()
     graph = capture(capt, first, static)
@@ -387,6 +409,8 @@ def test_random_replayed_steps_equal_eager_with_drafts(factory, native_ok, seed,
         graph.replay()
         hostfunc.drain()
         failed_b = capt.take_failed_requests()
+        if after_step is not None:
+            after_step(hook)
         assert sorted(failed_a) == sorted(failed_b), f"step {step}"
         assert same(static[:n], expect[:n]), f"logits differ at step {step}"
         verified = scenario.verify(reqs)
