@@ -18,7 +18,8 @@
 #   bench-replay    60  tools/bench_graph_replay.py: guided/unguided replayed step at tiny 64,
 #                       256 and small 8, 64, 256, per host-node kind (python, native)
 #   bench-loop      20  capgraph bench loop on CUDA, batch 8 first and last
-#   fill-threads    25  tools/bench_fill_threads.py --quick (where the file exists)
+#   fill-threads    25  tools/bench_fill_threads.py: the native fill pool's crossover, 1-16
+#                       threads at batch 1-256
 #   profile         25  tools/profile_nsys.sh: nsys, else the CUPTI trace of replayed steps
 #   xgr-cuda        20  bench_kernel.py with xgrammar's CUDA kernel (if its build finished)
 set -uo pipefail
@@ -91,7 +92,10 @@ run bench-replay 60 "$PY" tools/bench_graph_replay.py --host-node both \
 # batch 8 measured first and again last: the two must agree (the warm-up defect check)
 run bench-loop 20 "$PY" -m capgraph.bench loop --device cuda --batches 8 1 8 --steps 30 \
     --json "$OUT/bench_loop.json"
-[ -f tools/bench_fill_threads.py ] && run fill-threads 25 "$PY" tools/bench_fill_threads.py --quick
+# the native fill's crossover on this machine's cores (the 2-core figures are in BENCHMARKS)
+[ -f tools/bench_fill_threads.py ] && run fill-threads 25 "$PY" tools/bench_fill_threads.py \
+    --batches 1 8 32 64 128 256 --threads 1 2 4 8 16 --steps 12 \
+    --json "$OUT/bench_fill_threads.json"
 # nsys where the image has a working one, else CUPTI (profile_cupti.json, profile_cupti.txt)
 run profile 25 env PYTHON="$PY" OUT="$OUT" bash tools/profile_nsys.sh --model tiny --batch 64 \
     --steps 8 --max-lines 250
