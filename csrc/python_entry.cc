@@ -1121,6 +1121,17 @@ HostNode* NodeArg(PyObject* capsule) {
   return static_cast<HostNode*>(PyCapsule_GetPointer(capsule, kNodeCapsule));
 }
 
+// The node of a call `usage` taking `expected` arguments, the node first; nullptr with an
+// error set (a TypeError naming `usage` for a wrong count).
+HostNode* NodeCall(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t expected,
+                   const char* usage) {
+  if (nargs != expected) {
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", usage, expected);
+    return nullptr;
+  }
+  return NodeArg(args[0]);
+}
+
 
 // node_create(fast, buffer, address, positions, fallback): see the section's comment; the
 // buffer's layout is checked by the caller (capgraph/build/library.py), which hands its data
@@ -1298,11 +1309,8 @@ PyObject* NodePush(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // node_push_python(node, epoch): queue a Python step.
 PyObject* NodePushPython(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HostNode* n = nargs == 2 ? NodeArg(args[0]) : nullptr;
-  if (n == nullptr) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "node_push_python(node, epoch)");
-    return nullptr;
-  }
+  HostNode* n = NodeCall(args, nargs, 2, "node_push_python(node, epoch)");
+  if (n == nullptr) return nullptr;
   const long long epoch = PyLong_AsLongLong(args[1]);
   if (epoch == -1 && PyErr_Occurred()) return nullptr;
   NodeJob job;
@@ -1315,11 +1323,8 @@ PyObject* NodePushPython(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // node_drop(node) -> bool: forget the oldest queued job (False: none was queued).
 PyObject* NodeDrop(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HostNode* n = nargs == 1 ? NodeArg(args[0]) : nullptr;
-  if (n == nullptr) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "node_drop(node)");
-    return nullptr;
-  }
+  HostNode* n = NodeCall(args, nargs, 1, "node_drop(node)");
+  if (n == nullptr) return nullptr;
   NodeJob job;  // (its destruction after the lock)
   {
     std::lock_guard<std::mutex> lock(n->mu);
@@ -1333,13 +1338,8 @@ PyObject* NodeDrop(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // node_set_slot(node, slot, handle, stopped): what a step runs for `slot` from now on.
 PyObject* NodeSetSlot(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HostNode* n = nargs == 4 ? NodeArg(args[0]) : nullptr;
-  if (n == nullptr) {
-    if (!PyErr_Occurred()) {
-      PyErr_SetString(PyExc_TypeError, "node_set_slot(node, slot, handle, stopped)");
-    }
-    return nullptr;
-  }
+  HostNode* n = NodeCall(args, nargs, 4, "node_set_slot(node, slot, handle, stopped)");
+  if (n == nullptr) return nullptr;
   const int64_t slot = IndexValue(args[1], n->num_slots);
   if (slot < 0) {
     PyErr_Format(PyExc_IndexError, "node_set_slot: slot %R is outside [0, %lld)", args[1],
@@ -1468,11 +1468,8 @@ PyObject* NodeTake(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // node_stats(node) -> (runs, python_runs, last_start_ns, last_end_ns, busy_ns, rows)
 PyObject* NodeStats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HostNode* n = nargs == 1 ? NodeArg(args[0]) : nullptr;
-  if (n == nullptr) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "node_stats(node)");
-    return nullptr;
-  }
+  HostNode* n = NodeCall(args, nargs, 1, "node_stats(node)");
+  if (n == nullptr) return nullptr;
   return Py_BuildValue("(LLLLLL)", static_cast<long long>(n->runs.load()),
                        static_cast<long long>(n->python_runs.load()),
                        static_cast<long long>(n->last_start.load()),
@@ -1483,22 +1480,16 @@ PyObject* NodeStats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // node_set_warmup(node, on): whether the node's runs are warm-up runs (see RunNode).
 PyObject* NodeSetWarmup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HostNode* n = nargs == 2 ? NodeArg(args[0]) : nullptr;
-  if (n == nullptr) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "node_set_warmup(node, on)");
-    return nullptr;
-  }
+  HostNode* n = NodeCall(args, nargs, 2, "node_set_warmup(node, on)");
+  if (n == nullptr) return nullptr;
   n->warmup.store(PyObject_IsTrue(args[1]) == 1);
   Py_RETURN_NONE;
 }
 
 // node_set_epoch(node, epoch): the epoch of the latest batch consumed (the next job's is one more).
 PyObject* NodeSetEpoch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HostNode* n = nargs == 2 ? NodeArg(args[0]) : nullptr;
-  if (n == nullptr) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "node_set_epoch(node, epoch)");
-    return nullptr;
-  }
+  HostNode* n = NodeCall(args, nargs, 2, "node_set_epoch(node, epoch)");
+  if (n == nullptr) return nullptr;
   const long long epoch = PyLong_AsLongLong(args[1]);
   if (epoch == -1 && PyErr_Occurred()) return nullptr;
   std::lock_guard<std::mutex> lock(n->mu);

@@ -142,18 +142,31 @@ class CudaBackend:
         """Enqueue ``fn(*args, **kwargs)`` on the current stream (see the module docstring)."""
         d = self._drv()
         name = callable_name(fn)
+        handle, stream, capture = self._capture_state(d, name)
+        if capture is None:
+            self._launch_eager(d, stream, handle, fn, args, kwargs, name)
+        else:
+            self._add_captured(d, stream, *capture, fn, args, kwargs, name)
+
+    def _capture_state(self, d: Any, name: str
+                       ) -> tuple[int, Any, tuple[Any, Any, Any, int] | None]:
+        """The current stream's handle, its ``CUstream``, and ``(graph, deps, edges,
+        num_deps)`` while it captures, else None.
+
+        Raises:
+            HostFuncLaunchError: the query failed, or the stream's capture was invalidated.
+        """
         handle = self._stream_of()
         stream = d.CUstream(handle)
         status, _seq, graph, deps, edges, num_deps = self._call(
             "cuStreamGetCaptureInfo", name, d.cuStreamGetCaptureInfo, stream)
         status = int(status)
         if status == int(d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE):
-            self._launch_eager(d, stream, handle, fn, args, kwargs, name)
-        elif status == int(d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE):
-            self._add_captured(d, stream, graph, deps, edges, num_deps, fn, args, kwargs, name)
-        else:
-            raise HostFuncLaunchError("cuStreamGetCaptureInfo", status, name,
-                                      "the stream's capture sequence was invalidated")
+            return handle, stream, None
+        if status == int(d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE):
+            return handle, stream, (graph, deps, edges, int(num_deps))
+        raise HostFuncLaunchError("cuStreamGetCaptureInfo", status, name,
+                                  "the stream's capture sequence was invalidated")
 
     def _launch_eager(self, d: Any, stream: Any, handle: int, fn: Callable[..., Any],
                       args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> None:
@@ -206,18 +219,11 @@ class CudaBackend:
         module docstring); a retain done here is undone with release if the driver refuses."""
         d = self._drv()
         name = f"<native {call.fn:#x}>"
-        handle = self._stream_of()
-        stream = d.CUstream(handle)
-        status, _seq, graph, deps, edges, num_deps = self._call(
-            "cuStreamGetCaptureInfo", name, d.cuStreamGetCaptureInfo, stream)
-        status = int(status)
-        if status == int(d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE):
+        handle, stream, capture = self._capture_state(d, name)
+        if capture is None:
             self._launch_native_eager(handle, call, name)
-        elif status == int(d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE):
-            self._add_native_captured(d, stream, graph, deps, edges, num_deps, call, name)
         else:
-            raise HostFuncLaunchError("cuStreamGetCaptureInfo", status, name,
-                                      "the stream's capture sequence was invalidated")
+            self._add_native_captured(d, stream, *capture, call, name)
 
     def _raw_launch_host_func(self, name: str) -> Any:
         if self._raw_launch is None:

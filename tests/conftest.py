@@ -211,3 +211,18 @@ class AimedMethods:
             return make_native_build(slots, factory, budget_ms, entry=entry,
                                      methods=self.methods(factory))
         return make
+
+
+@pytest.fixture
+def cpu_stand_in_without_leaks():
+    """Run the test on hostfunc's CPU stand-in (even on a GPU machine) and check that it leaves
+    no hostfunc registry entries behind (after a drain and a collection)."""
+    import gc
+
+    import hostfunc
+    with hostfunc.use_backend("cpu"):
+        baseline = hostfunc.live_entries()
+        yield
+        hostfunc.drain(10.0)
+        gc.collect()
+        assert hostfunc.live_entries() == baseline, "a test leaked hostfunc entries"

@@ -6,10 +6,8 @@ lifetimes hold as on the Python host callback."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import random
-import threading
 import time
 
 import pytest
@@ -18,12 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hostfunc
-from capgraph import ConfigError, GuidedDecodingParams, GuideType, QueueEpochError
+from capgraph import ConfigError, GuideType, QueueEpochError
 from capgraph.capturable import CapturableGuidedDecoder
 from capgraph.decoder import GuidedDecoder
 from capgraph.requests import GuidedRequest
 from capgraph.tokenizers import encode_continuation
 from cases import CASES
+from gil import hold_gil
 from test_capturable import Scenario
 
 GUIDED = [c for c in CASES if c.params.guide_type in
@@ -247,23 +246,6 @@ def test_queue_epochs_warmup_and_drain(factory, tekken, native_ok):
     capt.close()
 
 
-def _hold_gil(seconds: int) -> tuple[int, int]:
-    """Hold the GIL on a new thread for ``seconds`` (libc sleep through PyDLL keeps it);
-    the window in CLOCK_MONOTONIC ns (from a stamp taken holding the GIL)."""
-    window: list[int] = []
-
-    def hold() -> None:
-        libc = ctypes.PyDLL(None)
-        window.append(time.monotonic_ns())
-        libc.sleep(seconds)
-
-    holder = threading.Thread(target=hold, name="gil-holder")
-    holder.start()
-    holder.join(30)
-    assert len(window) == 1
-    return window[0], window[0] + seconds * 1_000_000_000
-
-
 def test_native_step_completes_while_another_thread_holds_the_gil(factory, tekken, native_ok):
     """The issue's GIL test on the CPU stand-in: a HostGraph of [a 300 ms native spin (the
     forward's stand-in), the guided step] is replayed, then another thread holds the GIL for
@@ -296,7 +278,7 @@ def test_native_step_completes_while_another_thread_holds_the_gil(factory, tekke
                for i, c in enumerate(cases)]
         capt.add_batch(gen)
         graph.replay()
-        start, end = _hold_gil(2)
+        start, end = hold_gil(2)
         hostfunc.drain()
         assert capt.take_failed_requests() == []
         assert capt.num_advanced_tokens[:2] == [1, 1]

@@ -5,16 +5,15 @@ GIL."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
-import threading
 import time
 
 import pytest
 import torch
 
 import hostfunc
+from gil import hold_gil
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device: torch.cuda.is_available() is False")]
@@ -89,7 +88,7 @@ def test_native_node_completes_while_another_thread_holds_the_gil(factory_cache)
         dec.add_batch([GuidedRequest.generation(i, i, params, open_brace, prev_seq_slot=i)
                        for i in range(2)])
         graph.replay()
-        start, end = _hold_gil(2)
+        start, end = hold_gil(2)
         torch.cuda.synchronize()
         hostfunc.drain()
         assert dec.take_failed_requests() == []
@@ -113,19 +112,3 @@ def _cycles_for_ms(ms: float) -> int:
     stop.synchronize()
     per_ms = 10_000_000 / max(start.elapsed_time(stop), 1e-3)
     return int(per_ms * ms)
-
-
-def _hold_gil(seconds: int) -> tuple[int, int]:
-    """Hold the GIL on a new thread for ``seconds``; the window in CLOCK_MONOTONIC ns."""
-    window: list[int] = []
-
-    def hold() -> None:
-        libc = ctypes.PyDLL(None)
-        window.append(time.monotonic_ns())
-        libc.sleep(seconds)
-
-    holder = threading.Thread(target=hold, name="gil-holder")
-    holder.start()
-    holder.join(30)
-    assert len(window) == 1
-    return window[0], window[0] + seconds * 1_000_000_000

@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 
 import pytest
 
@@ -23,15 +22,8 @@ from hostfunc.host_stream import explicit_stream
 WAIT_S = 10.0
 
 
-@pytest.fixture(autouse=True)
-def cpu_backend_no_leaks() -> Iterator[None]:
-    """Force the CPU stand-in (even on a GPU machine) and check each test leaves no entries."""
-    with hostfunc.use_backend("cpu"):
-        baseline = hostfunc.live_entries()
-        yield
-        hostfunc.drain(WAIT_S)
-        gc.collect()
-        assert hostfunc.live_entries() == baseline, "a test leaked hostfunc entries"
+# every test on the CPU stand-in (even on a GPU machine), leaving no hostfunc entries behind
+pytestmark = pytest.mark.usefixtures("cpu_stand_in_without_leaks")
 
 
 class Gate:

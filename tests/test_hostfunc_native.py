@@ -36,6 +36,8 @@ from hostfunc import HostEvent, HostGraph, HostStream
 from hostfunc.lane import AppendArgs
 from hostfunc.native import TestFunctions, test_functions
 
+from gil import hold_gil
+
 WAIT_S = 10.0
 MS = 1_000_000  # nanoseconds
 
@@ -44,15 +46,8 @@ needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler ($CC, else cc):
                               "library cannot be built")
 
 
-@pytest.fixture(autouse=True)
-def cpu_backend_no_leaks() -> Iterator[None]:
-    """Force the CPU stand-in and check that native calls leave no registry entries."""
-    with hostfunc.use_backend("cpu"):
-        baseline = hostfunc.live_entries()
-        yield
-        hostfunc.drain(WAIT_S)
-        gc.collect()
-        assert hostfunc.live_entries() == baseline, "a test leaked hostfunc entries"
+# every test on the CPU stand-in (even on a GPU machine), leaving no hostfunc entries behind
+pytestmark = pytest.mark.usefixtures("cpu_stand_in_without_leaks")
 
 
 @pytest.fixture
@@ -392,26 +387,6 @@ def test_process_with_live_lanes_exits_cleanly() -> None:
 
 # ---- the GIL window ----
 
-def _hold_gil_for_2s() -> tuple[int, int]:
-    """On a new thread: hold the GIL for 2 s (libc sleep through PyDLL, which keeps it);
-    return the window in CLOCK_MONOTONIC ns: from a stamp taken holding the GIL to 2 s later
-    (the sleep cannot end sooner; once it returns, the holder may lose the GIL to a waiting
-    thread before it could stamp the end)."""
-    window: list[int] = []
-
-    def hold() -> None:
-        libc = ctypes.PyDLL(None)
-        window.append(time.monotonic_ns())
-        libc.sleep(2)
-        window.append(time.monotonic_ns())
-
-    holder = threading.Thread(target=hold, name="gil-holder")
-    holder.start()
-    holder.join(WAIT_S)
-    assert len(window) == 2 and window[1] - window[0] >= 2_000_000_000
-    return window[0], window[0] + 2_000_000_000
-
-
 def test_native_call_completes_while_another_thread_holds_the_gil(
         fns: TestFunctions, stream: HostStream) -> None:
     """Pins the point of native host functions (issue 19, CPU stand-in): a HostGraph of
@@ -423,7 +398,7 @@ def test_native_call_completes_while_another_thread_holds_the_gil(
         hostfunc.launch_native(fns.spin_ns, 300 * MS)
         hostfunc.launch_native(fns.timestamp_ns, ctypes.addressof(stamp))
     graph.replay(stream)
-    start, end = _hold_gil_for_2s()
+    start, end = hold_gil(2, WAIT_S)
     stream.synchronize(WAIT_S)
     assert start < stamp.value < end, (start, stamp.value, end)
     graph.reset()
@@ -438,7 +413,7 @@ def test_python_callback_waits_for_the_gil_holder(fns: TestFunctions, stream: Ho
         hostfunc.launch_native(fns.spin_ns, 300 * MS)
         hostfunc.launch(lambda: stamps.append(time.monotonic_ns()))
     graph.replay(stream)
-    start, end = _hold_gil_for_2s()
+    start, end = hold_gil(2, WAIT_S)
     stream.synchronize(WAIT_S)
     assert stamps and stamps[0] >= end, (start, stamps, end)
     graph.reset()
