@@ -63,6 +63,18 @@ def texts_of(tekken, cases):
     return [encode_continuation(tekken, c.valid) for c in cases]
 
 
+def one_request_after_context(factory, tekken, case):
+    """A one-slot native-node decoder whose captured step has replayed ``case``'s context
+    step: ``(decoder, graph, static logits, the case's tokens)``."""
+    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="native")
+    static = torch.zeros(1, factory.config.vocab_size_padded)
+    graph = capture(capt, [GuidedRequest.context(1, 0, case.params)], static)
+    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
+    graph.replay()
+    hostfunc.drain()
+    return capt, graph, static, texts_of(tekken, [case])[0]
+
+
 @pytest.mark.parametrize("host_node", ["native", "python"])
 def test_replayed_steps_equal_the_eager_decoder(factory, tekken, native_ok, host_node):
     """Three schema/regex/EBNF requests decoded through a replayed HostGraph, tokens from the
@@ -115,15 +127,8 @@ def test_python_only_slot_makes_a_python_step(factory, tekken, native_ok):
     """A slot whose matcher only Python can run (here: a wrapper that is not xgrammar's
     matcher) turns the node's step into a Python step, with the same masks; once the slot
     holds a native matcher again the node runs natively."""
-    V = factory.config.vocab_size_padded
     case = GUIDED[0]
-    text = texts_of(tekken, [case])[0]
-    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="native")
-    static = torch.zeros(1, V)
-    graph = capture(capt, [GuidedRequest.context(1, 0, case.params)], static)
-    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
-    graph.replay()
-    hostfunc.drain()
+    capt, graph, _static, text = one_request_after_context(factory, tekken, case)
     native = capt.grammar_matchers[0]
 
     class Wrapped:  # forwards everything: only Python can run it
@@ -209,15 +214,8 @@ def test_queue_epochs_warmup_and_drain(factory, tekken, native_ok):
     """On the native node: replays inside warmup() take no batch and mask nothing; a replay
     without its add_batch and an extra add_batch raise QueueEpochError at the drain (as on
     the Python callback); the step after works."""
-    V = factory.config.vocab_size_padded
     case = GUIDED[2]
-    tokens = texts_of(tekken, [case])[0]
-    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="native")
-    static = torch.zeros(1, V)
-    graph = capture(capt, [GuidedRequest.context(1, 0, case.params)], static)
-    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
-    graph.replay()
-    hostfunc.drain()
+    capt, graph, static, tokens = one_request_after_context(factory, tekken, case)
     assert capt.token_mask_host[0] == 1
     with capt.warmup():
         for _ in range(3):
