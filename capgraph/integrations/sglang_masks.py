@@ -116,9 +116,14 @@ class MaskRing:
             if tokenizer_vocab < self.vocab_size else None
         stops = list(config.stop_token_ids or ())
 
+        threads = config.native_fill_threads or library.automatic_fill_threads()
+
         def bind(slot: _Slot) -> Any:
-            return NativeBuilder(methods, slot.bitmask, slot.token_mask, slot.bitmask.shape[0],
-                                 stops, full_words, tail_mask, tail)
+            builder = NativeBuilder(methods, slot.bitmask, slot.token_mask,
+                                    slot.bitmask.shape[0], stops, full_words, tail_mask, tail)
+            # a large batch's rows on the fill pool, as the decoders' native build fills them
+            builder.set_fill_threads(threads, library.POOL_MIN_REQUESTS)
+            return builder
         return bind
 
     def allocate(self, batch_size: int) -> torch.Tensor:
