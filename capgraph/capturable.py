@@ -17,6 +17,7 @@ skipping a batch); failures and callback exceptions reach the caller through
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import deque
 from contextlib import contextmanager
@@ -135,6 +136,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._async_build = self.bitmask is self.bitmask_host and self.host_build.asynchronous
         self._node: HostNode | None = None
         self._node_active = False  # a step was captured with the node: every step takes it
+        # one reader of the node's results at a time (the host thread and a Python step
+        # inside the node may both read; results are applied in step order)
+        self._collect_lock = threading.RLock()
         #: which host step the step's callback runs: ``"native"`` (the C++ host node,
         #: :class:`~capgraph.build.library.HostNode`) or ``"python"``
         self.host_node: str = self._make_host_node(host_node)
@@ -742,8 +746,13 @@ class CapturableGuidedDecoder(GuidedDecoder):
         node = self._node
         if node is None or not self._node_active:
             return
-        for epoch, error, masked, unusual, columns in node.take(self.num_advanced_tokens,
-                                                                 self.num_guided_tokens):
+        with self._collect_lock:
+            self._apply_node_results(node.take(self.num_advanced_tokens,
+                                               self.num_guided_tokens))
+
+    def _apply_node_results(self, results: list[tuple]) -> None:
+        """:meth:`_node_collect`'s work on the results of :meth:`HostNode.take`."""
+        for epoch, error, masked, unusual, columns in results:
             if error is not None:
                 self._queue.clear()
                 self.requests_hostfunc = None
