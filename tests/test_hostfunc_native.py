@@ -567,7 +567,9 @@ def test_fake_eager_native_launch_reaches_the_raw_driver_entry(fake_libcuda: Pat
                  call=CALL, release=RELEASE, ud=UD, live_end=hostfunc.live_entries())
     """)
     assert r["seen"] == [1], "the Python callback did not run between the two native calls"
-    assert r["after_launch"][2:] == [1, 0]  # retained at launch, not yet released
+    # retained at launch; the release may already have run (the fake's eager launches run on
+    # threads of their own), but once at most
+    assert r["after_launch"][2] == 1 and r["after_launch"][3] in (0, 1)
     assert r["counts"] == [2, 0, 1, 1], "fn ran with the GIL held, or release did not run"
     assert r["live_end"] == 0 and r["live"] <= 1  # (the Python callback's entry, if pending)
     launches = calls(r["log"], "cuLaunchHostFunc")
