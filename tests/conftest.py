@@ -122,9 +122,8 @@ def assert_steps_agree(decoders, step, draft_len: int) -> None:
         assert torch.equal(first[2], other[2])
 
 
-def build_threads() -> set[str]:
-    """Ids of this process's threads named as the C++ build's thread, ``capgraph-build``
-    (Linux /proc; empty elsewhere)."""
+def threads_named(name: str) -> set[str]:
+    """Ids of this process's threads whose name is ``name`` (Linux /proc; empty elsewhere)."""
     import os
 
     found = set()
@@ -132,11 +131,16 @@ def build_threads() -> set[str]:
         for tid in os.listdir("/proc/self/task"):
             try:
                 with open(f"/proc/self/task/{tid}/comm") as f:
-                    if f.read().strip() == "capgraph-build":
+                    if f.read().strip() == name:
                         found.add(tid)
             except OSError:  # the thread ended meanwhile
                 pass
     return found
+
+
+def build_threads() -> set[str]:
+    """Ids of this process's threads named as the C++ build's thread, ``capgraph-build``."""
+    return threads_named("capgraph-build")
 
 
 def load_tool(name: str):

@@ -126,6 +126,15 @@ def _recording_begin(taken: list):
     return make
 
 
+def assert_same_matcher_states(eager, capt) -> None:
+    """Every slot holds a matcher in both decoders or in neither, terminated alike."""
+    for slot in range(eager.max_num_sequences):
+        a, b = eager.grammar_matchers[slot], capt.grammar_matchers[slot]
+        assert (a is None) == (b is None), f"slot {slot}"
+        if a is not None:
+            assert a.is_terminated() == b.is_terminated(), f"slot {slot}"
+
+
 def run_pair(factory, seed: int, steps: int, drafts: int, slots: int = 4, use_new_tokens=True):
     rng = random.Random(seed)
     scenario = Scenario(factory, rng, slots, drafts, steps)
@@ -165,11 +174,7 @@ def run_pair(factory, seed: int, steps: int, drafts: int, slots: int = 4, use_ne
         verified = scenario.verify(reqs)
         counts = {r.seq_slot: c for r, c in zip(reqs, verified)}
         # next step's requests carry these counts; the capturable path gets them as a tensor
-    for slot in range(slots):
-        a, b = eager.grammar_matchers[slot], capt.grammar_matchers[slot]
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert a.is_terminated() == b.is_terminated()
+    assert_same_matcher_states(eager, capt)
     if capt.host_build.asynchronous:  # plain steps built on the C++ thread, no Python worker ran
         assert any(taken) and capt.streams.stream.thread is None
     capt.close()

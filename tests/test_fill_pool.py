@@ -25,6 +25,7 @@ from capgraph.build.native import xgrammar_factory
 from capgraph.decoder import GuidedDecoder
 from capgraph.grammar import create_matcher_factory
 from capgraph.requests import GuidedRequest
+from conftest import threads_named
 
 pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
                                 reason=f"C++ host build unavailable: "
@@ -77,17 +78,8 @@ def tekken():
 
 
 def fill_threads() -> set[str]:
-    """Ids of this process's threads named as the fill pool's, ``capgraph-fill`` (Linux)."""
-    found = set()
-    if os.path.isdir("/proc/self/task"):
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/comm") as f:
-                    if f.read().strip() == "capgraph-fill":
-                        found.add(tid)
-            except OSError:  # the thread ended meanwhile
-                pass
-    return found
+    """Ids of this process's threads named as the fill pool's, ``capgraph-fill``."""
+    return threads_named("capgraph-fill")
 
 
 class SlotFaults:

@@ -23,7 +23,7 @@ from capgraph.requests import GuidedRequest
 from capgraph.tokenizers import encode_continuation
 from cases import CASES
 from gil import hold_gil
-from test_capturable import Scenario
+from test_capturable import Scenario, assert_same_matcher_states
 
 GUIDED = [c for c in CASES if c.params.guide_type in
           (GuideType.JSON_SCHEMA, GuideType.REGEX, GuideType.EBNF_GRAMMAR)]
@@ -395,11 +395,7 @@ def _random_replay(factory, seed, drafts, slots, setup=None, after_step=None):
         assert same(static[:n], expect[:n]), f"logits differ at step {step}"
         verified = scenario.verify(reqs)
         counts = {r.seq_slot: c for r, c in zip(reqs, verified)}
-    for slot in range(slots):
-        a, b = eager.grammar_matchers[slot], capt.grammar_matchers[slot]
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert a.is_terminated() == b.is_terminated()
+    assert_same_matcher_states(eager, capt)
     stats = capt.host_node_stats
     assert stats.runs > 0 and stats.python_runs == 0  # context and disaggregated steps too
     graph.reset()

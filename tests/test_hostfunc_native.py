@@ -36,6 +36,7 @@ from hostfunc import HostEvent, HostGraph, HostStream
 from hostfunc.lane import AppendArgs
 from hostfunc.native import TestFunctions, test_functions
 
+from conftest import threads_named
 from gil import hold_gil
 
 WAIT_S = 10.0
@@ -99,15 +100,8 @@ class Counters:
 
 
 def lane_threads() -> int:
-    """Threads of this process named ``hostfunc-lane`` (Linux /proc)."""
-    count = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                count += f.read().strip() == "hostfunc-lane"
-        except OSError:
-            pass
-    return count
+    """Threads of this process named ``hostfunc-lane``."""
+    return len(threads_named("hostfunc-lane"))
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = WAIT_S) -> bool:
