@@ -710,33 +710,29 @@ class CapturableGuidedDecoder(GuidedDecoder):
         node = self._node
         assert node is not None
         requests = batch.requests
-        fill = [i for i, req in enumerate(requests) if req.require_matcher_init()]
-        if batch.dropped_slots or not node.push(
-                requests, batch.offsets, batch.max_num_draft_tokens,
-                self.token_mask_host.shape[0], epoch, from_buffer, fill):
+        inits = None if batch.dropped_slots else node.push(
+            requests, batch.offsets, batch.max_num_draft_tokens, self.token_mask_host.shape[0],
+            epoch, from_buffer)
+        if inits is None:
             node.push_python(epoch)
             return
         # (the node checked every slot: an int in range, once in the batch). A slot's counters
         # go to zero with its new matcher, so a rollback still to run for the step before
         # (rollback_rejected_batch after this add_batch) leaves the new matcher alone.
+        context, disaggregated = inits
+        if not (context or disaggregated):
+            return
         matchers, failed = self.grammar_matchers, []
         advanced, guided = self.num_advanced_tokens, self.num_guided_tokens
-        for i in fill:
+        for i in context + disaggregated:
             req = requests[i]
-            matchers[req.seq_slot] = None  # type: ignore[index]
-            advanced[req.seq_slot] = guided[req.seq_slot] = 0  # type: ignore[index]
+            slot: int = req.seq_slot  # type: ignore[assignment]
+            matchers[slot] = None
+            advanced[slot] = guided[slot] = 0
             try:
-                matchers[req.seq_slot] = self._create_matcher(req)  # type: ignore[index]
+                matchers[slot] = self._create_matcher(req)
             except Exception as e:
                 failed.append(self._fail(req, e))
-        for req in requests:
-            if req.is_generation_only_first_iteration and not req.is_draft and \
-                    req.guided_decoding_params is not None and not req.is_context_init_state:
-                advanced[req.seq_slot] = guided[req.seq_slot] = 0  # type: ignore[index]
-                try:
-                    matchers[req.seq_slot] = self._create_matcher(req)  # type: ignore[index]
-                except Exception as e:
-                    failed.append(self._fail(req, e))
         self._record_failed(failed)
 
     def _node_collect(self) -> None:

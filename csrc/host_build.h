@@ -71,8 +71,9 @@ enum RecordField : int {
   kFirstIteration,   // is_generation_only_first_iteration
   kDraftParents,     // draft_parents: None for a chain (a tree is built in Python)
   kPrevSlot,         // prev_seq_slot: None for a new request (the host node reads it)
+  kLastChunk,        // is_last_context_chunk (the host node reads it)
 };
-constexpr int kRecordFields = kPrevSlot + 1;
+constexpr int kRecordFields = kLastChunk + 1;
 
 // One request's draft tokens: read from a plain array (the CPython entry) or from a tvm-ffi
 // Array starting at `first` (the tvm-ffi step).

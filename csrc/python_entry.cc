@@ -782,11 +782,13 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //   decoder's [positions, num_slots] int32 token buffer (a DLPack-capable CPU tensor);
 //   fallback(epoch): the Python host step of a Python step. run/retain/release: addresses of
 //   the C functions `void f(void*)` to launch with `address`.
-// node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer, fill)
-//   -> bool: queue the step's native job; False (nothing queued) where the batch is not the
-//   plain case: the caller then queues a Python step (node_push_python). `fill`: the batch
-//   indices of the context requests whose matchers the caller creates now (their row is
-//   filled without accepting a token); other context requests have nothing to do.
+// node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer)
+//   -> False | (context, disaggregated): queue the step's native job and return the batch
+//   indices of the requests whose matchers the caller creates now: context requests at their
+//   last chunk (the node fills their row without accepting a token; an earlier chunk has
+//   nothing to do) and disaggregated requests' first generation step; False (nothing queued)
+//   where the batch is not the plain case: the caller then queues a Python step
+//   (node_push_python).
 // node_push_python(node, epoch); node_drop(node) -> bool: forget the oldest job (the host
 //   side consumed its batch); node_set_slot(node, slot, handle, stopped).
 // node_take(node, advanced, guided) -> [(epoch, error, masked, unusual, columns)]
@@ -1180,11 +1182,18 @@ PyObject* NodeCreate(PyObject*, PyObject* args) {
                        static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(n)));
 }
 
+// What a node job asks of its caller: the batch indices of the requests whose matchers it
+// creates before the step runs (context requests at their last chunk; disaggregated requests'
+// first generation step).
+struct NodeInits {
+  std::vector<int64_t> context, disaggregated;
+};
+
 // Read one request of a node job into `job`: false where it is not the plain case (then the
 // step is a Python step). `seen`: the slots met so far.
 bool PushOne(HostNode* n, FastState* st, PyObject* request_obj, int64_t index, int64_t offset,
-             int64_t draft_len, bool from_buffer, bool fill, std::vector<uint8_t>* seen,
-             NodeJob* job) {
+             int64_t draft_len, bool from_buffer, std::vector<uint8_t>* seen, NodeJob* job,
+             NodeInits* inits) {
   const RequestFields request(st, request_obj);
   Ref params(request.Read(RecordField::kParams));
   if (!params) return false;
@@ -1203,9 +1212,16 @@ bool PushOne(HostNode* n, FastState* st, PyObject* request_obj, int64_t index, i
     Ref generating(request.Read(RecordField::kGenerating));
     if (generating.get() != (context ? Py_False : Py_True)) return false;
   }
-  if (!context) {  // (a disaggregated first step's matcher is created at add_batch)
+  bool fill = false;  // a context request whose matcher is created at add_batch
+  if (context) {
+    Ref last(request.Read(RecordField::kLastChunk));
+    if (BoolValue(last.get()) < 0) return false;
+    fill = last.get() == Py_True;
+  } else {  // (a disaggregated first step's matcher is created at add_batch)
     Ref first(request.Read(RecordField::kFirstIteration));
-    if (BoolValue(first.get()) < 0) return false;
+    const int first_step = BoolValue(first.get());
+    if (first_step < 0) return false;
+    if (first_step) inits->disaggregated.push_back(index);
   }
   if (!ChainRequest(request)) return false;
   int64_t slot;
@@ -1216,6 +1232,7 @@ bool PushOne(HostNode* n, FastState* st, PyObject* request_obj, int64_t index, i
   if (slot < 0 || (*seen)[slot]) return false;
   if (context) {  // one row; created at add_batch (`fill`) or nothing to do
     (*seen)[slot] = 1;
+    if (fill) inits->context.push_back(index);
     job->entries.push_back(NodeEntry{slot, -1, offset, static_cast<int64_t>(job->drafts.size()),
                                      0, index, false, fill, !fill});
     return true;
@@ -1252,13 +1269,23 @@ bool PushOne(HostNode* n, FastState* st, PyObject* request_obj, int64_t index, i
   return true;
 }
 
-// node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer, fill)
-//   -> bool
+// Python ints of `values`, as a new list (nullptr with an error set).
+PyObject* IntList(const std::vector<int64_t>& values) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
+  for (size_t i = 0; list != nullptr && i < values.size(); ++i) {
+    PyObject* v = PyLong_FromLongLong(values[i]);
+    if (v == nullptr) Py_CLEAR(list);
+    else PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), v);
+  }
+  return list;
+}
+
+// node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer)
+//   -> False | (context, disaggregated)
 PyObject* NodePush(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 9 || !PyList_CheckExact(args[2]) || !PyList_CheckExact(args[3]) ||
-      !PyList_CheckExact(args[8])) {
+  if (nargs != 8 || !PyList_CheckExact(args[2]) || !PyList_CheckExact(args[3])) {
     PyErr_SetString(PyExc_TypeError, "node_push(node, fast, requests: list, offsets: list, "
-                    "draft_len, clear_rows, epoch, from_buffer, fill: list)");
+                    "draft_len, clear_rows, epoch, from_buffer)");
     return nullptr;
   }
   HostNode* n = NodeArg(args[0]);
@@ -1281,15 +1308,7 @@ PyObject* NodePush(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   std::vector<uint8_t> seen(static_cast<size_t>(n->num_slots), 0);
   PyObject* requests = args[2];
   PyObject* offsets = args[3];
-  std::vector<uint8_t> fill(static_cast<size_t>(PyList_GET_SIZE(requests)), 0);
-  for (Py_ssize_t k = 0; k < PyList_GET_SIZE(args[8]); ++k) {
-    const int64_t i = IndexValue(PyList_GET_ITEM(args[8], k), PyList_GET_SIZE(requests));
-    if (i < 0) {
-      PyErr_SetString(PyExc_ValueError, "node_push: fill holds a batch index out of range");
-      return nullptr;
-    }
-    fill[i] = 1;
-  }
+  NodeInits inits;
   bool plain = PyList_GET_SIZE(offsets) == PyList_GET_SIZE(requests);
   for (Py_ssize_t i = 0; plain && i < PyList_GET_SIZE(requests); ++i) {
     if (i >= PyList_GET_SIZE(offsets)) {  // (a field's Python code may change the lists)
@@ -1298,13 +1317,15 @@ PyObject* NodePush(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     const int64_t offset = IndexValue(PyList_GET_ITEM(offsets, i), clear_rows + 1);
     plain = offset >= 0 && PushOne(n, st, PyList_GET_ITEM(requests, i), i, offset, draft_len,
-                                   from_buffer, i < static_cast<Py_ssize_t>(fill.size()) &&
-                                   fill[i], &seen, &job);
+                                   from_buffer, &seen, &job, &inits);
   }
   if (!plain) Py_RETURN_FALSE;
+  PyObject* result = Py_BuildValue("(NN)", IntList(inits.context),
+                                   IntList(inits.disaggregated));
+  if (result == nullptr) return nullptr;  // (nothing queued)
   std::lock_guard<std::mutex> lock(n->mu);
   n->jobs.push_back(std::move(job));
-  Py_RETURN_TRUE;
+  return result;
 }
 
 // node_push_python(node, epoch): queue a Python step.

@@ -428,16 +428,19 @@ class HostNode:
         _shutdown_at_exit(module)
 
     def push(self, requests: list, offsets: list, draft_len: int, clear_rows: int, epoch: int,
-             from_buffer: bool, fill: list[int]) -> bool:
-        """Queue the step's native job; False (nothing queued) where the batch is not the
-        plain case (every guided request a target request, generating with a chain of drafts
-        or in its context phase, exact-int fields in range, each slot once).
-        ``from_buffer``: a generation request with a ``prev_seq_slot`` takes its token and
-        drafts from the token buffer (its slot's column) when the node runs. ``fill``: the
-        batch indices of the context requests whose matchers the caller creates now (the node
-        fills their row); any other context request has nothing to do this step."""
-        return self._push(self._capsule, self._fast.state, requests, offsets, draft_len,
-                          clear_rows, epoch, from_buffer, fill)
+             from_buffer: bool) -> tuple[list[int], list[int]] | None:
+        """Queue the step's native job and return the batch indices of the requests whose
+        matchers the caller creates now, before the step runs: ``(context requests at their
+        last chunk, disaggregated requests at their first generation step)``; the node fills
+        a context request's row without accepting a token, and an earlier chunk has nothing to
+        do. None (nothing queued) where the batch is not the plain case (every guided request
+        a target request, generating with a chain of drafts or in its context phase, exact-int
+        fields in range, each slot once). ``from_buffer``: a generation request with a
+        ``prev_seq_slot`` takes its token and drafts from the token buffer (its slot's column)
+        when the node runs."""
+        inits = self._push(self._capsule, self._fast.state, requests, offsets, draft_len,
+                           clear_rows, epoch, from_buffer)
+        return inits or None
 
     def push_python(self, epoch: int) -> None:
         """Queue a Python step (the node calls ``fallback(epoch)`` under the GIL)."""
