@@ -33,7 +33,7 @@ from .decoder import FailedRequest, GuidedDecoder, _request_id
 from .build.base import Status
 from .build.library import HostNode, NodeStats
 from .errors import (CallbackError, ConfigError, LayoutError, NativeBuildError, QueueEpochError,
-                     TensorArgError)
+                     RequestError, TensorArgError)
 from .requests import GuidedRequest, GuidedRequests
 from .streams import HostStepStreams, StepStreams
 
@@ -302,6 +302,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if node is not None and capturing and not self._node_active:
             self._node_active = True  # (the batches queued from now on queue jobs too)
             node.set_epoch(self._put_epoch)
+            node.sync_counts(self.num_advanced_tokens)  # (what the eager steps advanced)
         with self._streams.side():
             self._streams.wait_tokens()
             if node is not None and self._node_active and (capturing or not self._warmup):
@@ -431,7 +432,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 Whether it is given is fixed in a captured graph; its values are read at
                 each replay.
 
-        Call after the drafting kernels have been enqueued (the callbacks need the GIL).
+        With the native host node (once a step has been captured with it) and without
+        ``accepted_draft_nodes``, the rollback is the node's C function, which takes no GIL
+        where the last step was native; otherwise a Python callback, which needs the GIL:
+        call it then after the drafting kernels have been enqueued.
         """
         counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
         self.num_accepted_tokens[:counts.shape[0]].copy_(counts, non_blocking=True)
@@ -440,9 +444,14 @@ class CapturableGuidedDecoder(GuidedDecoder):
             nodes = self._per_request("accepted_draft_nodes", accepted_draft_nodes)
             self.accepted_draft_nodes[:nodes.shape[0]].copy_(nodes, non_blocking=True)
         self._streams.record_tokens()
+        node = self._node
         with self._streams.side():
             self._streams.wait_tokens()
-            self.accepted_host_step(with_nodes)
+            if node is not None and self._node_active and not with_nodes:
+                hostfunc.launch_native(node.run_rollback, node.address, retain=node.retain,
+                                       release=node.release)
+            else:
+                self.accepted_host_step(with_nodes)
             self._streams.record_bitmask()  # capture needs every fork joined
         if self.device.type == "cpu" and not self._streams.is_capturing():
             self._sync_side()
@@ -461,6 +470,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 stage.__wrapped__(self, *args)
             except Exception as e:  # later stages still run (a failed fetch masks nothing)
                 first = first or e
+        if self._node_active:  # the counters these stages wrote are the node's from now on
+            self._node_collect()
+            self._node.sync_counts(self.num_advanced_tokens)  # type: ignore[union-attr]
         if first is not None:
             raise first
 
@@ -482,7 +494,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     @hostfunc.hostfunc
     def accepted_host_step(self, with_nodes: bool = False) -> None:
-        """fetch_accepted_batch, rollback_rejected_tokens."""
+        """fetch_accepted_batch, rollback_rejected_tokens (a warm-up run rolls nothing back,
+        as it advances nothing)."""
+        if self._warmup:
+            return
         cls = CapturableGuidedDecoder
         self._stages((cls.fetch_accepted_batch, with_nodes),
                      (cls.rollback_rejected_tokens_hostfunc,))
@@ -572,6 +587,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     @_callback("fetch_accepted_batch")
     def fetch_accepted_batch(self, with_nodes: bool = False) -> None:
+        self._node_collect()  # (the native node's steps run so far leave the queue first)
         # the batch whose verification counts these are: queued (not yet fetched) or current
         batch = self._queue[0][1] if self._queue else self.requests_hostfunc
         self._take_accepted(batch, with_nodes)
@@ -666,8 +682,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
         reason = self._host_node_unavailable()
         if reason is None:
             try:
-                self._node = node = HostNode(self.host_build.entry,  # type: ignore[attr-defined]
-                                             self.new_tokens, _python_step(self))
+                self._node = node = HostNode(
+                    self.host_build.entry, self.new_tokens,  # type: ignore[attr-defined]
+                    _python_step(self), self.num_accepted_tokens,
+                    self.host_build.rollback, _python_rollback(self))  # type: ignore[attr-defined]
             except NativeBuildError as e:
                 reason = str(e)
         if reason is not None:
@@ -689,6 +707,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if entry is None:
             return (f"the host build is {self.host_build.name!r}; the native node runs the "
                     "'native' one (the xgrammar or auto backend, fill_threads=1)")
+        if getattr(self.host_build, "rollback", None) is None:
+            return "this xgrammar's matcher has no FFI rollback method"
         if self.device.type == "cpu":  # the CPU stand-in runs native calls on a C thread
             from hostfunc.lane import lane_library
             try:
@@ -748,7 +768,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     def _apply_node_results(self, results: list[tuple]) -> None:
         """:meth:`_node_collect`'s work on the results of :meth:`HostNode.take`."""
-        for epoch, error, masked, unusual, columns in results:
+        for epoch, error, masked, unusual, columns, rolled in results:
+            if rolled is not None:
+                self._apply_node_rollback(epoch, unusual, rolled)
+                continue
             if error is not None:
                 self._queue.clear()
                 self.requests_hostfunc = None
@@ -777,6 +800,37 @@ class CapturableGuidedDecoder(GuidedDecoder):
                      for i, status, message in unusual), outcomes)
                 self._record_failed(self._interpret(batch, outcomes, unmask=False))
 
+    def _apply_node_rollback(self, epoch: int, unusual: list | None, rolled: list[int]
+                             ) -> None:
+        """What a native rollback did (its counters are written already): a matcher that had
+        terminated and rolled back re-reads its state; a request that could not roll back
+        fails as the Python rollback fails it."""
+        matchers = self.grammar_matchers
+        for slot in rolled:
+            m = matchers[slot]
+            if m is not None and m.is_terminated():
+                m.sync_state()
+        if unusual is None:
+            return
+        if self._queue and self._queue[0][0] == epoch:
+            batch: GuidedRequests | None = self._queue[0][1]
+        else:
+            batch = self.requests_hostfunc if self._fetched_epoch == epoch else None
+        failed = []
+        for index, kind, text in unusual:
+            if batch is None:  # (a rollback is always read before its batch is forgotten)
+                hostfunc.record_error("CapturableGuidedDecoder.host_rollback", QueueEpochError(
+                    f"a rollback of epoch {epoch} failed a request ({text}) whose batch is "
+                    "no longer known"))
+                continue
+            req = batch.requests[index]
+            if kind == 1:
+                failed.append(self._fail(req, RequestError(
+                    text, request_id=req.request_id, seq_slot=req.seq_slot)))
+            else:
+                failed.append(self._fail_message(req, text))
+        self._record_failed(failed)
+
     def _finish_build(self) -> None:
         self._node_collect()
         super()._finish_build()
@@ -796,6 +850,25 @@ class CapturableGuidedDecoder(GuidedDecoder):
             CapturableGuidedDecoder.host_step.__wrapped__(self, False)
         except BaseException as e:  # noqa: BLE001 - nothing may escape into the node
             hostfunc.record_error("CapturableGuidedDecoder.host_step", e)
+
+    def _run_python_rollback(self) -> None:
+        """The node's Python rollback (under the GIL, on the node's thread): the Python
+        accepted step; its errors go to the next drain."""
+        try:
+            CapturableGuidedDecoder.accepted_host_step.__wrapped__(self, False)
+        except BaseException as e:  # noqa: BLE001 - nothing may escape into the node
+            hostfunc.record_error("CapturableGuidedDecoder.accepted_host_step", e)
+
+
+def _python_rollback(decoder: CapturableGuidedDecoder) -> Callable[[], None]:
+    """The node's Python rollback, holding the decoder weakly."""
+    ref = weakref.ref(decoder)
+
+    def rollback() -> None:
+        d = ref()
+        if d is not None:
+            d._run_python_rollback()
+    return rollback
 
 
 def _python_step(decoder: CapturableGuidedDecoder) -> Callable[[int], None]:

@@ -777,10 +777,27 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 // thread, so it only moves the node to a list that the next Python call into this module
 // frees (with the GIL: the node holds Python and tvm-ffi objects).
 //
-// node_create(fast, new_tokens, fallback) -> (capsule, run, retain, release, address)
+// The node also runs the rollback of rejected drafts (rollback_rejected_batch) as a second C
+// function, RunRollback: it rolls each request of the batch the next step runs (else of the
+// last step run) back to the tokens its verification accepted, read from the decoder's pinned
+// count buffer, using the node's own per-slot table of the tokens each slot's matcher
+// advanced in its last step. That table is written by the node's steps and rollbacks, zeroed
+// when a slot's matcher changes (NodeSetSlot), and copied from Python's counters after any
+// Python stage (node_sync_counts); a slot generation, bumped with each matcher change, keeps
+// a step or rollback that ran for a slot's previous matcher from writing its counters (here
+// and in Python's lists, NodeTake). After a Python step (it may have traversed a draft tree,
+// whose accepted path only Python keeps), or for a slot whose matcher only Python can run,
+// the rollback is Python's (`rollback_fallback`, under the GIL).
+//
+// node_create(fast, new_tokens, address, positions, fallback, counts, counts_address,
+//             rollback, rollback_address, rollback_fallback)
+//   -> (capsule, run, retain, release, address, run_rollback)
 //   fast: make_fast's state (its Builder and request field descriptors); new_tokens: the
-//   decoder's [positions, num_slots] int32 token buffer (a DLPack-capable CPU tensor);
-//   fallback(epoch): the Python host step of a Python step. run/retain/release: addresses of
+//   decoder's [positions, num_slots] int32 token buffer (a DLPack-capable CPU tensor) at
+//   `address`; fallback(epoch): the Python host step of a Python step; counts: the decoder's
+//   [num_slots] int32 accepted-count buffer at `counts_address`; rollback: xgrammar's matcher
+//   `rollback` tvm-ffi Function (held), whose FFI object is at `rollback_address`;
+//   rollback_fallback(): the Python rollback. run/retain/release/run_rollback: addresses of
 //   the C functions `void f(void*)` to launch with `address`.
 // node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer)
 //   -> False | (context, disaggregated): queue the step's native job and return the batch
@@ -791,11 +808,17 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //   (node_push_python).
 // node_push_python(node, epoch); node_drop(node) -> bool: forget the oldest job (the host
 //   side consumed its batch); node_set_slot(node, slot, handle, stopped).
-// node_take(node, advanced, guided) -> [(epoch, error, masked, unusual, columns)]
-//   every step the node ended since the last call, in order, counters written to the lists;
-//   error: None or the queue error's text; unusual: as fast_step's; columns: None or
-//   [(batch index, [token, draft, ...])] of the tokens read from the token buffer.
-// node_stats(node) -> (runs, python_runs, last_start_ns, last_end_ns, busy_ns, rows)
+// node_take(node, advanced, guided) -> [(epoch, error, masked, unusual, columns, rolled)]
+//   every step and rollback the node ended since the last call, in order, counters written to
+//   the lists (where the slot's matcher is still the one the run used); error: None or the
+//   queue error's text; unusual: as fast_step's (a rollback's: (batch index, 1, text) where
+//   the count cannot roll back, (batch index, 2, "Kind: message") where the matcher raised);
+//   columns: None or [(batch index, [token, draft, ...])] of the tokens read from the token
+//   buffer; rolled: None for a step, for a rollback the slots whose matchers rolled back
+//   (a matcher that had terminated no longer has) and `epoch` the batch its indices refer to.
+// node_sync_counts(node, advanced): the node's per-slot advance counts from Python's list.
+// node_stats(node) -> (runs, python_runs, last_start_ns, last_end_ns, busy_ns, rows,
+//                      rollback_runs, python_rollback_runs)
 // node_set_warmup(node, on): runs from now on are warm-up runs (no job taken, nothing masked).
 // node_set_epoch(node, epoch): the latest batch consumed before the node serves steps.
 // node_shutdown(): Python steps are refused from now on (interpreter exit).
@@ -820,11 +843,16 @@ struct NodeJob {
 
 struct NodeDone {
   int64_t epoch = 0;
+  bool rollback = false;  // a rollback (RunRollback), not a step
   std::string error;  // a queue error: nothing was built
   bool masked = false;
   std::vector<int64_t> seen_slots;  // the slots whose counters the step zeroes
-  std::vector<int64_t> slots, index;  // per request the Builder ran
-  std::vector<int32_t> out;  // per request the Builder ran: status, accepted, guided
+  std::vector<uint64_t> seen_gens;  // their generations when the step began
+  std::vector<int64_t> slots, index;  // per request the Builder ran (a rollback: touched)
+  std::vector<uint64_t> gens;  // their slots' generations when the run began
+  // per request the Builder ran: status, accepted, guided; a rollback's: status (0, or 1 / 2
+  // as node_take says), tokens kept, whether the matcher rolled back
+  std::vector<int32_t> out;
   std::vector<std::string> messages;  // per request the Builder ran: its fault / ms, or ""
   std::vector<int64_t> columns;  // per request reading the buffer: index, positions values
 };
@@ -843,11 +871,24 @@ struct HostNode {
   std::vector<ObjectRef> slot_matcher;  // per slot: the FFI object a step runs, or none
   std::vector<uint8_t> slot_kind;  // 0: no matcher, 1: native, 2: only Python can run it
   std::vector<uint8_t> slot_stopped;  // the drafting loop stopped guiding the slot
-  std::mutex run_mu;  // one step at a time
+  std::vector<int32_t> slot_advanced;  // tokens the slot's matcher advanced in its last step
+  std::vector<uint64_t> slot_gen;  // bumped with each change of the slot's matcher
+  // the rollback's inputs: the accepted-count buffer, xgrammar's matcher rollback, and the
+  // Python rollback for what the node cannot roll back
+  PyObject* counts_buffer = nullptr;  // owns `counts`
+  const int32_t* counts = nullptr;  // [num_slots] int32, by batch position
+  PyObject* rollback_owner = nullptr;  // the Python object of `rollback`
+  tvm::ffi::Function rollback;
+  PyObject* rollback_fallback = nullptr;
+  std::mutex run_mu;  // one step or rollback at a time
   std::atomic<int64_t> runs{0}, python_runs{0}, last_start{0}, last_end{0}, busy_ns{0},
-      rows{0};
+      rows{0}, rollback_runs{0}, python_rollback_runs{0};
   std::atomic<bool> warmup{false};  // steps take no job and mask nothing (graph warm-up)
   int64_t last_epoch = 0;  // (under mu) the epoch of the latest job taken or dropped
+  // (under mu) the last step run: Python's (or none yet), else its epoch and entries
+  bool last_python = true;
+  int64_t last_run_epoch = 0;
+  std::vector<NodeEntry> last_entries;
 };
 
 std::atomic<bool> g_node_shutdown{false};
@@ -875,6 +916,10 @@ void BuryNodes() {
   for (HostNode* n : dead) {
     Py_XDECREF(n->fallback);
     Py_XDECREF(n->buffer);
+    Py_XDECREF(n->rollback_fallback);
+    Py_XDECREF(n->counts_buffer);
+    n->rollback = tvm::ffi::Function();  // (before its owner)
+    Py_XDECREF(n->rollback_owner);
     PyObject* keep = n->keep;
     delete n;  // (its matcher references first, the Builder's owner after them)
     Py_XDECREF(keep);
@@ -887,13 +932,16 @@ void DestroyNode(PyObject* capsule) {
   BuryNodes();
 }
 
-// A Python step: the decoder's Python host step under the GIL (it reports its own errors).
+// A Python step: the decoder's Python host step under the GIL (it reports its own errors);
+// epoch < 0: the Python rollback.
 void RunPython(HostNode* n, int64_t epoch) {
   if (g_node_shutdown.load()) return;  // (the interpreter is exiting: no thread may enter it)
-  n->python_runs.fetch_add(1);
+  (epoch < 0 ? n->python_rollback_runs : n->python_runs).fetch_add(1);
   PyGILState_STATE gil = PyGILState_Ensure();
-  PyObject* r = PyObject_CallFunction(n->fallback, "L", static_cast<long long>(epoch));
-  if (r == nullptr) PyErr_WriteUnraisable(n->fallback);  // (the fallback catches its own)
+  PyObject* fn = epoch < 0 ? n->rollback_fallback : n->fallback;
+  PyObject* r = epoch < 0 ? PyObject_CallNoArgs(fn)
+                          : PyObject_CallFunction(fn, "L", static_cast<long long>(epoch));
+  if (r == nullptr) PyErr_WriteUnraisable(fn);  // (the fallbacks catch their own)
   Py_XDECREF(r);
   PyGILState_Release(gil);
 }
@@ -903,11 +951,13 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d) {
   Builder* b = n->builder;
   const int64_t k = static_cast<int64_t>(job.entries.size());
   std::vector<ObjectRef> refs(static_cast<size_t>(k));
+  std::vector<uint64_t> gens(static_cast<size_t>(k));
   {
     std::lock_guard<std::mutex> lock(n->mu);
     for (int64_t i = 0; i < k; ++i) {
       const int64_t slot = job.entries[i].slot;
       if (n->slot_kind[slot] == 1 && !n->slot_stopped[slot]) refs[i] = n->slot_matcher[slot];
+      gens[i] = n->slot_gen[slot];
     }
   }
   int32_t* mask = b->BeginStep(job.clear_rows);
@@ -928,6 +978,7 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d) {
   for (int64_t i = 0; i < k; ++i) {
     const NodeEntry& e = job.entries[i];
     d->seen_slots.push_back(e.slot);
+    d->seen_gens.push_back(gens[i]);
     int64_t token = e.token;
     const int64_t* drafts = job.drafts.data() + e.first_draft;
     if (e.from_buffer) {
@@ -1016,22 +1067,41 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d) {
       d->masked = true;
     }
     d->slots.push_back(e.slot);
+    d->gens.push_back(gens[i]);
     d->index.push_back(e.index);
     d->out.insert(d->out.end(), o3, o3 + 3);
     d->messages.push_back(std::move(messages[q]));
+  }
+  // 4. the node's advance counts, as node_take writes Python's: zero for every slot the step
+  // saw, then what each request that ran advanced (a failed one's matcher is gone: zero)
+  std::lock_guard<std::mutex> lock(n->mu);
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t slot = job.entries[i].slot;
+    if (n->slot_gen[slot] == gens[i]) n->slot_advanced[slot] = 0;
+  }
+  for (size_t q = 0; q < d->slots.size(); ++q) {
+    const int64_t slot = d->slots[q];
+    const int32_t* o3 = d->out.data() + q * 3;
+    if (n->slot_gen[slot] == d->gens[q] && (o3[0] & ~kTerminated) == kOk) {
+      n->slot_advanced[slot] = o3[1];
+    }
   }
 }
 
 // Each run of the node as an NVTX range in the "capgraph" domain (the Python stages' domain:
 // capgraph/_nvtx.py), where the library was built with NVTX's headers; a no-op otherwise, and
-// close to one while no tool is attached.
+// close to one while no tool is attached. A step's range is "CapturableGuidedDecoder.host_node",
+// a rollback's "CapturableGuidedDecoder.host_rollback".
 class NodeRange {
  public:
 #ifdef CAPGRAPH_WITH_NVTX
-  NodeRange() {
+  explicit NodeRange(bool rollback = false) {
     static const nvtxDomainHandle_t domain = nvtxDomainCreateA("capgraph");
-    static const nvtxStringHandle_t name =
+    static const nvtxStringHandle_t step =
         nvtxDomainRegisterStringA(domain, "CapturableGuidedDecoder.host_node");
+    static const nvtxStringHandle_t back =
+        nvtxDomainRegisterStringA(domain, "CapturableGuidedDecoder.host_rollback");
+    const nvtxStringHandle_t name = rollback ? back : step;
     nvtxEventAttributes_t a{};
     a.version = NVTX_VERSION;
     a.size = NVTX_EVENT_ATTRIB_STRUCT_SIZE;
@@ -1045,7 +1115,7 @@ class NodeRange {
  private:
   nvtxDomainHandle_t domain_;
 #else
-  NodeRange() {}  // (user-provided: a range object is not an unused variable)
+  explicit NodeRange(bool = false) {}  // (user-provided: a range object is not an unused variable)
 #endif
 };
 
@@ -1098,6 +1168,13 @@ void RunNode(void* p) {
       if (n->slot_kind[e.slot] == 2 && !n->slot_stopped[e.slot]) python = true;
     }
   }
+  if (have && d.error.empty()) {  // what a rollback before the next step's job rolls back
+    std::lock_guard<std::mutex> lock(n->mu);
+    n->last_python = python;
+    n->last_run_epoch = job.epoch;
+    if (python) n->last_entries.clear();
+    else n->last_entries = job.entries;
+  }
   if (python) {
     RunPython(n, job.epoch);  // (it takes its batch and reports itself: no done record)
   } else {
@@ -1119,6 +1196,111 @@ void RunNode(void* p) {
   n->runs.fetch_add(1);
 }
 
+// One request's rollback (see RunRollback): writes {status, kept, rolled} to o3 and a
+// failure's text to *message; `count` is its accepted count (-1: none was given).
+void RollbackOne(HostNode* n, const NodeEntry& e, int64_t count, int32_t advanced,
+                 const ObjectRef& m, int32_t* o3, std::string* message) {
+  const int64_t accepted = std::min<int64_t>(count, advanced) - 1;
+  if (!m.defined() || accepted < 0) {  // (the Python rollback's words)
+    o3[0] = 1;
+    *message = count < 0 ? "cannot roll back: no accepted count for batch position " +
+                               std::to_string(e.index)
+                         : "cannot roll back: num_accepted_draft_tokens=" +
+                               std::to_string(accepted) + ", num_advanced_tokens=" +
+                               std::to_string(advanced);
+    return;
+  }
+  const int64_t keep = std::min<int64_t>(accepted + 1, advanced);
+  o3[1] = static_cast<int32_t>(keep);
+  if (keep == advanced) return;
+  try {
+    n->rollback(m, advanced - keep);
+    o3[2] = 1;
+  } catch (const tvm::ffi::Error& ex) {
+    o3[0] = 2;
+    *message = ex.kind() + ": " + ex.message();
+  } catch (const std::exception& ex) {
+    o3[0] = 2;
+    *message = std::string("RuntimeError: ") + ex.what();
+  }
+}
+
+// The rollback of rejected drafts (rollback_rejected_batch): every request of the batch the
+// next step runs (the oldest queued job; else the last step run) rolls back to the tokens its
+// verification accepted, counts[batch index] (bonus included), clamped to what its matcher
+// advanced in its last step, as GuidedDecoder's rollback does. Python's rollback runs instead
+// after a Python step, for a Python step's batch, and where a slot's matcher only Python can
+// run. A warm-up run does nothing. Never throws.
+void RunRollback(void* p) {
+  auto* n = static_cast<HostNode*>(p);
+  std::lock_guard<std::mutex> serial(n->run_mu);
+  if (n->warmup.load()) return;
+  const NodeRange range(/*rollback=*/true);
+  const int64_t t0 = NowNs();
+  NodeDone d;
+  d.rollback = true;
+  std::vector<NodeEntry> entries;
+  bool python;
+  {
+    std::lock_guard<std::mutex> lock(n->mu);
+    if (!n->jobs.empty()) {
+      const NodeJob& job = n->jobs.front();
+      python = job.python || n->last_python;
+      d.epoch = job.epoch;
+      if (!python) entries = job.entries;
+    } else {
+      python = n->last_python;
+      d.epoch = n->last_run_epoch;
+      if (!python) entries = n->last_entries;
+    }
+    for (const NodeEntry& e : entries) {
+      if (n->slot_kind[e.slot] == 2) python = true;
+    }
+  }
+  if (python) {
+    RunPython(n, -1);
+  } else if (n->max_drafts > 0) {
+    for (const NodeEntry& e : entries) {
+      ObjectRef m;
+      int32_t advanced;
+      uint64_t gen;
+      {
+        std::lock_guard<std::mutex> lock(n->mu);
+        advanced = n->slot_advanced[e.slot];
+        gen = n->slot_gen[e.slot];
+        if (n->slot_kind[e.slot] == 1) m = n->slot_matcher[e.slot];
+      }
+      if (advanced <= 0) continue;
+      const int64_t count = e.index < n->num_slots ? n->counts[e.index] : -1;
+      int32_t o3[3] = {0, 0, 0};
+      std::string message;
+      RollbackOne(n, e, count, advanced, m, o3, &message);
+      {
+        std::lock_guard<std::mutex> lock(n->mu);
+        if (n->slot_gen[e.slot] == gen) {
+          n->slot_advanced[e.slot] = o3[0] == 0 ? o3[1] : 0;
+          if (o3[0] != 0 && n->slot_kind[e.slot] == 1) {  // its matcher runs no later step
+            ObjectRef dropped;
+            std::swap(n->slot_matcher[e.slot], dropped);
+            n->slot_kind[e.slot] = 0;
+          }
+        }
+      }
+      d.slots.push_back(e.slot);
+      d.gens.push_back(gen);
+      d.index.push_back(e.index);
+      d.out.insert(d.out.end(), o3, o3 + 3);
+      d.messages.push_back(std::move(message));
+    }
+  }
+  if (!python) {
+    std::lock_guard<std::mutex> lock(n->mu);
+    n->done.push_back(std::move(d));
+  }
+  n->busy_ns.fetch_add(NowNs() - t0);
+  n->rollback_runs.fetch_add(1);
+}
+
 HostNode* NodeArg(PyObject* capsule) {
   return static_cast<HostNode*>(PyCapsule_GetPointer(capsule, kNodeCapsule));
 }
@@ -1135,25 +1317,38 @@ HostNode* NodeCall(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t expected,
 }
 
 
-// node_create(fast, buffer, address, positions, fallback): see the section's comment; the
-// buffer's layout is checked by the caller (capgraph/build/library.py), which hands its data
-// address.
+// node_create(fast, buffer, address, positions, fallback, counts, counts_address, rollback,
+// rollback_address, rollback_fallback): see the section's comment; the buffers' layouts are
+// checked by the caller (capgraph/build/library.py), which hands their data addresses and
+// the address of the rollback Function's FFI object.
 PyObject* NodeCreate(PyObject*, PyObject* args) {
-  PyObject *fast_capsule, *buffer, *fallback;
-  long long address = 0, positions = 0;
-  if (!PyArg_ParseTuple(args, "OOLLO", &fast_capsule, &buffer, &address, &positions,
-                        &fallback)) {
+  PyObject *fast_capsule, *buffer, *fallback, *counts, *rollback, *rollback_fallback;
+  long long address = 0, positions = 0, counts_address = 0, rollback_address = 0;
+  if (!PyArg_ParseTuple(args, "OOLLOOLOLO", &fast_capsule, &buffer, &address, &positions,
+                        &fallback, &counts, &counts_address, &rollback, &rollback_address,
+                        &rollback_fallback)) {
     return nullptr;
   }
   BuryNodes();
   auto* st = static_cast<FastState*>(PyCapsule_GetPointer(fast_capsule, kCapsule));
   if (st == nullptr) return nullptr;
-  if (!PyCallable_Check(fallback) || address == 0 || positions < 1) {
-    PyErr_SetString(PyExc_ValueError, "node_create: a callable fallback, a buffer address and "
-                    "positions >= 1 are needed");
+  if (!PyCallable_Check(fallback) || !PyCallable_Check(rollback_fallback) || address == 0 ||
+      positions < 1 || counts_address == 0 || rollback_address == 0) {
+    PyErr_SetString(PyExc_ValueError, "node_create: callable fallbacks, the buffers' addresses, "
+                    "positions >= 1 and the rollback Function's address are needed");
     return nullptr;
   }
   auto* n = new HostNode();
+  n->counts_buffer = counts;
+  n->counts = reinterpret_cast<const int32_t*>(static_cast<intptr_t>(counts_address));
+  n->rollback_owner = rollback;
+  n->rollback = tvm::ffi::detail::ObjectUnsafe::ObjectRefFromObjectPtr<tvm::ffi::Function>(
+      tvm::ffi::detail::ObjectUnsafe::ObjectPtrFromUnowned<tvm::ffi::Object>(
+          reinterpret_cast<TVMFFIObject*>(static_cast<intptr_t>(rollback_address))));
+  n->rollback_fallback = rollback_fallback;
+  Py_INCREF(counts);
+  Py_INCREF(rollback);
+  Py_INCREF(rollback_fallback);
   n->builder = st->builder;
   n->keep = st->keep;
   n->buffer = buffer;
@@ -1169,17 +1364,20 @@ PyObject* NodeCreate(PyObject*, PyObject* args) {
   n->slot_matcher.resize(static_cast<size_t>(n->num_slots));
   n->slot_kind.assign(static_cast<size_t>(n->num_slots), 0);
   n->slot_stopped.assign(static_cast<size_t>(n->num_slots), 0);
+  n->slot_advanced.assign(static_cast<size_t>(n->num_slots), 0);
+  n->slot_gen.assign(static_cast<size_t>(n->num_slots), 0);
   PyObject* capsule = PyCapsule_New(n, kNodeCapsule, DestroyNode);
   if (capsule == nullptr) {
     NodeRelease(n);
     BuryNodes();
     return nullptr;
   }
-  return Py_BuildValue("(NKKKK)", capsule,
+  return Py_BuildValue("(NKKKKK)", capsule,
                        static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(&RunNode)),
                        static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(&NodeRetain)),
                        static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(&NodeRelease)),
-                       static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(n)));
+                       static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(n)),
+                       static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(&RunRollback)));
 }
 
 // What a node job asks of its caller: the batch indices of the requests whose matchers it
@@ -1386,6 +1584,12 @@ PyObject* NodeSetSlot(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const uint8_t stopped = PyObject_IsTrue(args[3]) == 1;
   {
     std::lock_guard<std::mutex> lock(n->mu);
+    // a new matcher (a Python-only one cannot be told apart: always new) has advanced nothing,
+    // and what a run of the old one reports is not the new one's
+    if (kind != n->slot_kind[slot] || kind == 2 || !n->slot_matcher[slot].same_as(ref)) {
+      ++n->slot_gen[slot];
+      n->slot_advanced[slot] = 0;
+    }
     std::swap(n->slot_matcher[slot], ref);  // (the old reference goes after the lock)
     n->slot_kind[slot] = kind;
     n->slot_stopped[slot] = stopped;
@@ -1409,20 +1613,56 @@ PyObject* NodeTake(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   PyObject* advanced = args[1];
   PyObject* guided = args[2];
+  std::vector<uint64_t> gen_now;  // each slot's matcher generation now
+  {
+    std::lock_guard<std::mutex> lock(n->mu);
+    gen_now = n->slot_gen;
+  }
   PyObject* result = PyList_New(0);
   if (result == nullptr) return nullptr;
   for (const NodeDone& d : done) {
-    for (int64_t slot : d.seen_slots) {
+    for (size_t k = 0; k < d.seen_slots.size(); ++k) {
+      const int64_t slot = d.seen_slots[k];
+      if (gen_now[slot] != d.seen_gens[k]) continue;  // (a run of the slot's old matcher)
       if (slot < PyList_GET_SIZE(advanced)) SetCount(advanced, slot, 0);
       if (slot < PyList_GET_SIZE(guided)) SetCount(guided, slot, 0);
     }
     PyObject* unusual = Py_None;
     Py_INCREF(unusual);
+    PyObject* rolled = Py_None;
+    Py_INCREF(rolled);
+    if (d.rollback) {
+      Py_DECREF(rolled);
+      rolled = PyList_New(0);
+      if (rolled == nullptr) {
+        Py_DECREF(unusual);
+        Py_DECREF(result);
+        return nullptr;
+      }
+    }
     for (size_t k = 0; k < d.slots.size(); ++k) {
       const int32_t* o = d.out.data() + k * 3;
       const int64_t slot = d.slots[k];
-      if (o[1] && slot < PyList_GET_SIZE(advanced)) SetCount(advanced, slot, o[1]);
-      if (o[2] && slot < PyList_GET_SIZE(guided)) SetCount(guided, slot, o[2]);
+      const bool current = gen_now[slot] == d.gens[k];
+      if (d.rollback) {
+        if (current && o[0] == 0 && slot < PyList_GET_SIZE(advanced)) {
+          SetCount(advanced, slot, o[1]);
+        }
+        if (current && o[2]) {
+          PyObject* v = PyLong_FromLongLong(slot);
+          if (v == nullptr || PyList_Append(rolled, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(rolled);
+            Py_DECREF(unusual);
+            Py_DECREF(result);
+            return nullptr;
+          }
+          Py_DECREF(v);
+        }
+      } else if (current) {
+        if (o[1] && slot < PyList_GET_SIZE(advanced)) SetCount(advanced, slot, o[1]);
+        if (o[2] && slot < PyList_GET_SIZE(guided)) SetCount(guided, slot, o[2]);
+      }
       if (o[0] == kOk) continue;
       if (unusual == Py_None) {
         Py_DECREF(unusual);
@@ -1440,6 +1680,7 @@ PyObject* NodeTake(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       if (item == nullptr || PyList_Append(unusual, item) < 0) {
         Py_XDECREF(item);
         Py_DECREF(unusual);
+        Py_DECREF(rolled);
         Py_DECREF(result);
         return nullptr;
       }
@@ -1467,6 +1708,7 @@ PyObject* NodeTake(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       }
       if (columns == nullptr) {
         Py_DECREF(unusual);
+        Py_DECREF(rolled);
         Py_DECREF(result);
         return nullptr;
       }
@@ -1475,8 +1717,8 @@ PyObject* NodeTake(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         : PyUnicode_DecodeUTF8(d.error.data(), static_cast<Py_ssize_t>(d.error.size()),
                                "replace");
     PyObject* item = error == nullptr ? nullptr
-        : Py_BuildValue("(LNONN)", static_cast<long long>(d.epoch), error,
-                        d.masked ? Py_True : Py_False, unusual, columns);
+        : Py_BuildValue("(LNONNN)", static_cast<long long>(d.epoch), error,
+                        d.masked ? Py_True : Py_False, unusual, columns, rolled);
     if (item == nullptr || PyList_Append(result, item) < 0) {
       Py_XDECREF(item);
       Py_DECREF(result);
@@ -1487,16 +1729,41 @@ PyObject* NodeTake(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return result;
 }
 
-// node_stats(node) -> (runs, python_runs, last_start_ns, last_end_ns, busy_ns, rows)
+// node_stats(node) -> (runs, python_runs, last_start_ns, last_end_ns, busy_ns, rows,
+//                      rollback_runs, python_rollback_runs)
 PyObject* NodeStats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HostNode* n = NodeCall(args, nargs, 1, "node_stats(node)");
   if (n == nullptr) return nullptr;
-  return Py_BuildValue("(LLLLLL)", static_cast<long long>(n->runs.load()),
+  return Py_BuildValue("(LLLLLLLL)", static_cast<long long>(n->runs.load()),
                        static_cast<long long>(n->python_runs.load()),
                        static_cast<long long>(n->last_start.load()),
                        static_cast<long long>(n->last_end.load()),
                        static_cast<long long>(n->busy_ns.load()),
-                       static_cast<long long>(n->rows.load()));
+                       static_cast<long long>(n->rows.load()),
+                       static_cast<long long>(n->rollback_runs.load()),
+                       static_cast<long long>(n->python_rollback_runs.load()));
+}
+
+// node_sync_counts(node, advanced): the node's per-slot advance counts from Python's list
+// (after a Python stage, whose counters are then the decoder's).
+PyObject* NodeSyncCounts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HostNode* n = NodeCall(args, nargs, 2, "node_sync_counts(node, advanced)");
+  if (n == nullptr) return nullptr;
+  PyObject* advanced = args[1];
+  if (!PyList_Check(advanced) || PyList_GET_SIZE(advanced) != n->num_slots) {
+    PyErr_Format(PyExc_TypeError, "node_sync_counts: advanced must be a list of %lld ints",
+                 static_cast<long long>(n->num_slots));
+    return nullptr;
+  }
+  std::vector<int32_t> values(static_cast<size_t>(n->num_slots));
+  for (int64_t slot = 0; slot < n->num_slots; ++slot) {
+    const long v = PyLong_AsLong(PyList_GET_ITEM(advanced, slot));
+    if (v == -1 && PyErr_Occurred()) return nullptr;
+    values[slot] = static_cast<int32_t>(std::max<long>(0, std::min<long>(v, INT32_MAX)));
+  }
+  std::lock_guard<std::mutex> lock(n->mu);
+  n->slot_advanced.swap(values);
+  Py_RETURN_NONE;
 }
 
 // node_set_warmup(node, on): whether the node's runs are warm-up runs (see RunNode).
@@ -1552,6 +1819,9 @@ PyMethodDef g_methods[] = {
      METH_FASTCALL, "The steps the node ended since the last call."},
     {"node_stats", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeStats)),
      METH_FASTCALL, "Counters and timestamps of the node's runs."},
+    {"node_sync_counts",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeSyncCounts)),
+     METH_FASTCALL, "Copy Python's per-slot advance counts into the node."},
     {"node_set_warmup",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeSetWarmup)), METH_FASTCALL,
      "Make the node's runs warm-up runs (no job, no mask) or not."},

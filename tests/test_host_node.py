@@ -330,7 +330,7 @@ def test_random_replayed_steps_equal_eager_with_drafts(factory, native_ok, seed,
     """Random replayed steps of mixed guided/unguided, context/generation, disaggregated and
     drafting requests (EOS inside drafts included), tokens from the pinned buffer, on the
     native node: masks, failures and matcher states equal the eager decoder's, step for
-    step, and every step ran natively."""
+    step, and every step and rollback ran natively."""
     _random_replay(factory, seed, drafts, slots=4)
 
 
@@ -398,5 +398,7 @@ def _random_replay(factory, seed, drafts, slots, setup=None, after_step=None):
     assert_same_matcher_states(eager, capt)
     stats = capt.host_node_stats
     assert stats.runs > 0 and stats.python_runs == 0  # context and disaggregated steps too
+    if drafts:  # every rollback of rejected drafts ran in the node too
+        assert stats.rollback_runs > 0 and stats.python_rollback_runs == 0
     graph.reset()
     capt.close()

@@ -55,6 +55,7 @@ from .. import jit
 from ..errors import ConfigError, NativeBuildError
 
 __all__ = ["FastPath", "HostNode", "NativeBuildError", "NativeBuilder", "NodeStats",
+           "matcher_rollback",
            "StepThreads", "load", "python_module", "unavailable_reason", "source_path",
            "matcher_methods", "automatic_fill_threads", "POOL_MIN_REQUESTS",
            "MAX_AUTO_FILL_THREADS", "MAX_FILL_THREADS",
@@ -196,6 +197,18 @@ def matcher_methods(ffi_type: type) -> tuple[Any, Any, Any]:
         raise NativeBuildError(f"xgrammar's matcher type {ffi_type.__name__} has no FFI "
                                f"method {e}; this xgrammar is not supported by the native "
                                "build") from None
+
+
+def matcher_rollback(ffi_type: type) -> Any:
+    """xgrammar's matcher ``rollback`` as a tvm-ffi Function (the native host node's rollback
+    of rejected drafts calls it), read from the type information of its matcher's FFI class."""
+    info = getattr(ffi_type, "__tvm_ffi_type_info__", None)
+    methods = {m.name: m.func for m in getattr(info, "methods", ())}
+    if "rollback" not in methods:
+        raise NativeBuildError(f"xgrammar's matcher type {ffi_type.__name__} has no FFI method "
+                               "'rollback'; this xgrammar is not supported by the native host "
+                               "node")
+    return methods["rollback"]
 
 
 class NativeBuilder:
@@ -375,8 +388,9 @@ class FastPath(NamedTuple):
 
 class NodeStats(NamedTuple):
     """Counters of a :class:`HostNode`: steps run (``python_runs`` of them Python steps), the
-    monotonic-clock nanoseconds (``time.monotonic_ns``'s clock) at which the latest began and
-    ended, the nanoseconds spent in all of them and the rows they guided."""
+    monotonic-clock nanoseconds (``time.monotonic_ns``'s clock) at which the latest step began
+    and ended, the nanoseconds spent in all steps and rollbacks, the rows the steps guided, and
+    the rollbacks of rejected drafts run (``python_rollback_runs`` of them Python's)."""
 
     runs: int
     python_runs: int
@@ -384,6 +398,8 @@ class NodeStats(NamedTuple):
     last_end_ns: int
     busy_ns: int
     rows: int
+    rollback_runs: int
+    python_rollback_runs: int
 
 
 class HostNode:
@@ -398,15 +414,26 @@ class HostNode:
     when the stream reaches it; :meth:`take` (after the step's sync) returns what it did.
     :meth:`set_slot` keeps the node's per-slot table in step with the decoder's matchers.
 
+    The rollback of rejected drafts is a second C function, ``run_rollback(address)``: it rolls
+    the requests of the batch the next step runs back to the accepted counts in ``counts``
+    (by batch position), from the tokens each slot's matcher advanced in its last step, which
+    the node keeps itself (:meth:`sync_counts` hands it Python's after a Python stage). After
+    a Python step, or for a slot whose matcher only Python can run, it calls
+    ``rollback_fallback()`` under the GIL instead.
+
     Args:
         fast: the decoder's :class:`FastPath` (its Builder and request fields).
         buffer: the decoder's pinned ``[positions, max_num_sequences]`` int32 token buffer,
             read by the node for requests whose tokens come from it.
         fallback: ``fallback(epoch)``, the decoder's Python host step (called under the GIL
             on the node's thread; it must not raise).
+        counts: the decoder's pinned ``[max_num_sequences]`` int32 accepted-count buffer.
+        rollback: xgrammar's matcher rollback (:func:`matcher_rollback`).
+        rollback_fallback: the decoder's Python rollback (as ``fallback``).
     """
 
-    def __init__(self, fast: FastPath, buffer: torch.Tensor, fallback: Callable[[int], None]
+    def __init__(self, fast: FastPath, buffer: torch.Tensor, fallback: Callable[[int], None],
+                 counts: torch.Tensor, rollback: Any, rollback_fallback: Callable[[], None]
                  ) -> None:
         module = python_module()
         if module is None or not hasattr(module, "node_create"):
@@ -417,14 +444,26 @@ class HostNode:
             raise NativeBuildError(f"the host node's token buffer must be a contiguous CPU "
                                    f"int32 [positions, slots] tensor, got {buffer.dtype} "
                                    f"{tuple(buffer.shape)} on {buffer.device}")
+        if counts.device.type != "cpu" or counts.dtype != torch.int32 \
+                or tuple(counts.shape) != (buffer.shape[1],) or not counts.is_contiguous():
+            raise NativeBuildError(f"the host node's count buffer must be a contiguous CPU "
+                                   f"int32 [{buffer.shape[1]}] tensor, got {counts.dtype} "
+                                   f"{tuple(counts.shape)} on {counts.device}")
+        chandle = getattr(rollback, "__chandle__", None)
+        if chandle is None:
+            raise NativeBuildError(f"the host node's rollback must be a tvm-ffi Function, got "
+                                   f"{type(rollback).__name__}")
         self._module = module
         self._fast = fast
-        (self._capsule, self.run, self.retain, self.release,
-         self.address) = module.node_create(fast.state, buffer, buffer.data_ptr(),
-                                            buffer.shape[0], fallback)
+        (self._capsule, self.run, self.retain, self.release, self.address,
+         self.run_rollback) = module.node_create(fast.state, buffer, buffer.data_ptr(),
+                                                 buffer.shape[0], fallback, counts,
+                                                 counts.data_ptr(), rollback, chandle(),
+                                                 rollback_fallback)
         self._push, self._push_python = module.node_push, module.node_push_python
         self._drop, self._set_slot, self._take = (module.node_drop, module.node_set_slot,
                                                   module.node_take)
+        self._sync = module.node_sync_counts
         _shutdown_at_exit(module)
 
     def push(self, requests: list, offsets: list, draft_len: int, clear_rows: int, epoch: int,
@@ -458,11 +497,21 @@ class HostNode:
         self._set_slot(self._capsule, slot, handle, stopped)
 
     def take(self, advanced: list, guided: list) -> list[tuple]:
-        """The native steps run since the last call, in order, as ``(epoch, queue error or
-        None, masked, unusual, columns)`` (``unusual`` as :attr:`FastPath.step`'s;
+        """The native steps and rollbacks run since the last call, in order, as ``(epoch,
+        queue error or None, masked, unusual, columns, rolled)`` (``unusual`` as
+        :attr:`FastPath.step`'s, a rollback's ``(batch index, 1, text)`` where its count
+        cannot roll back and ``(batch index, 2, "Kind: message")`` where the matcher raised;
         ``columns``: None or ``[(batch index, [token, drafts...])]`` read from the token
-        buffer); their counters are written to ``advanced`` / ``guided`` (per slot)."""
+        buffer; ``rolled``: None for a step, for a rollback the slots whose matchers rolled
+        back, its ``epoch`` the batch its indices refer to); their counters are written to
+        ``advanced`` / ``guided`` (per slot), where the slot's matcher is still the one the
+        run used."""
         return self._take(self._capsule, advanced, guided)
+
+    def sync_counts(self, advanced: list) -> None:
+        """The node's per-slot advance counts from ``advanced`` (the decoder's, after a Python
+        stage changed them)."""
+        self._sync(self._capsule, advanced)
 
     def set_warmup(self, on: bool) -> None:
         """From now on the node's runs take no job and mask nothing (graph warm-up), or

@@ -38,7 +38,8 @@ from ..errors import ConfigError
 from ..grammar import GrammarMatcherFactory
 from ..requests import GuidedRequests
 from .library import (POOL_MIN_REQUESTS, STATUS_OVER_BUDGET, TERMINATED, FastPath,
-                      NativeBuilder, automatic_fill_threads, matcher_methods)
+                      NativeBuildError, NativeBuilder, automatic_fill_threads, matcher_methods,
+                      matcher_rollback)
 from .base import PLAIN, Outcome, Status, StepResult
 from .python import Active, PythonBuild, fault
 from .slots import SlotState
@@ -157,9 +158,12 @@ class NativeBuild(NativeLoopBuild):
     asynchronous = True
 
     def __init__(self, slots: SlotState, factory: GrammarMatcherFactory, budget_ms: float,
-                 builder: NativeBuilder, entry: FastPath) -> None:
+                 builder: NativeBuilder, entry: FastPath, rollback: Any = None) -> None:
         super().__init__(slots, factory, budget_ms, builder)
         self.entry = entry
+        #: xgrammar's matcher rollback as a tvm-ffi Function (what the native host node's
+        #: rollback calls), or None where this xgrammar has none
+        self.rollback = rollback
         self._inflight: Any = None  # the batch begin() took
         # HostBuild.admit: the entry's test bound to its state (add_batch runs no Python frame
         # for it)
@@ -267,5 +271,9 @@ def make_native_build(slots: SlotState, factory: GrammarMatcherFactory, budget_m
                                  slots.vocab_size_padded, slots.max_num_draft_tokens)
     if fast is None:
         return NativeLoopBuild(slots, factory, budget_ms, builder)
-    return NativeBuild(slots, factory, budget_ms, builder, fast)
+    try:
+        rollback = matcher_rollback(xgr_factory.ffi_matcher_type())
+    except NativeBuildError:
+        rollback = None  # (the host node then declines: capgraph.capturable)
+    return NativeBuild(slots, factory, budget_ms, builder, fast, rollback)
 
