@@ -14,10 +14,22 @@
 // columns, one packed (up to 16-byte) load/store per group, and classifies each group:
 //   all allowed -> no logits traffic at all;
 //   all masked  -> one packed store of -inf, nothing read;
-//   mixed       -> read, patch the masked lanes, write back.
-// (Measured on an H200 and not kept: storing single masked lanes without a read in mixed groups
-// was 13-15% faster on 98%-allowed rows but 6-13% slower on random and 2%-allowed rows, even
-// when each warp voted for one way; see docs/BENCHMARKS.md.)
+//   mixed       -> depends on the variant (enum Mixed):
+//     rmw   (the default entry points) reads the group after its bitmask word, patches the
+//           masked lanes and writes it back: two dependent memory round trips per group;
+//     ahead (entry points suffixed _ahead) issues every group's packed logits load together
+//           with its bitmask loads, before any group is classified, so no read waits for
+//           another; all-allowed groups are then read for nothing (extra traffic that only a
+//           small, latency-bound launch can afford);
+//     store (suffixed _store) never reads a mixed group: each masked lane is stored alone,
+//           allowed lanes are not touched (a masked store); its bitmask loads are issued up
+//           front too, so a row costs it one round trip before its stores.
+// With kPack == 1 no group is mixed, and the variants differ only in that order of loads.
+// Which one a launch uses is the host's choice (capgraph/ops/cuda.py: rmw unless
+// CAPGRAPH_MASK_KERNEL says otherwise); tools/bench_kernel.py measures all three.
+// (Measured on an H200 earlier: single-lane stores with a per-warp vote for the way to go were
+// 13-15% faster on 98%-allowed rows but 6-13% slower on random and 2%-allowed rows at large
+// batches; see docs/BENCHMARKS.md.)
 //
 // Measured on an H200 (docs/BENCHMARKS.md): with the d2t lookups compiled into the same entry
 // point, the plain path used up to 100 registers, a quarter of full occupancy, and ran at half
@@ -30,9 +42,10 @@
 // and with `nvcc -c`.
 //
 // Entry points are extern "C" (unmangled, so NVRTC needs no name expressions):
-//   capgraph_logits_bitmask_<f32|f16|bf16>_b<4|8|16>_p<1|2|4|8>[_d2t]
+//   capgraph_logits_bitmask_<f32|f16|bf16>_b<4|8|16>_p<1|2|4|8>[_d2t|_ahead|_store]
 // b = bits (columns) per thread, p = columns per packed access (p * element size <= 16 bytes,
-// p <= b); the _d2t entries read the draft-to-target table, the others ignore that argument.
+// p <= b); the _d2t entries read the draft-to-target table (rmw only), the others ignore that
+// argument; _ahead and _store name the variants above (b 4 and 8 only, see the end of the file).
 // Every scalar parameter is 64-bit so that a launcher passing plain Python ints (pointer-sized)
 // matches the ABI without per-argument type annotations.
 //
@@ -44,6 +57,9 @@ namespace capgraph {
 
 constexpr int kThreads = 256;
 constexpr int kWordBits = 32;
+
+// How a thread handles a mixed group (see the top of the file).
+enum class Mixed { kReadModifyWrite, kLoadAhead, kLaneStores };
 
 // Raw storage of one packed group: the widest plain load/store of that many bytes.
 template <int kBytes> struct PackStorage;
@@ -89,7 +105,59 @@ __device__ __forceinline__ unsigned allowed_bits_d2t(const unsigned* __restrict_
     return bits;
 }
 
-template <typename E, E kNegInf, int kBitsPerThread, int kPack, bool kD2t>
+// One row's columns of this thread in the ahead and store variants: every group's bitmask bits
+// (and, for ahead, its packed logits) are loaded before any group is written, so the loads do
+// not wait for each other or for a store: one memory round trip per row, where rmw may take
+// one or two per group.
+template <typename E, E kNegInf, int kBitsPerThread, int kPack, Mixed kMixed>
+__device__ __forceinline__ void mask_row_loads_first(E* __restrict__ row_logits,
+                                                     const unsigned* __restrict__ row_words,
+                                                     int block_col, int width32,
+                                                     long long col_offset) {
+    typedef Pack<E, kPack> PackT;
+    constexpr int kGroups = kBitsPerThread / kPack;
+    constexpr unsigned kAllMasked = (1u << kPack) - 1u;
+    PackT packs[kGroups];
+    unsigned masked[kGroups];
+#pragma unroll
+    for (int step = 0; step < kGroups; ++step) {
+        const int col = block_col + (step * kThreads + int(threadIdx.x)) * kPack;
+        masked[step] = 0;
+        if (col < width32) {
+            masked[step] = ~allowed_bits<kPack>(row_words, col_offset + col) & kAllMasked;
+            if constexpr (kMixed == Mixed::kLoadAhead) {
+                packs[step].raw = reinterpret_cast<const PackT*>(row_logits + col)->raw;
+            }
+        }
+    }
+#pragma unroll
+    for (int step = 0; step < kGroups; ++step) {
+        if (masked[step] == 0) {
+            continue;  // all allowed, or past the row's end
+        }
+        const int col = block_col + (step * kThreads + int(threadIdx.x)) * kPack;
+        if constexpr (kMixed == Mixed::kLaneStores) {
+            if (masked[step] != kAllMasked) {  // mixed: the masked lanes alone, no read
+#pragma unroll
+                for (int i = 0; i < kPack; ++i) {
+                    if ((masked[step] >> i) & 1u) {
+                        row_logits[col + i] = kNegInf;
+                    }
+                }
+                continue;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kPack; ++i) {
+            if ((masked[step] >> i) & 1u) {
+                packs[step].element[i] = kNegInf;
+            }
+        }
+        reinterpret_cast<PackT*>(row_logits + col)->raw = packs[step].raw;
+    }
+}
+
+template <typename E, E kNegInf, int kBitsPerThread, int kPack, bool kD2t, Mixed kMixed>
 __device__ __forceinline__ void mask_logits(E* __restrict__ logits, long long logits_row_stride,
                                             const unsigned* __restrict__ bitmask,
                                             long long bitmask_row_stride,
@@ -100,6 +168,7 @@ __device__ __forceinline__ void mask_logits(E* __restrict__ logits, long long lo
                                             long long index_bytes, long long logits_rows) {
     static_assert(kBitsPerThread % kPack == 0, "a thread handles whole packed groups");
     static_assert(int(sizeof(E)) * kPack <= 16, "at most 16 bytes per access");
+    static_assert(!kD2t || kMixed == Mixed::kReadModifyWrite, "d2t entries are rmw only");
     typedef Pack<E, kPack> PackT;
     constexpr unsigned kAllMasked = (1u << kPack) - 1u;
     const int width32 = int(width);
@@ -121,38 +190,43 @@ __device__ __forceinline__ void mask_logits(E* __restrict__ logits, long long lo
         }
         E* row_logits = logits + logits_row * logits_row_stride;
         const unsigned* row_words = bitmask + row * bitmask_row_stride;
+        if constexpr (kMixed != Mixed::kReadModifyWrite) {
+            mask_row_loads_first<E, kNegInf, kBitsPerThread, kPack, kMixed>(
+                row_logits, row_words, block_col, width32, col_offset);
+        } else {
 #pragma unroll
-        for (int step = 0; step < kBitsPerThread / kPack; ++step) {
-            // consecutive threads take consecutive groups: coalesced logits accesses, and the
-            // 32 / kPack threads that share a bitmask word read it from the same cache line
-            const int col = block_col + (step * kThreads + int(threadIdx.x)) * kPack;
-            if (col >= width32) {
-                break;
-            }
-            const unsigned allowed = kD2t
-                ? allowed_bits_d2t<kPack>(row_words, d2t, col_offset + col)
-                : allowed_bits<kPack>(row_words, col_offset + col);
-            const unsigned masked = ~allowed & kAllMasked;
-            if (masked == 0) {
-                continue;  // all allowed: no memory traffic
-            }
-            PackT* where = reinterpret_cast<PackT*>(row_logits + col);
-            PackT pack;
-            if (masked == kAllMasked) {  // all masked: write -inf, read nothing
-#pragma unroll
-                for (int i = 0; i < kPack; ++i) {
-                    pack.element[i] = kNegInf;
+            for (int step = 0; step < kBitsPerThread / kPack; ++step) {
+                // consecutive threads take consecutive groups: coalesced logits accesses, and
+                // the 32 / kPack threads that share a bitmask word read it from one cache line
+                const int col = block_col + (step * kThreads + int(threadIdx.x)) * kPack;
+                if (col >= width32) {
+                    break;
                 }
-            } else {  // mixed: read-modify-write
-                pack.raw = where->raw;
+                const unsigned allowed = kD2t
+                    ? allowed_bits_d2t<kPack>(row_words, d2t, col_offset + col)
+                    : allowed_bits<kPack>(row_words, col_offset + col);
+                const unsigned masked = ~allowed & kAllMasked;
+                if (masked == 0) {
+                    continue;  // all allowed: no memory traffic
+                }
+                PackT* where = reinterpret_cast<PackT*>(row_logits + col);
+                PackT pack;
+                if (masked == kAllMasked) {  // all masked: write -inf, read nothing
 #pragma unroll
-                for (int i = 0; i < kPack; ++i) {
-                    if ((masked >> i) & 1u) {
+                    for (int i = 0; i < kPack; ++i) {
                         pack.element[i] = kNegInf;
                     }
+                } else {  // mixed: read-modify-write
+                    pack.raw = where->raw;
+#pragma unroll
+                    for (int i = 0; i < kPack; ++i) {
+                        if ((masked >> i) & 1u) {
+                            pack.element[i] = kNegInf;
+                        }
+                    }
                 }
+                where->raw = pack.raw;
             }
-            where->raw = pack.raw;
         }
     }
 }
@@ -164,50 +238,70 @@ constexpr unsigned short kNegInfBF16 = 0xFF80u;
 
 }  // namespace capgraph
 
-#define CAPGRAPH_LOGITS_BITMASK_KERNEL(NAME, E, NEG_INF, BITS, PACK, D2T)                     \
+#define CAPGRAPH_LOGITS_BITMASK_KERNEL(NAME, E, NEG_INF, BITS, PACK, D2T, MIXED)              \
     extern "C" __global__ void __launch_bounds__(capgraph::kThreads) NAME(                    \
         E* __restrict__ logits, long long logits_row_stride,                                  \
         const unsigned* __restrict__ bitmask, long long bitmask_row_stride,                   \
         const int* __restrict__ token_mask, const int* __restrict__ d2t, long long rows,      \
         long long width, long long col_offset, const void* __restrict__ indices,              \
         long long index_bytes, long long logits_rows) {                                       \
-        capgraph::mask_logits<E, NEG_INF, BITS, PACK, D2T>(logits, logits_row_stride,         \
-                                                           bitmask, bitmask_row_stride,       \
-                                                           token_mask, d2t, rows, width,      \
-                                                           col_offset, indices, index_bytes,  \
-                                                           logits_rows);                      \
+        capgraph::mask_logits<E, NEG_INF, BITS, PACK, D2T, capgraph::Mixed::MIXED>(           \
+            logits, logits_row_stride, bitmask, bitmask_row_stride, token_mask, d2t, rows,    \
+            width, col_offset, indices, index_bytes, logits_rows);                            \
     }
 
 // one (dtype, bits, pack): the plain entry point and its d2t twin
 #define CAPGRAPH_LOGITS_BITMASK_ENTRY(DTYPE, E, NEG_INF, BITS, PACK)                          \
     CAPGRAPH_LOGITS_BITMASK_KERNEL(capgraph_logits_bitmask_##DTYPE##_b##BITS##_p##PACK, E,    \
-                                   NEG_INF, BITS, PACK, false)                                \
+                                   NEG_INF, BITS, PACK, false, kReadModifyWrite)              \
     CAPGRAPH_LOGITS_BITMASK_KERNEL(capgraph_logits_bitmask_##DTYPE##_b##BITS##_p##PACK##_d2t, \
-                                   E, NEG_INF, BITS, PACK, true)
+                                   E, NEG_INF, BITS, PACK, true, kReadModifyWrite)
+
+// one (dtype, bits, pack): the two mixed-group variants of the plain entry point
+#define CAPGRAPH_LOGITS_BITMASK_VARIANTS(DTYPE, E, NEG_INF, BITS, PACK)                       \
+    CAPGRAPH_LOGITS_BITMASK_KERNEL(                                                           \
+        capgraph_logits_bitmask_##DTYPE##_b##BITS##_p##PACK##_ahead, E, NEG_INF, BITS,        \
+        PACK, false, kLoadAhead)                                                              \
+    CAPGRAPH_LOGITS_BITMASK_KERNEL(                                                           \
+        capgraph_logits_bitmask_##DTYPE##_b##BITS##_p##PACK##_store, E, NEG_INF, BITS,        \
+        PACK, false, kLaneStores)
 
 // fp32: packs of 1, 2, 4 elements (4, 8, 16 bytes)
-#define CAPGRAPH_F32_ENTRIES(BITS)                                                            \
-    CAPGRAPH_LOGITS_BITMASK_ENTRY(f32, unsigned, capgraph::kNegInfF32, BITS, 1)               \
-    CAPGRAPH_LOGITS_BITMASK_ENTRY(f32, unsigned, capgraph::kNegInfF32, BITS, 2)               \
-    CAPGRAPH_LOGITS_BITMASK_ENTRY(f32, unsigned, capgraph::kNegInfF32, BITS, 4)
+#define CAPGRAPH_F32_ENTRIES(ENTRY, BITS)                                                     \
+    ENTRY(f32, unsigned, capgraph::kNegInfF32, BITS, 1)                                       \
+    ENTRY(f32, unsigned, capgraph::kNegInfF32, BITS, 2)                                       \
+    ENTRY(f32, unsigned, capgraph::kNegInfF32, BITS, 4)
 
 // 16-bit dtypes: packs of 1, 2, 4 elements, and 8 (16 bytes) where a thread covers >= 8 bits
-#define CAPGRAPH_16BIT_ENTRIES(DTYPE, NEG_INF, BITS)                                          \
-    CAPGRAPH_LOGITS_BITMASK_ENTRY(DTYPE, unsigned short, NEG_INF, BITS, 1)                    \
-    CAPGRAPH_LOGITS_BITMASK_ENTRY(DTYPE, unsigned short, NEG_INF, BITS, 2)                    \
-    CAPGRAPH_LOGITS_BITMASK_ENTRY(DTYPE, unsigned short, NEG_INF, BITS, 4)
-#define CAPGRAPH_16BIT_ENTRIES_WIDE(DTYPE, NEG_INF, BITS)                                     \
-    CAPGRAPH_16BIT_ENTRIES(DTYPE, NEG_INF, BITS)                                              \
-    CAPGRAPH_LOGITS_BITMASK_ENTRY(DTYPE, unsigned short, NEG_INF, BITS, 8)
+#define CAPGRAPH_16BIT_ENTRIES(ENTRY, DTYPE, NEG_INF, BITS)                                   \
+    ENTRY(DTYPE, unsigned short, NEG_INF, BITS, 1)                                            \
+    ENTRY(DTYPE, unsigned short, NEG_INF, BITS, 2)                                            \
+    ENTRY(DTYPE, unsigned short, NEG_INF, BITS, 4)
+#define CAPGRAPH_16BIT_ENTRIES_WIDE(ENTRY, DTYPE, NEG_INF, BITS)                              \
+    CAPGRAPH_16BIT_ENTRIES(ENTRY, DTYPE, NEG_INF, BITS)                                       \
+    ENTRY(DTYPE, unsigned short, NEG_INF, BITS, 8)
 
-CAPGRAPH_F32_ENTRIES(4)
-CAPGRAPH_F32_ENTRIES(8)
-CAPGRAPH_F32_ENTRIES(16)
+// rmw and d2t at 4, 8 and 16 columns per thread
+CAPGRAPH_F32_ENTRIES(CAPGRAPH_LOGITS_BITMASK_ENTRY, 4)
+CAPGRAPH_F32_ENTRIES(CAPGRAPH_LOGITS_BITMASK_ENTRY, 8)
+CAPGRAPH_F32_ENTRIES(CAPGRAPH_LOGITS_BITMASK_ENTRY, 16)
 
-CAPGRAPH_16BIT_ENTRIES(f16, capgraph::kNegInfF16, 4)
-CAPGRAPH_16BIT_ENTRIES_WIDE(f16, capgraph::kNegInfF16, 8)
-CAPGRAPH_16BIT_ENTRIES_WIDE(f16, capgraph::kNegInfF16, 16)
+CAPGRAPH_16BIT_ENTRIES(CAPGRAPH_LOGITS_BITMASK_ENTRY, f16, capgraph::kNegInfF16, 4)
+CAPGRAPH_16BIT_ENTRIES_WIDE(CAPGRAPH_LOGITS_BITMASK_ENTRY, f16, capgraph::kNegInfF16, 8)
+CAPGRAPH_16BIT_ENTRIES_WIDE(CAPGRAPH_LOGITS_BITMASK_ENTRY, f16, capgraph::kNegInfF16, 16)
 
-CAPGRAPH_16BIT_ENTRIES(bf16, capgraph::kNegInfBF16, 4)
-CAPGRAPH_16BIT_ENTRIES_WIDE(bf16, capgraph::kNegInfBF16, 8)
-CAPGRAPH_16BIT_ENTRIES_WIDE(bf16, capgraph::kNegInfBF16, 16)
+CAPGRAPH_16BIT_ENTRIES(CAPGRAPH_LOGITS_BITMASK_ENTRY, bf16, capgraph::kNegInfBF16, 4)
+CAPGRAPH_16BIT_ENTRIES_WIDE(CAPGRAPH_LOGITS_BITMASK_ENTRY, bf16, capgraph::kNegInfBF16, 8)
+CAPGRAPH_16BIT_ENTRIES_WIDE(CAPGRAPH_LOGITS_BITMASK_ENTRY, bf16, capgraph::kNegInfBF16, 16)
+
+// the ahead and store variants at 4 and 8 columns per thread only: what a launch of up to 16
+// rows chooses at V = 128000 on an H200, the latency-bound range they are for (at every width
+// they more than doubled NVRTC's compile time)
+CAPGRAPH_F32_ENTRIES(CAPGRAPH_LOGITS_BITMASK_VARIANTS, 4)
+CAPGRAPH_F32_ENTRIES(CAPGRAPH_LOGITS_BITMASK_VARIANTS, 8)
+
+CAPGRAPH_16BIT_ENTRIES(CAPGRAPH_LOGITS_BITMASK_VARIANTS, f16, capgraph::kNegInfF16, 4)
+CAPGRAPH_16BIT_ENTRIES_WIDE(CAPGRAPH_LOGITS_BITMASK_VARIANTS, f16, capgraph::kNegInfF16, 8)
+
+CAPGRAPH_16BIT_ENTRIES(CAPGRAPH_LOGITS_BITMASK_VARIANTS, bf16, capgraph::kNegInfBF16, 4)
+CAPGRAPH_16BIT_ENTRIES_WIDE(CAPGRAPH_LOGITS_BITMASK_VARIANTS, bf16, capgraph::kNegInfBF16, 8)

@@ -79,19 +79,26 @@ def test_nvrtc_compiles_and_caches(tmp_path, monkeypatch):
 
 
 def test_source_defines_exactly_the_entry_points():
-    """The entry points the loader expects are the ones the macros in the source expand to."""
+    """The entry points the loader expects are the ones the macros in the source expand to:
+    rmw and d2t for every (dtype, bits, pack); ahead and store where the source invokes the
+    variant macros (4 and 8 columns per thread)."""
     text = SOURCE.read_text()
-    defined = set()
-    for bits_ in re.findall(r"^CAPGRAPH_F32_ENTRIES\((\d+)\)", text, re.M):
-        defined |= {f"capgraph_logits_bitmask_f32_b{bits_}_p{p}" for p in (1, 2, 4)}
-    for macro, dtype, bits_ in re.findall(r"^CAPGRAPH_16BIT_ENTRIES(_WIDE)?\((\w+), \S+, (\d+)\)",
-                                          text, re.M):
-        packs = (1, 2, 4, 8) if macro else (1, 2, 4)
-        defined |= {f"capgraph_logits_bitmask_{dtype}_b{bits_}_p{p}" for p in packs}
-    # each ENTRY defines the plain kernel and its _d2t twin
-    assert "##_d2t" in text
-    defined |= {f"{name}_d2t" for name in defined}
+    plain, variants = set(), set()
+    for entry, bits_ in re.findall(r"^CAPGRAPH_F32_ENTRIES\((\w+), (\d+)\)", text, re.M):
+        names = {f"capgraph_logits_bitmask_f32_b{bits_}_p{p}" for p in (1, 2, 4)}
+        (plain if entry == "CAPGRAPH_LOGITS_BITMASK_ENTRY" else variants).update(names)
+    for wide, entry, dtype, bits_ in re.findall(
+            r"^CAPGRAPH_16BIT_ENTRIES(_WIDE)?\((\w+), (\w+), \S+, (\d+)\)", text, re.M):
+        packs = (1, 2, 4, 8) if wide else (1, 2, 4)
+        names = {f"capgraph_logits_bitmask_{dtype}_b{bits_}_p{p}" for p in packs}
+        (plain if entry == "CAPGRAPH_LOGITS_BITMASK_ENTRY" else variants).update(names)
+    # each ENTRY defines the plain kernel and its _d2t twin, each VARIANTS _ahead and _store
+    assert "##_d2t" in text and "##_ahead" in text and "##_store" in text
+    defined = plain | {f"{name}_d2t" for name in plain}
+    defined |= {f"{name}_{v}" for name in variants for v in ("ahead", "store")}
     assert defined == set(entry_points())
+    assert {int(re.search(r"_b(\d+)_", n).group(1)) for n in variants} == set(
+        cuda_backend.VARIANT_BITS_PER_THREAD)
 
 
 def test_import_loads_nothing():
@@ -163,6 +170,73 @@ def test_grid_covers_every_column_and_row(rows, width):
     assert (plan.grid[0] - 1) * THREADS_PER_BLOCK * b < width
     assert plan.grid[1] == min(rows, 65535)
     assert plan.kernel in entry_points()
+
+
+def _small_and_large_plans(**kw):
+    """Plans of one fp32 row (4 columns per thread on 132 SMs) and of 64 rows (16 columns)."""
+    small = plan_launch(torch.empty(1).expand(1, 128000),
+                        torch.empty(1, dtype=torch.int32).expand(1, 4000), None, None, 0, 132,
+                        **kw)
+    large = plan_launch(torch.empty(1).expand(64, 128000),
+                        torch.empty(1, dtype=torch.int32).expand(64, 4000), None, None, 0, 132,
+                        **kw)
+    return small.kernel, large.kernel
+
+
+def test_mask_kernel_variant_follows_the_environment(monkeypatch):
+    """Unset or empty CAPGRAPH_MASK_KERNEL plans the rmw entry points; "ahead" and "store"
+    plan the suffixed ones where the launch takes 4 or 8 columns per thread, rmw where it
+    takes 16 (no variant there) and the d2t entry for a d2t launch; an explicit variant
+    argument wins over the variable."""
+    monkeypatch.delenv("CAPGRAPH_MASK_KERNEL", raising=False)
+    assert cuda_backend.mask_kernel_variant() == "rmw"
+    assert _small_and_large_plans() == ("capgraph_logits_bitmask_f32_b4_p4",
+                                        "capgraph_logits_bitmask_f32_b16_p4")
+    monkeypatch.setenv("CAPGRAPH_MASK_KERNEL", "")
+    assert _small_and_large_plans()[0] == "capgraph_logits_bitmask_f32_b4_p4"
+    for variant in ("ahead", "store"):
+        monkeypatch.setenv("CAPGRAPH_MASK_KERNEL", variant)
+        assert cuda_backend.mask_kernel_variant() == variant
+        assert _small_and_large_plans() == (f"capgraph_logits_bitmask_f32_b4_p4_{variant}",
+                                            "capgraph_logits_bitmask_f32_b16_p4")
+        d2t = torch.zeros(128000, dtype=torch.int32)
+        plan = plan_launch(torch.empty(1).expand(1, 128000),
+                           torch.empty(1, dtype=torch.int32).expand(1, 4000), None, d2t, 0, 132)
+        assert plan.kernel == "capgraph_logits_bitmask_f32_b4_p4_d2t"
+    monkeypatch.setenv("CAPGRAPH_MASK_KERNEL", "ahead")
+    assert _small_and_large_plans(variant="store")[0] == "capgraph_logits_bitmask_f32_b4_p4_store"
+    assert _small_and_large_plans(variant="rmw")[0] == "capgraph_logits_bitmask_f32_b4_p4"
+    half = plan_launch(torch.empty(1, dtype=torch.bfloat16).expand(16, 128000),
+                       torch.empty(1, dtype=torch.int32).expand(16, 4000), None, None, 0, 132)
+    assert half.kernel == "capgraph_logits_bitmask_bf16_b8_p8_ahead"
+    assert half.kernel in entry_points()
+
+
+@pytest.mark.parametrize("value", ["fast", "RMW", "ahead "])
+def test_bad_mask_kernel_variable_is_a_config_error(monkeypatch, value):
+    """A CAPGRAPH_MASK_KERNEL value outside rmw/ahead/store raises ConfigError at plan time,
+    naming the variable, the value and the allowed values."""
+    from capgraph.errors import ConfigError
+    monkeypatch.setenv("CAPGRAPH_MASK_KERNEL", value)
+    for call in (cuda_backend.mask_kernel_variant, _small_and_large_plans):
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert "CAPGRAPH_MASK_KERNEL" in str(info.value) and repr(value) in str(info.value)
+        assert "rmw, ahead, store" in str(info.value)
+
+
+def test_variant_arguments_are_checked(monkeypatch):
+    """An unknown variant argument is a ValueError (the variable is not consulted); kernel_name
+    refuses names the source does not define: a d2t variant, a variant at 16 columns."""
+    monkeypatch.setenv("CAPGRAPH_MASK_KERNEL", "store")
+    with pytest.raises(ValueError, match="variant='fast'"):
+        _small_and_large_plans(variant="fast")
+    with pytest.raises(ValueError, match="d2t"):
+        cuda_backend.kernel_name(torch.float32, 4, 4, d2t=True, variant="ahead")
+    with pytest.raises(ValueError, match="16 columns"):
+        cuda_backend.kernel_name(torch.float16, 16, 8, variant="store")
+    assert cuda_backend.kernel_name(torch.float16, 8, 8, variant="store") == (
+        "capgraph_logits_bitmask_f16_b8_p8_store")
 
 
 # ---- the kernel's arithmetic, run on the host ----------------------------------------------
@@ -299,17 +373,22 @@ def test_emulated_kernel_matches_reference(emulated, dtype, layout, col_offset, 
     assert len(bits_used) >= min(3, len(possible)), used
 
 
+def _entry(name):
+    """(dtype, bits, pack, suffix) of an entry point's name; suffix "" for the rmw kernel."""
+    tag, b, p, suffix = re.fullmatch(r"capgraph_logits_bitmask_(\w+?)_b(\d+)_p(\d+)_?(\w*)",
+                                     name).groups()
+    dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[tag]
+    return dtype, int(b), int(p), suffix
+
+
 def test_emulated_every_entry_point(emulated):
-    """Each of the 62 entry points, forced, gives the reference result on a case where its
-    packed groups straddle words (col_offset 29) and where they do not (col_offset 0); the
-    _d2t entry points through a draft-to-target table."""
+    """Each entry point (rmw, d2t, ahead, store), forced, gives the reference result on a case
+    where its packed groups straddle words (col_offset 29) and where they do not (col_offset
+    0); the _d2t entry points through a draft-to-target table."""
     g = torch.Generator().manual_seed(7)
     for name in entry_points():
-        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[
-            name.split("_")[3]]
-        b, p, d2t_entry = re.search(r"_b(\d+)_p(\d+)(_d2t)?$", name).groups()
-        b, p = int(b), int(p)
-        cases = ((0, True), (3, True)) if d2t_entry else ((0, False), (29, False))
+        dtype, b, p, suffix = _entry(name)
+        cases = ((0, True), (3, True)) if suffix == "d2t" else ((0, False), (29, False))
         for col_offset, use_d2t in cases:
             rows, width = 3, 8 * 97
             parent, view = _logits(g, rows, width, dtype, "contiguous")
@@ -326,6 +405,70 @@ def test_emulated_every_entry_point(emulated):
             grid = (-(-width // (THREADS_PER_BLOCK * b)), rows)
             emulated(plan._replace(kernel=name, grid=grid))
             assert torch.equal(bits(view), bits(expected)), (name, col_offset, use_d2t)
+
+
+DENSITIES = {"random": 0.5, "sparse": 0.02, "dense": 0.98}
+
+
+def _density_bitmask(g, rows, words, density):
+    """[rows, words] int32 with each bit set with probability ``density``, row stride
+    words + 3 (a view inside a wider buffer)."""
+    allowed = (torch.rand(rows, (words + 3) * 32, generator=g) < density).to(torch.int64)
+    packed = (allowed.view(rows, words + 3, 32) << torch.arange(32)).sum(-1)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return packed[:, 2:2 + words]
+
+
+def _group_kinds(bitmask, col_offset, width, pack):
+    """Counts of (all allowed, all masked, mixed) packed groups of the bitmask rows' columns."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, col_offset:col_offset + width]
+    per_group = allowed.reshape(bitmask.size(0), width // pack, pack).sum(-1)
+    return (int((per_group == pack).sum()), int((per_group == 0).sum()),
+            int(((per_group > 0) & (per_group < pack)).sum()))
+
+
+@pytest.mark.parametrize("variant", ["ahead", "store"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_variants_match_reference(emulated, variant, dtype):
+    """Every ahead/store entry point of this dtype (each bits and pack), forced, is bit-exact
+    against the reference under random, 2%-allowed and 98%-allowed bitmasks, with a token
+    mask, a row-strided logits view and a column offset that is not a multiple of 32 (groups
+    straddling words), and again through int32 and int64 indices; nothing outside the view
+    is written, and each pattern had mixed groups wherever the pack allows them."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{variant}{dtype}".encode()))
+    names = [n for n in entry_points() if _entry(n)[0] == dtype and _entry(n)[3] == variant]
+    assert {(b, p) for _, b, p, _ in map(_entry, names)} == {
+        (b, p) for b in cuda_backend.VARIANT_BITS_PER_THREAD for p in (1, 2, 4, 8)
+        if p <= b and p * dtype.itemsize <= 16}
+    rows, width = 5, 8 * 131  # two blocks of 4 columns per thread and a partial third
+    for name in names:
+        _, b, p, _ = _entry(name)
+        grid_x = -(-width // (THREADS_PER_BLOCK * b))
+        for pattern, density in DENSITIES.items():
+            for index_dtype, col_offset in ((None, 29), (torch.int32, 45), (torch.int64, 3)):
+                parent = torch.randn(2 * rows, width + 24, generator=g).to(dtype)
+                parent.view(-1)[::97] = float("nan")
+                view = parent[::2, 8:8 + width]  # row stride 2 * (width + 24), 16-byte aligned
+                bitmask = _density_bitmask(g, rows, words_per_row(col_offset + width), density)
+                token_mask = torch.tensor([1, 0, 1, 1, 1], dtype=torch.int32)
+                chosen = None
+                if index_dtype is not None:
+                    chosen = [4, 0, 2, 3, 1]
+                    indices = torch.tensor(chosen, dtype=index_dtype)
+                expected = logits_bitmask_reference(view, bitmask, token_mask, None,
+                                                    col_offset=col_offset, indices=chosen)
+                before = parent.clone()
+                plan = plan_launch(view, bitmask, token_mask, None, col_offset, 132,
+                                   None if chosen is None else indices)
+                emulated(plan._replace(kernel=name, grid=(grid_x, rows)))
+                case = (name, pattern, index_dtype, col_offset)
+                assert torch.equal(bits(view), bits(expected)), case
+                assert torch.equal(bits(parent[1::2]), bits(before[1::2])), case
+                assert torch.equal(bits(parent[:, :8]), bits(before[:, :8])), case
+                assert torch.equal(bits(parent[:, 8 + width:]), bits(before[:, 8 + width:]))
+                kinds = _group_kinds(bitmask, col_offset, width, p)
+                assert kinds[2] > 0 if p > 1 else kinds[2] == 0, (case, kinds)
 
 
 def test_emulated_rows_beyond_grid_y(emulated, monkeypatch):
@@ -369,8 +512,8 @@ def test_launcher_host_path_with_a_fake_cuda_core(emulated, monkeypatch):
     a stream would, before the launcher's temporaries go) by the host emulation, which must
     give the reference result. Pins: torch's current stream is the
     launch stream, module load and SM count once per device, launch configs cached, a strided
-    token mask and strided indices made dense, empty indices launch nothing, an
-    int32-overflowing problem sent to the torch path."""
+    token mask and strided indices made dense, a variant keyword reaching the plan, empty
+    indices launch nothing, an int32-overflowing problem sent to the torch path."""
     from types import SimpleNamespace
 
     launches, loads = [], []
@@ -404,6 +547,7 @@ def test_launcher_host_path_with_a_fake_cuda_core(emulated, monkeypatch):
         cuda_stream=0xABC))
     monkeypatch.setattr(cuda_backend, "_nvrtc_archs", lambda: [75, 80, 90])
     monkeypatch.setattr(cuda_backend, "compile_kernel", lambda arch, fmt: f"{fmt}:{arch}")
+    monkeypatch.delenv("CAPGRAPH_MASK_KERNEL", raising=False)
     kernel = cuda_backend._CudaLogitsBitmask(FakeCore)
     monkeypatch.setattr(kernel, "_ensure_context", lambda index: None)
 
@@ -428,6 +572,12 @@ def test_launcher_host_path_with_a_fake_cuda_core(emulated, monkeypatch):
     kernel(view, bitmask, None, None, 0, chosen)
     args = launches[-1][3]
     assert args[-3] != chosen.data_ptr() and args[-2:] == (8, 6)
+    assert torch.equal(bits(view), bits(expected))
+    parent, view = _logits(g, 1, 4000, torch.float32, "contiguous")  # 4 columns per thread
+    bitmask = _random_bitmask(g, 1, words_per_row(4000))
+    expected = logits_bitmask_reference(view, bitmask)
+    kernel(view, bitmask, None, None, 0, variant="store")  # the benchmark's keyword
+    assert launches[-1][2] == "capgraph_logits_bitmask_f32_b4_p4_store"
     assert torch.equal(bits(view), bits(expected))
     n = len(launches)
     kernel(view, bitmask[:0], None, None, 0, chosen[:0])  # no mask rows: no launch

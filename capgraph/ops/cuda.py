@@ -13,6 +13,12 @@ A launch reads only tensor metadata (pointers, strides, shapes) and enqueues the
 torch's current stream: no host synchronisation, no device allocation, no host-device copy, so
 it is recorded by ``torch.cuda.graph`` capture like any torch kernel.
 
+The kernel has three ways to handle a packed group with both allowed and masked lanes
+(:data:`MASK_KERNELS`, described in the source): ``rmw``, the default everywhere, and the
+``ahead`` and ``store`` variants, which exist for 4 and 8 columns per thread (small launches) and
+are used only where ``$CAPGRAPH_MASK_KERNEL`` names them (:func:`mask_kernel_variant`) or a
+caller of :func:`plan_launch` asks; ``tools/bench_kernel.py`` measures all three.
+
 Verification status: the source compiles with ``nvcc -c -arch=sm_90`` and with NVRTC (checked
 on CPU-only CI by tests/test_kernel_compile.py, which also runs the kernel's arithmetic on the
 host through a C++ emulation of the launch grid, driven by :func:`plan_launch` and by the
@@ -24,6 +30,7 @@ exercised by tests/test_ops_gpu.py and tools/bench_kernel.py on a machine with a
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from pathlib import Path
@@ -32,11 +39,16 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .. import jit
+from ..errors import ConfigError
 
 __all__ = [
     "THREADS_PER_BLOCK",
     "BITS_PER_THREAD",
+    "MASK_KERNELS",
+    "MASK_KERNEL_ENV",
+    "VARIANT_BITS_PER_THREAD",
     "LaunchPlan",
+    "mask_kernel_variant",
     "entry_points",
     "kernel_name",
     "kernel_source",
@@ -51,6 +63,16 @@ THREADS_PER_BLOCK = 256
 #: Columns per thread, one kernel instantiation each; the smallest that fits is chosen (32 was
 #: slower than 16 at every large batch size measured on an H200: docs/BENCHMARKS.md).
 BITS_PER_THREAD = (4, 8, 16)
+#: How the kernel handles a mixed group (csrc/logits_bitmask.cu): ``rmw`` reads it after its
+#: bitmask word and writes it back; ``ahead`` loads every group's logits together with its
+#: bitmask word; ``store`` writes only its masked lanes, reading no logits. The first is the
+#: default.
+MASK_KERNELS = ("rmw", "ahead", "store")
+#: The environment variable that chooses among :data:`MASK_KERNELS` (unset or empty: ``rmw``).
+MASK_KERNEL_ENV = "CAPGRAPH_MASK_KERNEL"
+#: Columns per thread that have ``ahead`` and ``store`` entry points; a launch that needs more
+#: (a large batch: bandwidth-bound, where the variants have nothing to win) runs ``rmw``.
+VARIANT_BITS_PER_THREAD = (4, 8)
 # Target residency of the launch heuristic: 2048 threads (8 blocks of 256) per SM.
 _THREADS_PER_SM = 2048
 _MAX_GRID_Y = 65535  # rows past it are covered by the kernel's grid-stride loop
@@ -62,11 +84,45 @@ _NVRTC_OPTIONS = {"std": "c++17"}  # part of the cache key
 
 # -- entry points and launch planning (pure host arithmetic, tested on CPU) -----------------
 
-def kernel_name(dtype: torch.dtype, bits_per_thread: int, pack: int, d2t: bool = False) -> str:
+def mask_kernel_variant() -> str:
+    """The mixed-group variant a launch uses unless its caller names one: the value of
+    ``$CAPGRAPH_MASK_KERNEL``, read at each call, or ``"rmw"`` where it is unset or empty.
+
+    Raises:
+        ConfigError: the variable holds anything else than one of :data:`MASK_KERNELS`.
+    """
+    value = os.environ.get(MASK_KERNEL_ENV)
+    if not value:
+        return "rmw"
+    if value not in MASK_KERNELS:
+        raise ConfigError(f"{MASK_KERNEL_ENV}={value!r} is not a mask kernel variant; allowed "
+                          f"values: {', '.join(MASK_KERNELS)} (unset: rmw)")
+    return value
+
+
+def _check_variant(variant: str) -> None:
+    if variant not in MASK_KERNELS:
+        raise ValueError(f"variant={variant!r}: expected one of {', '.join(MASK_KERNELS)}")
+
+
+def kernel_name(dtype: torch.dtype, bits_per_thread: int, pack: int, d2t: bool = False,
+                variant: str = "rmw") -> str:
     """The extern "C" entry point for one (dtype, columns per thread, columns per access), with
-    or without the draft-to-target lookup."""
-    suffix = "_d2t" if d2t else ""
-    return f"capgraph_logits_bitmask_{_DTYPE_TAGS[dtype]}_b{bits_per_thread}_p{pack}{suffix}"
+    or without the draft-to-target lookup, for one of :data:`MASK_KERNELS` (``ahead`` and
+    ``store`` exist without d2t, at :data:`VARIANT_BITS_PER_THREAD` only: ValueError else)."""
+    _check_variant(variant)
+    if d2t and variant != "rmw":
+        raise ValueError(f"no {variant} entry point with d2t: the d2t entries are rmw only")
+    if variant != "rmw" and bits_per_thread not in VARIANT_BITS_PER_THREAD:
+        raise ValueError(f"no {variant} entry point at {bits_per_thread} columns per thread "
+                         f"(only at {VARIANT_BITS_PER_THREAD})")
+    return _entry_name(dtype, bits_per_thread, pack, "d2t" if d2t else variant)
+
+
+def _entry_name(dtype: torch.dtype, bits: int, pack: int, kind: str) -> str:
+    """The name for kind ``rmw`` (no suffix), ``d2t``, ``ahead`` or ``store``, unchecked."""
+    suffix = "" if kind == "rmw" else "_" + kind
+    return f"capgraph_logits_bitmask_{_DTYPE_TAGS[dtype]}_b{bits}_p{pack}{suffix}"
 
 
 def _max_pack(dtype: torch.dtype) -> int:
@@ -75,12 +131,14 @@ def _max_pack(dtype: torch.dtype) -> int:
 
 def entry_points() -> list[str]:
     """Every entry point the source defines (pack <= bits per thread, <= 16 bytes; each with
-    and without d2t)."""
+    and without d2t; the ``ahead`` and ``store`` variants at :data:`VARIANT_BITS_PER_THREAD`)."""
     names = []
     for dtype in _DTYPE_TAGS:
         packs = [p for p in (1, 2, 4, 8) if p <= _max_pack(dtype)]
         names += [kernel_name(dtype, b, p, d2t) for b in BITS_PER_THREAD for p in packs
                   if p <= b for d2t in (False, True)]
+        names += [kernel_name(dtype, b, p, variant=v) for v in MASK_KERNELS[1:]
+                  for b in VARIANT_BITS_PER_THREAD for p in packs if p <= b]
     return names
 
 
@@ -126,24 +184,39 @@ def _bits_per_thread(rows: int, width: int, pack: int, sm_count: int) -> int:
 
 def plan_launch(logits: torch.Tensor, bitmask: torch.Tensor, token_mask: torch.Tensor | None,
                 d2t: torch.Tensor | None, col_offset: int, sm_count: int,
-                indices: torch.Tensor | None = None) -> LaunchPlan:
+                indices: torch.Tensor | None = None, *, variant: str | None = None
+                ) -> LaunchPlan:
     """The launch for these (already checked) arguments; reads metadata only, never data.
+
+    ``variant`` is one of :data:`MASK_KERNELS`, or None for :func:`mask_kernel_variant` (the
+    environment's choice, ``rmw`` by default); a d2t launch, or one that needs more columns
+    per thread than :data:`VARIANT_BITS_PER_THREAD`, runs ``rmw`` whatever the variant.
 
     Preconditions (``kernel_fits``): ``rows >= 1`` (mask rows: ``len(indices)`` where given),
     ``width >= 1``, ``col_offset + width`` in int32; ``token_mask``, ``d2t`` and ``indices``
     contiguous.
     """
+    if variant is None:
+        variant = mask_kernel_variant()
+    else:
+        _check_variant(variant)
     logits_rows, width = logits.shape
     rows = logits_rows if indices is None else indices.size(0)
     pack = _pack_width(logits)
     bits = _bits_per_thread(rows, width, pack, sm_count)
+    if d2t is not None:
+        kind = "d2t"
+    elif variant != "rmw" and bits in VARIANT_BITS_PER_THREAD:
+        kind = variant
+    else:
+        kind = "rmw"
     grid = (-(-width // (THREADS_PER_BLOCK * bits)), min(rows, _MAX_GRID_Y))
     args = (logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0),
             0 if token_mask is None else token_mask.data_ptr(),
             0 if d2t is None else d2t.data_ptr(), rows, width, col_offset,
             0 if indices is None else indices.data_ptr(),
             0 if indices is None else indices.element_size(), logits_rows)
-    return LaunchPlan(kernel_name(logits.dtype, bits, pack, d2t is not None), grid, args)
+    return LaunchPlan(_entry_name(logits.dtype, bits, pack, kind), grid, args)
 
 
 def kernel_fits(logits: torch.Tensor, col_offset: int) -> bool:
@@ -294,8 +367,9 @@ class _DeviceKernels:
 
 class _CudaLogitsBitmask:
     """The callable :func:`load_kernel` returns: ``(logits, bitmask, token_mask, d2t,
-    col_offset, indices=None) -> None``, arguments already checked by
-    :func:`capgraph.ops.logits_bitmask`."""
+    col_offset, indices=None, *, variant=None) -> None``, arguments already checked by
+    :func:`capgraph.ops.logits_bitmask` (which never passes ``variant``: that is for
+    benchmarks, see :func:`plan_launch`)."""
 
     def __init__(self, core: Any) -> None:
         self._core = core
@@ -330,7 +404,8 @@ class _CudaLogitsBitmask:
 
     def __call__(self, logits: torch.Tensor, bitmask: torch.Tensor,
                  token_mask: torch.Tensor | None, d2t: torch.Tensor | None,
-                 col_offset: int, indices: torch.Tensor | None = None) -> None:
+                 col_offset: int, indices: torch.Tensor | None = None, *,
+                 variant: str | None = None) -> None:
         if logits.numel() == 0 or (indices is not None and indices.numel() == 0):
             return  # nothing to mask (and a grid of 0 rows is not a launch)
         if not kernel_fits(logits, col_offset):
@@ -350,17 +425,19 @@ class _CudaLogitsBitmask:
             index = torch.cuda.current_device()
         if index != torch.cuda.current_device():
             with torch.cuda.device(index):  # makes that device's primary context current
-                self._launch(index, logits, bitmask, token_mask, d2t, col_offset, indices)
+                self._launch(index, logits, bitmask, token_mask, d2t, col_offset, indices,
+                             variant)
             return
         self._ensure_context(index)
-        self._launch(index, logits, bitmask, token_mask, d2t, col_offset, indices)
+        self._launch(index, logits, bitmask, token_mask, d2t, col_offset, indices, variant)
 
     def _launch(self, index: int, logits: torch.Tensor, bitmask: torch.Tensor,
                 token_mask: torch.Tensor | None, d2t: torch.Tensor | None,
-                col_offset: int, indices: torch.Tensor | None) -> None:
+                col_offset: int, indices: torch.Tensor | None,
+                variant: str | None) -> None:
         kernels = self.device(index)
         plan = plan_launch(logits, bitmask, token_mask, d2t, col_offset, kernels.sm_count,
-                           indices)
+                           indices, variant=variant)
         stream = kernels.stream(torch.cuda.current_stream(index))
         self._core.launch(stream, kernels.config(plan.grid), kernels.kernels[plan.kernel],
                           *plan.args)
