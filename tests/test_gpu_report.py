@@ -103,9 +103,13 @@ def test_targets_met(gpu_report, tmp_path):
            host_nodes={"python": "measured", "native": "measured"}, profile=_profile())
     text = gpu_report.report(tmp_path)
     assert "GPU tests: 2 passed, 0 failed, 0 errors, 1 skipped" in text
-    assert "| bf16 | random | 4096 | 700.0 | 3900 | 4200 | 92.9 | - | 1000.0 | 0.70 |" in text
+    # rows written before the variants (ours_s) are the rmw kernel's
+    assert ("| bf16 | random | 4096 | 700.0 | - | - | 3900 | 4200 | 92.9 | - | 1000.0 | 0.70 | "
+            "0.70 | rmw |") in text
     assert "| kernel >= 80% of copy bandwidth at batch >= 256 | lowest 90.0% | yes |" in text
     assert "| kernel no slower than xgrammar's fastest at any batch | worst 0.78x | yes |" in text
+    assert "fastest variant per cell (not the default: CAPGRAPH_MASK_KERNEL) | worst 0.78x | yes |" \
+        in text
     for kind in ("python", "native"):
         for i, (model, batch) in enumerate(POINTS):
             assert _verdict(text, kind, model, batch) == [f"{1.0 + i / 100:.3f}x", "yes"]
@@ -180,6 +184,49 @@ def test_failed_replay_run_is_named_and_missed(gpu_report, tmp_path):
     assert "| tiny | 64 | native |" not in text
 
 
+def _variant_row(batch, pattern, rmw_us, ahead_us, store_us, triton_us, **extra):
+    """A bench_kernel row in the format with variants (None: that variant was not timed)."""
+    row = {"dtype": "fp32", "pattern": pattern, "batch": batch, "bytes_moved": 1,
+           "copy_GBps": 4000.0, "xgr_triton_s": triton_us * 1e-6}
+    for variant, us in (("rmw", rmw_us), ("ahead", ahead_us), ("store", store_us)):
+        row[f"{variant}_kernel"] = f"capgraph_logits_bitmask_f32_b4_p4_{variant}"
+        row[f"{variant}_s"] = None if us is None else us * 1e-6
+        if us is not None:
+            row[f"{variant}_GBps"] = 3600.0 * rmw_us / us
+    row.update(extra)
+    return row
+
+
+def test_kernel_variants_table_and_verdicts(gpu_report, tmp_path):
+    """Each variant's time has a column and the fastest is named per cell; the bandwidth and
+    the default's speed verdict judge rmw, a line of its own judges the fastest variant per
+    cell; the wins are counted over cells where more than one variant ran; a variant that
+    failed its check is listed; the xgrammar-CUDA run's rows join both speed verdicts."""
+    rows = [_variant_row(1, "dense", 4.7, 3.8, 4.1, 4.0),
+            _variant_row(4, "sparse", 5.4, 5.2, 4.9, 5.0),
+            _variant_row(16, "dense", 7.1, None, 6.0, 6.4,
+                         ahead_error="result differs from the pure-torch kernel's"),
+            _variant_row(4096, "random", 1000.0, None, None, 1800.0)]
+    xgr_rows = [_variant_row(1, "dense", 4.6, 4.2, 4.4, 9.0, xgr_cuda_s=4.0e-6)]
+    _write(tmp_path, rows, [], xgr_rows=xgr_rows)
+    text = gpu_report.report(tmp_path)
+    assert ("| fp32 | dense | 1 | 4.7 | 3.8 | 4.1 | 3600 | 4000 | 90.0 | - | 4.0 | 1.18 | 0.95 | "
+            "ahead |") in text
+    assert ("| fp32 | sparse | 4 | 5.4 | 5.2 | 4.9 | 3600 | 4000 | 90.0 | - | 5.0 | 1.08 | 0.98 | "
+            "store |") in text
+    assert "| fp32 | dense | 16 | 7.1 | - | 6.0 |" in text
+    assert ("| fp32 | random | 4096 | 1000.0 | - | - | 3600 | 4000 | 90.0 | - | 1800.0 | 0.56 | "
+            "0.56 | rmw |") in text
+    assert "- ahead_error: result differs from the pure-torch kernel's" in text
+    assert "Fastest variant, over the cells where more than one ran: ahead 1, store 2" in text
+    assert "| kernel >= 80% of copy bandwidth at batch >= 256 | lowest 90.0% | yes |" in text
+    # rmw: worst 4.7 / 4.0 = 1.18 (bench_kernel), 4.6 / 4.0 = 1.15 (the xgrammar-CUDA run)
+    assert "| kernel no slower than xgrammar's fastest at any batch | worst 1.18x | no |" in text
+    # fastest variant: 6.0 / 6.4 = 0.94 in the first run, 4.2 / 4.0 = 1.05 in the second
+    assert ("fastest variant per cell (not the default: CAPGRAPH_MASK_KERNEL) | worst 1.05x | "
+            "no |") in text
+
+
 def test_cpu_replay_run_gives_no_verdict(gpu_report, tmp_path):
     """bench_graph_replay.py --device cpu writes "replayed": false; its ratios are shown but
     judge no GPU target."""
@@ -194,7 +241,7 @@ def test_cpu_replay_run_gives_no_verdict(gpu_report, tmp_path):
 
 def test_missing_and_truncated_files_are_said(gpu_report, tmp_path):
     """No files, or a JSON file cut mid-write: each section says so, every target is "not
-    measured" (2 kernel + 5 points x 2 host-node kinds + the profile), and a missing folder
+    measured" (3 kernel + 5 points x 2 host-node kinds + the profile), and a missing folder
     exits 2."""
     (tmp_path / "bench_kernel.json").write_text('{"rows": [')  # killed mid-write
     (tmp_path / "bench_replay.json").write_text('{"rows": [{"model"')
@@ -203,7 +250,7 @@ def test_missing_and_truncated_files_are_said(gpu_report, tmp_path):
     assert "bench_kernel.json is not readable JSON" in text
     assert "bench_graph_replay: bench_replay.json is not readable JSON" in text
     assert "profile (CUPTI): no results" in text
-    assert text.count("not measured") == 2 + 10 + 1
+    assert text.count("not measured") == 3 + 10 + 1
     assert gpu_report.main([str(tmp_path / "nowhere")]) == 2
 
 

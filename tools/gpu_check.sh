@@ -12,7 +12,8 @@
 # Time boxes (seconds; each step is stopped with SIGINT at its box, so what it wrote stays):
 #   kernel          15  NVRTC compile and load of csrc/logits_bitmask.cu
 #   gpu-tests      140  pytest -m gpu: op, hostfunc, capturable decoder, draft trees, drafts
-#   bench-kernel    25  tools/bench_kernel.py against xgrammar's Triton kernel
+#   bench-kernel    25  tools/bench_kernel.py: the mask kernel's rmw, ahead and store variants
+#                       (timed in turn on the same inputs) against xgrammar's Triton kernel
 #   bench-apply     20  capgraph bench apply on CUDA
 #   bench-hostfunc  10  tools/bench_hostfunc.py: eager and replayed host nodes
 #   bench-replay    60  tools/bench_graph_replay.py: guided/unguided replayed step at tiny 64,
@@ -21,7 +22,8 @@
 #   fill-threads    25  tools/bench_fill_threads.py: the native fill pool's crossover, 1-16
 #                       threads at batch 1-256
 #   profile         25  tools/profile_nsys.sh: nsys, else the CUPTI trace of replayed steps
-#   xgr-cuda        20  bench_kernel.py with xgrammar's CUDA kernel (if its build finished)
+#   xgr-cuda        20  bench_kernel.py with xgrammar's CUDA kernel (if its build finished),
+#                       the three variants again
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
