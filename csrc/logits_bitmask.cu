@@ -29,7 +29,7 @@
 // CAPGRAPH_MASK_KERNEL says otherwise); tools/bench_kernel.py measures all three.
 // (Measured on an H200 earlier: single-lane stores with a per-warp vote for the way to go were
 // 13-15% faster on 98%-allowed rows but 6-13% slower on random and 2%-allowed rows at large
-// batches; see docs/BENCHMARKS.md.)
+// batches.)
 //
 // Measured on an H200 (docs/BENCHMARKS.md): with the d2t lookups compiled into the same entry
 // point, the plain path used up to 100 registers, a quarter of full occupancy, and ran at half
