@@ -299,10 +299,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         # Python (docs/BENCHMARKS.md, "loop"). A captured step builds synchronously: its
         # replays run the apply right after it.
         node = self._node
-        if node is not None and capturing and not self._node_active:
-            self._node_active = True  # (the batches queued from now on queue jobs too)
-            node.set_epoch(self._put_epoch)
-            node.sync_counts(self.num_advanced_tokens)  # (what the eager steps advanced)
+        if capturing:
+            self._activate_node()
         with self._streams.side():
             self._streams.wait_tokens()
             if node is not None and self._node_active and (capturing or not self._warmup):
@@ -314,6 +312,14 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self.copy_bitmask(num_rows or self.bitmask_host.shape[0])
             self._streams.record_bitmask()
         self._prepared = True
+
+    def _activate_node(self) -> None:
+        """From the first capture on, every step and rollback takes the native node (if any)."""
+        node = self._node
+        if node is not None and not self._node_active:
+            self._node_active = True  # (the batches queued from now on queue jobs too)
+            node.set_epoch(self._put_epoch)
+            node.sync_counts(self.num_advanced_tokens)  # (what the eager steps advanced)
 
     @nvtx_range("CapturableGuidedDecoder.execute")
     def execute(self, logits: torch.Tensor, d2t: torch.Tensor | None = None) -> None:  # type: ignore[override]
@@ -445,6 +451,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self.accepted_draft_nodes[:nodes.shape[0]].copy_(nodes, non_blocking=True)
         self._streams.record_tokens()
         node = self._node
+        if self._streams.is_capturing():
+            self._activate_node()
         with self._streams.side():
             self._streams.wait_tokens()
             if node is not None and self._node_active and not with_nodes:

@@ -782,10 +782,10 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 // last step run) back to the tokens its verification accepted, read from the decoder's pinned
 // count buffer, using the node's own per-slot table of the tokens each slot's matcher
 // advanced in its last step. That table is written by the node's steps and rollbacks, zeroed
-// when a slot's matcher changes (NodeSetSlot), and copied from Python's counters after any
-// Python stage (node_sync_counts); a slot generation, bumped with each matcher change, keeps
-// a step or rollback that ran for a slot's previous matcher from writing its counters (here
-// and in Python's lists, NodeTake). After a Python step (it may have traversed a draft tree,
+// when a slot's matcher is cleared (NodeSetSlot), and copied from Python's counters after any
+// Python stage (node_sync_counts); a slot generation, bumped with each change of a slot's
+// handle, keeps a step or rollback that ran for a slot's previous matcher from writing its
+// counters (here and in Python's lists, NodeTake). After a Python step (it may have traversed a draft tree,
 // whose accepted path only Python keeps), or for a slot whose matcher only Python can run,
 // the rollback is Python's (`rollback_fallback`, under the GIL).
 //
@@ -1584,12 +1584,14 @@ PyObject* NodeSetSlot(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const uint8_t stopped = PyObject_IsTrue(args[3]) == 1;
   {
     std::lock_guard<std::mutex> lock(n->mu);
-    // a new matcher (a Python-only one cannot be told apart: always new) has advanced nothing,
-    // and what a run of the old one reports is not the new one's
+    // what a run of the slot's old handle reports is not the new one's (a Python-only
+    // handle cannot be told apart: always new); the count stands (a hand-over that settles
+    // keeps its matcher's advances) but for no matcher, which is how Python clears a slot
+    // before it creates a matcher or after a failure
     if (kind != n->slot_kind[slot] || kind == 2 || !n->slot_matcher[slot].same_as(ref)) {
       ++n->slot_gen[slot];
-      n->slot_advanced[slot] = 0;
     }
+    if (kind == 0) n->slot_advanced[slot] = 0;
     std::swap(n->slot_matcher[slot], ref);  // (the old reference goes after the lock)
     n->slot_kind[slot] = kind;
     n->slot_stopped[slot] = stopped;

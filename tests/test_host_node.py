@@ -393,6 +393,7 @@ def _random_replay(factory, seed, drafts, slots, setup=None, after_step=None):
             after_step(hook)
         assert sorted(failed_a) == sorted(failed_b), f"step {step}"
         assert same(static[:n], expect[:n]), f"logits differ at step {step}"
+        assert_same_matcher_states(eager, capt)  # (a rolled-back stop token included)
         verified = scenario.verify(reqs)
         counts = {r.seq_slot: c for r, c in zip(reqs, verified)}
     assert_same_matcher_states(eager, capt)
@@ -400,5 +401,330 @@ def _random_replay(factory, seed, drafts, slots, setup=None, after_step=None):
     assert stats.runs > 0 and stats.python_runs == 0  # context and disaggregated steps too
     if drafts:  # every rollback of rejected drafts ran in the node too
         assert stats.rollback_runs > 0 and stats.python_rollback_runs == 0
+    graph.reset()
+    capt.close()
+
+
+# -- the rollback of rejected drafts on the node ---------------------------------------------
+
+class Speculation:
+    """Two requests decoding the cases' token sequences with two drafts a step, each step's
+    drafts being the sequence's next tokens and ``accepted[i]`` of them accepted: the requests
+    of each step, for the eager decoder (counts on the requests) and the capturable one
+    (counts through ``rollback_rejected_batch``)."""
+
+    def __init__(self, tekken, cases):
+        self.cases = cases
+        self.texts = texts_of(tekken, cases)
+        self.consumed = [0] * len(cases)
+
+    def context(self):
+        return [GuidedRequest.context(i + 1, i, c.params) for i, c in enumerate(self.cases)]
+
+    def step(self, accepted):
+        """The next generation step after the previous one's drafts were verified with
+        ``accepted`` of them accepted per request (None: the first generation step)."""
+        reqs = []
+        for i, c in enumerate(self.cases):
+            if accepted is not None:
+                self.consumed[i] += 1 + accepted[i]
+            at, text = self.consumed[i], self.texts[i]
+            reqs.append(GuidedRequest.generation(
+                i + 1, i, c.params, text[at], draft_tokens=text[at + 1:at + 3],
+                num_accepted_draft_tokens=0 if accepted is None else accepted[i]))
+        return reqs
+
+
+def speculative_graph(capt, requests, static, spin_ms=0, done=None):
+    """A HostGraph of one speculative step as an engine captures it: [a native spin of
+    ``spin_ms`` (the forward's stand-in)], the rollback of the last verification (counts read
+    from the decoder's count buffer at each replay), the guided step[, a Python callback
+    appending the monotonic time to ``done``]."""
+    from hostfunc.native import test_functions
+
+    capt.add_batch(requests)
+    graph = hostfunc.HostGraph()
+    with hostfunc.capture(graph):
+        if spin_ms:
+            hostfunc.launch_native(test_functions().spin_ns, spin_ms * MS)
+        capt.rollback_rejected_batch(torch.ones(len(requests), dtype=torch.int32))
+        capt.execute(static)
+        if done is not None:
+            hostfunc.launch(lambda: done.append(time.monotonic_ns()))
+    return graph
+
+
+def run_speculation(factory, tekken, host_node, accepted_steps, hold_at=None, done=None):
+    """Replay ``speculative_graph`` over a context step and len(accepted_steps) + 1
+    generation steps beside an eager decoder, comparing every step's masks, token mask and
+    counters; at step ``hold_at`` another thread holds the GIL for 2 s after the replay (the
+    graph then spins 300 ms first). Returns (decoder, the GIL window or None)."""
+    V = factory.config.vocab_size_padded
+    spec = Speculation(tekken, GUIDED[:2])
+    eager = GuidedDecoder(factory.config, 2, 2, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_node=host_node)
+    static = torch.zeros(6, V)
+    graph = speculative_graph(capt, spec.context(), static, 300 if hold_at is not None else 0,
+                              done)
+    window = None
+    steps = [spec.context(), spec.step(None)] + [spec.step(a) for a in accepted_steps]
+    for k, reqs in enumerate(steps):
+        eager.add_batch(reqs)
+        eager.rollback_rejected_tokens()
+        n = eager.requests.num_bitmask_tokens
+        logits = torch.randn(6, V, generator=torch.Generator().manual_seed(k))
+        expect = logits.clone()
+        failed = eager.execute(expect[:n])
+        capt.add_batch([GuidedRequest(**{f: getattr(r, f) for f in r.__slots__})
+                        for r in reqs])
+        capt.num_accepted_tokens[:2] = torch.tensor(
+            [(r.num_accepted_draft_tokens or 0) + 1 for r in reqs], dtype=torch.int32)
+        static.copy_(logits)
+        graph.replay()
+        if k == hold_at:
+            window = hold_gil(2)
+        hostfunc.drain()
+        assert capt.take_failed_requests() == failed, f"step {k}"
+        assert same(static[:n], expect[:n]), f"logits differ at step {k}"
+        assert capt.num_advanced_tokens == eager.num_advanced_tokens, f"step {k}"
+        assert_same_matcher_states(eager, capt)
+    graph.reset()
+    return capt, window
+
+
+def test_speculative_step_and_its_rollback_run_while_another_thread_holds_the_gil(
+        factory, tekken, native_ok):
+    """The GIL test for a speculative step as an engine captures it (a 300 ms spin, the
+    rollback of the last verification, the guided step): on the node, the rollback and the
+    step run natively inside the 2 s another thread holds the GIL (the step's timestamps lie
+    inside it; the rollback ran before the step, after the spin), and every step equals the
+    eager decoder with rollback_rejected_tokens; on the Python callback the rollback needs the
+    GIL, so the step ends after the window (the test can fail)."""
+    for host_node in ("native", "python"):
+        done: list[int] = []
+        capt, (start, end) = run_speculation(factory, tekken, host_node, [[0, 1], [2, 0]],
+                                             hold_at=3, done=done)
+        stats = capt.host_node_stats
+        if host_node == "native":
+            assert start < stats.last_start_ns <= stats.last_end_ns < end, \
+                (start, stats.last_start_ns, stats.last_end_ns, end)
+            assert stats.python_runs == 0
+            # one rollback per replay: after the context step's replay (which rolls nothing
+            # back) every one ran natively
+            assert stats.rollback_runs == 4 and stats.python_rollback_runs == 1
+        else:
+            assert stats is None and done[3] > end
+        capt.close()
+
+
+def test_rollback_after_python_step_is_pythons_then_native_again(factory, tekken, native_ok):
+    """Where a slot's matcher only Python can run, the node's rollback and step are Python's,
+    and so is the rollback after a Python step (Python knows what that step advanced); once
+    the slot's matcher is native again the steps and then the rollbacks are native again;
+    every step equals the eager decoder."""
+    V = factory.config.vocab_size_padded
+    spec = Speculation(tekken, GUIDED[:2])
+    eager = GuidedDecoder(factory.config, 2, 2, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_node="native")
+    static = torch.zeros(6, V)
+    graph = speculative_graph(capt, spec.context(), static)
+
+    class Wrapped:  # forwards everything: only Python can run it
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    steps = [spec.context(), spec.step(None), spec.step([1, 0]), spec.step([0, 2]),
+             spec.step([1, 1])]
+    runs = []
+    for k, reqs in enumerate(steps):
+        if k == 2:
+            native = capt.grammar_matchers[0]
+            capt.grammar_matchers[0] = Wrapped(native)
+        if k == 3:
+            capt.grammar_matchers[0] = native
+        eager.add_batch(reqs)
+        eager.rollback_rejected_tokens()
+        n = eager.requests.num_bitmask_tokens
+        logits = torch.randn(6, V, generator=torch.Generator().manual_seed(k))
+        expect = logits.clone()
+        failed = eager.execute(expect[:n])
+        capt.add_batch([GuidedRequest(**{f: getattr(r, f) for f in r.__slots__})
+                        for r in reqs])
+        capt.num_accepted_tokens[:2] = torch.tensor(
+            [r.num_accepted_draft_tokens + 1 if not r.is_context_init_state else 1
+             for r in reqs], dtype=torch.int32)
+        static.copy_(logits)
+        graph.replay()
+        hostfunc.drain()
+        assert capt.take_failed_requests() == failed, f"step {k}"
+        assert same(static[:n], expect[:n]), f"logits differ at step {k}"
+        assert capt.num_advanced_tokens == eager.num_advanced_tokens, f"step {k}"
+        s = capt.host_node_stats
+        runs.append((s.python_runs, s.rollback_runs - s.python_rollback_runs,
+                     s.python_rollback_runs))
+    # (Python steps, native rollbacks, Python rollbacks) after each step: the first
+    # rollback follows no step of the node (Python's); the one before step 2 meets the
+    # Python-only slot (Python's), as does step 2 (a Python step); the one before step 3
+    # follows a Python step (Python's); the one before step 4 is native again
+    assert runs == [(0, 0, 1), (0, 1, 1), (1, 1, 2), (1, 1, 3), (1, 2, 3)], runs
+    graph.reset()
+    capt.close()
+
+
+def test_rollback_that_cannot_roll_back_fails_its_request_alone(factory, tekken, native_ok):
+    """A count of 0 (no token accepted, not even the bonus) for one request of a native
+    rollback fails that request with the Python rollback's words, reported once; the other
+    request rolls back and is masked as on the Python callback."""
+    V = factory.config.vocab_size_padded
+    results = {}
+    for host_node in ("native", "python"):
+        spec = Speculation(tekken, GUIDED[:2])
+        capt = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory,
+                                       host_node=host_node)
+        static = torch.zeros(6, V)
+        graph = speculative_graph(capt, spec.context(), static)
+        for k, reqs in enumerate([spec.context(), spec.step(None), spec.step([0, 1])]):
+            capt.add_batch(reqs)
+            capt.num_accepted_tokens[:2] = torch.tensor([1, 1] if k < 2 else [0, 2],
+                                                        dtype=torch.int32)
+            static.copy_(torch.randn(6, V, generator=torch.Generator().manual_seed(k)))
+            graph.replay()
+            hostfunc.drain()
+            failed = capt.take_failed_requests()
+        results[host_node] = (failed, static.clone(), capt.grammar_matchers[0] is None,
+                              list(capt.num_advanced_tokens))
+        if host_node == "native":
+            assert capt.host_node_stats.python_rollback_runs == 1  # (before any node step)
+        graph.reset()
+        capt.close()
+    failed, logits, dropped, advanced = results["native"]
+    assert [i for i, _ in failed] == [1] and dropped
+    assert "cannot roll back: num_accepted_draft_tokens=-1, num_advanced_tokens=3" in failed[0][1]
+    assert failed == results["python"][0]
+    assert same(logits, results["python"][1]) and advanced == results["python"][3]
+
+
+def test_native_rollback_of_a_stop_token_leaves_the_matcher_running(factory, tekken,
+                                                                    native_ok):
+    """A request drafts the last token of its text and the stop token (its matcher accepts
+    both and terminates); the verification rejects both; the node's rollback brings the
+    matcher back before the stop token, and the decoder's matcher says so (not terminated)
+    after the next step, which feeds the text's last token without drafts, as on the eager
+    decoder; a step with the stop token then terminates both alike."""
+    V = factory.config.vocab_size_padded
+    eos = factory.config.stop_token_ids[0]
+    case = GUIDED[0]
+    text = texts_of(tekken, [case])[0]
+    last = len(text) - 1
+    eager = GuidedDecoder(factory.config, 1, 2, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, 1, 2, factory=factory, host_node="native")
+    static = torch.zeros(3, V)
+    ctx = [GuidedRequest.context(1, 0, case.params)]
+    graph = speculative_graph(capt, ctx, static)
+
+    def gen(token, drafts, accepted):
+        return [GuidedRequest.generation(1, 0, case.params, token, draft_tokens=drafts,
+                                         num_accepted_draft_tokens=accepted)]
+
+    # (requests, drafts the last verification accepted): the text a token and a draft a
+    # step (an opening step without a draft where that makes the pairs end at text[-2]);
+    # then text[-2] with drafts [text[-1], stop] (all advance: terminated), both rejected;
+    # text[-1] without drafts; the stop token
+    steps = [(ctx, 0)]
+    pos = acc = 0
+    if (last - 1) % 2:
+        steps.append((gen(text[0], [], 0), 0))
+        pos = 1
+    while pos < last - 1:
+        steps.append((gen(text[pos], [text[pos + 1]], acc), acc))
+        pos, acc = pos + 2, 1
+    steps.append((gen(text[pos], [text[last], eos], acc), acc))
+    steps.append((gen(text[last], [], 0), 0))
+    steps.append((gen(eos, [], 0), 0))
+    terminated = []
+    for k, (reqs, accepted) in enumerate(steps):
+        eager.add_batch(reqs)
+        eager.rollback_rejected_tokens()
+        n = eager.requests.num_bitmask_tokens
+        logits = torch.randn(3, V, generator=torch.Generator().manual_seed(k))
+        expect = logits.clone()
+        failed = eager.execute(expect[:n])
+        capt.add_batch([GuidedRequest(**{f: getattr(r, f) for f in r.__slots__})
+                        for r in reqs])
+        capt.num_accepted_tokens[:1] = accepted + 1
+        static.copy_(logits)
+        graph.replay()
+        hostfunc.drain()
+        assert capt.take_failed_requests() == failed == [], f"step {k}"
+        assert same(static[:n], expect[:n]), f"logits differ at step {k}"
+        assert_same_matcher_states(eager, capt)
+        terminated.append(capt.grammar_matchers[0].is_terminated())
+    assert terminated[-3] and not terminated[-2] and terminated[-1], terminated
+    stats = capt.host_node_stats
+    assert stats.python_runs == 0 and stats.python_rollback_runs == 1
+    graph.reset()
+    capt.close()
+
+
+def test_native_rollback_knows_what_a_python_step_advanced(factory, tekken, native_ok):
+    """A request advanced by a Python step (another slot's matcher only Python can run),
+    which then sits out a native step, is rolled back natively when it returns, from the
+    advance the Python step made (the node copies Python's counters after every Python
+    stage), as the eager decoder rolls it back."""
+    V = factory.config.vocab_size_padded
+    cases = GUIDED[:2]
+    texts = texts_of(tekken, cases)
+    eager = GuidedDecoder(factory.config, 2, 2, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_node="native")
+    static = torch.zeros(6, V)
+    ctx = [GuidedRequest.context(i + 1, i, c.params) for i, c in enumerate(cases)]
+    graph = speculative_graph(capt, ctx, static)
+
+    def gen(i, at, accepted):
+        t = texts[i]
+        return GuidedRequest.generation(i + 1, i, cases[i].params, t[at],
+                                        draft_tokens=t[at + 1:at + 3],
+                                        num_accepted_draft_tokens=accepted)
+
+    class Wrapped:  # forwards everything: only Python can run it
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    # step 1: both (a Python step: slot 0 wrapped); step 2: request 1 alone; step 3: both,
+    # request 2 back after sitting out step 2, with one of its step-1 drafts accepted
+    steps = [ctx, [gen(0, 0, 0), gen(1, 0, 0)], [gen(0, 3, 2)], [gen(0, 6, 2), gen(1, 2, 1)]]
+    for k, reqs in enumerate(steps):
+        if k == 1:
+            native = capt.grammar_matchers[0]
+            capt.grammar_matchers[0] = Wrapped(native)
+        if k == 2:
+            capt.grammar_matchers[0] = native
+        eager.add_batch(reqs)
+        eager.rollback_rejected_tokens()
+        n = eager.requests.num_bitmask_tokens
+        logits = torch.randn(6, V, generator=torch.Generator().manual_seed(k))
+        expect = logits.clone()
+        failed = eager.execute(expect[:n])
+        capt.add_batch([GuidedRequest(**{f: getattr(r, f) for f in r.__slots__})
+                        for r in reqs])
+        capt.num_accepted_tokens[:len(reqs)] = torch.tensor(
+            [(r.num_accepted_draft_tokens or 0) + 1 for r in reqs], dtype=torch.int32)
+        static.copy_(logits)
+        graph.replay()
+        hostfunc.drain()
+        assert capt.take_failed_requests() == failed == [], f"step {k}"
+        assert same(static[:n], expect[:n]), f"logits differ at step {k}"
+        assert capt.num_advanced_tokens == eager.num_advanced_tokens, f"step {k}"
+    stats = capt.host_node_stats
+    assert stats.python_runs == 1
+    # Python's: before the context step, before step 1 (the wrapped slot), before step 2
+    # (after a Python step); the node's: before step 3
+    assert (stats.rollback_runs, stats.python_rollback_runs) == (4, 3)
     graph.reset()
     capt.close()
