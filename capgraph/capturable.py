@@ -95,7 +95,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
     before any capture, such as graph warm-up, take the Python callback, which on the CPU
     stand-in runs the build on the C++ build's own thread). With the native node, a step's
     batch is read at ``add_batch`` and what the step did is read back at the next
-    ``add_batch``, ``take_failed_requests`` or drain.
+    ``add_batch``, ``take_failed_requests`` or drain; :meth:`rollback_rejected_batch` (without
+    draft trees) is the node's too, Python's only after a Python step.
 
     Where the signatures differ from :class:`GuidedDecoder`'s (on purpose, marked
     ``type: ignore[override]``): ``add_batch(requests, new_tokens=None,
@@ -817,7 +818,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         for slot in rolled:
             m = matchers[slot]
             if m is not None and m.is_terminated():
-                m.sync_state()
+                m.sync_state()  # type: ignore[attr-defined]  # (a native slot's matcher)
         if unusual is None:
             return
         if self._queue and self._queue[0][0] == epoch:

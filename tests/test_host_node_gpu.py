@@ -1,7 +1,7 @@
 """The native host node inside a real torch.cuda.CUDAGraph (skipped without a CUDA device; run
 by tools/gpu_check.sh): replayed decoding equals the eager decoder and the Python host
-callback, and the replayed step's host node completes while another Python thread holds the
-GIL."""
+callback, and the replayed step's host node (with the rollback of rejected drafts, in a
+speculative step) completes while another Python thread holds the GIL."""
 
 from __future__ import annotations
 
@@ -97,6 +97,79 @@ def test_native_node_completes_while_another_thread_holds_the_gil(factory_cache)
         if host_node == "native":
             s = dec.host_node_stats
             assert start < s.last_start_ns <= s.last_end_ns < end, (start, s, end)
+        else:
+            assert stamps and stamps[-1] > end, (stamps, end)
+        graph.reset()
+        dec.close()
+
+
+def test_speculative_step_and_its_rollback_complete_while_another_thread_holds_the_gil(
+        factory_cache, tekken):
+    """The GIL test for a speculative step as an engine captures it on CUDA: a graph of [a
+    ~300 ms GPU sleep, rollback_rejected_batch (its counts copied from a static device
+    tensor at each replay), the guided step with two drafts] decodes as the eager decoder
+    with rollback_rejected_tokens, step for step; on the node, the rollback and the step run
+    natively and the step's timestamps lie inside the 2 s another thread holds the GIL; on
+    the Python host callback the step ends after that window (the test can fail)."""
+    from test_capturable import assert_same_matcher_states
+    from test_host_node import GUIDED, Speculation
+
+    from capgraph.capturable import CapturableGuidedDecoder
+    from capgraph.decoder import GuidedDecoder
+    from capgraph.requests import GuidedRequest
+    factory = factory_cache("tekken")
+    V = factory.config.vocab_size_padded
+    cycles = _cycles_for_ms(300)
+    for host_node in ("native", "python"):
+        spec = Speculation(tekken, GUIDED[:2])
+        eager = GuidedDecoder(factory.config, 2, 2, factory=factory)
+        dec = CapturableGuidedDecoder(factory.config, 2, 2, device="cuda", factory=factory,
+                                      host_node=host_node)
+        logits = torch.zeros(6, V, device="cuda")
+        counts = torch.ones(2, dtype=torch.int32, device="cuda")
+        dec.add_batch(spec.context())
+        with dec.warmup():
+            dec.execute(logits)
+        torch.cuda.synchronize()
+        stamps: list[int] = []
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.cuda._sleep(cycles)
+            dec.rollback_rejected_batch(counts)
+            dec.execute(logits)
+            if host_node == "python":
+                hostfunc.launch(lambda: stamps.append(time.monotonic_ns()))
+        window = None
+        steps = [spec.context(), spec.step(None), spec.step([0, 1]), spec.step([2, 0])]
+        for k, reqs in enumerate(steps):
+            eager.add_batch(reqs)
+            eager.rollback_rejected_tokens()
+            n = eager.requests.num_bitmask_tokens
+            values = torch.randn(6, V, generator=torch.Generator().manual_seed(k))
+            expect = values.clone()
+            failed = eager.execute(expect[:n])
+            dec.add_batch([GuidedRequest(**{f: getattr(r, f) for f in r.__slots__})
+                           for r in reqs])
+            counts.copy_(torch.tensor([(r.num_accepted_draft_tokens or 0) + 1 for r in reqs],
+                                      dtype=torch.int32))
+            logits.copy_(values)
+            graph.replay()
+            if k == 3:
+                window = hold_gil(2)
+            torch.cuda.synchronize()
+            hostfunc.drain()
+            assert dec.take_failed_requests() == failed, f"step {k}"
+            assert torch.equal(logits[:n].cpu().view(torch.int32),
+                               expect[:n].view(torch.int32)), f"logits differ at step {k}"
+            assert dec.num_advanced_tokens == eager.num_advanced_tokens, f"step {k}"
+            assert_same_matcher_states(eager, dec)
+        start, end = window
+        if host_node == "native":
+            s = dec.host_node_stats
+            assert start < s.last_start_ns <= s.last_end_ns < end, (start, s, end)
+            assert s.python_runs == 0
+            assert (s.rollback_runs, s.python_rollback_runs) == (4, 1), s  # (the first: no
+            # step of the node before it)
         else:
             assert stamps and stamps[-1] > end, (stamps, end)
         graph.reset()

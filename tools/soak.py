@@ -509,7 +509,9 @@ class Soak:
         if self.graph is not None:
             stats = getattr(self.decoder, "host_node_stats", None)
             rep.host_node = "python" if stats is None else \
-                f"native ({stats.runs} steps, {stats.python_runs} of them Python steps)"
+                f"native ({stats.runs} steps, {stats.python_runs} of them Python steps; " \
+                f"{stats.rollback_runs} rollbacks, {stats.python_rollback_runs} of them " \
+                "Python's)"
             self.graph.reset()
             self.graph = None
         hostfunc.drain()
