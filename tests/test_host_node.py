@@ -728,3 +728,23 @@ def test_native_rollback_knows_what_a_python_step_advanced(factory, tekken, nati
     assert (stats.rollback_runs, stats.python_rollback_runs) == (4, 3)
     graph.reset()
     capt.close()
+
+
+def test_bench_host_node_speculative_run(tmp_path, native_ok):
+    """tools/bench_host_node.py --drafts 2 on the CPU stand-in: teacher-forced speculative
+    steps (drafts partly rejected) on both kinds give equal masks (the tool checks) and, on
+    the node, every step and every rollback after its first step ran natively."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "node.json"
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "tools" / "bench_host_node.py"),
+                          "--batches", "3", "--steps", "6", "--blocks", "1", "--drafts", "2",
+                          "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["node_python_runs"] == 0 and row["node_python_rollbacks"] <= 1
+    assert row["node_rollbacks"] >= 6 and row["node_us_per_step"] > 0

@@ -11,7 +11,13 @@ run), and their masks are checked equal step for step. Columns: ms per replayed 
 kind, native / python, and the native node's own time per step and per guided row (its
 ``host_node_stats``: wall time inside the node, on the lane or driver thread).
 
+With ``--drafts K`` each generation step also carries the text's next K tokens as drafts, of
+which step n's verification accepts ``n % (K + 1)`` (as far as the text goes), and each step
+begins as a speculative engine's does: ``add_batch``, ``rollback_rejected_batch(accepted +
+1)`` (on the native node its C rollback, counted in the node's time), replay.
+
     python tools/bench_host_node.py                    # batches 1 8 32 64, CPU stand-in
+    python tools/bench_host_node.py --drafts 3 --batches 8 32
     python tools/bench_host_node.py --device cuda --batches 8 64 256 --json out.json
 """
 
@@ -30,6 +36,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60, help="timed replayed steps per block")
     ap.add_argument("--blocks", type=int, default=3, help="alternating blocks per kind")
     ap.add_argument("--tokenizer", default="tekken")
+    ap.add_argument("--drafts", type=int, default=0, help="drafts per generation step")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
@@ -60,11 +67,14 @@ def main() -> int:
         """One decoder of one kind, captured, with its requests' positions."""
 
         def __init__(self, kind: str, batch: int) -> None:
-            self.decoder = CapturableGuidedDecoder(config, batch, 0, device=args.device,
+            K = args.drafts
+            self.decoder = CapturableGuidedDecoder(config, batch, K, device=args.device,
                                                    factory=factory, host_node=kind)
             self.batch = batch
-            self.logits = torch.zeros(batch, V, device=args.device)
+            self.logits = torch.zeros(batch * (K + 1), V, device=args.device)
             self.pos = [-1] * batch  # -1: the next step is the request's context step
+            self.accepted = [0] * batch  # drafts the last verification accepted
+            self.steps = 0
             self.text = [i % len(texts) for i in range(batch)]
             self.next_id = 0
             self.ids = [0] * batch
@@ -90,20 +100,32 @@ def main() -> int:
                     self.ids[i] = self.next_id
                     out.append(GuidedRequest.context(self.ids[i], i, params))
                 else:
+                    text, at = texts[self.text[i]], self.pos[i]
                     out.append(GuidedRequest.generation(
-                        self.ids[i], i, params, texts[self.text[i]][self.pos[i]]))
+                        self.ids[i], i, params, text[at],
+                        draft_tokens=text[at + 1:at + 1 + args.drafts],
+                        num_accepted_draft_tokens=self.accepted[i]))
             return out
 
         def advance(self) -> None:
+            self.steps += 1
             for i in range(self.batch):
-                self.pos[i] += 1
-                if self.pos[i] >= len(texts[self.text[i]]):
+                text, at = texts[self.text[i]], self.pos[i]
+                drafts = 0 if at < 0 else len(text[at + 1:at + 1 + args.drafts])
+                self.accepted[i] = min(self.steps % (args.drafts + 1), drafts)
+                self.pos[i] += 1 + self.accepted[i]
+                if self.pos[i] >= len(text):
                     self.pos[i] = -1
+                    self.accepted[i] = 0
                     self.text[i] = (self.text[i] + 1) % len(texts)
 
         def step(self) -> None:
             d = self.decoder
-            d.add_batch(self.requests())
+            reqs = self.requests()
+            d.add_batch(reqs)
+            if args.drafts:
+                d.rollback_rejected_batch(torch.tensor(
+                    [(r.num_accepted_draft_tokens or 0) + 1 for r in reqs], dtype=torch.int32))
             self.graph.replay()  # (the logits keep earlier steps' -inf: the mask is what counts)
             if args.device == "cuda":
                 torch.cuda.synchronize()
@@ -144,7 +166,8 @@ def main() -> int:
         rows.append({"batch": batch, "python_ms": py, "native_ms": nat, "ratio": nat / py,
                      "node_us_per_step": node_us, "node_us_per_row": row_us,
                      "node_runs": stats.runs, "node_python_runs": stats.python_runs,
-                     "blocks": times})
+                     "node_rollbacks": stats.rollback_runs,
+                     "node_python_rollbacks": stats.python_rollback_runs, "blocks": times})
         print(f"{batch:>5} {py:>10.4f} {nat:>10.4f} {nat / py:>13.3f} {node_us:>12.1f} "
               f"{row_us:>11.2f}")
         for run in runs.values():
@@ -156,7 +179,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "tokenizer": args.tokenizer,
-                       "steps": args.steps, "blocks": args.blocks, "rows": rows}, f, indent=1)
+                       "drafts": args.drafts, "steps": args.steps, "blocks": args.blocks, "rows": rows}, f, indent=1)
     return 0
 
 
