@@ -544,6 +544,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
     def _out_of_step(self, detail: str) -> None:
         self.requests_hostfunc = None
         self._fetched_epoch = self._put_epoch
+        node = self._node
+        if node is not None and self._node_active:  # the node's queue goes with this one
+            while node.drop():
+                pass
+            node.set_epoch(self._put_epoch)
         self._clear_token_mask()
         raise QueueEpochError(detail)
 
@@ -581,7 +586,12 @@ class CapturableGuidedDecoder(GuidedDecoder):
     @_callback("fetch_draft_batch")
     def fetch_draft_batch(self, draft_step: int) -> None:
         if draft_step == 0:
+            # the drafting loop consumes the latest batch here, in Python: the native node's
+            # steps run so far leave the queue first, and its job for this batch goes
+            self._node_collect()
             self._pop()
+            if self._node_active and not self._warmup:
+                self._node.drop()  # type: ignore[union-attr]
             self._take_accepted(self.requests_hostfunc)
         target = self.requests_hostfunc
         if target is None:

@@ -748,3 +748,67 @@ def test_bench_host_node_speculative_run(tmp_path, native_ok):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["node_python_runs"] == 0 and row["node_python_rollbacks"] <= 1
     assert row["node_rollbacks"] >= 6 and row["node_us_per_step"] > 0
+
+
+def test_drafting_loop_beside_the_node_equals_eager(factory, tekken, native_ok):
+    """A draft-model loop (add_draft_batch / execute_draft_batch, Python callbacks) on a
+    decoder whose target steps run on the native node (active after a capture): the loop's
+    first draft step consumes its batch from the node's queue too, so every draft row and
+    every target step masks as GuidedDecoder driven through the same loop, with no queue
+    error, and the target steps run natively."""
+    V = factory.config.vocab_size_padded
+    case = GUIDED[0]
+    text = texts_of(tekken, [case])[0]
+    K = 3
+    eager = GuidedDecoder(factory.config, 2, K, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, 2, K, factory=factory, host_node="native")
+    ctx = [GuidedRequest.context(1, 1, case.params)]
+    graph = capture(capt, ctx, torch.zeros(1 + K, V))  # (the node serves steps from now on)
+    for d in (eager, capt):
+        d.add_batch(ctx)
+        d.execute(torch.zeros(1, V))
+    assert capt.take_failed_requests() == []
+    p = accepted = targets = 0
+    rng = random.Random(3)
+    while p + K + 1 < len(text):
+        golden = text[p]
+        target = GuidedRequest.generation(1, 1, case.params, golden,
+                                          num_accepted_draft_tokens=accepted)
+        eager.add_batch([target])
+        eager.rollback_rejected_tokens()
+        capt.add_batch([target])
+        proposals = [golden] + [text[p + 1 + i] if rng.random() < 0.7
+                                else rng.randrange(1000, 9000) for i in range(K)]
+        for k in range(K):
+            draft = GuidedRequest(case.params, 1, 1, is_draft=True,
+                                  is_generation_in_progress_state=True, new_token=proposals[k])
+            eager.add_batch([draft])
+            la = torch.randn(1, V, generator=torch.Generator().manual_seed(k))
+            lb = la.clone()
+            assert eager.execute(la) == []
+            capt.add_draft_batch(torch.tensor([proposals[k]]),
+                                 torch.tensor([1 + accepted]) if k == 0 else None, k)
+            capt.execute_draft_batch(lb, draft_step=k)
+            assert capt.take_failed_requests() == []
+            assert same(la, lb), f"draft step {k} at position {p}"
+        eager.rollback_draft_tokens()
+        drafts = proposals[1:]
+        target = GuidedRequest.generation(1, 1, case.params, golden, draft_tokens=drafts)
+        eager.add_batch([target])
+        capt.add_batch([target])
+        la = torch.randn(1 + K, V, generator=torch.Generator().manual_seed(p))
+        lb = la.clone()
+        assert eager.execute(la) == []
+        capt.execute(lb)
+        assert capt.take_failed_requests() == []
+        assert same(la, lb), f"target step at position {p}"
+        targets += 1
+        match = 0
+        while match < K and drafts[match] == text[p + 1 + match]:
+            match += 1
+        accepted = rng.randint(0, match)
+        p += 1 + accepted
+    stats = capt.host_node_stats
+    assert targets > 2 and stats.runs == targets + 1 and stats.python_runs == 0
+    graph.reset()
+    capt.close()
