@@ -147,6 +147,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
     @property
     def queued_batches(self) -> int:
         """Batches put by ``add_batch`` that no step has fetched yet (0 or 1 in step)."""
+        self._node_collect()  # (a batch the native node has run is fetched)
         return len(self._queue)
 
     def discard_queued_batches(self) -> int:
@@ -154,6 +155,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         between ``add_batch`` and ``execute``), so that the next ``add_batch`` is in step;
         the matchers their failed requests owned are dropped as a fetch would. Returns how
         many were dropped. Call it host side, with no step in flight."""
+        self._node_collect()  # (a batch the native node has run is fetched)
         n = len(self._queue)
         while self._queue:
             self._consume_put()

@@ -812,3 +812,27 @@ def test_drafting_loop_beside_the_node_equals_eager(factory, tekken, native_ok):
     assert targets > 2 and stats.runs == targets + 1 and stats.python_runs == 0
     graph.reset()
     capt.close()
+
+
+def test_discard_queued_batches_drops_the_nodes_job_too(factory, tekken, native_ok):
+    """With the node serving steps, a batch it has run is not queued, and
+    discard_queued_batches drops the batch no step will fetch and the node's job for it: the
+    next add_batch and replayed step are in step and run natively."""
+    V = factory.config.vocab_size_padded
+    case = GUIDED[2]
+    capt, graph, static, tokens = one_request_after_context(factory, tekken, case)
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, tokens[0])])
+    capt.execute(torch.zeros(1, V))  # (eager, on the node: nothing has read its results)
+    assert capt.queued_batches == 0
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, tokens[1])])
+    capt.execute(torch.zeros(1, V))
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, tokens[2])])  # never run
+    assert capt.discard_queued_batches() == 1 and capt.queued_batches == 0
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, tokens[2])])
+    graph.replay()
+    hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    assert capt.num_advanced_tokens[0] == 1 and capt.token_mask_host[0] == 1
+    assert capt.host_node_stats.python_runs == 0
+    graph.reset()
+    capt.close()
