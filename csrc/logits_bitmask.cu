@@ -16,15 +16,18 @@
 //   all masked  -> one packed store of -inf, nothing read;
 //   mixed       -> depends on the variant (enum Mixed):
 //     rmw   (the default entry points) reads the group after its bitmask word, patches the
-//           masked lanes and writes it back: two dependent memory round trips per group;
+//           masked lanes and writes it back: two dependent memory round trips per group,
+//           after the token-mask entry's;
 //     ahead (entry points suffixed _ahead) issues every group's packed logits load together
-//           with its bitmask loads, before any group is classified, so no read waits for
-//           another; all-allowed groups are then read for nothing (extra traffic that only a
-//           small, latency-bound launch can afford);
+//           with its bitmask loads and the row's token-mask entry, before any is used, so no
+//           read waits for another; all-allowed groups (and inactive rows) are then read for
+//           nothing (extra traffic that only a small, latency-bound launch can afford);
 //     store (suffixed _store) never reads a mixed group: each masked lane is stored alone,
-//           allowed lanes are not touched (a masked store); its bitmask loads are issued up
-//           front too, so a row costs it one round trip before its stores.
+//           allowed lanes are not touched (a masked store); its bitmask and token-mask loads
+//           are issued together too, so a row costs it one round trip before its stores.
 // With kPack == 1 no group is mixed, and the variants differ only in that order of loads.
+// With indices the logits row is known only once its index is read: the variants then read
+// token mask, index and the row's data one after the other, as rmw does.
 // Which one a launch uses is the host's choice (capgraph/ops/cuda.py: rmw unless
 // CAPGRAPH_MASK_KERNEL says otherwise); tools/bench_kernel.py measures all three.
 // (Measured on an H200 earlier: single-lane stores with a per-warp vote for the way to go were
@@ -105,42 +108,59 @@ __device__ __forceinline__ unsigned allowed_bits_d2t(const unsigned* __restrict_
     return bits;
 }
 
-// One row's columns of this thread in the ahead and store variants: every group's bitmask bits
-// (and, for ahead, its packed logits) are loaded before any group is written, so the loads do
-// not wait for each other or for a store: one memory round trip per row, where rmw may take
-// one or two per group.
+// One row's columns of this thread in the ahead and store variants. Every load comes first:
+// each group's bitmask word(s) and, for ahead, its packed logits, then the row's token-mask
+// entry (where `active` is not null); only then is any loaded value used. A thread stalls at
+// the first use of a load's result, so the loads are all in flight together: one memory round
+// trip per row, where rmw takes the token mask's, then one or two per group. An inactive row's
+// loads are wasted, its logits untouched.
 template <typename E, E kNegInf, int kBitsPerThread, int kPack, Mixed kMixed>
 __device__ __forceinline__ void mask_row_loads_first(E* __restrict__ row_logits,
                                                      const unsigned* __restrict__ row_words,
+                                                     const int* __restrict__ active,
                                                      int block_col, int width32,
                                                      long long col_offset) {
     typedef Pack<E, kPack> PackT;
     constexpr int kGroups = kBitsPerThread / kPack;
     constexpr unsigned kAllMasked = (1u << kPack) - 1u;
     PackT packs[kGroups];
-    unsigned masked[kGroups];
+    unsigned low[kGroups], high[kGroups];  // the word holding the group's first bit, the next
 #pragma unroll
     for (int step = 0; step < kGroups; ++step) {
         const int col = block_col + (step * kThreads + int(threadIdx.x)) * kPack;
-        masked[step] = 0;
+        low[step] = ~0u;  // past the row's end: all allowed, nothing written
+        high[step] = ~0u;
         if (col < width32) {
-            masked[step] = ~allowed_bits<kPack>(row_words, col_offset + col) & kAllMasked;
+            const long long bit = col_offset + col;
+            low[step] = row_words[bit >> 5];
+            if (kPack > 1 && int(bit & (kWordBits - 1)) + kPack > kWordBits) {
+                high[step] = row_words[(bit >> 5) + 1];  // the group straddles two words
+            }
             if constexpr (kMixed == Mixed::kLoadAhead) {
                 packs[step].raw = reinterpret_cast<const PackT*>(row_logits + col)->raw;
             }
         }
     }
+    if (active != nullptr && *active == 0) {
+        return;
+    }
 #pragma unroll
     for (int step = 0; step < kGroups; ++step) {
-        if (masked[step] == 0) {
+        const int col = block_col + (step * kThreads + int(threadIdx.x)) * kPack;
+        const int shift = int((col_offset + col) & (kWordBits - 1));
+        unsigned allowed = low[step] >> shift;
+        if (kPack > 1 && shift + kPack > kWordBits) {
+            allowed |= high[step] << (kWordBits - shift);  // shift > 24 here: no UB
+        }
+        const unsigned masked = ~allowed & kAllMasked;
+        if (masked == 0) {
             continue;  // all allowed, or past the row's end
         }
-        const int col = block_col + (step * kThreads + int(threadIdx.x)) * kPack;
         if constexpr (kMixed == Mixed::kLaneStores) {
-            if (masked[step] != kAllMasked) {  // mixed: the masked lanes alone, no read
+            if (masked != kAllMasked) {  // mixed: the masked lanes alone, no read
 #pragma unroll
                 for (int i = 0; i < kPack; ++i) {
-                    if ((masked[step] >> i) & 1u) {
+                    if ((masked >> i) & 1u) {
                         row_logits[col + i] = kNegInf;
                     }
                 }
@@ -149,7 +169,7 @@ __device__ __forceinline__ void mask_row_loads_first(E* __restrict__ row_logits,
         }
 #pragma unroll
         for (int i = 0; i < kPack; ++i) {
-            if ((masked[step] >> i) & 1u) {
+            if ((masked >> i) & 1u) {
                 packs[step].element[i] = kNegInf;
             }
         }
@@ -175,6 +195,15 @@ __device__ __forceinline__ void mask_logits(E* __restrict__ logits, long long lo
     const int block_col = int(blockIdx.x) * (kThreads * kBitsPerThread);
 
     for (long long row = blockIdx.y; row < rows; row += gridDim.y) {
+        if constexpr (kMixed != Mixed::kReadModifyWrite) {
+            if (indices == nullptr) {  // the token-mask entry is loaded with the row's data
+                mask_row_loads_first<E, kNegInf, kBitsPerThread, kPack, kMixed>(
+                    logits + row * logits_row_stride, bitmask + row * bitmask_row_stride,
+                    token_mask == nullptr ? nullptr : token_mask + row, block_col, width32,
+                    col_offset);
+                continue;
+            }
+        }
         // The cheapest line of the kernel: an inactive row costs one load per block.
         if (token_mask != nullptr && token_mask[row] == 0) {
             continue;
@@ -192,7 +221,7 @@ __device__ __forceinline__ void mask_logits(E* __restrict__ logits, long long lo
         const unsigned* row_words = bitmask + row * bitmask_row_stride;
         if constexpr (kMixed != Mixed::kReadModifyWrite) {
             mask_row_loads_first<E, kNegInf, kBitsPerThread, kPack, kMixed>(
-                row_logits, row_words, block_col, width32, col_offset);
+                row_logits, row_words, nullptr, block_col, width32, col_offset);
         } else {
 #pragma unroll
             for (int step = 0; step < kBitsPerThread / kPack; ++step) {

@@ -201,7 +201,8 @@ def test_kernel_variants_table_and_verdicts(gpu_report, tmp_path):
     """Each variant's time has a column and the fastest is named per cell; the bandwidth and
     the default's speed verdict judge rmw, a line of its own judges the fastest variant per
     cell; the wins are counted over cells where more than one variant ran; a variant that
-    failed its check is listed; the xgrammar-CUDA run's rows join both speed verdicts."""
+    failed its check is listed; the xgrammar-CUDA run's rows join both speed verdicts; a run
+    that gave our kernels a token mask says so."""
     rows = [_variant_row(1, "dense", 4.7, 3.8, 4.1, 4.0),
             _variant_row(4, "sparse", 5.4, 5.2, 4.9, 5.0),
             _variant_row(16, "dense", 7.1, None, 6.0, 6.4,
@@ -225,6 +226,11 @@ def test_kernel_variants_table_and_verdicts(gpu_report, tmp_path):
     # fastest variant: 6.0 / 6.4 = 0.94 in the first run, 4.2 / 4.0 = 1.05 in the second
     assert ("fastest variant per cell (not the default: CAPGRAPH_MASK_KERNEL) | worst 1.05x | "
             "no |") in text
+    assert "token mask of ones" not in text
+    data = json.loads((tmp_path / "bench_kernel.json").read_text())
+    (tmp_path / "bench_kernel.json").write_text(json.dumps(dict(data, token_mask=True)))
+    assert ("- capgraph's kernels were given a token mask of ones, xgrammar's none"
+            in gpu_report.report(tmp_path))
 
 
 def test_cpu_replay_run_gives_no_verdict(gpu_report, tmp_path):

@@ -19,6 +19,9 @@ and reports:
 * the fastest of our variants over the fastest xgrammar kernel, and which variant that was.
 
 Every variant is first checked bit for bit against the pure-torch kernel on the same inputs.
+With ``--token-mask`` our kernels also get a token mask of ones (every row active), as
+capgraph's decoder always passes one; xgrammar's kernels take none, so that comparison is then
+not like for like.
 
 Patterns: ``random`` (every bit a coin flip: nearly every group mixed, the worst case),
 ``sparse`` (2% of tokens allowed: mostly all-masked groups, as at JSON structure positions),
@@ -26,7 +29,7 @@ Patterns: ``random`` (every bit a coin flip: nearly every group mixed, the worst
 
     python tools/bench_kernel.py [--batches 1,4,16,64,256,1024,4096] [--vocab 128000]
                                  [--dtypes bf16,fp32] [--patterns random,sparse,dense]
-                                 [--variants rmw,ahead,store] [--repeat 30]
+                                 [--variants rmw,ahead,store] [--token-mask] [--repeat 30]
                                  [--no-xgrammar-cuda] [--json PATH]
 
 Without a CUDA device it prints why and exits 0.
@@ -151,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="bf16,fp32")
     parser.add_argument("--patterns", default="random,sparse,dense")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--token-mask", action="store_true",
+                        help="pass our kernels a token mask of ones, as the decoder does")
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--no-xgrammar-cuda", action="store_true")
     parser.add_argument("--json", default=None, help="write results here (updated per row)")
@@ -179,12 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "vocab": vocab, "sm_count": sm_count, "variants": variants,
+              "token_mask": args.token_mask,
               "date": dt.datetime.now().isoformat(timespec="seconds"),
               "unavailable": {k: v for k, v in xgr.items() if isinstance(v, str)}, "rows": []}
     header = (f"{'dtype':5} {'pattern':7} {'B':>5} {'rmw us':>8} {'ahead us':>8} "
               f"{'store us':>8} {'GB/s':>6} {'copy GB/s':>9} {'%copy':>6} {'xgr_cuda us':>11} "
               f"{'xgr_triton us':>13} {'best/xgr':>8} fastest")
     print(f"device: {result['device']}, V = {vocab}; GB/s and %copy: rmw")
+    if args.token_mask:
+        print("our kernels get a token mask of ones; xgrammar's take none")
     for name, reason in result["unavailable"].items():
         print(f"{name}: {reason}")
     print(header)
@@ -193,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         for pattern in args.patterns.split(","):
             for batch in batches:
                 row = _bench_one(batch, vocab, dtype, _DENSITY[pattern], gen, flush, xgr,
-                                 args.repeat, kernel, variants, sm_count)
+                                 args.repeat, kernel, variants, sm_count, args.token_mask)
                 row.update(dtype=dtype_name, pattern=pattern, batch=batch)
                 result["rows"].append(row)
                 pct = (f"{100 * row['rmw_GBps'] / row['copy_GBps']:6.1f}"
@@ -212,12 +220,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bench_one(batch, vocab, dtype, density, gen, flush, xgr, repeat, kernel, variants,
-               sm_count) -> dict:
+               sm_count, use_token_mask=False) -> dict:
     from capgraph.ops.cuda import plan_launch
     from capgraph.ops.torch_impl import apply_logits_bitmask_torch_
 
     original = torch.randn(batch, vocab, generator=gen, device="cuda").to(dtype)
     bitmask = _bitmask(batch, vocab, density, gen)
+    token_mask = (torch.ones(batch, dtype=torch.int32, device="cuda") if use_token_mask
+                  else None)
     expected = original.clone()
     apply_logits_bitmask_torch_(expected, bitmask, None, None, 0)
     row: dict = {}
@@ -225,19 +235,20 @@ def _bench_one(batch, vocab, dtype, density, gen, flush, xgr, repeat, kernel, va
     row["bytes_moved"] = moved
     timed = {}
     for variant in variants:
-        entry = plan_launch(original, bitmask, None, None, 0, sm_count, variant=variant).kernel
+        entry = plan_launch(original, bitmask, token_mask, None, 0, sm_count,
+                            variant=variant).kernel
         row[f"{variant}_kernel"] = entry
         if variant != "rmw" and entry == row["rmw_kernel"]:
             row[f"{variant}_s"] = None  # no entry point of its own at this launch's width
             continue
         ours = original.clone()
-        kernel(ours, bitmask, None, None, 0, variant=variant)
+        kernel(ours, bitmask, token_mask, None, 0, variant=variant)
         if not torch.equal(_bits(ours), _bits(expected)):
             row[f"{variant}_error"] = "result differs from the pure-torch kernel's"
             print(f"  {variant}: {row[f'{variant}_error']}", file=sys.stderr)
             continue
-        timed[variant] = (lambda v, t: lambda: kernel(t, bitmask, None, None, 0, variant=v))(
-            variant, ours)
+        timed[variant] = (lambda v, t: lambda: kernel(t, bitmask, token_mask, None, 0,
+                                                      variant=v))(variant, ours)
     for variant, seconds in _time_in_turn(timed, flush, repeat).items():
         row[f"{variant}_s"] = seconds
         row[f"{variant}_GBps"] = moved / seconds / 1e9

@@ -153,6 +153,8 @@ def kernel_section(data: dict | None, title: str) -> tuple[str, dict]:
     unavailable = data.get("unavailable") or {}
     if unavailable:
         head += "\n\n" + "\n".join(f"- {k}: {v}" for k, v in unavailable.items())
+    if data.get("token_mask"):
+        head += "\n\n- capgraph's kernels were given a token mask of ones, xgrammar's none"
     errors = sorted({f"{k}: {v}" for r in data.get("rows", []) for k, v in r.items()
                      if k.endswith("_error")})
     if errors:

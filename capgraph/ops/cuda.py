@@ -65,8 +65,8 @@ THREADS_PER_BLOCK = 256
 BITS_PER_THREAD = (4, 8, 16)
 #: How the kernel handles a mixed group (csrc/logits_bitmask.cu): ``rmw`` reads it after its
 #: bitmask word and writes it back; ``ahead`` loads every group's logits together with its
-#: bitmask word; ``store`` writes only its masked lanes, reading no logits. The first is the
-#: default.
+#: bitmask word and the row's token-mask entry; ``store`` writes only its masked lanes, reading
+#: no logits. The first is the default.
 MASK_KERNELS = ("rmw", "ahead", "store")
 #: The environment variable that chooses among :data:`MASK_KERNELS` (unset or empty: ``rmw``).
 MASK_KERNEL_ENV = "CAPGRAPH_MASK_KERNEL"
