@@ -471,6 +471,59 @@ def test_emulated_variants_match_reference(emulated, variant, dtype):
                 assert kinds[2] > 0 if p > 1 else kinds[2] == 0, (case, kinds)
 
 
+def _variants_against_cpu(kernel, device, sm_count, variant):
+    """Launch ``variant`` through ``kernel`` (the loaded CUDA kernel's callable, or a stand-in)
+    on ``device`` over the launches that have variants, each against the CPU op; returns the
+    entry points used."""
+    from capgraph.ops import logits_bitmask
+    g = torch.Generator().manual_seed(zlib.crc32(variant.encode()))
+    used = set()
+    for dtype in DTYPES:
+        for batch, vocab in ((1, 128000), (4, 128000), (16, 128000), (4, 128001)):
+            for density in DENSITIES.values():
+                for use_indices in (False, True):
+                    col_offset = 29
+                    parent = torch.randn(2 * batch, vocab + 8, generator=g).to(dtype)
+                    view = parent[::2, :vocab]  # row stride 2 * (vocab + 8)
+                    bitmask = _density_bitmask(g, batch, words_per_row(col_offset + vocab),
+                                               density)
+                    token_mask = torch.ones(batch, dtype=torch.int32)
+                    token_mask[batch // 2] = 0
+                    indices = (torch.randperm(batch, generator=g) if use_indices else None)
+                    expected = view.clone()
+                    logits_bitmask(expected, bitmask, token_mask, col_offset=col_offset,
+                                   indices=indices)
+                    on = [None if t is None else t.to(device)
+                          for t in (parent, bitmask, token_mask, indices)]
+                    view_on = on[0][::2, :vocab]
+                    plan = plan_launch(view_on, on[1], on[2], None, col_offset, sm_count,
+                                       on[3], variant=variant)
+                    used.add(plan.kernel)
+                    kernel(view_on, on[1], on[2], None, col_offset, on[3], variant=variant)
+                    got = view_on.cpu()
+                    case = (dtype, batch, vocab, density, use_indices, plan.kernel)
+                    assert torch.equal(bits(got), bits(expected)), case
+                    assert torch.equal(bits(on[0][1::2].cpu()), bits(parent[1::2])), case
+    return used
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device: torch.cuda.is_available() is False")
+@pytest.mark.parametrize("variant", ["ahead", "store"])
+def test_variants_on_gpu_match_the_cpu_op(variant):
+    """On a GPU, the ahead and store entry points, launched through the loaded kernel with the
+    benchmark's variant keyword, give the CPU op's bits for every dtype at batch 1, 4 and 16
+    (the launches that have variants) over V = 128000 and 128001 (packs 4/8 and 1), under
+    random, 2%-allowed and 98%-allowed bitmasks, with a token mask that skips a row, a
+    row-strided view, col_offset 29, and with indices; rows outside the view untouched."""
+    kernel = cuda_backend.load_kernel()
+    assert kernel is not None, cuda_backend.unavailable_reason()
+    sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    used = _variants_against_cpu(kernel, "cuda", sm_count, variant)
+    assert all(name.endswith("_" + variant) for name in used), used
+
+
 def test_emulated_rows_beyond_grid_y(emulated, monkeypatch):
     """More rows than grid.y: the kernel's row loop covers the rest (grid.y capped at 3 here
     instead of 65535 to keep the emulation small)."""
