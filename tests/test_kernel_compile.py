@@ -1,6 +1,7 @@
 """csrc/logits_bitmask.cu without a GPU: it compiles (nvcc, NVRTC), its arithmetic is right
 (run on the host through a C++ emulation of the launch grid), the launch planning is right, and
-importing the CUDA backend loads nothing."""
+importing the CUDA backend loads nothing; on a GPU (marker gpu), its ahead and store variants
+against the CPU op."""
 
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ def mask_kernel_variant() -> str:
     ``$CAPGRAPH_MASK_KERNEL``, read at each call, or ``"rmw"`` where it is unset or empty.
 
     Raises:
-        ConfigError: the variable holds anything else than one of :data:`MASK_KERNELS`.
+        ConfigError: the variable holds anything other than one of :data:`MASK_KERNELS`.
     """
     value = os.environ.get(MASK_KERNEL_ENV)
     if not value:
