@@ -3,8 +3,8 @@
 On CUDA the callbacks go through cuda-python's driver bindings (a captured launch adds the host
 node itself and ties the callable's lifetime to the graph with a CUDA user object); without a GPU
 the same API runs on a CPU stand-in (HostStream / HostEvent / HostGraph). A HostStream made with
-``inline_when_idle=True`` runs a launch on an idle stream on the launching thread instead of its
-worker (for callbacks that hand their heavy work to threads of their own).
+``inline_when_idle=True`` runs a launch on an idle stream (a native one too) on the launching
+thread instead of its worker (for callbacks that hand their heavy work to threads of their own).
 
 :func:`launch_native` enqueues a C function ``void fn(void *user_data)`` (by address) in the same
 stream order: the CUDA driver calls it directly as a host node, the CPU stand-in on the stream's

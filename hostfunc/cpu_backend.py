@@ -56,7 +56,8 @@ class CpuBackend:
         """Enqueue a native call on the current HostStream's lane, or record it into the graph
         that stream is capturing into (``retain`` now, ``release`` with the graph). Eager, a
         ``retain``/``release`` pair brackets the one run: ``retain`` now, ``release`` right
-        after ``fn`` on the lane.
+        after ``fn`` on the lane. On an idle ``inline_when_idle`` stream an eager call runs
+        on the calling thread instead, with the GIL released, as a Python launch would.
 
         Raises:
             HostFuncUsageError: the lane library cannot be built (no C compiler), or the
@@ -70,6 +71,15 @@ class CpuBackend:
         graph = stream.capture_graph
         if graph is not None:
             graph.add_native(call)
+            return
+        worker = stream._worker
+        if stream.inline_when_idle and worker.claim_if_idle():
+            # run now on this thread, as the lane would (the GIL released for the call);
+            # the caller holds user_data through it, so no retain/release bracket is needed
+            try:
+                call_c(call.fn, call.user_data)
+            finally:
+                worker.finish_inline()
             return
         if call.retain:
             call_c(call.retain, call.user_data)

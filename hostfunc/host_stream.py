@@ -279,7 +279,9 @@ class HostStream:
     queues behind it. Its failure is kept for the next drain as on the worker. For a
     stream whose callbacks hand their heavy work to threads of their own: a Python worker
     thread then only adds a GIL hand-off beside the caller's (CPU) work, which on a small
-    machine costs more than the callback's Python.
+    machine costs more than the callback's Python. An eager native call
+    (:func:`~hostfunc.launch_native`) on such an idle stream runs on the launching thread too,
+    with the GIL released, instead of a hand-over to the native lane.
     """
 
     def __init__(self, name: str | None = None, *, inline_when_idle: bool = False) -> None:

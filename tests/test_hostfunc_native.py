@@ -210,23 +210,62 @@ def test_synchronize_times_out_on_a_long_native_call(fns: TestFunctions,
 
 
 def test_inline_stream_does_not_run_inline_while_a_native_call_runs(fns: TestFunctions) -> None:
-    """Pins: with inline_when_idle, a Python launch while a native call runs is not inline (the
-    stream is not idle): it runs on the worker after the native call; once idle, inline again."""
+    """Pins: with inline_when_idle, launches while the stream is busy are not inline: native
+    calls queued behind a running task run on the lane, and a Python launch behind them runs
+    on the worker after them; once idle, a Python launch is inline again."""
     stream = HostStream("native-inline", inline_when_idle=True)
-    stamp, seen = ctypes.c_int64(0), []
+    stamp, seen, go = ctypes.c_int64(0), [], threading.Event()
     try:
+        stream.enqueue(lambda: go.wait(WAIT_S))  # (a launch would run inline: idle stream)
         with hostfunc.use_stream(stream):
-            hostfunc.launch_native(fns.spin_ns, 60 * MS)
+            hostfunc.launch_native(fns.spin_ns, 60 * MS)  # behind the task: to the lane
             hostfunc.launch_native(fns.timestamp_ns, ctypes.addressof(stamp))
             hostfunc.launch(lambda: seen.append((threading.current_thread().name,
                                                  time.monotonic_ns())))
+            go.set()
         stream.synchronize(WAIT_S)
-        assert seen[0][0] == stream.name and seen[0][1] > stamp.value
+        assert stamp.value > 0 and seen[0][0] == stream.name and seen[0][1] > stamp.value
         with hostfunc.use_stream(stream):
             hostfunc.launch(lambda: seen.append((threading.current_thread().name, 0)))
         assert seen[1][0] == threading.current_thread().name
     finally:
         stream.close()
+
+
+def test_inline_stream_runs_an_eager_native_call_inline_when_idle(fns: TestFunctions) -> None:
+    """Pins: with inline_when_idle, an eager native call on an idle stream runs on the
+    launching thread (launch_native returns after a 50 ms spin, not before), with the GIL
+    released (another thread runs Python meanwhile); on a stream without the option it is
+    handed to the lane (the launch returns at once)."""
+    ticks: list[int] = []
+    stop = threading.Event()
+
+    def ticker() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic_ns())
+            time.sleep(0.002)
+
+    for inline in (True, False):
+        stream = HostStream(f"native-inline-{inline}", inline_when_idle=inline)
+        t = threading.Thread(target=ticker)
+        try:
+            with hostfunc.use_stream(stream):
+                stop.clear()
+                t.start()
+                t0 = time.monotonic_ns()
+                hostfunc.launch_native(fns.spin_ns, 50 * MS)
+                elapsed = time.monotonic_ns() - t0
+                stream.synchronize(WAIT_S)
+            stop.set()
+            t.join()
+            if inline:
+                assert elapsed >= 50 * MS
+                assert any(t0 < x < t0 + elapsed for x in ticks)  # (the GIL was free)
+            else:
+                assert elapsed < 40 * MS
+        finally:
+            stop.set()
+            stream.close()
 
 
 # ---- graphs and lifetimes ----
