@@ -39,6 +39,9 @@ from .streams import HostStepStreams, StepStreams
 
 __all__ = ["CapturableGuidedDecoder", "HOST_NODES", "HostNodeChoice"]
 
+# the kinds of the native node's records (capgraph.build.library.NODE_RECORDS)
+_ROLLBACK, _DRAFT_START, _DRAFT_BUILD, _DRAFT_END = 1, 2, 3, 4
+
 #: what ``CapturableGuidedDecoder(host_node=...)`` accepts
 HOST_NODES = ("auto", "native", "python")
 HostNodeChoice = Literal["auto", "native", "python"]
@@ -96,7 +99,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
     stand-in runs the build on the C++ build's own thread). With the native node, a step's
     batch is read at ``add_batch`` and what the step did is read back at the next
     ``add_batch``, ``take_failed_requests`` or drain; :meth:`rollback_rejected_batch` (without
-    draft trees) is the node's too, Python's only after a Python step.
+    draft trees) and a drafting loop's :meth:`execute_draft_batch` steps are the node's too,
+    Python's only after a Python step or where a slot's matcher only Python can run.
 
     Where the signatures differ from :class:`GuidedDecoder`'s (on purpose, marked
     ``type: ignore[override]``): ``add_batch(requests, new_tokens=None,
@@ -137,6 +141,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._async_build = self.bitmask is self.bitmask_host and self.host_build.asynchronous
         self._node: HostNode | None = None
         self._node_active = False  # a step was captured with the node: every step takes it
+        self._in_node = False  # a Python step of the node runs (it took its job itself)
         # one reader of the node's results at a time (the host thread and a Python step
         # inside the node may both read; results are applied in step order)
         self._collect_lock = threading.RLock()
@@ -322,7 +327,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if node is not None and not self._node_active:
             self._node_active = True  # (the batches queued from now on queue jobs too)
             node.set_epoch(self._put_epoch)
-            node.sync_counts(self.num_advanced_tokens)  # (what the eager steps advanced)
+            node.sync_counts(self.num_advanced_tokens,  # (what the eager steps advanced)
+                             self.num_advanced_draft_tokens)
 
     @nvtx_range("CapturableGuidedDecoder.execute")
     def execute(self, logits: torch.Tensor, d2t: torch.Tensor | None = None) -> None:  # type: ignore[override]
@@ -413,7 +419,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
         At ``draft_step`` 0 the batch of the latest ``add_batch`` is fetched and the tokens the
         target rejected are rolled back; at the last step of the runtime draft length every
-        draft advance is rolled back (the loop's end follows the runtime length).
+        draft advance is rolled back (the loop's end follows the runtime length). With the
+        native host node active, each step is the node's C function (a loop it cannot run is
+        Python's from its first step to its last).
         """
         _check_draft_step(draft_step)
         requests = self._require_batch()
@@ -421,9 +429,17 @@ class CapturableGuidedDecoder(GuidedDecoder):
         last = requests.max_num_draft_tokens - 1
         if draft_step == 0 and self._streams.is_capturing():
             self._consume_put()
+        capturing = self._streams.is_capturing()
+        if capturing:
+            self._activate_node()
+        node, first, end = self._node, draft_step == 0, draft_step >= last
         with self._streams.side():
             self._streams.wait_tokens()
-            self.draft_host_step(draft_step, draft_step == 0, draft_step >= last)
+            if node is not None and self._node_active and (capturing or not self._warmup):
+                hostfunc.launch_native(node.draft_run(first, end), node.address,
+                                       retain=node.retain, release=node.release)
+            else:
+                self.draft_host_step(draft_step, first, end)
             self.copy_bitmask(logits.shape[0])
             self._streams.record_bitmask()
         self._join_and_apply(logits, d2t, self._streams.is_capturing())
@@ -483,7 +499,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 first = first or e
         if self._node_active:  # the counters these stages wrote are the node's from now on
             self._node_collect()
-            self._node.sync_counts(self.num_advanced_tokens)  # type: ignore[union-attr]
+            self._node.sync_counts(  # type: ignore[union-attr]
+                self.num_advanced_tokens, self.num_advanced_draft_tokens)
         if first is not None:
             raise first
 
@@ -592,7 +609,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             # steps run so far leave the queue first, and its job for this batch goes
             self._node_collect()
             self._pop()
-            if self._node_active and not self._warmup:
+            if self._node_active and not self._warmup and not self._in_node:
                 self._node.drop()  # type: ignore[union-attr]
             self._take_accepted(self.requests_hostfunc)
         target = self.requests_hostfunc
@@ -706,7 +723,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 self._node = node = HostNode(
                     self.host_build.entry, self.new_tokens,  # type: ignore[attr-defined]
                     _python_step(self), self.num_accepted_tokens,
-                    self.host_build.rollback, _python_rollback(self))  # type: ignore[attr-defined]
+                    self.host_build.rollback, _python_rollback(self),  # type: ignore[attr-defined]
+                    self.draft_new_tokens, _python_draft(self))
             except NativeBuildError as e:
                 reason = str(e)
         if reason is not None:
@@ -785,13 +803,20 @@ class CapturableGuidedDecoder(GuidedDecoder):
             return
         with self._collect_lock:
             self._apply_node_results(node.take(self.num_advanced_tokens,
-                                               self.num_guided_tokens))
+                                               self.num_guided_tokens,
+                                               self.num_advanced_draft_tokens))
 
     def _apply_node_results(self, results: list[tuple]) -> None:
         """:meth:`_node_collect`'s work on the results of :meth:`HostNode.take`."""
-        for epoch, error, masked, unusual, columns, rolled in results:
-            if rolled is not None:
+        for kind, epoch, error, masked, unusual, columns, rolled in results:
+            if kind == _ROLLBACK:
                 self._apply_node_rollback(epoch, unusual, rolled)
+                continue
+            if kind == _DRAFT_BUILD:
+                self._apply_node_draft_build(epoch, masked, unusual)
+                continue
+            if kind == _DRAFT_END:
+                self._apply_node_draft_end(epoch, unusual, rolled)
                 continue
             if error is not None:
                 self._queue.clear()
@@ -808,6 +833,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
             _, batch, _ = self._queue.popleft()
             self._fetched_epoch = epoch
             self.requests_hostfunc = batch
+            if kind == _DRAFT_START:  # (a drafting loop took the batch: its builds follow)
+                continue
             self.slots.num_builds += 1
             self._masked_rows = masked
             if columns is not None:
@@ -821,6 +848,50 @@ class CapturableGuidedDecoder(GuidedDecoder):
                      for i, status, message in unusual), outcomes)
                 self._record_failed(self._interpret(batch, outcomes, unmask=False))
 
+    def _node_batch(self, epoch: int) -> GuidedRequests | None:
+        """The batch of ``epoch``: queued first, or the one fetched last."""
+        if self._queue and self._queue[0][0] == epoch:
+            return self._queue[0][1]
+        return self.requests_hostfunc if self._fetched_epoch == epoch else None
+
+    def _apply_node_draft_build(self, epoch: int, masked: bool, unusual: list | None) -> None:
+        """What a native draft step's build did (counters written already): a refused draft
+        token or a dead row stops guiding the slot for the rest of the loop; any other outcome
+        is interpreted as a build's."""
+        self.slots.num_builds += 1
+        self._masked_rows = masked
+        batch = self._node_batch(epoch)
+        if unusual is None or batch is None:
+            return
+        outcomes: list = []
+        self.host_build._statuses(  # type: ignore[attr-defined]
+            ((i, batch.requests[i].seq_slot, status, message) for i, status, message in unusual),
+            outcomes)
+        rest = []
+        for outcome in outcomes:
+            if outcome[1] in (Status.REJECTED, Status.DEAD_END):
+                self.is_draft_terminated[batch.requests[outcome[0]].seq_slot] = True
+            else:
+                rest.append(outcome)
+        if rest:
+            self._record_failed(self._interpret(batch, rest, unmask=False))
+
+    def _apply_node_draft_end(self, epoch: int, unusual: list | None, rolled: list[int]
+                              ) -> None:
+        """The end of a native drafting loop: its slots are guided again, a matcher that had
+        terminated and rolled back re-reads its state, a rollback that raised fails its
+        request."""
+        matchers = self.grammar_matchers
+        for slot in rolled:
+            self.is_draft_terminated[slot] = False
+            m = matchers[slot]
+            if m is not None and m.is_terminated():
+                m.sync_state()  # type: ignore[attr-defined]  # (a native slot's matcher)
+        batch = self._node_batch(epoch)
+        if unusual and batch is not None:
+            self._record_failed([self._fail_message(batch.requests[i], text)
+                                 for i, _, text in unusual])
+
     def _apply_node_rollback(self, epoch: int, unusual: list | None, rolled: list[int]
                              ) -> None:
         """What a native rollback did (its counters are written already): a matcher that had
@@ -833,10 +904,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 m.sync_state()  # type: ignore[attr-defined]  # (a native slot's matcher)
         if unusual is None:
             return
-        if self._queue and self._queue[0][0] == epoch:
-            batch: GuidedRequests | None = self._queue[0][1]
-        else:
-            batch = self.requests_hostfunc if self._fetched_epoch == epoch else None
+        batch = self._node_batch(epoch)
         failed = []
         for index, kind, text in unusual:
             if batch is None:  # (a rollback is always read before its batch is forgotten)
@@ -872,6 +940,18 @@ class CapturableGuidedDecoder(GuidedDecoder):
         except BaseException as e:  # noqa: BLE001 - nothing may escape into the node
             hostfunc.record_error("CapturableGuidedDecoder.host_step", e)
 
+    def _run_python_draft(self, first: bool, last: bool) -> None:
+        """A Python draft step of the native node (under the GIL, on the node's thread; the
+        node took the loop's batch off its queue itself); its errors go to the next drain."""
+        self._in_node = True
+        try:
+            CapturableGuidedDecoder.draft_host_step.__wrapped__(self, 0 if first else 1, first,
+                                                                last)
+        except BaseException as e:  # noqa: BLE001 - nothing may escape into the node
+            hostfunc.record_error("CapturableGuidedDecoder.draft_host_step", e)
+        finally:
+            self._in_node = False
+
     def _run_python_rollback(self) -> None:
         """The node's Python rollback (under the GIL, on the node's thread): the Python
         accepted step; its errors go to the next drain."""
@@ -879,6 +959,17 @@ class CapturableGuidedDecoder(GuidedDecoder):
             CapturableGuidedDecoder.accepted_host_step.__wrapped__(self, False)
         except BaseException as e:  # noqa: BLE001 - nothing may escape into the node
             hostfunc.record_error("CapturableGuidedDecoder.accepted_host_step", e)
+
+
+def _python_draft(decoder: CapturableGuidedDecoder) -> Callable[[bool, bool], None]:
+    """The node's Python draft step, holding the decoder weakly."""
+    ref = weakref.ref(decoder)
+
+    def draft(first: bool, last: bool) -> None:
+        d = ref()
+        if d is not None:
+            d._run_python_draft(first, last)
+    return draft
 
 
 def _python_rollback(decoder: CapturableGuidedDecoder) -> Callable[[], None]:

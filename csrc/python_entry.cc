@@ -71,9 +71,11 @@ namespace {
 
 using capgraph::Builder;
 using capgraph::Drafts;
+using capgraph::kDeadEnd;
 using capgraph::kFault;
 using capgraph::kOk;
 using capgraph::kOverBudget;
+using capgraph::kRejected;
 using capgraph::kTerminated;
 using capgraph::NowNs;
 using capgraph::kRecordFields;
@@ -202,8 +204,21 @@ class Ref {
   explicit Ref(PyObject* o = nullptr) : o_(o) {}
   Ref(const Ref&) = delete;
   Ref& operator=(const Ref&) = delete;
+  Ref& operator=(Ref&& other) noexcept {
+    if (this != &other) {
+      Py_XDECREF(o_);
+      o_ = other.o_;
+      other.o_ = nullptr;
+    }
+    return *this;
+  }
   ~Ref() { Py_XDECREF(o_); }
   PyObject* get() const { return o_; }
+  PyObject* release() {  // the reference, no longer dropped here
+    PyObject* o = o_;
+    o_ = nullptr;
+    return o;
+  }
   explicit operator bool() const { return o_ != nullptr; }
 
  private:
@@ -789,16 +804,28 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 // whose accepted path only Python keeps), or for a slot whose matcher only Python can run,
 // the rollback is Python's (`rollback_fallback`, under the GIL).
 //
+// A drafting loop's steps (execute_draft_batch) are C functions too (RunDraft): the first
+// takes the loop's batch off the queue and rolls its rejected drafts back (as RunRollback),
+// each builds one row per request from the draft-token buffer, the last rolls the loop's
+// draft advances back; the slots' draft advances and drafting-stopped flags are the node's
+// (copied from Python's after a Python stage, and to Python's by node_take). A loop the node
+// cannot run (the cases of the rollback, or a batch with context requests) is Python's
+// (`draft_fallback(first, last)`, under the GIL) from its first step to its last.
+//
 // node_create(fast, new_tokens, address, positions, fallback, counts, counts_address,
-//             rollback, rollback_address, rollback_fallback)
-//   -> (capsule, run, retain, release, address, run_rollback)
+//             rollback, rollback_address, rollback_fallback, drafts, drafts_address,
+//             draft_fallback)
+//   -> (capsule, run, retain, release, address, run_rollback,
+//       (draft_middle, draft_first, draft_last, draft_only))
 //   fast: make_fast's state (its Builder and request field descriptors); new_tokens: the
 //   decoder's [positions, num_slots] int32 token buffer (a DLPack-capable CPU tensor) at
 //   `address`; fallback(epoch): the Python host step of a Python step; counts: the decoder's
 //   [num_slots] int32 accepted-count buffer at `counts_address`; rollback: xgrammar's matcher
 //   `rollback` tvm-ffi Function (held), whose FFI object is at `rollback_address`;
-//   rollback_fallback(): the Python rollback. run/retain/release/run_rollback: addresses of
-//   the C functions `void f(void*)` to launch with `address`.
+//   rollback_fallback(): the Python rollback; drafts: the decoder's [num_slots] int32
+//   draft-token buffer at `drafts_address`; draft_fallback(first, last): the Python draft
+//   step. run/retain/release/run_rollback/draft_*: addresses of the C functions
+//   `void f(void*)` to launch with `address`.
 // node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer)
 //   -> False | (context, disaggregated): queue the step's native job and return the batch
 //   indices of the requests whose matchers the caller creates now: context requests at their
@@ -808,17 +835,21 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //   (node_push_python).
 // node_push_python(node, epoch); node_drop(node) -> bool: forget the oldest job (the host
 //   side consumed its batch); node_set_slot(node, slot, handle, stopped).
-// node_take(node, advanced, guided) -> [(epoch, error, masked, unusual, columns, rolled)]
-//   every step and rollback the node ended since the last call, in order, counters written to
-//   the lists (where the slot's matcher is still the one the run used); error: None or the
-//   queue error's text; unusual: as fast_step's (a rollback's: (batch index, 1, text) where
-//   the count cannot roll back, (batch index, 2, "Kind: message") where the matcher raised);
-//   columns: None or [(batch index, [token, draft, ...])] of the tokens read from the token
-//   buffer; rolled: None for a step, for a rollback the slots whose matchers rolled back
-//   (a matcher that had terminated no longer has) and `epoch` the batch its indices refer to.
-// node_sync_counts(node, advanced): the node's per-slot advance counts from Python's list.
+// node_take(node, advanced, guided, drafted)
+//   -> [(kind, epoch, error, masked, unusual, columns, rolled)]
+//   every record (DoneKind: a step, a rollback, a drafting loop's start, a draft build, a
+//   loop's end) since the last call, in order, counters written to the lists (where the
+//   slot's matcher is still the one the run used); epoch: the batch the record's indices
+//   refer to; error: None or the queue error's text; unusual: as fast_step's (a rollback's
+//   and a loop end's: (batch index, 1, text) where the count cannot roll back,
+//   (batch index, 2, "Kind: message") where the matcher raised); columns: None or
+//   [(batch index, [token, draft, ...])] of the tokens read from the token buffer; rolled:
+//   for a rollback the slots whose matchers rolled back (a matcher that had terminated no
+//   longer has), for a loop's end every slot of its batch, else None.
+// node_sync_counts(node, advanced, drafted): the node's per-slot advance and draft-advance
+//   counts from Python's lists.
 // node_stats(node) -> (runs, python_runs, last_start_ns, last_end_ns, busy_ns, rows,
-//                      rollback_runs, python_rollback_runs)
+//                      rollback_runs, python_rollback_runs, draft_runs, python_draft_runs)
 // node_set_warmup(node, on): runs from now on are warm-up runs (no job taken, nothing masked).
 // node_set_epoch(node, epoch): the latest batch consumed before the node serves steps.
 // node_shutdown(): Python steps are refused from now on (interpreter exit).
@@ -841,9 +872,15 @@ struct NodeJob {
   std::vector<int64_t> drafts;
 };
 
+// What a NodeDone record reports: a step; a rollback of rejected drafts; the start of a
+// drafting loop (its batch taken off the queue); a draft step's build; the end of a drafting
+// loop (every draft advance rolled back).
+enum DoneKind : int { kDoneStep = 0, kDoneRollback = 1, kDoneDraftPop = 2, kDoneDraftBuild = 3,
+                      kDoneDraftEnd = 4 };
+
 struct NodeDone {
   int64_t epoch = 0;
-  bool rollback = false;  // a rollback (RunRollback), not a step
+  int kind = kDoneStep;
   std::string error;  // a queue error: nothing was built
   bool masked = false;
   std::vector<int64_t> seen_slots;  // the slots whose counters the step zeroes
@@ -880,9 +917,18 @@ struct HostNode {
   PyObject* rollback_owner = nullptr;  // the Python object of `rollback`
   tvm::ffi::Function rollback;
   PyObject* rollback_fallback = nullptr;
+  // the drafting loop (RunDraft): the draft-token buffer, the Python draft step, the drafts'
+  // advances per slot, and the loop in progress (under mu)
+  PyObject* draft_buffer = nullptr;  // owns `draft_tokens`
+  const int32_t* draft_tokens = nullptr;  // [num_slots] int32, by batch position
+  PyObject* draft_fallback = nullptr;  // draft_fallback(first, last)
+  std::vector<int32_t> slot_drafted;  // tokens the drafting loop advanced the slot's matcher
+  bool draft_python = true;  // the loop in progress runs in Python (or none began)
+  int64_t draft_epoch = 0;
+  std::vector<NodeEntry> draft_entries;
   std::mutex run_mu;  // one step or rollback at a time
   std::atomic<int64_t> runs{0}, python_runs{0}, last_start{0}, last_end{0}, busy_ns{0},
-      rows{0}, rollback_runs{0}, python_rollback_runs{0};
+      rows{0}, rollback_runs{0}, python_rollback_runs{0}, draft_runs{0}, python_draft_runs{0};
   std::atomic<bool> warmup{false};  // steps take no job and mask nothing (graph warm-up)
   int64_t last_epoch = 0;  // (under mu) the epoch of the latest job taken or dropped
   // (under mu) the last step run: Python's (or none yet), else its epoch and entries
@@ -918,6 +964,8 @@ void BuryNodes() {
     Py_XDECREF(n->buffer);
     Py_XDECREF(n->rollback_fallback);
     Py_XDECREF(n->counts_buffer);
+    Py_XDECREF(n->draft_fallback);
+    Py_XDECREF(n->draft_buffer);
     n->rollback = tvm::ffi::Function();  // (before its owner)
     Py_XDECREF(n->rollback_owner);
     PyObject* keep = n->keep;
@@ -930,6 +978,19 @@ void DestroyNode(PyObject* capsule) {
   auto* n = static_cast<HostNode*>(PyCapsule_GetPointer(capsule, kNodeCapsule));
   if (n != nullptr) NodeRelease(n);
   BuryNodes();
+}
+
+// A Python draft step: the decoder's Python draft step under the GIL (it reports its own
+// errors).
+void RunPythonDraft(HostNode* n, bool first, bool last) {
+  if (g_node_shutdown.load()) return;
+  n->python_draft_runs.fetch_add(1);
+  PyGILState_STATE gil = PyGILState_Ensure();
+  PyObject* r = PyObject_CallFunction(n->draft_fallback, "OO", first ? Py_True : Py_False,
+                                      last ? Py_True : Py_False);
+  if (r == nullptr) PyErr_WriteUnraisable(n->draft_fallback);
+  Py_XDECREF(r);
+  PyGILState_Release(gil);
 }
 
 // A Python step: the decoder's Python host step under the GIL (it reports its own errors);
@@ -1090,18 +1151,19 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d) {
 
 // Each run of the node as an NVTX range in the "capgraph" domain (the Python stages' domain:
 // capgraph/_nvtx.py), where the library was built with NVTX's headers; a no-op otherwise, and
-// close to one while no tool is attached. A step's range is "CapturableGuidedDecoder.host_node",
-// a rollback's "CapturableGuidedDecoder.host_rollback".
+// close to one while no tool is attached. A step's range (0) is
+// "CapturableGuidedDecoder.host_node", a rollback's (1) "CapturableGuidedDecoder.host_rollback",
+// a draft step's (2) "CapturableGuidedDecoder.host_draft".
 class NodeRange {
  public:
 #ifdef CAPGRAPH_WITH_NVTX
-  explicit NodeRange(bool rollback = false) {
+  explicit NodeRange(int what = 0) {
     static const nvtxDomainHandle_t domain = nvtxDomainCreateA("capgraph");
-    static const nvtxStringHandle_t step =
-        nvtxDomainRegisterStringA(domain, "CapturableGuidedDecoder.host_node");
-    static const nvtxStringHandle_t back =
-        nvtxDomainRegisterStringA(domain, "CapturableGuidedDecoder.host_rollback");
-    const nvtxStringHandle_t name = rollback ? back : step;
+    static const nvtxStringHandle_t names[3] = {
+        nvtxDomainRegisterStringA(domain, "CapturableGuidedDecoder.host_node"),
+        nvtxDomainRegisterStringA(domain, "CapturableGuidedDecoder.host_rollback"),
+        nvtxDomainRegisterStringA(domain, "CapturableGuidedDecoder.host_draft")};
+    const nvtxStringHandle_t name = names[what];
     nvtxEventAttributes_t a{};
     a.version = NVTX_VERSION;
     a.size = NVTX_EVENT_ATTRIB_STRUCT_SIZE;
@@ -1115,9 +1177,45 @@ class NodeRange {
  private:
   nvtxDomainHandle_t domain_;
 #else
-  explicit NodeRange(bool = false) {}  // (user-provided: a range object is not an unused variable)
+  explicit NodeRange(int = 0) {}  // (user-provided: a range object is not an unused variable)
 #endif
 };
+
+// Zero the whole token mask: a run that masks nothing (warm-up, a queue error).
+void ClearAll(HostNode* n) {
+  try {
+    n->builder->BeginStep(n->builder->bitmask.size(0));
+  } catch (const std::exception&) {  // (full rows are always in bounds)
+  }
+}
+
+// Take the next job off the queue into *job, checking its epoch as
+// CapturableGuidedDecoder._pop does (d->epoch: the job's; d->error: a queue error, the queue
+// then cleared). False: no job was queued (d->error says so).
+bool TakeJob(HostNode* n, NodeJob* job, NodeDone* d) {
+  std::lock_guard<std::mutex> lock(n->mu);
+  const int64_t expected = n->last_epoch + 1;
+  if (n->jobs.empty()) {
+    d->error = "no batch queued for this step (expected epoch " + std::to_string(expected) +
+               "): a replay or execute without its add_batch";
+    return false;
+  }
+  *job = std::move(n->jobs.front());
+  n->jobs.pop_front();
+  d->epoch = n->last_epoch = job->epoch;
+  if (job->epoch != expected || !n->jobs.empty()) {
+    std::string extra;
+    for (const NodeJob& j : n->jobs) {
+      extra += (extra.empty() ? "" : ", ") + std::to_string(j.epoch);
+      n->last_epoch = j.epoch;
+    }
+    d->error = "fetched epoch " + std::to_string(job->epoch) + ", expected " +
+               std::to_string(expected) + "; still queued: [" + extra +
+               "] (an add_batch without its execute)";
+    n->jobs.clear();
+  }
+  return true;
+}
 
 // The host node: take the next job and run it (see the section's comment). Never throws.
 void RunNode(void* p) {
@@ -1128,39 +1226,12 @@ void RunNode(void* p) {
   n->last_start.store(t0);
   NodeDone d;
   NodeJob job;
-  bool have = false;
   if (n->warmup.load()) {  // a warm-up run: no job taken, nothing masked, nothing reported
-    try {
-      n->builder->BeginStep(n->builder->bitmask.size(0));
-    } catch (const std::exception&) {  // (full rows are always in bounds)
-    }
+    ClearAll(n);
     n->last_end.store(NowNs());
     return;
   }
-  {
-    std::lock_guard<std::mutex> lock(n->mu);
-    const int64_t expected = n->last_epoch + 1;
-    if (n->jobs.empty()) {
-      d.error = "no batch queued for this step (expected epoch " + std::to_string(expected) +
-                "): a replay or execute without its add_batch";
-    } else {
-      job = std::move(n->jobs.front());
-      n->jobs.pop_front();
-      have = true;
-      d.epoch = n->last_epoch = job.epoch;
-      if (job.epoch != expected || !n->jobs.empty()) {  // (as CapturableGuidedDecoder._pop)
-        std::string extra;
-        for (const NodeJob& j : n->jobs) {
-          extra += (extra.empty() ? "" : ", ") + std::to_string(j.epoch);
-          n->last_epoch = j.epoch;
-        }
-        d.error = "fetched epoch " + std::to_string(job.epoch) + ", expected " +
-                  std::to_string(expected) + "; still queued: [" + extra +
-                  "] (an add_batch without its execute)";
-        n->jobs.clear();
-      }
-    }
-  }
+  const bool have = TakeJob(n, &job, &d);
   bool python = have && d.error.empty() && job.python;
   if (have && d.error.empty() && !python) {
     std::lock_guard<std::mutex> lock(n->mu);
@@ -1225,6 +1296,48 @@ void RollbackOne(HostNode* n, const NodeEntry& e, int64_t count, int32_t advance
   }
 }
 
+// Drop the native matcher of a slot whose request failed (if it is still `gen`'s): no later
+// step runs it (Python drops its own when it reads the failure). Under n->mu.
+void DropFailed(HostNode* n, int64_t slot, uint64_t gen) {
+  if (n->slot_gen[slot] == gen && n->slot_kind[slot] == 1) {
+    ObjectRef dropped;
+    std::swap(n->slot_matcher[slot], dropped);
+    n->slot_kind[slot] = 0;
+    n->slot_advanced[slot] = 0;
+  }
+}
+
+// Roll each of `entries` back to its accepted count (RollbackOne), into the rollback record d.
+void RollbackEntries(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d) {
+  if (n->max_drafts <= 0) return;
+  for (const NodeEntry& e : entries) {
+    ObjectRef m;
+    int32_t advanced;
+    uint64_t gen;
+    {
+      std::lock_guard<std::mutex> lock(n->mu);
+      advanced = n->slot_advanced[e.slot];
+      gen = n->slot_gen[e.slot];
+      if (n->slot_kind[e.slot] == 1) m = n->slot_matcher[e.slot];
+    }
+    if (advanced <= 0) continue;
+    const int64_t count = e.index < n->num_slots ? n->counts[e.index] : -1;
+    int32_t o3[3] = {0, 0, 0};
+    std::string message;
+    RollbackOne(n, e, count, advanced, m, o3, &message);
+    {
+      std::lock_guard<std::mutex> lock(n->mu);
+      if (n->slot_gen[e.slot] == gen) n->slot_advanced[e.slot] = o3[0] == 0 ? o3[1] : 0;
+      if (o3[0] != 0) DropFailed(n, e.slot, gen);
+    }
+    d->slots.push_back(e.slot);
+    d->gens.push_back(gen);
+    d->index.push_back(e.index);
+    d->out.insert(d->out.end(), o3, o3 + 3);
+    d->messages.push_back(std::move(message));
+  }
+}
+
 // The rollback of rejected drafts (rollback_rejected_batch): every request of the batch the
 // next step runs (the oldest queued job; else the last step run) rolls back to the tokens its
 // verification accepted, counts[batch index] (bonus included), clamped to what its matcher
@@ -1235,10 +1348,10 @@ void RunRollback(void* p) {
   auto* n = static_cast<HostNode*>(p);
   std::lock_guard<std::mutex> serial(n->run_mu);
   if (n->warmup.load()) return;
-  const NodeRange range(/*rollback=*/true);
+  const NodeRange range(1);
   const int64_t t0 = NowNs();
   NodeDone d;
-  d.rollback = true;
+  d.kind = kDoneRollback;
   std::vector<NodeEntry> entries;
   bool python;
   {
@@ -1259,39 +1372,8 @@ void RunRollback(void* p) {
   }
   if (python) {
     RunPython(n, -1);
-  } else if (n->max_drafts > 0) {
-    for (const NodeEntry& e : entries) {
-      ObjectRef m;
-      int32_t advanced;
-      uint64_t gen;
-      {
-        std::lock_guard<std::mutex> lock(n->mu);
-        advanced = n->slot_advanced[e.slot];
-        gen = n->slot_gen[e.slot];
-        if (n->slot_kind[e.slot] == 1) m = n->slot_matcher[e.slot];
-      }
-      if (advanced <= 0) continue;
-      const int64_t count = e.index < n->num_slots ? n->counts[e.index] : -1;
-      int32_t o3[3] = {0, 0, 0};
-      std::string message;
-      RollbackOne(n, e, count, advanced, m, o3, &message);
-      {
-        std::lock_guard<std::mutex> lock(n->mu);
-        if (n->slot_gen[e.slot] == gen) {
-          n->slot_advanced[e.slot] = o3[0] == 0 ? o3[1] : 0;
-          if (o3[0] != 0 && n->slot_kind[e.slot] == 1) {  // its matcher runs no later step
-            ObjectRef dropped;
-            std::swap(n->slot_matcher[e.slot], dropped);
-            n->slot_kind[e.slot] = 0;
-          }
-        }
-      }
-      d.slots.push_back(e.slot);
-      d.gens.push_back(gen);
-      d.index.push_back(e.index);
-      d.out.insert(d.out.end(), o3, o3 + 3);
-      d.messages.push_back(std::move(message));
-    }
+  } else {
+    RollbackEntries(n, entries, &d);
   }
   if (!python) {
     std::lock_guard<std::mutex> lock(n->mu);
@@ -1300,6 +1382,228 @@ void RunRollback(void* p) {
   n->busy_ns.fetch_add(NowNs() - t0);
   n->rollback_runs.fetch_add(1);
 }
+
+// A draft step's build: each request of the loop's batch accepts its draft token (the draft
+// buffer's entry at its batch position) and fills its one row (row = batch position), as the
+// decoder's build of draft requests does: a refused token or a dead row stops guiding the
+// slot for the rest of the loop (not a failure); a fault or a budget overrun fails the
+// request (rows unmasked, matcher dropped); a slot already stopped, or whose matcher has
+// terminated, is skipped. The advances count toward the slot's draft advances.
+void DraftBuild(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d) {
+  Builder* b = n->builder;
+  const int64_t k = static_cast<int64_t>(entries.size());
+  std::vector<ObjectRef> refs(static_cast<size_t>(k));
+  std::vector<uint64_t> gens(static_cast<size_t>(k));
+  {
+    std::lock_guard<std::mutex> lock(n->mu);
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t slot = entries[i].slot;
+      if (n->slot_kind[slot] == 1 && !n->slot_stopped[slot]) refs[i] = n->slot_matcher[slot];
+      gens[i] = n->slot_gen[slot];
+    }
+  }
+  int32_t* mask = b->BeginStep(b->bitmask.size(0));  // (the decoder clears every row)
+  const int64_t rows = b->bitmask.size(0);
+  std::vector<int64_t> runs, tokens, reported;  // entries that run; their tokens
+  std::vector<int32_t> out;
+  std::vector<std::string> messages;
+  for (int64_t i = 0; i < k; ++i) {
+    const NodeEntry& e = entries[i];
+    d->seen_slots.push_back(e.slot);
+    d->seen_gens.push_back(gens[i]);
+    const ObjectRef& m = refs[i];
+    if (!m.defined()) continue;
+    std::string message;
+    try {
+      if (b->is_terminated(m).cast<bool>()) continue;
+    } catch (const std::exception& ex) {
+      message = std::string("RuntimeError: is_terminated: ") + ex.what();
+    }
+    const int64_t token = e.index < n->num_slots ? n->draft_tokens[e.index] : -1;
+    if (message.empty() && (token < 0 || token >= n->vocab_size)) {
+      message = "RequestError: draft step token " + std::to_string(token) + " from the "
+                "draft token buffer is outside the vocabulary [0, " +
+                std::to_string(n->vocab_size) + ")";
+    }
+    reported.push_back(i);
+    out.insert(out.end(), {message.empty() ? kOk : kFault, 0, 0});
+    messages.push_back(std::move(message));
+    if (messages.back().empty()) {
+      runs.push_back(i);
+      tokens.push_back(token);
+    }
+  }
+  const int64_t nrun = static_cast<int64_t>(runs.size());
+  std::vector<int32_t> run_out(static_cast<size_t>(nrun * 3), 0);
+  const size_t errors_before = b->errors.size();
+  // (one row each, its own matcher: the fill pool may split them)
+  const bool parallel = b->fill_threads > 1 && nrun >= b->pool_min_requests;
+  b->ForEachRequest(nrun, run_out.data(), parallel, false,
+                    [&](int64_t r, Builder::StepClock* clock, std::string* error) {
+                      b->RunOne(refs[runs[r]], tokens[r], entries[runs[r]].index, 0, Drafts{},
+                                0, rows, mask, run_out.data() + r * 3, clock, error);
+                    });
+  {  // (as node_take writes Python's: zero for every slot the build saw, then what ran)
+    std::lock_guard<std::mutex> lock(n->mu);
+    for (int64_t i = 0; i < k; ++i) {
+      if (n->slot_gen[entries[i].slot] == gens[i]) n->slot_advanced[entries[i].slot] = 0;
+    }
+  }
+  size_t next_error = errors_before;
+  int64_t r = 0;
+  for (size_t q = 0; q < reported.size(); ++q) {
+    const int64_t i = reported[q];
+    const NodeEntry& e = entries[i];
+    int32_t* o3 = out.data() + q * 3;
+    if (r < nrun && runs[r] == i) {
+      std::copy(run_out.data() + r * 3, run_out.data() + r * 3 + 3, o3);
+      const int32_t kind = o3[0] & ~kTerminated;
+      if ((kind == kFault || kind == kOverBudget) && next_error < b->errors.size()) {
+        messages[q] = b->errors[next_error++];
+      }
+      n->rows.fetch_add(o3[2]);
+      ++r;
+    }
+    const int32_t kind = o3[0] & ~kTerminated;
+    {
+      std::lock_guard<std::mutex> lock(n->mu);
+      const bool current = n->slot_gen[e.slot] == gens[i];
+      if (kind == kFault || kind == kOverBudget) {
+        if (o3[2] && e.index < rows) mask[e.index] = 0;
+        DropFailed(n, e.slot, gens[i]);
+      } else if (current) {
+        n->slot_advanced[e.slot] = o3[1];
+        n->slot_drafted[e.slot] += o3[1];
+        if (kind == kRejected || kind == kDeadEnd) n->slot_stopped[e.slot] = 1;
+      }
+    }
+    if (kind == kOk && o3[2]) d->masked = true;
+    d->slots.push_back(e.slot);
+    d->gens.push_back(gens[i]);
+    d->index.push_back(e.index);
+    d->out.insert(d->out.end(), o3, o3 + 3);
+    d->messages.push_back(std::move(messages[q]));
+  }
+}
+
+// The end of a drafting loop: every request of the loop's batch rolls back what the loop
+// advanced its matcher, and its slot is guided again (a matcher that raises fails its
+// request).
+void DraftEnd(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d) {
+  for (const NodeEntry& e : entries) {
+    ObjectRef m;
+    int32_t drafted;
+    uint64_t gen;
+    {
+      std::lock_guard<std::mutex> lock(n->mu);
+      drafted = n->slot_drafted[e.slot];
+      gen = n->slot_gen[e.slot];
+      if (n->slot_kind[e.slot] == 1) m = n->slot_matcher[e.slot];
+    }
+    int32_t o3[3] = {0, drafted, 0};
+    std::string message;
+    if (drafted > 0 && m.defined()) {
+      try {
+        n->rollback(m, drafted);
+        o3[2] = 1;
+      } catch (const tvm::ffi::Error& ex) {
+        o3[0] = 2;
+        message = ex.kind() + ": " + ex.message();
+      } catch (const std::exception& ex) {
+        o3[0] = 2;
+        message = std::string("RuntimeError: ") + ex.what();
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(n->mu);
+      if (n->slot_gen[e.slot] == gen) {
+        n->slot_drafted[e.slot] = 0;
+        n->slot_stopped[e.slot] = 0;
+      }
+      if (o3[0] != 0) DropFailed(n, e.slot, gen);
+    }
+    d->slots.push_back(e.slot);
+    d->gens.push_back(gen);
+    d->index.push_back(e.index);
+    d->out.insert(d->out.end(), o3, o3 + 3);
+    d->messages.push_back(std::move(message));
+  }
+}
+
+// One step of a drafting loop (execute_draft_batch): at the first, the loop's batch is taken
+// off the queue (as a step takes it) and its rejected drafts are rolled back (as
+// RunRollback); then the draft step's build (DraftBuild); at the last, the loop's draft
+// advances are rolled back (DraftEnd). Each part is a record of its own. The loop is
+// Python's (the decoder's draft step under the GIL, from its first step to its last) where
+// its batch is a Python step's, after a Python step, or where a slot's matcher only Python
+// can run. A warm-up run masks nothing and takes nothing. Never throws.
+void RunDraft(HostNode* n, bool first, bool last) {
+  std::lock_guard<std::mutex> serial(n->run_mu);
+  if (n->warmup.load()) {
+    ClearAll(n);
+    return;
+  }
+  const NodeRange range(2);
+  const int64_t t0 = NowNs();
+  std::vector<NodeEntry> entries;
+  bool python = false;
+  if (first) {
+    NodeDone pop;
+    pop.kind = kDoneDraftPop;
+    NodeJob job;
+    const bool have = TakeJob(n, &job, &pop);
+    {
+      std::lock_guard<std::mutex> lock(n->mu);
+      python = have && pop.error.empty() &&
+               (job.python || n->last_python ||
+                std::any_of(job.entries.begin(), job.entries.end(), [&](const NodeEntry& e) {
+                  return n->slot_kind[e.slot] == 2 || e.fill_only || e.skip;
+                }));
+      n->draft_python = python;
+      n->draft_epoch = job.epoch;
+      n->draft_entries.clear();
+      if (have && pop.error.empty() && !python) n->draft_entries = job.entries;
+      entries = n->draft_entries;
+      if (!python) n->done.push_back(std::move(pop));  // (Python's loop pops its own)
+    }
+  } else {
+    std::lock_guard<std::mutex> lock(n->mu);
+    python = n->draft_python;
+    entries = n->draft_entries;
+  }
+  if (python) {
+    RunPythonDraft(n, first, last);
+  } else {
+    try {
+      NodeDone back, build, end;
+      back.kind = kDoneRollback;
+      build.kind = kDoneDraftBuild;
+      end.kind = kDoneDraftEnd;
+      back.epoch = build.epoch = end.epoch = n->draft_epoch;
+      if (first) RollbackEntries(n, entries, &back);
+      DraftBuild(n, entries, &build);
+      if (last) DraftEnd(n, entries, &end);
+      std::lock_guard<std::mutex> lock(n->mu);
+      if (first) n->done.push_back(std::move(back));
+      n->done.push_back(std::move(build));
+      if (last) n->done.push_back(std::move(end));
+    } catch (const std::exception& ex) {  // (BeginStep's bounds: a bug, reported as such)
+      NodeDone bug;
+      bug.kind = kDoneDraftPop;
+      bug.epoch = n->draft_epoch;
+      bug.error = std::string("host node draft step: ") + ex.what();
+      std::lock_guard<std::mutex> lock(n->mu);
+      n->done.push_back(std::move(bug));
+    }
+  }
+  n->busy_ns.fetch_add(NowNs() - t0);
+  n->draft_runs.fetch_add(1);
+}
+
+void RunDraftFirst(void* p) { RunDraft(static_cast<HostNode*>(p), true, false); }
+void RunDraftMiddle(void* p) { RunDraft(static_cast<HostNode*>(p), false, false); }
+void RunDraftLast(void* p) { RunDraft(static_cast<HostNode*>(p), false, true); }
+void RunDraftOnly(void* p) { RunDraft(static_cast<HostNode*>(p), true, true); }
 
 HostNode* NodeArg(PyObject* capsule) {
   return static_cast<HostNode*>(PyCapsule_GetPointer(capsule, kNodeCapsule));
@@ -1322,23 +1626,31 @@ HostNode* NodeCall(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t expected,
 // checked by the caller (capgraph/build/library.py), which hands their data addresses and
 // the address of the rollback Function's FFI object.
 PyObject* NodeCreate(PyObject*, PyObject* args) {
-  PyObject *fast_capsule, *buffer, *fallback, *counts, *rollback, *rollback_fallback;
-  long long address = 0, positions = 0, counts_address = 0, rollback_address = 0;
-  if (!PyArg_ParseTuple(args, "OOLLOOLOLO", &fast_capsule, &buffer, &address, &positions,
+  PyObject *fast_capsule, *buffer, *fallback, *counts, *rollback, *rollback_fallback, *drafts,
+      *draft_fallback;
+  long long address = 0, positions = 0, counts_address = 0, rollback_address = 0,
+            drafts_address = 0;
+  if (!PyArg_ParseTuple(args, "OOLLOOLOLOOLO", &fast_capsule, &buffer, &address, &positions,
                         &fallback, &counts, &counts_address, &rollback, &rollback_address,
-                        &rollback_fallback)) {
+                        &rollback_fallback, &drafts, &drafts_address, &draft_fallback)) {
     return nullptr;
   }
   BuryNodes();
   auto* st = static_cast<FastState*>(PyCapsule_GetPointer(fast_capsule, kCapsule));
   if (st == nullptr) return nullptr;
-  if (!PyCallable_Check(fallback) || !PyCallable_Check(rollback_fallback) || address == 0 ||
-      positions < 1 || counts_address == 0 || rollback_address == 0) {
+  if (!PyCallable_Check(fallback) || !PyCallable_Check(rollback_fallback) ||
+      !PyCallable_Check(draft_fallback) || address == 0 || positions < 1 ||
+      counts_address == 0 || rollback_address == 0 || drafts_address == 0) {
     PyErr_SetString(PyExc_ValueError, "node_create: callable fallbacks, the buffers' addresses, "
                     "positions >= 1 and the rollback Function's address are needed");
     return nullptr;
   }
   auto* n = new HostNode();
+  n->draft_buffer = drafts;
+  n->draft_tokens = reinterpret_cast<const int32_t*>(static_cast<intptr_t>(drafts_address));
+  n->draft_fallback = draft_fallback;
+  Py_INCREF(drafts);
+  Py_INCREF(draft_fallback);
   n->counts_buffer = counts;
   n->counts = reinterpret_cast<const int32_t*>(static_cast<intptr_t>(counts_address));
   n->rollback_owner = rollback;
@@ -1366,18 +1678,21 @@ PyObject* NodeCreate(PyObject*, PyObject* args) {
   n->slot_stopped.assign(static_cast<size_t>(n->num_slots), 0);
   n->slot_advanced.assign(static_cast<size_t>(n->num_slots), 0);
   n->slot_gen.assign(static_cast<size_t>(n->num_slots), 0);
+  n->slot_drafted.assign(static_cast<size_t>(n->num_slots), 0);
   PyObject* capsule = PyCapsule_New(n, kNodeCapsule, DestroyNode);
   if (capsule == nullptr) {
     NodeRelease(n);
     BuryNodes();
     return nullptr;
   }
-  return Py_BuildValue("(NKKKKK)", capsule,
-                       static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(&RunNode)),
-                       static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(&NodeRetain)),
-                       static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(&NodeRelease)),
+  auto addr = [](void (*f)(void*)) {
+    return static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(f));
+  };
+  return Py_BuildValue("(NKKKKK(KKKK))", capsule, addr(&RunNode), addr(&NodeRetain),
+                       addr(&NodeRelease),
                        static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(n)),
-                       static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(&RunRollback)));
+                       addr(&RunRollback), addr(&RunDraftMiddle), addr(&RunDraftFirst),
+                       addr(&RunDraftLast), addr(&RunDraftOnly));
 }
 
 // What a node job asks of its caller: the batch indices of the requests whose matchers it
@@ -1599,172 +1914,171 @@ PyObject* NodeSetSlot(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
-// node_take(node, advanced, guided): see the section's comment.
+// Append the int v to list (false with an error set).
+bool AppendInt(PyObject* list, int64_t v) {
+  PyObject* item = PyLong_FromLongLong(v);
+  const bool ok = item != nullptr && PyList_Append(list, item) == 0;
+  Py_XDECREF(item);
+  return ok;
+}
+
+// One NodeDone as node_take's tuple, its counters written to the lists where the slot's
+// matcher generation is still the run's (gen_now); nullptr with an error set.
+PyObject* DoneTuple(const HostNode* n, const NodeDone& d, const std::vector<uint64_t>& gen_now,
+                    PyObject* advanced, PyObject* guided, PyObject* drafted) {
+  auto set = [](PyObject* list, int64_t slot, int32_t value) {
+    if (slot < PyList_GET_SIZE(list)) SetCount(list, slot, value);
+  };
+  for (size_t k = 0; k < d.seen_slots.size(); ++k) {
+    const int64_t slot = d.seen_slots[k];
+    if (gen_now[slot] != d.seen_gens[k]) continue;  // (a run of the slot's old matcher)
+    set(advanced, slot, 0);
+    set(guided, slot, 0);
+  }
+  const bool rolls = d.kind == kDoneRollback || d.kind == kDoneDraftEnd;
+  Ref unusual(Py_None);
+  Py_INCREF(Py_None);
+  Ref rolled(rolls ? PyList_New(0) : (Py_INCREF(Py_None), Py_None));
+  if (!rolled) return nullptr;
+  for (size_t k = 0; k < d.slots.size(); ++k) {
+    const int32_t* o = d.out.data() + k * 3;
+    const int64_t slot = d.slots[k];
+    const bool current = gen_now[slot] == d.gens[k];
+    if (current) {
+      switch (d.kind) {
+        case kDoneRollback:  // o: status, kept, rolled back
+          if (o[0] == 0) set(advanced, slot, o[1]);
+          if (o[2] && !AppendInt(rolled.get(), slot)) return nullptr;
+          break;
+        case kDoneDraftEnd:  // o: status, draft advances, rolled back
+          if (slot < PyList_GET_SIZE(drafted)) SetCount(drafted, slot, 0);
+          if (!AppendInt(rolled.get(), slot)) return nullptr;
+          break;
+        default:  // a step or a draft build: o: status, accepted, guided
+          if (o[1]) set(advanced, slot, o[1]);
+          if (o[2]) set(guided, slot, o[2]);
+          if (d.kind == kDoneDraftBuild && o[1] && (o[0] & ~kTerminated) != kFault &&
+              slot < PyList_GET_SIZE(drafted)) {
+            PyObject* was = PyList_GET_ITEM(drafted, slot);
+            const long before = PyLong_Check(was) ? PyLong_AsLong(was) : 0;
+            if (before == -1 && PyErr_Occurred()) PyErr_Clear();
+            SetCount(drafted, slot, static_cast<int32_t>(std::max<long>(before, 0) + o[1]));
+          }
+      }
+    }
+    if (o[0] == kOk) continue;
+    if (unusual.get() == Py_None) {
+      unusual = Ref(PyList_New(0));
+      if (!unusual) return nullptr;
+    }
+    const std::string& text = d.messages[k];
+    Ref item(text.empty()
+                 ? Py_BuildValue("(LiO)", static_cast<long long>(d.index[k]), o[0], Py_None)
+                 : Py_BuildValue("(Lis#)", static_cast<long long>(d.index[k]), o[0],
+                                 text.data(), static_cast<Py_ssize_t>(text.size())));
+    if (!item || PyList_Append(unusual.get(), item.get()) < 0) return nullptr;
+  }
+  Ref columns(Py_None);
+  Py_INCREF(Py_None);
+  if (!d.columns.empty()) {
+    columns = Ref(PyList_New(0));
+    if (!columns) return nullptr;
+    const size_t width = static_cast<size_t>(n->positions) + 1;
+    for (size_t at = 0; at + width <= d.columns.size(); at += width) {
+      Ref values(PyList_New(n->positions));
+      if (!values) return nullptr;
+      for (int64_t p = 0; p < n->positions; ++p) {
+        PyObject* v = PyLong_FromLongLong(d.columns[at + 1 + p]);
+        if (v == nullptr) return nullptr;
+        PyList_SET_ITEM(values.get(), p, v);
+      }
+      Ref item(Py_BuildValue("(LO)", static_cast<long long>(d.columns[at]), values.get()));
+      if (!item || PyList_Append(columns.get(), item.get()) < 0) return nullptr;
+    }
+  }
+  Ref error(d.error.empty() ? (Py_INCREF(Py_None), Py_None)
+                            : PyUnicode_DecodeUTF8(d.error.data(),
+                                                   static_cast<Py_ssize_t>(d.error.size()),
+                                                   "replace"));
+  if (!error) return nullptr;
+  return Py_BuildValue("(iLOOOOO)", d.kind, static_cast<long long>(d.epoch), error.get(),
+                       d.masked ? Py_True : Py_False, unusual.get(), columns.get(),
+                       rolled.get());
+}
+
+// node_take(node, advanced, guided, drafted): see the section's comment.
 PyObject* NodeTake(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3 || !PyList_Check(args[1]) || !PyList_Check(args[2])) {
-    PyErr_SetString(PyExc_TypeError, "node_take(node, advanced: list, guided: list)");
+  if (nargs != 4 || !PyList_Check(args[1]) || !PyList_Check(args[2]) ||
+      !PyList_Check(args[3])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "node_take(node, advanced: list, guided: list, drafted: list)");
     return nullptr;
   }
   HostNode* n = NodeArg(args[0]);
   if (n == nullptr) return nullptr;
   BuryNodes();
   std::deque<NodeDone> done;
-  {
-    std::lock_guard<std::mutex> lock(n->mu);
-    done.swap(n->done);
-  }
-  PyObject* advanced = args[1];
-  PyObject* guided = args[2];
   std::vector<uint64_t> gen_now;  // each slot's matcher generation now
   {
     std::lock_guard<std::mutex> lock(n->mu);
+    done.swap(n->done);
     gen_now = n->slot_gen;
   }
-  PyObject* result = PyList_New(0);
-  if (result == nullptr) return nullptr;
+  Ref result(PyList_New(0));
+  if (!result) return nullptr;
   for (const NodeDone& d : done) {
-    for (size_t k = 0; k < d.seen_slots.size(); ++k) {
-      const int64_t slot = d.seen_slots[k];
-      if (gen_now[slot] != d.seen_gens[k]) continue;  // (a run of the slot's old matcher)
-      if (slot < PyList_GET_SIZE(advanced)) SetCount(advanced, slot, 0);
-      if (slot < PyList_GET_SIZE(guided)) SetCount(guided, slot, 0);
-    }
-    PyObject* unusual = Py_None;
-    Py_INCREF(unusual);
-    PyObject* rolled = Py_None;
-    Py_INCREF(rolled);
-    if (d.rollback) {
-      Py_DECREF(rolled);
-      rolled = PyList_New(0);
-      if (rolled == nullptr) {
-        Py_DECREF(unusual);
-        Py_DECREF(result);
-        return nullptr;
-      }
-    }
-    for (size_t k = 0; k < d.slots.size(); ++k) {
-      const int32_t* o = d.out.data() + k * 3;
-      const int64_t slot = d.slots[k];
-      const bool current = gen_now[slot] == d.gens[k];
-      if (d.rollback) {
-        if (current && o[0] == 0 && slot < PyList_GET_SIZE(advanced)) {
-          SetCount(advanced, slot, o[1]);
-        }
-        if (current && o[2]) {
-          PyObject* v = PyLong_FromLongLong(slot);
-          if (v == nullptr || PyList_Append(rolled, v) < 0) {
-            Py_XDECREF(v);
-            Py_DECREF(rolled);
-            Py_DECREF(unusual);
-            Py_DECREF(result);
-            return nullptr;
-          }
-          Py_DECREF(v);
-        }
-      } else if (current) {
-        if (o[1] && slot < PyList_GET_SIZE(advanced)) SetCount(advanced, slot, o[1]);
-        if (o[2] && slot < PyList_GET_SIZE(guided)) SetCount(guided, slot, o[2]);
-      }
-      if (o[0] == kOk) continue;
-      if (unusual == Py_None) {
-        Py_DECREF(unusual);
-        unusual = PyList_New(0);
-        if (unusual == nullptr) {
-          Py_DECREF(result);
-          return nullptr;
-        }
-      }
-      const std::string& text = d.messages[k];
-      PyObject* item = text.empty()
-          ? Py_BuildValue("(LiO)", static_cast<long long>(d.index[k]), o[0], Py_None)
-          : Py_BuildValue("(Lis#)", static_cast<long long>(d.index[k]), o[0], text.data(),
-                          static_cast<Py_ssize_t>(text.size()));
-      if (item == nullptr || PyList_Append(unusual, item) < 0) {
-        Py_XDECREF(item);
-        Py_DECREF(unusual);
-        Py_DECREF(rolled);
-        Py_DECREF(result);
-        return nullptr;
-      }
-      Py_DECREF(item);
-    }
-    PyObject* columns = Py_None;
-    Py_INCREF(columns);
-    if (!d.columns.empty()) {
-      Py_DECREF(columns);
-      columns = PyList_New(0);
-      const size_t width = static_cast<size_t>(n->positions) + 1;
-      for (size_t at = 0; columns != nullptr && at + width <= d.columns.size(); at += width) {
-        PyObject* values = PyList_New(n->positions);
-        for (int64_t p = 0; values != nullptr && p < n->positions; ++p) {
-          PyList_SET_ITEM(values, p, PyLong_FromLongLong(d.columns[at + 1 + p]));
-        }
-        PyObject* item = values == nullptr ? nullptr
-            : Py_BuildValue("(LN)", static_cast<long long>(d.columns[at]), values);
-        if (item == nullptr || PyList_Append(columns, item) < 0) {
-          Py_XDECREF(item);
-          Py_CLEAR(columns);
-          break;
-        }
-        Py_DECREF(item);
-      }
-      if (columns == nullptr) {
-        Py_DECREF(unusual);
-        Py_DECREF(rolled);
-        Py_DECREF(result);
-        return nullptr;
-      }
-    }
-    PyObject* error = d.error.empty() ? (Py_INCREF(Py_None), Py_None)
-        : PyUnicode_DecodeUTF8(d.error.data(), static_cast<Py_ssize_t>(d.error.size()),
-                               "replace");
-    PyObject* item = error == nullptr ? nullptr
-        : Py_BuildValue("(LNONNN)", static_cast<long long>(d.epoch), error,
-                        d.masked ? Py_True : Py_False, unusual, columns, rolled);
-    if (item == nullptr || PyList_Append(result, item) < 0) {
-      Py_XDECREF(item);
-      Py_DECREF(result);
-      return nullptr;
-    }
-    Py_DECREF(item);
+    Ref item(DoneTuple(n, d, gen_now, args[1], args[2], args[3]));
+    if (!item || PyList_Append(result.get(), item.get()) < 0) return nullptr;
   }
-  return result;
+  return result.release();
 }
 
 // node_stats(node) -> (runs, python_runs, last_start_ns, last_end_ns, busy_ns, rows,
-//                      rollback_runs, python_rollback_runs)
+//                      rollback_runs, python_rollback_runs, draft_runs, python_draft_runs)
 PyObject* NodeStats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HostNode* n = NodeCall(args, nargs, 1, "node_stats(node)");
   if (n == nullptr) return nullptr;
-  return Py_BuildValue("(LLLLLLLL)", static_cast<long long>(n->runs.load()),
+  return Py_BuildValue("(LLLLLLLLLL)", static_cast<long long>(n->runs.load()),
                        static_cast<long long>(n->python_runs.load()),
                        static_cast<long long>(n->last_start.load()),
                        static_cast<long long>(n->last_end.load()),
                        static_cast<long long>(n->busy_ns.load()),
                        static_cast<long long>(n->rows.load()),
                        static_cast<long long>(n->rollback_runs.load()),
-                       static_cast<long long>(n->python_rollback_runs.load()));
+                       static_cast<long long>(n->python_rollback_runs.load()),
+                       static_cast<long long>(n->draft_runs.load()),
+                       static_cast<long long>(n->python_draft_runs.load()));
 }
 
-// node_sync_counts(node, advanced): the node's per-slot advance counts from Python's list
-// (after a Python stage, whose counters are then the decoder's).
-PyObject* NodeSyncCounts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HostNode* n = NodeCall(args, nargs, 2, "node_sync_counts(node, advanced)");
-  if (n == nullptr) return nullptr;
-  PyObject* advanced = args[1];
-  if (!PyList_Check(advanced) || PyList_GET_SIZE(advanced) != n->num_slots) {
-    PyErr_Format(PyExc_TypeError, "node_sync_counts: advanced must be a list of %lld ints",
+// The ints of a list of num_slots counts, clamped to [0, INT32_MAX]; false with an error set.
+bool CountList(const HostNode* n, PyObject* list, const char* name, std::vector<int32_t>* out) {
+  if (!PyList_Check(list) || PyList_GET_SIZE(list) != n->num_slots) {
+    PyErr_Format(PyExc_TypeError, "node_sync_counts: %s must be a list of %lld ints", name,
                  static_cast<long long>(n->num_slots));
+    return false;
+  }
+  out->resize(static_cast<size_t>(n->num_slots));
+  for (int64_t slot = 0; slot < n->num_slots; ++slot) {
+    const long v = PyLong_AsLong(PyList_GET_ITEM(list, slot));
+    if (v == -1 && PyErr_Occurred()) return false;
+    (*out)[slot] = static_cast<int32_t>(std::max<long>(0, std::min<long>(v, INT32_MAX)));
+  }
+  return true;
+}
+
+// node_sync_counts(node, advanced, drafted): the node's per-slot advance and draft-advance
+// counts from Python's lists (after a Python stage, whose counters are then the decoder's).
+PyObject* NodeSyncCounts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HostNode* n = NodeCall(args, nargs, 3, "node_sync_counts(node, advanced, drafted)");
+  if (n == nullptr) return nullptr;
+  std::vector<int32_t> advanced, drafted;
+  if (!CountList(n, args[1], "advanced", &advanced) ||
+      !CountList(n, args[2], "drafted", &drafted)) {
     return nullptr;
   }
-  std::vector<int32_t> values(static_cast<size_t>(n->num_slots));
-  for (int64_t slot = 0; slot < n->num_slots; ++slot) {
-    const long v = PyLong_AsLong(PyList_GET_ITEM(advanced, slot));
-    if (v == -1 && PyErr_Occurred()) return nullptr;
-    values[slot] = static_cast<int32_t>(std::max<long>(0, std::min<long>(v, INT32_MAX)));
-  }
   std::lock_guard<std::mutex> lock(n->mu);
-  n->slot_advanced.swap(values);
+  n->slot_advanced.swap(advanced);
+  n->slot_drafted.swap(drafted);
   Py_RETURN_NONE;
 }
 

@@ -751,11 +751,12 @@ def test_bench_host_node_speculative_run(tmp_path, native_ok):
 
 
 def test_drafting_loop_beside_the_node_equals_eager(factory, tekken, native_ok):
-    """A draft-model loop (add_draft_batch / execute_draft_batch, Python callbacks) on a
-    decoder whose target steps run on the native node (active after a capture): the loop's
-    first draft step consumes its batch from the node's queue too, so every draft row and
-    every target step masks as GuidedDecoder driven through the same loop, with no queue
-    error, and the target steps run natively."""
+    """A draft-model loop (add_draft_batch / execute_draft_batch) on a decoder whose node is
+    active (after a capture): the loop's first draft step takes its batch off the node's
+    queue and rolls the rejected drafts back, each draft step builds its rows, the last rolls
+    the loop's advances back, all in the node; every draft row and every target step masks as
+    GuidedDecoder driven through the same loop (drafts off the grammar included), with no
+    queue error, and every step ran natively."""
     V = factory.config.vocab_size_padded
     case = GUIDED[0]
     text = texts_of(tekken, [case])[0]
@@ -810,6 +811,7 @@ def test_drafting_loop_beside_the_node_equals_eager(factory, tekken, native_ok):
         p += 1 + accepted
     stats = capt.host_node_stats
     assert targets > 2 and stats.runs == targets + 1 and stats.python_runs == 0
+    assert stats.draft_runs == K * targets and stats.python_draft_runs == 0
     graph.reset()
     capt.close()
 
@@ -836,3 +838,112 @@ def test_discard_queued_batches_drops_the_nodes_job_too(factory, tekken, native_
     assert capt.host_node_stats.python_runs == 0
     graph.reset()
     capt.close()
+
+
+def _draft_loops(factory, tekken, seed, K=3, wrap_loop=None, iterations=12):
+    """Drafting loops over three requests (schema, regex, EBNF) with random proposals (the
+    text's next tokens, tokens off the grammar, the stop token) and random acceptance,
+    beside the eager decoder driven through the same loop: every draft row, target step and
+    matcher state equal. ``wrap_loop``: the loop in which slot 0's matcher is one only Python
+    can run. Returns the decoder's node stats."""
+    V = factory.config.vocab_size_padded
+    eos = factory.config.stop_token_ids[0]
+    cases = GUIDED[:3]
+    texts = texts_of(tekken, cases)
+    S = len(cases)
+    rng = random.Random(seed)
+    eager = GuidedDecoder(factory.config, S, K, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, S, K, factory=factory, host_node="native")
+    ctx = [GuidedRequest.context(i + 1, i, c.params) for i, c in enumerate(cases)]
+    graph = capture(capt, ctx, torch.zeros(S * (K + 1), V))
+    for d in (eager, capt):
+        d.add_batch(ctx)
+        d.execute(torch.zeros(S, V))
+    assert capt.take_failed_requests() == []
+    pos, accepted = [0] * S, [0] * S
+    for it in range(iterations):
+        if any(pos[i] + K + 1 >= len(texts[i]) for i in range(S)):
+            break
+        native = None
+        if it == wrap_loop:
+            native = capt.grammar_matchers[0]
+
+            class Wrapped:  # forwards everything: only Python can run it
+                def __getattr__(self, name):
+                    return getattr(native, name)
+            capt.grammar_matchers[0] = Wrapped()
+        golden = [texts[i][pos[i]] for i in range(S)]
+        targets = [GuidedRequest.generation(i + 1, i, c.params, golden[i],
+                                            num_accepted_draft_tokens=accepted[i])
+                   for i, c in enumerate(cases)]
+        eager.add_batch(targets)
+        eager.rollback_rejected_tokens()
+        capt.add_batch(targets)
+        proposals = []
+        for i in range(S):
+            row = [golden[i]]
+            for j in range(K):
+                roll = rng.random()
+                row.append(texts[i][pos[i] + 1 + j] if roll < 0.7 else
+                           eos if roll < 0.8 else rng.randrange(1000, 9000))
+            proposals.append(row)
+        for k in range(K):
+            drafts = [GuidedRequest(c.params, i + 1, i, is_draft=True,
+                                    is_generation_in_progress_state=True,
+                                    new_token=proposals[i][k]) for i, c in enumerate(cases)]
+            eager.add_batch(drafts)
+            la = torch.randn(S, V, generator=torch.Generator().manual_seed(100 * it + k))
+            lb = la.clone()
+            failed = eager.execute(la)
+            capt.add_draft_batch(torch.tensor([p[k] for p in proposals]),
+                                 torch.tensor([1 + a for a in accepted]) if k == 0 else None,
+                                 k)
+            capt.execute_draft_batch(lb, draft_step=k)
+            assert capt.take_failed_requests() == failed == [], f"loop {it} step {k}"
+            assert same(la, lb), f"draft step {k} of loop {it}"
+        eager.rollback_draft_tokens()
+        if native is not None:
+            capt.grammar_matchers[0] = native
+        targets = [GuidedRequest.generation(i + 1, i, c.params, golden[i],
+                                            draft_tokens=proposals[i][1:])
+                   for i, c in enumerate(cases)]
+        eager.add_batch(targets)
+        capt.add_batch(targets)
+        la = torch.randn(S * (K + 1), V, generator=torch.Generator().manual_seed(it))
+        lb = la.clone()
+        n = eager.requests.num_bitmask_tokens
+        failed = eager.execute(la[:n])
+        capt.execute(lb[:n])
+        assert capt.take_failed_requests() == failed == [], f"target of loop {it}"
+        assert same(la[:n], lb[:n]), f"target step of loop {it}"
+        assert_same_matcher_states(eager, capt)
+        assert capt.is_draft_terminated[:S] == eager.is_draft_terminated[:S]
+        assert capt.num_advanced_draft_tokens == eager.num_advanced_draft_tokens
+        for i in range(S):
+            match = 0
+            while match < K and proposals[i][1 + match] == texts[i][pos[i] + 1 + match]:
+                match += 1
+            accepted[i] = rng.randint(0, match)
+            pos[i] += 1 + accepted[i]
+    stats = capt.host_node_stats
+    graph.reset()
+    capt.close()
+    return stats
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_drafting_loops_on_the_node_equal_eager(factory, tekken, native_ok, seed):
+    """Random drafting loops over three requests, with drafts off the grammar and stop tokens
+    (slots stop being guided mid-loop, matchers terminate inside a loop and are rolled back at
+    its end), run in the node step for step as GuidedDecoder runs them."""
+    stats = _draft_loops(factory, tekken, seed)
+    assert stats.draft_runs > 0 and stats.python_draft_runs == 0 and stats.python_runs == 0
+
+
+def test_drafting_loop_the_node_cannot_run_is_pythons_whole(factory, tekken, native_ok):
+    """A drafting loop whose batch holds a slot whose matcher only Python can run is Python's
+    from its first step to its last (inside the node), and the loops before and after it are
+    native; every step equals the eager decoder."""
+    stats = _draft_loops(factory, tekken, 5, wrap_loop=2, iterations=5)
+    assert stats.python_draft_runs == 3  # (K draft steps of the one loop)
+    assert stats.draft_runs > stats.python_draft_runs

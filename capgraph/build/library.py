@@ -386,11 +386,16 @@ class FastPath(NamedTuple):
     state: Any
 
 
+#: the kinds of :meth:`HostNode.take`'s records, by their number
+NODE_RECORDS = ("step", "rollback", "draft_start", "draft_build", "draft_end")
+
+
 class NodeStats(NamedTuple):
     """Counters of a :class:`HostNode`: steps run (``python_runs`` of them Python steps), the
     monotonic-clock nanoseconds (``time.monotonic_ns``'s clock) at which the latest step began
     and ended, the nanoseconds spent in all steps and rollbacks, the rows the steps guided, and
-    the rollbacks of rejected drafts run (``python_rollback_runs`` of them Python's)."""
+    the rollbacks of rejected drafts run (``python_rollback_runs`` of them Python's) and the
+    draft steps of drafting loops run (``python_draft_runs`` of them Python's)."""
 
     runs: int
     python_runs: int
@@ -400,6 +405,8 @@ class NodeStats(NamedTuple):
     rows: int
     rollback_runs: int
     python_rollback_runs: int
+    draft_runs: int
+    python_draft_runs: int
 
 
 class HostNode:
@@ -421,6 +428,12 @@ class HostNode:
     a Python step, or for a slot whose matcher only Python can run, it calls
     ``rollback_fallback()`` under the GIL instead.
 
+    A drafting loop's steps are C functions too (:meth:`draft_run`): the first takes the loop's
+    batch off the queue and rolls its rejected drafts back, each builds the draft rows from the
+    draft-token buffer ``drafts`` (by batch position), the last rolls the loop's draft advances
+    back; a loop the node cannot run (as for a rollback, or a batch with context requests) is
+    ``draft_fallback(first, last)`` under the GIL, from its first step to its last.
+
     Args:
         fast: the decoder's :class:`FastPath` (its Builder and request fields).
         buffer: the decoder's pinned ``[positions, max_num_sequences]`` int32 token buffer,
@@ -430,11 +443,13 @@ class HostNode:
         counts: the decoder's pinned ``[max_num_sequences]`` int32 accepted-count buffer.
         rollback: xgrammar's matcher rollback (:func:`matcher_rollback`).
         rollback_fallback: the decoder's Python rollback (as ``fallback``).
+        drafts: the decoder's pinned ``[max_num_sequences]`` int32 draft-token buffer.
+        draft_fallback: the decoder's Python draft step (as ``fallback``).
     """
 
     def __init__(self, fast: FastPath, buffer: torch.Tensor, fallback: Callable[[int], None],
-                 counts: torch.Tensor, rollback: Any, rollback_fallback: Callable[[], None]
-                 ) -> None:
+                 counts: torch.Tensor, rollback: Any, rollback_fallback: Callable[[], None],
+                 drafts: torch.Tensor, draft_fallback: Callable[[bool, bool], None]) -> None:
         module = python_module()
         if module is None or not hasattr(module, "node_create"):
             raise NativeBuildError("the host build library has no native host node (built "
@@ -444,22 +459,24 @@ class HostNode:
             raise NativeBuildError(f"the host node's token buffer must be a contiguous CPU "
                                    f"int32 [positions, slots] tensor, got {buffer.dtype} "
                                    f"{tuple(buffer.shape)} on {buffer.device}")
-        if counts.device.type != "cpu" or counts.dtype != torch.int32 \
-                or tuple(counts.shape) != (buffer.shape[1],) or not counts.is_contiguous():
-            raise NativeBuildError(f"the host node's count buffer must be a contiguous CPU "
-                                   f"int32 [{buffer.shape[1]}] tensor, got {counts.dtype} "
-                                   f"{tuple(counts.shape)} on {counts.device}")
+        for name, t in (("count", counts), ("draft-token", drafts)):
+            if t.device.type != "cpu" or t.dtype != torch.int32 \
+                    or tuple(t.shape) != (buffer.shape[1],) or not t.is_contiguous():
+                raise NativeBuildError(f"the host node's {name} buffer must be a contiguous "
+                                       f"CPU int32 [{buffer.shape[1]}] tensor, got {t.dtype} "
+                                       f"{tuple(t.shape)} on {t.device}")
         chandle = getattr(rollback, "__chandle__", None)
         if chandle is None:
             raise NativeBuildError(f"the host node's rollback must be a tvm-ffi Function, got "
                                    f"{type(rollback).__name__}")
         self._module = module
         self._fast = fast
-        (self._capsule, self.run, self.retain, self.release, self.address,
-         self.run_rollback) = module.node_create(fast.state, buffer, buffer.data_ptr(),
-                                                 buffer.shape[0], fallback, counts,
-                                                 counts.data_ptr(), rollback, chandle(),
-                                                 rollback_fallback)
+        (self._capsule, self.run, self.retain, self.release, self.address, self.run_rollback,
+         self._drafts) = module.node_create(fast.state, buffer, buffer.data_ptr(),
+                                            buffer.shape[0], fallback, counts,
+                                            counts.data_ptr(), rollback, chandle(),
+                                            rollback_fallback, drafts, drafts.data_ptr(),
+                                            draft_fallback)
         self._push, self._push_python = module.node_push, module.node_push_python
         self._drop, self._set_slot, self._take = (module.node_drop, module.node_set_slot,
                                                   module.node_take)
@@ -496,22 +513,29 @@ class HostNode:
         ``stopped``: the slot's drafting loop stopped guiding it (skipped)."""
         self._set_slot(self._capsule, slot, handle, stopped)
 
-    def take(self, advanced: list, guided: list) -> list[tuple]:
-        """The native steps and rollbacks run since the last call, in order, as ``(epoch,
-        queue error or None, masked, unusual, columns, rolled)`` (``unusual`` as
-        :attr:`FastPath.step`'s, a rollback's ``(batch index, 1, text)`` where its count
-        cannot roll back and ``(batch index, 2, "Kind: message")`` where the matcher raised;
-        ``columns``: None or ``[(batch index, [token, drafts...])]`` read from the token
-        buffer; ``rolled``: None for a step, for a rollback the slots whose matchers rolled
-        back, its ``epoch`` the batch its indices refer to); their counters are written to
-        ``advanced`` / ``guided`` (per slot), where the slot's matcher is still the one the
-        run used."""
-        return self._take(self._capsule, advanced, guided)
+    def draft_run(self, first: bool, last: bool) -> int:
+        """The C function (launched with :attr:`address`) of a drafting loop's step: its first
+        (``first``), its last (``last``), both, or one between."""
+        return self._drafts[int(first) + 2 * int(last)]
 
-    def sync_counts(self, advanced: list) -> None:
-        """The node's per-slot advance counts from ``advanced`` (the decoder's, after a Python
-        stage changed them)."""
-        self._sync(self._capsule, advanced)
+    def take(self, advanced: list, guided: list, drafted: list) -> list[tuple]:
+        """What the node did since the last call, in order, as ``(kind, epoch, queue error or
+        None, masked, unusual, columns, rolled)``; ``kind``: one of :data:`NODE_RECORDS`
+        (a step; a rollback; a drafting loop taking its batch, a draft step's build, its
+        end); ``epoch``: the batch the record's indices refer to; ``unusual`` as
+        :attr:`FastPath.step`'s (a rollback's and a loop end's ``(batch index, 1, text)``
+        where a count cannot roll back and ``(batch index, 2, "Kind: message")`` where the
+        matcher raised); ``columns``: None or ``[(batch index, [token, drafts...])]`` read
+        from the token buffer; ``rolled``: for a rollback the slots whose matchers rolled
+        back, for a loop end every slot of its batch, else None. Their counters are written to
+        ``advanced`` / ``guided`` / ``drafted`` (per slot), where the slot's matcher is still
+        the one the run used."""
+        return self._take(self._capsule, advanced, guided, drafted)
+
+    def sync_counts(self, advanced: list, drafted: list) -> None:
+        """The node's per-slot advance and draft-advance counts from the decoder's lists
+        (after a Python stage changed them)."""
+        self._sync(self._capsule, advanced, drafted)
 
     def set_warmup(self, on: bool) -> None:
         """From now on the node's runs take no job and mask nothing (graph warm-up), or
