@@ -1350,6 +1350,7 @@ void RunRollback(void* p) {
   if (n->warmup.load()) return;
   const NodeRange range(1);
   const int64_t t0 = NowNs();
+  n->last_start.store(t0);
   NodeDone d;
   d.kind = kDoneRollback;
   std::vector<NodeEntry> entries;
@@ -1379,7 +1380,9 @@ void RunRollback(void* p) {
     std::lock_guard<std::mutex> lock(n->mu);
     n->done.push_back(std::move(d));
   }
-  n->busy_ns.fetch_add(NowNs() - t0);
+  const int64_t t1 = NowNs();
+  n->busy_ns.fetch_add(t1 - t0);
+  n->last_end.store(t1);
   n->rollback_runs.fetch_add(1);
 }
 
@@ -1545,6 +1548,7 @@ void RunDraft(HostNode* n, bool first, bool last) {
   }
   const NodeRange range(2);
   const int64_t t0 = NowNs();
+  n->last_start.store(t0);
   std::vector<NodeEntry> entries;
   bool python = false;
   if (first) {
@@ -1596,7 +1600,9 @@ void RunDraft(HostNode* n, bool first, bool last) {
       n->done.push_back(std::move(bug));
     }
   }
-  n->busy_ns.fetch_add(NowNs() - t0);
+  const int64_t t1 = NowNs();
+  n->busy_ns.fetch_add(t1 - t0);
+  n->last_end.store(t1);
   n->draft_runs.fetch_add(1);
 }
 

@@ -947,3 +947,67 @@ def test_drafting_loop_the_node_cannot_run_is_pythons_whole(factory, tekken, nat
     stats = _draft_loops(factory, tekken, 5, wrap_loop=2, iterations=5)
     assert stats.python_draft_runs == 3  # (K draft steps of the one loop)
     assert stats.draft_runs > stats.python_draft_runs
+
+
+def test_draft_step_runs_while_another_thread_holds_the_gil(factory, tekken, native_ok):
+    """The GIL test for a drafting loop's step: a HostGraph of [a 300 ms native spin, a
+    one-step drafting loop (execute_draft_batch: take the batch, roll back, build the draft
+    rows, roll the drafts back)] is replayed, then another thread holds the GIL for 2 s; on
+    the node the draft step's run (its timestamps) lies inside that window, and its rows equal
+    the eager decoder's; on the Python callback the draft step ends after the window (the
+    test can fail)."""
+    V = factory.config.vocab_size_padded
+    cases = GUIDED[:2]
+    texts = texts_of(tekken, cases)
+    for host_node in ("native", "python"):
+        eager = GuidedDecoder(factory.config, 2, 1, factory=factory)
+        capt = CapturableGuidedDecoder(factory.config, 2, 1, factory=factory,
+                                       host_node=host_node)
+        ctx = [GuidedRequest.context(i + 1, i, c.params) for i, c in enumerate(cases)]
+        target_graph = capture(capt, ctx, torch.zeros(4, V))
+        for d in (eager, capt):
+            d.add_batch(ctx)
+        eager.execute(torch.zeros(2, V))
+        target_graph.replay()
+        hostfunc.drain()
+        assert capt.take_failed_requests() == []
+        golden = [t[0] for t in texts]
+        targets = [GuidedRequest.generation(i + 1, i, c.params, golden[i])
+                   for i, c in enumerate(cases)]
+        static = torch.zeros(2, V)
+        capt.add_batch(targets)
+        done: list[int] = []
+        graph = hostfunc.HostGraph()
+        with hostfunc.capture(graph):
+            from hostfunc.native import test_functions
+            hostfunc.launch_native(test_functions().spin_ns, 300 * MS)
+            capt.execute_draft_batch(static, draft_step=0)
+            if host_node == "python":
+                hostfunc.launch(lambda: done.append(time.monotonic_ns()))
+        eager.add_batch(targets)
+        eager.rollback_rejected_tokens()
+        eager.add_batch([GuidedRequest(c.params, i + 1, i, is_draft=True,
+                                       is_generation_in_progress_state=True,
+                                       new_token=golden[i]) for i, c in enumerate(cases)])
+        logits = torch.randn(2, V, generator=torch.Generator().manual_seed(7))
+        expect = logits.clone()
+        assert eager.execute(expect) == []
+        eager.rollback_draft_tokens()
+        capt.add_batch(targets)
+        capt.add_draft_batch(torch.tensor(golden), torch.tensor([1, 1]), 0)
+        static.copy_(logits)
+        graph.replay()
+        start, end = hold_gil(2)
+        hostfunc.drain()
+        assert capt.take_failed_requests() == []
+        assert same(static, expect)
+        assert_same_matcher_states(eager, capt)
+        if host_node == "native":
+            s = capt.host_node_stats
+            assert start < s.last_start_ns <= s.last_end_ns < end, (start, s, end)
+            assert s.draft_runs == 1 and s.python_draft_runs == 0
+        else:
+            assert done and done[-1] > end
+        graph.reset()
+        target_graph.reset()
+        capt.close()

@@ -1,7 +1,8 @@
 """The native host node inside a real torch.cuda.CUDAGraph (skipped without a CUDA device; run
 by tools/gpu_check.sh): replayed decoding equals the eager decoder and the Python host
 callback, and the replayed step's host node (with the rollback of rejected drafts, in a
-speculative step) completes while another Python thread holds the GIL."""
+speculative step, and a drafting loop's steps) completes while another Python thread holds the
+GIL."""
 
 from __future__ import annotations
 
@@ -170,6 +171,133 @@ def test_speculative_step_and_its_rollback_complete_while_another_thread_holds_t
             assert s.python_runs == 0
             assert (s.rollback_runs, s.python_rollback_runs) == (4, 1), s  # (the first: no
             # step of the node before it)
+        else:
+            assert stamps and stamps[-1] > end, (stamps, end)
+        graph.reset()
+        dec.close()
+
+
+def test_drafting_loop_in_a_cuda_graph_runs_in_the_node(factory_cache, tekken):
+    """A drafting loop captured in a CUDA graph as an engine drafts with a model: [a ~300 ms
+    GPU sleep, then per draft step add_draft_batch (its tokens and counts copied from static
+    device tensors at each replay) and execute_draft_batch]; three loops, each followed by the
+    verifying target step, mask every draft row and target row as the eager decoder driven
+    through the same loops (drafts off the grammar and stop tokens included); on the node
+    every draft step after the first loop runs natively and, in the last loop, inside the 2 s
+    another thread holds the GIL; on the Python host callback the loop ends after that
+    window."""
+    import random
+
+    from test_capturable import assert_same_matcher_states
+    from test_host_node import GUIDED, texts_of
+
+    from capgraph.capturable import CapturableGuidedDecoder
+    from capgraph.decoder import GuidedDecoder
+    from capgraph.requests import GuidedRequest
+    factory = factory_cache("tekken")
+    V = factory.config.vocab_size_padded
+    eos = factory.config.stop_token_ids[0]
+    cases = GUIDED[:2]
+    texts = texts_of(tekken, cases)
+    S, K = 2, 2
+    cycles = _cycles_for_ms(300)
+    for host_node in ("native", "python"):
+        rng = random.Random(4)
+        eager = GuidedDecoder(factory.config, S, K, factory=factory)
+        dec = CapturableGuidedDecoder(factory.config, S, K, device="cuda", factory=factory,
+                                      host_node=host_node)
+        ctx = [GuidedRequest.context(i + 1, i, c.params) for i, c in enumerate(cases)]
+        for d, logits in ((eager, torch.zeros(S, V)),
+                          (dec, torch.zeros(S, V, device="cuda"))):
+            d.add_batch(ctx)
+            d.execute(logits)
+        torch.cuda.synchronize()
+        assert dec.take_failed_requests() == []
+        tokens = torch.zeros(K, S, dtype=torch.int32, device="cuda")
+        counts = torch.ones(S, dtype=torch.int32, device="cuda")
+        draft_logits = torch.zeros(K, S, V, device="cuda")
+
+        def loop():
+            for k in range(K):
+                dec.add_draft_batch(tokens[k], counts if k == 0 else None, k)
+                dec.execute_draft_batch(draft_logits[k], draft_step=k)
+
+        pos, accepted = [0] * S, [0] * S
+        golden = [texts[i][0] for i in range(S)]
+        dec.add_batch([GuidedRequest.generation(i + 1, i, c.params, golden[i])
+                       for i, c in enumerate(cases)])
+        with dec.warmup():
+            loop()
+        torch.cuda.synchronize()
+        stamps: list[int] = []
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.cuda._sleep(cycles)
+            loop()
+            if host_node == "python":
+                hostfunc.launch(lambda: stamps.append(time.monotonic_ns()))
+        window = None
+        for it in range(3):
+            golden = [texts[i][pos[i]] for i in range(S)]
+            targets = [GuidedRequest.generation(i + 1, i, c.params, golden[i],
+                                                num_accepted_draft_tokens=accepted[i])
+                       for i, c in enumerate(cases)]
+            proposals = [[golden[i]] + [texts[i][pos[i] + 1 + j] if rng.random() < 0.7 else
+                                        eos if rng.random() < 0.3 else rng.randrange(1000, 9000)
+                                        for j in range(K)] for i in range(S)]
+            eager.add_batch(targets)
+            eager.rollback_rejected_tokens()
+            expected = []
+            for k in range(K):
+                eager.add_batch([GuidedRequest(c.params, i + 1, i, is_draft=True,
+                                               is_generation_in_progress_state=True,
+                                               new_token=proposals[i][k])
+                                 for i, c in enumerate(cases)])
+                values = torch.randn(S, V, generator=torch.Generator().manual_seed(10 * it + k))
+                draft_logits[k].copy_(values)
+                assert eager.execute(values) == []
+                expected.append(values)
+            eager.rollback_draft_tokens()
+            dec.add_batch(targets)
+            tokens.copy_(torch.tensor([[p[k] for p in proposals] for k in range(K)],
+                                      dtype=torch.int32))
+            counts.copy_(torch.tensor([1 + a for a in accepted], dtype=torch.int32))
+            graph.replay()
+            if it == 2:
+                window = hold_gil(2)
+            torch.cuda.synchronize()
+            hostfunc.drain()
+            assert dec.take_failed_requests() == [], f"loop {it}"
+            for k in range(K):
+                assert torch.equal(draft_logits[k].cpu().view(torch.int32),
+                                   expected[k].view(torch.int32)), f"loop {it} step {k}"
+            verify = [GuidedRequest.generation(i + 1, i, c.params, golden[i],
+                                               draft_tokens=proposals[i][1:])
+                      for i, c in enumerate(cases)]
+            eager.add_batch(verify)
+            dec.add_batch(verify)
+            n = eager.requests.num_bitmask_tokens
+            values = torch.randn(n, V, generator=torch.Generator().manual_seed(it))
+            target = values.cuda()
+            assert eager.execute(values) == []
+            dec.execute(target)
+            torch.cuda.synchronize()
+            assert dec.take_failed_requests() == []
+            assert torch.equal(target.cpu().view(torch.int32), values.view(torch.int32)), \
+                f"target of loop {it}"
+            assert_same_matcher_states(eager, dec)
+            for i in range(S):
+                match = 0
+                while match < K and proposals[i][1 + match] == texts[i][pos[i] + 1 + match]:
+                    match += 1
+                accepted[i] = rng.randint(0, match)
+                pos[i] += 1 + accepted[i]
+        start, end = window
+        if host_node == "native":
+            s = dec.host_node_stats
+            # (the first loop follows no step of the node: Python's; then the node's)
+            assert s.draft_runs == 3 * K and s.python_draft_runs == K, s
+            assert start < s.last_start_ns <= s.last_end_ns < end, (start, s, end)
         else:
             assert stamps and stamps[-1] > end, (stamps, end)
         graph.reset()

@@ -392,8 +392,9 @@ NODE_RECORDS = ("step", "rollback", "draft_start", "draft_build", "draft_end")
 
 class NodeStats(NamedTuple):
     """Counters of a :class:`HostNode`: steps run (``python_runs`` of them Python steps), the
-    monotonic-clock nanoseconds (``time.monotonic_ns``'s clock) at which the latest step began
-    and ended, the nanoseconds spent in all steps and rollbacks, the rows the steps guided, and
+    monotonic-clock nanoseconds (``time.monotonic_ns``'s clock) at which its latest run (a
+    step, a rollback or a draft step) began and ended, the nanoseconds spent in all of them,
+    the rows the steps and draft steps guided, and
     the rollbacks of rejected drafts run (``python_rollback_runs`` of them Python's) and the
     draft steps of drafting loops run (``python_draft_runs`` of them Python's)."""
 
