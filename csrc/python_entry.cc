@@ -1007,6 +1007,19 @@ void RunPython(HostNode* n, int64_t epoch) {
   PyGILState_Release(gil);
 }
 
+// A request's outcome from the Builder's run (run_o3) into o3, with, for a fault or a budget
+// overrun, its message: the next of the Builder's errors (they come in request order).
+void TakeOutcome(HostNode* n, const int32_t* run_o3, int32_t* o3, std::string* message,
+                 size_t* next_error) {
+  const std::vector<std::string>& errors = n->builder->errors;
+  std::copy(run_o3, run_o3 + 3, o3);
+  const int32_t kind = o3[0] & ~kTerminated;
+  if ((kind == kFault || kind == kOverBudget) && *next_error < errors.size()) {
+    *message = errors[(*next_error)++];
+  }
+  n->rows.fetch_add(o3[2]);
+}
+
 // One native job: the Builder's loop over the entries whose slot has a native matcher.
 void RunNative(HostNode* n, const NodeJob& job, NodeDone* d) {
   Builder* b = n->builder;
@@ -1106,12 +1119,7 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d) {
     const NodeEntry& e = job.entries[i];
     int32_t* o3 = out.data() + q * 3;
     if (r < nrun && runs[r].entry == i) {
-      std::copy(run_out.data() + r * 3, run_out.data() + r * 3 + 3, o3);
-      const int32_t kind = o3[0] & ~kTerminated;
-      if ((kind == kFault || kind == kOverBudget) && next_error < b->errors.size()) {
-        messages[q] = b->errors[next_error++];
-      }
-      n->rows.fetch_add(o3[2]);
+      TakeOutcome(n, run_out.data() + r * 3, o3, &messages[q], &next_error);
       ++r;
     }
     if ((o3[0] & ~kTerminated) != kOk) {
@@ -1180,6 +1188,14 @@ class NodeRange {
   explicit NodeRange(int = 0) {}  // (user-provided: a range object is not an unused variable)
 #endif
 };
+
+// The end of a run begun at t0: its time, its end, one more in `runs`.
+void EndRun(HostNode* n, int64_t t0, std::atomic<int64_t>* runs) {
+  const int64_t t1 = NowNs();
+  n->busy_ns.fetch_add(t1 - t0);
+  n->last_end.store(t1);
+  runs->fetch_add(1);
+}
 
 // Zero the whole token mask: a run that masks nothing (warm-up, a queue error).
 void ClearAll(HostNode* n) {
@@ -1261,10 +1277,21 @@ void RunNode(void* p) {
     std::lock_guard<std::mutex> lock(n->mu);
     n->done.push_back(std::move(d));
   }
-  const int64_t t1 = NowNs();
-  n->busy_ns.fetch_add(t1 - t0);
-  n->last_end.store(t1);
-  n->runs.fetch_add(1);
+  EndRun(n, t0, &n->runs);
+}
+
+// Roll m back by `count` tokens through xgrammar's FFI rollback: true, or false with what it
+// raised ("Kind: message") in *message.
+bool CallRollback(HostNode* n, const ObjectRef& m, int64_t count, std::string* message) {
+  try {
+    n->rollback(m, count);
+    return true;
+  } catch (const tvm::ffi::Error& ex) {
+    *message = ex.kind() + ": " + ex.message();
+  } catch (const std::exception& ex) {
+    *message = std::string("RuntimeError: ") + ex.what();
+  }
+  return false;
 }
 
 // One request's rollback (see RunRollback): writes {status, kept, rolled} to o3 and a
@@ -1284,15 +1311,10 @@ void RollbackOne(HostNode* n, const NodeEntry& e, int64_t count, int32_t advance
   const int64_t keep = std::min<int64_t>(accepted + 1, advanced);
   o3[1] = static_cast<int32_t>(keep);
   if (keep == advanced) return;
-  try {
-    n->rollback(m, advanced - keep);
+  if (CallRollback(n, m, advanced - keep, message)) {
     o3[2] = 1;
-  } catch (const tvm::ffi::Error& ex) {
+  } else {
     o3[0] = 2;
-    *message = ex.kind() + ": " + ex.message();
-  } catch (const std::exception& ex) {
-    o3[0] = 2;
-    *message = std::string("RuntimeError: ") + ex.what();
   }
 }
 
@@ -1307,34 +1329,50 @@ void DropFailed(HostNode* n, int64_t slot, uint64_t gen) {
   }
 }
 
+// A slot's row of the node's table, read under n->mu: its native matcher (none where it has
+// none or only Python can run it), advance counts and generation.
+struct SlotView {
+  ObjectRef matcher;
+  int32_t advanced = 0, drafted = 0;
+  uint64_t gen = 0;
+};
+
+SlotView ReadSlot(HostNode* n, int64_t slot) {
+  std::lock_guard<std::mutex> lock(n->mu);
+  SlotView v;
+  if (n->slot_kind[slot] == 1) v.matcher = n->slot_matcher[slot];
+  v.advanced = n->slot_advanced[slot];
+  v.drafted = n->slot_drafted[slot];
+  v.gen = n->slot_gen[slot];
+  return v;
+}
+
+// Append one request's outcome {status, count, flag} and message to the record d.
+void Report(NodeDone* d, const NodeEntry& e, uint64_t gen, const int32_t* o3,
+            std::string message) {
+  d->slots.push_back(e.slot);
+  d->gens.push_back(gen);
+  d->index.push_back(e.index);
+  d->out.insert(d->out.end(), o3, o3 + 3);
+  d->messages.push_back(std::move(message));
+}
+
 // Roll each of `entries` back to its accepted count (RollbackOne), into the rollback record d.
 void RollbackEntries(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d) {
   if (n->max_drafts <= 0) return;
   for (const NodeEntry& e : entries) {
-    ObjectRef m;
-    int32_t advanced;
-    uint64_t gen;
-    {
-      std::lock_guard<std::mutex> lock(n->mu);
-      advanced = n->slot_advanced[e.slot];
-      gen = n->slot_gen[e.slot];
-      if (n->slot_kind[e.slot] == 1) m = n->slot_matcher[e.slot];
-    }
-    if (advanced <= 0) continue;
+    const SlotView v = ReadSlot(n, e.slot);
+    if (v.advanced <= 0) continue;
     const int64_t count = e.index < n->num_slots ? n->counts[e.index] : -1;
     int32_t o3[3] = {0, 0, 0};
     std::string message;
-    RollbackOne(n, e, count, advanced, m, o3, &message);
+    RollbackOne(n, e, count, v.advanced, v.matcher, o3, &message);
     {
       std::lock_guard<std::mutex> lock(n->mu);
-      if (n->slot_gen[e.slot] == gen) n->slot_advanced[e.slot] = o3[0] == 0 ? o3[1] : 0;
-      if (o3[0] != 0) DropFailed(n, e.slot, gen);
+      if (n->slot_gen[e.slot] == v.gen) n->slot_advanced[e.slot] = o3[0] == 0 ? o3[1] : 0;
+      if (o3[0] != 0) DropFailed(n, e.slot, v.gen);
     }
-    d->slots.push_back(e.slot);
-    d->gens.push_back(gen);
-    d->index.push_back(e.index);
-    d->out.insert(d->out.end(), o3, o3 + 3);
-    d->messages.push_back(std::move(message));
+    Report(d, e, v.gen, o3, std::move(message));
   }
 }
 
@@ -1380,10 +1418,7 @@ void RunRollback(void* p) {
     std::lock_guard<std::mutex> lock(n->mu);
     n->done.push_back(std::move(d));
   }
-  const int64_t t1 = NowNs();
-  n->busy_ns.fetch_add(t1 - t0);
-  n->last_end.store(t1);
-  n->rollback_runs.fetch_add(1);
+  EndRun(n, t0, &n->rollback_runs);
 }
 
 // A draft step's build: each request of the loop's batch accepts its draft token (the draft
@@ -1459,12 +1494,7 @@ void DraftBuild(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d)
     const NodeEntry& e = entries[i];
     int32_t* o3 = out.data() + q * 3;
     if (r < nrun && runs[r] == i) {
-      std::copy(run_out.data() + r * 3, run_out.data() + r * 3 + 3, o3);
-      const int32_t kind = o3[0] & ~kTerminated;
-      if ((kind == kFault || kind == kOverBudget) && next_error < b->errors.size()) {
-        messages[q] = b->errors[next_error++];
-      }
-      n->rows.fetch_add(o3[2]);
+      TakeOutcome(n, run_out.data() + r * 3, o3, &messages[q], &next_error);
       ++r;
     }
     const int32_t kind = o3[0] & ~kTerminated;
@@ -1481,11 +1511,7 @@ void DraftBuild(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d)
       }
     }
     if (kind == kOk && o3[2]) d->masked = true;
-    d->slots.push_back(e.slot);
-    d->gens.push_back(gens[i]);
-    d->index.push_back(e.index);
-    d->out.insert(d->out.end(), o3, o3 + 3);
-    d->messages.push_back(std::move(messages[q]));
+    Report(d, e, gens[i], o3, std::move(messages[q]));
   }
 }
 
@@ -1494,42 +1520,25 @@ void DraftBuild(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d)
 // request).
 void DraftEnd(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d) {
   for (const NodeEntry& e : entries) {
-    ObjectRef m;
-    int32_t drafted;
-    uint64_t gen;
-    {
-      std::lock_guard<std::mutex> lock(n->mu);
-      drafted = n->slot_drafted[e.slot];
-      gen = n->slot_gen[e.slot];
-      if (n->slot_kind[e.slot] == 1) m = n->slot_matcher[e.slot];
-    }
-    int32_t o3[3] = {0, drafted, 0};
+    const SlotView v = ReadSlot(n, e.slot);
+    int32_t o3[3] = {0, v.drafted, 0};
     std::string message;
-    if (drafted > 0 && m.defined()) {
-      try {
-        n->rollback(m, drafted);
+    if (v.drafted > 0 && v.matcher.defined()) {
+      if (CallRollback(n, v.matcher, v.drafted, &message)) {
         o3[2] = 1;
-      } catch (const tvm::ffi::Error& ex) {
+      } else {
         o3[0] = 2;
-        message = ex.kind() + ": " + ex.message();
-      } catch (const std::exception& ex) {
-        o3[0] = 2;
-        message = std::string("RuntimeError: ") + ex.what();
       }
     }
     {
       std::lock_guard<std::mutex> lock(n->mu);
-      if (n->slot_gen[e.slot] == gen) {
+      if (n->slot_gen[e.slot] == v.gen) {
         n->slot_drafted[e.slot] = 0;
         n->slot_stopped[e.slot] = 0;
       }
-      if (o3[0] != 0) DropFailed(n, e.slot, gen);
+      if (o3[0] != 0) DropFailed(n, e.slot, v.gen);
     }
-    d->slots.push_back(e.slot);
-    d->gens.push_back(gen);
-    d->index.push_back(e.index);
-    d->out.insert(d->out.end(), o3, o3 + 3);
-    d->messages.push_back(std::move(message));
+    Report(d, e, v.gen, o3, std::move(message));
   }
 }
 
@@ -1600,10 +1609,7 @@ void RunDraft(HostNode* n, bool first, bool last) {
       n->done.push_back(std::move(bug));
     }
   }
-  const int64_t t1 = NowNs();
-  n->busy_ns.fetch_add(t1 - t0);
-  n->last_end.store(t1);
-  n->draft_runs.fetch_add(1);
+  EndRun(n, t0, &n->draft_runs);
 }
 
 void RunDraftFirst(void* p) { RunDraft(static_cast<HostNode*>(p), true, false); }

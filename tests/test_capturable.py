@@ -350,18 +350,27 @@ def test_draft_loop_equals_eager(factory, tekken):
     eager.execute(torch.zeros(1, V))
     capt.add_batch(ctx)
     capt.execute(torch.zeros(1, V))
-    p, accepted = 0, 0
-    rng = random.Random(3)
+    draft_loops_pair(eager, capt, case, text, K)
+    capt.close()
+
+
+def draft_loops_pair(eager, capt, case, text, K, seed=3) -> int:
+    """Drafting loops of one request in slot 1 (add_draft_batch / execute_draft_batch: the
+    golden token, then proposals from ``text`` or off the grammar), each followed by the target
+    step verifying them, on ``eager`` (GuidedDecoder through the same loop) and ``capt``: every
+    draft row and target row equal. Returns how many loops ran."""
+    V = eager.vocab_size_padded
+    p, accepted, loops = 0, 0, 0
+    rng = random.Random(seed)
     while p + K + 1 < len(text):
         golden = text[p]
         target = GuidedRequest.generation(1, 1, case.params, golden,
                                           num_accepted_draft_tokens=accepted)
-        # eager drafting loop
         eager.add_batch([target])
         eager.rollback_rejected_tokens()
         capt.add_batch([target])
-        proposals = [golden] + [text[p + 1 + i] if rng.random() < 0.7 else rng.randrange(1000, 9000)
-                                for i in range(K)]
+        proposals = [golden] + [text[p + 1 + i] if rng.random() < 0.7
+                                else rng.randrange(1000, 9000) for i in range(K)]
         for k in range(K):
             draft = GuidedRequest(case.params, 1, 1, is_draft=True,
                                   is_generation_in_progress_state=True, new_token=proposals[k])
@@ -383,13 +392,15 @@ def test_draft_loop_equals_eager(factory, tekken):
         lb = la.clone()
         assert eager.execute(la) == []
         capt.execute(lb)
+        assert capt.take_failed_requests() == []
         assert same(la, lb), f"target step at position {p}"
+        loops += 1
         match = 0
         while match < K and drafts[match] == text[p + 1 + match]:
             match += 1
         accepted = rng.randint(0, match)
         p += 1 + accepted
-    capt.close()
+    return loops
 
 
 def test_inactive_step_enqueues_nothing(factory):

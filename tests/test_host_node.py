@@ -23,7 +23,7 @@ from capgraph.requests import GuidedRequest
 from capgraph.tokenizers import encode_continuation
 from cases import CASES
 from gil import hold_gil
-from test_capturable import Scenario, assert_same_matcher_states
+from test_capturable import Scenario, assert_same_matcher_states, draft_loops_pair
 
 GUIDED = [c for c in CASES if c.params.guide_type in
           (GuideType.JSON_SCHEMA, GuideType.REGEX, GuideType.EBNF_GRAMMAR)]
@@ -454,6 +454,49 @@ def speculative_graph(capt, requests, static, spin_ms=0, done=None):
     return graph
 
 
+def request_copies(reqs):
+    """Fresh copies of ``reqs`` (one decoder's reads must not see the other's)."""
+    return [GuidedRequest(**{f: getattr(r, f) for f in r.__slots__}) for r in reqs]
+
+
+def accepted_counts(reqs) -> torch.Tensor:
+    """rollback_rejected_batch's counts for ``reqs``: each one's accepted drafts and the
+    bonus token."""
+    return torch.tensor([(r.num_accepted_draft_tokens or 0) + 1 for r in reqs],
+                        dtype=torch.int32)
+
+
+def speculative_step(eager, capt, graph, static, reqs, seed, hold=False, counts=None):
+    """One speculative step of ``reqs`` on the eager decoder (add_batch,
+    rollback_rejected_tokens, execute) and on the captured one (add_batch, the accepted
+    counts in its count buffer, or in ``counts`` that the graph copies from, a replay of
+    ``graph`` masking ``static``; another thread holding the GIL for 2 s after the replay
+    where ``hold``), on the same random logits: failures, masks, counters and matcher states
+    equal. Returns (the failures, the GIL window or None)."""
+    eager.add_batch(reqs)
+    eager.rollback_rejected_tokens()
+    n = eager.requests.num_bitmask_tokens
+    logits = torch.randn(tuple(static.shape), generator=torch.Generator().manual_seed(seed))
+    expect = logits.clone()
+    failed = eager.execute(expect[:n])
+    capt.add_batch(request_copies(reqs))
+    if counts is None:
+        capt.num_accepted_tokens[:len(reqs)] = accepted_counts(reqs)
+    else:
+        counts.copy_(accepted_counts(reqs))
+    static.copy_(logits)
+    graph.replay()
+    window = hold_gil(2) if hold else None
+    if static.is_cuda:
+        torch.cuda.synchronize()
+    hostfunc.drain()
+    assert capt.take_failed_requests() == failed, f"step {seed}"
+    assert same(static[:n].cpu(), expect[:n]), f"logits differ at step {seed}"
+    assert capt.num_advanced_tokens == eager.num_advanced_tokens, f"step {seed}"
+    assert_same_matcher_states(eager, capt)
+    return failed, window
+
+
 def run_speculation(factory, tekken, host_node, accepted_steps, hold_at=None, done=None):
     """Replay ``speculative_graph`` over a context step and len(accepted_steps) + 1
     generation steps beside an eager decoder, comparing every step's masks, token mask and
@@ -469,25 +512,7 @@ def run_speculation(factory, tekken, host_node, accepted_steps, hold_at=None, do
     window = None
     steps = [spec.context(), spec.step(None)] + [spec.step(a) for a in accepted_steps]
     for k, reqs in enumerate(steps):
-        eager.add_batch(reqs)
-        eager.rollback_rejected_tokens()
-        n = eager.requests.num_bitmask_tokens
-        logits = torch.randn(6, V, generator=torch.Generator().manual_seed(k))
-        expect = logits.clone()
-        failed = eager.execute(expect[:n])
-        capt.add_batch([GuidedRequest(**{f: getattr(r, f) for f in r.__slots__})
-                        for r in reqs])
-        capt.num_accepted_tokens[:2] = torch.tensor(
-            [(r.num_accepted_draft_tokens or 0) + 1 for r in reqs], dtype=torch.int32)
-        static.copy_(logits)
-        graph.replay()
-        if k == hold_at:
-            window = hold_gil(2)
-        hostfunc.drain()
-        assert capt.take_failed_requests() == failed, f"step {k}"
-        assert same(static[:n], expect[:n]), f"logits differ at step {k}"
-        assert capt.num_advanced_tokens == eager.num_advanced_tokens, f"step {k}"
-        assert_same_matcher_states(eager, capt)
+        window = speculative_step(eager, capt, graph, static, reqs, k, k == hold_at)[1] or window
     graph.reset()
     return capt, window
 
@@ -545,23 +570,7 @@ def test_rollback_after_python_step_is_pythons_then_native_again(factory, tekken
             capt.grammar_matchers[0] = Wrapped(native)
         if k == 3:
             capt.grammar_matchers[0] = native
-        eager.add_batch(reqs)
-        eager.rollback_rejected_tokens()
-        n = eager.requests.num_bitmask_tokens
-        logits = torch.randn(6, V, generator=torch.Generator().manual_seed(k))
-        expect = logits.clone()
-        failed = eager.execute(expect[:n])
-        capt.add_batch([GuidedRequest(**{f: getattr(r, f) for f in r.__slots__})
-                        for r in reqs])
-        capt.num_accepted_tokens[:2] = torch.tensor(
-            [r.num_accepted_draft_tokens + 1 if not r.is_context_init_state else 1
-             for r in reqs], dtype=torch.int32)
-        static.copy_(logits)
-        graph.replay()
-        hostfunc.drain()
-        assert capt.take_failed_requests() == failed, f"step {k}"
-        assert same(static[:n], expect[:n]), f"logits differ at step {k}"
-        assert capt.num_advanced_tokens == eager.num_advanced_tokens, f"step {k}"
+        speculative_step(eager, capt, graph, static, reqs, k)
         s = capt.host_node_stats
         runs.append((s.python_runs, s.rollback_runs - s.python_rollback_runs,
                      s.python_rollback_runs))
@@ -646,21 +655,8 @@ def test_native_rollback_of_a_stop_token_leaves_the_matcher_running(factory, tek
     steps.append((gen(eos, [], 0), 0))
     terminated = []
     for k, (reqs, accepted) in enumerate(steps):
-        eager.add_batch(reqs)
-        eager.rollback_rejected_tokens()
-        n = eager.requests.num_bitmask_tokens
-        logits = torch.randn(3, V, generator=torch.Generator().manual_seed(k))
-        expect = logits.clone()
-        failed = eager.execute(expect[:n])
-        capt.add_batch([GuidedRequest(**{f: getattr(r, f) for f in r.__slots__})
-                        for r in reqs])
-        capt.num_accepted_tokens[:1] = accepted + 1
-        static.copy_(logits)
-        graph.replay()
-        hostfunc.drain()
-        assert capt.take_failed_requests() == failed == [], f"step {k}"
-        assert same(static[:n], expect[:n]), f"logits differ at step {k}"
-        assert_same_matcher_states(eager, capt)
+        assert reqs[0].num_accepted_draft_tokens in (accepted, None)
+        assert speculative_step(eager, capt, graph, static, reqs, k)[0] == [], f"step {k}"
         terminated.append(capt.grammar_matchers[0].is_terminated())
     assert terminated[-3] and not terminated[-2] and terminated[-1], terminated
     stats = capt.host_node_stats
@@ -705,22 +701,7 @@ def test_native_rollback_knows_what_a_python_step_advanced(factory, tekken, nati
             capt.grammar_matchers[0] = Wrapped(native)
         if k == 2:
             capt.grammar_matchers[0] = native
-        eager.add_batch(reqs)
-        eager.rollback_rejected_tokens()
-        n = eager.requests.num_bitmask_tokens
-        logits = torch.randn(6, V, generator=torch.Generator().manual_seed(k))
-        expect = logits.clone()
-        failed = eager.execute(expect[:n])
-        capt.add_batch([GuidedRequest(**{f: getattr(r, f) for f in r.__slots__})
-                        for r in reqs])
-        capt.num_accepted_tokens[:len(reqs)] = torch.tensor(
-            [(r.num_accepted_draft_tokens or 0) + 1 for r in reqs], dtype=torch.int32)
-        static.copy_(logits)
-        graph.replay()
-        hostfunc.drain()
-        assert capt.take_failed_requests() == failed == [], f"step {k}"
-        assert same(static[:n], expect[:n]), f"logits differ at step {k}"
-        assert capt.num_advanced_tokens == eager.num_advanced_tokens, f"step {k}"
+        assert speculative_step(eager, capt, graph, static, reqs, k)[0] == [], f"step {k}"
     stats = capt.host_node_stats
     assert stats.python_runs == 1
     # Python's: before the context step, before step 1 (the wrapped slot), before step 2
@@ -769,46 +750,7 @@ def test_drafting_loop_beside_the_node_equals_eager(factory, tekken, native_ok):
         d.add_batch(ctx)
         d.execute(torch.zeros(1, V))
     assert capt.take_failed_requests() == []
-    p = accepted = targets = 0
-    rng = random.Random(3)
-    while p + K + 1 < len(text):
-        golden = text[p]
-        target = GuidedRequest.generation(1, 1, case.params, golden,
-                                          num_accepted_draft_tokens=accepted)
-        eager.add_batch([target])
-        eager.rollback_rejected_tokens()
-        capt.add_batch([target])
-        proposals = [golden] + [text[p + 1 + i] if rng.random() < 0.7
-                                else rng.randrange(1000, 9000) for i in range(K)]
-        for k in range(K):
-            draft = GuidedRequest(case.params, 1, 1, is_draft=True,
-                                  is_generation_in_progress_state=True, new_token=proposals[k])
-            eager.add_batch([draft])
-            la = torch.randn(1, V, generator=torch.Generator().manual_seed(k))
-            lb = la.clone()
-            assert eager.execute(la) == []
-            capt.add_draft_batch(torch.tensor([proposals[k]]),
-                                 torch.tensor([1 + accepted]) if k == 0 else None, k)
-            capt.execute_draft_batch(lb, draft_step=k)
-            assert capt.take_failed_requests() == []
-            assert same(la, lb), f"draft step {k} at position {p}"
-        eager.rollback_draft_tokens()
-        drafts = proposals[1:]
-        target = GuidedRequest.generation(1, 1, case.params, golden, draft_tokens=drafts)
-        eager.add_batch([target])
-        capt.add_batch([target])
-        la = torch.randn(1 + K, V, generator=torch.Generator().manual_seed(p))
-        lb = la.clone()
-        assert eager.execute(la) == []
-        capt.execute(lb)
-        assert capt.take_failed_requests() == []
-        assert same(la, lb), f"target step at position {p}"
-        targets += 1
-        match = 0
-        while match < K and drafts[match] == text[p + 1 + match]:
-            match += 1
-        accepted = rng.randint(0, match)
-        p += 1 + accepted
+    targets = draft_loops_pair(eager, capt, case, text, K)
     stats = capt.host_node_stats
     assert targets > 2 and stats.runs == targets + 1 and stats.python_runs == 0
     assert stats.draft_runs == K * targets and stats.python_draft_runs == 0
@@ -838,6 +780,18 @@ def test_discard_queued_batches_drops_the_nodes_job_too(factory, tekken, native_
     assert capt.host_node_stats.python_runs == 0
     graph.reset()
     capt.close()
+
+
+def verify(proposals, texts, pos, accepted, rng) -> None:
+    """A verification of each request's drafts (``proposals[i][1:]``) against its text at
+    ``pos[i]``: a random number of the drafts that match is accepted; ``accepted`` and
+    ``pos`` move on."""
+    for i, row in enumerate(proposals):
+        match = 0
+        while match < len(row) - 1 and row[1 + match] == texts[i][pos[i] + 1 + match]:
+            match += 1
+        accepted[i] = rng.randint(0, match)
+        pos[i] += 1 + accepted[i]
 
 
 def _draft_loops(factory, tekken, seed, K=3, wrap_loop=None, iterations=12):
@@ -919,12 +873,7 @@ def _draft_loops(factory, tekken, seed, K=3, wrap_loop=None, iterations=12):
         assert_same_matcher_states(eager, capt)
         assert capt.is_draft_terminated[:S] == eager.is_draft_terminated[:S]
         assert capt.num_advanced_draft_tokens == eager.num_advanced_draft_tokens
-        for i in range(S):
-            match = 0
-            while match < K and proposals[i][1 + match] == texts[i][pos[i] + 1 + match]:
-                match += 1
-            accepted[i] = rng.randint(0, match)
-            pos[i] += 1 + accepted[i]
+        verify(proposals, texts, pos, accepted, rng)
     stats = capt.host_node_stats
     graph.reset()
     capt.close()

@@ -112,12 +112,10 @@ def test_speculative_step_and_its_rollback_complete_while_another_thread_holds_t
     with rollback_rejected_tokens, step for step; on the node, the rollback and the step run
     natively and the step's timestamps lie inside the 2 s another thread holds the GIL; on
     the Python host callback the step ends after that window (the test can fail)."""
-    from test_capturable import assert_same_matcher_states
-    from test_host_node import GUIDED, Speculation
+    from test_host_node import GUIDED, Speculation, speculative_step
 
     from capgraph.capturable import CapturableGuidedDecoder
     from capgraph.decoder import GuidedDecoder
-    from capgraph.requests import GuidedRequest
     factory = factory_cache("tekken")
     V = factory.config.vocab_size_padded
     cycles = _cycles_for_ms(300)
@@ -143,27 +141,8 @@ def test_speculative_step_and_its_rollback_complete_while_another_thread_holds_t
         window = None
         steps = [spec.context(), spec.step(None), spec.step([0, 1]), spec.step([2, 0])]
         for k, reqs in enumerate(steps):
-            eager.add_batch(reqs)
-            eager.rollback_rejected_tokens()
-            n = eager.requests.num_bitmask_tokens
-            values = torch.randn(6, V, generator=torch.Generator().manual_seed(k))
-            expect = values.clone()
-            failed = eager.execute(expect[:n])
-            dec.add_batch([GuidedRequest(**{f: getattr(r, f) for f in r.__slots__})
-                           for r in reqs])
-            counts.copy_(torch.tensor([(r.num_accepted_draft_tokens or 0) + 1 for r in reqs],
-                                      dtype=torch.int32))
-            logits.copy_(values)
-            graph.replay()
-            if k == 3:
-                window = hold_gil(2)
-            torch.cuda.synchronize()
-            hostfunc.drain()
-            assert dec.take_failed_requests() == failed, f"step {k}"
-            assert torch.equal(logits[:n].cpu().view(torch.int32),
-                               expect[:n].view(torch.int32)), f"logits differ at step {k}"
-            assert dec.num_advanced_tokens == eager.num_advanced_tokens, f"step {k}"
-            assert_same_matcher_states(eager, dec)
+            window = speculative_step(eager, dec, graph, logits, reqs, k, k == 3,
+                                      counts)[1] or window
         start, end = window
         if host_node == "native":
             s = dec.host_node_stats
@@ -189,7 +168,7 @@ def test_drafting_loop_in_a_cuda_graph_runs_in_the_node(factory_cache, tekken):
     import random
 
     from test_capturable import assert_same_matcher_states
-    from test_host_node import GUIDED, texts_of
+    from test_host_node import GUIDED, texts_of, verify
 
     from capgraph.capturable import CapturableGuidedDecoder
     from capgraph.decoder import GuidedDecoder
@@ -271,11 +250,11 @@ def test_drafting_loop_in_a_cuda_graph_runs_in_the_node(factory_cache, tekken):
             for k in range(K):
                 assert torch.equal(draft_logits[k].cpu().view(torch.int32),
                                    expected[k].view(torch.int32)), f"loop {it} step {k}"
-            verify = [GuidedRequest.generation(i + 1, i, c.params, golden[i],
-                                               draft_tokens=proposals[i][1:])
-                      for i, c in enumerate(cases)]
-            eager.add_batch(verify)
-            dec.add_batch(verify)
+            targets = [GuidedRequest.generation(i + 1, i, c.params, golden[i],
+                                                draft_tokens=proposals[i][1:])
+                       for i, c in enumerate(cases)]
+            eager.add_batch(targets)
+            dec.add_batch(targets)
             n = eager.requests.num_bitmask_tokens
             values = torch.randn(n, V, generator=torch.Generator().manual_seed(it))
             target = values.cuda()
@@ -286,12 +265,7 @@ def test_drafting_loop_in_a_cuda_graph_runs_in_the_node(factory_cache, tekken):
             assert torch.equal(target.cpu().view(torch.int32), values.view(torch.int32)), \
                 f"target of loop {it}"
             assert_same_matcher_states(eager, dec)
-            for i in range(S):
-                match = 0
-                while match < K and proposals[i][1 + match] == texts[i][pos[i] + 1 + match]:
-                    match += 1
-                accepted[i] = rng.randint(0, match)
-                pos[i] += 1 + accepted[i]
+            verify(proposals, texts, pos, accepted, rng)
         start, end = window
         if host_node == "native":
             s = dec.host_node_stats
