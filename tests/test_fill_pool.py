@@ -449,9 +449,12 @@ def test_a_step_sharing_a_matcher_or_a_row_runs_on_one_thread(tiny):
     """The tvm-ffi step splits its requests only when no two share a matcher or a bitmask
     row: over 20 steps of 32 requests, distinct ones run on the pool's threads at least once,
     while the same requests with one matcher handed in twice, or with two overlapping row
-    ranges, run in order on the calling thread every time (the one-thread result)."""
+    ranges, run in order on the calling thread every time (the one-thread result). The calling
+    thread's fills sleep 1 ms, so that on a loaded machine it cannot run a whole step before
+    the pool's threads wake."""
     n = 32
-    dec = GuidedDecoder(tiny.config, 2 * n, 1, factory=tiny, host_build="native-loop")
+    dec = GuidedDecoder(tiny.config, 2 * n, 1, factory=tiny,
+                        host_build=_SleepyOn("caller").host_build(4))
     builder = dec.host_build.builder
     builder.set_fill_threads(4, 1, adaptive=False)
     try:
