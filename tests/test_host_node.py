@@ -337,7 +337,11 @@ def test_random_replayed_steps_equal_eager_with_drafts(factory, native_ok, seed,
 def test_node_steps_on_the_fill_pool_equal_eager(factory, native_ok):
     """The node's steps split across the fill pool (two threads, from one request on, the
     pool taking every step) give the eager decoder's masks, failures and matcher states over
-    random replayed steps of eight slots; the pool ran requests."""
+    random replayed steps of eight slots; the pool ran requests. (Every fill sleeps 1 ms, so
+    that on a loaded machine the node's thread cannot run a whole step before the pool's
+    thread wakes.)"""
+    from test_fill_pool import _SleepyOn
+
     pooled: list[int] = []
 
     def setup(capt):
@@ -348,18 +352,20 @@ def test_node_steps_on_the_fill_pool_equal_eager(factory, native_ok):
     def after_step(builder):
         pooled.append(builder.last_step().pool_requests)
 
-    _random_replay(factory, 11, 2, slots=8, setup=setup, after_step=after_step)
+    _random_replay(factory, 11, 2, slots=8, setup=setup, after_step=after_step,
+                   host_build=_SleepyOn("pool").host_build(2))
     assert sum(pooled) > 0
 
 
-def _random_replay(factory, seed, drafts, slots, setup=None, after_step=None):
+def _random_replay(factory, seed, drafts, slots, setup=None, after_step=None, host_build=None):
     rng = random.Random(seed)
     scenario = Scenario(factory, rng, slots, drafts, 30)
     V = factory.config.vocab_size_padded
     rows = slots * (drafts + 1)
     eager = GuidedDecoder(factory.config, slots, drafts, factory=factory)
     capt = CapturableGuidedDecoder(factory.config, slots, drafts, factory=factory,
-                                   host_node="native")
+                                   host_node="native",
+                                   **({} if host_build is None else {"host_build": host_build}))
     hook = setup(capt) if setup is not None else None
     static = torch.zeros(rows, V)
     first, new_tokens, rl = scenario.step()
