@@ -870,7 +870,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         rest = []
         for outcome in outcomes:
             if outcome[1] in (Status.REJECTED, Status.DEAD_END):
-                self.is_draft_terminated[batch.requests[outcome[0]].seq_slot] = True
+                # (the node set its own flag; a loop it runs now must not see this late copy)
+                list.__setitem__(self.is_draft_terminated,
+                                 batch.requests[outcome[0]].seq_slot, True)
             else:
                 rest.append(outcome)
         if rest:
@@ -883,7 +885,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         request."""
         matchers = self.grammar_matchers
         for slot in rolled:
-            self.is_draft_terminated[slot] = False
+            list.__setitem__(self.is_draft_terminated, slot, False)  # (the node's is cleared)
             m = matchers[slot]
             if m is not None and m.is_terminated():
                 m.sync_state()  # type: ignore[attr-defined]  # (a native slot's matcher)
