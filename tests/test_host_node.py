@@ -966,3 +966,48 @@ def test_draft_step_runs_while_another_thread_holds_the_gil(factory, tekken, nat
         graph.reset()
         target_graph.reset()
         capt.close()
+
+
+def test_draft_token_outside_the_vocabulary_fails_its_request_alone(factory, tekken,
+                                                                     native_ok):
+    """A draft step whose draft-token buffer holds an id outside the vocabulary for one
+    request (a drafter's garbage): on the node, that request fails alone with a RequestError
+    naming the token and the buffer, its row unmasked and its matcher dropped, while the other
+    request's draft row is masked as on the Python callback; the loop's end and the next
+    target step go on."""
+    V = factory.config.vocab_size_padded
+    cases = GUIDED[:2]
+    texts = texts_of(tekken, cases)
+    results = {}
+    for host_node in ("native", "python"):
+        capt = CapturableGuidedDecoder(factory.config, 2, 1, factory=factory,
+                                       host_node=host_node)
+        ctx = [GuidedRequest.context(i + 1, i, c.params) for i, c in enumerate(cases)]
+        graph = capture(capt, ctx, torch.zeros(4, V))
+        capt.add_batch(ctx)
+        graph.replay()
+        hostfunc.drain()
+        golden = [t[0] for t in texts]
+        capt.add_batch([GuidedRequest.generation(i + 1, i, c.params, golden[i])
+                        for i, c in enumerate(cases)])
+        capt.add_draft_batch(torch.tensor([golden[0], V + 7]), torch.tensor([1, 1]), 0)
+        logits = torch.randn(2, V, generator=torch.Generator().manual_seed(5))
+        capt.execute_draft_batch(logits, draft_step=0)
+        failed = capt.take_failed_requests()
+        results[host_node] = (failed, logits, capt.token_mask_host[:2].tolist(),
+                              capt.grammar_matchers[1] is None)
+        capt.add_batch([GuidedRequest.generation(i + 1, i, c.params, golden[i])
+                        for i, c in enumerate(cases)])
+        capt.execute(torch.zeros(4, V))
+        assert capt.take_failed_requests() == []
+        if host_node == "native":
+            stats = capt.host_node_stats
+            assert stats.draft_runs == 1 and stats.python_draft_runs == 0
+        graph.reset()
+        capt.close()
+    failed, logits, mask, dropped = results["native"]
+    assert [i for i, _ in failed] == [2] and dropped and mask == [1, 0]
+    assert "RequestError" in failed[0][1] and str(V + 7) in failed[0][1]
+    assert "draft token buffer" in failed[0][1]
+    assert [i for i, _ in results["python"][0]] == [2] and results["python"][3]
+    assert results["python"][2] == mask and same(results["python"][1], logits)
