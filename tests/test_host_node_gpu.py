@@ -71,16 +71,9 @@ def test_native_node_completes_while_another_thread_holds_the_gil(factory_cache)
         logits = torch.zeros(2, V, device="cuda")
         ctx = [GuidedRequest.context(i, i, params) for i in range(2)]
         dec.add_batch(ctx)
-        with dec.warmup():
-            dec.execute(logits)
-        torch.cuda.synchronize()
         stamps: list[int] = []
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            torch.cuda._sleep(cycles)
-            dec.execute(logits)
-            if host_node == "python":  # a Python callback right after the step's
-                hostfunc.launch(lambda: stamps.append(time.monotonic_ns()))
+        graph = _graph_after_sleep(dec, cycles, lambda: dec.execute(logits),
+                                   stamps if host_node == "python" else None)
         dec.add_batch(ctx)
         graph.replay()
         torch.cuda.synchronize()
@@ -127,17 +120,14 @@ def test_speculative_step_and_its_rollback_complete_while_another_thread_holds_t
         logits = torch.zeros(6, V, device="cuda")
         counts = torch.ones(2, dtype=torch.int32, device="cuda")
         dec.add_batch(spec.context())
-        with dec.warmup():
-            dec.execute(logits)
-        torch.cuda.synchronize()
-        stamps: list[int] = []
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            torch.cuda._sleep(cycles)
+
+        def step():
             dec.rollback_rejected_batch(counts)
             dec.execute(logits)
-            if host_node == "python":
-                hostfunc.launch(lambda: stamps.append(time.monotonic_ns()))
+
+        stamps: list[int] = []
+        graph = _graph_after_sleep(dec, cycles, step,
+                                   stamps if host_node == "python" else None)
         window = None
         steps = [spec.context(), spec.step(None), spec.step([0, 1]), spec.step([2, 0])]
         for k, reqs in enumerate(steps):
@@ -205,16 +195,8 @@ def test_drafting_loop_in_a_cuda_graph_runs_in_the_node(factory_cache, tekken):
         golden = [texts[i][0] for i in range(S)]
         dec.add_batch([GuidedRequest.generation(i + 1, i, c.params, golden[i])
                        for i, c in enumerate(cases)])
-        with dec.warmup():
-            loop()
-        torch.cuda.synchronize()
         stamps: list[int] = []
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            torch.cuda._sleep(cycles)
-            loop()
-            if host_node == "python":
-                hostfunc.launch(lambda: stamps.append(time.monotonic_ns()))
+        graph = _graph_after_sleep(dec, cycles, loop, stamps if host_node == "python" else None)
         window = None
         for it in range(3):
             golden = [texts[i][pos[i]] for i in range(S)]
@@ -276,6 +258,22 @@ def test_drafting_loop_in_a_cuda_graph_runs_in_the_node(factory_cache, tekken):
             assert stamps and stamps[-1] > end, (stamps, end)
         graph.reset()
         dec.close()
+
+
+def _graph_after_sleep(dec, cycles: int, body, stamps: list | None):
+    """``body`` (the decoder's calls) run once under ``dec.warmup()``, then captured into a
+    CUDA graph after a GPU sleep of ``cycles``, followed (``stamps`` given) by a Python host
+    callback appending the monotonic time to ``stamps``."""
+    with dec.warmup():
+        body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda._sleep(cycles)
+        body()
+        if stamps is not None:  # a Python callback right after the decoder's
+            hostfunc.launch(lambda: stamps.append(time.monotonic_ns()))
+    return graph
 
 
 def _cycles_for_ms(ms: float) -> int:
