@@ -13,7 +13,8 @@
 #   kernel          15  NVRTC compile and load of csrc/logits_bitmask.cu
 #   gpu-tests      140  pytest -m gpu: op, hostfunc, capturable decoder, draft trees, drafts
 #   bench-kernel    25  tools/bench_kernel.py: the mask kernel's rmw, ahead and store variants
-#                       (timed in turn on the same inputs) against xgrammar's Triton kernel
+#                       (timed in turn on the same inputs) against xgrammar's Triton kernel,
+#                       ours given a token mask as the decoder always gives one
 #   bench-apply     20  capgraph bench apply on CUDA
 #   bench-hostfunc  10  tools/bench_hostfunc.py: eager and replayed host nodes
 #   bench-replay    60  tools/bench_graph_replay.py: guided/unguided replayed step at tiny 64,
@@ -23,7 +24,7 @@
 #                       threads at batch 1-256
 #   profile         25  tools/profile_nsys.sh: nsys, else the CUPTI trace of replayed steps
 #   xgr-cuda        20  bench_kernel.py with xgrammar's CUDA kernel (if its build finished),
-#                       the three variants again
+#                       the three variants again, without a token mask (like for like)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -92,8 +93,9 @@ for f in tests/test_*.py; do
 done
 run gpu-tests 140 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs ${PER_TEST[@]+"${PER_TEST[@]}"} \
     "${TEST_FILES[@]}" --junitxml="$OUT/gpu_tests.xml"
+# (the decoder's call: with a token mask, which rmw reads before its bitmask and logits)
 [ -f tools/bench_kernel.py ] && run bench-kernel 25 "$PY" tools/bench_kernel.py \
-    --no-xgrammar-cuda --repeat 20 --json "$OUT/bench_kernel.json"
+    --no-xgrammar-cuda --token-mask --repeat 20 --json "$OUT/bench_kernel.json"
 run bench-apply 20 "$PY" -m capgraph.bench apply --no-cpu --no-xgrammar-cuda \
     --json "$OUT/bench_apply.json"
 run bench-hostfunc 10 "$PY" tools/bench_hostfunc.py
