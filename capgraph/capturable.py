@@ -31,7 +31,7 @@ from ._nvtx import nvtx_range
 from .bitmask import _pin_host
 from .decoder import FailedRequest, GuidedDecoder, _request_id
 from .build.base import Status
-from .build.library import HostNode, NodeStats
+from .build.library import NODE_RECORDS, HostNode, NodeStats
 from .errors import (CallbackError, ConfigError, LayoutError, NativeBuildError, QueueEpochError,
                      RequestError, TensorArgError)
 from .requests import GuidedRequest, GuidedRequests
@@ -39,8 +39,9 @@ from .streams import HostStepStreams, StepStreams
 
 __all__ = ["CapturableGuidedDecoder", "HOST_NODES", "HostNodeChoice"]
 
-# the kinds of the native node's records (capgraph.build.library.NODE_RECORDS)
-_ROLLBACK, _DRAFT_START, _DRAFT_BUILD, _DRAFT_END = 1, 2, 3, 4
+# the kinds of the native node's records
+_ROLLBACK, _DRAFT_START, _DRAFT_BUILD, _DRAFT_END = (
+    NODE_RECORDS.index(k) for k in ("rollback", "draft_start", "draft_build", "draft_end"))
 
 #: what ``CapturableGuidedDecoder(host_node=...)`` accepts
 HOST_NODES = ("auto", "native", "python")
@@ -535,11 +536,14 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if self._warmup:  # a warm-up run masks nothing, advances nothing, consumes no put
             self.requests_hostfunc = None
             return
+        self._node_collect()  # (the batches the native node has run leave the queue first)
         if not self._queue:
             self._out_of_step(f"no batch queued for this step (expected epoch "
                               f"{self._fetched_epoch + 1}): a replay or execute without its "
                               "add_batch")
         epoch, batch, has_new_tokens = self._queue.popleft()
+        if self._node_active and not self._in_node:
+            self._node.drop()  # type: ignore[union-attr]  # (Python takes it: the job goes)
         self.requests_hostfunc = batch  # from here on, a fault is reported with these ids
         if batch.dropped_slots:
             self._drop_slots(batch)
@@ -605,12 +609,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
     @_callback("fetch_draft_batch")
     def fetch_draft_batch(self, draft_step: int) -> None:
         if draft_step == 0:
-            # the drafting loop consumes the latest batch here, in Python: the native node's
-            # steps run so far leave the queue first, and its job for this batch goes
-            self._node_collect()
             self._pop()
-            if self._node_active and not self._warmup and not self._in_node:
-                self._node.drop()  # type: ignore[union-attr]
             self._take_accepted(self.requests_hostfunc)
         target = self.requests_hostfunc
         if target is None:
@@ -932,27 +931,34 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._node_collect()
         return super().take_failed_requests()
 
+    @contextmanager
+    def _inside_node(self) -> Iterator[None]:
+        """A Python step of the node runs: the node took its job off its queue itself."""
+        self._in_node = True
+        try:
+            yield
+        finally:
+            self._in_node = False
+
     def _run_python_step(self, epoch: int) -> None:
         """A Python step of the native node (the node holds no GIL; this runs under it): the
-        steps before it are read, then the Python host step runs; its errors go to the next
-        drain."""
+        Python host step (its fetch reads the node's steps before it first); its errors go to
+        the next drain."""
         try:
-            self._node_collect()
-            CapturableGuidedDecoder.host_step.__wrapped__(self, False)
+            with self._inside_node():
+                CapturableGuidedDecoder.host_step.__wrapped__(self, False)
         except BaseException as e:  # noqa: BLE001 - nothing may escape into the node
             hostfunc.record_error("CapturableGuidedDecoder.host_step", e)
 
     def _run_python_draft(self, first: bool, last: bool) -> None:
         """A Python draft step of the native node (under the GIL, on the node's thread; the
         node took the loop's batch off its queue itself); its errors go to the next drain."""
-        self._in_node = True
         try:
-            CapturableGuidedDecoder.draft_host_step.__wrapped__(self, 0 if first else 1, first,
-                                                                last)
+            with self._inside_node():
+                CapturableGuidedDecoder.draft_host_step.__wrapped__(self, 0 if first else 1,
+                                                                    first, last)
         except BaseException as e:  # noqa: BLE001 - nothing may escape into the node
             hostfunc.record_error("CapturableGuidedDecoder.draft_host_step", e)
-        finally:
-            self._in_node = False
 
     def _run_python_rollback(self) -> None:
         """The node's Python rollback (under the GIL, on the node's thread): the Python

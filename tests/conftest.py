@@ -97,11 +97,11 @@ def no_callback_error_left_behind():
         pytest.fail(f"a host callback raised during this test and nothing reported it: {exc}")
 
 
-def assert_steps_agree(decoders, step, draft_len: int) -> None:
+def assert_steps_agree(decoders, step, draft_len: int) -> tuple:
     """Run one step on each decoder (add_batch, rollback of rejected drafts, execute on zero
     logits) and assert that all leave the same failures, token mask, masked bitmask rows,
     counters, draft termination, dropped and terminated matchers (the differential tests of
-    the build paths)."""
+    the build paths). Returns the first decoder's (sorted failures, token mask list, ...)."""
     import torch
 
     outcomes = []
@@ -120,6 +120,7 @@ def assert_steps_agree(decoders, step, draft_len: int) -> None:
     for other in outcomes[1:]:
         assert first[:2] == other[:2] and first[3:] == other[3:]
         assert torch.equal(first[2], other[2])
+    return first
 
 
 def threads_named(name: str) -> set[str]:

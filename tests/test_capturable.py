@@ -135,6 +135,35 @@ def assert_same_matcher_states(eager, capt) -> None:
             assert a.is_terminated() == b.is_terminated(), f"slot {slot}"
 
 
+def assert_warmup_replays_mask_nothing(capt, graph, static) -> None:
+    """Three replays of ``graph`` inside ``capt.warmup()``: nothing masked, no row active."""
+    with capt.warmup():
+        for _ in range(3):
+            static.zero_()
+            graph.replay()
+            hostfunc.drain()
+            assert torch.isfinite(static).all() and capt.token_mask_host[0] == 0
+
+
+def assert_extra_put_is_out_of_step(capt, graph, static, params, token: int) -> None:
+    """Two add_batch calls for one replay of ``graph`` (slot 0, after its context step): the
+    drain raises a HostFuncError caused by a QueueEpochError naming the expected epoch; the
+    next add_batch and replay are in step again (the matcher never advanced past the context
+    step: one token now, its row masked)."""
+    capt.add_batch([GuidedRequest.generation(1, 0, params, token)])
+    capt.add_batch([GuidedRequest.generation(1, 0, params, token)])  # extra put
+    graph.replay()
+    with pytest.raises(hostfunc.HostFuncError, match="expected") as info:
+        hostfunc.drain()
+    assert isinstance(info.value.__cause__, QueueEpochError)
+    capt.add_batch([GuidedRequest.generation(1, 0, params, token)])
+    static.zero_()
+    graph.replay()
+    hostfunc.drain()
+    assert capt.num_advanced_tokens[0] == 1 and capt.token_mask_host[0] == 1
+    assert torch.isneginf(static).any()
+
+
 def run_pair(factory, seed: int, steps: int, drafts: int, slots: int = 4, use_new_tokens=True):
     rng = random.Random(seed)
     scenario = Scenario(factory, rng, slots, drafts, steps)
@@ -247,31 +276,14 @@ def test_warmup_replays_change_nothing_and_missing_put_is_reported(factory, tekk
     graph.replay()
     hostfunc.drain()
     assert capt.num_advanced_tokens[0] == 0 and capt.token_mask_host[0] == 1
-    with capt.warmup():
-        for _ in range(3):
-            static.zero_()
-            graph.replay()
-            hostfunc.drain()
-            assert torch.isfinite(static).all() and capt.token_mask_host[0] == 0
+    assert_warmup_replays_mask_nothing(capt, graph, static)
     static.zero_()
     graph.replay()  # no add_batch: a missing put
     with pytest.raises(hostfunc.HostFuncError) as info:
         hostfunc.drain()
     assert isinstance(info.value.__cause__, QueueEpochError)
     assert torch.isfinite(static).all()
-    capt.add_batch([GuidedRequest.generation(1, 0, case.params, tokens[0])])
-    capt.add_batch([GuidedRequest.generation(1, 0, case.params, tokens[0])])  # extra put
-    graph.replay()
-    with pytest.raises(hostfunc.HostFuncError, match="expected") as info:
-        hostfunc.drain()
-    assert isinstance(info.value.__cause__, QueueEpochError)
-    # the next step works: the matcher never advanced past the context step
-    capt.add_batch([GuidedRequest.generation(1, 0, case.params, tokens[0])])
-    static.zero_()
-    graph.replay()
-    hostfunc.drain()
-    assert capt.num_advanced_tokens[0] == 1 and capt.token_mask_host[0] == 1
-    assert torch.isneginf(static).any()
+    assert_extra_put_is_out_of_step(capt, graph, static, case.params, tokens[0])
     graph.reset()
     capt.close()
 

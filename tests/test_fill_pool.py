@@ -25,7 +25,7 @@ from capgraph.build.native import xgrammar_factory
 from capgraph.decoder import GuidedDecoder
 from capgraph.grammar import create_matcher_factory
 from capgraph.requests import GuidedRequest
-from conftest import threads_named
+from conftest import assert_steps_agree, threads_named
 
 pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
                                 reason=f"C++ host build unavailable: "
@@ -304,21 +304,9 @@ def test_pool_gives_the_one_thread_results_on_tekken_json(tekken):
                 reqs.append(GuidedRequest.generation(i, i, guides[i], t[p], draft_tokens=d,
                                                      num_accepted_draft_tokens=0))
                 pos[i] += 1
-            states = []
-            for dec in decs:
-                dec.add_batch(reqs, runtime_draft_len=drafts)
-                dec.rollback_rejected_tokens()
-                rows = dec.requests.num_bitmask_tokens
-                failed = dec.execute(torch.zeros(rows, dec.vocab_size_padded))
-                tm = dec.token_mask_host[:rows].clone()
-                states.append((sorted(failed), tm.tolist(),
-                               dec.bitmask_host[:rows][tm.bool()].clone(),
-                               list(dec.num_advanced_tokens), list(dec.num_guided_tokens),
-                               list(dec.is_draft_terminated)))
+            failed, token_mask = assert_steps_agree(decs, reqs, drafts)[:2]
             pooled += decs[1].host_build.builder.last_step().pool_requests
-            assert states[0][0] == [] and sum(states[0][1]) >= batch
-            assert states[0][:2] == states[1][:2] and states[0][3:] == states[1][3:]
-            assert torch.equal(states[0][2], states[1][2]), f"step {step}: bitmask rows"
+            assert failed == [] and sum(token_mask) >= batch, f"step {step}"
             for dec in decs:
                 dec.rollback_rejected_tokens()  # (drafts are rolled back: next step restarts)
     finally:

@@ -23,7 +23,9 @@ from capgraph.requests import GuidedRequest
 from capgraph.tokenizers import encode_continuation
 from cases import CASES
 from gil import hold_gil
-from test_capturable import Scenario, assert_same_matcher_states, draft_loops_pair
+from test_capturable import (Scenario, assert_extra_put_is_out_of_step,
+                             assert_same_matcher_states, assert_warmup_replays_mask_nothing,
+                             draft_loops_pair)
 
 GUIDED = [c for c in CASES if c.params.guide_type in
           (GuideType.JSON_SCHEMA, GuideType.REGEX, GuideType.EBNF_GRAMMAR)]
@@ -131,14 +133,7 @@ def test_python_only_slot_makes_a_python_step(factory, tekken, native_ok):
     capt, graph, _static, text = one_request_after_context(factory, tekken, case)
     native = capt.grammar_matchers[0]
 
-    class Wrapped:  # forwards everything: only Python can run it
-        def __init__(self, inner):
-            self._inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self._inner, name)
-
-    capt.grammar_matchers[0] = Wrapped(native)
+    capt.grammar_matchers[0] = PythonOnly(native)
     before = capt.host_node_stats.python_runs
     capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[0])])
     graph.replay()
@@ -162,12 +157,8 @@ def test_failed_request_is_isolated_in_a_native_step(factory, tekken, native_ok)
     dropped (the next step leaves it unguided), while the other request's row is masked as the
     eager decoder masks it."""
     V = factory.config.vocab_size_padded
-    cases = GUIDED[:2]
-    texts = texts_of(tekken, cases)
-    eager = GuidedDecoder(factory.config, 2, 0, factory=factory)
-    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="native")
+    cases, texts, eager, capt, ctx = two_requests(factory, tekken, 0)
     static = torch.zeros(2, V)
-    ctx = [GuidedRequest.context(i + 1, i, c.params) for i, c in enumerate(cases)]
     graph = capture(capt, ctx, static)
     for d in (eager,):
         d.add_batch(ctx)
@@ -201,6 +192,29 @@ def test_failed_request_is_isolated_in_a_native_step(factory, tekken, native_ok)
     capt.close()
 
 
+class PythonOnly:
+    """A matcher wrapper that forwards everything: not xgrammar's matcher, so only Python can
+    run it (a slot holding it makes the node's step, rollback or drafting loop Python's)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def two_requests(factory, tekken, drafts: int, host_node: str = "native"):
+    """The first two guided cases, their token sequences, an eager decoder and a capturable
+    one (``host_node``) of two slots with ``drafts`` drafts, and the cases' context requests
+    (ids 1 and 2, slots 0 and 1)."""
+    cases = GUIDED[:2]
+    eager = GuidedDecoder(factory.config, 2, drafts, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, 2, drafts, factory=factory,
+                                   host_node=host_node)
+    ctx = [GuidedRequest.context(i + 1, i, c.params) for i, c in enumerate(cases)]
+    return cases, texts_of(tekken, cases), eager, capt, ctx
+
+
 def tokenizer_refused(decoder: GuidedDecoder, slot: int, V: int) -> int:
     """A token id the slot's current grammar state refuses (read from its last mask row)."""
     row = decoder.bitmask_host[slot]
@@ -217,29 +231,13 @@ def test_queue_epochs_warmup_and_drain(factory, tekken, native_ok):
     case = GUIDED[2]
     capt, graph, static, tokens = one_request_after_context(factory, tekken, case)
     assert capt.token_mask_host[0] == 1
-    with capt.warmup():
-        for _ in range(3):
-            static.zero_()
-            graph.replay()
-            hostfunc.drain()
-            assert torch.isfinite(static).all() and capt.token_mask_host[0] == 0
+    assert_warmup_replays_mask_nothing(capt, graph, static)
     graph.replay()  # no add_batch
     with pytest.raises(hostfunc.HostFuncError) as info:
         hostfunc.drain()
     assert isinstance(info.value.__cause__, QueueEpochError)
-    capt.add_batch([GuidedRequest.generation(1, 0, case.params, tokens[0])])
-    capt.add_batch([GuidedRequest.generation(1, 0, case.params, tokens[0])])  # extra put
-    graph.replay()
-    with pytest.raises(hostfunc.HostFuncError) as info:
-        hostfunc.drain()
-    assert isinstance(info.value.__cause__, QueueEpochError)
-    capt.add_batch([GuidedRequest.generation(1, 0, case.params, tokens[0])])
-    static.zero_()
-    graph.replay()
-    hostfunc.drain()
+    assert_extra_put_is_out_of_step(capt, graph, static, case.params, tokens[0])
     assert capt.take_failed_requests() == []
-    assert capt.num_advanced_tokens[0] == 1 and capt.token_mask_host[0] == 1
-    assert torch.isneginf(static).any()
     graph.reset()
     capt.close()
 
@@ -560,20 +558,13 @@ def test_rollback_after_python_step_is_pythons_then_native_again(factory, tekken
     static = torch.zeros(6, V)
     graph = speculative_graph(capt, spec.context(), static)
 
-    class Wrapped:  # forwards everything: only Python can run it
-        def __init__(self, inner):
-            self._inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self._inner, name)
-
     steps = [spec.context(), spec.step(None), spec.step([1, 0]), spec.step([0, 2]),
              spec.step([1, 1])]
     runs = []
     for k, reqs in enumerate(steps):
         if k == 2:
             native = capt.grammar_matchers[0]
-            capt.grammar_matchers[0] = Wrapped(native)
+            capt.grammar_matchers[0] = PythonOnly(native)
         if k == 3:
             capt.grammar_matchers[0] = native
         speculative_step(eager, capt, graph, static, reqs, k)
@@ -677,12 +668,8 @@ def test_native_rollback_knows_what_a_python_step_advanced(factory, tekken, nati
     advance the Python step made (the node copies Python's counters after every Python
     stage), as the eager decoder rolls it back."""
     V = factory.config.vocab_size_padded
-    cases = GUIDED[:2]
-    texts = texts_of(tekken, cases)
-    eager = GuidedDecoder(factory.config, 2, 2, factory=factory)
-    capt = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_node="native")
+    cases, texts, eager, capt, ctx = two_requests(factory, tekken, 2)
     static = torch.zeros(6, V)
-    ctx = [GuidedRequest.context(i + 1, i, c.params) for i, c in enumerate(cases)]
     graph = speculative_graph(capt, ctx, static)
 
     def gen(i, at, accepted):
@@ -691,20 +678,13 @@ def test_native_rollback_knows_what_a_python_step_advanced(factory, tekken, nati
                                         draft_tokens=t[at + 1:at + 3],
                                         num_accepted_draft_tokens=accepted)
 
-    class Wrapped:  # forwards everything: only Python can run it
-        def __init__(self, inner):
-            self._inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self._inner, name)
-
     # step 1: both (a Python step: slot 0 wrapped); step 2: request 1 alone; step 3: both,
     # request 2 back after sitting out step 2, with one of its step-1 drafts accepted
     steps = [ctx, [gen(0, 0, 0), gen(1, 0, 0)], [gen(0, 3, 2)], [gen(0, 6, 2), gen(1, 2, 1)]]
     for k, reqs in enumerate(steps):
         if k == 1:
             native = capt.grammar_matchers[0]
-            capt.grammar_matchers[0] = Wrapped(native)
+            capt.grammar_matchers[0] = PythonOnly(native)
         if k == 2:
             capt.grammar_matchers[0] = native
         assert speculative_step(eager, capt, graph, static, reqs, k)[0] == [], f"step {k}"
@@ -828,10 +808,7 @@ def _draft_loops(factory, tekken, seed, K=3, wrap_loop=None, iterations=12):
         if it == wrap_loop:
             native = capt.grammar_matchers[0]
 
-            class Wrapped:  # forwards everything: only Python can run it
-                def __getattr__(self, name):
-                    return getattr(native, name)
-            capt.grammar_matchers[0] = Wrapped()
+            capt.grammar_matchers[0] = PythonOnly(native)
         golden = [texts[i][pos[i]] for i in range(S)]
         targets = [GuidedRequest.generation(i + 1, i, c.params, golden[i],
                                             num_accepted_draft_tokens=accepted[i])
@@ -912,13 +889,8 @@ def test_draft_step_runs_while_another_thread_holds_the_gil(factory, tekken, nat
     the eager decoder's; on the Python callback the draft step ends after the window (the
     test can fail)."""
     V = factory.config.vocab_size_padded
-    cases = GUIDED[:2]
-    texts = texts_of(tekken, cases)
     for host_node in ("native", "python"):
-        eager = GuidedDecoder(factory.config, 2, 1, factory=factory)
-        capt = CapturableGuidedDecoder(factory.config, 2, 1, factory=factory,
-                                       host_node=host_node)
-        ctx = [GuidedRequest.context(i + 1, i, c.params) for i, c in enumerate(cases)]
+        cases, texts, eager, capt, ctx = two_requests(factory, tekken, 1, host_node)
         target_graph = capture(capt, ctx, torch.zeros(4, V))
         for d in (eager, capt):
             d.add_batch(ctx)
@@ -976,13 +948,9 @@ def test_draft_token_outside_the_vocabulary_fails_its_request_alone(factory, tek
     request's draft row is masked as on the Python callback; the loop's end and the next
     target step go on."""
     V = factory.config.vocab_size_padded
-    cases = GUIDED[:2]
-    texts = texts_of(tekken, cases)
     results = {}
     for host_node in ("native", "python"):
-        capt = CapturableGuidedDecoder(factory.config, 2, 1, factory=factory,
-                                       host_node=host_node)
-        ctx = [GuidedRequest.context(i + 1, i, c.params) for i, c in enumerate(cases)]
+        cases, texts, _, capt, ctx = two_requests(factory, tekken, 1, host_node)
         graph = capture(capt, ctx, torch.zeros(4, V))
         capt.add_batch(ctx)
         graph.replay()
