@@ -7,10 +7,12 @@ step: the side stream waits for the tokens event, the callbacks fetch the batch,
 for disaggregated requests and build the masks, the mask is copied, the bitmask event joins the
 main stream, and the main stream applies the mask to the logits.
 
-Beyond the reference design: every put carries an epoch that the fetching callback checks
-(a replay without its ``add_batch`` or an extra ``add_batch`` raises
+Beyond the reference design: every put carries an epoch, which ``add_batch`` also writes to a
+pinned step ticket in stream order, so that each step takes its own batch even when the host
+has already queued the next step's (an engine that schedules step N+1 before step N has run), and
+a replay without its ``add_batch`` or an extra ``add_batch`` raises
 :class:`~capgraph.errors.QueueEpochError` at the next sync instead of silently reusing or
-skipping a batch); failures and callback exceptions reach the caller through
+skipping a batch; failures and callback exceptions reach the caller through
 :meth:`take_failed_requests` and the drain; captured callbacks are freed with their graph
 (hostfunc); nothing process-wide is changed.
 """
@@ -21,7 +23,8 @@ import threading
 import weakref
 from collections import deque
 from contextlib import contextmanager
-from typing import Callable, Iterator, Literal, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import torch
 
@@ -46,6 +49,29 @@ _ROLLBACK, _DRAFT_START, _DRAFT_BUILD, _DRAFT_END = (
 #: what ``CapturableGuidedDecoder(host_node=...)`` accepts
 HOST_NODES = ("auto", "native", "python")
 HostNodeChoice = Literal["auto", "native", "python"]
+
+#: the step ticket holds a put's epoch modulo this (a step tells its own batch from those put
+#: up to half of it before or after)
+TICKET_RING = 4096
+
+
+def ticket_distance(ticket: int, epoch: int) -> int:
+    """How many puts ``epoch`` lies before the put whose ticket is ``ticket`` (0: that put; <0:
+    a later one)."""
+    d = (ticket - epoch) % TICKET_RING
+    return d - TICKET_RING if d >= TICKET_RING // 2 else d
+
+
+@dataclass(slots=True)
+class _Put:
+    """One ``add_batch``: its epoch, batch, whether the step reads its tokens from the token
+    buffer, whether it wrote the step ticket (not while capturing), and the matchers it created
+    for the native node to install when the step runs (``(slot, matcher or None)``)."""
+    epoch: int
+    batch: GuidedRequests
+    has_new_tokens: bool
+    ticketed: bool
+    installs: list[tuple[int, Any]] = field(default_factory=list)
 
 
 def _callback(name: str) -> Callable:
@@ -123,10 +149,17 @@ class CapturableGuidedDecoder(GuidedDecoder):
         # [batch position]: the deepest accepted node of each request's draft tree (-1: none)
         self.accepted_draft_nodes = torch.full((S,), -1, dtype=torch.int32, pin_memory=pin)
         self._new_tokens_np = self.new_tokens.numpy()
+        # the epoch of the latest add_batch (modulo TICKET_RING), written in stream order: on
+        # CUDA copied from _ticket_ids on the current stream, on the CPU stand-in by a task on
+        # the current HostStream where it has work queued (_write_step)
+        self._ticket = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
+        self._ticket_np = self._ticket.numpy()
+        self._ticket_ids = torch.arange(TICKET_RING, dtype=torch.int32, device=self.device) \
+            if self.device.type == "cuda" else None
         self.requests_hostfunc: GuidedRequests | None = None  # read and written by callbacks
         self._draft_requests: GuidedRequests | None = None
         self._rollback_batch: GuidedRequests | None = None  # fetch_accepted_batch's batch
-        self._queue: deque[tuple[int, GuidedRequests, bool]] = deque()
+        self._queue: deque[_Put] = deque()
         self._put_epoch = 0  # host side
         self._fetched_epoch = 0  # callback side
         self._warmup = 0
@@ -141,6 +174,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         # the CPU step outside capture builds on that thread (see _enqueue_step)
         self._async_build = self.bitmask is self.bitmask_host and self.host_build.asynchronous
         self._node: HostNode | None = None
+        self._mirror: _Mirror | None = None  # the node's copy of the slots (_make_host_node)
         self._node_active = False  # a step was captured with the node: every step takes it
         self._in_node = False  # a Python step of the node runs (it took its job itself)
         # one reader of the node's results at a time (the host thread and a Python step
@@ -152,7 +186,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     @property
     def queued_batches(self) -> int:
-        """Batches put by ``add_batch`` that no step has fetched yet (0 or 1 in step)."""
+        """Batches put by ``add_batch`` that no step has fetched yet: 0 or 1 in step, more
+        while the host schedules ahead of steps still in flight."""
         self._node_collect()  # (a batch the native node has run is fetched)
         return len(self._queue)
 
@@ -164,7 +199,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._node_collect()  # (a batch the native node has run is fetched)
         n = len(self._queue)
         while self._queue:
-            self._consume_put()
+            self._consume_put(newest=False)
         return n
 
     @property
@@ -176,7 +211,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
         """Bytes held by the decoder's buffers, the pinned token buffers included."""
         sizes = super().memory_bytes()
         sizes["host"] += (self.new_tokens.nbytes + self.draft_new_tokens.nbytes
-                          + self.num_accepted_tokens.nbytes + self.accepted_draft_nodes.nbytes)
+                          + self.num_accepted_tokens.nbytes + self.accepted_draft_nodes.nbytes
+                          + self._ticket.nbytes)
+        if self._ticket_ids is not None:
+            sizes["device"] = sizes.get("device", 0) + self._ticket_ids.nbytes
         return sizes
 
     # -- host side ---------------------------------------------------------------------------
@@ -194,6 +232,12 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 read by the fetch callback instead of the requests' ``new_token`` /
                 ``draft_tokens`` for requests with a ``prev_seq_slot``. Copied without blocking.
             runtime_draft_len: draft length of this step (default: the maximum).
+
+        The step may be scheduled before the previous one has run (its replay still queued on
+        the stream): the tokens and the step's ticket are written in stream order (on the
+        current stream, where the step is replayed), so each step takes its own batch and
+        tokens, and a new request placed in a slot whose previous request's last step is still
+        in flight gets its matcher after that step.
 
         The requests are checked as :meth:`GuidedDecoder.add_batch` checks them: a bad one
         fails alone (an unguided stand-in takes its rows; :meth:`take_failed_requests` returns
@@ -219,12 +263,12 @@ class CapturableGuidedDecoder(GuidedDecoder):
         # are dropped by the callback that fetches this batch (_pop), in step order
         batch = self._add_batch(snapshots, runtime_draft_len, new_tokens is not None)
         self._tokens_recorded_in_capture = False
-        if new_tokens is not None:
-            self._copy_new_tokens(new_tokens)
         self._put_epoch += 1
-        self._queue.append((self._put_epoch, batch, new_tokens is not None))  # type: ignore[arg-type]
+        ticketed = self._write_step(self._put_epoch, new_tokens)
+        put = _Put(self._put_epoch, batch, new_tokens is not None, ticketed)  # type: ignore[arg-type]
+        self._queue.append(put)
         if self._node_active:
-            self._node_push(self._put_epoch, batch, new_tokens is not None)
+            self._node_push(put)
         self.active = next(batch.valid_requests(), None) is not None  # type: ignore[union-attr]
         if not self._streams.is_capturing():
             self._streams.record_tokens()  # orders the callbacks after the token copy
@@ -247,6 +291,39 @@ class CapturableGuidedDecoder(GuidedDecoder):
     def _copy_new_tokens(self, new_tokens: torch.Tensor) -> None:
         t = new_tokens.squeeze(-1) if new_tokens.dim() == 3 else new_tokens
         self.new_tokens[:t.shape[0]].copy_(t, non_blocking=True)
+
+    def _write_step(self, epoch: int, new_tokens: torch.Tensor | None) -> bool:
+        """Write the step's tokens and ticket (``epoch`` modulo :data:`TICKET_RING`) where the
+        stream that runs the step reads them after every step enqueued before: on CUDA as
+        copies on the current stream; on the CPU stand-in at once where the current
+        HostStream is idle, else as a task on it (the tokens snapshotted now). While capturing
+        only the tokens are copied (as before a capture's shapes-only step) and no ticket is
+        written: False."""
+        if self._streams.is_capturing():
+            if new_tokens is not None:
+                self._copy_new_tokens(new_tokens)
+            return False
+        k = epoch % TICKET_RING
+        if self._ticket_ids is not None:
+            if new_tokens is not None:
+                self._copy_new_tokens(new_tokens)
+            self._ticket.copy_(self._ticket_ids[k:k + 1], non_blocking=True)
+            return True
+        stream = hostfunc.current_stream()
+        if stream.query():  # nothing queued reads the buffers before this step
+            if new_tokens is not None:
+                self._copy_new_tokens(new_tokens)
+            self._ticket_np[0] = k
+            return True
+        tokens = None if new_tokens is None else new_tokens.clone()
+        ticket, copy = self._ticket_np, self._copy_new_tokens
+
+        def write() -> None:
+            if tokens is not None:
+                copy(tokens)  # (checked at add_batch: it cannot fail)
+            ticket[0] = k
+        stream.enqueue(write)
+        return True
 
     def record_tokens_ready(self) -> None:
         """Record the tokens event on the current stream.
@@ -532,31 +609,27 @@ class CapturableGuidedDecoder(GuidedDecoder):
                      (cls.rollback_rejected_tokens_hostfunc,))
 
     def _pop(self) -> None:
-        """Take the next queued batch, checking its epoch."""
+        """Take this step's batch off the queue (:meth:`_take_put`)."""
         if self._warmup:  # a warm-up run masks nothing, advances nothing, consumes no put
             self.requests_hostfunc = None
             return
         self._node_collect()  # (the batches the native node has run leave the queue first)
-        if not self._queue:
-            self._out_of_step(f"no batch queued for this step (expected epoch "
-                              f"{self._fetched_epoch + 1}): a replay or execute without its "
-                              "add_batch")
-        epoch, batch, has_new_tokens = self._queue.popleft()
+        taken, error = self._take_put()
         if self._node_active and not self._in_node:
-            self._node.drop()  # type: ignore[union-attr]  # (Python takes it: the job goes)
-        self.requests_hostfunc = batch  # from here on, a fault is reported with these ids
-        if batch.dropped_slots:
-            self._drop_slots(batch)
-        expected = self._fetched_epoch + 1
-        self._fetched_epoch = epoch
-        if epoch != expected or self._queue:
-            extra = [e for e, _, _ in self._queue]
-            self._queue.clear()
-            self._out_of_step(f"fetched epoch {epoch}, expected {expected}; still queued: "
-                              f"{extra} (an add_batch without its execute)")
-        if has_new_tokens:
+            for _ in taken:  # (Python takes them: their jobs go)
+                self._node.drop()  # type: ignore[union-attr]
+        for put in taken:
+            self.requests_hostfunc = put.batch  # from here on, a fault names these ids
+            if put.batch.dropped_slots:
+                self._drop_slots(put.batch)
+        if error is not None:
+            self.requests_hostfunc = None
+            self._clear_token_mask()
+            raise QueueEpochError(error)
+        put = taken[-1]
+        if put.has_new_tokens:
             tokens = self._new_tokens_np
-            for req in batch.requests:
+            for req in put.batch.requests:
                 if req.prev_seq_slot is None or req.is_context_init_state \
                         or req.seq_slot is None \
                         or not 0 <= req.seq_slot < self.max_num_sequences:
@@ -564,26 +637,57 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 column = tokens[:, req.seq_slot].tolist()
                 req.new_token, req.draft_tokens = column[0], column[1:]
 
-    def _out_of_step(self, detail: str) -> None:
-        self.requests_hostfunc = None
-        self._fetched_epoch = self._put_epoch
-        node = self._node
-        if node is not None and self._node_active:  # the node's queue goes with this one
-            while node.drop():
-                pass
-            node.set_epoch(self._put_epoch)
-        self._clear_token_mask()
-        raise QueueEpochError(detail)
+    def _take_put(self) -> tuple[list[_Put], str | None]:
+        """Take this step's put off the queue: ``(the puts taken, this step's last; a queue
+        error or None)``. The step ticket names the step's own put: puts before it had no
+        step of their own (taken with it, an error: the step masks nothing); a ticket older
+        than every queued put is a step without its ``add_batch`` (nothing taken, an error);
+        later puts stay queued for their steps. A put made while capturing (no ticket) must
+        be the only one queued, the epoch after the last fetched (else all are dropped). The
+        native node's ``TakeJob`` applies the same rules to its jobs."""
+        queue, expected = self._queue, self._fetched_epoch + 1
+        if not queue:
+            return [], (f"no batch queued for this step (expected epoch {expected}): a replay "
+                        "or execute without its add_batch")
+        front = queue[0]
+        if not front.ticketed:
+            taken = [queue.popleft()]
+            self._fetched_epoch = front.epoch
+            if front.epoch == expected and not queue:
+                return taken, None
+            extra = [p.epoch for p in queue]
+            taken.extend(queue)
+            queue.clear()
+            self._fetched_epoch = self._put_epoch
+            return taken, (f"fetched epoch {front.epoch}, expected {expected}; still queued: "
+                           f"{extra} (an add_batch without its execute)")
+        own = front.epoch + ticket_distance(int(self._ticket_np[0]), front.epoch)
+        if own < front.epoch:
+            return [], (f"this step's batch (epoch {own}) was consumed already; still queued: "
+                        f"{[p.epoch for p in queue]} (a replay or execute without its "
+                        "add_batch)")
+        taken = []
+        while queue and queue[0].epoch <= own:
+            taken.append(queue.popleft())
+        self._fetched_epoch = own
+        skipped = [p.epoch for p in taken if p.epoch < own]
+        if skipped or taken[-1].epoch != own:
+            return taken, (f"fetched epoch {taken[-1].epoch}, expected {own} (this step's "
+                           f"add_batch); the batches of epochs {skipped} had no step of their "
+                           "own (an add_batch without its execute)")
+        return taken, None
 
-    def _consume_put(self) -> None:
-        """Host side: an inactive step's put is consumed here instead of by a callback."""
+    def _consume_put(self, newest: bool = True) -> None:
+        """Host side: a put no callback fetches (a capture's, an inactive step's: the newest;
+        a discarded one: the oldest) leaves the queue, its dropped slots dropped."""
         if self._queue:
-            _, batch, _ = self._queue.popleft()
-            self._fetched_epoch += 1
+            put = self._queue.pop() if newest else self._queue.popleft()
+            if not self._queue:
+                self._fetched_epoch = put.epoch
             if self._node_active:
-                self._node.drop()  # type: ignore[union-attr]
-            if batch.dropped_slots:
-                self._drop_slots(batch)
+                self._node.drop(newest)  # type: ignore[union-attr]
+            if put.batch.dropped_slots:
+                self._drop_slots(put.batch)
 
     @_callback("fetch_batch")
     def fetch_batch(self) -> None:
@@ -597,8 +701,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
             # out of step) and blame the previous batch: take it off the queue and name it.
             batch = self.requests_hostfunc
             if batch is before and self._queue:
-                _, batch, _ = self._queue.popleft()
-                self._fetched_epoch += 1
+                taken, _ = self._take_put()
+                if self._node_active and not self._in_node:
+                    for _ in taken:
+                        self._node.drop()  # type: ignore[union-attr]
+                batch = taken[-1].batch if taken else None
             ids = [_request_id(r) for r in batch.valid_requests()] if batch is not None else []
             self._record_failed([(i, f"fetch_batch: {type(e).__name__}: {e}") for i in ids])
             self.requests_hostfunc = None  # the step masks nothing
@@ -626,7 +733,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
     def fetch_accepted_batch(self, with_nodes: bool = False) -> None:
         self._node_collect()  # (the native node's steps run so far leave the queue first)
         # the batch whose verification counts these are: queued (not yet fetched) or current
-        batch = self._queue[0][1] if self._queue else self.requests_hostfunc
+        batch = self._queue[0].batch if self._queue else self.requests_hostfunc
         self._take_accepted(batch, with_nodes)
         self._rollback_batch = batch
 
@@ -723,7 +830,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                     self.host_build.entry, self.new_tokens,  # type: ignore[attr-defined]
                     _python_step(self), self.num_accepted_tokens,
                     self.host_build.rollback, _python_rollback(self),  # type: ignore[attr-defined]
-                    self.draft_new_tokens, _python_draft(self))
+                    self.draft_new_tokens, _python_draft(self), self._ticket, TICKET_RING)
             except NativeBuildError as e:
                 reason = str(e)
         if reason is not None:
@@ -731,7 +838,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 raise ConfigError(f"host_node='native' is not available: {reason}")
             return "python"
         slots = self.slots
-        mirror = _mirror(node, slots)
+        self._mirror = mirror = _Mirror(node, slots)
         slots.matchers.on_change = slots.is_draft_terminated.on_change = mirror
         for slot in range(self.max_num_sequences):
             mirror(slot)
@@ -761,37 +868,49 @@ class CapturableGuidedDecoder(GuidedDecoder):
         callback serves this decoder)."""
         return None if self._node is None else self._node.stats()
 
-    def _node_push(self, epoch: int, batch: GuidedRequests, from_buffer: bool) -> None:
-        """Queue the step of ``batch`` on the native node, and create here, on the host, the
+    def _node_push(self, put: _Put) -> None:
+        """Queue the step of ``put`` on the native node, and create here, on the host, the
         matchers its new (context) and disaggregated requests need, so that the node runs
-        them too; a batch the node declines is a Python step."""
+        them too; the node installs them in their slots when the step runs (a step still
+        queued before it runs the slots' previous matchers), and Python when it reads that
+        step. A batch the node declines, or one with a matcher only Python can run, is a
+        Python step (whose build creates the matchers itself)."""
         node = self._node
         assert node is not None
+        batch = put.batch
         requests = batch.requests
         inits = None if batch.dropped_slots else node.push(
             requests, batch.offsets, batch.max_num_draft_tokens, self.token_mask_host.shape[0],
-            epoch, from_buffer)
+            put.epoch, put.has_new_tokens, put.ticketed)
         if inits is None:
-            node.push_python(epoch)
+            node.push_python(put.epoch, put.ticketed)
             return
-        # (the node checked every slot: an int in range, once in the batch). A slot's counters
-        # go to zero with its new matcher, so a rollback still to run for the step before
-        # (rollback_rejected_batch after this add_batch) leaves the new matcher alone.
+        # (the node checked every slot: an int in range, once in the batch)
         context, disaggregated = inits
         if not (context or disaggregated):
             return
-        matchers, failed = self.grammar_matchers, []
-        advanced, guided = self.num_advanced_tokens, self.num_guided_tokens
-        for i in context + disaggregated:
-            req = requests[i]
-            slot: int = req.seq_slot  # type: ignore[assignment]
-            matchers[slot] = None
-            advanced[slot] = guided[slot] = 0
-            try:
-                matchers[slot] = self._create_matcher(req)
-            except Exception as e:
-                failed.append(self._fail(req, e))
-        self._record_failed(failed)
+        created: list[tuple[int, Any]] = []
+        failed: list[tuple[GuidedRequest, Exception]] = []
+        handles: list | None = None
+        try:
+            for i in context + disaggregated:
+                req = requests[i]
+                matcher = None
+                try:
+                    matcher = self._create_matcher(req)
+                except Exception as e:
+                    failed.append((req, e))
+                created.append((req.seq_slot, matcher))  # type: ignore[arg-type]
+            handle_of = self.slots.matchers.handle_of
+            handles = [handle_of(m) for _, m in created]
+            if any(h is not None and type(h) is not int for h in handles):
+                handles = None  # (the Python step's build creates and reports them itself)
+        finally:
+            node.commit(handles)
+        if handles is not None:
+            put.installs = created
+            # the failure is reported now; the slot is cleared when the step runs
+            self._record_failed([self._fail(req, e, drop=False) for req, e in failed])
 
     def _node_collect(self) -> None:
         """Read what the native node's steps did since the last read, in order: counters,
@@ -806,54 +925,71 @@ class CapturableGuidedDecoder(GuidedDecoder):
                                                self.num_advanced_draft_tokens))
 
     def _apply_node_results(self, results: list[tuple]) -> None:
-        """:meth:`_node_collect`'s work on the results of :meth:`HostNode.take`."""
-        for kind, epoch, error, masked, unusual, columns, rolled in results:
-            if kind == _ROLLBACK:
-                self._apply_node_rollback(epoch, unusual, rolled)
-                continue
-            if kind == _DRAFT_BUILD:
-                self._apply_node_draft_build(epoch, masked, unusual)
-                continue
-            if kind == _DRAFT_END:
-                self._apply_node_draft_end(epoch, unusual, rolled)
-                continue
-            if error is not None:
-                self._queue.clear()
-                self.requests_hostfunc = None
-                self._fetched_epoch = self._put_epoch
-                hostfunc.record_error("CapturableGuidedDecoder.host_node",
-                                      QueueEpochError(error))
-                continue
-            if not self._queue or self._queue[0][0] != epoch:
-                hostfunc.record_error("CapturableGuidedDecoder.host_node", QueueEpochError(
-                    f"the host node ran epoch {epoch}, which is not the oldest batch queued "
-                    f"({[e for e, _, _ in self._queue]})"))
-                continue
-            _, batch, _ = self._queue.popleft()
-            self._fetched_epoch = epoch
-            self.requests_hostfunc = batch
-            if kind == _DRAFT_START:  # (a drafting loop took the batch: its builds follow)
-                continue
-            self.slots.num_builds += 1
-            self._masked_rows = masked
-            if columns is not None:
-                reqs = batch.requests
-                for index, values in columns:
-                    reqs[index].new_token, reqs[index].draft_tokens = values[0], values[1:]
-            if unusual is not None:
-                outcomes: list = []
-                self.host_build._statuses(  # type: ignore[attr-defined]
-                    ((i, batch.requests[i].seq_slot, status, message)
-                     for i, status, message in unusual), outcomes)
-                self._record_failed(self._interpret(batch, outcomes, unmask=False))
+        """:meth:`_node_collect`'s work on the results of :meth:`HostNode.take`, in step order.
+        The node made the slot changes they imply itself (a new request's matcher installed,
+        a failed request's dropped), so they do not go back to it (:meth:`_Mirror.quiet`)."""
+        assert self._mirror is not None
+        with self._mirror.quiet():
+            for record in results:
+                self._apply_node_record(*record)
+
+    def _apply_node_record(self, kind: int, epoch: int, error: str | None, masked: bool,
+                           unusual: list | None, columns: list | None, rolled: list | None,
+                           stale: list[int]) -> None:
+        """One record of :meth:`HostNode.take` (see there)."""
+        if kind == _ROLLBACK:
+            self._apply_node_rollback(epoch, unusual, rolled, stale)  # type: ignore[arg-type]
+            return
+        if kind == _DRAFT_BUILD:
+            self._apply_node_draft_build(epoch, masked, unusual, stale)
+            return
+        if kind == _DRAFT_END:
+            self._apply_node_draft_end(epoch, unusual, rolled, stale)  # type: ignore[arg-type]
+            return
+        queue = self._queue
+        if error is not None:  # the node took the puts through `epoch` (none where it was not)
+            while queue and queue[0].epoch <= epoch:
+                queue.popleft()
+            self.requests_hostfunc = None
+            self._fetched_epoch = max(self._fetched_epoch, epoch)
+            hostfunc.record_error("CapturableGuidedDecoder.host_node", QueueEpochError(error))
+            return
+        if not queue or queue[0].epoch != epoch:
+            hostfunc.record_error("CapturableGuidedDecoder.host_node", QueueEpochError(
+                f"the host node ran epoch {epoch}, which is not the oldest batch queued "
+                f"({[p.epoch for p in queue]})"))
+            return
+        put = queue.popleft()
+        batch = put.batch
+        self._fetched_epoch = epoch
+        self.requests_hostfunc = batch
+        if kind == _DRAFT_START:  # (a drafting loop took the batch: its builds follow)
+            return
+        matchers = self.grammar_matchers
+        for slot, matcher in put.installs:  # (installed by the node before the step ran)
+            matchers[slot] = matcher
+        self.slots.num_builds += 1
+        self._masked_rows = masked
+        if columns is not None:
+            reqs = batch.requests
+            for index, values in columns:
+                reqs[index].new_token, reqs[index].draft_tokens = values[0], values[1:]
+        if unusual is not None:
+            outcomes: list = []
+            others = frozenset(stale)
+            self.host_build._statuses(  # type: ignore[attr-defined]
+                ((i, batch.requests[i].seq_slot, status, message)
+                 for i, status, message in unusual), outcomes, others)
+            self._record_failed(self._interpret(batch, outcomes, unmask=False, others=others))
 
     def _node_batch(self, epoch: int) -> GuidedRequests | None:
         """The batch of ``epoch``: queued first, or the one fetched last."""
-        if self._queue and self._queue[0][0] == epoch:
-            return self._queue[0][1]
+        if self._queue and self._queue[0].epoch == epoch:
+            return self._queue[0].batch
         return self.requests_hostfunc if self._fetched_epoch == epoch else None
 
-    def _apply_node_draft_build(self, epoch: int, masked: bool, unusual: list | None) -> None:
+    def _apply_node_draft_build(self, epoch: int, masked: bool, unusual: list | None,
+                                stale: list[int]) -> None:
         """What a native draft step's build did (counters written already): a refused draft
         token or a dead row stops guiding the slot for the rest of the loop; any other outcome
         is interpreted as a build's."""
@@ -863,38 +999,38 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if unusual is None or batch is None:
             return
         outcomes: list = []
+        others = frozenset(stale)
         self.host_build._statuses(  # type: ignore[attr-defined]
             ((i, batch.requests[i].seq_slot, status, message) for i, status, message in unusual),
-            outcomes)
+            outcomes, others)
         rest = []
         for outcome in outcomes:
             if outcome[1] in (Status.REJECTED, Status.DEAD_END):
-                # (the node set its own flag; a loop it runs now must not see this late copy)
-                list.__setitem__(self.is_draft_terminated,
-                                 batch.requests[outcome[0]].seq_slot, True)
+                if outcome[0] not in others:  # (the node set its own flag)
+                    self.is_draft_terminated[batch.requests[outcome[0]].seq_slot] = True
             else:
                 rest.append(outcome)
         if rest:
-            self._record_failed(self._interpret(batch, rest, unmask=False))
+            self._record_failed(self._interpret(batch, rest, unmask=False, others=others))
 
-    def _apply_node_draft_end(self, epoch: int, unusual: list | None, rolled: list[int]
-                              ) -> None:
+    def _apply_node_draft_end(self, epoch: int, unusual: list | None, rolled: list[int],
+                              stale: list[int]) -> None:
         """The end of a native drafting loop: its slots are guided again, a matcher that had
         terminated and rolled back re-reads its state, a rollback that raised fails its
         request."""
         matchers = self.grammar_matchers
         for slot in rolled:
-            list.__setitem__(self.is_draft_terminated, slot, False)  # (the node's is cleared)
+            self.is_draft_terminated[slot] = False  # (the node's is cleared)
             m = matchers[slot]
             if m is not None and m.is_terminated():
                 m.sync_state()  # type: ignore[attr-defined]  # (a native slot's matcher)
         batch = self._node_batch(epoch)
         if unusual and batch is not None:
-            self._record_failed([self._fail_message(batch.requests[i], text)
+            self._record_failed([self._fail_message(batch.requests[i], text, i not in stale)
                                  for i, _, text in unusual])
 
-    def _apply_node_rollback(self, epoch: int, unusual: list | None, rolled: list[int]
-                             ) -> None:
+    def _apply_node_rollback(self, epoch: int, unusual: list | None, rolled: list[int],
+                             stale: list[int]) -> None:
         """What a native rollback did (its counters are written already): a matcher that had
         terminated and rolled back re-reads its state; a request that could not roll back
         fails as the Python rollback fails it."""
@@ -913,12 +1049,12 @@ class CapturableGuidedDecoder(GuidedDecoder):
                     f"a rollback of epoch {epoch} failed a request ({text}) whose batch is "
                     "no longer known"))
                 continue
-            req = batch.requests[index]
+            req, drop = batch.requests[index], index not in stale
             if kind == 1:
                 failed.append(self._fail(req, RequestError(
-                    text, request_id=req.request_id, seq_slot=req.seq_slot)))
+                    text, request_id=req.request_id, seq_slot=req.seq_slot), drop))
             else:
-                failed.append(self._fail_message(req, text))
+                failed.append(self._fail_message(req, text, drop))
         self._record_failed(failed)
 
     def _finish_build(self) -> None:
@@ -1002,13 +1138,28 @@ def _python_step(decoder: CapturableGuidedDecoder) -> Callable[[int], None]:
     return step
 
 
-def _mirror(node: HostNode, slots) -> Callable[[int], None]:
-    """Keep the node's per-slot table in step with ``slots`` (called with a changed slot)."""
-    handles, stopped = slots.matchers.handles, slots.is_draft_terminated
+class _Mirror:
+    """Keeps the node's per-slot table in step with ``slots`` (called with a changed slot),
+    except for the changes made while :meth:`quiet` is active on the calling thread (Python
+    reading the node's own records: the node made those changes itself, in step order, and a
+    late copy could undo a later step's)."""
 
-    def mirror(slot: int) -> None:
-        node.set_slot(slot, handles[slot], stopped[slot])
-    return mirror
+    def __init__(self, node: HostNode, slots) -> None:
+        self._node = node
+        self._handles, self._stopped = slots.matchers.handles, slots.is_draft_terminated
+        self._quiet: int | None = None  # the thread whose changes are not mirrored
+
+    def __call__(self, slot: int) -> None:
+        if self._quiet != threading.get_ident():
+            self._node.set_slot(slot, self._handles[slot], self._stopped[slot])
+
+    @contextmanager
+    def quiet(self) -> Iterator[None]:
+        before, self._quiet = self._quiet, threading.get_ident()
+        try:
+            yield
+        finally:
+            self._quiet = before
 
 
 def _collect_hook(decoder: CapturableGuidedDecoder) -> Callable[[], None]:

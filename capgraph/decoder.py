@@ -18,7 +18,7 @@ applies the masks, and rolls back.
 from __future__ import annotations
 
 import threading
-from typing import Sequence, cast
+from typing import Collection, Sequence, cast
 
 import torch
 
@@ -488,20 +488,24 @@ class GuidedDecoder:
         self._record_failed(self._interpret(requests, outcomes))
 
     def _interpret(self, requests: GuidedRequests, outcomes: Sequence[Outcome],
-                   unmask: bool = True) -> list[FailedRequest]:
+                   unmask: bool = True, others: Collection[int] = ()) -> list[FailedRequest]:
         """What each outcome of a build means for its request (the one place for it, whichever
         strategy ran): a refused new token or a dead first row stops a draft step's guidance
         and fails a target request; a fault or a budget overrun fails the request. A failed
         request's matcher is dropped (:meth:`_fail`) and its rows of the step are left
         unmasked, those a strategy filled before the failure too (``unmask`` False: the
-        strategy unmasked them itself, and the token mask may hold a later step by now)."""
+        strategy unmasked them itself, and the token mask may hold a later step by now).
+        ``others``: batch indices whose slot another request holds by now (a step read after
+        a later step reused the slot): they fail without touching the slot."""
         failed: list[FailedRequest] = []
         offsets, end = requests.offsets, requests.num_bitmask_tokens
         for index, status, detail in outcomes:
             req = requests.requests[index]
             slot = req.seq_slot
+            drop = index not in others
             if status in (Status.REJECTED, Status.DEAD_END) and req.is_draft:
-                self.is_draft_terminated[slot] = True  # type: ignore[index]
+                if drop:
+                    self.is_draft_terminated[slot] = True  # type: ignore[index]
                 continue
             if unmask:
                 stop = offsets[index + 1] if index + 1 < len(offsets) else end
@@ -509,17 +513,18 @@ class GuidedDecoder:
             if status == Status.REJECTED:
                 failed.append(self._fail(req, RequestError(
                     f"new_token {req.new_token} is not allowed by the grammar",
-                    request_id=req.request_id, seq_slot=slot)))
+                    request_id=req.request_id, seq_slot=slot), drop))
             elif status == Status.DEAD_END:
                 failed.append(self._fail(req, DeadEndError(
                     f"request {req.request_id} at slot {slot} reached a grammar state "
-                    "with no valid token")))
+                    "with no valid token"), drop))
             elif status == Status.OVER_BUDGET:
                 failed.append(self._fail(req, BudgetExceededError(
                     request_id=req.request_id, seq_slot=slot, elapsed_ms=float(cast(float, detail)),
-                    budget_ms=self.host_build.budget_ms)))
+                    budget_ms=self.host_build.budget_ms), drop))
             else:  # FAULT, REFUSED: the message is the detail
-                failed.append(self._fail_message(req, str(detail), status == Status.FAULT))
+                failed.append(self._fail_message(req, str(detail),
+                                                 drop and status == Status.FAULT))
         return failed
 
     def _create_matcher(self, req: GuidedRequest) -> GrammarMatcher:
@@ -609,6 +614,8 @@ class GuidedDecoder:
             slot = req.seq_slot
             if not self.slots.slot_ok(slot) or self.num_advanced_tokens[slot] <= 0:  # type: ignore[index]
                 continue
+            if req.is_context_init_state or req.is_generation_only_first_iteration:
+                continue  # a new request drafted nothing: the slot's advances were another's
             tree = self.slots.current_tree(slot)
             if tree is not None:
                 self._keep_tree_path(req, slot, tree[1], tree[2])

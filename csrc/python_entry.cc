@@ -787,6 +787,14 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 // Python step: the node takes the GIL and calls the decoder's Python host step (`fallback`),
 // which builds it as the Python callback would.
 //
+// The host may queue step N+1's job before step N has run (an engine scheduling ahead of the
+// stream): add_batch writes each put's epoch modulo ticket_ring to the pinned ticket in stream
+// order, and a step takes the job whose epoch the ticket holds (TakeJob), leaving later jobs
+// queued. The matchers add_batch creates for a job's new requests (NodePush, then NodeCommit)
+// are installed in their slots when the job runs natively (Install), so a job queued before
+// it still runs the slots' previous matchers; Python installs its own copies when it reads
+// that step (node_take's records, in order).
+//
 // Lifetime: a HostNode is counted (the decoder's capsule holds one reference, each captured
 // graph one more through hostfunc's retain/release); the last release may come on a driver
 // thread, so it only moves the node to a list that the next Python call into this module
@@ -814,7 +822,7 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //
 // node_create(fast, new_tokens, address, positions, fallback, counts, counts_address,
 //             rollback, rollback_address, rollback_fallback, drafts, drafts_address,
-//             draft_fallback)
+//             draft_fallback, ticket, ticket_address, ticket_ring)
 //   -> (capsule, run, retain, release, address, run_rollback,
 //       (draft_middle, draft_first, draft_last, draft_only))
 //   fast: make_fast's state (its Builder and request field descriptors); new_tokens: the
@@ -824,19 +832,25 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //   `rollback` tvm-ffi Function (held), whose FFI object is at `rollback_address`;
 //   rollback_fallback(): the Python rollback; drafts: the decoder's [num_slots] int32
 //   draft-token buffer at `drafts_address`; draft_fallback(first, last): the Python draft
-//   step. run/retain/release/run_rollback/draft_*: addresses of the C functions
+//   step; ticket: the decoder's one-element int32 step ticket at `ticket_address`, holding
+//   epochs modulo ticket_ring. run/retain/release/run_rollback/draft_*: addresses of the C functions
 //   `void f(void*)` to launch with `address`.
-// node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer)
-//   -> False | (context, disaggregated): queue the step's native job and return the batch
+// node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer,
+//           ticketed)
+//   -> False | (context, disaggregated): read the step's native job and return the batch
 //   indices of the requests whose matchers the caller creates now: context requests at their
 //   last chunk (the node fills their row without accepting a token; an earlier chunk has
-//   nothing to do) and disaggregated requests' first generation step; False (nothing queued)
-//   where the batch is not the plain case: the caller then queues a Python step
-//   (node_push_python).
-// node_push_python(node, epoch); node_drop(node) -> bool: forget the oldest job (the host
-//   side consumed its batch); node_set_slot(node, slot, handle, stopped).
+//   nothing to do) and disaggregated requests' first generation step (the job waits for
+//   node_commit where there are any); False (nothing queued) where the batch is not the plain
+//   case: the caller then queues a Python step (node_push_python). ticketed: add_batch wrote
+//   the epoch to the ticket (not while capturing).
+// node_commit(node, handles): queue the waiting job with its inits' matchers (or, handles
+//   None, as a Python step).
+// node_push_python(node, epoch, ticketed); node_drop(node, newest) -> bool: forget the oldest
+//   job, or the newest (the host side consumed its batch); node_set_slot(node, slot, handle,
+//   stopped).
 // node_take(node, advanced, guided, drafted)
-//   -> [(kind, epoch, error, masked, unusual, columns, rolled)]
+//   -> [(kind, epoch, error, masked, unusual, columns, rolled, stale)]
 //   every record (DoneKind: a step, a rollback, a drafting loop's start, a draft build, a
 //   loop's end) since the last call, in order, counters written to the lists (where the
 //   slot's matcher is still the one the run used); epoch: the batch the record's indices
@@ -845,7 +859,8 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //   (batch index, 2, "Kind: message") where the matcher raised); columns: None or
 //   [(batch index, [token, draft, ...])] of the tokens read from the token buffer; rolled:
 //   for a rollback the slots whose matchers rolled back (a matcher that had terminated no
-//   longer has), for a loop's end every slot of its batch, else None.
+//   longer has), for a loop's end every slot of its batch, else None; stale: the batch indices
+//   of unusual requests whose slot holds another matcher by now.
 // node_sync_counts(node, advanced, drafted): the node's per-slot advance and draft-advance
 //   counts from Python's lists.
 // node_stats(node) -> (runs, python_runs, last_start_ns, last_end_ns, busy_ns, rows,
@@ -862,14 +877,20 @@ struct NodeEntry {
   // a context request: its matcher was created at add_batch (fill its row, accept nothing),
   // or it has nothing to do this step (`skip`: an earlier chunk; its counters are zeroed)
   bool fill_only, skip;
+  bool fresh = false;  // a disaggregated request's first step (its matcher new this step)
 };
 
 struct NodeJob {
   int64_t epoch = 0;
   bool python = false;
+  bool ticketed = false;  // add_batch wrote its epoch to the ticket in stream order
   int64_t draft_len = 0, clear_rows = 0;
   std::vector<NodeEntry> entries;  // every plain guided request of the batch, in batch order
   std::vector<int64_t> drafts;
+  // the matchers add_batch created for its new and disaggregated requests, installed in their
+  // slots when the job runs natively (in step order: a step still queued before it runs the
+  // slot's previous matcher); an undefined one clears the slot (its creation failed)
+  std::vector<std::pair<int64_t, ObjectRef>> installs;
 };
 
 // What a NodeDone record reports: a step; a rollback of rejected drafts; the start of a
@@ -892,6 +913,7 @@ struct NodeDone {
   std::vector<int32_t> out;
   std::vector<std::string> messages;  // per request the Builder ran: its fault / ms, or ""
   std::vector<int64_t> columns;  // per request reading the buffer: index, positions values
+  std::vector<int64_t> installed;  // the slots whose matchers the job installed
 };
 
 struct HostNode {
@@ -905,6 +927,16 @@ struct HostNode {
   std::mutex mu;  // jobs, done and the slot table
   std::deque<NodeJob> jobs;
   std::deque<NodeDone> done;
+  // a job whose matchers the caller creates (node_push returned its inits), queued by
+  // node_commit
+  bool has_pending = false;
+  NodeJob pending;
+  std::vector<int64_t> pending_slots;  // the slots of its inits, in the order returned
+  // the step's ticket: add_batch writes its epoch modulo ticket_ring here in stream order, so
+  // a step knows which queued batch is its own (capgraph/capturable.py, _write_ticket)
+  PyObject* ticket_buffer = nullptr;  // owns `ticket`
+  const int32_t* ticket = nullptr;
+  int64_t ticket_ring = 1;
   std::vector<ObjectRef> slot_matcher;  // per slot: the FFI object a step runs, or none
   std::vector<uint8_t> slot_kind;  // 0: no matcher, 1: native, 2: only Python can run it
   std::vector<uint8_t> slot_stopped;  // the drafting loop stopped guiding the slot
@@ -966,6 +998,7 @@ void BuryNodes() {
     Py_XDECREF(n->counts_buffer);
     Py_XDECREF(n->draft_fallback);
     Py_XDECREF(n->draft_buffer);
+    Py_XDECREF(n->ticket_buffer);
     n->rollback = tvm::ffi::Function();  // (before its owner)
     Py_XDECREF(n->rollback_owner);
     PyObject* keep = n->keep;
@@ -1205,32 +1238,87 @@ void ClearAll(HostNode* n) {
   }
 }
 
-// Take the next job off the queue into *job, checking its epoch as
-// CapturableGuidedDecoder._pop does (d->epoch: the job's; d->error: a queue error, the queue
-// then cleared). False: no job was queued (d->error says so).
+// The signed distance from a queued epoch to a step's ticket (an epoch modulo ring): 0 for the
+// step's own batch, > 0 for a batch put before it, < 0 for one put after it.
+int64_t TicketDistance(int64_t ticket, int64_t epoch, int64_t ring) {
+  int64_t d = (ticket - epoch) % ring;
+  if (d < 0) d += ring;
+  return d >= ring / 2 ? d - ring : d;
+}
+
+std::string EpochList(const std::deque<NodeJob>& jobs) {
+  std::string out;
+  for (const NodeJob& j : jobs) out += (out.empty() ? "" : ", ") + std::to_string(j.epoch);
+  return "[" + out + "]";
+}
+
+// Take this step's job off the queue into *job, as CapturableGuidedDecoder._take_put does
+// (d->epoch: the latest epoch consumed; d->error: a queue error). A ticketed front job: the
+// step's own job is the one whose epoch the ticket holds; jobs put before it had no step of
+// their own (consumed with it, an error: the step masks nothing); a ticket older than every
+// queued job is a step without its add_batch (nothing consumed, an error). Jobs put after
+// the step's own stay queued for their steps. An unticketed job (put while capturing) must be
+// the only one queued, the epoch after the last consumed. False: no job was taken.
 bool TakeJob(HostNode* n, NodeJob* job, NodeDone* d) {
   std::lock_guard<std::mutex> lock(n->mu);
   const int64_t expected = n->last_epoch + 1;
+  d->epoch = n->last_epoch;
   if (n->jobs.empty()) {
     d->error = "no batch queued for this step (expected epoch " + std::to_string(expected) +
                "): a replay or execute without its add_batch";
     return false;
   }
+  if (n->jobs.front().ticketed) {
+    const int64_t ticket = __atomic_load_n(n->ticket, __ATOMIC_ACQUIRE);
+    const int64_t front = n->jobs.front().epoch;
+    const int64_t dist = TicketDistance(ticket, front, n->ticket_ring);
+    if (dist < 0) {
+      d->error = "this step's batch (epoch " + std::to_string(front + dist) + ") was " +
+                 "consumed already; still queued: " + EpochList(n->jobs) +
+                 " (a replay or execute without its add_batch)";
+      return false;
+    }
+    const int64_t own = front + dist;
+    std::string skipped;
+    while (!n->jobs.empty() && n->jobs.front().epoch <= own) {
+      *job = std::move(n->jobs.front());
+      n->jobs.pop_front();
+      if (job->epoch < own) skipped += (skipped.empty() ? "" : ", ") + std::to_string(job->epoch);
+    }
+    n->last_epoch = d->epoch = own;
+    if (!skipped.empty() || job->epoch != own) {
+      d->error = "fetched epoch " + std::to_string(job->epoch) + ", expected " +
+                 std::to_string(own) + " (this step's add_batch); the batches of epochs [" +
+                 skipped + "] had no step of their own (an add_batch without its execute)";
+    }
+    return true;
+  }
   *job = std::move(n->jobs.front());
   n->jobs.pop_front();
   d->epoch = n->last_epoch = job->epoch;
   if (job->epoch != expected || !n->jobs.empty()) {
-    std::string extra;
-    for (const NodeJob& j : n->jobs) {
-      extra += (extra.empty() ? "" : ", ") + std::to_string(j.epoch);
-      n->last_epoch = j.epoch;
-    }
+    for (const NodeJob& j : n->jobs) n->last_epoch = d->epoch = j.epoch;
     d->error = "fetched epoch " + std::to_string(job->epoch) + ", expected " +
-               std::to_string(expected) + "; still queued: [" + extra +
-               "] (an add_batch without its execute)";
+               std::to_string(expected) + "; still queued: " + EpochList(n->jobs) +
+               " (an add_batch without its execute)";
     n->jobs.clear();
   }
   return true;
+}
+
+// Install a native job's matchers in their slots (under n->mu): a new generation each, no
+// advances; the drafting-stopped flag stays Python's (as a Python build's matcher creation).
+void Install(HostNode* n, NodeJob* job, NodeDone* d) {
+  for (auto& [slot, ref] : job->installs) {
+    ObjectRef old = std::move(n->slot_matcher[slot]);  // (released after the lock: no Python)
+    n->slot_matcher[slot] = std::move(ref);
+    n->slot_kind[slot] = n->slot_matcher[slot].defined() ? 1 : 0;
+    ++n->slot_gen[slot];
+    n->slot_advanced[slot] = 0;
+    n->slot_drafted[slot] = 0;
+    d->installed.push_back(slot);
+    ref = std::move(old);  // (the job, destroyed after the lock, drops the old reference)
+  }
 }
 
 // The host node: take the next job and run it (see the section's comment). Never throws.
@@ -1251,9 +1339,14 @@ void RunNode(void* p) {
   bool python = have && d.error.empty() && job.python;
   if (have && d.error.empty() && !python) {
     std::lock_guard<std::mutex> lock(n->mu);
+    std::vector<uint8_t> installed(static_cast<size_t>(n->num_slots), 0);
+    for (const auto& install : job.installs) installed[install.first] = 1;
     for (const NodeEntry& e : job.entries) {
-      if (n->slot_kind[e.slot] == 2 && !n->slot_stopped[e.slot]) python = true;
+      if (!installed[e.slot] && n->slot_kind[e.slot] == 2 && !n->slot_stopped[e.slot]) {
+        python = true;
+      }
     }
+    if (!python) Install(n, &job, &d);
   }
   if (have && d.error.empty()) {  // what a rollback before the next step's job rolls back
     std::lock_guard<std::mutex> lock(n->mu);
@@ -1361,6 +1454,8 @@ void Report(NodeDone* d, const NodeEntry& e, uint64_t gen, const int32_t* o3,
 void RollbackEntries(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d) {
   if (n->max_drafts <= 0) return;
   for (const NodeEntry& e : entries) {
+    // a new request drafted nothing: its slot's advances were its predecessor's
+    if (e.fill_only || e.skip || e.fresh) continue;
     const SlotView v = ReadSlot(n, e.slot);
     if (v.advanced <= 0) continue;
     const int64_t count = e.index < n->num_slots ? n->counts[e.index] : -1;
@@ -1568,7 +1663,7 @@ void RunDraft(HostNode* n, bool first, bool last) {
     {
       std::lock_guard<std::mutex> lock(n->mu);
       python = have && pop.error.empty() &&
-               (job.python || n->last_python ||
+               (job.python || n->last_python || !job.installs.empty() ||
                 std::any_of(job.entries.begin(), job.entries.end(), [&](const NodeEntry& e) {
                   return n->slot_kind[e.slot] == 2 || e.fill_only || e.skip;
                 }));
@@ -1639,12 +1734,13 @@ HostNode* NodeCall(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t expected,
 // the address of the rollback Function's FFI object.
 PyObject* NodeCreate(PyObject*, PyObject* args) {
   PyObject *fast_capsule, *buffer, *fallback, *counts, *rollback, *rollback_fallback, *drafts,
-      *draft_fallback;
+      *draft_fallback, *ticket;
   long long address = 0, positions = 0, counts_address = 0, rollback_address = 0,
-            drafts_address = 0;
-  if (!PyArg_ParseTuple(args, "OOLLOOLOLOOLO", &fast_capsule, &buffer, &address, &positions,
+            drafts_address = 0, ticket_address = 0, ticket_ring = 0;
+  if (!PyArg_ParseTuple(args, "OOLLOOLOLOOLOOLL", &fast_capsule, &buffer, &address, &positions,
                         &fallback, &counts, &counts_address, &rollback, &rollback_address,
-                        &rollback_fallback, &drafts, &drafts_address, &draft_fallback)) {
+                        &rollback_fallback, &drafts, &drafts_address, &draft_fallback, &ticket,
+                        &ticket_address, &ticket_ring)) {
     return nullptr;
   }
   BuryNodes();
@@ -1652,12 +1748,18 @@ PyObject* NodeCreate(PyObject*, PyObject* args) {
   if (st == nullptr) return nullptr;
   if (!PyCallable_Check(fallback) || !PyCallable_Check(rollback_fallback) ||
       !PyCallable_Check(draft_fallback) || address == 0 || positions < 1 ||
-      counts_address == 0 || rollback_address == 0 || drafts_address == 0) {
+      counts_address == 0 || rollback_address == 0 || drafts_address == 0 ||
+      ticket_address == 0 || ticket_ring < 2) {
     PyErr_SetString(PyExc_ValueError, "node_create: callable fallbacks, the buffers' addresses, "
-                    "positions >= 1 and the rollback Function's address are needed");
+                    "positions >= 1, the rollback Function's address and a ticket ring >= 2 "
+                    "are needed");
     return nullptr;
   }
   auto* n = new HostNode();
+  n->ticket_buffer = ticket;
+  n->ticket = reinterpret_cast<const int32_t*>(static_cast<intptr_t>(ticket_address));
+  n->ticket_ring = ticket_ring;
+  Py_INCREF(ticket);
   n->draft_buffer = drafts;
   n->draft_tokens = reinterpret_cast<const int32_t*>(static_cast<intptr_t>(drafts_address));
   n->draft_fallback = draft_fallback;
@@ -1770,6 +1872,7 @@ bool PushOne(HostNode* n, FastState* st, PyObject* request_obj, int64_t index, i
   }
   NodeEntry e{slot, -1, offset, static_cast<int64_t>(job->drafts.size()), 0, index, buffered,
               false, false};
+  e.fresh = !inits->disaggregated.empty() && inits->disaggregated.back() == index;
   if (buffered) {  // the token and drafts of the slot's column, read by the node
     e.num_drafts = std::min<int64_t>(n->positions - 1, draft_len);
   } else {
@@ -1805,12 +1908,12 @@ PyObject* IntList(const std::vector<int64_t>& values) {
   return list;
 }
 
-// node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer)
-//   -> False | (context, disaggregated)
+// node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer,
+//           ticketed) -> False | (context, disaggregated)
 PyObject* NodePush(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 8 || !PyList_CheckExact(args[2]) || !PyList_CheckExact(args[3])) {
+  if (nargs != 9 || !PyList_CheckExact(args[2]) || !PyList_CheckExact(args[3])) {
     PyErr_SetString(PyExc_TypeError, "node_push(node, fast, requests: list, offsets: list, "
-                    "draft_len, clear_rows, epoch, from_buffer)");
+                    "draft_len, clear_rows, epoch, from_buffer, ticketed)");
     return nullptr;
   }
   HostNode* n = NodeArg(args[0]);
@@ -1828,6 +1931,7 @@ PyObject* NodePush(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const bool from_buffer = PyObject_IsTrue(args[7]) == 1;
   NodeJob job;
   job.epoch = epoch;
+  job.ticketed = PyObject_IsTrue(args[8]) == 1;
   job.draft_len = draft_len;
   job.clear_rows = clear_rows;
   std::vector<uint8_t> seen(static_cast<size_t>(n->num_slots), 0);
@@ -1848,36 +1952,121 @@ PyObject* NodePush(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* result = Py_BuildValue("(NN)", IntList(inits.context),
                                    IntList(inits.disaggregated));
   if (result == nullptr) return nullptr;  // (nothing queued)
+  std::vector<int64_t> slots;  // the inits' slots, in the order returned
+  for (const std::vector<int64_t>* list : {&inits.context, &inits.disaggregated}) {
+    for (int64_t index : *list) {
+      for (const NodeEntry& e : job.entries) {
+        if (e.index == index) slots.push_back(e.slot);
+      }
+    }
+  }
   std::lock_guard<std::mutex> lock(n->mu);
-  n->jobs.push_back(std::move(job));
+  if (slots.empty()) {
+    n->jobs.push_back(std::move(job));
+  } else {  // (node_commit queues it with the matchers the caller creates)
+    n->pending = std::move(job);
+    n->pending_slots = std::move(slots);
+    n->has_pending = true;
+  }
   return result;
 }
 
-// node_push_python(node, epoch): queue a Python step.
+// The matcher an int handle names (the address of its FFI object, which gains a reference)
+// into *out; false with a ValueError naming `who` for a null address.
+bool RefFromAddress(PyObject* handle, const char* who, ObjectRef* out) {
+  void* address = PyLong_AsVoidPtr(handle);
+  if (address == nullptr) {
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s: null handle", who);
+    return false;
+  }
+  *out = tvm::ffi::detail::ObjectUnsafe::ObjectRefFromObjectPtr<ObjectRef>(
+      tvm::ffi::detail::ObjectUnsafe::ObjectPtrFromUnowned<tvm::ffi::Object>(
+          static_cast<TVMFFIObject*>(address)));
+  return true;
+}
+
+// node_commit(node, handles): queue the job node_push left pending, with handles[k] the
+// matcher created for its k-th init (an FFI object's address, or None where the creation
+// failed: the slot is cleared); handles None: queue it as a Python step instead (a matcher
+// only Python can run was created).
+PyObject* NodeCommit(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HostNode* n = NodeCall(args, nargs, 2, "node_commit(node, handles)");
+  if (n == nullptr) return nullptr;
+  PyObject* handles = args[1];
+  std::lock_guard<std::mutex> lock(n->mu);
+  if (!n->has_pending) {
+    PyErr_SetString(PyExc_RuntimeError, "node_commit: no job is waiting for its matchers");
+    return nullptr;
+  }
+  NodeJob& job = n->pending;
+  bool ok = true;  // (a bad handle queues a Python step, so the queues stay in step)
+  if (handles != Py_None) {
+    if (!PyList_CheckExact(handles) ||
+        PyList_GET_SIZE(handles) != static_cast<Py_ssize_t>(n->pending_slots.size())) {
+      PyErr_Format(PyExc_TypeError, "node_commit: handles must be a list of %zd handles",
+                   static_cast<Py_ssize_t>(n->pending_slots.size()));
+      ok = false;
+    }
+    for (size_t k = 0; ok && k < n->pending_slots.size(); ++k) {
+      PyObject* h = PyList_GET_ITEM(handles, static_cast<Py_ssize_t>(k));
+      ObjectRef ref;
+      if (PyLong_CheckExact(h)) {
+        ok = RefFromAddress(h, "node_commit", &ref);
+      } else if (h != Py_None) {
+        PyErr_SetString(PyExc_TypeError, "node_commit: a handle is an int address or None");
+        ok = false;
+      }
+      if (ok) job.installs.emplace_back(n->pending_slots[k], std::move(ref));
+    }
+  }
+  if (handles == Py_None || !ok) {
+    job.python = true;
+    job.entries.clear();
+    job.drafts.clear();
+    job.installs.clear();
+  }
+  n->jobs.push_back(std::move(job));
+  n->pending = NodeJob();
+  n->pending_slots.clear();
+  n->has_pending = false;
+  if (!ok) return nullptr;
+  Py_RETURN_NONE;
+}
+
+// node_push_python(node, epoch, ticketed): queue a Python step.
 PyObject* NodePushPython(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HostNode* n = NodeCall(args, nargs, 2, "node_push_python(node, epoch)");
+  HostNode* n = NodeCall(args, nargs, 3, "node_push_python(node, epoch, ticketed)");
   if (n == nullptr) return nullptr;
   const long long epoch = PyLong_AsLongLong(args[1]);
   if (epoch == -1 && PyErr_Occurred()) return nullptr;
   NodeJob job;
   job.epoch = epoch;
   job.python = true;
+  job.ticketed = PyObject_IsTrue(args[2]) == 1;
   std::lock_guard<std::mutex> lock(n->mu);
   n->jobs.push_back(std::move(job));
   Py_RETURN_NONE;
 }
 
-// node_drop(node) -> bool: forget the oldest queued job (False: none was queued).
+// node_drop(node, newest) -> bool: forget the oldest queued job, or the newest (False: none
+// was queued).
 PyObject* NodeDrop(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HostNode* n = NodeCall(args, nargs, 1, "node_drop(node)");
+  HostNode* n = NodeCall(args, nargs, 2, "node_drop(node, newest)");
   if (n == nullptr) return nullptr;
+  const bool newest = PyObject_IsTrue(args[1]) == 1;
   NodeJob job;  // (its destruction after the lock)
   {
     std::lock_guard<std::mutex> lock(n->mu);
     if (n->jobs.empty()) Py_RETURN_FALSE;
-    job = std::move(n->jobs.front());
-    n->jobs.pop_front();
-    n->last_epoch = job.epoch;
+    if (newest) {
+      job = std::move(n->jobs.back());
+      n->jobs.pop_back();
+      if (n->jobs.empty()) n->last_epoch = job.epoch;
+    } else {
+      job = std::move(n->jobs.front());
+      n->jobs.pop_front();
+      n->last_epoch = job.epoch;
+    }
   }
   Py_RETURN_TRUE;
 }
@@ -1896,14 +2085,7 @@ PyObject* NodeSetSlot(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   ObjectRef ref;
   uint8_t kind = 0;
   if (PyLong_CheckExact(handle)) {
-    void* address = PyLong_AsVoidPtr(handle);
-    if (address == nullptr) {
-      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "node_set_slot: null handle");
-      return nullptr;
-    }
-    ref = tvm::ffi::detail::ObjectUnsafe::ObjectRefFromObjectPtr<ObjectRef>(
-        tvm::ffi::detail::ObjectUnsafe::ObjectPtrFromUnowned<tvm::ffi::Object>(
-            static_cast<TVMFFIObject*>(address)));
+    if (!RefFromAddress(handle, "node_set_slot", &ref)) return nullptr;
     kind = 1;
   } else if (handle != Py_None) {
     kind = 2;
@@ -1947,9 +2129,14 @@ PyObject* DoneTuple(const HostNode* n, const NodeDone& d, const std::vector<uint
     set(advanced, slot, 0);
     set(guided, slot, 0);
   }
+  for (int64_t slot : d.installed) {  // (a slot reused since shows its later generation)
+    if (slot < PyList_GET_SIZE(drafted)) SetCount(drafted, slot, 0);
+  }
   const bool rolls = d.kind == kDoneRollback || d.kind == kDoneDraftEnd;
   Ref unusual(Py_None);
   Py_INCREF(Py_None);
+  Ref stale(PyList_New(0));  // the unusual requests whose slot has another matcher by now
+  if (!stale) return nullptr;
   Ref rolled(rolls ? PyList_New(0) : (Py_INCREF(Py_None), Py_None));
   if (!rolled) return nullptr;
   for (size_t k = 0; k < d.slots.size(); ++k) {
@@ -1979,6 +2166,7 @@ PyObject* DoneTuple(const HostNode* n, const NodeDone& d, const std::vector<uint
       }
     }
     if (o[0] == kOk) continue;
+    if (!current && !AppendInt(stale.get(), d.index[k])) return nullptr;
     if (unusual.get() == Py_None) {
       unusual = Ref(PyList_New(0));
       if (!unusual) return nullptr;
@@ -2013,9 +2201,9 @@ PyObject* DoneTuple(const HostNode* n, const NodeDone& d, const std::vector<uint
                                                    static_cast<Py_ssize_t>(d.error.size()),
                                                    "replace"));
   if (!error) return nullptr;
-  return Py_BuildValue("(iLOOOOO)", d.kind, static_cast<long long>(d.epoch), error.get(),
+  return Py_BuildValue("(iLOOOOOO)", d.kind, static_cast<long long>(d.epoch), error.get(),
                        d.masked ? Py_True : Py_False, unusual.get(), columns.get(),
-                       rolled.get());
+                       rolled.get(), stale.get());
 }
 
 // node_take(node, advanced, guided, drafted): see the section's comment.
@@ -2136,6 +2324,8 @@ PyMethodDef g_methods[] = {
      "Create a native host node bound to a fast state and a token buffer."},
     {"node_push", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodePush)),
      METH_FASTCALL, "Queue a step's native job, or return False (a Python step)."},
+    {"node_commit", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeCommit)),
+     METH_FASTCALL, "Queue the job node_push left waiting for its matchers."},
     {"node_push_python",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodePushPython)),
      METH_FASTCALL, "Queue a Python step."},

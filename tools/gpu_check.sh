@@ -85,7 +85,8 @@ k = load_kernel(); assert k is not None, 'no kernel'; print('kernel compiled and
 # the open issues' GPU tests first (native host node, native host functions, draft trees, the
 # graph-replayed decoder, grammar drafts in the runtime), then every other file: a box that runs
 # out cuts the kernel matrix
-FIRST=(tests/test_host_node_gpu.py tests/test_hostfunc_native_gpu.py tests/test_draft_trees_gpu.py
+FIRST=(tests/test_host_node_gpu.py tests/test_pipelined_steps.py tests/test_hostfunc_native_gpu.py
+       tests/test_draft_trees_gpu.py
        tests/test_capturable_gpu.py tests/test_runtime.py)
 TEST_FILES=("${FIRST[@]}")
 for f in tests/test_*.py; do

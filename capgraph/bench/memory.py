@@ -4,8 +4,10 @@ Buffers: for each tokenizer, slot count S and draft length D, ``GuidedDecoder.me
 (host and device) and CapturableGuidedDecoder's extra pinned buffers are compared with what the
 layout predicts: ``rows = S * (D + 1)``, bitmask ``rows * ceil(V / 32) * 4`` bytes, token mask
 ``rows * 4``; the capturable decoder adds ``new_tokens`` ``(D + 1) * S * 4``,
-``draft_new_tokens``, ``num_accepted_tokens`` and ``accepted_draft_nodes`` ``S * 4`` each. Device bytes are 0 on CPU (the
-device buffers are the host buffers) and equal the host bitmask and token mask on CUDA.
+``draft_new_tokens``, ``num_accepted_tokens`` and ``accepted_draft_nodes`` ``S * 4`` each, and
+the step ticket 4. Device bytes are 0 on CPU (the device buffers are the host buffers) and equal
+the host bitmask and token mask on CUDA (the capturable decoder adds its ticket ring there,
+``TICKET_RING * 4``).
 
 Allocations per step, in steady state (after warm-up), for B guided requests on real JSON
 texts and static logits, in three paths: the eager decoder (``add_batch`` + ``execute``), the
@@ -54,7 +56,7 @@ def predicted_bytes(slots: int, draft: int, vocab: int, device: str) -> dict[str
     rows = slots * (draft + 1)
     words = -(-vocab // 32)
     host = rows * words * 4 + rows * 4
-    extra = (draft + 1) * slots * 4 + 3 * slots * 4
+    extra = (draft + 1) * slots * 4 + 3 * slots * 4 + 4
     return {"rows": rows, "host": host, "device": 0 if device == "cpu" else host,
             "capturable_extra_host": extra}
 
@@ -81,7 +83,7 @@ def buffer_rows(tokenizers: list[str], slots_list: list[int], drafts: list[int],
                 got = eager.memory_bytes()
                 extra = sum(t.nbytes for t in (capt.new_tokens, capt.draft_new_tokens,
                                                capt.num_accepted_tokens,
-                                               capt.accepted_draft_nodes))
+                                               capt.accepted_draft_nodes, capt._ticket))
                 capt_got = capt.memory_bytes()
                 row = {"tokenizer": name, "vocab": V, "slots": slots, "draft": draft,
                        "rows": got["rows"], "host": got["host"], "device": got["device"],

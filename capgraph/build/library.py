@@ -446,11 +446,16 @@ class HostNode:
         rollback_fallback: the decoder's Python rollback (as ``fallback``).
         drafts: the decoder's pinned ``[max_num_sequences]`` int32 draft-token buffer.
         draft_fallback: the decoder's Python draft step (as ``fallback``).
+        ticket: the decoder's pinned one-element int32 step ticket: ``add_batch`` writes its
+            epoch modulo ``ticket_ring`` there in stream order, so that a step takes its own
+            job (a later ``add_batch`` may have queued the next one already).
+        ticket_ring: the ticket's modulus.
     """
 
     def __init__(self, fast: FastPath, buffer: torch.Tensor, fallback: Callable[[int], None],
                  counts: torch.Tensor, rollback: Any, rollback_fallback: Callable[[], None],
-                 drafts: torch.Tensor, draft_fallback: Callable[[bool, bool], None]) -> None:
+                 drafts: torch.Tensor, draft_fallback: Callable[[bool, bool], None],
+                 ticket: torch.Tensor, ticket_ring: int) -> None:
         module = python_module()
         if module is None or not hasattr(module, "node_create"):
             raise NativeBuildError("the host build library has no native host node (built "
@@ -460,11 +465,12 @@ class HostNode:
             raise NativeBuildError(f"the host node's token buffer must be a contiguous CPU "
                                    f"int32 [positions, slots] tensor, got {buffer.dtype} "
                                    f"{tuple(buffer.shape)} on {buffer.device}")
-        for name, t in (("count", counts), ("draft-token", drafts)):
+        for name, t, size in (("count", counts, buffer.shape[1]),
+                              ("draft-token", drafts, buffer.shape[1]), ("ticket", ticket, 1)):
             if t.device.type != "cpu" or t.dtype != torch.int32 \
-                    or tuple(t.shape) != (buffer.shape[1],) or not t.is_contiguous():
+                    or tuple(t.shape) != (size,) or not t.is_contiguous():
                 raise NativeBuildError(f"the host node's {name} buffer must be a contiguous "
-                                       f"CPU int32 [{buffer.shape[1]}] tensor, got {t.dtype} "
+                                       f"CPU int32 [{size}] tensor, got {t.dtype} "
                                        f"{tuple(t.shape)} on {t.device}")
         chandle = getattr(rollback, "__chandle__", None)
         if chandle is None:
@@ -477,35 +483,49 @@ class HostNode:
                                             buffer.shape[0], fallback, counts,
                                             counts.data_ptr(), rollback, chandle(),
                                             rollback_fallback, drafts, drafts.data_ptr(),
-                                            draft_fallback)
+                                            draft_fallback, ticket, ticket.data_ptr(),
+                                            ticket_ring)
         self._push, self._push_python = module.node_push, module.node_push_python
+        self._commit = module.node_commit
         self._drop, self._set_slot, self._take = (module.node_drop, module.node_set_slot,
                                                   module.node_take)
         self._sync = module.node_sync_counts
         _shutdown_at_exit(module)
 
     def push(self, requests: list, offsets: list, draft_len: int, clear_rows: int, epoch: int,
-             from_buffer: bool) -> tuple[list[int], list[int]] | None:
-        """Queue the step's native job and return the batch indices of the requests whose
+             from_buffer: bool, ticketed: bool) -> tuple[list[int], list[int]] | None:
+        """Read the step's native job and return the batch indices of the requests whose
         matchers the caller creates now, before the step runs: ``(context requests at their
         last chunk, disaggregated requests at their first generation step)``; the node fills
         a context request's row without accepting a token, and an earlier chunk has nothing to
-        do. None (nothing queued) where the batch is not the plain case (every guided request
-        a target request, generating with a chain of drafts or in its context phase, exact-int
-        fields in range, each slot once). ``from_buffer``: a generation request with a
-        ``prev_seq_slot`` takes its token and drafts from the token buffer (its slot's column)
-        when the node runs."""
+        do. The job is queued now where there are none, else by :meth:`commit`, which the
+        caller must call next. None (nothing queued) where the batch is not the plain case
+        (every guided request a target request, generating with a chain of drafts or in its
+        context phase, exact-int fields in range, each slot once). ``from_buffer``: a
+        generation request with a ``prev_seq_slot`` takes its token and drafts from the token
+        buffer (its slot's column) when the node runs. ``ticketed``: ``add_batch`` wrote the
+        epoch to the ticket."""
         inits = self._push(self._capsule, self._fast.state, requests, offsets, draft_len,
-                           clear_rows, epoch, from_buffer)
+                           clear_rows, epoch, from_buffer, ticketed)
         return inits or None
 
-    def push_python(self, epoch: int) -> None:
-        """Queue a Python step (the node calls ``fallback(epoch)`` under the GIL)."""
-        self._push_python(self._capsule, epoch)
+    def commit(self, handles: list | None) -> None:
+        """Queue the job :meth:`push` left waiting, with the matchers created for its inits
+        (in the order push returned them: context, then disaggregated) as handles (an FFI
+        object's address, or None where the creation failed: the slot is cleared); the job
+        installs them in their slots when it runs natively, so that a step queued before it
+        still runs the slots' previous matchers. ``handles`` None: queue a Python step instead
+        (a matcher only Python can run was created)."""
+        self._commit(self._capsule, handles)
 
-    def drop(self) -> bool:
-        """Forget the oldest queued step (its batch was consumed host side); False if none."""
-        return self._drop(self._capsule)
+    def push_python(self, epoch: int, ticketed: bool) -> None:
+        """Queue a Python step (the node calls ``fallback(epoch)`` under the GIL)."""
+        self._push_python(self._capsule, epoch, ticketed)
+
+    def drop(self, newest: bool = False) -> bool:
+        """Forget the oldest queued step (its batch was consumed host side), or the newest;
+        False if none was queued."""
+        return self._drop(self._capsule, newest)
 
     def set_slot(self, slot: int, handle: Any, stopped: bool) -> None:
         """What the node runs for ``slot`` from now on: ``handle`` as in
@@ -521,9 +541,11 @@ class HostNode:
 
     def take(self, advanced: list, guided: list, drafted: list) -> list[tuple]:
         """What the node did since the last call, in order, as ``(kind, epoch, queue error or
-        None, masked, unusual, columns, rolled)``; ``kind``: one of :data:`NODE_RECORDS`
+        None, masked, unusual, columns, rolled, stale)``; ``kind``: one of :data:`NODE_RECORDS`
         (a step; a rollback; a drafting loop taking its batch, a draft step's build, its
-        end); ``epoch``: the batch the record's indices refer to; ``unusual`` as
+        end); ``epoch``: the batch the record's indices refer to (for a queue error: the
+        latest batch consumed); ``stale``: the batch indices of unusual requests whose slot
+        holds another matcher by now (a later step's new request); ``unusual`` as
         :attr:`FastPath.step`'s (a rollback's and a loop end's ``(batch index, 1, text)``
         where a count cannot roll back and ``(batch index, 2, "Kind: message")`` where the
         matcher raised); ``columns``: None or ``[(batch index, [token, drafts...])]`` read
@@ -544,7 +566,8 @@ class HostNode:
         self._module.node_set_warmup(self._capsule, on)
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch of the latest batch consumed: the next job's must be one more."""
+        """The epoch of the latest batch consumed (the next unticketed job's must be one
+        more)."""
         self._module.node_set_epoch(self._capsule, epoch)
 
     def stats(self) -> NodeStats:

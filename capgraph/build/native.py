@@ -32,7 +32,7 @@ batch holding it fills in Python.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 from ..errors import ConfigError
 from ..grammar import GrammarMatcherFactory
@@ -120,21 +120,25 @@ class NativeLoopBuild(PythonBuild):
                             for k, (status, _, _) in enumerate(out) if status), outcomes)
 
     def _statuses(self, reported: Iterable[tuple[int, int, int, str | None]],
-                  outcomes: list[Outcome]) -> None:
+                  outcomes: list[Outcome], others: Collection[int] = ()) -> None:
         """Outcomes of the C++ statuses ``(batch index, slot, status, message)``: a terminated
         matcher re-reads its state (inside the per-request isolation); the other statuses
-        are :class:`Status` codes (an over-budget message holds the milliseconds measured)."""
+        are :class:`Status` codes (an over-budget message holds the milliseconds measured).
+        ``others``: batch indices whose slot another request holds by now (a native node's
+        step read late): their slot's matcher and counters are left alone."""
         matchers = self.slots.matchers
         for i, slot, status, message in reported:
             if status & TERMINATED:
-                try:
-                    matchers[slot].sync_state()  # type: ignore[union-attr]
-                except Exception as e:
-                    outcomes.append(fault(i, e))
-                    continue
                 status &= ~TERMINATED
+                if i not in others:
+                    try:
+                        matchers[slot].sync_state()  # type: ignore[union-attr]
+                    except Exception as e:
+                        outcomes.append(fault(i, e))
+                        continue
             if status == STATUS_OVER_BUDGET:
-                self.slots.num_advanced_tokens[slot] = self.slots.num_guided_tokens[slot] = 0
+                if i not in others:
+                    self.slots.num_advanced_tokens[slot] = self.slots.num_guided_tokens[slot] = 0
                 outcomes.append((i, Status.OVER_BUDGET, float(message or "nan")))
             elif status == Status.FAULT:
                 outcomes.append((i, Status.FAULT, message or "native build fault"))

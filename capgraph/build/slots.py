@@ -79,6 +79,10 @@ class SlotMatchers(list[GrammarMatcher | None]):
             self._watch(slot, m)
         self._changed(range(len(self)))
 
+    def handle_of(self, matcher: Any) -> Any:
+        """What the native build would run for ``matcher`` in a slot (see :attr:`handles`)."""
+        return self._handle_of(matcher)
+
     def _changed(self, slots: Iterable[int]) -> None:
         if self.on_change is not None:
             for slot in slots:

@@ -1,0 +1,314 @@
+"""Steps scheduled ahead: an engine that calls ``add_batch`` for step N+1 before the replay of
+step N has run (overlap scheduling). On hostfunc's CPU stand-in, a gate task holds the replay
+stream so that every ``add_batch`` deterministically comes before the previous step's host
+node: each step still takes its own batch and tokens (the step ticket and the token copy are
+written in stream order), a new request placed in a slot whose previous request's last step is
+still queued gets its matcher after that step, and missing or extra puts are still named."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import hostfunc
+from capgraph import QueueEpochError
+from capgraph.capturable import CapturableGuidedDecoder
+from capgraph.decoder import GuidedDecoder
+from capgraph.requests import GuidedRequest
+from test_host_node import GUIDED, capture, factory, native_ok, same, texts_of  # noqa: F401
+
+
+class Gate:
+    """A task on the current HostStream that waits until :meth:`open`: whatever is enqueued
+    after it runs only then."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._wait = lambda: self.event.wait(30)
+        hostfunc.current_stream().enqueue(self._wait)
+
+    def open(self) -> None:
+        self.event.set()
+
+
+def enqueue(fn) -> None:
+    hostfunc.current_stream().enqueue(fn)
+
+
+def schedule(cases, texts, reuse_at: int):
+    """Per step, the requests of two slots: request 1 (``cases[0]``) in slot 0 until step
+    ``reuse_at - 1``, then request 3 (``cases[2]``) starts in slot 0; request 2 (``cases[1]``)
+    in slot 1 throughout. Each entry: ``[(request id, slot, case, position)]`` (position 0:
+    the context step; p > 0: the generation step that feeds token p - 1)."""
+    steps = min(reuse_at + len(texts[2]), len(texts[1]) + 1)
+    plan = []
+    for step in range(steps):
+        first = (1, 0, 0, step) if step < reuse_at else (3, 0, 2, step - reuse_at)
+        plan.append([first, (2, 1, 1, step)])
+    return plan
+
+
+def requests_of(plan_step, cases, texts, buffered: bool):
+    """The step's requests, and its ``[1, 2]`` token tensor (the token buffer's column per
+    slot)."""
+    reqs, tokens = [], torch.zeros(1, 2, dtype=torch.int32)
+    for rid, slot, c, pos in plan_step:
+        params = cases[c].params
+        if pos == 0:
+            reqs.append(GuidedRequest.context(rid, slot, params))
+            continue
+        token = texts[c][pos - 1]
+        tokens[0, slot] = token
+        reqs.append(GuidedRequest.generation(rid, slot, params, None if buffered else token,
+                                             prev_seq_slot=slot if buffered else None))
+    return reqs, tokens
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["token-buffer", "request-tokens"])
+@pytest.mark.parametrize("host_node", ["native", "python"])
+def test_steps_scheduled_ahead_equal_the_eager_decoder(factory, tekken, native_ok, host_node,
+                                                        buffered):
+    """Two slots decoded through a replayed HostGraph with every add_batch made while the
+    previous step's replay is still held on the stream (two batches queued each time), slot 0
+    reused by a new request while its previous request's last step is queued: every step's
+    masked logits and token mask equal GuidedDecoder's run one step at a time, on the native
+    node (every step native) and on the Python callback."""
+    V = factory.config.vocab_size_padded
+    cases = GUIDED[:3]
+    texts = texts_of(tekken, cases)
+    plan = schedule(cases, texts, reuse_at=4)
+    eager = GuidedDecoder(factory.config, 2, 0, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node=host_node)
+    static = torch.zeros(2, V)
+    graph = capture(capt, requests_of(plan[0], cases, texts, False)[0], static)
+    logits = [torch.randn(2, V, generator=torch.Generator().manual_seed(s)) for s in
+              range(len(plan))]
+    expected, got, depth = [], [], []
+    for step, plan_step in enumerate(plan):
+        reqs, _ = requests_of(plan_step, cases, texts, False)
+        eager.add_batch(reqs)
+        out = logits[step].clone()
+        assert eager.execute(out) == [], f"step {step}"
+        expected.append((out, eager.token_mask_host[:2].clone()))
+
+    gate = Gate()
+    for step, plan_step in enumerate(plan):
+        reqs, tokens = requests_of(plan_step, cases, texts, buffered)
+        capt.add_batch(reqs, tokens if buffered else None)
+        depth.append(capt.queued_batches)
+        gate.open()  # (the previous step runs now, after this add_batch)
+        gate = Gate()  # (this step waits for the next add_batch)
+        enqueue(lambda s=step: static.copy_(logits[s]))
+        graph.replay()
+        enqueue(lambda: got.append((static.clone(), capt.token_mask_host[:2].clone())))
+    gate.open()
+    hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    assert min(depth[1:]) >= 2  # each add_batch came with the previous step still queued
+    assert len(got) == len(plan)
+    for step, ((out, mask), (want, want_mask)) in enumerate(zip(got, expected)):
+        assert same(out, want), f"step {step}"
+        assert torch.equal(mask, want_mask), f"step {step}"
+    if host_node == "native":
+        stats = capt.host_node_stats
+        assert stats.runs == len(plan) and stats.python_runs == 0
+    graph.reset()
+    capt.close()
+
+
+@pytest.mark.parametrize("host_node", ["native", "python"])
+def test_a_replay_without_its_add_batch_is_named_while_the_next_step_is_queued(
+        factory, tekken, native_ok, host_node):
+    """add_batch, replay, a second replay without its add_batch, then the next add_batch and
+    replay, all before the stream runs any of them: the second replay raises a
+    QueueEpochError at the drain and consumes nothing; the steps before and after it take
+    their own batches (the matcher advanced exactly once per put)."""
+    case = GUIDED[0]
+    text = texts_of(tekken, [case])[0]
+    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node=host_node)
+    static = torch.zeros(1, factory.config.vocab_size_padded)
+    graph = capture(capt, [GuidedRequest.context(1, 0, case.params)], static)
+    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
+    graph.replay()
+    hostfunc.drain()
+
+    gate = Gate()
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[0])])
+    graph.replay()
+    graph.replay()  # without its add_batch
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[1])])
+    enqueue(lambda: static.zero_())
+    graph.replay()
+    gate.open()
+    with pytest.raises(hostfunc.HostFuncError, match="consumed already") as info:
+        hostfunc.drain()
+    assert isinstance(info.value.__cause__, QueueEpochError)
+    hostfunc.drain()  # (the error was reported once)
+    assert capt.take_failed_requests() == []
+    assert capt.queued_batches == 0
+    assert capt.num_advanced_tokens[0] == 1 and capt.token_mask_host[0] == 1
+    assert torch.isneginf(static).any()  # the last step masked its row
+    eager = GuidedDecoder(factory.config, 1, 0, factory=factory)
+    eager.add_batch([GuidedRequest.context(1, 0, case.params)])
+    eager.execute(torch.zeros(1, factory.config.vocab_size_padded))
+    for token in text[:2]:
+        eager.add_batch([GuidedRequest.generation(1, 0, case.params, token)])
+        out = torch.zeros(1, factory.config.vocab_size_padded)
+        eager.execute(out)
+    assert same(static, out)  # the matcher saw text[0] then text[1], once each
+    graph.reset()
+    capt.close()
+
+
+@pytest.mark.parametrize("host_node", ["native", "python"])
+def test_an_extra_add_batch_while_steps_are_queued_is_named(factory, tekken, native_ok,
+                                                           host_node):
+    """Two add_batch calls for one replay, made while an earlier step is still queued: the
+    earlier step takes its own batch; the replay after the extra put raises a
+    QueueEpochError naming the batch that had no step, masks nothing and consumes both; the
+    next add_batch and replay are in step again."""
+    case = GUIDED[0]
+    text = texts_of(tekken, [case])[0]
+    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node=host_node)
+    V = factory.config.vocab_size_padded
+    static = torch.zeros(1, V)
+    graph = capture(capt, [GuidedRequest.context(1, 0, case.params)], static)
+    gate = Gate()
+    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
+    graph.replay()
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[0])])  # no step of its own
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[0])])
+    assert capt.queued_batches == 3
+    masked: list[bool] = []
+    enqueue(lambda: static.fill_(1.0))
+    graph.replay()
+    enqueue(lambda: masked.append(bool(torch.isneginf(static).any())))
+    gate.open()
+    with pytest.raises(hostfunc.HostFuncError, match=r"had no step of their own") as info:
+        hostfunc.drain()
+    assert isinstance(info.value.__cause__, QueueEpochError)
+    assert masked == [False] and capt.queued_batches == 0
+    assert capt.num_advanced_tokens[0] == 0  # the context step ran; nothing advanced since
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[0])])
+    graph.replay()
+    hostfunc.drain()
+    assert capt.num_advanced_tokens[0] == 1 and capt.token_mask_host[0] == 1
+    assert torch.isneginf(static).any()
+    graph.reset()
+    capt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device: torch.cuda.is_available() is False")
+@pytest.mark.parametrize("buffered", [True, False], ids=["token-buffer", "request-tokens"])
+@pytest.mark.parametrize("host_node", ["native", "python"])
+def test_steps_scheduled_ahead_of_cuda_graph_replays_equal_the_eager_decoder(
+        factory, tekken, native_ok, host_node, buffered):
+    """The CPU test's schedule on CUDA: a graph of [a ~20 ms GPU sleep, the guided step] is
+    replayed once per step with the host loop running ahead (no sync until the end; the
+    logits, the token tensor copies and the outputs' clones are stream-ordered), so each
+    add_batch comes while earlier replays still sleep on the GPU; every step's masked logits
+    equal GuidedDecoder's, slot 0's reuse included."""
+    from test_host_node_gpu import _cycles_for_ms
+    V = factory.config.vocab_size_padded
+    cases = GUIDED[:3]
+    texts = texts_of(tekken, cases)
+    plan = schedule(cases, texts, reuse_at=4)
+    eager = GuidedDecoder(factory.config, 2, 0, factory=factory)
+    logits = [torch.randn(2, V, generator=torch.Generator().manual_seed(s)) for s in
+              range(len(plan))]
+    expected = []
+    for step, plan_step in enumerate(plan):
+        eager.add_batch(requests_of(plan_step, cases, texts, False)[0])
+        out = logits[step].clone()
+        assert eager.execute(out) == [], f"step {step}"
+        expected.append(out)
+
+    dec = CapturableGuidedDecoder(factory.config, 2, 0, device="cuda", factory=factory,
+                                  host_node=host_node)
+    static = torch.zeros(2, V, device="cuda")
+    dec.add_batch(requests_of(plan[0], cases, texts, False)[0])
+    with dec.warmup():
+        dec.execute(static)
+    cycles = _cycles_for_ms(20)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda._sleep(cycles)
+        dec.execute(static)
+    steps = [requests_of(s, cases, texts, buffered) for s in plan]
+    logits_dev = [t.cuda() for t in logits]
+    tokens_dev = [tokens.cuda() for _, tokens in steps]
+    torch.cuda.synchronize()
+    outs, depth = [], []
+    for step, (reqs, _) in enumerate(steps):
+        dec.add_batch(reqs, tokens_dev[step] if buffered else None)
+        depth.append(dec.queued_batches)
+        static.copy_(logits_dev[step])
+        graph.replay()
+        outs.append(static.clone())
+    torch.cuda.synchronize()
+    hostfunc.drain()
+    assert dec.take_failed_requests() == []
+    assert max(depth) >= 2, depth  # the host ran ahead of the replays
+    for step, (out, want) in enumerate(zip(outs, expected)):
+        assert same(out.cpu(), want), f"step {step}"
+    if host_node == "native":
+        stats = dec.host_node_stats
+        assert stats.runs == len(plan) and stats.python_runs == 0, stats
+    graph.reset()
+    dec.close()
+
+
+@pytest.mark.parametrize("host_node", ["native", "python", "eager"])
+def test_a_new_request_in_a_reused_slot_is_not_rolled_back(factory, tekken, native_ok,
+                                                          host_node):
+    """Speculative decoding, slot 0 reused: request 1 advances three tokens (a token and two
+    drafts), then request 3 starts in slot 0 and the rollback of that step's batch comes with
+    an accepted count of 0 at the new request's position (nothing of it was verified). The
+    slot's advances were request 1's: the new request is not rolled back and does not fail,
+    and its row is a fresh matcher's first mask."""
+    first, second = GUIDED[0], GUIDED[2]
+    text = texts_of(tekken, [first])[0]
+    V = factory.config.vocab_size_padded
+    fresh = GuidedDecoder(factory.config, 1, 2, factory=factory)
+    fresh.add_batch([GuidedRequest.context(3, 0, second.params)])
+    want = torch.zeros(1, V)
+    assert fresh.execute(want) == []
+
+    context = [GuidedRequest.context(1, 0, first.params)]
+    drafted = [GuidedRequest.generation(1, 0, first.params, text[0], draft_tokens=text[1:3])]
+    reuse = [GuidedRequest.context(3, 0, second.params)]
+    static = torch.zeros(3, V)
+    if host_node == "eager":
+        dec = GuidedDecoder(factory.config, 1, 2, factory=factory)
+        for reqs in (context, drafted):
+            dec.add_batch(reqs)
+            assert dec.execute(torch.zeros(dec.requests.num_bitmask_tokens, V)) == []
+        assert dec.num_advanced_tokens[0] == 3
+        dec.add_batch(reuse)
+        dec.requests.requests[0].num_accepted_draft_tokens = -1  # (a count of 0)
+        dec.rollback_rejected_tokens()
+        static = torch.zeros(1, V)
+        failed = dec.execute(static)
+    else:
+        dec = CapturableGuidedDecoder(factory.config, 1, 2, factory=factory,
+                                      host_node=host_node)
+        graph = capture(dec, context, static)
+        for reqs in (context, drafted):
+            dec.add_batch(reqs)
+            graph.replay()
+            hostfunc.drain()
+        assert dec.take_failed_requests() == [] and dec.num_advanced_tokens[0] == 3
+        dec.add_batch(reuse)
+        dec.rollback_rejected_batch(torch.tensor([0], dtype=torch.int32))
+        static.zero_()
+        graph.replay()
+        hostfunc.drain()
+        failed = dec.take_failed_requests()
+        graph.reset()
+    assert failed == []
+    assert same(static[:1], want[:1])
+    dec.close()
