@@ -296,9 +296,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
         """Write the step's tokens and ticket (``epoch`` modulo :data:`TICKET_RING`) where the
         stream that runs the step reads them after every step enqueued before: on CUDA as
         copies on the current stream; on the CPU stand-in at once where the current
-        HostStream is idle, else as a task on it (the tokens snapshotted now). While capturing
-        only the tokens are copied (as before a capture's shapes-only step) and no ticket is
-        written: False."""
+        HostStream is idle, else as a task on it, which reads ``new_tokens`` when the stream
+        reaches it (as a CUDA copy does: a sampler enqueued before may still write them).
+        While capturing only the tokens are copied (as before a capture's shapes-only step)
+        and no ticket is written: False."""
         if self._streams.is_capturing():
             if new_tokens is not None:
                 self._copy_new_tokens(new_tokens)
@@ -315,12 +316,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 self._copy_new_tokens(new_tokens)
             self._ticket_np[0] = k
             return True
-        tokens = None if new_tokens is None else new_tokens.clone()
         ticket, copy = self._ticket_np, self._copy_new_tokens
 
         def write() -> None:
-            if tokens is not None:
-                copy(tokens)  # (checked at add_batch: it cannot fail)
+            if new_tokens is not None:
+                copy(new_tokens)  # (checked at add_batch: it cannot fail)
             ticket[0] = k
         stream.enqueue(write)
         return True

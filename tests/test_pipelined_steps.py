@@ -118,6 +118,94 @@ def test_steps_scheduled_ahead_equal_the_eager_decoder(factory, tekken, native_o
     capt.close()
 
 
+def greedy_plan(cases, lengths: tuple[int, int, int], reuse_at: int):
+    """Per step, ``[(request id, slot, case, position)]`` for greedy decoding: request 1 in
+    slot 0 for ``reuse_at`` steps, then request 3 there; request 2 in slot 1 throughout;
+    position 0 is the context step. ``lengths``: each request's steps."""
+    plan = []
+    for step in range(max(reuse_at + lengths[2], lengths[1])):
+        row = []
+        if step < reuse_at:
+            row.append((1, 0, 0, step))
+        elif step - reuse_at < lengths[2]:
+            row.append((3, 0, 2, step - reuse_at))
+        if step < lengths[1]:
+            row.append((2, 1, 1, step))
+        plan.append(row)
+    return plan
+
+
+@pytest.mark.parametrize("host_node", ["native", "python"])
+def test_greedy_decoding_sampled_on_the_stream_and_scheduled_ahead(factory, native_ok,
+                                                                   host_node):
+    """An overlap scheduler's loop on the CPU stand-in: each step's tokens are sampled by a
+    task on the stream (the argmax of the masked logits, written to one token tensor), and
+    add_batch for the next step, reading its tokens from that tensor through the token
+    buffer, comes before the step has run (a gate holds the stream); slot 0 takes a new
+    request while its previous request's last step is queued. The tokens sampled equal
+    greedy decoding with the eager decoder one step at a time, and every step ran on the
+    node natively."""
+    V = factory.config.vocab_size_padded
+    cases = GUIDED[:3]
+    plan = greedy_plan(cases, (5, 12, 6), reuse_at=5)
+    logits = [torch.randn(2, V, generator=torch.Generator().manual_seed(s)) for s in
+              range(len(plan))]
+
+    def requests(plan_step, last: dict, buffered: bool):
+        reqs = []
+        for rid, slot, c, pos in plan_step:
+            params = cases[c].params
+            if pos == 0:
+                reqs.append(GuidedRequest.context(rid, slot, params))
+            else:
+                reqs.append(GuidedRequest.generation(
+                    rid, slot, params, None if buffered else last[slot],
+                    prev_seq_slot=slot if buffered else None))
+        return reqs
+
+    eager = GuidedDecoder(factory.config, 2, 0, factory=factory)
+    want, last = [], {}
+    for step, plan_step in enumerate(plan):
+        eager.add_batch(requests(plan_step, last, False))
+        out = logits[step][:len(plan_step)].clone()
+        assert eager.execute(out) == [], f"step {step}"
+        last = {slot: int(out[i].argmax()) for i, (_, slot, _, _) in enumerate(plan_step)}
+        want.append(last)
+
+    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node=host_node)
+    static = torch.zeros(2, V)
+    graph = capture(capt, requests(plan[0], {}, True), static)
+    tokens = torch.zeros(1, 2, dtype=torch.int32)  # written by the stream's sampler
+    got: list[dict] = []
+
+    def sampler(plan_step):
+        def sample() -> None:
+            sampled = {}
+            for i, (_, slot, _, _) in enumerate(plan_step):
+                sampled[slot] = int(static[i].argmax())
+                tokens[0, slot] = sampled[slot]
+            got.append(sampled)
+        return sample
+
+    gate = Gate()
+    for step, plan_step in enumerate(plan):
+        capt.add_batch(requests(plan_step, {}, True), tokens)
+        gate.open()  # (the previous step, its sampler included, runs after this add_batch)
+        gate = Gate()
+        enqueue(lambda s=step: static.copy_(logits[s]))
+        graph.replay()
+        enqueue(sampler(plan_step))
+    gate.open()
+    hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    assert got == want
+    if host_node == "native":
+        stats = capt.host_node_stats
+        assert stats.runs == len(plan) and stats.python_runs == 0, stats
+    graph.reset()
+    capt.close()
+
+
 @pytest.mark.parametrize("host_node", ["native", "python"])
 def test_a_replay_without_its_add_batch_is_named_while_the_next_step_is_queued(
         factory, tekken, native_ok, host_node):
