@@ -7,7 +7,9 @@ still queued gets its matcher after that step, and missing or extra puts are sti
 
 from __future__ import annotations
 
+import random
 import threading
+from collections import deque
 
 import pytest
 import torch
@@ -118,10 +120,10 @@ def test_steps_scheduled_ahead_equal_the_eager_decoder(factory, tekken, native_o
     capt.close()
 
 
-def greedy_plan(cases, lengths: tuple[int, int, int], reuse_at: int):
-    """Per step, ``[(request id, slot, case, position)]`` for greedy decoding: request 1 in
-    slot 0 for ``reuse_at`` steps, then request 3 there; request 2 in slot 1 throughout;
-    position 0 is the context step. ``lengths``: each request's steps."""
+def greedy_plan(lengths: tuple[int, int, int], reuse_at: int):
+    """Per step, ``[(request id, slot, guide, position)]`` for greedy decoding: request 1 (guide
+    0) in slot 0 for ``reuse_at`` steps, then request 3 (guide 2) there; request 2 (guide 1) in
+    slot 1 throughout; position 0 is the context step. ``lengths``: each request's steps."""
     plan = []
     for step in range(max(reuse_at + lengths[2], lengths[1])):
         row = []
@@ -135,26 +137,40 @@ def greedy_plan(cases, lengths: tuple[int, int, int], reuse_at: int):
     return plan
 
 
-@pytest.mark.parametrize("host_node", ["native", "python"])
-def test_greedy_decoding_sampled_on_the_stream_and_scheduled_ahead(factory, native_ok,
-                                                                   host_node):
-    """An overlap scheduler's loop on the CPU stand-in: each step's tokens are sampled by a
-    task on the stream (the argmax of the masked logits, written to one token tensor), and
-    add_batch for the next step, reading its tokens from that tensor through the token
-    buffer, comes before the step has run (a gate holds the stream); slot 0 takes a new
-    request while its previous request's last step is queued. The tokens sampled equal
-    greedy decoding with the eager decoder one step at a time, and every step ran on the
-    node natively."""
+def random_plan(rng: random.Random, slots: int, steps: int, guides: int):
+    """Per step, ``[(request id, slot, guide or None, position)]``: each slot runs requests
+    back to back (2 to 8 steps each, a guide drawn from ``guides`` or none), sometimes idle
+    for a step; a request's first step is its context step."""
+    plan: list[list] = [[] for _ in range(steps)]
+    rid = 0
+    for slot in range(slots):
+        step = rng.randrange(2)
+        while step < steps:
+            rid += 1
+            guide = rng.randrange(guides) if rng.random() < 0.85 else None
+            length = rng.randint(2, 8)
+            for pos in range(min(length, steps - step)):
+                plan[step + pos].append((rid, slot, guide, pos))
+            step += length + (rng.random() < 0.3)
+    return [sorted(row, key=lambda r: r[1]) for row in plan]
+
+
+def greedy_ahead(factory, plan, cases, host_node: str, depth: int, slots: int, seed: int):
+    """Greedy decoding of ``plan`` on random logits (``seed``) with the eager decoder one
+    step at a time and, on the CPU stand-in, with a captured step replayed ``depth`` steps
+    ahead of the stream: each step's tokens are sampled by a task on the stream into one
+    token tensor, which the next add_batch reads through the token buffer before the stream
+    gets there (gates hold the stream until ``depth`` later steps are queued). Returns (the
+    eager tokens per step, the replayed ones, the capturable decoder's failures, its
+    decoder)."""
     V = factory.config.vocab_size_padded
-    cases = GUIDED[:3]
-    plan = greedy_plan(cases, (5, 12, 6), reuse_at=5)
-    logits = [torch.randn(2, V, generator=torch.Generator().manual_seed(s)) for s in
-              range(len(plan))]
+    g = torch.Generator().manual_seed(seed)
+    logits = [torch.randn(slots, V, generator=g) for _ in plan]
 
     def requests(plan_step, last: dict, buffered: bool):
         reqs = []
-        for rid, slot, c, pos in plan_step:
-            params = cases[c].params
+        for rid, slot, guide, pos in plan_step:
+            params = None if guide is None else cases[guide].params
             if pos == 0:
                 reqs.append(GuidedRequest.context(rid, slot, params))
             else:
@@ -163,19 +179,24 @@ def test_greedy_decoding_sampled_on_the_stream_and_scheduled_ahead(factory, nati
                     prev_seq_slot=slot if buffered else None))
         return reqs
 
-    eager = GuidedDecoder(factory.config, 2, 0, factory=factory)
+    eager = GuidedDecoder(factory.config, slots, 0, factory=factory)
     want, last = [], {}
     for step, plan_step in enumerate(plan):
+        if not plan_step:
+            want.append({})
+            continue
         eager.add_batch(requests(plan_step, last, False))
         out = logits[step][:len(plan_step)].clone()
         assert eager.execute(out) == [], f"step {step}"
         last = {slot: int(out[i].argmax()) for i, (_, slot, _, _) in enumerate(plan_step)}
         want.append(last)
+    eager.close()
 
-    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node=host_node)
-    static = torch.zeros(2, V)
-    graph = capture(capt, requests(plan[0], {}, True), static)
-    tokens = torch.zeros(1, 2, dtype=torch.int32)  # written by the stream's sampler
+    capt = CapturableGuidedDecoder(factory.config, slots, 0, factory=factory,
+                                   host_node=host_node)
+    static = torch.zeros(slots, V)
+    graph = capture(capt, [GuidedRequest.context(0, 0, cases[0].params)], static)
+    tokens = torch.zeros(1, slots, dtype=torch.int32)  # written by the stream's sampler
     got: list[dict] = []
 
     def sampler(plan_step):
@@ -187,22 +208,56 @@ def test_greedy_decoding_sampled_on_the_stream_and_scheduled_ahead(factory, nati
             got.append(sampled)
         return sample
 
-    gate = Gate()
+    gates: deque[Gate] = deque([Gate()])
     for step, plan_step in enumerate(plan):
         capt.add_batch(requests(plan_step, {}, True), tokens)
-        gate.open()  # (the previous step, its sampler included, runs after this add_batch)
-        gate = Gate()
+        while len(gates) >= depth:  # (the step `depth` back runs now, after this add_batch)
+            gates.popleft().open()
+        gates.append(Gate())
         enqueue(lambda s=step: static.copy_(logits[s]))
         graph.replay()
         enqueue(sampler(plan_step))
-    gate.open()
+    for gate in gates:
+        gate.open()
     hostfunc.drain()
-    assert capt.take_failed_requests() == []
+    failed = capt.take_failed_requests()
+    graph.reset()
+    return want, got, failed, capt
+
+
+@pytest.mark.parametrize("host_node", ["native", "python"])
+def test_greedy_decoding_sampled_on_the_stream_and_scheduled_ahead(factory, native_ok,
+                                                                   host_node):
+    """An overlap scheduler's loop on the CPU stand-in: each step's tokens are sampled by a
+    task on the stream (the argmax of the masked logits, written to one token tensor), and
+    add_batch for the next step, reading its tokens from that tensor through the token
+    buffer, comes before the step has run (a gate holds the stream); slot 0 takes a new
+    request while its previous request's last step is queued. The tokens sampled equal
+    greedy decoding with the eager decoder one step at a time, and every step ran on the
+    node natively."""
+    plan = greedy_plan((5, 12, 6), reuse_at=5)
+    want, got, failed, capt = greedy_ahead(factory, plan, GUIDED[:3], host_node, 1, 2, 0)
+    assert failed == []
     assert got == want
     if host_node == "native":
         stats = capt.host_node_stats
         assert stats.runs == len(plan) and stats.python_runs == 0, stats
-    graph.reset()
+    capt.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("host_node", ["native", "python"])
+def test_random_schedules_run_ahead_equal_step_by_step_greedy(factory, native_ok, host_node,
+                                                              seed):
+    """Random schedules (three slots, requests of 2 to 8 steps back to back with random
+    guides or none, idle steps, slots reused at once) run 1 to 3 steps ahead of the stream:
+    the tokens sampled on the stream equal step-by-step greedy decoding, without failures."""
+    rng = random.Random(seed)
+    plan = random_plan(rng, 3, 24, len(GUIDED))
+    want, got, failed, capt = greedy_ahead(factory, plan, GUIDED, host_node,
+                                           rng.randint(1, 3), 3, seed)
+    assert failed == []
+    assert got == want
     capt.close()
 
 
