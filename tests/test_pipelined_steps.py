@@ -455,3 +455,63 @@ def test_a_new_request_in_a_reused_slot_is_not_rolled_back(factory, tekken, nati
     assert failed == []
     assert same(static[:1], want[:1])
     dec.close()
+
+
+@pytest.mark.parametrize("host_node", ["native", "python"])
+def test_speculative_steps_scheduled_ahead_equal_the_eager_decoder(factory, tekken, native_ok,
+                                                                   host_node):
+    """Speculative decoding scheduled ahead: a captured [rollback of the last verification,
+    guided step with two drafts] replayed with each add_batch made before the previous replay
+    has run; the accepted counts are written to the decoder's count buffer by a task on the
+    stream (where an engine's verification writes them). The rollback reads the batch of its
+    own step, not a later queued one (the batch order alternates, so the two differ): every
+    step's masked logits equal the eager decoder's with rollback_rejected_tokens, and on the
+    node every step and rollback but the first ran natively."""
+    from test_host_node import Speculation, accepted_counts, request_copies, speculative_graph
+    V = factory.config.vocab_size_padded
+    spec = Speculation(tekken, GUIDED[:2])
+    accepted = [[0, 1], [2, 0], [1, 1], [0, 2], [2, 2], [1, 0]]
+    steps = [spec.context(), spec.step(None)] + [spec.step(a) for a in accepted]
+    # (the batch order alternates: a step's counts, by batch position, are not the next's)
+    steps = [reqs[::-1] if k % 2 else reqs for k, reqs in enumerate(steps)]
+    logits = [torch.randn(6, V, generator=torch.Generator().manual_seed(k)) for k in
+              range(len(steps))]
+    eager = GuidedDecoder(factory.config, 2, 2, factory=factory)
+    expected = []
+    for k, reqs in enumerate(steps):
+        eager.add_batch(request_copies(reqs))
+        eager.rollback_rejected_tokens()
+        out = logits[k][:eager.requests.num_bitmask_tokens].clone()
+        assert eager.execute(out) == [], f"step {k}"
+        expected.append(out)
+
+    capt = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_node=host_node)
+    static = torch.zeros(6, V)
+    graph = speculative_graph(capt, request_copies(steps[0]), static)
+    got: list[torch.Tensor] = []
+
+    def write_counts(counts):
+        def write() -> None:
+            capt.num_accepted_tokens[:len(counts)] = counts
+        return write
+
+    gate = Gate()
+    for k, reqs in enumerate(steps):
+        capt.add_batch(request_copies(reqs))
+        gate.open()
+        gate = Gate()
+        enqueue(write_counts(accepted_counts(reqs)))
+        enqueue(lambda k=k: static.copy_(logits[k]))
+        graph.replay()
+        enqueue(lambda n=len(expected[k]): got.append(static[:n].clone()))
+    gate.open()
+    hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    assert len(got) == len(steps)
+    for k, (out, want) in enumerate(zip(got, expected)):
+        assert same(out, want), f"step {k}"
+    if host_node == "native":
+        stats = capt.host_node_stats
+        assert stats.python_runs == 0 and stats.python_rollback_runs <= 1, stats
+    graph.reset()
+    capt.close()
