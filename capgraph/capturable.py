@@ -53,6 +53,8 @@ HostNodeChoice = Literal["auto", "native", "python"]
 #: the step ticket holds a put's epoch modulo this (a step tells its own batch from those put
 #: up to half of it before or after)
 TICKET_RING = 4096
+#: ``add_batch`` refuses to queue more batches than this that no step has fetched
+MAX_QUEUED_BATCHES = TICKET_RING // 4
 
 
 def ticket_distance(ticket: int, epoch: int) -> int:
@@ -246,6 +248,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         Raises:
             LayoutError: as for :meth:`GuidedDecoder.add_batch`; nothing is queued.
             TensorArgError: ``new_tokens`` is not an integer tensor of the shape above.
+            QueueEpochError: :data:`MAX_QUEUED_BATCHES` batches are queued already that no
+                step has fetched (each ``add_batch`` without its replay); nothing is queued.
         """
         if new_tokens is not None:
             self._check_new_tokens(new_tokens)
@@ -254,6 +258,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
                               f"{type(requests).__name__}")
         if self._node_active:
             self._node_collect()  # (what the last step did, before this batch is admitted)
+        if len(self._queue) >= MAX_QUEUED_BATCHES:
+            raise QueueEpochError(
+                f"{len(self._queue)} batches are queued that no step has fetched (at most "
+                f"{MAX_QUEUED_BATCHES}): each add_batch needs its replay or execute; "
+                "discard_queued_batches() drops them")
         snapshot = GuidedRequest.snapshot
         try:
             snapshots = [snapshot(r) for r in requests]

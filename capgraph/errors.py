@@ -130,9 +130,10 @@ class TokenizerLoadError(CapgraphError, RuntimeError):
 
 class QueueEpochError(CapgraphError, RuntimeError):
     """A step out of step with its ``add_batch``: on the capturable decoder a host callback found
-    a replay without its ``add_batch`` (missing put) or several batches queued for one fetch
-    (extra put), and that step masks nothing; on the eager decoder a second ``execute`` or
-    ``build`` for one ``add_batch``, refused before any matcher moves."""
+    a replay without its ``add_batch`` (missing put) or batches queued before its own that had
+    no step (extra put), and that step masks nothing, or ``add_batch`` found too many batches
+    queued (refused, nothing queued); on the eager decoder a second ``execute`` or ``build`` for
+    one ``add_batch``, refused before any matcher moves."""
 
 
 class CallbackError(CapgraphError, RuntimeError):

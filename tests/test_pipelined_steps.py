@@ -515,3 +515,33 @@ def test_speculative_steps_scheduled_ahead_equal_the_eager_decoder(factory, tekk
         assert stats.python_runs == 0 and stats.python_rollback_runs <= 1, stats
     graph.reset()
     capt.close()
+
+
+@pytest.mark.parametrize("host_node", ["native", "python"])
+def test_add_batch_refuses_to_queue_without_bound(factory, tekken, native_ok, host_node):
+    """add_batch without replays queues up to MAX_QUEUED_BATCHES batches (a step's ticket
+    tells its own among them), then raises a QueueEpochError saying what is missing, and
+    queues nothing; discard_queued_batches() drops them and the next step is in step."""
+    from capgraph.capturable import MAX_QUEUED_BATCHES
+    case = GUIDED[0]
+    text = texts_of(tekken, [case])[0]
+    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node=host_node)
+    static = torch.zeros(1, factory.config.vocab_size_padded)
+    graph = capture(capt, [GuidedRequest.context(1, 0, case.params)], static)
+    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
+    graph.replay()
+    hostfunc.drain()
+    step = [GuidedRequest.generation(1, 0, case.params, text[0])]
+    for _ in range(MAX_QUEUED_BATCHES):
+        capt.add_batch(step)
+    with pytest.raises(QueueEpochError, match=f"{MAX_QUEUED_BATCHES} batches are queued"):
+        capt.add_batch(step)
+    assert capt.queued_batches == MAX_QUEUED_BATCHES
+    assert capt.discard_queued_batches() == MAX_QUEUED_BATCHES
+    capt.add_batch(step)
+    graph.replay()
+    hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    assert capt.num_advanced_tokens[0] == 1 and capt.token_mask_host[0] == 1
+    graph.reset()
+    capt.close()
