@@ -50,6 +50,20 @@ def factory_cache(tokenizer_cache):
     return get
 
 
+@pytest.fixture(scope="session")
+def native_ok(factory_cache):
+    """Skip where the capturable decoder's native host node cannot run here (no C++ library
+    or no C compiler)."""
+    from capgraph import ConfigError
+    from capgraph.capturable import CapturableGuidedDecoder
+    factory = factory_cache("tekken")
+    try:
+        d = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="native")
+    except ConfigError as e:
+        pytest.skip(f"the native host node is not available here: {e}")
+    d.close()
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch intra-op thread for a module, restored afterwards: on 2 cores torch's OpenMP

@@ -37,16 +37,6 @@ def factory(factory_cache):
     return factory_cache("tekken")
 
 
-@pytest.fixture(scope="module")
-def native_ok(factory):
-    """Skip where the native node cannot run here (no C++ library or no C compiler)."""
-    try:
-        d = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="native")
-    except ConfigError as e:
-        pytest.skip(f"the native host node is not available here: {e}")
-    d.close()
-
-
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
 

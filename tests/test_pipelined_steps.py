@@ -19,7 +19,12 @@ from capgraph import QueueEpochError
 from capgraph.capturable import CapturableGuidedDecoder
 from capgraph.decoder import GuidedDecoder
 from capgraph.requests import GuidedRequest
-from test_host_node import GUIDED, capture, factory, native_ok, same, texts_of  # noqa: F401
+from test_host_node import GUIDED, capture, same, texts_of
+
+
+@pytest.fixture(scope="module")
+def factory(factory_cache):
+    return factory_cache("tekken")
 
 
 class Gate:
