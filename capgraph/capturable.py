@@ -274,7 +274,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._tokens_recorded_in_capture = False
         self._put_epoch += 1
         ticketed = self._write_step(self._put_epoch, new_tokens)
-        put = _Put(self._put_epoch, batch, new_tokens is not None, ticketed)  # type: ignore[arg-type]
+        put = _Put(self._put_epoch, batch, new_tokens is not None, ticketed)
         self._queue.append(put)
         if self._node_active:
             self._node_push(put)
@@ -482,10 +482,28 @@ class CapturableGuidedDecoder(GuidedDecoder):
         counts = None
         if draft_step == 0 and num_accepted_tokens is not None:
             counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
-        self.draft_new_tokens[:tokens.shape[0]].copy_(tokens, non_blocking=True)
+        self._copy_in_stream_order(self.draft_new_tokens[:tokens.shape[0]], tokens)
         if counts is not None:
-            self.num_accepted_tokens[:counts.shape[0]].copy_(counts, non_blocking=True)
+            self._copy_in_stream_order(self.num_accepted_tokens[:counts.shape[0]], counts)
         self._streams.record_tokens()
+
+    def _copy_in_stream_order(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` after the work already on the current stream, as a CUDA copy on
+        the current stream is: on CUDA that copy (a copy node of the graph while capturing);
+        on the CPU stand-in at once where the current HostStream is idle or capturing (a
+        HostGraph does not replay the copy: a replay reads the buffer as it is then), else a
+        task on it."""
+        if self.device.type == "cuda":
+            dst.copy_(src, non_blocking=True)
+            return
+        stream = hostfunc.current_stream()
+        if stream.capture_graph is not None or stream.query():
+            dst.copy_(src)
+            return
+
+        def copy() -> None:
+            dst.copy_(src)
+        stream.enqueue(copy)
 
     def _per_request(self, name: str, values: torch.Tensor) -> torch.Tensor:
         """A ``[batch]`` integer tensor of at most ``max_num_sequences`` entries, flattened."""
@@ -550,11 +568,12 @@ class CapturableGuidedDecoder(GuidedDecoder):
         call it then after the drafting kernels have been enqueued.
         """
         counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
-        self.num_accepted_tokens[:counts.shape[0]].copy_(counts, non_blocking=True)
         with_nodes = accepted_draft_nodes is not None
-        if accepted_draft_nodes is not None:
-            nodes = self._per_request("accepted_draft_nodes", accepted_draft_nodes)
-            self.accepted_draft_nodes[:nodes.shape[0]].copy_(nodes, non_blocking=True)
+        nodes = None if accepted_draft_nodes is None else \
+            self._per_request("accepted_draft_nodes", accepted_draft_nodes)
+        self._copy_in_stream_order(self.num_accepted_tokens[:counts.shape[0]], counts)
+        if nodes is not None:
+            self._copy_in_stream_order(self.accepted_draft_nodes[:nodes.shape[0]], nodes)
         self._streams.record_tokens()
         node = self._node
         if self._streams.is_capturing():

@@ -550,3 +550,24 @@ def test_add_batch_refuses_to_queue_without_bound(factory, tekken, native_ok, ho
     assert capt.num_advanced_tokens[0] == 1 and capt.token_mask_host[0] == 1
     graph.reset()
     capt.close()
+
+
+def test_draft_inputs_are_written_in_stream_order(factory):
+    """On the CPU stand-in, add_draft_batch's tokens and counts reach the decoder's pinned
+    buffers after the work already on the current stream (as CUDA copies on the current
+    stream do), so a step still queued reads its own; on an idle stream at once."""
+    capt = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_node="python")
+    capt.add_draft_batch(torch.tensor([5, 6]), torch.tensor([1, 2]), 0)
+    assert capt.draft_new_tokens[:2].tolist() == [5, 6]  # (idle: at once)
+    gate = Gate()
+    seen: list = []
+    enqueue(lambda: seen.append((capt.draft_new_tokens[:2].tolist(),
+                                 capt.num_accepted_tokens[:2].tolist())))
+    capt.add_draft_batch(torch.tensor([7, 8]), torch.tensor([3, 1]), 0)
+    assert capt.draft_new_tokens[:2].tolist() == [5, 6]
+    gate.open()
+    hostfunc.drain()
+    assert seen == [([5, 6], [1, 2])]
+    assert capt.draft_new_tokens[:2].tolist() == [7, 8]
+    assert capt.num_accepted_tokens[:2].tolist() == [3, 1]
+    capt.close()
