@@ -55,10 +55,10 @@ def texts_of(tekken, cases):
     return [encode_continuation(tekken, c.valid) for c in cases]
 
 
-def one_request_after_context(factory, tekken, case):
-    """A one-slot native-node decoder whose captured step has replayed ``case``'s context
-    step: ``(decoder, graph, static logits, the case's tokens)``."""
-    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="native")
+def one_request_after_context(factory, tekken, case, host_node="native"):
+    """A one-slot decoder (native node by default) whose captured step has replayed
+    ``case``'s context step: ``(decoder, graph, static logits, the case's tokens)``."""
+    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node=host_node)
     static = torch.zeros(1, factory.config.vocab_size_padded)
     graph = capture(capt, [GuidedRequest.context(1, 0, case.params)], static)
     capt.add_batch([GuidedRequest.context(1, 0, case.params)])

@@ -19,7 +19,7 @@ from capgraph import QueueEpochError
 from capgraph.capturable import CapturableGuidedDecoder
 from capgraph.decoder import GuidedDecoder
 from capgraph.requests import GuidedRequest
-from test_host_node import GUIDED, capture, same, texts_of
+from test_host_node import GUIDED, capture, one_request_after_context, same, texts_of
 
 
 @pytest.fixture(scope="module")
@@ -274,13 +274,7 @@ def test_a_replay_without_its_add_batch_is_named_while_the_next_step_is_queued(
     QueueEpochError at the drain and consumes nothing; the steps before and after it take
     their own batches (the matcher advanced exactly once per put)."""
     case = GUIDED[0]
-    text = texts_of(tekken, [case])[0]
-    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node=host_node)
-    static = torch.zeros(1, factory.config.vocab_size_padded)
-    graph = capture(capt, [GuidedRequest.context(1, 0, case.params)], static)
-    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
-    graph.replay()
-    hostfunc.drain()
+    capt, graph, static, text = one_request_after_context(factory, tekken, case, host_node)
 
     gate = Gate()
     capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[0])])
@@ -529,13 +523,7 @@ def test_add_batch_refuses_to_queue_without_bound(factory, tekken, native_ok, ho
     queues nothing; discard_queued_batches() drops them and the next step is in step."""
     from capgraph.capturable import MAX_QUEUED_BATCHES
     case = GUIDED[0]
-    text = texts_of(tekken, [case])[0]
-    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node=host_node)
-    static = torch.zeros(1, factory.config.vocab_size_padded)
-    graph = capture(capt, [GuidedRequest.context(1, 0, case.params)], static)
-    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
-    graph.replay()
-    hostfunc.drain()
+    capt, graph, static, text = one_request_after_context(factory, tekken, case, host_node)
     step = [GuidedRequest.generation(1, 0, case.params, text[0])]
     for _ in range(MAX_QUEUED_BATCHES):
         capt.add_batch(step)
