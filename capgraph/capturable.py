@@ -40,7 +40,7 @@ from .errors import (CallbackError, ConfigError, LayoutError, NativeBuildError, 
 from .requests import GuidedRequest, GuidedRequests
 from .streams import HostStepStreams, StepStreams
 
-__all__ = ["CapturableGuidedDecoder", "HOST_NODES", "HostNodeChoice"]
+__all__ = ["CapturableGuidedDecoder", "HOST_NODES", "HostNodeChoice", "MAX_QUEUED_BATCHES"]
 
 # the kinds of the native node's records
 _ROLLBACK, _DRAFT_START, _DRAFT_BUILD, _DRAFT_END = (
@@ -110,7 +110,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
     Arguments as for :class:`GuidedDecoder`. Use it the same way per step — ``add_batch``
     then ``execute`` — and it works unchanged inside ``torch.cuda.graph`` capture (CUDA) or
     ``hostfunc.capture`` (CPU stand-in): capture one ``execute`` (with its forward and sampling)
-    and, each step, call ``add_batch`` then replay.
+    and, each step, call ``add_batch`` then replay. The host may run ahead: ``add_batch`` for
+    the next step may come before the previous replay has run (no sync between steps), on the
+    stream the steps are replayed on; each replay takes its own batch (see :meth:`add_batch`).
 
     ``execute`` returns nothing (a host callback cannot); call :meth:`take_failed_requests`
     after the step's sync. Callback exceptions are re-raised by the drain that ends each
