@@ -933,7 +933,7 @@ struct HostNode {
   NodeJob pending;
   std::vector<int64_t> pending_slots;  // the slots of its inits, in the order returned
   // the step's ticket: add_batch writes its epoch modulo ticket_ring here in stream order, so
-  // a step knows which queued batch is its own (capgraph/capturable.py, _write_ticket)
+  // a step knows which queued batch is its own (capgraph/capturable.py, _write_step)
   PyObject* ticket_buffer = nullptr;  // owns `ticket`
   const int32_t* ticket = nullptr;
   int64_t ticket_ring = 1;

@@ -16,7 +16,15 @@ which step n's verification accepts ``n % (K + 1)`` (as far as the text goes), a
 begins as a speculative engine's does: ``add_batch``, ``rollback_rejected_batch(accepted +
 1)`` (on the native node its C rollback, counted in the node's time), replay.
 
+With ``--ahead K`` each kind also runs with the host ahead of the stream (as an overlap
+scheduler): no sync per step, the next ``add_batch`` made while up to K replays are still
+queued (an event per step; the host waits for the one K steps back), every block ending with a
+full sync; the extra columns are its ms per step and its time over the synced loop's. On the
+CPU stand-in an eager ``rollback_rejected_batch`` syncs, so ``--ahead`` with ``--drafts``
+measures little there.
+
     python tools/bench_host_node.py                    # batches 1 8 32 64, CPU stand-in
+    python tools/bench_host_node.py --ahead 2 --batches 8 64
     python tools/bench_host_node.py --drafts 3 --batches 8 32
     python tools/bench_host_node.py --device cuda --batches 8 64 256 --json out.json
 """
@@ -28,6 +36,7 @@ import json
 import statistics
 import sys
 import time
+from collections import deque
 
 
 def main() -> int:
@@ -38,6 +47,8 @@ def main() -> int:
     ap.add_argument("--tokenizer", default="tekken")
     ap.add_argument("--drafts", type=int, default=0, help="drafts per generation step")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--ahead", type=int, default=0,
+                    help="also run each kind with up to this many replays queued (0: not)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
 
@@ -66,8 +77,10 @@ def main() -> int:
     class Run:
         """One decoder of one kind, captured, with its requests' positions."""
 
-        def __init__(self, kind: str, batch: int) -> None:
+        def __init__(self, kind: str, batch: int, ahead: int = 0) -> None:
             K = args.drafts
+            self.ahead = ahead  # replays that may be queued when add_batch is called
+            self.events: deque = deque()  # one per queued replay, oldest first
             self.decoder = CapturableGuidedDecoder(config, batch, K, device=args.device,
                                                    factory=factory, host_node=kind)
             self.batch = batch
@@ -121,55 +134,84 @@ def main() -> int:
 
         def step(self) -> None:
             d = self.decoder
+            while len(self.events) > self.ahead - 1 and self.events:
+                self.events.popleft().synchronize()  # (at most `ahead` replays queued)
             reqs = self.requests()
             d.add_batch(reqs)
             if args.drafts:
                 d.rollback_rejected_batch(torch.tensor(
                     [(r.num_accepted_draft_tokens or 0) + 1 for r in reqs], dtype=torch.int32))
             self.graph.replay()  # (the logits keep earlier steps' -inf: the mask is what counts)
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            hostfunc.drain()
+            if self.ahead:
+                event = torch.cuda.Event() if args.device == "cuda" else hostfunc.HostEvent()
+                event.record()
+                self.events.append(event)
+            else:
+                self.finish()
             failed = d.take_failed_requests()
             if failed:
                 raise RuntimeError(f"a teacher-forced request failed: {failed[0]}")
             self.advance()
 
+        def finish(self) -> None:
+            """Wait for every queued replay (and re-raise a callback's error)."""
+            self.events.clear()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            hostfunc.drain()
+
     rows = []
+    kinds = [("python", 0), ("native", 0)]
+    if args.ahead:
+        kinds += [("python", args.ahead), ("native", args.ahead)]
+    extra = f" {'py ahead ms':>11} {'nat ahead ms':>12} {'py ahead/sync':>13} " \
+            f"{'nat ahead/sync':>14}" if args.ahead else ""
     print(f"{'batch':>5} {'python ms':>10} {'native ms':>10} {'native/python':>13} "
-          f"{'node us/step':>12} {'node us/row':>11}")
+          f"{'node us/step':>12} {'node us/row':>11}" + extra)
     for batch in args.batches:
         try:
-            runs = {kind: Run(kind, batch) for kind in ("python", "native")}
+            runs = {(kind + (" ahead" if ahead else "")): Run(kind, batch, ahead)
+                    for kind, ahead in kinds}
         except ConfigError as e:
             print(f"{batch:>5} native host node unavailable: {e}")
             continue
-        times: dict[str, list[float]] = {"python": [], "native": []}
-        for _ in range(3):  # warm: both kinds, untimed
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(3):  # warm: every kind, untimed
             for run in runs.values():
                 run.step()
+                run.finish()
         for _block in range(args.blocks):
             for kind, run in runs.items():
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     run.step()
+                run.finish()
                 times[kind].append((time.perf_counter() - t0) / args.steps * 1e3)
         # the two kinds decoded the same texts in step: their last masks agree
         a, b = runs["python"].decoder, runs["native"].decoder
-        if not torch.equal(a.token_mask_host, b.token_mask_host) or \
-                not torch.equal(a.bitmask_host, b.bitmask_host):
-            raise RuntimeError(f"batch {batch}: the native and Python steps' masks differ")
+        for name, run in runs.items():
+            if not torch.equal(a.token_mask_host, run.decoder.token_mask_host) or \
+                    not torch.equal(a.bitmask_host, run.decoder.bitmask_host):
+                raise RuntimeError(f"batch {batch}: the {name} and python steps' masks differ")
         stats = b.host_node_stats
         node_us = stats.busy_ns / max(stats.runs, 1) / 1e3
         row_us = stats.busy_ns / max(stats.rows, 1) / 1e3
         py, nat = statistics.median(times["python"]), statistics.median(times["native"])
-        rows.append({"batch": batch, "python_ms": py, "native_ms": nat, "ratio": nat / py,
-                     "node_us_per_step": node_us, "node_us_per_row": row_us,
-                     "node_runs": stats.runs, "node_python_runs": stats.python_runs,
-                     "node_rollbacks": stats.rollback_runs,
-                     "node_python_rollbacks": stats.python_rollback_runs, "blocks": times})
-        print(f"{batch:>5} {py:>10.4f} {nat:>10.4f} {nat / py:>13.3f} {node_us:>12.1f} "
-              f"{row_us:>11.2f}")
+        row = {"batch": batch, "python_ms": py, "native_ms": nat, "ratio": nat / py,
+               "node_us_per_step": node_us, "node_us_per_row": row_us,
+               "node_runs": stats.runs, "node_python_runs": stats.python_runs,
+               "node_rollbacks": stats.rollback_runs,
+               "node_python_rollbacks": stats.python_rollback_runs, "blocks": times}
+        line = f"{batch:>5} {py:>10.4f} {nat:>10.4f} {nat / py:>13.3f} {node_us:>12.1f} " \
+               f"{row_us:>11.2f}"
+        if args.ahead:
+            pya = statistics.median(times["python ahead"])
+            nata = statistics.median(times["native ahead"])
+            row.update(python_ahead_ms=pya, native_ahead_ms=nata, python_ahead_ratio=pya / py,
+                       native_ahead_ratio=nata / nat)
+            line += f" {pya:>11.4f} {nata:>12.4f} {pya / py:>13.3f} {nata / nat:>14.3f}"
+        rows.append(row)
+        print(line)
         for run in runs.values():
             if args.device == "cuda":
                 run.graph.reset()
@@ -179,7 +221,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "tokenizer": args.tokenizer,
-                       "drafts": args.drafts, "steps": args.steps, "blocks": args.blocks, "rows": rows}, f, indent=1)
+                       "drafts": args.drafts, "ahead": args.ahead, "steps": args.steps,
+                       "blocks": args.blocks, "rows": rows}, f, indent=1)
     return 0
 
 
