@@ -26,9 +26,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Sequence
 
+import numpy as np
 import torch
 
 import hostfunc
+import hostfunc.native
 
 from ._nvtx import nvtx_range
 from .bitmask import _pin_host
@@ -490,22 +492,50 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._streams.record_tokens()
 
     def _copy_in_stream_order(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)`` after the work already on the current stream, as a CUDA copy on
-        the current stream is: on CUDA that copy (a copy node of the graph while capturing);
-        on the CPU stand-in at once where the current HostStream is idle or capturing (a
-        HostGraph does not replay the copy: a replay reads the buffer as it is then), else a
-        task on it."""
+        """``dst.copy_(src)`` as a CUDA copy on the current stream is: after the work already
+        on the stream, and while capturing, at each replay (reading ``src`` then). On CUDA that
+        copy; on the CPU stand-in at once where the current HostStream is idle, a task on it
+        where it has work queued, and while capturing a copy the HostGraph replays
+        (:meth:`_capture_copy`)."""
         if self.device.type == "cuda":
             dst.copy_(src, non_blocking=True)
             return
         stream = hostfunc.current_stream()
-        if stream.capture_graph is not None or stream.query():
+        if stream.capture_graph is not None:
+            self._capture_copy(stream.capture_graph, dst, src)
+            return
+        if stream.query():
             dst.copy_(src)
             return
 
         def copy() -> None:
             dst.copy_(src)
         stream.enqueue(copy)
+
+    @staticmethod
+    def _capture_copy(graph: hostfunc.HostGraph, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Record ``dst.copy_(src)`` into a HostGraph: a native copy (no GIL in the replay)
+        where both are contiguous CPU tensors of one dtype and size and hostfunc's native
+        functions build here (the graph holds the tensors and the arguments), else a Python
+        task."""
+        try:
+            fn = hostfunc.native.copy_function()
+        except hostfunc.HostFuncUsageError:
+            fn = 0
+        if fn and src.device.type == "cpu" and src.dtype == dst.dtype \
+                and src.numel() == dst.numel() and src.is_contiguous() and dst.is_contiguous():
+            args = np.array([dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()],
+                            dtype=np.uint64)
+            graph.keep_alive((args, dst, src))
+            graph.add_native(hostfunc.native.NativeCall(fn, args.ctypes.data))
+            return
+
+        def copy() -> None:
+            dst.copy_(src.reshape(dst.shape))
+
+        def step(replay: hostfunc.HostStream) -> None:
+            replay.enqueue(copy)
+        graph.add_step(step)
 
     def _per_request(self, name: str, values: torch.Tensor) -> torch.Tensor:
         """A ``[batch]`` integer tensor of at most ``max_num_sequences`` entries, flattened."""

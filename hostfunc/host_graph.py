@@ -8,7 +8,9 @@ a user object's destructor the same way). :func:`capture` is the ``torch.cuda.gr
 
 Native host functions captured into a graph (:func:`hostfunc.launch_native`) hold no registry
 entry: their ``retain`` runs at capture, their ``release`` when the graph's entries are released
-(after replays in flight finish), and each replay runs them on the stream's native lane.
+(after replays in flight finish), and each replay runs them on the stream's native lane. What
+their ``user_data`` points into may instead be held by the graph (:meth:`HostGraph.keep_alive`),
+released at the same time.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class _Ownership:
         self.lock = threading.Lock()
         self.keys: list[int] = []
         self.natives: list[NativeCall] = []  # captured native calls with a release to call
+        self.kept: list[object] = []  # what captured native calls point into (keep_alive)
         self.num_native = 0
         self.in_flight = 0
         self.released = False
@@ -63,6 +66,7 @@ class _Ownership:
         with self.lock:
             keys, self.keys = self.keys, []
             natives, self.natives = self.natives, []
+            self.kept = []
         for key in keys:
             REGISTRY.defer_release(key)
         for call in natives:  # on whichever thread lets go last; the GIL is released in C
@@ -136,6 +140,12 @@ class HostGraph:
         def step(stream: HostStream) -> None:
             stream.enqueue_native(replayed)
         self._steps.append(step)
+
+    def keep_alive(self, obj: object) -> None:
+        """Hold ``obj`` until the graph's entries are released (after the replays in flight
+        then): the memory a captured native call's ``user_data`` points to, say."""
+        with self._own.lock:
+            self._own.kept.append(obj)
 
     def add_step(self, step: Step) -> None:
         """Record an action to perform on the replay stream at each replay (events use this)."""

@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 
 from .errors import HostFuncUsageError
 
-__all__ = ["NativeCall", "TestFunctions", "call_c", "check_native_args", "test_functions"]
+__all__ = ["NativeCall", "TestFunctions", "call_c", "check_native_args", "copy_function",
+           "test_functions"]
 
 _ADDRESS_MAX = 2 * (sys.maxsize + 1) - 1  # the largest pointer value
 
@@ -104,23 +105,36 @@ class TestFunctions:
     append: int
 
 
+def _address(name: str) -> int:
+    """The address of the lane library's C function ``name`` (builds the library if needed)."""
+    import ctypes
+
+    from .lane import lane_library
+    return int(ctypes.cast(getattr(lane_library(), name), ctypes.c_void_p).value or 0)
+
+
+def copy_function() -> int:
+    """The address of a native host function that copies bytes: ``user_data`` points to
+    ``{void *dst; const void *src; uint64 nbytes}`` (three uint64), which, like both buffers,
+    must stay valid while a call may run (captured into a HostGraph:
+    :meth:`~hostfunc.HostGraph.keep_alive`). A copy a HostGraph replays, as a CUDA graph
+    replays its copy nodes, without the GIL.
+
+    Raises:
+        HostFuncUsageError: the lane library cannot be built (no C compiler).
+    """
+    return _address("hf_copy_bytes")
+
+
 def test_functions() -> TestFunctions:
     """The addresses of the test and demo functions (builds the lane library if needed).
 
     Raises:
         HostFuncUsageError: the lane library cannot be built (no C compiler).
     """
-    import ctypes
-
-    from .lane import lane_library
-    lib = lane_library()
-
-    def address(name: str) -> int:
-        return int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0)
-
-    return TestFunctions(address("hf_test_spin_ns"), address("hf_test_timestamp_ns"),
-                         address("hf_test_count_call"), address("hf_test_count_retain"),
-                         address("hf_test_count_release"), address("hf_test_append"))
+    return TestFunctions(_address("hf_test_spin_ns"), _address("hf_test_timestamp_ns"),
+                         _address("hf_test_count_call"), _address("hf_test_count_retain"),
+                         _address("hf_test_count_release"), _address("hf_test_append"))
 
 
 test_functions.__test__ = False  # type: ignore[attr-defined]

@@ -431,21 +431,22 @@ class Speculation:
 
 def speculative_graph(capt, requests, static, spin_ms=0, done=None):
     """A HostGraph of one speculative step as an engine captures it: [a native spin of
-    ``spin_ms`` (the forward's stand-in)], the rollback of the last verification (counts read
-    from the decoder's count buffer at each replay), the guided step[, a Python callback
-    appending the monotonic time to ``done``]."""
+    ``spin_ms`` (the forward's stand-in)], the rollback of the last verification (its counts
+    copied at each replay from the static tensor returned), the guided step[, a Python
+    callback appending the monotonic time to ``done``]. Returns (graph, counts)."""
     from hostfunc.native import test_functions
 
     capt.add_batch(requests)
+    counts = torch.ones(len(requests), dtype=torch.int32)
     graph = hostfunc.HostGraph()
     with hostfunc.capture(graph):
         if spin_ms:
             hostfunc.launch_native(test_functions().spin_ns, spin_ms * MS)
-        capt.rollback_rejected_batch(torch.ones(len(requests), dtype=torch.int32))
+        capt.rollback_rejected_batch(counts)
         capt.execute(static)
         if done is not None:
             hostfunc.launch(lambda: done.append(time.monotonic_ns()))
-    return graph
+    return graph, counts
 
 
 def request_copies(reqs):
@@ -460,13 +461,13 @@ def accepted_counts(reqs) -> torch.Tensor:
                         dtype=torch.int32)
 
 
-def speculative_step(eager, capt, graph, static, reqs, seed, hold=False, counts=None):
+def speculative_step(eager, capt, graph, static, reqs, seed, counts, hold=False):
     """One speculative step of ``reqs`` on the eager decoder (add_batch,
     rollback_rejected_tokens, execute) and on the captured one (add_batch, the accepted
-    counts in its count buffer, or in ``counts`` that the graph copies from, a replay of
-    ``graph`` masking ``static``; another thread holding the GIL for 2 s after the replay
-    where ``hold``), on the same random logits: failures, masks, counters and matcher states
-    equal. Returns (the failures, the GIL window or None)."""
+    counts in ``counts``, which the graph copies from, a replay of ``graph`` masking
+    ``static``; another thread holding the GIL for 2 s after the replay where ``hold``), on
+    the same random logits: failures, masks, counters and matcher states equal. Returns (the
+    failures, the GIL window or None)."""
     eager.add_batch(reqs)
     eager.rollback_rejected_tokens()
     n = eager.requests.num_bitmask_tokens
@@ -474,10 +475,7 @@ def speculative_step(eager, capt, graph, static, reqs, seed, hold=False, counts=
     expect = logits.clone()
     failed = eager.execute(expect[:n])
     capt.add_batch(request_copies(reqs))
-    if counts is None:
-        capt.num_accepted_tokens[:len(reqs)] = accepted_counts(reqs)
-    else:
-        counts.copy_(accepted_counts(reqs))
+    counts[:len(reqs)] = accepted_counts(reqs)
     static.copy_(logits)
     graph.replay()
     window = hold_gil(2) if hold else None
@@ -501,12 +499,13 @@ def run_speculation(factory, tekken, host_node, accepted_steps, hold_at=None, do
     eager = GuidedDecoder(factory.config, 2, 2, factory=factory)
     capt = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_node=host_node)
     static = torch.zeros(6, V)
-    graph = speculative_graph(capt, spec.context(), static, 300 if hold_at is not None else 0,
-                              done)
+    graph, counts = speculative_graph(capt, spec.context(), static,
+                                      300 if hold_at is not None else 0, done)
     window = None
     steps = [spec.context(), spec.step(None)] + [spec.step(a) for a in accepted_steps]
     for k, reqs in enumerate(steps):
-        window = speculative_step(eager, capt, graph, static, reqs, k, k == hold_at)[1] or window
+        window = speculative_step(eager, capt, graph, static, reqs, k, counts,
+                                  k == hold_at)[1] or window
     graph.reset()
     return capt, window
 
@@ -546,7 +545,7 @@ def test_rollback_after_python_step_is_pythons_then_native_again(factory, tekken
     eager = GuidedDecoder(factory.config, 2, 2, factory=factory)
     capt = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_node="native")
     static = torch.zeros(6, V)
-    graph = speculative_graph(capt, spec.context(), static)
+    graph, counts = speculative_graph(capt, spec.context(), static)
 
     steps = [spec.context(), spec.step(None), spec.step([1, 0]), spec.step([0, 2]),
              spec.step([1, 1])]
@@ -557,7 +556,7 @@ def test_rollback_after_python_step_is_pythons_then_native_again(factory, tekken
             capt.grammar_matchers[0] = PythonOnly(native)
         if k == 3:
             capt.grammar_matchers[0] = native
-        speculative_step(eager, capt, graph, static, reqs, k)
+        speculative_step(eager, capt, graph, static, reqs, k, counts)
         s = capt.host_node_stats
         runs.append((s.python_runs, s.rollback_runs - s.python_rollback_runs,
                      s.python_rollback_runs))
@@ -581,11 +580,10 @@ def test_rollback_that_cannot_roll_back_fails_its_request_alone(factory, tekken,
         capt = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory,
                                        host_node=host_node)
         static = torch.zeros(6, V)
-        graph = speculative_graph(capt, spec.context(), static)
+        graph, counts = speculative_graph(capt, spec.context(), static)
         for k, reqs in enumerate([spec.context(), spec.step(None), spec.step([0, 1])]):
             capt.add_batch(reqs)
-            capt.num_accepted_tokens[:2] = torch.tensor([1, 1] if k < 2 else [0, 2],
-                                                        dtype=torch.int32)
+            counts[:] = torch.tensor([1, 1] if k < 2 else [0, 2], dtype=torch.int32)
             static.copy_(torch.randn(6, V, generator=torch.Generator().manual_seed(k)))
             graph.replay()
             hostfunc.drain()
@@ -619,7 +617,7 @@ def test_native_rollback_of_a_stop_token_leaves_the_matcher_running(factory, tek
     capt = CapturableGuidedDecoder(factory.config, 1, 2, factory=factory, host_node="native")
     static = torch.zeros(3, V)
     ctx = [GuidedRequest.context(1, 0, case.params)]
-    graph = speculative_graph(capt, ctx, static)
+    graph, counts = speculative_graph(capt, ctx, static)
 
     def gen(token, drafts, accepted):
         return [GuidedRequest.generation(1, 0, case.params, token, draft_tokens=drafts,
@@ -643,7 +641,8 @@ def test_native_rollback_of_a_stop_token_leaves_the_matcher_running(factory, tek
     terminated = []
     for k, (reqs, accepted) in enumerate(steps):
         assert reqs[0].num_accepted_draft_tokens in (accepted, None)
-        assert speculative_step(eager, capt, graph, static, reqs, k)[0] == [], f"step {k}"
+        failed = speculative_step(eager, capt, graph, static, reqs, k, counts)[0]
+        assert failed == [], f"step {k}"
         terminated.append(capt.grammar_matchers[0].is_terminated())
     assert terminated[-3] and not terminated[-2] and terminated[-1], terminated
     stats = capt.host_node_stats
@@ -660,7 +659,7 @@ def test_native_rollback_knows_what_a_python_step_advanced(factory, tekken, nati
     V = factory.config.vocab_size_padded
     cases, texts, eager, capt, ctx = two_requests(factory, tekken, 2)
     static = torch.zeros(6, V)
-    graph = speculative_graph(capt, ctx, static)
+    graph, counts = speculative_graph(capt, ctx, static)
 
     def gen(i, at, accepted):
         t = texts[i]
@@ -677,7 +676,8 @@ def test_native_rollback_knows_what_a_python_step_advanced(factory, tekken, nati
             capt.grammar_matchers[0] = PythonOnly(native)
         if k == 2:
             capt.grammar_matchers[0] = native
-        assert speculative_step(eager, capt, graph, static, reqs, k)[0] == [], f"step {k}"
+        failed = speculative_step(eager, capt, graph, static, reqs, k, counts)[0]
+        assert failed == [], f"step {k}"
     stats = capt.host_node_stats
     assert stats.python_runs == 1
     # Python's: before the context step, before step 1 (the wrapped slot), before step 2

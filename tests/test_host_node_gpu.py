@@ -131,8 +131,8 @@ def test_speculative_step_and_its_rollback_complete_while_another_thread_holds_t
         window = None
         steps = [spec.context(), spec.step(None), spec.step([0, 1]), spec.step([2, 0])]
         for k, reqs in enumerate(steps):
-            window = speculative_step(eager, dec, graph, logits, reqs, k, k == 3,
-                                      counts)[1] or window
+            window = speculative_step(eager, dec, graph, logits, reqs, k, counts,
+                                      k == 3)[1] or window
         start, end = window
         if host_node == "native":
             s = dec.host_node_stats

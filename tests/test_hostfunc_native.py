@@ -288,6 +288,38 @@ def test_graph_replay_runs_native_calls_each_time(fns: TestFunctions, stream: Ho
     graph.reset()
 
 
+def test_captured_copy_reads_its_source_at_each_replay(stream: HostStream) -> None:
+    """copy_function captured into a HostGraph (its arguments kept by keep_alive) copies at
+    each replay from the source as it is then, in order with the graph's Python callbacks;
+    the kept arguments go with reset()."""
+    import weakref
+
+    import numpy as np
+
+    from hostfunc.native import NativeCall, copy_function
+    src = np.arange(4, dtype=np.int32)
+    dst = np.zeros(4, dtype=np.int32)
+    seen: list[list[int]] = []
+    args = np.array([dst.ctypes.data, src.ctypes.data, dst.nbytes], dtype=np.uint64)
+    graph = HostGraph()
+    with hostfunc.capture(graph, stream):
+        graph.keep_alive(args)
+        graph.add_native(NativeCall(copy_function(), args.ctypes.data))
+        hostfunc.launch(lambda: seen.append(dst.tolist()))
+    assert dst.tolist() == [0, 0, 0, 0]  # (not at capture)
+    for k in range(3):
+        src[:] = np.arange(4) * (k + 1)
+        graph.replay(stream)
+        stream.synchronize(WAIT_S)
+    assert seen == [[0, 1, 2, 3], [0, 2, 4, 6], [0, 3, 6, 9]]
+    kept = weakref.ref(args)
+    del args
+    assert kept() is not None  # (the graph holds it)
+    graph.reset()
+    gc.collect()
+    assert kept() is None
+
+
 def test_back_to_back_replays_keep_order_with_mixed_steps(fns: TestFunctions,
                                                           stream: HostStream) -> None:
     """Pins order when native calls queue behind Python work (replays launched back to back:

@@ -461,11 +461,12 @@ def test_speculative_steps_scheduled_ahead_equal_the_eager_decoder(factory, tekk
                                                                    host_node):
     """Speculative decoding scheduled ahead: a captured [rollback of the last verification,
     guided step with two drafts] replayed with each add_batch made before the previous replay
-    has run; the accepted counts are written to the decoder's count buffer by a task on the
-    stream (where an engine's verification writes them). The rollback reads the batch of its
-    own step, not a later queued one (the batch order alternates, so the two differ): every
-    step's masked logits equal the eager decoder's with rollback_rejected_tokens, and on the
-    node every step and rollback but the first ran natively."""
+    has run; the accepted counts are written by a task on the stream into the tensor the
+    graph copies them from (where an engine's verification writes them). The rollback reads
+    the batch of its own step, not a later queued one (the batch order alternates, so the two
+    differ): every step's masked logits equal the eager decoder's with
+    rollback_rejected_tokens, and on the node every step and rollback but the first ran
+    natively."""
     from test_host_node import Speculation, accepted_counts, request_copies, speculative_graph
     V = factory.config.vocab_size_padded
     spec = Speculation(tekken, GUIDED[:2])
@@ -486,12 +487,12 @@ def test_speculative_steps_scheduled_ahead_equal_the_eager_decoder(factory, tekk
 
     capt = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_node=host_node)
     static = torch.zeros(6, V)
-    graph = speculative_graph(capt, request_copies(steps[0]), static)
+    graph, counts = speculative_graph(capt, request_copies(steps[0]), static)
     got: list[torch.Tensor] = []
 
-    def write_counts(counts):
+    def write_counts(values):
         def write() -> None:
-            capt.num_accepted_tokens[:len(counts)] = counts
+            counts[:len(values)] = values
         return write
 
     gate = Gate()

@@ -28,6 +28,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sched.h>
 #include <time.h>
 
@@ -235,6 +236,23 @@ void hf_lane_release(hf_lane *lane) {
     } else {
         pthread_detach(thread);
     }
+}
+
+/* ---- copies ---- */
+
+/* user_data points to {void *dst; const void *src; uint64_t nbytes}: copy nbytes from src to
+ * dst (hostfunc.native.copy_function: a captured copy that a HostGraph replays, as a CUDA
+ * graph replays its copy nodes). */
+typedef struct {
+    void *dst;
+    const void *src;
+    uint64_t nbytes;
+} hf_copy_args;
+
+void hf_copy_bytes(void *user_data) {
+    const hf_copy_args *a = user_data;
+    memcpy(a->dst, a->src, (size_t)a->nbytes);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
 }
 
 /* ---- for tests and demos only ---- */
