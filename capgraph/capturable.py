@@ -308,11 +308,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
     def _write_step(self, epoch: int, new_tokens: torch.Tensor | None) -> bool:
         """Write the step's tokens and ticket (``epoch`` modulo :data:`TICKET_RING`) where the
         stream that runs the step reads them after every step enqueued before: on CUDA as
-        copies on the current stream; on the CPU stand-in at once where the current
-        HostStream is idle, else as a task on it, which reads ``new_tokens`` when the stream
-        reaches it (as a CUDA copy does: a sampler enqueued before may still write them).
-        While capturing only the tokens are copied (as before a capture's shapes-only step)
-        and no ticket is written: False."""
+        copies on the current stream; on the CPU stand-in as :meth:`_in_stream_order` runs
+        them, reading ``new_tokens`` when the stream gets there (as a CUDA copy does: a
+        sampler enqueued before may still write them). While capturing only the tokens are
+        copied (as before a capture's shapes-only step) and no ticket is written: False."""
         if self._streams.is_capturing():
             if new_tokens is not None:
                 self._copy_new_tokens(new_tokens)
@@ -323,20 +322,24 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 self._copy_new_tokens(new_tokens)
             self._ticket.copy_(self._ticket_ids[k:k + 1], non_blocking=True)
             return True
-        stream = hostfunc.current_stream()
-        if stream.query():  # nothing queued reads the buffers before this step
-            if new_tokens is not None:
-                self._copy_new_tokens(new_tokens)
-            self._ticket_np[0] = k
-            return True
         ticket, copy = self._ticket_np, self._copy_new_tokens
 
         def write() -> None:
             if new_tokens is not None:
                 copy(new_tokens)  # (checked at add_batch: it cannot fail)
             ticket[0] = k
-        stream.enqueue(write)
+        self._in_stream_order(write)
         return True
+
+    @staticmethod
+    def _in_stream_order(work: Callable[[], None]) -> None:
+        """On the CPU stand-in, run ``work`` (which must not raise) after the work already on
+        the current HostStream: at once where the stream is idle, else as a task on it."""
+        stream = hostfunc.current_stream()
+        if stream.query():  # nothing queued reads the buffers before this
+            work()
+        else:
+            stream.enqueue(work)
 
     def record_tokens_ready(self) -> None:
         """Record the tokens event on the current stream.
@@ -500,17 +503,14 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if self.device.type == "cuda":
             dst.copy_(src, non_blocking=True)
             return
-        stream = hostfunc.current_stream()
-        if stream.capture_graph is not None:
-            self._capture_copy(stream.capture_graph, dst, src)
-            return
-        if stream.query():
-            dst.copy_(src)
+        graph = hostfunc.current_stream().capture_graph
+        if graph is not None:
+            self._capture_copy(graph, dst, src)
             return
 
         def copy() -> None:
             dst.copy_(src)
-        stream.enqueue(copy)
+        self._in_stream_order(copy)
 
     @staticmethod
     def _capture_copy(graph: hostfunc.HostGraph, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -995,7 +995,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     def _apply_node_record(self, kind: int, epoch: int, error: str | None, masked: bool,
                            unusual: list | None, columns: list | None, rolled: list | None,
-                           stale: list[int]) -> None:
+                           stale: Sequence[int]) -> None:
         """One record of :meth:`HostNode.take` (see there)."""
         if kind == _ROLLBACK:
             self._apply_node_rollback(epoch, unusual, rolled, stale)  # type: ignore[arg-type]
@@ -1049,7 +1049,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         return self.requests_hostfunc if self._fetched_epoch == epoch else None
 
     def _apply_node_draft_build(self, epoch: int, masked: bool, unusual: list | None,
-                                stale: list[int]) -> None:
+                                stale: Sequence[int]) -> None:
         """What a native draft step's build did (counters written already): a refused draft
         token or a dead row stops guiding the slot for the rest of the loop; any other outcome
         is interpreted as a build's."""
@@ -1074,7 +1074,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._record_failed(self._interpret(batch, rest, unmask=False, others=others))
 
     def _apply_node_draft_end(self, epoch: int, unusual: list | None, rolled: list[int],
-                              stale: list[int]) -> None:
+                              stale: Sequence[int]) -> None:
         """The end of a native drafting loop: its slots are guided again, a matcher that had
         terminated and rolled back re-reads its state, a rollback that raised fails its
         request."""
@@ -1090,7 +1090,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                                  for i, _, text in unusual])
 
     def _apply_node_rollback(self, epoch: int, unusual: list | None, rolled: list[int],
-                             stale: list[int]) -> None:
+                             stale: Sequence[int]) -> None:
         """What a native rollback did (its counters are written already): a matcher that had
         terminated and rolled back re-reads its state; a request that could not roll back
         fails as the Python rollback fails it."""

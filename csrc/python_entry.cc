@@ -859,8 +859,8 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //   (batch index, 2, "Kind: message") where the matcher raised); columns: None or
 //   [(batch index, [token, draft, ...])] of the tokens read from the token buffer; rolled:
 //   for a rollback the slots whose matchers rolled back (a matcher that had terminated no
-//   longer has), for a loop's end every slot of its batch, else None; stale: the batch indices
-//   of unusual requests whose slot holds another matcher by now.
+//   longer has), for a loop's end every slot of its batch, else None; stale: a tuple of the
+//   batch indices of unusual requests whose slot holds another matcher by now.
 // node_sync_counts(node, advanced, drafted): the node's per-slot advance and draft-advance
 //   counts from Python's lists.
 // node_stats(node) -> (runs, python_runs, last_start_ns, last_end_ns, busy_ns, rows,
@@ -1339,10 +1339,12 @@ void RunNode(void* p) {
   bool python = have && d.error.empty() && job.python;
   if (have && d.error.empty() && !python) {
     std::lock_guard<std::mutex> lock(n->mu);
-    std::vector<uint8_t> installed(static_cast<size_t>(n->num_slots), 0);
-    for (const auto& install : job.installs) installed[install.first] = 1;
+    auto installed = [&job](int64_t slot) {  // (a slot whose matcher the job replaces)
+      return std::any_of(job.installs.begin(), job.installs.end(),
+                         [slot](const auto& install) { return install.first == slot; });
+    };
     for (const NodeEntry& e : job.entries) {
-      if (!installed[e.slot] && n->slot_kind[e.slot] == 2 && !n->slot_stopped[e.slot]) {
+      if (n->slot_kind[e.slot] == 2 && !n->slot_stopped[e.slot] && !installed(e.slot)) {
         python = true;
       }
     }
@@ -1814,6 +1816,7 @@ PyObject* NodeCreate(PyObject*, PyObject* args) {
 // first generation step).
 struct NodeInits {
   std::vector<int64_t> context, disaggregated;
+  std::vector<int64_t> context_slots, disaggregated_slots;  // their slots, in the same order
 };
 
 // Read one request of a node job into `job`: false where it is not the plain case (then the
@@ -1840,15 +1843,15 @@ bool PushOne(HostNode* n, FastState* st, PyObject* request_obj, int64_t index, i
     if (generating.get() != (context ? Py_False : Py_True)) return false;
   }
   bool fill = false;  // a context request whose matcher is created at add_batch
+  int first_step = 0;  // a disaggregated first step (its matcher created at add_batch)
   if (context) {
     Ref last(request.Read(RecordField::kLastChunk));
     if (BoolValue(last.get()) < 0) return false;
     fill = last.get() == Py_True;
-  } else {  // (a disaggregated first step's matcher is created at add_batch)
+  } else {
     Ref first(request.Read(RecordField::kFirstIteration));
-    const int first_step = BoolValue(first.get());
+    first_step = BoolValue(first.get());
     if (first_step < 0) return false;
-    if (first_step) inits->disaggregated.push_back(index);
   }
   if (!ChainRequest(request)) return false;
   int64_t slot;
@@ -1859,7 +1862,10 @@ bool PushOne(HostNode* n, FastState* st, PyObject* request_obj, int64_t index, i
   if (slot < 0 || (*seen)[slot]) return false;
   if (context) {  // one row; created at add_batch (`fill`) or nothing to do
     (*seen)[slot] = 1;
-    if (fill) inits->context.push_back(index);
+    if (fill) {
+      inits->context.push_back(index);
+      inits->context_slots.push_back(slot);
+    }
     job->entries.push_back(NodeEntry{slot, -1, offset, static_cast<int64_t>(job->drafts.size()),
                                      0, index, false, fill, !fill});
     return true;
@@ -1872,7 +1878,7 @@ bool PushOne(HostNode* n, FastState* st, PyObject* request_obj, int64_t index, i
   }
   NodeEntry e{slot, -1, offset, static_cast<int64_t>(job->drafts.size()), 0, index, buffered,
               false, false};
-  e.fresh = !inits->disaggregated.empty() && inits->disaggregated.back() == index;
+  e.fresh = first_step == 1;
   if (buffered) {  // the token and drafts of the slot's column, read by the node
     e.num_drafts = std::min<int64_t>(n->positions - 1, draft_len);
   } else {
@@ -1893,6 +1899,10 @@ bool PushOne(HostNode* n, FastState* st, PyObject* request_obj, int64_t index, i
     }
   }
   (*seen)[slot] = 1;
+  if (e.fresh) {
+    inits->disaggregated.push_back(index);
+    inits->disaggregated_slots.push_back(slot);
+  }
   job->entries.push_back(e);
   return true;
 }
@@ -1952,14 +1962,8 @@ PyObject* NodePush(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* result = Py_BuildValue("(NN)", IntList(inits.context),
                                    IntList(inits.disaggregated));
   if (result == nullptr) return nullptr;  // (nothing queued)
-  std::vector<int64_t> slots;  // the inits' slots, in the order returned
-  for (const std::vector<int64_t>* list : {&inits.context, &inits.disaggregated}) {
-    for (int64_t index : *list) {
-      for (const NodeEntry& e : job.entries) {
-        if (e.index == index) slots.push_back(e.slot);
-      }
-    }
-  }
+  std::vector<int64_t> slots = std::move(inits.context_slots);  // in the order returned
+  slots.insert(slots.end(), inits.disaggregated_slots.begin(), inits.disaggregated_slots.end());
   std::lock_guard<std::mutex> lock(n->mu);
   if (slots.empty()) {
     n->jobs.push_back(std::move(job));
@@ -2135,8 +2139,7 @@ PyObject* DoneTuple(const HostNode* n, const NodeDone& d, const std::vector<uint
   const bool rolls = d.kind == kDoneRollback || d.kind == kDoneDraftEnd;
   Ref unusual(Py_None);
   Py_INCREF(Py_None);
-  Ref stale(PyList_New(0));  // the unusual requests whose slot has another matcher by now
-  if (!stale) return nullptr;
+  std::vector<int64_t> stale;  // the unusual requests whose slot has another matcher by now
   Ref rolled(rolls ? PyList_New(0) : (Py_INCREF(Py_None), Py_None));
   if (!rolled) return nullptr;
   for (size_t k = 0; k < d.slots.size(); ++k) {
@@ -2166,7 +2169,7 @@ PyObject* DoneTuple(const HostNode* n, const NodeDone& d, const std::vector<uint
       }
     }
     if (o[0] == kOk) continue;
-    if (!current && !AppendInt(stale.get(), d.index[k])) return nullptr;
+    if (!current) stale.push_back(d.index[k]);
     if (unusual.get() == Py_None) {
       unusual = Ref(PyList_New(0));
       if (!unusual) return nullptr;
@@ -2196,6 +2199,13 @@ PyObject* DoneTuple(const HostNode* n, const NodeDone& d, const std::vector<uint
       if (!item || PyList_Append(columns.get(), item.get()) < 0) return nullptr;
     }
   }
+  Ref stale_tuple(PyTuple_New(static_cast<Py_ssize_t>(stale.size())));  // (() when none)
+  if (!stale_tuple) return nullptr;
+  for (size_t k = 0; k < stale.size(); ++k) {
+    PyObject* v = PyLong_FromLongLong(stale[k]);
+    if (v == nullptr) return nullptr;
+    PyTuple_SET_ITEM(stale_tuple.get(), static_cast<Py_ssize_t>(k), v);
+  }
   Ref error(d.error.empty() ? (Py_INCREF(Py_None), Py_None)
                             : PyUnicode_DecodeUTF8(d.error.data(),
                                                    static_cast<Py_ssize_t>(d.error.size()),
@@ -2203,7 +2213,7 @@ PyObject* DoneTuple(const HostNode* n, const NodeDone& d, const std::vector<uint
   if (!error) return nullptr;
   return Py_BuildValue("(iLOOOOOO)", d.kind, static_cast<long long>(d.epoch), error.get(),
                        d.masked ? Py_True : Py_False, unusual.get(), columns.get(),
-                       rolled.get(), stale.get());
+                       rolled.get(), stale_tuple.get());
 }
 
 // node_take(node, advanced, guided, drafted): see the section's comment.

@@ -193,6 +193,15 @@ class PythonOnly:
         return getattr(self._inner, name)
 
 
+def python_only_in_steps(capt, k: int, first: int, end: int) -> None:
+    """Before step ``k``: slot 0's matcher is wrapped in :class:`PythonOnly` from step
+    ``first`` on and is its own matcher again from step ``end`` on."""
+    if k == first:
+        capt.grammar_matchers[0] = PythonOnly(capt.grammar_matchers[0])
+    elif k == end:
+        capt.grammar_matchers[0] = capt.grammar_matchers[0]._inner
+
+
 def two_requests(factory, tekken, drafts: int, host_node: str = "native"):
     """The first two guided cases, their token sequences, an eager decoder and a capturable
     one (``host_node``) of two slots with ``drafts`` drafts, and the cases' context requests
@@ -551,11 +560,7 @@ def test_rollback_after_python_step_is_pythons_then_native_again(factory, tekken
              spec.step([1, 1])]
     runs = []
     for k, reqs in enumerate(steps):
-        if k == 2:
-            native = capt.grammar_matchers[0]
-            capt.grammar_matchers[0] = PythonOnly(native)
-        if k == 3:
-            capt.grammar_matchers[0] = native
+        python_only_in_steps(capt, k, 2, 3)
         speculative_step(eager, capt, graph, static, reqs, k, counts)
         s = capt.host_node_stats
         runs.append((s.python_runs, s.rollback_runs - s.python_rollback_runs,
@@ -671,11 +676,7 @@ def test_native_rollback_knows_what_a_python_step_advanced(factory, tekken, nati
     # request 2 back after sitting out step 2, with one of its step-1 drafts accepted
     steps = [ctx, [gen(0, 0, 0), gen(1, 0, 0)], [gen(0, 3, 2)], [gen(0, 6, 2), gen(1, 2, 1)]]
     for k, reqs in enumerate(steps):
-        if k == 1:
-            native = capt.grammar_matchers[0]
-            capt.grammar_matchers[0] = PythonOnly(native)
-        if k == 2:
-            capt.grammar_matchers[0] = native
+        python_only_in_steps(capt, k, 1, 2)
         failed = speculative_step(eager, capt, graph, static, reqs, k, counts)[0]
         assert failed == [], f"step {k}"
     stats = capt.host_node_stats

@@ -85,13 +85,14 @@ def test_source_defines_exactly_the_entry_points():
     variant macros (4 and 8 columns per thread)."""
     text = SOURCE.read_text()
     plain, variants = set(), set()
-    for entry, bits_ in re.findall(r"^CAPGRAPH_F32_ENTRIES\((\w+), (\d+)\)", text, re.M):
+    # CAPGRAPH_ALL_DTYPES(ENTRY, BITS, SIXTEEN): f32 packs 1, 2, 4; f16 and bf16 the same, and 8
+    # where SIXTEEN is the _WIDE list
+    for entry, bits_, wide in re.findall(
+            r"^CAPGRAPH_ALL_DTYPES\((\w+), (\d+), CAPGRAPH_16BIT_ENTRIES(_WIDE)?\)", text, re.M):
         names = {f"capgraph_logits_bitmask_f32_b{bits_}_p{p}" for p in (1, 2, 4)}
-        (plain if entry == "CAPGRAPH_LOGITS_BITMASK_ENTRY" else variants).update(names)
-    for wide, entry, dtype, bits_ in re.findall(
-            r"^CAPGRAPH_16BIT_ENTRIES(_WIDE)?\((\w+), (\w+), \S+, (\d+)\)", text, re.M):
-        packs = (1, 2, 4, 8) if wide else (1, 2, 4)
-        names = {f"capgraph_logits_bitmask_{dtype}_b{bits_}_p{p}" for p in packs}
+        for dtype in ("f16", "bf16"):
+            names |= {f"capgraph_logits_bitmask_{dtype}_b{bits_}_p{p}"
+                      for p in ((1, 2, 4, 8) if wide else (1, 2, 4))}
         (plain if entry == "CAPGRAPH_LOGITS_BITMASK_ENTRY" else variants).update(names)
     # each ENTRY defines the plain kernel and its _d2t twin, each VARIANTS _ahead and _store
     assert "##_d2t" in text and "##_ahead" in text and "##_store" in text

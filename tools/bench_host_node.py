@@ -51,6 +51,8 @@ def main() -> int:
                     help="also run each kind with up to this many replays queued (0: not)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
+    if args.ahead < 0:
+        ap.error(f"--ahead must be >= 0, got {args.ahead}")
 
     import torch
 
