@@ -13,7 +13,6 @@ import weakref
 from typing import Any, Callable, Iterable, Protocol, Sequence, TypeGuard
 
 import numpy as np
-import torch
 
 from ..bitmask import (allocate_host_bitmask, allocate_host_token_mask, split_last_word,
                        words_per_row)

@@ -7,7 +7,6 @@ wrapper, and :meth:`rollback` counts a stop token llguidance never consumed as o
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
