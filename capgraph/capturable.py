@@ -236,7 +236,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
             new_tokens: optional int tensor ``[1 + max_num_draft_tokens, max_num_sequences]``
                 (a trailing dim of 1 is accepted): per slot, the golden token then the drafts,
                 read by the fetch callback instead of the requests' ``new_token`` /
-                ``draft_tokens`` for requests with a ``prev_seq_slot``. Copied without blocking.
+                ``draft_tokens`` for requests with a ``prev_seq_slot``. Copied without blocking,
+                in the current stream's order: a device tensor read when the stream gets there,
+                a CPU tensor read at the call.
             runtime_draft_len: draft length of this step (default: the maximum).
 
         The step may be scheduled before the previous one has run (its replay still queued on
@@ -308,7 +310,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
     def _write_step(self, epoch: int, new_tokens: torch.Tensor | None) -> bool:
         """Write the step's tokens and ticket (``epoch`` modulo :data:`TICKET_RING`) where the
         stream that runs the step reads them after every step enqueued before: on CUDA as
-        copies on the current stream; on the CPU stand-in as :meth:`_in_stream_order` runs
+        copies on the current stream (a CPU ``new_tokens`` as :meth:`_cuda_copy` lands it);
+        on the CPU stand-in as :meth:`_in_stream_order` runs
         them, reading ``new_tokens`` when the stream gets there (as a CUDA copy does: a
         sampler enqueued before may still write them). While capturing only the tokens are
         copied (as before a capture's shapes-only step) and no ticket is written: False."""
@@ -319,7 +322,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         k = epoch % TICKET_RING
         if self._ticket_ids is not None:
             if new_tokens is not None:
-                self._copy_new_tokens(new_tokens)
+                t = new_tokens.squeeze(-1) if new_tokens.dim() == 3 else new_tokens
+                self._cuda_copy(self.new_tokens[:t.shape[0]], t, "new_tokens")
             self._ticket.copy_(self._ticket_ids[k:k + 1], non_blocking=True)
             return True
         ticket, copy = self._ticket_np, self._copy_new_tokens
@@ -483,25 +487,34 @@ class CapturableGuidedDecoder(GuidedDecoder):
             num_accepted_tokens: int ``[batch]`` (step 0): tokens the last verification
                 accepted per request, bonus included; min-clamped to the matcher's advances.
             draft_step: index of this step in the drafting loop.
+
+        Both tensors are copied in the current stream's order. On CUDA a device tensor is read
+        when the stream gets there (at each replay when captured); a CPU tensor is read at
+        the call and cannot be captured.
+
+        Raises:
+            TensorArgError: a tensor that is not integer or has more entries than slots; a
+                CPU tensor while a CUDA graph is being captured.
         """
         _check_draft_step(draft_step)
         tokens = self._per_request("new_tokens", new_tokens)
         counts = None
         if draft_step == 0 and num_accepted_tokens is not None:
             counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
-        self._copy_in_stream_order(self.draft_new_tokens[:tokens.shape[0]], tokens)
+        self._copy_in_stream_order(self.draft_new_tokens[:tokens.shape[0]], tokens, "new_tokens")
         if counts is not None:
-            self._copy_in_stream_order(self.num_accepted_tokens[:counts.shape[0]], counts)
+            self._copy_in_stream_order(self.num_accepted_tokens[:counts.shape[0]], counts,
+                                       "num_accepted_tokens")
         self._streams.record_tokens()
 
-    def _copy_in_stream_order(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _copy_in_stream_order(self, dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
         """``dst.copy_(src)`` as a CUDA copy on the current stream is: after the work already
-        on the stream, and while capturing, at each replay (reading ``src`` then). On CUDA that
-        copy; on the CPU stand-in at once where the current HostStream is idle, a task on it
-        where it has work queued, and while capturing a copy the HostGraph replays
-        (:meth:`_capture_copy`)."""
+        on the stream, and while capturing, at each replay (reading ``src`` then). On CUDA
+        that copy (:meth:`_cuda_copy` for a CPU ``src``); on the CPU stand-in at once where
+        the current HostStream is idle, a task on it where it has work queued, and while
+        capturing a copy the HostGraph replays (:meth:`_capture_copy`)."""
         if self.device.type == "cuda":
-            dst.copy_(src, non_blocking=True)
+            self._cuda_copy(dst, src, name)
             return
         graph = hostfunc.current_stream().capture_graph
         if graph is not None:
@@ -511,6 +524,31 @@ class CapturableGuidedDecoder(GuidedDecoder):
         def copy() -> None:
             dst.copy_(src)
         self._in_stream_order(copy)
+
+    def _cuda_copy(self, dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+        """Copy ``src`` into the pinned ``dst`` in the current CUDA stream's order.
+
+        A device ``src`` is a copy on the stream (captured: replayed, reading ``src`` then). A
+        CPU ``src`` is host memory, which a CUDA copy into host memory never reads in stream
+        order (torch copies host to host at once) and a capture never records: outside a
+        capture it is copied at once where the stream is idle, else staged on the device so
+        that it lands after the work already queued (read at the call, unless it is pinned);
+        while capturing it is refused, since every replay would see the capture's values.
+
+        Raises:
+            TensorArgError: ``src`` is a CPU tensor and a CUDA graph is being captured.
+        """
+        if src.device.type != "cpu":
+            dst.copy_(src, non_blocking=True)
+        elif self._streams.is_capturing():
+            raise TensorArgError(
+                f"{name} is a CPU tensor while a CUDA graph is being captured: a copy from host "
+                f"memory is not part of a graph, so every replay would use the values it had at "
+                f"capture; pass a tensor on {self.device} that the graph's kernels write")
+        elif torch.cuda.current_stream(self.device).query():
+            dst.copy_(src)  # nothing queued: now is the stream's order
+        else:
+            dst.copy_(src.to(self.device, non_blocking=True), non_blocking=True)
 
     @staticmethod
     def _capture_copy(graph: hostfunc.HostGraph, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -594,6 +632,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 Whether it is given is fixed in a captured graph; its values are read at
                 each replay.
 
+        Both tensors are copied in the current stream's order. On CUDA a device tensor is read
+        when the stream gets there (at each replay when captured); a CPU tensor is read at
+        the call, and inside a CUDA graph capture it is refused (``TensorArgError``: every
+        replay would roll back by the capture's counts).
+
         With the native host node (once a step has been captured with it) and without
         ``accepted_draft_nodes``, the rollback is the node's C function, which takes no GIL
         where the last step was native; otherwise a Python callback, which needs the GIL:
@@ -603,9 +646,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
         with_nodes = accepted_draft_nodes is not None
         nodes = None if accepted_draft_nodes is None else \
             self._per_request("accepted_draft_nodes", accepted_draft_nodes)
-        self._copy_in_stream_order(self.num_accepted_tokens[:counts.shape[0]], counts)
+        self._copy_in_stream_order(self.num_accepted_tokens[:counts.shape[0]], counts,
+                                   "num_accepted_tokens")
         if nodes is not None:
-            self._copy_in_stream_order(self.accepted_draft_nodes[:nodes.shape[0]], nodes)
+            self._copy_in_stream_order(self.accepted_draft_nodes[:nodes.shape[0]], nodes,
+                                       "accepted_draft_nodes")
         self._streams.record_tokens()
         node = self._node
         if self._streams.is_capturing():

@@ -345,7 +345,8 @@ def test_an_extra_add_batch_while_steps_are_queued_is_named(factory, tekken, nat
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="no CUDA device: torch.cuda.is_available() is False")
-@pytest.mark.parametrize("buffered", [True, False], ids=["token-buffer", "request-tokens"])
+@pytest.mark.parametrize("buffered", ["device", "host", None],
+                         ids=["token-buffer", "cpu-token-buffer", "request-tokens"])
 @pytest.mark.parametrize("host_node", ["native", "python"])
 def test_steps_scheduled_ahead_of_cuda_graph_replays_equal_the_eager_decoder(
         factory, tekken, native_ok, host_node, buffered):
@@ -353,7 +354,8 @@ def test_steps_scheduled_ahead_of_cuda_graph_replays_equal_the_eager_decoder(
     replayed once per step with the host loop running ahead (no sync until the end; the
     logits, the token tensor copies and the outputs' clones are stream-ordered), so each
     add_batch comes while earlier replays still sleep on the GPU; every step's masked logits
-    equal GuidedDecoder's, slot 0's reuse included."""
+    equal GuidedDecoder's, slot 0's reuse included. The tokens come in the requests, in a
+    device tensor, or in a CPU tensor (read at add_batch, landing after the queued steps)."""
     from test_host_node_gpu import _cycles_for_ms
     V = factory.config.vocab_size_padded
     cases = GUIDED[:3]
@@ -380,13 +382,13 @@ def test_steps_scheduled_ahead_of_cuda_graph_replays_equal_the_eager_decoder(
     with torch.cuda.graph(graph):
         torch.cuda._sleep(cycles)
         dec.execute(static)
-    steps = [requests_of(s, cases, texts, buffered) for s in plan]
+    steps = [requests_of(s, cases, texts, buffered is not None) for s in plan]
     logits_dev = [t.cuda() for t in logits]
-    tokens_dev = [tokens.cuda() for _, tokens in steps]
+    tokens_in = [tokens.cuda() if buffered == "device" else tokens for _, tokens in steps]
     torch.cuda.synchronize()
     outs, depth = [], []
     for step, (reqs, _) in enumerate(steps):
-        dec.add_batch(reqs, tokens_dev[step] if buffered else None)
+        dec.add_batch(reqs, tokens_in[step] if buffered else None)
         depth.append(dec.queued_batches)
         static.copy_(logits_dev[step])
         graph.replay()
@@ -400,6 +402,32 @@ def test_steps_scheduled_ahead_of_cuda_graph_replays_equal_the_eager_decoder(
     if host_node == "native":
         stats = dec.host_node_stats
         assert stats.runs == len(plan) and stats.python_runs == 0, stats
+    graph.reset()
+    dec.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device: torch.cuda.is_available() is False")
+def test_a_cpu_count_tensor_is_refused_inside_a_cuda_capture(factory, tekken):
+    """rollback_rejected_batch with CPU counts inside a CUDA graph capture: a named error
+    before anything is queued (a replay would roll back by the capture's counts); with a
+    device tensor the same capture succeeds."""
+    from capgraph import TensorArgError
+    case = GUIDED[0]
+    dec = CapturableGuidedDecoder(factory.config, 1, 2, device="cuda", factory=factory,
+                                  host_node="python")
+    dec.add_batch([GuidedRequest.context(1, 0, case.params)])
+    torch.cuda.synchronize()
+    with pytest.raises(TensorArgError, match=r"CPU tensor while a CUDA graph is being captured"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            dec.rollback_rejected_batch(torch.ones(1, dtype=torch.int32))
+    counts = torch.ones(1, dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dec.rollback_rejected_batch(counts)
+    torch.cuda.synchronize()
+    hostfunc.drain()
     graph.reset()
     dec.close()
 
@@ -560,3 +588,39 @@ def test_draft_inputs_are_written_in_stream_order(factory):
     assert capt.draft_new_tokens[:2].tolist() == [7, 8]
     assert capt.num_accepted_tokens[:2].tolist() == [3, 1]
     capt.close()
+
+
+@pytest.mark.parametrize("state", ["idle", "busy", "capturing"])
+def test_a_cpu_tensor_on_cuda_lands_in_stream_order_or_is_refused_in_a_capture(monkeypatch,
+                                                                              state):
+    """How a CUDA decoder copies a CPU tensor into its pinned buffers (torch copies host to
+    host at once, never in stream order, and a capture does not record it), with the stream
+    faked (no device here): at once when the current stream is idle; staged on the device
+    (read now, landing after the queued work) when it is busy; refused with a named error
+    while capturing, before anything is copied. A device tensor is one stream copy."""
+    from types import SimpleNamespace
+
+    from capgraph import TensorArgError
+    copies: list = []
+    dst = SimpleNamespace(copy_=lambda src, non_blocking=False: copies.append((src,
+                                                                               non_blocking)))
+    staged = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    src = SimpleNamespace(device=SimpleNamespace(type="cpu"),
+                          to=lambda device, non_blocking=False: (device, non_blocking, staged))
+    fake = SimpleNamespace(device=torch.device("cuda"),
+                           _streams=SimpleNamespace(is_capturing=lambda: state == "capturing"))
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: SimpleNamespace(query=lambda: state == "idle"))
+    copy = CapturableGuidedDecoder._cuda_copy
+    if state == "capturing":
+        with pytest.raises(TensorArgError, match=r"num_accepted_tokens is a CPU tensor while a "
+                                                 r"CUDA graph is being captured"):
+            copy(fake, dst, src, "num_accepted_tokens")
+        assert copies == []
+    else:
+        copy(fake, dst, src, "num_accepted_tokens")
+        want = (src, False) if state == "idle" else ((torch.device("cuda"), True, staged), True)
+        assert copies == [want]
+    copies.clear()
+    copy(fake, dst, staged, "num_accepted_tokens")  # a device tensor: one copy on the stream
+    assert copies == [(staged, True)]
