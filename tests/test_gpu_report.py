@@ -245,6 +245,23 @@ def test_cpu_replay_run_gives_no_verdict(gpu_report, tmp_path):
     assert _verdict(text, "python", "tiny", 64) == ["not measured", "-"]
 
 
+def test_both_test_steps_are_counted_and_a_missing_one_is_named(gpu_report, tmp_path):
+    """gpu_check.sh runs the GPU tests in two steps, each with its junit XML: the report sums
+    both and lists the failures of either; where the second step left no file it says which."""
+    _write(tmp_path, [], [], failing=True)
+    text = gpu_report.report(tmp_path)
+    assert "GPU tests: 1 passed, 1 failed, 0 errors, 1 skipped (no junit XML from " \
+        "gpu_tests_rest.xml: that step did not finish)" in text
+    (tmp_path / "gpu_tests_rest.xml").write_text(
+        '<testsuites><testsuite tests="4" failures="0" errors="1" skipped="0">'
+        '<testcase classname="tests.test_ops_gpu" name="test_y"><error message="gone"/>'
+        '</testcase></testsuite></testsuites>')
+    text = gpu_report.report(tmp_path)
+    assert "GPU tests: 4 passed, 1 failed, 1 errors, 1 skipped\n" in text
+    assert "- tests.test_ops_gpu::test_x (failure: boom)" in text
+    assert "- tests.test_ops_gpu::test_y (error: gone)" in text
+
+
 def test_missing_and_truncated_files_are_said(gpu_report, tmp_path):
     """No files, or a JSON file cut mid-write: each section says so, every target is "not
     measured" (3 kernel + 5 points x 2 host-node kinds + the profile), and a missing folder

@@ -442,15 +442,17 @@ def test_generate_host_node_option(monkeypatch):
 
 
 def test_gpu_check_time_boxes():
-    """tools/gpu_check.sh: the steps' boxes add up to 360 s (the device call's timeout is
-    420 s), the GPU tests keep at least 140 s, the header lists every box with its seconds,
-    and the fill-threads step runs only where its tool exists."""
+    """tools/gpu_check.sh: the steps' boxes add up to 415 s (the device call's timeout is
+    480 s), the open issues' GPU tests keep 120 s and the other GPU tests 60 s of their own,
+    the header lists every box with its seconds, and the fill-threads step runs only where
+    its tool exists."""
     import re
     text = (ROOT / "tools" / "gpu_check.sh").read_text()
     boxes = dict(re.findall(r"\brun ([a-z-]+) (\d+) ", text))
     header = dict(re.findall(r"^#   ([a-z-]+) +(\d+)  ", text, flags=re.M))
     assert boxes == header
-    assert sum(map(int, boxes.values())) == 360
-    assert int(boxes["gpu-tests"]) >= 140 and boxes["fill-threads"] == "25"
+    assert sum(map(int, boxes.values())) == 415
+    assert int(boxes["gpu-tests"]) >= 120 and int(boxes["gpu-tests-rest"]) >= 60
+    assert boxes["fill-threads"] == "25"
     assert "[ -f tools/bench_fill_threads.py ] && run fill-threads" in text
-    assert "timeout_s=420" in text
+    assert "timeout_s=480" in text

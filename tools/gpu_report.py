@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Turn what tools/gpu_check.sh brought back into Markdown for docs/BENCHMARKS.md.
 
-Reads the output folder of one GPU run (``summary.txt``, ``gpu_tests.xml``,
+Reads the output folder of one GPU run (``summary.txt``, ``gpu_tests.xml``, ``gpu_tests_rest.xml``,
 ``bench_kernel.json``, ``bench_kernel_xgr_cuda.json``, ``bench_apply.json``,
 ``bench_replay.json``, ``profile_cupti.json``; any of them may be missing) and prints, in
 Markdown: the step summary, the test counts with every failing test, one table per benchmark,
@@ -37,6 +37,8 @@ REPLAY_TARGET = 1.05  # guided / unguided replayed step, at each of REPLAY_POINT
 REPLAY_POINTS = (("tiny", 64), ("tiny", 256), ("small", 8), ("small", 64), ("small", 256))
 HOST_NODES = ("python", "native")
 PROFILE_SUMMARY_ROWS = 15
+#: The junit XML of gpu_check.sh's two test steps (the open issues' files, then the others).
+TEST_XML = ("gpu_tests.xml", "gpu_tests_rest.xml")
 #: the mask kernel's mixed-group variants that tools/bench_kernel.py times (rmw: the default)
 KERNEL_VARIANTS = ("rmw", "ahead", "store")
 
@@ -73,29 +75,36 @@ def _ms(row: dict, method: str) -> str | None:
     return _fmt(row[method]["median_ms"] if method in row else None, ".4f")
 
 
-def tests_section(xml_path: Path) -> tuple[str, dict]:
-    """Counts from pytest's junit XML and the names of failing tests."""
-    if not xml_path.is_file():
+def tests_section(xml_paths: Sequence[Path]) -> tuple[str, dict]:
+    """Counts from pytest's junit XML files (one per test step) and the failing tests' names;
+    a step whose file is missing did not finish and is named."""
+    found = [p for p in xml_paths if p.is_file()]
+    if not found:
         return "GPU tests: no junit XML (the step did not finish)", {"ran": False}
-    root = ET.parse(xml_path).getroot()
-    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    counts: dict[str, Any] = {k: sum(int(s.get(k, 0)) for s in suites)
-                              for k in ("tests", "failures", "errors", "skipped")}
+    counts: dict[str, Any] = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
     failing = []
-    for case in root.iter("testcase"):
-        for kind in ("failure", "error"):
-            node = case.find(kind)
-            if node is not None:
-                message = (node.get("message") or "").splitlines()[0][:160] if \
-                    node.get("message") else ""
-                failing.append(f"{case.get('classname')}::{case.get('name')} ({kind}: "
-                               f"{message})")
+    for xml_path in found:
+        root = ET.parse(xml_path).getroot()
+        suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+        for k in counts:
+            counts[k] += sum(int(s.get(k, 0)) for s in suites)
+        for case in root.iter("testcase"):
+            for kind in ("failure", "error"):
+                node = case.find(kind)
+                if node is not None:
+                    message = (node.get("message") or "").splitlines()[0][:160] if \
+                        node.get("message") else ""
+                    failing.append(f"{case.get('classname')}::{case.get('name')} ({kind}: "
+                                   f"{message})")
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     text = (f"GPU tests: {passed} passed, {counts['failures']} failed, {counts['errors']} "
             f"errors, {counts['skipped']} skipped")
+    missing = [p.name for p in xml_paths if not p.is_file()]
+    if missing:
+        text += f" (no junit XML from {', '.join(missing)}: that step did not finish)"
     if failing:
         text += "\n\n" + "\n".join(f"- {f}" for f in failing)
-    counts.update(passed=passed, failing=failing, ran=True)
+    counts.update(passed=passed, failing=failing, ran=True, missing=missing)
     return text, counts
 
 
@@ -312,7 +321,7 @@ def report(out: Path) -> str:
     if summary.is_file():
         parts.append("Steps (name, exit code, seconds):\n\n```\n" + summary.read_text().strip()
                      + "\n```")
-    parts.append(tests_section(out / "gpu_tests.xml")[0])
+    parts.append(tests_section([out / name for name in TEST_XML])[0])
     kernel_text, kernel = kernel_section(_load(out / "bench_kernel.json"), "bench_kernel")
     parts.append(kernel_text)
     xgr_text, xgr = kernel_section(_load(out / "bench_kernel_xgr_cuda.json"),
