@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``capgraph`` command: parse ``argv`` (default: ``sys.argv[1:]``), run the subcommand,
+    return its exit code."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)

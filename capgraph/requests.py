@@ -389,6 +389,7 @@ class GuidedRequests:
 
     @property
     def is_draft_step(self) -> bool:
+        """True when the batch is a draft model's step (its requests are drafts)."""
         return bool(self.requests) and self.requests[0].is_draft
 
     def valid_requests(self) -> Iterator[GuidedRequest]:

@@ -23,6 +23,7 @@ class StepStreams:
     """Interface: fork to the side stream, the two events, the join and the drain."""
 
     def side(self) -> ContextManager[object]:  # pragma: no cover - interface
+        """A context in which work goes on the side stream (the step's host work)."""
         raise NotImplementedError
 
     def wait_tokens(self) -> None:
@@ -38,6 +39,7 @@ class StepStreams:
         """(On the main stream) wait for the side stream's work: the join."""
 
     def is_capturing(self) -> bool:
+        """True while hostfunc records into a graph on the calling thread's stream."""
         return hostfunc.is_capturing()
 
     def drain(self) -> None:
@@ -53,6 +55,7 @@ class CudaStepStreams(StepStreams):
         self.bitmask_event = torch.cuda.Event()
 
     def side(self) -> ContextManager[object]:
+        """The side CUDA stream as torch's current stream."""
         return torch.cuda.stream(self.stream)
 
     def wait_tokens(self) -> None:
@@ -68,6 +71,7 @@ class CudaStepStreams(StepStreams):
         torch.cuda.current_stream().wait_event(self.bitmask_event)
 
     def is_capturing(self) -> bool:
+        """True while torch captures a CUDA graph on the current stream."""
         return torch.cuda.is_current_stream_capturing()
 
     def drain(self) -> None:
@@ -90,6 +94,8 @@ class HostStepStreams(StepStreams):
         self.bitmask_event = hostfunc.HostEvent("capgraph-bitmask")
 
     def side(self) -> ContextManager[object]:
+        """The side HostStream as hostfunc's current stream; while capturing, nothing (the
+        HostGraph records in order)."""
         return nullcontext() if self.is_capturing() else hostfunc.use_stream(self.stream)
 
     def is_capturing(self) -> bool:
@@ -114,4 +120,5 @@ class HostStepStreams(StepStreams):
             hostfunc.current_stream().wait_event(self.bitmask_event)
 
     def close(self) -> None:
+        """Close the side HostStream: its queued work runs, then its thread ends (waited for)."""
         self.stream.close()

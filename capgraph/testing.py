@@ -42,11 +42,14 @@ class StepHarness(Protocol):
     counters), so that the captured instance starts where the eager one does.
     """
 
-    def prepare(self, step: int) -> None: ...
+    def prepare(self, step: int) -> None:
+        """The host-side work before step ``step`` (``add_batch``, inputs into static buffers)."""
 
-    def step(self) -> None: ...
+    def step(self) -> None:
+        """The step itself: what is run eagerly, and captured and replayed."""
 
-    def outputs(self) -> Sequence[torch.Tensor]: ...
+    def outputs(self) -> Sequence[torch.Tensor]:
+        """The tensors to compare after a step (the harness clones them)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class ReplayReport:
 
     @property
     def equal(self) -> bool:
+        """True when no step's output differed."""
         return not self.diffs
 
     def assert_equal(self) -> None:

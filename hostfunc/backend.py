@@ -21,11 +21,16 @@ class Backend(Protocol):
     name: str
 
     def launch(self, fn: Callable[..., Any], args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> None: ...
+               kwargs: dict[str, Any]) -> None:
+        """Enqueue ``fn(*args, **kwargs)`` on the current stream (recorded into the graph while
+        capturing)."""
 
-    def is_capturing(self) -> bool: ...
+    def is_capturing(self) -> bool:
+        """True while the current stream records into a graph."""
 
-    def wait_all(self, timeout: float | None) -> None: ...
+    def wait_all(self, timeout: float | None) -> None:
+        """Wait until every call launched so far has run (``timeout`` seconds at most; None: no
+        limit)."""
 
 
 _lock = threading.Lock()

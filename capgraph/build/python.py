@@ -60,6 +60,7 @@ class Active:
 
     @property
     def columns(self) -> tuple[list, list, list, list, list, list]:
+        """The six columns (index, slots, matchers, offsets, drafts, tokens), in that order."""
         return self.index, self.slots, self.matchers, self.offsets, self.drafts, self.tokens
 
     def select(self, idx: Sequence[int]) -> "Active":

@@ -114,6 +114,7 @@ class CompileStats:
     compile_s: list[float] = field(default_factory=list)  #: per compile, bounded list
 
     def record(self, seconds: float) -> None:
+        """Count one finished compile of ``seconds``."""
         self.compiled += 1
         self.compile_s_total += seconds
         if len(self.compile_s) < 100_000:
@@ -134,6 +135,7 @@ class CompileHandle:
         self._gave_up = False
 
     def done(self) -> bool:
+        """True once the compile has finished (with a result or an error)."""
         return self.future.done()
 
     def give_up(self) -> None:

@@ -31,6 +31,7 @@ class ByteLRUCache(Generic[K, V]):
         return key in self._items
 
     def get(self, key: K) -> V | None:
+        """The value of ``key`` (now the most recently used), or None."""
         item = self._items.get(key)
         if item is None:
             return None
@@ -53,5 +54,6 @@ class ByteLRUCache(Generic[K, V]):
         return True
 
     def clear(self) -> None:
+        """Drop every entry."""
         self._items.clear()
         self.nbytes = 0

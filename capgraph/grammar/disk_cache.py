@@ -171,6 +171,7 @@ class DiskCompileCache:
         _OPEN_CACHES.add(self)
 
     def path_of(self, key: str) -> Path:
+        """The file that holds (or would hold) the entry of ``key``."""
         return self.directory / f"{key}{_SUFFIX}"
 
     # -- reading -----------------------------------------------------------------------------

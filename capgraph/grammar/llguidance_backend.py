@@ -97,6 +97,7 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     @property
     def native(self) -> "llguidance.LLMatcher":
+        """The wrapped ``llguidance.LLMatcher``."""
         return self._matcher
 
     def _check(self) -> None:

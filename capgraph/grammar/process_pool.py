@@ -312,6 +312,7 @@ class ProcessCompilePool:
         return found
 
     def record_deserialize(self, seconds: float) -> None:
+        """Add the time spent turning a worker's compiled grammar back into an object here."""
         with self._cv:
             self.stats._add("deserialize_s", seconds)
 

@@ -247,6 +247,7 @@ class XGrammarMatcher(GrammarMatcher):
 
     @property
     def native(self) -> xgr.GrammarMatcher:
+        """The wrapped ``xgrammar.GrammarMatcher`` (the native build calls it directly)."""
         return self._matcher
 
     def accept_token(self, token_id: int) -> bool:

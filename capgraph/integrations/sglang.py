@@ -102,6 +102,7 @@ class CapgraphGrammar(BaseGrammarObject):
         self.num_accepted = max(0, self.num_accepted - k)
 
     def is_terminated(self) -> bool:
+        """True once the matcher has reached a stop (SGLang's question)."""
         return self.matcher.is_terminated()
 
     def copy(self) -> "CapgraphGrammar":

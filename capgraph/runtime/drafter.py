@@ -114,6 +114,7 @@ class ModelDrafter(Drafter):
 
     @property
     def vocab_size(self) -> int:
+        """The draft model's vocabulary size."""
         return self.pair_runner.vocab_size
 
     @torch.no_grad()

@@ -52,10 +52,12 @@ class StageClock:
         self._device = device
 
     def add(self, stage: str, seconds: float) -> None:
+        """Charge ``seconds`` to ``stage``."""
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
     @contextmanager
     def time(self, stage: str, sync: bool = True) -> Iterator[None]:
+        """Charge the block's wall time to ``stage`` (see the class for ``sync``)."""
         t0 = time.perf_counter()
         try:
             yield

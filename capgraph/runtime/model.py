@@ -151,5 +151,6 @@ class SlotKVCache(Cache):
 
     @property
     def nbytes(self) -> int:
+        """Bytes held by the per-slot key and value caches of every layer."""
         return sum(layer.slot_keys.nbytes + layer.slot_values.nbytes
                    for layer in self.slot_layers)

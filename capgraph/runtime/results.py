@@ -55,6 +55,7 @@ class Timings:
     tokens: int
 
     def summary(self) -> str:
+        """One line: total time, decode steps, tokens and tokens/s, then milliseconds per stage."""
         parts = [f"{k} {self.stages.get(k, 0.0) * 1e3:.0f} ms" for k in STAGES
                  if k in self.stages]
         rate = self.tokens / self.total_s if self.total_s > 0 else 0.0

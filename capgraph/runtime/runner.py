@@ -30,6 +30,7 @@ class EagerGraph:
         self.step, self.batch_size = step, batch_size
 
     def replay(self) -> Any:
+        """Run the step again at the captured batch size (eagerly: nothing was captured)."""
         return self.step(self.batch_size)
 
 

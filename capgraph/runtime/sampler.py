@@ -43,6 +43,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """True at temperature 0 (argmax sampling)."""
         return self.temperature == 0
 
 

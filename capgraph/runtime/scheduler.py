@@ -40,6 +40,7 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
+        """True once the sequence has a finish reason."""
         return self.finish_reason is not None
 
     @property
@@ -76,6 +77,8 @@ class Sequence:
         return n
 
     def finish(self, reason: str, error: str | None = None) -> None:
+        """End the sequence with ``reason`` (``stop``, ``length``, ``error``) and ``error``'s
+        message; a finished sequence keeps its first reason."""
         if not self.finished:
             self.finish_reason, self.error = reason, error
             self.t_finished = time.perf_counter()
@@ -91,6 +94,7 @@ class SlotScheduler:
 
     @property
     def done(self) -> bool:
+        """True when no sequence waits or runs."""
         return not self.waiting and not self.running
 
     def admit(self) -> list[Sequence]:
