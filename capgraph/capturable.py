@@ -90,7 +90,9 @@ def _callback(name: str) -> Callable:
                 raise
             except Exception as e:
                 # every guided request of the batch fails as any failed request does: its
-                # matcher dropped (the fault may have left it half advanced), reported once
+                # matcher dropped (the fault may have left it half advanced), reported once;
+                # the native node's steps up to this one are read first (they name the batch)
+                self._node_collect()
                 batch = self.requests_hostfunc
                 ids = self._fail_batch(batch, f"{name}: {type(e).__name__}: {e}") \
                     if batch else []
@@ -446,9 +448,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if capturing:
             # the batch queued before capture only gave the shapes: no replay will fetch it
             self._consume_put()
-        elif not self.active and not self._prepared:
-            self._consume_put()  # nothing guided: enqueue nothing at all
-            self._clear_token_mask()  # (host view only: nothing reads it this step)
+        elif not self.active and not self._prepared and self._stream_idle():
+            # nothing guided and nothing queued that reads the token mask or the slots (an
+            # earlier step the host ran ahead of): enqueue nothing at all, consume here
+            self._consume_put()
+            self._clear_token_mask()
             return
         if not self._prepared:
             self._enqueue_step(logits.shape[0], capturing)
@@ -525,6 +529,13 @@ class CapturableGuidedDecoder(GuidedDecoder):
             dst.copy_(src)
         self._in_stream_order(copy)
 
+    def _stream_idle(self) -> bool:
+        """Whether the current stream (torch's on CUDA, hostfunc's on the CPU stand-in) has
+        finished all the work queued on it: host-side changes are then in its order."""
+        if self.device.type == "cuda":
+            return bool(torch.cuda.current_stream(self.device).query())
+        return hostfunc.current_stream().query()
+
     def _cuda_copy(self, dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
         """Copy ``src`` into the pinned ``dst`` in the current CUDA stream's order.
 
@@ -545,7 +556,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 f"{name} is a CPU tensor while a CUDA graph is being captured: a copy from host "
                 f"memory is not part of a graph, so every replay would use the values it had at "
                 f"capture; pass a tensor on {self.device} that the graph's kernels write")
-        elif torch.cuda.current_stream(self.device).query():
+        elif self._stream_idle():
             dst.copy_(src)  # nothing queued: now is the stream's order
         else:
             dst.copy_(src.to(self.device, non_blocking=True), non_blocking=True)
@@ -988,7 +999,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             requests, batch.offsets, batch.max_num_draft_tokens, self.token_mask_host.shape[0],
             put.epoch, put.has_new_tokens, put.ticketed)
         if inits is None:
-            node.push_python(put.epoch, put.ticketed)
+            node.push_python(put.epoch, put.ticketed, batch.dropped_slots)
             return
         # (the node checked every slot: an int in range, once in the batch)
         context, disaggregated = inits
@@ -1054,7 +1065,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         queue = self._queue
         if error is not None:  # the node took the puts through `epoch` (none where it was not)
             while queue and queue[0].epoch <= epoch:
-                queue.popleft()
+                put = queue.popleft()
+                if put.batch.dropped_slots:  # (the node cleared them itself, as a fetch does)
+                    self._drop_slots(put.batch)
             self.requests_hostfunc = None
             self._fetched_epoch = max(self._fetched_epoch, epoch)
             hostfunc.record_error("CapturableGuidedDecoder.host_node", QueueEpochError(error))

@@ -846,7 +846,7 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //   the epoch to the ticket (not while capturing).
 // node_commit(node, handles): queue the waiting job with its inits' matchers (or, handles
 //   None, as a Python step).
-// node_push_python(node, epoch, ticketed); node_drop(node, newest) -> bool: forget the oldest
+// node_push_python(node, epoch, ticketed, drops); node_drop(node, newest) -> bool: forget the oldest
 //   job, or the newest (the host side consumed its batch); node_set_slot(node, slot, handle,
 //   stopped).
 // node_take(node, advanced, guided, drafted)
@@ -891,6 +891,10 @@ struct NodeJob {
   // slots when the job runs natively (in step order: a step still queued before it runs the
   // slot's previous matcher); an undefined one clears the slot (its creation failed)
   std::vector<std::pair<int64_t, ObjectRef>> installs;
+  // a Python job's: the slots its batch drops (failed requests' matchers), cleared by TakeJob
+  // where the job is consumed by a queue error instead of run (as the Python fetch would)
+  std::vector<int64_t> drops;
+  std::vector<ObjectRef> released;  // the matchers those drops cleared (freed after the lock)
 };
 
 // What a NodeDone record reports: a step; a rollback of rejected drafts; the start of a
@@ -1252,13 +1256,27 @@ std::string EpochList(const std::deque<NodeJob>& jobs) {
   return "[" + out + "]";
 }
 
+// Clear the slots that `jobs`' batches drop (under n->mu): jobs consumed by a queue error
+// never run, and the Python fetch that would have dropped them drops them as it consumes
+// them; the old matchers go to out->released.
+void DropConsumed(HostNode* n, const std::vector<int64_t>& slots, NodeJob* out) {
+  for (const int64_t slot : slots) {
+    if (n->slot_kind[slot] != 0) ++n->slot_gen[slot];
+    n->slot_advanced[slot] = 0;
+    out->released.push_back(std::move(n->slot_matcher[slot]));
+    n->slot_matcher[slot] = ObjectRef();
+    n->slot_kind[slot] = 0;
+  }
+}
+
 // Take this step's job off the queue into *job, as CapturableGuidedDecoder._take_put does
 // (d->epoch: the latest epoch consumed; d->error: a queue error). A ticketed front job: the
 // step's own job is the one whose epoch the ticket holds; jobs put before it had no step of
 // their own (consumed with it, an error: the step masks nothing); a ticket older than every
 // queued job is a step without its add_batch (nothing consumed, an error). Jobs put after
 // the step's own stay queued for their steps. An unticketed job (put while capturing) must be
-// the only one queued, the epoch after the last consumed. False: no job was taken.
+// the only one queued, the epoch after the last consumed. Where a queue error consumes jobs,
+// the slots their batches drop are cleared here (DropConsumed). False: no job was taken.
 bool TakeJob(HostNode* n, NodeJob* job, NodeDone* d) {
   std::lock_guard<std::mutex> lock(n->mu);
   const int64_t expected = n->last_epoch + 1;
@@ -1280,9 +1298,11 @@ bool TakeJob(HostNode* n, NodeJob* job, NodeDone* d) {
     }
     const int64_t own = front + dist;
     std::string skipped;
+    std::vector<int64_t> drops;  // (of every job consumed: cleared if this is an error)
     while (!n->jobs.empty() && n->jobs.front().epoch <= own) {
       *job = std::move(n->jobs.front());
       n->jobs.pop_front();
+      drops.insert(drops.end(), job->drops.begin(), job->drops.end());
       if (job->epoch < own) skipped += (skipped.empty() ? "" : ", ") + std::to_string(job->epoch);
     }
     n->last_epoch = d->epoch = own;
@@ -1290,6 +1310,7 @@ bool TakeJob(HostNode* n, NodeJob* job, NodeDone* d) {
       d->error = "fetched epoch " + std::to_string(job->epoch) + ", expected " +
                  std::to_string(own) + " (this step's add_batch); the batches of epochs [" +
                  skipped + "] had no step of their own (an add_batch without its execute)";
+      DropConsumed(n, drops, job);
     }
     return true;
   }
@@ -1297,7 +1318,11 @@ bool TakeJob(HostNode* n, NodeJob* job, NodeDone* d) {
   n->jobs.pop_front();
   d->epoch = n->last_epoch = job->epoch;
   if (job->epoch != expected || !n->jobs.empty()) {
-    for (const NodeJob& j : n->jobs) n->last_epoch = d->epoch = j.epoch;
+    DropConsumed(n, job->drops, job);
+    for (const NodeJob& j : n->jobs) {
+      n->last_epoch = d->epoch = j.epoch;
+      DropConsumed(n, j.drops, job);
+    }
     d->error = "fetched epoch " + std::to_string(job->epoch) + ", expected " +
                std::to_string(expected) + "; still queued: " + EpochList(n->jobs) +
                " (an add_batch without its execute)";
@@ -2037,9 +2062,10 @@ PyObject* NodeCommit(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
-// node_push_python(node, epoch, ticketed): queue a Python step.
+// node_push_python(node, epoch, ticketed, drops): queue a Python step; drops: the slots its
+// batch drops (list of ints), cleared by the node where a queue error consumes the step.
 PyObject* NodePushPython(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HostNode* n = NodeCall(args, nargs, 3, "node_push_python(node, epoch, ticketed)");
+  HostNode* n = NodeCall(args, nargs, 4, "node_push_python(node, epoch, ticketed, drops)");
   if (n == nullptr) return nullptr;
   const long long epoch = PyLong_AsLongLong(args[1]);
   if (epoch == -1 && PyErr_Occurred()) return nullptr;
@@ -2047,6 +2073,19 @@ PyObject* NodePushPython(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   job.epoch = epoch;
   job.python = true;
   job.ticketed = PyObject_IsTrue(args[2]) == 1;
+  if (!PyList_Check(args[3])) {
+    PyErr_SetString(PyExc_TypeError, "node_push_python: drops must be a list of slots");
+    return nullptr;
+  }
+  for (Py_ssize_t k = 0; k < PyList_GET_SIZE(args[3]); ++k) {
+    const int64_t slot = IndexValue(PyList_GET_ITEM(args[3], k), n->num_slots);
+    if (slot < 0) {
+      PyErr_Format(PyExc_IndexError, "node_push_python: drop %R is not a slot in [0, %lld)",
+                   PyList_GET_ITEM(args[3], k), static_cast<long long>(n->num_slots));
+      return nullptr;
+    }
+    job.drops.push_back(slot);
+  }
   std::lock_guard<std::mutex> lock(n->mu);
   n->jobs.push_back(std::move(job));
   Py_RETURN_NONE;

@@ -591,8 +591,7 @@ def test_draft_inputs_are_written_in_stream_order(factory):
 
 
 @pytest.mark.parametrize("state", ["idle", "busy", "capturing"])
-def test_a_cpu_tensor_on_cuda_lands_in_stream_order_or_is_refused_in_a_capture(monkeypatch,
-                                                                              state):
+def test_a_cpu_tensor_on_cuda_lands_in_stream_order_or_is_refused_in_a_capture(state):
     """How a CUDA decoder copies a CPU tensor into its pinned buffers (torch copies host to
     host at once, never in stream order, and a capture does not record it), with the stream
     faked (no device here): at once when the current stream is idle; staged on the device
@@ -608,9 +607,8 @@ def test_a_cpu_tensor_on_cuda_lands_in_stream_order_or_is_refused_in_a_capture(m
     src = SimpleNamespace(device=SimpleNamespace(type="cpu"),
                           to=lambda device, non_blocking=False: (device, non_blocking, staged))
     fake = SimpleNamespace(device=torch.device("cuda"),
-                           _streams=SimpleNamespace(is_capturing=lambda: state == "capturing"))
-    monkeypatch.setattr(torch.cuda, "current_stream",
-                        lambda device=None: SimpleNamespace(query=lambda: state == "idle"))
+                           _streams=SimpleNamespace(is_capturing=lambda: state == "capturing"),
+                           _stream_idle=lambda: state == "idle")
     copy = CapturableGuidedDecoder._cuda_copy
     if state == "capturing":
         with pytest.raises(TensorArgError, match=r"num_accepted_tokens is a CPU tensor while a "
@@ -624,3 +622,193 @@ def test_a_cpu_tensor_on_cuda_lands_in_stream_order_or_is_refused_in_a_capture(m
     copies.clear()
     copy(fake, dst, staged, "num_accepted_tokens")  # a device tensor: one copy on the stream
     assert copies == [(staged, True)]
+
+
+def _drain_error() -> BaseException | None:
+    """The cause of the error the next drain raises (None: it raised none)."""
+    try:
+        hostfunc.drain()
+    except hostfunc.HostFuncError as e:
+        return e.__cause__
+    return None
+
+
+def _eager_first_step_mask(factory, case, token) -> torch.Tensor:
+    """GuidedDecoder's mask of ``case``'s first generation step (``token`` fed)."""
+    V = factory.config.vocab_size_padded
+    eager = GuidedDecoder(factory.config, 2, 0, factory=factory)
+    eager.add_batch([GuidedRequest.context(1, 0, case.params)])
+    assert eager.execute(torch.zeros(1, V)) == []
+    want = torch.zeros(1, V)
+    eager.add_batch([GuidedRequest.generation(1, 0, case.params, token)])
+    assert eager.execute(want) == []
+    return want
+
+
+@pytest.mark.parametrize("host_node", ["native", "python"])
+def test_a_failed_step_run_ahead_leaves_the_queued_step_its_matcher(factory, tekken, native_ok,
+                                                                   host_node):
+    """Step N (request 1) is replayed and still queued when the host runs ahead to step N+1,
+    where request 1 fails admission (nothing guided is left) and which it executes eagerly
+    while step N waits. Step N still masks as GuidedDecoder's does: the failed request's
+    matcher is dropped in the stream's order, after step N, not at once (which unguided it)."""
+    case = GUIDED[0]
+    V = factory.config.vocab_size_padded
+    text = texts_of(tekken, [case])[0]
+    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node=host_node)
+    static = torch.zeros(1, V)
+    graph = capture(capt, [GuidedRequest.context(1, 0, case.params)], static)
+    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
+    graph.replay()
+    hostfunc.drain()
+    gate = Gate()
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[0])])
+    enqueue(static.zero_)
+    graph.replay()  # step N: queued behind the gate
+    nxt = GuidedRequest.generation(1, 0, case.params, text[1])
+    nxt.draft_tokens = "12"  # (not a list of ints: request 1 fails admission)
+    capt.add_batch([nxt])
+    seen: list = []
+    enqueue(lambda: seen.append(static.clone()))  # (step N's output)
+    opener = threading.Timer(0.3, gate.open)  # (execute waits for its own step, behind N)
+    opener.start()
+    capt.execute(torch.zeros(1, V))  # step N+1, eager, called while step N is queued
+    opener.join()
+    assert _drain_error() is None
+    assert [rid for rid, _ in capt.take_failed_requests()] == [1]
+    assert torch.isneginf(seen[0]).any()
+    assert same(seen[0], _eager_first_step_mask(factory, case, text[0]))
+    assert capt.grammar_matchers[0] is None and capt.queued_batches == 0
+    graph.reset()
+    capt.close()
+
+
+@pytest.mark.parametrize("host_node", ["native", "python"])
+def test_an_unguided_step_run_ahead_leaves_the_queued_step_its_token_mask(
+        factory, tekken, native_ok, host_node):
+    """A graph of [the host step (prepare), the forward, the apply (execute)]: step N's mask
+    is built and its forward runs when the host runs ahead to an unguided step N+1 and
+    executes it eagerly. Step N's apply still masks its row (the unguided step clears the
+    token mask in the stream's order, not under step N's apply)."""
+    case = GUIDED[0]
+    V = factory.config.vocab_size_padded
+    text = texts_of(tekken, [case])[0]
+    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node=host_node)
+    static = torch.zeros(1, V)
+    forward_ran, forward_may_end = threading.Event(), threading.Event()
+    hold = [False]
+
+    def forward() -> None:
+        if hold[0]:
+            forward_ran.set()
+            forward_may_end.wait(30)
+    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
+    graph = hostfunc.HostGraph()
+    with hostfunc.capture(graph):
+        capt.prepare()
+        hostfunc.launch(forward)
+        capt.execute(static)
+    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
+    graph.replay()
+    hostfunc.drain()
+    hold[0] = True
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[0])])
+    static.zero_()
+    graph.replay()  # step N
+    assert forward_ran.wait(30)  # (its mask is built, its forward runs)
+    capt.add_batch([GuidedRequest.generation(2, 1, None, 5)])
+    opener = threading.Timer(0.3, forward_may_end.set)
+    opener.start()
+    capt.execute(torch.zeros(1, V))  # step N+1, eager, nothing guided
+    opener.join()
+    assert _drain_error() is None and capt.take_failed_requests() == []
+    assert torch.isneginf(static).any()
+    assert same(static, _eager_first_step_mask(factory, case, text[0]))
+    graph.reset()
+    capt.close()
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-step", "run-ahead"])
+@pytest.mark.parametrize("host_node", ["native", "python"])
+def test_an_apply_fault_fails_its_own_steps_requests(factory, tekken, native_ok, host_node,
+                                                     ahead, monkeypatch):
+    """The apply of a replayed step that advanced only request 2 raises once: request 2 fails
+    (named in the error, its matcher dropped) and request 1, which the step before advanced,
+    keeps its matcher, with the next step queued behind it or not. On the native node the
+    fault is handled after reading the node's steps up to it (it named the step before's
+    request)."""
+    from capgraph.decoder import GuidedDecoder as Base
+    first, second = GUIDED[0], GUIDED[2]
+    t1, t2 = texts_of(tekken, [first, second])
+    V = factory.config.vocab_size_padded
+    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node=host_node)
+    static = torch.zeros(2, V)
+    ctx = [GuidedRequest.context(1, 0, first.params), GuidedRequest.context(2, 1, second.params)]
+    graph = capture(capt, ctx, static)
+    capt.add_batch(ctx)
+    graph.replay()
+    capt.add_batch([GuidedRequest.generation(1, 0, first.params, t1[0])])
+    graph.replay()
+    hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    apply = Base.apply_bitmask
+    faults: list = []
+
+    def broken(self, *args):
+        if not faults:
+            faults.append(1)
+            raise RuntimeError("injected apply fault")
+        return apply(self, *args)
+    gate = Gate() if ahead else None
+    capt.add_batch([GuidedRequest.generation(2, 1, second.params, t2[0])])  # only request 2
+    enqueue(lambda: monkeypatch.setattr(Base, "apply_bitmask", broken))
+    graph.replay()
+    enqueue(lambda: monkeypatch.setattr(Base, "apply_bitmask", apply))
+    if ahead:
+        capt.add_batch([GuidedRequest.generation(1, 0, first.params, t1[1])])
+        graph.replay()
+        gate.open()
+    cause = _drain_error()
+    assert faults == [1]
+    assert getattr(cause, "request_ids", None) == [2], cause
+    assert [rid for rid, _ in capt.take_failed_requests()] == [2]
+    assert capt.grammar_matchers[0] is not None and capt.grammar_matchers[1] is None
+    graph.reset()
+    capt.close()
+
+
+@pytest.mark.parametrize("host_node", ["native", "python"])
+def test_a_failed_requests_matcher_goes_when_a_queue_error_consumes_its_batch(
+        factory, tekken, native_ok, host_node):
+    """An extra add_batch (no step of its own) in which request 1 fails admission, then the
+    next step's: that step takes both and raises QueueEpochError (masking nothing). Request 1
+    fails and its matcher is dropped on both host nodes (the native node clears the slot in
+    its own table too), so its next step is unguided and no matcher is left active."""
+    case = GUIDED[0]
+    V = factory.config.vocab_size_padded
+    text = texts_of(tekken, [case])[0]
+    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node=host_node)
+    static = torch.zeros(1, V)
+    graph = capture(capt, [GuidedRequest.context(1, 0, case.params)], static)
+    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
+    graph.replay()
+    hostfunc.drain()
+    gate = Gate()
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[0])])
+    graph.replay()
+    bad = GuidedRequest.generation(1, 0, case.params, text[1])
+    bad.draft_tokens = "12"
+    capt.add_batch([bad])  # no replay of its own
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[1])])
+    graph.replay()  # takes the extra batch and its own: a queue error
+    gate.open()
+    assert isinstance(_drain_error(), QueueEpochError)
+    assert [rid for rid, _ in capt.take_failed_requests()] == [1]
+    assert capt.grammar_matchers[0] is None and capt.num_active_matchers == 0
+    static.zero_()
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[1])])
+    graph.replay()
+    assert _drain_error() is None and capt.take_failed_requests() == []
+    assert not torch.isneginf(static).any()  # (no matcher in the slot: nothing masked)
+    graph.reset()
+    capt.close()

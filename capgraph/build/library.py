@@ -518,9 +518,11 @@ class HostNode:
         (a matcher only Python can run was created)."""
         self._commit(self._capsule, handles)
 
-    def push_python(self, epoch: int, ticketed: bool) -> None:
-        """Queue a Python step (the node calls ``fallback(epoch)`` under the GIL)."""
-        self._push_python(self._capsule, epoch, ticketed)
+    def push_python(self, epoch: int, ticketed: bool, drops: Sequence[int] = ()) -> None:
+        """Queue a Python step (the node calls ``fallback(epoch)`` under the GIL). ``drops``:
+        the slots its batch drops (failed requests' matchers), which the node clears itself
+        where a queue error consumes the step instead of running it."""
+        self._push_python(self._capsule, epoch, ticketed, [int(s) for s in drops])
 
     def drop(self, newest: bool = False) -> bool:
         """Forget the oldest queued step (its batch was consumed host side), or the newest;
