@@ -654,13 +654,7 @@ def test_a_failed_step_run_ahead_leaves_the_queued_step_its_matcher(factory, tek
     matcher is dropped in the stream's order, after step N, not at once (which unguided it)."""
     case = GUIDED[0]
     V = factory.config.vocab_size_padded
-    text = texts_of(tekken, [case])[0]
-    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node=host_node)
-    static = torch.zeros(1, V)
-    graph = capture(capt, [GuidedRequest.context(1, 0, case.params)], static)
-    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
-    graph.replay()
-    hostfunc.drain()
+    capt, graph, static, text = one_request_after_context(factory, tekken, case, host_node)
     gate = Gate()
     capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[0])])
     enqueue(static.zero_)
@@ -785,14 +779,7 @@ def test_a_failed_requests_matcher_goes_when_a_queue_error_consumes_its_batch(
     fails and its matcher is dropped on both host nodes (the native node clears the slot in
     its own table too), so its next step is unguided and no matcher is left active."""
     case = GUIDED[0]
-    V = factory.config.vocab_size_padded
-    text = texts_of(tekken, [case])[0]
-    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node=host_node)
-    static = torch.zeros(1, V)
-    graph = capture(capt, [GuidedRequest.context(1, 0, case.params)], static)
-    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
-    graph.replay()
-    hostfunc.drain()
+    capt, graph, static, text = one_request_after_context(factory, tekken, case, host_node)
     gate = Gate()
     capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[0])])
     graph.replay()
