@@ -529,6 +529,29 @@ class CapturableGuidedDecoder(GuidedDecoder):
             dst.copy_(src)
         self._in_stream_order(copy)
 
+    def release(self, seq_slot: int) -> None:
+        """Forget the matcher and counters of a slot whose request has finished, after the
+        steps already queued on the current stream.
+
+        Admission sees the slot free at once (the next ``add_batch`` may place a new request
+        there); the matcher goes in stream order: at once where the stream is idle, else as a
+        host call after the steps queued before it, which still mask the finished request's
+        rows (an engine running ahead releases a request whose last step is in flight).
+
+        Raises:
+            RequestError: ``seq_slot`` is outside ``[0, max_num_sequences)``.
+        """
+        slot = self._release_slot(seq_slot)
+        self._admission.slot_guides[slot] = None
+        if self._streams.is_capturing() or self._stream_idle():
+            self._release_now(slot)
+            return
+
+        def release_in_order() -> None:
+            self._node_collect()  # (the node's steps before this one are read first)
+            self._release_now(slot)
+        hostfunc.launch(release_in_order)
+
     def _stream_idle(self) -> bool:
         """Whether the current stream (torch's on CUDA, hostfunc's on the CPU stand-in) has
         finished all the work queued on it: host-side changes are then in its order."""

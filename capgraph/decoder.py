@@ -377,13 +377,23 @@ class GuidedDecoder:
         Raises:
             RequestError: ``seq_slot`` is outside ``[0, max_num_sequences)``.
         """
+        slot = self._release_slot(seq_slot)
+        self._admission.slot_guides[slot] = None
+        self._release_now(slot)
+
+    def _release_slot(self, seq_slot: object) -> int:
+        """``seq_slot`` as a slot index, or RequestError naming it."""
         slot = as_int(seq_slot)
         if slot is None or not self.slots.slot_ok(slot):
             raise RequestError(f"release: seq_slot {seq_slot!r} is not a slot index in [0, "
                                f"max_num_sequences={self.max_num_sequences})", seq_slot=slot)
+        return slot
+
+    def _release_now(self, slot: int) -> None:
+        """The slot's matcher, counters and pending compile forgotten (after a build in
+        flight has ended)."""
         self._finish_build()
         self.slots.reset(slot)
-        self._admission.slot_guides[slot] = None
         self._forget_compile(slot)
 
     def forced_tokens(self, seq_slot: int, max_tokens: int) -> list[int]:

@@ -799,3 +799,39 @@ def test_a_failed_requests_matcher_goes_when_a_queue_error_consumes_its_batch(
     assert not torch.isneginf(static).any()  # (no matcher in the slot: nothing masked)
     graph.reset()
     capt.close()
+
+
+@pytest.mark.parametrize("host_node", ["native", "python"])
+def test_release_while_the_slots_last_step_is_queued_waits_for_it(factory, tekken, native_ok,
+                                                                  host_node):
+    """An engine running ahead releases request 1 (its last step, step N, still queued) and
+    places request 3 in the slot at once. Step N masks request 1's row as GuidedDecoder's
+    does (the release takes the matcher after it, in stream order; at once it left step N
+    unguided, silently), and request 3's steps mask as a fresh decoder's."""
+    first, second = GUIDED[0], GUIDED[2]
+    capt, graph, static, text = one_request_after_context(factory, tekken, first, host_node)
+    text3 = texts_of(tekken, [second])[0]
+    gate = Gate()
+    capt.add_batch([GuidedRequest.generation(1, 0, first.params, text[0])])
+    enqueue(static.zero_)
+    graph.replay()  # step N: request 1's last, queued behind the gate
+    seen: list = []
+    enqueue(lambda: seen.append(static.clone()))
+    capt.release(0)
+    capt.add_batch([GuidedRequest.context(3, 0, second.params)])
+    enqueue(static.zero_)
+    graph.replay()
+    capt.add_batch([GuidedRequest.generation(3, 0, second.params, text3[0])])
+    enqueue(static.zero_)
+    graph.replay()
+    enqueue(lambda: seen.append(static.clone()))
+    gate.open()
+    assert _drain_error() is None and capt.take_failed_requests() == []
+    assert torch.isneginf(seen[0]).any()
+    assert same(seen[0], _eager_first_step_mask(factory, first, text[0]))
+    assert same(seen[1], _eager_first_step_mask(factory, second, text3[0]))
+    assert capt.num_active_matchers == 1 and capt.queued_batches == 0
+    capt.release(0)  # (an idle stream: at once)
+    assert capt.grammar_matchers[0] is None and capt.num_active_matchers == 0
+    graph.reset()
+    capt.close()
