@@ -305,9 +305,14 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 f"new_tokens has shape {tuple(new_tokens.shape)}; expected [<= "
                 f"{self.new_tokens.shape[0]}, {self.max_num_sequences}] (positions x slots)")
 
-    def _copy_new_tokens(self, new_tokens: torch.Tensor) -> None:
+    def _token_rows(self, new_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``new_tokens`` as ``[positions, slots]`` and the token buffer's rows it fills."""
         t = new_tokens.squeeze(-1) if new_tokens.dim() == 3 else new_tokens
-        self.new_tokens[:t.shape[0]].copy_(t, non_blocking=True)
+        return self.new_tokens[:t.shape[0]], t
+
+    def _copy_new_tokens(self, new_tokens: torch.Tensor) -> None:
+        dst, t = self._token_rows(new_tokens)
+        dst.copy_(t, non_blocking=True)
 
     def _write_step(self, epoch: int, new_tokens: torch.Tensor | None) -> bool:
         """Write the step's tokens and ticket (``epoch`` modulo :data:`TICKET_RING`) where the
@@ -324,8 +329,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         k = epoch % TICKET_RING
         if self._ticket_ids is not None:
             if new_tokens is not None:
-                t = new_tokens.squeeze(-1) if new_tokens.dim() == 3 else new_tokens
-                self._cuda_copy(self.new_tokens[:t.shape[0]], t, "new_tokens")
+                self._cuda_copy(*self._token_rows(new_tokens), "new_tokens")
             self._ticket.copy_(self._ticket_ids[k:k + 1], non_blocking=True)
             return True
         ticket, copy = self._ticket_np, self._copy_new_tokens
