@@ -138,18 +138,28 @@ def assert_steps_agree(decoders, step, draft_len: int) -> tuple:
 
 
 def threads_named(name: str) -> set[str]:
-    """Ids of this process's threads whose name is ``name`` (Linux /proc; empty elsewhere)."""
+    """Ids of this process's running threads whose name is ``name`` (Linux /proc; empty
+    elsewhere). A thread that is exiting is not counted: the kernel marks it ``PF_EXITING``
+    before it wakes the thread's ``join``, yet /proc lists it until the kernel reaps it a
+    moment later, so a thread that ``join`` has just ended could otherwise still be seen."""
     import os
 
+    pf_exiting = 0x4  # linux/sched.h
     found = set()
     if os.path.isdir("/proc/self/task"):
         for tid in os.listdir("/proc/self/task"):
             try:
                 with open(f"/proc/self/task/{tid}/comm") as f:
-                    if f.read().strip() == name:
-                        found.add(tid)
-            except OSError:  # the thread ended meanwhile
-                pass
+                    if f.read().strip() != name:
+                        continue
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    # after the name's closing parenthesis: state ppid pgrp session tty_nr
+                    # tpgid flags ...
+                    flags = int(f.read().rsplit(")", 1)[1].split()[6])
+            except (OSError, IndexError, ValueError):  # the thread ended meanwhile
+                continue
+            if not flags & pf_exiting:
+                found.add(tid)
     return found
 
 
