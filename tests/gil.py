@@ -8,6 +8,12 @@ import threading
 import time
 
 
+#: The native spin a GIL test's graph runs before the step it times, in ms: the holder thread
+#: must stamp its window's start before the spin ends, which a garbage collection or a loaded
+#: machine can delay by hundreds of ms; the window (2 s) leaves the step as much again.
+LEAD_MS = 1000
+
+
 def hold_gil(seconds: int, timeout: float = 30.0) -> tuple[int, int]:
     """On a new thread, hold the GIL for ``seconds`` (libc ``sleep`` through ``ctypes.PyDLL``,
     which keeps the GIL while it runs) and wait for it; return the window in CLOCK_MONOTONIC

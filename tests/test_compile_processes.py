@@ -87,8 +87,8 @@ def test_config_validates_isolation_and_memory_limit(tekken):
 
 
 def test_timed_out_compile_is_killed_and_the_others_are_served(procs):
-    """A compile that takes minutes times out: its worker process is gone within a second of
-    the timeout, the machine's memory is back (this process never grew by the compile's
+    """A compile that takes minutes times out: its worker process is killed (gone within
+    seconds of the timeout, not when the compile would end), the machine's memory is back (this process never grew by the compile's
     memory, and this process plus its children hold no more than before without the killed
     worker), the other requests of the batch are served, and the next request with a
     different schema compiles normally."""
@@ -98,14 +98,15 @@ def test_timed_out_compile_is_killed_and_the_others_are_served(procs):
     slow_handle = procs.compile_async(slow)
     handles = [procs.compile_async(p) for p in good]
     for h in handles:
-        assert h.result(60, backend="xgrammar").nbytes > 0
-    deadline = time.monotonic() + 60  # (a worker starts in seconds, more on a loaded host)
+        assert h.result(180, backend="xgrammar").nbytes > 0
+    # (a worker starts in seconds; its nice 10 makes that 40 s and more on a loaded host)
+    deadline = time.monotonic() + 150
     pid = None
     while pid is None and time.monotonic() < deadline:
         pid = procs.processes.pid_compiling((slow.guide_type.value, slow.guide))
         time.sleep(0.01)
     assert pid is not None and _alive(pid)
-    start_mb, grow_deadline = _rss_mb(pid), time.monotonic() + 30
+    start_mb, grow_deadline = _rss_mb(pid), time.monotonic() + 120
     while _rss_mb(pid) - start_mb < _COMPILE_MB and time.monotonic() < grow_deadline:
         time.sleep(0.05)  # until the compile holds memory worth getting back
     parent_mb, others_mb, worker_mb = _rss_mb(os.getpid()), _children_mb(pid), _rss_mb(pid)
@@ -113,8 +114,8 @@ def test_timed_out_compile_is_killed_and_the_others_are_served(procs):
     with pytest.raises(CompileTimeoutError):
         slow_handle.result(time.monotonic() - slow_handle.started, backend="xgrammar")
     timed_out = time.monotonic()
-    while _alive(pid) and time.monotonic() - timed_out < 1.0:
-        time.sleep(0.01)
+    while _alive(pid) and time.monotonic() - timed_out < 15.0:  # (a niced process's teardown
+        time.sleep(0.01)                                          # is slow on a loaded host)
     assert not _alive(pid), "the timed-out compile's worker still runs"
     assert pid not in procs.processes.pids
     # the memory is back: this process never held the compile's, and its worker's is gone
@@ -204,7 +205,7 @@ def test_a_burst_of_schemas_creates_at_most_compile_threads_processes(procs):
     for h in handles:
         most = max(most, len(procs.processes.pids))
         try:
-            h.result(60, backend="xgrammar")
+            h.result(180, backend="xgrammar")  # (from submission: two cold workers first)
             ok += 1
         except CompileQueueFullError:
             refused += 1
@@ -342,13 +343,13 @@ def test_a_compile_stopped_while_waiting_for_a_worker_fails_at_once(tekken):
         assert "queued" not in outcome  # it waits for the worker
         stopped = time.monotonic()
         assert pool.stop("queued")
-        queued.join(1.0)
-        assert not queued.is_alive() and time.monotonic() - stopped < 1.0
+        queued.join(10.0)  # (at once: not after the busy compile, which takes minutes)
+        assert not queued.is_alive() and time.monotonic() - stopped < 10.0
         assert isinstance(outcome["queued"], CompileTimeoutError)
         assert pool.stats.not_started == 1 and pool.pid_compiling("busy") is not None
         assert pool.stop("busy")
-        busy.join(5.0)
-        assert isinstance(outcome["busy"], CompileTimeoutError)
+        busy.join(30.0)
+        assert isinstance(outcome.get("busy"), CompileTimeoutError)
         assert pool.stats.compile_s == []
     finally:
         pool.close()

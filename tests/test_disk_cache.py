@@ -395,19 +395,21 @@ def test_disk_budget_config_field(tok, monkeypatch):
 
 
 _EXIT_CHILD = r"""
-import sys, time
+import sys, threading, time
 from pathlib import Path
 from capgraph.grammar.disk_cache import DiskCompileCache
 folder = Path(sys.argv[1])
 cache = DiskCompileCache(folder, 1 << 20, min_compile_s=0.0, min_speedup=0.0)
+started = threading.Event()
 
 def produce():
-    time.sleep(0.5)  # a serialization still running when the process exits
+    started.set()
+    time.sleep(1.0)  # a serialization still running when the process exits
     return "x" * 100, {"backend": "test"}
 
 for i in range(3):
     assert cache.store_later(f"{i:064x}", 1.0, produce)
-time.sleep(0.1)  # the first write has started; the process exits now
+assert started.wait(30)  # the first write has started; the process exits now
 """
 
 

@@ -282,12 +282,23 @@ def test_compile_timeout_fails_only_that_handle():
 
 
 def test_compile_runs_off_the_calling_thread():
-    """compile_async returns before the compile finishes (the pool does the work)."""
-    factory = _SlowFactory(_vocab_config(), delay=0.3)
+    """compile_async returns before the compile finishes (the pool does the work): the
+    compile here waits for a gate that is opened only after compile_async has returned (run
+    on the calling thread, it would return when the gate's 10 s wait ran out)."""
+    gate = threading.Event()
+
+    class Gated(_SlowFactory):
+        def _compile(self, params):
+            gate.wait(10)
+            return super()._compile(params)
+
+    factory = Gated(_vocab_config(), delay=0.0)
     t0 = time.perf_counter()
     handle = factory.compile_async(GuidedDecodingParams(GuideType.REGEX, "b+"))
-    assert time.perf_counter() - t0 < 0.1 and not handle.done()
-    assert handle.result(5.0, backend="fake").payload == "b+"
+    returned_s = time.perf_counter() - t0
+    assert not handle.done() and returned_s < 5, returned_s
+    gate.set()
+    assert handle.result(10.0, backend="fake").payload == "b+"
     factory.close()
 
 

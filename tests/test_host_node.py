@@ -22,7 +22,7 @@ from capgraph.decoder import GuidedDecoder
 from capgraph.requests import GuidedRequest
 from capgraph.tokenizers import encode_continuation
 from cases import CASES
-from gil import hold_gil
+from gil import LEAD_MS, hold_gil
 from test_capturable import (Scenario, assert_extra_put_is_out_of_step,
                              assert_same_matcher_states, assert_warmup_replays_mask_nothing,
                              draft_loops_pair)
@@ -242,7 +242,7 @@ def test_queue_epochs_warmup_and_drain(factory, tekken, native_ok):
 
 
 def test_native_step_completes_while_another_thread_holds_the_gil(factory, tekken, native_ok):
-    """The issue's GIL test on the CPU stand-in: a HostGraph of [a 300 ms native spin (the
+    """The issue's GIL test on the CPU stand-in: a HostGraph of [a 1 s native spin (the
     forward's stand-in), the guided step] is replayed, then another thread holds the GIL for
     2 s; the node's step (timestamps written by the node) begins and ends inside that window,
     and its masks are right. On the Python callback the same step ends after the window
@@ -262,7 +262,7 @@ def test_native_step_completes_while_another_thread_holds_the_gil(factory, tekke
         graph = hostfunc.HostGraph()
         done = []
         with hostfunc.capture(graph):
-            hostfunc.launch_native(spin, 300 * MS)
+            hostfunc.launch_native(spin, LEAD_MS * MS)
             capt.execute(static)
             if host_node == "python":
                 hostfunc.launch(lambda: done.append(time.monotonic_ns()))
@@ -502,14 +502,14 @@ def run_speculation(factory, tekken, host_node, accepted_steps, hold_at=None, do
     """Replay ``speculative_graph`` over a context step and len(accepted_steps) + 1
     generation steps beside an eager decoder, comparing every step's masks, token mask and
     counters; at step ``hold_at`` another thread holds the GIL for 2 s after the replay (the
-    graph then spins 300 ms first). Returns (decoder, the GIL window or None)."""
+    graph then spins LEAD_MS first). Returns (decoder, the GIL window or None)."""
     V = factory.config.vocab_size_padded
     spec = Speculation(tekken, GUIDED[:2])
     eager = GuidedDecoder(factory.config, 2, 2, factory=factory)
     capt = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_node=host_node)
     static = torch.zeros(6, V)
     graph, counts = speculative_graph(capt, spec.context(), static,
-                                      300 if hold_at is not None else 0, done)
+                                      LEAD_MS if hold_at is not None else 0, done)
     window = None
     steps = [spec.context(), spec.step(None)] + [spec.step(a) for a in accepted_steps]
     for k, reqs in enumerate(steps):
@@ -521,7 +521,7 @@ def run_speculation(factory, tekken, host_node, accepted_steps, hold_at=None, do
 
 def test_speculative_step_and_its_rollback_run_while_another_thread_holds_the_gil(
         factory, tekken, native_ok):
-    """The GIL test for a speculative step as an engine captures it (a 300 ms spin, the
+    """The GIL test for a speculative step as an engine captures it (a 1 s spin, the
     rollback of the last verification, the guided step): on the node, the rollback and the
     step run natively inside the 2 s another thread holds the GIL (the step's timestamps lie
     inside it; the rollback ran before the step, after the spin), and every step equals the
@@ -873,7 +873,7 @@ def test_drafting_loop_the_node_cannot_run_is_pythons_whole(factory, tekken, nat
 
 
 def test_draft_step_runs_while_another_thread_holds_the_gil(factory, tekken, native_ok):
-    """The GIL test for a drafting loop's step: a HostGraph of [a 300 ms native spin, a
+    """The GIL test for a drafting loop's step: a HostGraph of [a 1 s native spin, a
     one-step drafting loop (execute_draft_batch: take the batch, roll back, build the draft
     rows, roll the drafts back)] is replayed, then another thread holds the GIL for 2 s; on
     the node the draft step's run (its timestamps) lies inside that window, and its rows equal
@@ -898,7 +898,7 @@ def test_draft_step_runs_while_another_thread_holds_the_gil(factory, tekken, nat
         graph = hostfunc.HostGraph()
         with hostfunc.capture(graph):
             from hostfunc.native import test_functions
-            hostfunc.launch_native(test_functions().spin_ns, 300 * MS)
+            hostfunc.launch_native(test_functions().spin_ns, LEAD_MS * MS)
             capt.execute_draft_batch(static, draft_step=0)
             if host_node == "python":
                 hostfunc.launch(lambda: done.append(time.monotonic_ns()))

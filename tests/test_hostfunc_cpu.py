@@ -214,7 +214,7 @@ def test_inline_callback_cannot_wait_for_its_own_stream_and_ctrl_c_stops_the_cal
     started = time.monotonic()
     with hostfunc.use_stream(stream):
         hostfunc.launch(stream.close)
-    assert time.monotonic() - started < 1.0, "close() from an inline callback waited"
+    assert time.monotonic() - started < 3.0, "close() from an inline callback waited"  # (its join: 5 s)
     with pytest.raises(hostfunc.HostFuncUsageError, match="closed"):
         HostEvent().record(stream)
 
@@ -368,7 +368,7 @@ def test_drain_is_a_noop_while_capturing() -> None:
     with hostfunc.capture(graph):
         t0 = time.monotonic()
         hostfunc.drain(WAIT_S)
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 3.0  # (waiting for the busy stream: WAIT_S)
     assert not gate.passed.is_set()
     gate.opened.set()
     graph.reset()

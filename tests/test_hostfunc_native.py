@@ -37,7 +37,7 @@ from hostfunc.lane import AppendArgs
 from hostfunc.native import TestFunctions, test_functions
 
 from conftest import threads_named
-from gil import hold_gil
+from gil import LEAD_MS, hold_gil
 
 WAIT_S = 10.0
 MS = 1_000_000  # nanoseconds
@@ -99,9 +99,15 @@ class Counters:
         return self.array[0], self.array[1], self.array[2]
 
 
-def lane_threads() -> int:
-    """Threads of this process named ``hostfunc-lane``."""
-    return len(threads_named("hostfunc-lane"))
+def lane_threads() -> set[str]:
+    """Ids of this process's running threads named ``hostfunc-lane``."""
+    return threads_named("hostfunc-lane")
+
+
+def new_lane(before: set[str]) -> str | None:
+    """The one lane thread started since ``before`` was taken (None: none yet, or more)."""
+    started = lane_threads() - before
+    return next(iter(started)) if len(started) == 1 else None
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = WAIT_S) -> bool:
@@ -172,7 +178,7 @@ def test_waits_and_queries_count_native_calls(fns: TestFunctions, stream: HostSt
     other = HostStream("native-test-other")
     try:
         with hostfunc.use_stream(stream):
-            hostfunc.launch_native(fns.spin_ns, 150 * MS)
+            hostfunc.launch_native(fns.spin_ns, LEAD_MS * MS)  # (the asserts below run first)
             hostfunc.launch_native(fns.timestamp_ns, ctypes.addressof(stamp))
         assert not stream.query()
         event = HostEvent()
@@ -348,13 +354,13 @@ def test_retain_and_release_follow_the_graph(fns: TestFunctions, stream: HostStr
     a = Counters()
     graph = HostGraph()
     with hostfunc.capture(graph, stream):
-        hostfunc.launch_native(fns.spin_ns, 100 * MS)
+        hostfunc.launch_native(fns.spin_ns, LEAD_MS // 3 * MS)
         hostfunc.launch_native(fns.count_call, a.address, retain=fns.count_retain,
                                release=fns.count_release)
     assert a() == (0, 1, 0) and hostfunc.live_entries() == live
     for _ in range(3):
         graph.replay(stream)
-    graph.reset()  # replays still in flight (300 ms of spin queued): release waits for them
+    graph.reset()  # replays still in flight (LEAD_MS of spin queued): release waits for them
     assert a()[2] == 0
     stream.synchronize(WAIT_S)
     assert wait_until(lambda: a() == (3, 1, 1)), a()
@@ -392,20 +398,23 @@ def test_close_ends_the_lane_after_its_calls(fns: TestFunctions) -> None:
         hostfunc.launch(lambda: None)
         hostfunc.launch_native(fns.spin_ns, 80 * MS)
         hostfunc.launch_native(fns.timestamp_ns, ctypes.addressof(stamp))
-    assert wait_until(lambda: lane_threads() == before + 1)  # (it names itself on start)
+    assert wait_until(lambda: new_lane(before) is not None)  # (it names itself on start)
+    lane = new_lane(before)
     stream.close()
     assert stamp.value != 0, "close returned before the lane's calls ran"
-    assert wait_until(lambda: lane_threads() == before)
+    assert wait_until(lambda: lane not in lane_threads())
     with pytest.raises(hostfunc.HostFuncUsageError, match="closed"), hostfunc.use_stream(stream):
         hostfunc.launch_native(fns.spin_ns, 0)
 
     dropped = HostStream("native-dropped")
+    before = lane_threads()
     with hostfunc.use_stream(dropped):
         hostfunc.launch_native(fns.spin_ns, 50 * MS)  # lane only, no Python worker thread
-    assert wait_until(lambda: lane_threads() == before + 1)
+    assert wait_until(lambda: new_lane(before) is not None)
+    lane = new_lane(before)
     del dropped
     gc.collect()
-    assert wait_until(lambda: lane_threads() == before), "the dropped stream's lane lives on"
+    assert wait_until(lambda: lane not in lane_threads()), "the dropped stream's lane lives on"
 
 
 def test_close_while_another_thread_waits_on_the_lane(fns: TestFunctions) -> None:
@@ -455,12 +464,12 @@ def test_process_with_live_lanes_exits_cleanly() -> None:
 def test_native_call_completes_while_another_thread_holds_the_gil(
         fns: TestFunctions, stream: HostStream) -> None:
     """Pins the point of native host functions (issue 19, CPU stand-in): a HostGraph of
-    [native spin 300 ms, native timestamp] replayed right before another thread holds the GIL
-    for 2 s writes its timestamp inside that window."""
+    [native spin of LEAD_MS ms, native timestamp] replayed right before another thread holds
+    the GIL for 2 s writes its timestamp inside that window."""
     stamp = ctypes.c_int64(0)
     graph = HostGraph()
     with hostfunc.capture(graph, stream):
-        hostfunc.launch_native(fns.spin_ns, 300 * MS)
+        hostfunc.launch_native(fns.spin_ns, LEAD_MS * MS)
         hostfunc.launch_native(fns.timestamp_ns, ctypes.addressof(stamp))
     graph.replay(stream)
     start, end = hold_gil(2, WAIT_S)
@@ -475,7 +484,7 @@ def test_python_callback_waits_for_the_gil_holder(fns: TestFunctions, stream: Ho
     stamps: list[int] = []
     graph = HostGraph()
     with hostfunc.capture(graph, stream):
-        hostfunc.launch_native(fns.spin_ns, 300 * MS)
+        hostfunc.launch_native(fns.spin_ns, LEAD_MS * MS)
         hostfunc.launch(lambda: stamps.append(time.monotonic_ns()))
     graph.replay(stream)
     start, end = hold_gil(2, WAIT_S)

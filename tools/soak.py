@@ -273,6 +273,7 @@ class Soak:
         self.decoder = cls(cfg, slots, drafts, factory=factory)
         self.live: dict[int, _Request] = {}
         self.next_rid = 0
+        gc.collect()  # (what earlier runs in this process left in reference cycles goes first)
         self.report = SoakReport(live_entries_start=hostfunc.live_entries())
         self._digest = hashlib.sha256()
         self._row = allocate_host_bitmask(1, self.V)
