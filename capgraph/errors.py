@@ -154,8 +154,8 @@ class NativeBuildError(CapgraphError, RuntimeError):
 
 class BudgetExceededError(CapgraphError, RuntimeError):
     """One request's host step (accept and fill) took longer than
-    ``GuidedDecodingConfig.host_step_budget_ms``; the request fails alone and its matcher is
-    dropped, so it cannot slow another step.
+    ``GuidedDecodingConfig.host_step_budget_ms``, in wall time and in its thread's CPU time;
+    the request fails alone and its matcher is dropped, so it cannot slow another step.
 
     Attributes:
         request_id: the request, when known.

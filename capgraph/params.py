@@ -385,8 +385,11 @@ class GuidedDecodingConfig:
             guide above it fails to compile with an
             :class:`~capgraph.errors.UnsupportedGuideError` naming the count and where it is
             (:mod:`capgraph.grammar.guide_limits`). An int in ``[1, 2**31 - 1]``; default 65535.
-        host_step_budget_ms: wall-clock milliseconds one request's host step (accepting its
-            tokens and filling its rows) may take; a request over it fails alone with a
+        host_step_budget_ms: milliseconds one request's host step (accepting its tokens
+            and filling its rows) may take, in wall time and in the CPU time of the thread
+            that runs it (time a thread spends preempted or waiting for the GIL does not
+            count; the CPU clock is read once per quarter budget, so a request fails by 1.25
+            budgets of CPU time at the latest); a request over it fails alone with a
             :class:`~capgraph.errors.BudgetExceededError` (rows unmasked, matcher dropped),
             so an ambiguous guide whose per-token cost grows cannot slow its batch step after
             step. Default 50; 0 or None: no budget.

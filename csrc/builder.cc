@@ -153,7 +153,7 @@ class FillPool {
   // many this thread ran.
   int64_t Claim(const Section& s) {
     Builder::StepClock clock_state;
-    Builder::StepClock* clock = s.builder->StartClock(&clock_state, false);
+    Builder::StepClock* clock = s.builder->StartClock(&clock_state);
     int64_t ran = 0;
     for (int64_t k; (k = next_.fetch_add(1, std::memory_order_relaxed)) < s.n; ++ran) {
       s.entry(s.context, k, clock, s.errors + k);
@@ -245,26 +245,50 @@ bool Builder::Accept(const ObjectRef& m, int64_t token, bool* terminated) const 
   return ok;
 }
 
-// The step's clock, or nullptr without a budget.
-Builder::StepClock* Builder::StartClock(StepClock* clock, bool cpu_time) const {
+// This thread's clock for a step, or nullptr without a budget.
+Builder::StepClock* Builder::StartClock(StepClock* clock) const {
   if (!budget_ns) return nullptr;
-  clock->last = clock->wall0 = NowNs();
-  if (cpu_time) clock->cpu0 = ThreadCpuNs();
+  // the anchor outlives the step (a thread's CPU clock only grows), so that back-to-back
+  // steps do not each read the CPU clock
+  static thread_local StepClock::Anchor anchor;
+  clock->anchor = &anchor;
+  clock->last = NowNs();
+  if (clock->last - anchor.wall > budget_ns / 4) {
+    anchor.wall = clock->last;
+    anchor.cpu = ThreadCpuNs();
+  }
   return clock;
 }
 
-// Whether the request that ends now went over the budget (reads the clock, moves it on);
-// its wall milliseconds in *ms.
+// Whether the request that ends now went over the budget (reads the clock, moves it on):
+// in wall time, and in this thread's CPU time (a preempted thread, or one waiting for the
+// GIL or at nice 19 behind the caller's threads, spends wall time, not the budget); its wall
+// milliseconds in *ms.
+//
+// The CPU clock is a system call, so it is not read per request: the thread keeps an anchor
+// (a wall time and its CPU time then), moved to a request's start whenever the last one is
+// over a quarter of the budget old. A request's CPU time is at least the CPU time since the
+// anchor less the wall time between the anchor and its start (whatever ran then spent at most
+// that much CPU): never more than its own, and at most a quarter of the budget less. So a
+// request over 1.25 budgets of CPU always fails, one within the budget never does, and a
+// thread reads the CPU clock once per quarter budget of wall time (and once per overrun).
 bool Builder::OverBudget(StepClock* clock, double* ms) const {
+  StepClock::Anchor& anchor = *clock->anchor;
   const int64_t now = NowNs();
   const int64_t start = clock->last;
   clock->last = now;
-  if (now - start <= budget_ns) return false;
+  if (now - start <= budget_ns) {
+    if (now - anchor.wall > budget_ns / 4) {
+      anchor.wall = now;
+      anchor.cpu = ThreadCpuNs();
+    }
+    return false;
+  }
   *ms = static_cast<double>(now - start) / 1e6;
-  if (clock->cpu0 < 0) return true;
-  // the CPU this request used is at least the step's CPU so far less the wall time that
-  // went to the requests before it
-  const int64_t cpu = ThreadCpuNs() - clock->cpu0 - (start - clock->wall0);
+  const int64_t cpu_now = ThreadCpuNs();
+  const int64_t cpu = cpu_now - anchor.cpu - (start - anchor.wall);
+  anchor.wall = now;
+  anchor.cpu = cpu_now;
   return cpu > budget_ns;
 }
 
@@ -347,7 +371,7 @@ int32_t* Builder::BeginStep(int64_t clear_rows) {
   return mask;
 }
 
-void Builder::RunEntries(int64_t n, const int32_t* out3, bool parallel, bool cpu_time,
+void Builder::RunEntries(int64_t n, const int32_t* out3, bool parallel,
                          const void* context, EntryFn entry) {
   last_start_ns = NowNs();
   if (static_cast<int64_t>(entry_errors_.size()) < n) entry_errors_.resize(n);
@@ -364,7 +388,7 @@ void Builder::RunEntries(int64_t n, const int32_t* out3, bool parallel, bool cpu
                &last_pool_requests);
   } else {
     StepClock clock_state;
-    StepClock* clock = StartClock(&clock_state, cpu_time);
+    StepClock* clock = StartClock(&clock_state);
     for (int64_t k = 0; k < n; ++k) entry(context, k, clock, step_errors + k);
     last_threads = n > 0 ? 1 : 0;
     last_pool_requests = 0;
@@ -476,7 +500,7 @@ int64_t Builder::Step(const Array<ObjectRef>& matchers, const Array<int64_t>& to
     parallel = Disjoint(&keys, &spans);
   }
   const int64_t* starts = draft_starts_.data();
-  ForEachRequest(n, o, parallel, false,
+  ForEachRequest(n, o, parallel,
                  [&](int64_t k, StepClock* clock, std::string* error) {
                    const int64_t nd = num_drafts.size() ? num_drafts[k] : 0;
                    RunOne(matchers[k], tokens[k], offsets[k], nd,

@@ -38,8 +38,8 @@ inline int64_t NowNs() {
       .count();
 }
 
-// This thread's CPU time (a system call, ~0.4 us): read only on the build thread, where the
-// wall clock also counts the time the thread waits at nice 19 behind the caller's threads.
+// This thread's CPU time (a system call, ~0.4 us): read at most once per quarter budget of
+// wall time and once per overrun (Builder::OverBudget).
 inline int64_t ThreadCpuNs() {
   timespec ts{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
@@ -143,21 +143,26 @@ struct Builder {
   Builder(const Builder&) = delete;
   Builder& operator=(const Builder&) = delete;
 
-  // The host-step budget's clock over one step: a request's wall time runs from the end of
-  // the one before it (one clock read per request). On the build thread (`cpu0` >= 0) an
-  // overrun must also show in this thread's CPU time, so that time spent waiting at nice 19
-  // behind the caller's threads is not blamed on a request.
+  // The host-step budget's clock over one step on one thread: a request's wall time runs
+  // from the end of the one before it (one clock read per request); an overrun must also
+  // show in this thread's CPU time, so that time spent waiting (preempted, at nice 19 behind
+  // the caller's threads, for the GIL) is not blamed on a request (OverBudget).
   struct StepClock {
-    int64_t last = 0;   // wall ns at the end of the previous request (or the step's start)
-    int64_t wall0 = 0;  // the step's start: wall ns,
-    int64_t cpu0 = -1;  // and this thread's CPU ns (-1: not read; the calling thread)
+    struct Anchor {       // this thread's (OverBudget), kept from step to step:
+      int64_t wall = 0;   // a request's start, wall ns,
+      int64_t cpu = 0;    // and the thread's CPU ns then
+    };
+    int64_t last = 0;     // wall ns at the end of the previous request (or the step's start)
+    Anchor* anchor = nullptr;
   };
 
-  // The step's clock, or nullptr without a budget.
-  StepClock* StartClock(StepClock* clock, bool cpu_time) const;
+  // This thread's clock for a step, or nullptr without a budget.
+  StepClock* StartClock(StepClock* clock) const;
 
-  // Whether the request that ends now went over the budget (reads the clock, moves it on);
-  // its wall milliseconds in *ms.
+  // Whether the request that ends now went over the budget (reads the clock, moves it on):
+  // its wall time and the CPU time it used on this thread are both over it (a thread that
+  // was preempted, or waited for the GIL, did not spend the budget); its wall milliseconds
+  // in *ms.
   bool OverBudget(StepClock* clock, double* ms) const;
 
   // One request: accept `token` (< 0: none, the matcher was created this step), fill its
@@ -184,17 +189,16 @@ struct Builder {
   // On the pool's threads and the calling thread where `parallel`, n reaches
   // pool_min_requests and `choice` picks the pool (each thread with its own budget clock: a
   // request's time runs from the end of the one before it on the same thread), else in order
-  // on the calling thread (`cpu_time`: see StepClock). Then appends the messages of the
-  // faulted and over-budget requests to `errors`, in request order. Never takes the GIL;
-  // what a matcher method throws is its request's fault (RunOne).
-  void RunEntries(int64_t n, const int32_t* out3, bool parallel, bool cpu_time,
-                  const void* context, EntryFn entry);
+  // on the calling thread. Then appends the messages of the faulted and over-budget
+  // requests to `errors`, in request order. Never takes the GIL; what a matcher method
+  // throws is its request's fault (RunOne).
+  void RunEntries(int64_t n, const int32_t* out3, bool parallel, const void* context,
+                  EntryFn entry);
 
   // RunEntries with a callable entry(k, clock, error).
   template <class F>
-  void ForEachRequest(int64_t n, const int32_t* out3, bool parallel, bool cpu_time,
-                      const F& entry) {
-    RunEntries(n, out3, parallel, cpu_time, &entry,
+  void ForEachRequest(int64_t n, const int32_t* out3, bool parallel, const F& entry) {
+    RunEntries(n, out3, parallel, &entry,
                [](const void* c, int64_t k, StepClock* clock, std::string* error) {
                  (*static_cast<const F*>(c))(k, clock, error);
                });

@@ -406,14 +406,13 @@ int Begin(FastState* st, PyObject* const* args, const char* name) {
 }
 
 // The xgrammar work of a taken step: no Python object is touched (any thread, GIL or not).
-// `cpu_time`: on the build thread, whose wall time includes waits behind the caller's threads;
-// it runs the requests alone (it yields to the caller's threads, which keep the cores busy:
-// a CPU forward), while any other caller splits them across the Builder's fill threads from
-// its pool_min_requests on.
-void RunJob(FastState* st, bool cpu_time = false) {
+// `on_build_thread`: the build thread runs the requests alone (at nice 19 it yields to the
+// caller's threads, which keep the cores busy: a CPU forward), while any other caller splits
+// them across the Builder's fill threads from its pool_min_requests on.
+void RunJob(FastState* st, bool on_build_thread = false) {
   Builder* b = st->builder;
   const int64_t n = static_cast<int64_t>(st->entries.size());
-  bool parallel = !cpu_time && b->fill_threads > 1 && n >= b->pool_min_requests;
+  bool parallel = !on_build_thread && b->fill_threads > 1 && n >= b->pool_min_requests;
   if (parallel) {  // (Collect takes each slot once; this also rules out a shared matcher)
     std::vector<std::pair<const void*, int64_t>> matchers(n);
     std::vector<std::pair<int64_t, int64_t>> spans(n);
@@ -425,7 +424,7 @@ void RunJob(FastState* st, bool cpu_time = false) {
     parallel = Builder::Disjoint(&matchers, &spans);
   }
   int32_t* out = st->out.data();
-  b->ForEachRequest(n, out, parallel, cpu_time,
+  b->ForEachRequest(n, out, parallel,
                     [st, b, out](int64_t k, Builder::StepClock* clock, std::string* error) {
                       const FastEntry& e = st->entries[k];
                       b->RunOne(e.matcher, e.token, e.offset, e.num_drafts,
@@ -590,7 +589,7 @@ void Serve(Runner* r, FastState* st) {
     if (!r->queued) return;
     r->queued = false;
     lock.unlock();
-    RunJob(st, /*cpu_time=*/true);
+    RunJob(st, /*on_build_thread=*/true);
     lock.lock();
     r->done = true;
     r->cv.notify_all();
@@ -1141,7 +1140,7 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d) {
     parallel = Builder::Disjoint(&matchers, &spans);
   }
   const size_t errors_before = b->errors.size();
-  b->ForEachRequest(nrun, run_out.data(), parallel, false,
+  b->ForEachRequest(nrun, run_out.data(), parallel,
                     [&](int64_t r, Builder::StepClock* clock, std::string* error) {
                       const NodeEntry& e = job.entries[runs[r].entry];
                       b->RunOne(refs[runs[r].entry], runs[r].token, e.offset, e.num_drafts,
@@ -1598,7 +1597,7 @@ void DraftBuild(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d)
   const size_t errors_before = b->errors.size();
   // (one row each, its own matcher: the fill pool may split them)
   const bool parallel = b->fill_threads > 1 && nrun >= b->pool_min_requests;
-  b->ForEachRequest(nrun, run_out.data(), parallel, false,
+  b->ForEachRequest(nrun, run_out.data(), parallel,
                     [&](int64_t r, Builder::StepClock* clock, std::string* error) {
                       b->RunOne(refs[runs[r]], tokens[r], entries[runs[r]].index, 0, Drafts{},
                                 0, rows, mask, run_out.data() + r * 3, clock, error);

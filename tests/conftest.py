@@ -242,6 +242,27 @@ class AimedMethods:
         return make
 
 
+def spend_cpu(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU time (a host-step budget counts a request's CPU
+    time: a sleep would not go over it)."""
+    import time
+
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def settled_live_entries() -> int:
+    """hostfunc's live entries once the garbage of earlier tests is collected (graphs in
+    reference cycles hold theirs until then): a baseline for a leak check that does not
+    depend on which tests ran before."""
+    import gc
+
+    import hostfunc
+    gc.collect()
+    return hostfunc.live_entries()
+
+
 @pytest.fixture
 def cpu_stand_in_without_leaks():
     """Run the test on hostfunc's CPU stand-in (even on a GPU machine) and check that it leaves
@@ -250,7 +271,7 @@ def cpu_stand_in_without_leaks():
 
     import hostfunc
     with hostfunc.use_backend("cpu"):
-        baseline = hostfunc.live_entries()
+        baseline = settled_live_entries()
         yield
         hostfunc.drain(10.0)
         gc.collect()

@@ -2,8 +2,10 @@
 accept and fills take too long fails alone, in every build path, and the batch goes on.
 
 No timing is asserted: the slow requests here are either ambiguous regexes whose per-token cost
-grows without bound (tens of ms after ~200 tokens, seconds later), or matchers that sleep far
-beyond a budget that healthy requests stay three orders of magnitude below.
+grows without bound (tens of ms after ~200 tokens, seconds later), or matchers that spend CPU
+time far beyond a budget that healthy requests stay three orders of magnitude below. An overrun
+counts the CPU time the request's thread spent, not time it waited: a matcher that sleeps (as a
+preempted thread does) never fails its request.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from capgraph.build import library as native
 from capgraph.grammar import GrammarMatcher, create_matcher_factory
 from capgraph.params import DEFAULT_HOST_STEP_BUDGET_MS
 from capgraph.requests import GuidedRequest
-from conftest import AimedMethods
+from conftest import AimedMethods, spend_cpu
 
 VOCAB = ["a", "b", "</s>", "c"]
 V = 64
@@ -47,7 +49,7 @@ def tiny():
 def _decoder(factory, build: str, kind: str, slots: int = 3, drafts: int = 0,
              budget: float | None = BUDGET_MS, methods: AimedMethods | None = None
              ) -> GuidedDecoder:
-    """``methods``: the native build's C++ loop calls these (see :func:`_sleepy_native`)."""
+    """``methods``: the native build's C++ loop calls these (see :func:`_slow_native`)."""
     if build == "native" and native_reason is not None:
         pytest.skip(f"the C++ build is unavailable: {native_reason}")
     config = dataclasses.replace(factory.config, host_step_budget_ms=budget,
@@ -109,11 +111,13 @@ def test_ambiguous_regex_fails_alone(tiny, pattern, build, kind):
     assert dec.grammar_matchers[1] is None and dec.grammar_matchers[0] is not None
 
 
-class _Sleepy(GrammarMatcher):
-    """A matcher that sleeps ``delay`` s in every fill (and otherwise is ``inner``)."""
+class _Slow(GrammarMatcher):
+    """A matcher that spends ``delay`` s of CPU in every fill, or with ``sleep`` sleeps that
+    long (and otherwise is ``inner``)."""
 
-    def __init__(self, inner: GrammarMatcher, delay: float) -> None:
+    def __init__(self, inner: GrammarMatcher, delay: float, sleep: bool = False) -> None:
         self.inner, self.delay = inner, delay
+        self.wait = time.sleep if sleep else spend_cpu
 
     def accept_token(self, token_id: int) -> bool:
         return self.inner.accept_token(token_id)
@@ -122,7 +126,7 @@ class _Sleepy(GrammarMatcher):
         self.inner.rollback(num_tokens)
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
-        time.sleep(self.delay)
+        self.wait(self.delay)
         self.inner.fill_next_token_bitmask(bitmask, index)
 
     def is_terminated(self) -> bool:
@@ -139,7 +143,7 @@ def test_python_build_names_the_slow_request(tiny, batch, kind):
     dec = _decoder(tiny, "python", kind, slots=batch)
     guides = [HEALTHY] * batch
     _step(dec, [GuidedRequest.context(i, i, p) for i, p in enumerate(guides)], batch)
-    dec.grammar_matchers[1] = _Sleepy(dec.grammar_matchers[1], 5 * BUDGET_MS / 1e3)
+    dec.grammar_matchers[1] = _Slow(dec.grammar_matchers[1], 5 * BUDGET_MS / 1e3)
     failures = []
     for step in range(3):
         logits, failed = _step(dec, [GuidedRequest.generation(i, i, p, A)
@@ -159,11 +163,11 @@ def test_over_budget_draft_rows_are_all_unmasked(tiny, build):
     all its rows of the step unmasked (the ones filled before the overrun too), zero counts,
     and the other request's rows masked."""
     delay = 0.4 * BUDGET_MS / 1e3  # the overrun comes at the third row
-    methods = _sleepy_native(delay) if build == "native" else None
+    methods = _slow_native(delay) if build == "native" else None
     dec = _decoder(tiny, build, "eager", slots=2, drafts=2, methods=methods)
     _step(dec, [GuidedRequest.context(i, i, HEALTHY) for i in range(2)], 2)
     if build == "python":
-        dec.grammar_matchers[1] = _Sleepy(dec.grammar_matchers[1], delay)
+        dec.grammar_matchers[1] = _Slow(dec.grammar_matchers[1], delay)
     else:
         methods.aim(dec.grammar_matchers[1])
     logits, failed = _step(dec, [GuidedRequest.generation(i, i, HEALTHY, A,
@@ -177,23 +181,16 @@ def test_over_budget_draft_rows_are_all_unmasked(tiny, build):
     dec.close()
 
 
-def _busy(seconds: float) -> None:
-    """Spend ``seconds`` of this thread's CPU time (a sleep would not count on the C++ build's
-    own thread, which confirms an overrun with the thread's CPU clock)."""
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass
+def _slow_native(delay: float, sleep: bool = False) -> AimedMethods:
+    """xgrammar's methods for the C++ loop, with a fill that spends ``delay`` s of CPU (with
+    ``sleep``: sleeps) for the matcher aimed at (tvm-ffi calls back into Python)."""
+    wait = time.sleep if sleep else spend_cpu
 
-
-def _sleepy_native(delay: float) -> AimedMethods:
-    """xgrammar's methods for the C++ loop, with a fill that spends ``delay`` s of CPU for the
-    matcher aimed at (tvm-ffi calls back into Python)."""
-
-    def sleepy_fill(fill, handle, bitmask, index, debug):
-        _busy(delay)
+    def slow_fill(fill, handle, bitmask, index, debug):
+        wait(delay)
         return fill(handle, bitmask, index, debug)
 
-    return AimedMethods(fill=sleepy_fill)
+    return AimedMethods(fill=slow_fill)
 
 
 @pytest.mark.parametrize("kind", ["eager", "capturable"])
@@ -201,7 +198,7 @@ def test_native_build_names_the_slow_request(tiny, kind):
     """C++ build (its CPython entry; on the capturable decoder, its own thread): a fill that
     spends 5x the budget fails its request alone in its first step, its row unmasked, the
     others masked."""
-    methods = _sleepy_native(5 * BUDGET_MS / 1e3)
+    methods = _slow_native(5 * BUDGET_MS / 1e3)
     dec = _decoder(tiny, "native", kind, slots=3, methods=methods)
     _step(dec, [GuidedRequest.context(i, i, HEALTHY) for i in range(3)], 3)
     methods.aim(dec.grammar_matchers[1])
@@ -213,17 +210,60 @@ def test_native_build_names_the_slow_request(tiny, kind):
     assert _allowed(logits[1]) == list(range(V))
 
 
+@pytest.mark.parametrize("kind", ["eager", "capturable"])
+@pytest.mark.parametrize("build", ["python", "native"])
+def test_a_request_that_waits_off_the_cpu_is_not_over_budget(tiny, build, kind):
+    """An overrun is CPU time the request's thread spent, not time it waited: a request whose
+    fill sleeps 5x the budget (off the CPU, as a thread preempted on a loaded host or waiting
+    for the GIL is) is served, its row masked, on every build and thread (the caller's, the
+    capturable decoder's host-stream worker or C++ build thread); one that spends that much
+    CPU fails (the same step, with the fill busy)."""
+    delay = 5 * BUDGET_MS / 1e3
+    for sleep in (True, False):
+        methods = _slow_native(delay, sleep) if build == "native" else None
+        dec = _decoder(tiny, build, kind, slots=2, methods=methods)  # (Python: one by one)
+        _step(dec, [GuidedRequest.context(i, i, HEALTHY) for i in range(2)], 2)
+        if build == "python":
+            dec.grammar_matchers[1] = _Slow(dec.grammar_matchers[1], delay, sleep)
+        else:
+            methods.aim(dec.grammar_matchers[1])
+        logits, failed = _step(dec, [GuidedRequest.generation(i, i, HEALTHY, A)
+                                     for i in range(2)], 2)
+        dec.close()
+        assert _allowed(logits[0]) == [0, 1, 2]
+        if sleep:
+            assert failed == [] and _allowed(logits[1]) == [0, 1, 2]
+        else:
+            assert [f[0] for f in failed] == [1] and "BudgetExceededError" in failed[0][1]
+
+
+@pytest.mark.parametrize("kind", ["eager", "capturable"])
+@pytest.mark.parametrize("waited", [0.9, 3.0])
+def test_a_request_after_one_that_waited_is_judged_by_its_own_cpu_time(tiny, waited, kind):
+    """Python build, one thread: a request whose fill sleeps ``waited`` budgets (under the
+    budget, or a wall-time overrun), then one whose fill spends 1.5 budgets of CPU: the first
+    is served, the second fails (the wait before it does not hide its CPU time)."""
+    dec = _decoder(tiny, "python", kind, slots=2)
+    _step(dec, [GuidedRequest.context(i, i, HEALTHY) for i in range(2)], 2)
+    dec.grammar_matchers[0] = _Slow(dec.grammar_matchers[0], waited * BUDGET_MS / 1e3, True)
+    dec.grammar_matchers[1] = _Slow(dec.grammar_matchers[1], 1.5 * BUDGET_MS / 1e3)
+    logits, failed = _step(dec, [GuidedRequest.generation(i, i, HEALTHY, A) for i in range(2)], 2)
+    dec.close()
+    assert [f[0] for f in failed] == [1] and "BudgetExceededError" in failed[0][1]
+    assert _allowed(logits[0]) == [0, 1, 2] and _allowed(logits[1]) == list(range(V))
+
+
 @pytest.mark.parametrize("budget", [None, 0])
 @pytest.mark.parametrize("build", ["python", "native"])
 def test_no_budget_never_fails_a_slow_request(tiny, budget, build):
     """``host_step_budget_ms`` None or 0 turns the guard off: a request twice as slow as the
     default budget allows is served, not failed."""
     delay = 2 * DEFAULT_HOST_STEP_BUDGET_MS / 1e3
-    methods = _sleepy_native(delay) if build == "native" else None
+    methods = _slow_native(delay) if build == "native" else None
     dec = _decoder(tiny, build, "eager", slots=2, budget=budget, methods=methods)
     _step(dec, [GuidedRequest.context(i, i, HEALTHY) for i in range(2)], 2)
     if build == "python":
-        dec.grammar_matchers[1] = _Sleepy(dec.grammar_matchers[1], delay)
+        dec.grammar_matchers[1] = _Slow(dec.grammar_matchers[1], delay)
     else:
         methods.aim(dec.grammar_matchers[1])
     logits, failed = _step(dec, [GuidedRequest.generation(i, i, HEALTHY, A) for i in range(2)], 2)

@@ -306,8 +306,8 @@ class NativeBuilder:
         """One request's host-step budget from the next step on (None or 0: none): a request
         whose accept and fills take longer, measured on the monotonic clock once per request
         (from the end of the previous request on the same thread to its own), ends with
-        :data:`STATUS_OVER_BUDGET`. On ``FastPath.begin``'s thread, which runs at nice 19, an
-        overrun also needs the thread's CPU time to agree."""
+        :data:`STATUS_OVER_BUDGET` where the thread's CPU time agrees (a thread preempted, at
+        nice 19 behind busier ones, or waiting for the GIL spends wall time, not the budget)."""
         self._set_budget(int(round((budget_ms or 0) * 1e6)))
 
     def bind_fast(self, handles: list, draft_terminated: list, advanced: list, guided: list,

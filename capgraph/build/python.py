@@ -33,7 +33,8 @@ refused draft of a chain is: a chain is the tree ``[-1, 0, 1, ...]`` and gets th
 
 from __future__ import annotations
 
-from time import perf_counter
+import threading
+from time import perf_counter, thread_time
 from typing import Sequence, cast
 
 from ..errors import RequestError
@@ -214,12 +215,46 @@ def _checked_drafts(req: GuidedRequest, draft_len: int, state: SlotState) -> lis
     return [checked_token(req, t, "draft token", state) for t in drafts[:draft_len]]
 
 
+class _Anchor(threading.local):
+    """This thread's budget anchor: a request's start (``perf_counter``) and the thread's CPU
+    time (``thread_time``) then, kept from step to step."""
+    wall = float("-inf")
+    cpu = 0.0
+
+
+_ANCHOR = _Anchor()
+
+
+def _request_start(budget: float) -> float:
+    """A timed request's start (``perf_counter``); the thread's anchor moves there where it
+    is over a quarter of ``budget`` old (the CPU clock is a system call: one read per quarter
+    budget of wall time, not one per request)."""
+    start = perf_counter()
+    anchor = _ANCHOR
+    if start - anchor.wall > 0.25 * budget:
+        anchor.wall, anchor.cpu = start, thread_time()
+    return start
+
+
+def _cpu_over(start: float, budget: float) -> bool:
+    """Whether the request that began at ``start`` and went over ``budget`` in wall time also
+    used that much of this thread's CPU time. Its CPU time is at least the CPU time since the
+    anchor less the wall time between the anchor and its start (whatever ran then spent at
+    most that much CPU), and that lower bound is at most a quarter budget short: a request
+    over 1.25 budgets of CPU always fails, one within the budget never does (the rule of the
+    C++ build, ``Builder::OverBudget``)."""
+    anchor = _ANCHOR
+    return thread_time() - anchor.cpu - (start - anchor.wall) > budget
+
+
 class PythonBuild(HostBuild):
     """The reference strategy: :func:`select`, then the fill loop in Python over the backend's
     matcher calls (batched calls for larger batches).
 
     The host-step budget: request by request, each request's accept and fills are timed and a
-    request over the budget ends with :attr:`Status.OVER_BUDGET` at once. A batched call
+    request over the budget ends with :attr:`Status.OVER_BUDGET` at once, where the CPU time
+    this thread spent on it agrees (a thread preempted or waiting for the GIL spends wall
+    time, not the budget: :func:`_cpu_over`). A batched call
     cannot be timed per request, so the rounds time each batched call instead (a few clock
     reads per step, whatever the batch size), and when one took longer than the budget, the
     next build runs request by request, timed, which names the culprit there; a batch that was
@@ -278,7 +313,7 @@ class PythonBuild(HostBuild):
         guided, advanced = state.num_guided_tokens, state.num_advanced_tokens
         budget = self._budget_s
         for i, slot, matcher, offset, drafts, token in zip(*act.columns):
-            start = perf_counter() if budget else 0.0
+            start = _request_start(budget) if budget else 0.0
             if token is not None:  # None: a matcher created this step fills without advancing
                 try:
                     if not matcher.accept_token(token):
@@ -307,7 +342,8 @@ class PythonBuild(HostBuild):
                 guided[slot] += 1
                 token_mask[row] = 1
                 self._masked = True
-                if budget and (elapsed := perf_counter() - start) > budget:
+                if budget and (elapsed := perf_counter() - start) > budget and \
+                        _cpu_over(start, budget):
                     outcomes.append(self._over_budget(i, slot, range(offset, row + 1), elapsed))
                     break
                 if k >= draft_len or k >= len(drafts):
@@ -333,7 +369,7 @@ class PythonBuild(HostBuild):
         i, slot, matcher, offset, tokens, parents, token = entry
         state = self.slots
         budget = self._budget_s
-        start = perf_counter() if budget else 0.0
+        start = _request_start(budget) if budget else 0.0
         try:
             if not matcher.accept_token(token):
                 outcomes.append((i, Status.REJECTED, None))
@@ -345,7 +381,8 @@ class PythonBuild(HostBuild):
                 outcomes.append((i, Status.DEAD_END, None))
                 return
             n = len(tokens)
-            if budget and (elapsed := perf_counter() - start) > budget:
+            if budget and (elapsed := perf_counter() - start) > budget and \
+                    _cpu_over(start, budget):
                 outcomes.append(self._over_budget(i, slot, range(offset, offset + 1 + n),
                                                   elapsed))
                 return
@@ -367,7 +404,8 @@ class PythonBuild(HostBuild):
                         not self._fill_node(matcher, offset + 1 + node, slot):
                     matcher.rollback(1)  # a stop token or a dead position: no row below it
                     continue
-                if budget and (elapsed := perf_counter() - start) > budget:
+                if budget and (elapsed := perf_counter() - start) > budget and \
+                        _cpu_over(start, budget):
                     outcomes.append(self._over_budget(i, slot, range(offset, offset + 1 + n),
                                                       elapsed))
                     return
