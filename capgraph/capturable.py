@@ -546,7 +546,6 @@ class CapturableGuidedDecoder(GuidedDecoder):
             RequestError: ``seq_slot`` is outside ``[0, max_num_sequences)``.
         """
         slot = self._release_slot(seq_slot)
-        self._admission.slot_guides[slot] = None
         if self._streams.is_capturing() or self._stream_idle():
             self._release_now(slot)
             return

@@ -377,16 +377,16 @@ class GuidedDecoder:
         Raises:
             RequestError: ``seq_slot`` is outside ``[0, max_num_sequences)``.
         """
-        slot = self._release_slot(seq_slot)
-        self._admission.slot_guides[slot] = None
-        self._release_now(slot)
+        self._release_now(self._release_slot(seq_slot))
 
     def _release_slot(self, seq_slot: object) -> int:
-        """``seq_slot`` as a slot index, or RequestError naming it."""
+        """Free ``seq_slot`` for admission (the next ``add_batch`` may place a new request
+        there) and return it as a slot index; RequestError naming it where it is none."""
         slot = as_int(seq_slot)
         if slot is None or not self.slots.slot_ok(slot):
             raise RequestError(f"release: seq_slot {seq_slot!r} is not a slot index in [0, "
                                f"max_num_sequences={self.max_num_sequences})", seq_slot=slot)
+        self._admission.slot_guides[slot] = None
         return slot
 
     def _release_now(self, slot: int) -> None:

@@ -253,10 +253,7 @@ Builder::StepClock* Builder::StartClock(StepClock* clock) const {
   static thread_local StepClock::Anchor anchor;
   clock->anchor = &anchor;
   clock->last = NowNs();
-  if (clock->last - anchor.wall > budget_ns / 4) {
-    anchor.wall = clock->last;
-    anchor.cpu = ThreadCpuNs();
-  }
+  if (clock->last - anchor.wall > budget_ns / 4) anchor = {clock->last, ThreadCpuNs()};
   return clock;
 }
 
@@ -277,19 +274,16 @@ bool Builder::OverBudget(StepClock* clock, double* ms) const {
   const int64_t now = NowNs();
   const int64_t start = clock->last;
   clock->last = now;
-  if (now - start <= budget_ns) {
-    if (now - anchor.wall > budget_ns / 4) {
-      anchor.wall = now;
-      anchor.cpu = ThreadCpuNs();
-    }
-    return false;
+  bool over = false;
+  if (now - start > budget_ns) {
+    *ms = static_cast<double>(now - start) / 1e6;
+    const int64_t cpu_now = ThreadCpuNs();
+    over = cpu_now - anchor.cpu - (start - anchor.wall) > budget_ns;
+    anchor = {now, cpu_now};
+  } else if (now - anchor.wall > budget_ns / 4) {
+    anchor = {now, ThreadCpuNs()};
   }
-  *ms = static_cast<double>(now - start) / 1e6;
-  const int64_t cpu_now = ThreadCpuNs();
-  const int64_t cpu = cpu_now - anchor.cpu - (start - anchor.wall);
-  anchor.wall = now;
-  anchor.cpu = cpu_now;
-  return cpu > budget_ns;
+  return over;
 }
 
 // One request: accept `token` (< 0: none, the matcher was created this step), fill its
