@@ -19,7 +19,7 @@ from capgraph import GuidedDecodingConfig, GuidedDecodingParams
 from capgraph.errors import ConfigError, GrammarCompileError, UnsupportedGuideError
 from capgraph.grammar import create_matcher_factory
 from capgraph.grammar.converter_log import converter_warnings
-from capgraph.grammar.schema_policy import unenforced
+from capgraph.grammar.schema_policy import schema_positions, unenforced, unenforced_in_tag
 from capgraph.requests import GuidedRequest
 from capgraph.tokenizers import encode_continuation
 from conftest import load_tool
@@ -112,9 +112,16 @@ def test_probe_instances_are_what_they_claim(index):
     if probe.keyword == "dependencies":
         from jsonschema import Draft7Validator
         validator = Draft7Validator(probe.schema, format_checker=checker)
-    if isinstance(probe.violating, table.Raw):
-        with pytest.raises(ValueError):
-            json.loads(probe.violating.text)
+    if "$schema" in probe.schema:
+        from jsonschema import validators
+        validator = validators.validator_for(probe.schema)(probe.schema, format_checker=checker)
+    if isinstance(probe.violating, table.Raw):  # not JSON, or JSON whose parse is invalid
+        try:
+            parsed = json.loads(probe.violating.text)
+        except ValueError:
+            pass
+        else:
+            assert not validator.is_valid(parsed), parsed
     else:
         assert not validator.is_valid(probe.violating)
     if probe.valid is not table.NO_VALID:
@@ -204,13 +211,77 @@ def test_converter_warnings_restores_stderr_when_the_body_raises(capfd):
     ({"type": "string", "enum": ["a", "b"], "maxLength": 1}, []),
     ({"type": "string", "enum": ["a", "bb"], "maxLength": 1}, [("enum", ""), ]),
     ({"properties": {"a": {"$id": "http://x/a", "type": "integer"}}}, [("$id", "/properties/a")]),
+    # an enum decides alone only where its values satisfy the siblings as the schema's own
+    # draft reads them, under formats jsonschema can check, in a form that draft defines
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+      "enum": [{"a": 1}], "dependencies": {"a": ["b"]}}, [("enum", "")]),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+      "enum": [{"a": 1, "b": 2}], "dependencies": {"a": ["b"]}}, []),
+    ({"type": "string", "enum": ["-a-"], "format": "hostname"}, [("enum", "")]),
+    ({"type": "string", "enum": ["2020-01-01"], "format": "date"}, []),
+    ({"enum": [[1, "a"]], "items": [{"type": "integer"}]}, [("enum", "")]),
+    ({"type": []}, [("type", "")]),
+    # places only a '$ref' reaches are judged like any other
+    ({"type": "object", "properties": {"a": {"$ref": "#/x-foo"}},
+      "x-foo": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+     [("uniqueItems", "/x-foo")]),
+    ({"$ref": "#/default", "default": {"type": "string", "format": "regex"}},
+     [("format", "/default")]),
+    ({"$ref": "#/x", "x": {"$ref": "#/y"}, "y": {"not": {"const": 1}}}, [("not", "/y")]),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"type": "array", "items": {"$ref": "#/$defs/a"}}}},
+     []),
+    # a name the schema does not list can be written twice: minProperties cannot count it
+    ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},
+     [("minProperties", "")]),
+    ({"type": "object", "minProperties": 1}, [("minProperties", "")]),
+    ({"type": "object", "properties": {"a": {}, "b": {}}, "minProperties": 1}, []),
 ])
 def test_policy_findings_xgrammar(schema, expected):
     """The xgrammar allow-list: names and annotations are not keywords, no-op values constrain
     nothing, pointers escape '/', an enum whose values satisfy its siblings decides alone,
-    unresolvable or remote references and nested identifiers are reported."""
+    unresolvable or remote references and nested identifiers are reported, and so is what
+    a '$ref' reaches outside the usual places."""
     found = [(f.keyword, f.pointer) for f in unenforced(schema, "xgrammar")]
     assert found[:len(expected)] == expected and (expected or not found)
+
+
+@pytest.mark.parametrize("schema,expected", [
+    ({"type": "string", "pattern": '^[^"]+$'}, [("pattern", "")]),
+    ({"type": "string", "pattern": "^[^\\\\]+$"}, [("pattern", "")]),
+    ({"type": "string", "pattern": "^[^!-#]+$"}, [("pattern", "")]),
+    ({"type": "string", "pattern": "^[^\\x22]+$"}, [("pattern", "")]),
+    ({"type": "string", "pattern": "^[^a]+$"}, []),
+    ({"type": "string", "pattern": "^[^\\W]+$"}, []),
+    ({"type": "string", "pattern": '^[a"]+$'}, []),
+    ({"type": "string", "pattern": '^\\[^"]$'}, []),  # an escaped '[': no class
+    ({"type": "string", "pattern": '^\\\\[^"]$'}, [("pattern", "")]),  # a '\\', then a class
+    ({"type": "object", "patternProperties": {'^[^"]': {}}, "additionalProperties": False},
+     [("patternProperties", "")]),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+     [("properties", "")]),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": False}, []),
+    ({"type": "object", "properties": {"a": {}}}, []),
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, []),
+])
+def test_policy_findings_llguidance(schema, expected):
+    """The llguidance allow-list: a negated class that excludes '"' or '\\' (llguidance lets
+    their escaped spelling through) and listed names next to additional ones (a listed name
+    spelled with an escape passes as additional) are reported."""
+    found = [(f.keyword, f.pointer) for f in unenforced(schema, "llguidance")]
+    assert found[:len(expected)] == expected and (expected or not found)
+
+
+def test_schema_positions_visit_each_place_once_without_recursion():
+    """Every schema object once, in document order, then what only a '$ref' reaches; a
+    schema nested far past Python's recursion limit is walked all the same."""
+    schema = {"properties": {"a": {"$ref": "#/x"}, "b": {"$ref": "#"}},
+              "x": {"items": {"$ref": "#/x"}}, "$defs": {"d": {}}}
+    assert [p for _, p in schema_positions(schema)] == [
+        "", "/properties/a", "/properties/b", "/$defs/d", "/x", "/x/items"]
+    deep: dict = {}
+    for _ in range(5000):
+        deep = {"items": deep}
+    assert len(list(schema_positions(deep))) == 5001
 
 
 @pytest.mark.parametrize("tok_name", ["tekken", "mistral-sp32k", "qwen"])
@@ -267,6 +338,25 @@ def test_structural_tag_schemas_follow_the_policy(schema, fragment, factory_cach
         factory_cache("tekken").compile(GuidedDecodingParams(GuideType.STRUCTURAL_TAG,
                                                              _tag(schema)))
     assert fragment in str(info.value)
+
+
+def test_structural_tag_refuses_any_order_schemas(factory_cache, tekken):
+    """A tag schema whose properties may come in any order is refused: xgrammar checks
+    neither that the required ones are present nor that each appears once there (measured:
+    ``{"a":1,"a":2}`` passed for required a and b)."""
+    from capgraph import GuideType
+    tag = json.dumps({"type": "structural_tag", "format": {
+        "type": "json_schema", "any_order": True, "json_schema": {
+            "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"]}}})
+    assert [(f.keyword, f.pointer) for f in unenforced_in_tag(json.loads(tag))] == [
+        ("any_order", "/format")]
+    with pytest.raises(UnsupportedGuideError, match="'any_order' at /format"):
+        factory_cache("tekken").compile(GuidedDecodingParams(GuideType.STRUCTURAL_TAG, tag))
+    ordered = json.loads(tag)
+    ordered["format"]["any_order"] = False
+    factory_cache("tekken").compile(GuidedDecodingParams(GuideType.STRUCTURAL_TAG,
+                                                         json.dumps(ordered)))
 
 
 def test_structural_tag_with_enforced_schema_compiles(factory_cache, tekken):

@@ -121,6 +121,9 @@ def test_escaped_and_class_braces_still_compile(tiny):
     ({"type": "object", "patternProperties": {"^k{99999}$": {"type": "integer"}}},
      "patternProperties key"),
     ({"anyOf": [{"type": "array", "minItems": 80000}, {"type": "null"}]}, "/anyOf/0/minItems"),
+    # a schema only a '$ref' reaches (the backends follow the pointer wherever it leads)
+    ({"x": {"type": "string", "pattern": f"^a{{{WRAPS}}}$"}, "$ref": "#/x"}, "pattern at /x"),
+    ({"x": {"type": "string", "maxLength": 100000}, "$ref": "#/x"}, "/x/maxLength"),
 ])
 def test_schema_counts_are_refused_with_their_pointer(tiny, schema, where):
     """JSON-schema count keywords (xgrammar wraps maxLength and maxItems beyond 32 bits),

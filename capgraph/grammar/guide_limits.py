@@ -45,7 +45,7 @@ from typing import Any, Iterator
 
 from ..errors import UnsupportedGuideError
 from ..params import DEFAULT_MAX_REPETITION_COUNT, GuidedDecodingParams, GuideType
-from .schema_policy import subschemas
+from .schema_policy import schema_positions
 
 __all__ = ["BACKEND_MAX_COUNT", "DEFAULT_MAX_REPETITION_COUNT", "check_guide_limits",
            "regex_counts", "ebnf_counts", "schema_counts"]
@@ -124,24 +124,23 @@ def _skip_class(text: str, i: int) -> int:
 
 def schema_counts(schema: Any, path: str = "") -> Iterator[Found]:
     """Every count of a JSON schema (already parsed): the count keywords' values and the
-    counts of the regexes in ``pattern`` and ``patternProperties`` keys, by JSON pointer."""
-    if not isinstance(schema, dict):
-        return
-    here = path or "/"
-    for keyword in COUNT_KEYWORDS:
-        value = schema.get(keyword)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) \
-                and math.isfinite(value):  # (NaN, inf: the backend's own error)
-            yield int(value), f"{path}/{keyword}", f"{keyword}={value!r}"
-    pattern = schema.get("pattern")
-    if isinstance(pattern, str):
-        yield from regex_counts(pattern, f"pattern at {here}")
-    props = schema.get("patternProperties")
-    if isinstance(props, dict):
-        for key in props:
-            yield from regex_counts(key, f"patternProperties key {key!r} at {here}")
-    for sub, where in subschemas(schema, path):
-        yield from schema_counts(sub, where)
+    counts of the regexes in ``pattern`` and ``patternProperties`` keys, by JSON pointer, in
+    every schema object a backend reads (:func:`~capgraph.grammar.schema_policy.
+    schema_positions`: the places only a ``$ref`` reaches included)."""
+    for node, where in schema_positions(schema, path):
+        here = where or "/"
+        for keyword in COUNT_KEYWORDS:
+            value = node.get(keyword)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and math.isfinite(value):  # (NaN, inf: the backend's own error)
+                yield int(value), f"{where}/{keyword}", f"{keyword}={value!r}"
+        pattern = node.get("pattern")
+        if isinstance(pattern, str):
+            yield from regex_counts(pattern, f"pattern at {here}")
+        props = node.get("patternProperties")
+        if isinstance(props, dict):
+            for key in props:
+                yield from regex_counts(key, f"patternProperties key {key!r} at {here}")
 
 
 def ebnf_counts(grammar: str, lark: bool) -> Iterator[Found]:

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-__all__ = ["Unenforced", "unenforced", "unenforced_in_tag", "describe", "ANNOTATIONS",
-           "VOCABULARY", "XGRAMMAR", "XGRAMMAR_TAG", "LLGUIDANCE", "XGRAMMAR_FORMATS",
-           "LLGUIDANCE_FORMATS"]
+__all__ = ["Unenforced", "unenforced", "unenforced_in_tag", "describe", "schema_positions",
+           "subschemas", "ANNOTATIONS", "VOCABULARY", "XGRAMMAR", "XGRAMMAR_TAG", "LLGUIDANCE",
+           "XGRAMMAR_FORMATS", "LLGUIDANCE_FORMATS"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +244,9 @@ def _one_pattern_disjoint(node: _Node) -> str | None:
 
 def _enum_covers_siblings(node: _Node) -> str | None:
     """``enum``/``const`` win over their siblings in xgrammar; enforced when every allowed value
-    also satisfies the siblings (then the siblings add nothing)."""
+    also satisfies the siblings (then the siblings add nothing), as the schema's own draft
+    (its ``$schema``, else 2020-12) reads them. A sibling form that draft does not define, or a
+    ``format`` the installed ``jsonschema`` cannot check, cannot be shown to add nothing."""
     rest = {k: v for k, v in node.schema.items()
             if k in VOCABULARY and k not in ("enum", "const") and k not in _CONTAINERS}
     if not any(k in node.siblings() for k in rest):
@@ -253,13 +256,43 @@ def _enum_covers_siblings(node: _Node) -> str | None:
     values = node.value if node.keyword == "enum" else [node.value]
     if not isinstance(values, list):
         return None  # malformed: the backend's own error says so
-    from jsonschema import Draft202012Validator, FormatChecker
-    validator = Draft202012Validator(rest, format_checker=FormatChecker())
-    bad = [v for v in values if not validator.is_valid(v)]
+    from jsonschema import Draft202012Validator, validators
+    declared = node.schema.get("$schema", node.root.get("$schema")
+                               if isinstance(node.root, dict) else None)
+    with warnings.catch_warnings():  # an unknown $schema: 2020-12, without jsonschema's warning
+        warnings.simplefilter("ignore")
+        cls = validators.validator_for({"$schema": declared} if isinstance(declared, str)
+                                       else {}, default=Draft202012Validator)
+    unchecked = sorted(f for f in _formats_in(rest) if f not in cls.FORMAT_CHECKER.checkers)
+    if unchecked:
+        return (f"capgraph cannot check the {node.keyword} values against format "
+                f"{unchecked[0]!r}, which xgrammar would not apply next to them")
+    try:
+        cls.check_schema(rest)
+        validator = cls(rest, format_checker=cls.FORMAT_CHECKER)
+        bad = [v for v in values if not validator.is_valid(v)]
+    except Exception as e:  # noqa: BLE001 - any failure to check is a reason to refuse
+        return (f"capgraph cannot check the {node.keyword} values against the sibling "
+                f"keywords ({type(e).__name__})")
     if bad:
         return (f"xgrammar lets {json.dumps(bad[0])[:40]} through, which the sibling keywords "
                 "refuse")
     return None
+
+
+def _formats_in(value: Any) -> set[str]:
+    """Every ``format`` string anywhere inside ``value`` (schemas nested in it included)."""
+    found: set[str] = set()
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("format"), str):
+                found.add(item["format"])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
 
 
 def _count(node: _Node) -> str | None:
@@ -307,6 +340,106 @@ def _additional_items(node: _Node) -> str | None:
     return None
 
 
+def _repeatable_names(schema: Mapping[str, Any]) -> bool:
+    """Whether an object may hold a name the schema does not list, which the grammar then
+    admits twice (no grammar tracks the names already written): pattern-matched names, or
+    additional ones (allowed unless ``additionalProperties`` / ``unevaluatedProperties`` is
+    ``false``, and by default where the schema lists no names)."""
+    if schema.get("patternProperties"):
+        return True
+    for key in ("additionalProperties", "unevaluatedProperties"):
+        if key in schema:
+            return schema[key] is not False
+    return not schema.get("properties")
+
+
+def _counts_names_once(node: _Node) -> str | None:
+    """``minProperties`` is counted on names as written; a name written twice counts twice in
+    the grammar and once in the parsed object (``{"b": 1, "b": 2}`` has one property)."""
+    if _repeatable_names(node.schema):
+        return ("a name the schema does not list may be written twice, which the grammar "
+                "counts twice and a JSON parser once")
+    return None
+
+
+def _names_spelled_once(node: _Node) -> str | None:
+    """llguidance tells listed names from additional ones by their text as written, so a
+    listed name spelled with an escape (``"\\u0061"`` for ``"a"``) passes as an additional
+    one: its value escapes the listed name's schema."""
+    if node.schema.get("additionalProperties", False) is not False:
+        return ("llguidance takes a listed name written with a JSON escape ('\\u0061' for "
+                "'a') as an additional property, so its value is not checked against the "
+                "listed schema; set 'additionalProperties' to false or use xgrammar")
+    return None
+
+
+def _escape_proof_patterns(node: _Node) -> str | None:
+    """llguidance lets the escaped spelling (``\\"``, ``\\\\``) of a character a negated
+    class excludes through: ``[^"]`` accepts ``\\"``, a ``"``."""
+    patterns = [node.value] if node.keyword == "pattern" else \
+        list(node.value) if isinstance(node.value, dict) else []
+    for pattern in patterns:
+        if isinstance(pattern, str):
+            cls = negated_class_excluding_escaped(pattern)
+            if cls is not None:
+                return (f"llguidance lets the escaped '\"' or '\\' through the negated "
+                        f"class {cls}")
+    return None
+
+
+_JSON_ESCAPED = (0x22, 0x5C)  # '"' and '\\': JSON writes them only escaped
+_CLASS_ESCAPES = frozenset("dDwWsSbB")
+
+
+def negated_class_excluding_escaped(pattern: str) -> str | None:
+    """The first negated character class of ``pattern`` (a regex) whose listed characters
+    include ``"`` or ``\\`` (directly, escaped, as ``\\x``/``\\u`` or in a range), or None.
+    Class escapes (``\\W``, ``\\S``, ...) are not counted: llguidance expands them right."""
+    i, n = 0, len(pattern)
+    while i < n:
+        if pattern[i] == "\\":
+            i += 2
+            continue
+        if pattern[i] != "[":
+            i += 1
+            continue
+        start = i
+        negated = pattern.startswith("[^", i)
+        i += 2 if negated else 1
+        codes: list[int | None] = []  # a code point, or None for a class escape
+        ranges: list[tuple[int, int]] = []
+        while i < n and pattern[i] != "]":
+            code, i = _class_atom(pattern, i)
+            if code is not None and i + 1 < n and pattern[i] == "-" and pattern[i + 1] != "]":
+                high, i = _class_atom(pattern, i + 1)
+                if high is not None:
+                    ranges.append((code, high))
+                    continue
+            codes.append(code)
+        i += 1
+        if negated and (any(c in _JSON_ESCAPED for c in codes) or any(
+                lo <= c <= hi for lo, hi in ranges for c in _JSON_ESCAPED)):
+            return pattern[start:i]
+    return None
+
+
+def _class_atom(pattern: str, i: int) -> tuple[int | None, int]:
+    """One character of a class at ``i``: its code point (None for a class escape such as
+    ``\\d``) and the index after it."""
+    if pattern[i] != "\\" or i + 1 >= len(pattern):
+        return ord(pattern[i]), i + 1
+    letter = pattern[i + 1]
+    for prefix, width in (("x", 2), ("u", 4)):
+        digits = pattern[i + 2:i + 2 + width]
+        if letter == prefix and len(digits) == width and all(
+                c in "0123456789abcdefABCDEF" for c in digits):
+            return int(digits, 16), i + 2 + width
+    if letter in _CLASS_ESCAPES or letter in "pP":
+        return None, i + 2
+    return ord({"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}.get(letter, letter)), \
+        i + 2
+
+
 def _no_guidance_options(node: _Node) -> str | None:
     return "x-guidance options can make llguidance ignore keywords"
 
@@ -318,6 +451,8 @@ def _known_type(node: _Node) -> str | None:
     types = node.types()
     if types is None or not types <= _TYPE_NAMES:
         return f"unknown type {node.value!r}"
+    if not types:
+        return "an empty list of types admits no instance"
     return None
 
 
@@ -348,7 +483,8 @@ XGRAMMAR: dict[str, Rule] = {
     "required": _required_declared,
     "patternProperties": _all(_needs_type, _one_pattern_disjoint),
     "propertyNames": _all(_needs_type, _without("properties", "patternProperties")),
-    "minProperties": _all(_needs_type, _without("patternProperties", "propertyNames")),
+    "minProperties": _all(_needs_type, _without("patternProperties", "propertyNames"),
+                          _counts_names_once),
     "maxProperties": _all(_needs_type, _without("patternProperties", "propertyNames")),
     "unevaluatedProperties": _all(_needs_type, _without(*_APPLICATORS)),
     "allOf": _all(_one_branch, _alone()),
@@ -366,12 +502,14 @@ LLGUIDANCE: dict[str, Rule] = {
     "enum": _ok, "const": _ok,
     "minimum": _ok, "maximum": _ok, "exclusiveMinimum": _ok, "exclusiveMaximum": _ok,
     "multipleOf": _ok,
-    "minLength": _ok, "maxLength": _ok, "pattern": _ok,
+    "minLength": _ok, "maxLength": _ok, "pattern": _escape_proof_patterns,
     "format": _formats(LLGUIDANCE_FORMATS, "llguidance"),
     "items": _ok, "prefixItems": _ok, "additionalItems": _ok,
     "minItems": _ok, "maxItems": _ok,
-    "properties": _ok, "additionalProperties": _ok, "required": _ok, "patternProperties": _ok,
-    "minProperties": _all_properties_required, "maxProperties": _all_properties_required,
+    "properties": _names_spelled_once, "additionalProperties": _ok, "required": _ok,
+    "patternProperties": _all(_names_spelled_once, _escape_proof_patterns),
+    "minProperties": _all(_all_properties_required, _counts_names_once),
+    "maxProperties": _all_properties_required,
     "allOf": _ok, "anyOf": _ok,
     "oneOf": _ok,  # llguidance refuses branches it cannot prove disjoint
     "$ref": _local_ref,
@@ -397,13 +535,15 @@ _BACKEND_KEYS: dict[str, dict[str, Rule]] = {"llguidance": {"x-guidance": _no_gu
 def unenforced(schema: Any, backend: str) -> list[Unenforced]:
     """Every keyword of ``schema`` that ``backend`` (``"xgrammar"``, ``"llguidance"``, or
     ``"xgrammar-tag"`` for a schema inside a structural tag) is not known to enforce, in
-    document order; an empty list means every assertion is enforced.
+    document order (then the places only a ``$ref`` reaches); an empty list means every
+    assertion is enforced.
 
     Property names that happen to spell a keyword are names, not keywords, and are not read.
     """
     rules = _RULES[backend]
     special = _BACKEND_KEYS.get(backend, {})
-    return list(_walk(schema, "", schema, rules, special))
+    return [found for node, pointer in schema_positions(schema)
+            for found in _judge(node, pointer, schema, rules, special)]
 
 
 def unenforced_in_text(guide: str, backend: str) -> list[Unenforced]:
@@ -419,7 +559,8 @@ def unenforced_in_text(guide: str, backend: str) -> list[Unenforced]:
 def unenforced_in_tag(tag: Any) -> list[Unenforced]:
     """:func:`unenforced` for every JSON schema a structural tag embeds (the value of any
     ``"json_schema"`` key), judged for xgrammar (:data:`XGRAMMAR_TAG`), with pointers into the
-    tag document."""
+    tag document; an ``any_order`` schema (whose keys xgrammar does not check) is reported
+    too."""
     found: list[Unenforced] = []
 
     def visit(node: Any, pointer: str) -> None:
@@ -429,7 +570,11 @@ def unenforced_in_tag(tag: Any) -> list[Unenforced]:
         elif isinstance(node, dict):
             for key, value in node.items():
                 where = f"{pointer}/{_escape(str(key))}"
-                if key == "json_schema" and isinstance(value, dict):
+                if key == "any_order" and value is not False:
+                    found.append(Unenforced(key, pointer, (
+                        "xgrammar checks neither which properties are present nor that each "
+                        "appears once when they may come in any order")))
+                elif key == "json_schema" and isinstance(value, dict):
                     found.extend(Unenforced(f.keyword, where + f.pointer, f.reason)
                                  for f in unenforced(value, "xgrammar-tag"))
                 else:
@@ -445,12 +590,12 @@ def describe(found: list[Unenforced], limit: int = 5) -> str:
     return "; ".join(str(f) for f in found[:limit]) + more
 
 
-def _walk(schema: Any, pointer: str, root: Any, rules: Mapping[str, Rule],
-          special: Mapping[str, Rule]) -> Iterator[Unenforced]:
-    if not isinstance(schema, dict):
-        return  # booleans assert all or nothing; anything else is the backend's error
+def _judge(schema: dict[str, Any], pointer: str, root: Any, rules: Mapping[str, Rule],
+           special: Mapping[str, Rule]) -> Iterator[Unenforced]:
+    """The keywords of one schema object that the rules do not show enforced."""
     node_of = {k: _Node(schema, k, root, pointer == "") for k in schema}
     # xgrammar: an enum/const whose every value satisfies the siblings decides the node alone
+    # (its subschemas are still judged: a '$ref' elsewhere may point into them)
     covered = any(rules.get(k) is _enum_covers_siblings and _enum_covers_siblings(node_of[k])
                   is None for k in ("enum", "const") if k in schema)
     for keyword, node in node_of.items():
@@ -464,9 +609,36 @@ def _walk(schema: Any, pointer: str, root: Any, rules: Mapping[str, Rule],
             why = "not enforced by this backend" if rule is None else rule(node)
         if why is not None:
             yield Unenforced(keyword, pointer, why)
-    # subschemas are judged even under a deciding enum: a '$ref' elsewhere may point into them
-    for sub, where in subschemas(schema, pointer):
-        yield from _walk(sub, where, root, rules, special)
+
+
+def schema_positions(root: Any, pointer: str = "") -> Iterator[tuple[dict[str, Any], str]]:
+    """Every schema object a backend may read in ``root``, once each, with its JSON pointer
+    (prefixed by ``pointer``): ``root``, the subschemas in every place JSON Schema keeps them
+    (:func:`subschemas`), in document order, then each place a local ``$ref`` points at that
+    those do not reach (a schema kept under an unknown keyword or in ``default``: the backends
+    follow the pointer wherever it leads). Iterative: nesting depth costs no Python stack."""
+    seen: set[str] = set()
+    refs: list[str] = []
+    stack: list[tuple[Any, str]] = [(root, "")]
+    while True:
+        while stack:
+            node, where = stack.pop()
+            if not isinstance(node, dict) or where in seen:
+                continue  # booleans assert all or nothing; anything else is the backend's error
+            seen.add(where)
+            yield node, pointer + where
+            ref = node.get("$ref")
+            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+                refs.append(ref[1:])
+            stack.extend(reversed(list(subschemas(node, where))))
+        pending = [r for r in refs if r not in seen]
+        refs.clear()
+        if not pending:
+            return
+        for target in reversed(pending):
+            value = _resolve(root, "#" + target)
+            if value is not _MISSING:
+                stack.append((value, target))
 
 
 def subschemas(schema: dict[str, Any], pointer: str = "") -> Iterator[tuple[Any, str]]:
