@@ -328,11 +328,14 @@ def _tag(schema: dict) -> str:
     ({"type": "number", "multipleOf": 120}, "'multipleOf' at /format/content/json_schema"),
     ({"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}},
      "'maxLength' at /format/content/json_schema/properties/s"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "additionalProperties": {"type": "string"}}, "'properties' at /format/content/json_schema"),
 ])
 def test_structural_tag_schemas_follow_the_policy(schema, fragment, factory_cache):
     """A JSON schema embedded in a structural tag goes through the same xgrammar converter:
-    a constraint it would drop there (string length limits included: the character-class
-    repair applies to JSON-schema guides only) refuses the tag, naming keyword and pointer."""
+    a constraint it would drop there (string length limits and listed names next to additional
+    ones included: capgraph's repairs of those apply to JSON-schema guides only) refuses the
+    tag, naming keyword and pointer."""
     from capgraph import GuideType
     with pytest.raises(UnsupportedGuideError) as info:
         factory_cache("tekken").compile(GuidedDecodingParams(GuideType.STRUCTURAL_TAG,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from capgraph import GuidedDecodingParams, GuideType
+from capgraph import GuidedDecodingParams, GuideType, UnsupportedGuideError
 from capgraph.bitmask import allocate_host_bitmask
 from capgraph.grammar.llguidance_backend import available as llg_available
 from capgraph.tokenizers import BUNDLED_TOKENIZERS, encode_continuation, special_token_ids
@@ -380,8 +380,7 @@ UNLISTED_TABLE = [
     ({"type": "object", "properties": {}}, "{}", True),
     ({"type": "object", "properties": {}}, '{"b": 2}', False),
     ({"type": "object"}, '{"b": 2}', True),
-    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
-     '{"a": 1, "b": 2}', True),
+    ({"type": "object", "additionalProperties": True}, '{"a": 1, "b": 2}', True),
     ({"type": "object", "properties": {"o": {"type": "object", "properties": {"x": {}}}}},
      '{"o": {"x": 1, "y": 2}}', False),
     ({"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
@@ -405,6 +404,21 @@ def test_unlisted_properties_and_items_are_absent_on_both_backends(factory_cache
     got = [(s, t, accepts(factory, tok, GuidedDecodingParams.json_schema(s), t))
            for s, t, _ in UNLISTED_TABLE]
     assert got == UNLISTED_TABLE
+
+
+@pytest.mark.skipif(not llg_available(), reason="the llguidance extra is not installed")
+def test_explicit_additional_properties_next_to_listed_ones(factory_cache, tokenizer_cache):
+    """``additionalProperties: true`` next to listed properties allows others on xgrammar
+    (whose additional names take no escape, so none spells a listed one); llguidance, which
+    would let ``"\\u0061"`` pass for a listed ``"a"``, refuses the schema, naming it."""
+    tok = tokenizer_cache("tekken")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}},
+              "additionalProperties": True}
+    params = GuidedDecodingParams.json_schema(schema)
+    assert accepts(factory_cache("tekken", "xgrammar"), tok, params, '{"a": 1, "b": 2}')
+    assert not accepts(factory_cache("tekken", "xgrammar"), tok, params, '{"\\u0061": "x"}')
+    with pytest.raises(UnsupportedGuideError, match="'properties' at /"):
+        factory_cache("tekken", "llguidance").compile(params)
 
 
 def test_llguidance_schema_writes_out_only_describing_defaults():

@@ -373,6 +373,28 @@ def _names_spelled_once(node: _Node) -> str | None:
     return None
 
 
+def _patterns_without_additional(node: _Node) -> str | None:
+    """xgrammar writes an additional name next to pattern-matched ones as any string: it
+    neither leaves out the listed names nor the names the patterns match."""
+    if node.schema.get("additionalProperties", False) is not False:
+        return ("xgrammar lets a name that is listed or matches a pattern through as an "
+                "additional property next to patternProperties")
+    return None
+
+
+def _tag_names_spelled_once(node: _Node) -> str | None:
+    """In a structural tag xgrammar's additional names keep their escapes (capgraph repairs
+    the name rule in JSON-schema guides only), so ``"\\u0061"`` passes for a listed
+    ``"a"``."""
+    extra = node.schema.get("additionalProperties", node.schema.get("unevaluatedProperties",
+                                                                     False))
+    if extra is not False:
+        return ("in a structural tag xgrammar takes a listed name written with a JSON escape "
+                "('\\u0061' for 'a') as an additional property; capgraph repairs that in "
+                "JSON-schema guides only")
+    return None
+
+
 def _escape_proof_patterns(node: _Node) -> str | None:
     """llguidance lets the escaped spelling (``\\"``, ``\\\\``) of a character a negated
     class excludes through: ``[^"]`` accepts ``\\"``, a ``"``."""
@@ -481,7 +503,8 @@ XGRAMMAR: dict[str, Rule] = {
     "properties": _ok,
     "additionalProperties": _ok,
     "required": _required_declared,
-    "patternProperties": _all(_needs_type, _one_pattern_disjoint),
+    "patternProperties": _all(_needs_type, _one_pattern_disjoint,
+                              _patterns_without_additional),
     "propertyNames": _all(_needs_type, _without("properties", "patternProperties")),
     "minProperties": _all(_needs_type, _without("patternProperties", "propertyNames"),
                           _counts_names_once),
@@ -523,9 +546,12 @@ def _unrepaired_length(node: _Node) -> str | None:
 
 
 #: xgrammar on a JSON schema embedded in a structural tag: as :data:`XGRAMMAR`, but string
-#: length limits stay unenforced there (the backend repairs them in JSON-schema guides only).
-XGRAMMAR_TAG: dict[str, Rule] = {**XGRAMMAR, "minLength": _unrepaired_length,
-                                 "maxLength": _unrepaired_length}
+#: length limits and listed names next to additional ones stay unenforced there (the backend
+#: repairs those in JSON-schema guides only).
+XGRAMMAR_TAG: dict[str, Rule] = {
+    **XGRAMMAR, "minLength": _unrepaired_length, "maxLength": _unrepaired_length,
+    "properties": _tag_names_spelled_once,
+    "patternProperties": _all(XGRAMMAR["patternProperties"], _tag_names_spelled_once)}
 
 _RULES = {"xgrammar": XGRAMMAR, "llguidance": LLGUIDANCE, "xgrammar-tag": XGRAMMAR_TAG}
 # Keywords outside the vocabulary that a backend reads as instructions.

@@ -13,6 +13,10 @@
   :func:`ascii_classes` / :func:`ascii_schema_patterns` first. Its ``\\s`` already agrees.
 - Properties and items a JSON schema does not list are absent where it lists some (xgrammar's
   strict reading); llguidance is given those defaults written out (:func:`llguidance_schema`).
+  Where an array or object schema lists none, any are allowed, as JSON Schema has it; xgrammar
+  reads such a schema as ``[]`` / ``{}`` only once it has any keyword besides ``type``, so it
+  is given ``items: true`` / ``additionalProperties: true`` written out
+  (:func:`xgrammar_schema`).
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import json
 import re
 from typing import Any
 
+from .schema_policy import subschemas
+
 __all__ = ["JSON_CONTAINER_SCHEMA", "JSON_WHITESPACE_CHARS", "ascii_classes",
-           "ascii_schema_patterns", "llguidance_schema"]
+           "ascii_schema_patterns", "llguidance_schema", "xgrammar_schema"]
 
 #: ``GuideType.JSON`` on every backend: a JSON object or array (the "JSON mode" of serving
 #: engines; xgrammar's builtin JSON grammar, which fills a mask twice as fast as a schema).
@@ -177,3 +183,71 @@ def _rewrite(schema_text: str, unlisted_absent: bool) -> str:
         return result
 
     return json.dumps(walk(schema, True))
+
+
+# What xgrammar 0.2.9 skips when it decides whether a schema is a bare {"type": "array"} /
+# {"type": "object"} (its builtin any-array / any-object): its annotation keywords.
+_XGRAMMAR_ANNOTATIONS = frozenset({"title", "default", "description", "examples", "deprecated",
+                                   "readOnly", "writeOnly", "$comment", "$schema"})
+# The keywords that list items / properties (or, for propertyNames, already let xgrammar admit
+# any name it allows).
+_LISTS_ITEMS = ("items", "prefixItems", "unevaluatedItems")
+_LISTS_PROPERTIES = ("properties", "patternProperties", "additionalProperties",
+                     "unevaluatedProperties", "propertyNames")
+# Keywords whose schemas xgrammar reads together with their sibling keywords; such a schema is
+# left as written (the keyword policy refuses them next to other assertions).
+_COMBINED_WITH_SIBLINGS = ("$ref", "allOf", "anyOf", "oneOf")
+
+
+def xgrammar_schema(schema_text: str) -> str:
+    """The JSON schema ``schema_text`` as xgrammar must be given it to mean what capgraph
+    documents: an array or object schema that lists no items / properties allows any.
+
+    xgrammar 0.2.9 (strict mode) reads ``{"type": "array", "maxItems": 5}`` as admitting only
+    ``[]`` (``"minItems": 1`` then fails to compile) and ``{"type": "object",
+    "maxProperties": 3}`` as admitting only ``{}``: every schema whose ``type`` is or lists
+    ``"array"`` / ``"object"``, that has a keyword besides ``type`` and annotations, and lists
+    none of ``items`` / ``prefixItems`` / ``unevaluatedItems`` (arrays) or ``properties`` /
+    ``patternProperties`` / ``additionalProperties`` / ``unevaluatedProperties`` /
+    ``propertyNames`` (objects). Such schemas get ``"items": true`` / ``"additionalProperties":
+    true``, at every schema position (:func:`~capgraph.grammar.schema_policy.subschemas`); the
+    keywords added are no-ops in JSON Schema, and no existing key moves, so JSON pointers stay
+    the same. Left as written: a bare ``{"type": "array"}`` (xgrammar's any-array already), a
+    schema without ``type`` (xgrammar reads ``{"maxItems": 5}`` as any value), ``enum`` /
+    ``const`` schemas (their values win) and schemas next to ``$ref`` / ``allOf`` / ``anyOf`` /
+    ``oneOf`` (read together with those). Text that is not a JSON object, and a schema with
+    nothing to add, are returned unchanged."""
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return schema_text
+    if not isinstance(schema, dict):
+        return schema_text
+    changed = False
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue  # a boolean schema, or malformed: xgrammar's own error says so
+        stack.extend(sub for sub, _ in subschemas(node))
+        changed |= _allow_unlisted(node)
+    return json.dumps(schema) if changed else schema_text
+
+
+def _allow_unlisted(node: dict[str, Any]) -> bool:
+    """Write ``items: true`` / ``additionalProperties: true`` into ``node`` where xgrammar
+    would read it as admitting no item / property (:func:`xgrammar_schema`); whether it did."""
+    kind = node.get("type")
+    types = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
+    if ("array" not in types and "object" not in types) or "enum" in node or "const" in node \
+            or any(k in node for k in _COMBINED_WITH_SIBLINGS) \
+            or all(k == "type" or k in _XGRAMMAR_ANNOTATIONS for k in node):
+        return False
+    changed = False
+    if "array" in types and not any(k in node for k in _LISTS_ITEMS):
+        node["items"] = True
+        changed = True
+    if "object" in types and not any(k in node for k in _LISTS_PROPERTIES):
+        node["additionalProperties"] = True
+        changed = True
+    return changed

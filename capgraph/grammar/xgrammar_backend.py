@@ -17,11 +17,11 @@ from ..errors import GrammarCompileError, NativeBuildError, UnsupportedGuideErro
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory, whole_utf8_prefix
 from .compile_pool import run_lowered
-from .converter_log import converter_warnings
+from .converter_log import converter_warnings, exclusive
 from .disk_cache import source_digest
 from .process_pool import ProcessCompilePool
 from .schema_policy import describe, unenforced_in_tag, unenforced_in_text
-from .semantics import JSON_CONTAINER_SCHEMA
+from .semantics import JSON_CONTAINER_SCHEMA, xgrammar_schema
 
 __all__ = ["XGrammarMatcher", "XGrammarMatcherFactory", "build_tokenizer_info",
            "json_whitespace_options"]
@@ -167,19 +167,50 @@ def _resolve_tag_tokens(tag: str, ids_by_name: Mapping[str, int]) -> tuple[str, 
 
 
 def _converted(convert: Callable[[], xgr.Grammar]) -> tuple[xgr.Grammar, list[str]]:
-    """``convert()`` (a JSON-schema or structural-tag conversion) with the warnings xgrammar's
-    converter logged while it ran (:func:`~capgraph.grammar.converter_log.converter_warnings`)."""
+    """``convert()`` (a guide's conversion to an ``xgrammar.Grammar``, never its compile) with
+    the warnings xgrammar's converters logged while it ran
+    (:func:`~capgraph.grammar.converter_log.converter_warnings`)."""
     with converter_warnings() as warned:
         grammar = convert()
     return grammar, warned
 
 
-def _refuse(what: str) -> None:
+def _ebnf_grammar(guide: str) -> xgr.Grammar:
+    """The EBNF guide ``guide`` parsed, with the automata of its ``Regex(...)`` elements built
+    once, so that what xgrammar's automaton builder logs about them (an anchor or a lookahead
+    it ignores) is logged here, inside the conversion's capture: parsing alone builds none, the
+    compile builds them again. Where this xgrammar has no separate automaton pass, or the pass
+    raises, parsing is all (the compile reports a grammar's errors)."""
+    grammar = xgr.Grammar.from_ebnf(guide)
+    functor = getattr(getattr(xgr, "testing", None), "GrammarFunctor", None)
+    if functor is not None and hasattr(functor, "fsm_builder"):
+        try:
+            functor.fsm_builder(grammar)
+        except Exception:  # noqa: BLE001 - the compile reports the grammar's errors
+            pass
+    return grammar
+
+
+def _refuse(what: str, guide_type: GuideType = GuideType.JSON_SCHEMA) -> None:
+    """Refuse a JSON schema (or the schemas a structural tag embeds, or a tag's parts) of which
+    xgrammar would not enforce ``what``."""
     raise UnsupportedGuideError(
         f"xgrammar would accept but not enforce {what}; remove them, use the llguidance "
         "backend, set GuidedDecodingConfig(json_unenforced_keywords='fallback') to let "
         "llguidance serve such schemas, or 'ignore' to generate with them unenforced",
-        guide_type="JSON_SCHEMA", backend=BACKEND)
+        guide_type=guide_type.name, backend=BACKEND)
+
+
+def _refuse_ignored(guide_type: GuideType, warned: Sequence[str]) -> None:
+    """Refuse a REGEX or EBNF guide of which xgrammar ignores a construct (``warned``: what it
+    logged); ``json_unenforced_keywords`` does not apply to these."""
+    what = "regex" if guide_type is GuideType.REGEX else "grammar"
+    raise UnsupportedGuideError(
+        f"xgrammar ignores part of this {what}, so it would not enforce it: "
+        + "; ".join(f"xgrammar reported: {w}" for w in warned)
+        + "; rewrite that construct (anchors '^' / '$' only at the very start / end of a "
+        "regex, no lookahead, no escape other than the standard ones) or use the llguidance "
+        "backend", guide_type=guide_type.name, backend=BACKEND)
 
 
 # xgrammar 0.2.9 spells a character of a length-limited string (minLength / maxLength) as
@@ -190,13 +221,186 @@ _LENGTH_STRING_CHARS = '[^\\"\\\\\\r\\n]'
 _JSON_STRING_CHARS = '[^\\0-\\x1f\\"\\\\]'
 
 
-def _repair_length_strings(grammar: xgr.Grammar) -> xgr.Grammar:
-    """``grammar`` with every length-limited string character class made JSON's (no raw
-    control character); the same object where it has none."""
+def _repair_length_strings(text: str) -> str:
+    """The grammar text ``text`` with every length-limited string character class made JSON's
+    (no raw control character)."""
+    return text.replace(_LENGTH_STRING_CHARS, _JSON_STRING_CHARS)
+
+
+# xgrammar 0.2.9 writes the name of an additional (or unevaluated) property next to listed
+# properties as a trie over the listed names' bytes, which leaves out only their literal
+# spelling and lets JSON escapes in anywhere, so "\u0061" spells the listed "a" past the trie
+# (and its value escapes a's schema). For {"properties": {"a": ...}, "additionalProperties":
+# ...} (helper rules abridged to their shape):
+#   root_addl_key ::= (("\"" root_addl_key_2)) (=([ \n\r\t]* [,}\]:]))
+#   root_addl_key_2 ::= (("\"") | ([^\0-\x1f\"\\\r\na] basic_string_sub)
+#       | ("\\" basic_escape basic_string_sub) | ("a" root_addl_key_1))
+#   root_addl_key_1 ::= (([^\0-\x1f\"\\\r\n] basic_string_sub)
+#       | ("\\" basic_escape basic_string_sub))
+# The byte trie also misreads names beyond ASCII: its character class leaves out the first
+# *byte* of "é" as if it were the character U+00C3, so "é" itself passes as an additional
+# name and "Ã" is refused; and a lone byte cannot be written back as grammar text (xgrammar
+# prints it as "\xc3", which it reads back as U+00C3).
+_KEY_RULE = re.compile(
+    r'^(?P<name>\w*_addl_key\w*) ::= \(\("\\"" (?P<root>\w+)\)\)(?P<tail>.*)$', re.MULTILINE)
+_RULE = re.compile(r"^(?P<name>\w+) ::= (?P<body>.*)$", re.MULTILINE)
+_TRIE_ALTERNATIVE = re.compile(
+    r'(?P<end>\("\\""\))'  # the name may end here
+    r'|\(\[\^(?:\\.|[^\]\\])*\] basic_string_sub\)'  # a character no listed name has here
+    r'|\("\\\\" basic_escape basic_string_sub\)'  # an escape
+    r'|\("(?P<byte>\\x[0-9a-f]{2}|\\.|[^"\\])" (?P<child>\w+)\)')  # a listed name goes on
+# how xgrammar prints a byte as an escape (grammar_printer.cc / EscapeString)
+_PRINTED_ESCAPES = {"'": 0x27, '"': 0x22, "?": 0x3F, "\\": 0x5C, "a": 0x07, "b": 0x08,
+                    "f": 0x0C, "n": 0x0A, "r": 0x0D, "t": 0x09, "v": 0x0B, "0": 0x00, "e": 0x1B}
+_STRING_SUB = re.compile(r"^basic_string_sub ::= \(.*\)(?P<lookahead> \(=.*\))$", re.MULTILINE)
+# The raw characters of a JSON string: all but '"', '\' and the control characters.
+_RAW_CHARS = r'\0-\x1f\"\\'
+_KEY_REST = "capgraph_key_rest"
+
+
+class GrammarShapeError(RuntimeError):
+    """xgrammar's grammar text is not of the shape a repair was written for (another xgrammar
+    version): the guide is refused rather than compiled unrepaired."""
+
+
+def _repair_property_keys(text: str) -> str:
+    """The grammar text ``text`` with the name of every additional / unevaluated property
+    spelled without escapes and every listed name, by its characters, left out of it.
+
+    A name without escapes has exactly one spelling, so a listed name can no longer pass as an
+    additional one; the raw characters stay all that JSON allows in a string. Each such name
+    rule (shown above) is rebuilt as a trie over the listed names' characters that ends in
+    ``capgraph_key_rest``, ``basic_string_sub`` without its escape and with its lookahead.
+    Listed names with a character JSON writes only escaped (``"``, ``\\``, a control
+    character) need no exclusion: no name without escapes spells them.
+
+    Raises:
+        GrammarShapeError: a name rule, or ``basic_string_sub``, is not of the known shape.
+    """
+    keys = list(_KEY_RULE.finditer(text))
+    rules = {m.group("name"): m.group("body") for m in _RULE.finditer(text)}
+    if not keys:
+        if any("_addl_key" in name for name in rules):
+            raise GrammarShapeError("xgrammar's additional-property name rule is not of the "
+                                    "known shape; capgraph cannot make it escape-free")
+        return text
+    string_sub = _STRING_SUB.search(text)
+    if string_sub is None or _KEY_REST in rules:
+        raise GrammarShapeError("xgrammar's basic_string_sub rule is not of the known shape; "
+                                "capgraph cannot make property names escape-free")
+    added = [f'{_KEY_REST} ::= (("\\"") | ([^{_RAW_CHARS}] {_KEY_REST}))'
+             + string_sub.group("lookahead")]
+    replaced: dict[str, str] = {}
+    taken = set(rules)
+    for key in keys:
+        names = set()
+        for raw in _read_trie(key.group("root"), rules, replaced):
+            try:
+                name = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise GrammarShapeError(f"a listed property name read from {key.group('name')} "
+                                        f"is not UTF-8: {raw!r}") from None
+            if not any(ch in '"\\' or ord(ch) < 0x20 for ch in name):
+                names.add(name)
+        root = f"{key.group('name')}_noesc"
+        replaced[key.group("name")] = f'(("\\"" {root})){key.group("tail")}'
+        added.extend(_name_trie(root, names, taken))
+    lines = []
+    for line in text.splitlines():
+        rule = _RULE.match(line)
+        if rule is None or rule.group("name") not in replaced:
+            lines.append(line)
+        elif replaced[rule.group("name")]:
+            lines.append(f"{rule.group('name')} ::= {replaced[rule.group('name')]}")
+    return "\n".join([*lines, *added]) + "\n"
+
+
+def _read_trie(root: str, rules: Mapping[str, str], dropped: dict[str, str]) -> list[bytes]:
+    """The listed names the byte trie that starts at rule ``root`` leaves out; marks the
+    trie's rules ``dropped`` (an empty body)."""
+    names: list[bytes] = []
+    stack = [(root, b"")]
+    while stack:
+        rule, prefix = stack.pop()
+        body = rules.get(rule)
+        if body is None or rule in dropped or not (body.startswith("(") and body.endswith(")")):
+            raise GrammarShapeError(f"xgrammar's property-name trie rule {rule!r} is not of "
+                                    "the known shape; capgraph cannot make it escape-free")
+        dropped[rule] = ""
+        body, pos, ends = body[1:-1], 0, False
+        while True:
+            alternative = _TRIE_ALTERNATIVE.match(body, pos)
+            if alternative is None:
+                raise GrammarShapeError(f"xgrammar's property-name trie rule {rule!r} is not "
+                                        "of the known shape; capgraph cannot make it "
+                                        "escape-free")
+            ends = ends or alternative.group("end") is not None
+            printed = alternative.group("byte")
+            if printed is not None:
+                byte = int(printed[2:], 16) if printed.startswith("\\x") else \
+                    _PRINTED_ESCAPES[printed[1]] if printed.startswith("\\") else ord(printed)
+                stack.append((alternative.group("child"), prefix + bytes([byte])))
+            pos = alternative.end()
+            if pos == len(body):
+                break
+            if not body.startswith(" | ", pos):
+                raise GrammarShapeError(f"xgrammar's property-name trie rule {rule!r} is not "
+                                        "of the known shape; capgraph cannot make it "
+                                        "escape-free")
+            pos += 3
+        if not ends:
+            names.append(prefix)
+    return names
+
+
+def _name_trie(root: str, names: Collection[str], taken: set[str]) -> list[str]:
+    """Rules (the first named ``root``, the others ``root_1``, ``root_2``, ...) for the rest of
+    a property name after its opening quote: any JSON string without escapes but the
+    ``names``, one rule per trie node; every rule name must be new to ``taken``, which gets
+    them."""
+    trie: dict[str, Any] = {}  # character -> subtrie; "" -> True where a name ends
+    for name in names:
+        node = trie
+        for ch in name:
+            node = node.setdefault(ch, {})
+        node[""] = True
+    rules: list[str] = []
+    stack = [(root, trie)]
+    named = 0
+    while stack:
+        rule, node = stack.pop()
+        if rule in taken:
+            raise GrammarShapeError(f"the rule name {rule!r} is taken; capgraph cannot make "
+                                    "property names escape-free")
+        taken.add(rule)
+        following = sorted(ch for ch in node if ch)
+        alternatives = [] if "" in node else ['("\\"")']
+        excluded = "".join(_grammar_char(ch) for ch in following)
+        alternatives.append(f"([^{_RAW_CHARS}{excluded}] {_KEY_REST})")
+        for ch in following:
+            named += 1
+            child = f"{root}_{named}"
+            alternatives.append(f'("{_grammar_char(ch)}" {child})')
+            stack.append((child, node[ch]))
+        rules.append(f"{rule} ::= ({' | '.join(alternatives)})")
+    return rules
+
+
+def _grammar_char(ch: str) -> str:
+    """``ch`` as xgrammar's EBNF reads it the same in a string and a character class."""
+    if ch.isascii() and ch.isalnum():
+        return ch
+    code = ord(ch)
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def _repaired(grammar: xgr.Grammar) -> xgr.Grammar:
+    """The converted JSON schema ``grammar`` with both repairs applied
+    (:func:`_repair_length_strings`, :func:`_repair_property_keys`); the same object where
+    neither changes it."""
     text = str(grammar)
-    if _LENGTH_STRING_CHARS not in text:
-        return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_LENGTH_STRING_CHARS, _JSON_STRING_CHARS))
+    repaired = _repair_property_keys(_repair_length_strings(text))
+    return grammar if repaired == text else xgr.Grammar.from_ebnf(repaired)
 
 
 def _ffi(obj: Any, *methods: str) -> Any:
@@ -419,9 +623,10 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
     def _compile_here(self, params: GuidedDecodingParams) -> tuple[Any, int]:
         gt, guide = params.guide_type, params.guide
         try:
-            # Every JSON-schema and tag conversion runs inside the stderr capture (a process-wide
-            # lock, around the conversion only, not the compile, which can take seconds), so no
-            # capture reads another conversion's warnings; outside "ignore" they refuse.
+            # Every conversion runs inside the stderr capture (a process-wide lock, around the
+            # conversion only, not the compile, which can take seconds), so no capture reads
+            # another conversion's warnings. A REGEX or EBNF guide whose conversion logged one
+            # is refused; a JSON schema or tag, outside "ignore".
             refuse = self.config.json_unenforced_keywords != "ignore"
             if gt is GuideType.JSON:  # a JSON object or array, as on llguidance
                 if self.config.json_whitespace == "any":  # (twice as fast per step)
@@ -431,27 +636,34 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                         JSON_CONTAINER_SCHEMA, strict_mode=False, **self._json_options))
                     compiled = run_lowered(lambda: self._compiler.compile_grammar(grammar))
             elif gt is GuideType.JSON_SCHEMA:
+                schema = xgrammar_schema(guide)  # what capgraph means, as xgrammar reads it
                 if refuse:
-                    self._refuse_unenforced(guide)
+                    self._refuse_unenforced(schema)
                 grammar, warned = _converted(
-                    lambda: xgr.Grammar.from_json_schema(guide, **self._json_options))
+                    lambda: xgr.Grammar.from_json_schema(schema, **self._json_options))
                 if warned and refuse:
                     _refuse("; ".join(f"xgrammar reported: {w}" for w in warned))
-                repaired = _repair_length_strings(grammar)
-                compiled = run_lowered(lambda: self._compiler.compile_grammar(repaired))
+                repaired = _repaired(grammar)
+                compiled = self._compile_grammar(self._compiler, repaired, bool(warned))
             elif gt is GuideType.REGEX:
-                compiled = run_lowered(lambda: self._compiler.compile_regex(guide))
+                grammar, warned = _converted(lambda: xgr.Grammar.from_regex(guide))
+                if warned:
+                    _refuse_ignored(gt, warned)
+                compiled = run_lowered(lambda: self._compiler.compile_grammar(grammar))
             elif gt is GuideType.EBNF_GRAMMAR:
-                compiled = run_lowered(lambda: self._compiler.compile_grammar(guide))
+                grammar, warned = _converted(lambda: _ebnf_grammar(guide))
+                if warned:
+                    _refuse_ignored(gt, warned)
+                compiled = run_lowered(lambda: self._compiler.compile_grammar(grammar))
             elif gt is GuideType.STRUCTURAL_TAG:
                 tag, placed = _resolve_tag_tokens(guide, self._special_ids_by_name)
                 if refuse:  # the JSON schemas a tag embeds: as JSON-schema guides
                     self._refuse_unenforced_in_tag(guide)
                 grammar, warned = _converted(lambda: xgr.Grammar.from_structural_tag(tag))
                 if warned and refuse:
-                    _refuse("; ".join(f"xgrammar reported: {w}" for w in warned))
-                compiler = self._compiler_placing(placed)
-                compiled = run_lowered(lambda: compiler.compile_grammar(grammar))
+                    _refuse("; ".join(f"xgrammar reported: {w}" for w in warned), gt)
+                compiled = self._compile_grammar(self._compiler_placing(placed), grammar,
+                                                 bool(warned))
             else:  # pragma: no cover - GuideType is closed
                 raise UnsupportedGuideError("unknown guide type", guide_type=str(gt),
                                             backend=BACKEND)
@@ -464,6 +676,19 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                            "'root ::= ...' rule, the llguidance backend takes Lark)")
             raise GrammarCompileError(detail, guide_type=gt.name, backend=BACKEND) from e
         return compiled, int(compiled.memory_size_bytes)
+
+    @staticmethod
+    def _compile_grammar(compiler: xgr.GrammarCompiler, grammar: xgr.Grammar,
+                         warned: bool) -> xgr.CompiledGrammar:
+        """``compiler.compile_grammar(grammar)`` at the compile's lowered priority; where its
+        conversion logged warnings (``json_unenforced_keywords="ignore"`` lets it through),
+        under the capture lock instead (:func:`~capgraph.grammar.converter_log.exclusive`) and
+        at normal priority (a starved thread must not hold a lock others wait for): the
+        compile logs them again, and no other guide's capture may read them."""
+        if not warned:
+            return run_lowered(lambda: compiler.compile_grammar(grammar))
+        with exclusive():
+            return compiler.compile_grammar(grammar)
 
     @staticmethod
     def _refuse_unenforced(guide: str) -> None:
@@ -483,7 +708,7 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
             return  # malformed: xgrammar's own error says where
         found = unenforced_in_tag(tag)
         if found:
-            _refuse(describe(found))
+            _refuse(describe(found), GuideType.STRUCTURAL_TAG)
 
     def create_from_compiled(self, compiled: CompiledGuide) -> XGrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled.payload), self._stop_ids)

@@ -1,0 +1,376 @@
+"""What the xgrammar backend does so that xgrammar 0.2.9 enforces the guide as written: constructs
+it logs and ignores refuse the guide (REGEX, EBNF, JSON schema, structural tag), additional
+property names admit no escape, and array / object schemas that list no items / properties
+allow any."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import threading
+
+import pytest
+import xgrammar as xgr
+
+from capgraph import GuidedDecodingConfig, GuidedDecodingParams
+from capgraph.errors import GrammarCompileError, UnsupportedGuideError
+from capgraph.grammar import create_matcher_factory
+from capgraph.grammar.converter_log import converter_warnings, exclusive
+from capgraph.grammar.semantics import xgrammar_schema
+from capgraph.grammar.xgrammar_backend import (GrammarShapeError, _repair_property_keys,
+                                               json_whitespace_options)
+from capgraph.tokenizers import encode_continuation
+
+P = GuidedDecodingParams
+
+
+@pytest.fixture(scope="module")
+def xg(factory_cache):
+    """The xgrammar factory over Tekken (refuses unenforced keywords: the default)."""
+    return factory_cache("tekken")
+
+
+@pytest.fixture(scope="module")
+def xg_ignore(xg):
+    """The same, with json_unenforced_keywords="ignore"."""
+    return create_matcher_factory(dataclasses.replace(xg.config,
+                                                      json_unenforced_keywords="ignore"))
+
+
+def accepts(factory, tok, params: GuidedDecodingParams, text: str) -> bool:
+    """Whether ``text``'s tokens, then the stop token, are accepted one by one."""
+    matcher = factory.create_from_compiled(factory.compile(params))
+    for t in [*encode_continuation(tok, text), factory.config.stop_token_ids[0]]:
+        if not matcher.accept_token(t):
+            return False
+    return True
+
+
+# --- constructs xgrammar ignores ---------------------------------------------------------------
+
+def test_converter_warnings_reads_the_regex_and_automaton_builders_lines(capfd):
+    """Warnings of the regex reader, the automaton builder, the tag and Lark converters are
+    read (each once); other xgrammar warnings and other text are not, and all reach stderr."""
+    lines = [
+        "[1] /p/cpp/regex_converter.cc:100: Warning: Regex parsing warning at position 2: '$'",
+        "[1] /p/cpp/fsm_builder.cc:554: Warning: Escape sequence \\A is not recognized",
+        "[1] /p/cpp/fsm_builder.cc:554: Warning: Escape sequence \\A is not recognized",
+        "[1] /p/cpp/structural_tag.cc:1478: Warning: Repeat max is too large",
+        "[1] /p/cpp/lark_converter.cc:1349: Warning: Ignoring max_chars on rule 'a'",
+        "[1] /p/cpp/grammar_matcher.cc:1211: Warning: The token id 5 is out of range",
+        "[1] /p/cpp/my_fsm_builder.cc:1: Warning: not xgrammar's",
+    ]
+    with converter_warnings() as warned:
+        os.write(2, "\n".join(lines).encode() + b"\n")
+    assert warned == ["Regex parsing warning at position 2: '$'",
+                      "Escape sequence \\A is not recognized", "Repeat max is too large",
+                      "Ignoring max_chars on rule 'a'"]
+    assert "out of range" in capfd.readouterr().err
+
+
+def test_exclusive_keeps_captures_out_while_it_holds():
+    """A capture waits while ``exclusive()`` is held (a compile that logs warnings again)."""
+    entered = threading.Event()
+
+    def capture():
+        with converter_warnings():
+            entered.set()
+
+    with exclusive():
+        thread = threading.Thread(target=capture)
+        thread.start()
+        assert not entered.wait(0.2)
+    assert entered.wait(5)
+    thread.join()
+
+
+IGNORED_REGEXES = [
+    ("a$b", "'$' should be at the end", "ab"),
+    ("x^a", "'^' should be at the start", "xa"),
+    ("\\Aab", "Escape sequence '\\A' is not recognized", "Aab"),
+]
+
+
+@pytest.mark.parametrize("regex,reported,_", IGNORED_REGEXES)
+@pytest.mark.parametrize("policy", ["error", "ignore"])
+def test_regex_with_an_ignored_construct_is_refused(xg, xg_ignore, regex, reported, _, policy):
+    """A REGEX guide with a construct xgrammar ignores (it would accept the text after
+    dropping it) is refused, naming it, whatever json_unenforced_keywords says."""
+    factory = xg if policy == "error" else xg_ignore
+    with pytest.raises(UnsupportedGuideError) as info:
+        factory.compile(P.regex(regex))
+    assert info.value.guide_type == "REGEX" and info.value.backend == "xgrammar"
+    assert reported in str(info.value) and "rewrite that construct" in str(info.value)
+
+
+@pytest.mark.parametrize("regex,_,dropped", IGNORED_REGEXES)
+def test_xgrammar_alone_accepts_what_the_ignored_regex_construct_forbids(regex, _, dropped):
+    """What the refusal prevents: xgrammar's own grammar accepts the text it should not."""
+    from xgrammar.testing import _is_grammar_accept_string
+    with converter_warnings():
+        grammar = xgr.Grammar.from_regex(regex)
+    assert _is_grammar_accept_string(grammar, dropped)
+
+
+@pytest.mark.parametrize("ebnf,reported", [
+    ('root ::= "x" Regex("a$b")', "Anchor '$' in the middle of regex is ignored"),
+    ('root ::= Regex("(?!a)[a-z]")', "Lookahead assertion is not supported and is ignored"),
+])
+@pytest.mark.parametrize("policy", ["error", "ignore"])
+def test_ebnf_with_an_ignored_regex_construct_is_refused(xg, xg_ignore, ebnf, reported, policy):
+    """An EBNF guide whose Regex(...) has a construct xgrammar ignores is refused (xgrammar
+    logs it only when it builds the automaton, which the conversion now does)."""
+    factory = xg if policy == "error" else xg_ignore
+    with pytest.raises(UnsupportedGuideError) as info:
+        factory.compile(P.ebnf(ebnf))
+    assert info.value.guide_type == "EBNF_GRAMMAR" and reported in str(info.value)
+
+
+@pytest.mark.parametrize("pattern,dropped", [
+    ("^(?!a).*$", "a"), ("a$b", "ab"), ("x^a", "xa"), ("\\Aa", "Aa")])
+def test_schema_pattern_with_an_ignored_construct_is_refused(xg, xg_ignore, tekken, pattern,
+                                                             dropped):
+    """A schema pattern xgrammar would read without its anchor / lookahead / unknown escape is
+    refused; with json_unenforced_keywords="ignore" it compiles, without that construct."""
+    params = P.json_schema({"type": "string", "pattern": pattern})
+    with pytest.raises(UnsupportedGuideError, match="xgrammar reported"):
+        xg.compile(params)
+    assert accepts(xg_ignore, tekken, params, json.dumps(dropped))
+
+
+@pytest.mark.parametrize("fmt,reported", [
+    ({"type": "regex", "pattern": "a$b"}, "'$' should be at the end"),
+    ({"type": "repeat", "min": 0, "max": 3_000_000_000,
+      "content": {"type": "const_string", "value": "a"}}, "Repeat max is too large"),
+])
+def test_structural_tag_with_an_ignored_part_is_refused(xg, fmt, reported):
+    """A structural tag whose regex or repeat xgrammar changes is refused (as a tag)."""
+    with pytest.raises(UnsupportedGuideError) as info:
+        xg.compile(P.structural_tag(json.dumps({"type": "structural_tag", "format": fmt})))
+    assert info.value.guide_type == "STRUCTURAL_TAG" and reported in str(info.value)
+
+
+@pytest.mark.parametrize("regex,good,bad", [
+    ("^\\d{3}-\\d{4}$", "123-4567", "1234567"),
+    ("(foo|bar)*baz", "foobarbaz", "foobaz!"),
+    ("[a-z]+@[a-z]+\\.com", "a@b.com", "a@b.org"),
+])
+def test_regex_guides_compile_as_xgrammar_compiles_them(xg, tekken, regex, good, bad):
+    """Converting first (from_regex, inside the capture), then compiling, gives exactly what
+    xgrammar's compile_regex gives; the guide is enforced."""
+    compiler = xgr.GrammarCompiler(xg.tokenizer_info, cache_enabled=False)
+    ours = xg.compile(P.regex(regex)).payload.serialize_json()
+    assert ours == compiler.compile_regex(regex).serialize_json()
+    assert accepts(xg, tekken, P.regex(regex), good)
+    assert not accepts(xg, tekken, P.regex(regex), bad)
+
+
+@pytest.mark.parametrize("ebnf,good,bad", [
+    ('root ::= "a" [b-z]* "x"', "abcx", "abc"),
+    ('root ::= [a-z]+ Regex("[0-9]+")', "ab12", "ab"),
+])
+def test_ebnf_guides_compile_as_xgrammar_compiles_them(xg, tekken, ebnf, good, bad):
+    """Parsing first (from_ebnf and the automata, inside the capture), then compiling, gives
+    exactly what xgrammar's compile_grammar of the text gives; the guide is enforced."""
+    compiler = xgr.GrammarCompiler(xg.tokenizer_info, cache_enabled=False)
+    ours = xg.compile(P.ebnf(ebnf)).payload.serialize_json()
+    assert ours == compiler.compile_grammar(ebnf).serialize_json()
+    assert accepts(xg, tekken, P.ebnf(ebnf), good)
+    assert not accepts(xg, tekken, P.ebnf(ebnf), bad)
+
+
+def test_worker_processes_refuse_ignored_constructs_too(tokenizer_cache):
+    """compile_isolation="process": an EBNF guide (always compiled in a worker) with an
+    ignored construct arrives refused, with its type; a clean one compiles."""
+    tok = tokenizer_cache("mistral-sp32k")  # (the smaller vocabulary: a faster worker start)
+    config = GuidedDecodingConfig.from_tokenizer(tok, compile_isolation="process",
+                                                 compile_threads=1)
+    factory = create_matcher_factory(config)
+    try:
+        with pytest.raises(UnsupportedGuideError) as info:
+            factory.compile(P.ebnf('root ::= "w" Regex("a$b")'))
+        assert info.value.guide_type == "EBNF_GRAMMAR"
+        assert "Anchor '$' in the middle" in str(info.value)
+        assert accepts(factory, tok, P.ebnf('root ::= "w" Regex("[a-c]+")'), "wab")
+        assert factory.processes is not None and factory.processes.stats.spawned == 1
+    finally:
+        factory.close()
+
+
+# --- additional property names -----------------------------------------------------------------
+
+_LISTED = {"a": {"type": "integer"}}
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": _LISTED, "additionalProperties": {"type": "string"}},
+    {"type": "object", "properties": _LISTED, "additionalProperties": True},
+    {"type": "object", "properties": _LISTED, "unevaluatedProperties": {"type": "string"}},
+], ids=["additional-schema", "additional-true", "unevaluated-schema"])
+def test_a_listed_name_written_with_an_escape_is_not_an_additional_one(xg, tekken, schema):
+    """{"\\u0061": "x"} is {"a": "x"}: refused (a's value must be an integer); ordinary
+    additional names and the listed one are still accepted."""
+    params = P.json_schema(schema)
+    assert not accepts(xg, tekken, params, '{"\\u0061": "x"}')
+    # no additional name admits an escape (one spelling per name), "ax" written so neither
+    assert not accepts(xg, tekken, params, '{"a": 1, "\\u0061x": "x"}')
+    assert accepts(xg, tekken, params, '{"a": 1, "b": "x"}')
+    assert accepts(xg, tekken, params, '{"é": "x", "ab": "x", "": "x"}')
+    assert accepts(xg, tekken, params, '{"a": 1}')
+
+
+def test_a_required_listed_name_cannot_come_again_escaped(xg, tekken):
+    schema = {"type": "object", "properties": _LISTED, "required": ["a"],
+              "additionalProperties": {"type": "string"}}
+    assert not accepts(xg, tekken, P.json_schema(schema), '{"a": 1, "\\u0061": "x"}')
+    assert accepts(xg, tekken, P.json_schema(schema), '{"a": 1, "b": "x"}')
+
+
+def test_nested_objects_get_the_same_names(xg, tekken):
+    inner = {"type": "object", "properties": _LISTED, "additionalProperties": {"type": "string"}}
+    params = P.json_schema({"type": "object", "properties": {"x": inner}})
+    assert not accepts(xg, tekken, params, '{"x": {"\\u0061": "x"}}')
+    assert accepts(xg, tekken, params, '{"x": {"a": 1, "c": "x"}}')
+
+
+def test_listed_names_beyond_ascii_are_left_out_by_their_characters(xg, tekken):
+    """xgrammar's byte trie let a listed "é" through as an additional name and refused "Ã"
+    (U+00C3, whose code is é's first byte); the character trie does neither."""
+    schema = {"type": "object", "properties": {"é": {"type": "integer"},
+                                               "😀x": {"type": "null"}},
+              "additionalProperties": {"type": "string"}}
+    params = P.json_schema(schema)
+    assert not accepts(xg, tekken, params, '{"é": "x"}')
+    assert not accepts(xg, tekken, params, '{"😀x": "x"}')
+    assert accepts(xg, tekken, params, '{"é": 1, "😀x": null}')
+    assert accepts(xg, tekken, params, '{"Ã": "x", "ë": "x", "😀": "x", "😀xy": "x"}')
+
+
+def _key_rules(text: str) -> dict[str, str]:
+    return {m.group(1): m.group(2) for m in re.finditer(r"^(\w*_addl_key\w*) ::= (.*)$", text,
+                                                        re.MULTILINE)}
+
+
+@pytest.mark.parametrize("whitespace", ["compact", "any"])
+def test_xgrammar_key_rule_shape_is_the_one_repaired(xg, whitespace):
+    """Pins xgrammar's output and the repair: xgrammar's name rules let escapes in; the
+    repaired ones (and the rest rule they end in) have none, keep the lookahead of
+    basic_string_sub, and nothing else changes."""
+    schema = json.dumps({"type": "object", "properties": {"a": {}, "b\"c": {}},
+                         "additionalProperties": {"type": "string"}})
+    config = dataclasses.replace(xg.config, json_whitespace=whitespace)
+    text = str(xgr.Grammar.from_json_schema(schema, **json_whitespace_options(config)))
+    before = _key_rules(text)
+    assert any("basic_escape" in body for body in before.values())  # xgrammar's shape
+    repaired = _repair_property_keys(text)
+    after = _key_rules(repaired)
+    assert after and not any("basic_escape" in b or "basic_string_sub" in b
+                             for b in after.values())
+    lookahead = re.search(r"^basic_string_sub ::= .*?( \(=.*\))$", text, re.MULTILINE).group(1)
+    rest = re.search(r"^capgraph_key_rest ::= (.*)$", repaired, re.MULTILINE).group(1)
+    assert rest == f'(("\\"") | ([^\\0-\\x1f\\"\\\\] capgraph_key_rest)){lookahead}'
+    assert after["root_addl_key"] == before["root_addl_key"].replace(
+        re.search(r'"\\"" (\w+)', before["root_addl_key"]).group(1), "root_addl_key_noesc")
+    # listed "a" is left out; "b\"c" needs no exclusion (no escape-free name spells it)
+    assert after["root_addl_key_noesc"] == (
+        '(("\\"") | ([^\\0-\\x1f\\"\\\\a] capgraph_key_rest) | ("a" root_addl_key_noesc_1))')
+    kept = [line for line in text.splitlines() if not re.match(r"\w*_addl_key", line)]
+    assert kept == [line for line in repaired.splitlines()
+                    if not re.match(r"\w*_addl_key|capgraph_key_rest", line)]
+    xgr.Grammar.from_ebnf(repaired)  # reads back
+
+
+def test_a_key_rule_of_another_shape_fails_loudly():
+    """A name rule the repair does not know is an error, never a grammar left unrepaired."""
+    text = str(xgr.Grammar.from_json_schema(json.dumps(
+        {"type": "object", "properties": {"a": {}}, "additionalProperties": True})))
+    with pytest.raises(GrammarShapeError):
+        _repair_property_keys(text.replace('("\\\\" basic_escape basic_string_sub)',
+                                           '("\\\\" basic_escape basic_string)'))
+    with pytest.raises(GrammarShapeError):
+        _repair_property_keys(text.replace('root_addl_key ::= (("\\""',
+                                           'root_addl_key ::= ((" \\""'))
+
+
+def test_grammars_without_additional_names_are_left_alone():
+    text = str(xgr.Grammar.from_json_schema(json.dumps(
+        {"type": "object", "properties": {"a": {}}, "additionalProperties": False})))
+    assert _repair_property_keys(text) == text
+
+
+# --- arrays and objects that list no items / properties ----------------------------------------
+
+@pytest.mark.parametrize("schema,valid,invalid", [
+    ({"type": "array", "maxItems": 3}, [[1, 2], []], [[1, 2, 3, 4]]),
+    ({"type": "array", "uniqueItems": False}, [[1, 1]], [{"a": 1}]),
+    ({"type": "array", "minItems": 0}, [[1, 2]], ["x"]),
+    ({"type": "array", "minItems": 1}, [[1, 2]], [[]]),
+    ({"type": ["array", "null"], "maxItems": 2}, [[1, 2], None], [[1, 2, 3]]),
+    ({"type": "object", "maxProperties": 3}, [{"a": 1}, {}], [{"a": 1, "b": 2, "c": 3, "d": 4}]),
+    ({"type": "object", "minProperties": 0}, [{"a": 1}], [[]]),
+    ({"type": "object", "required": []}, [{"a": 1}], [1]),
+    ({"type": "object", "properties": {"x": {"type": "array", "maxItems": 2}}},
+     [{"x": [1, 2]}], [{"x": [1, 2, 3]}]),
+    ({"type": "array", "items": {"type": "object", "maxProperties": 1}},
+     [[{"a": 1}]], [[{"a": 1, "b": 2}]]),
+])
+def test_unlisted_items_and_properties_are_allowed_where_none_are_listed(xg, tekken, schema,
+                                                                         valid, invalid):
+    params = P.json_schema(schema)
+    for instance in valid:
+        assert accepts(xg, tekken, params, json.dumps(instance)), instance
+    for instance in invalid:
+        assert not accepts(xg, tekken, params, json.dumps(instance)), instance
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "array"}, {"type": "object", "title": "t"}, {"type": ["array", "object"]},
+    {"maxItems": 3}, {"maxProperties": 3},  # no type: xgrammar reads any value
+    {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+    {"type": "array", "prefixItems": [{}], "maxItems": 3},
+    {"type": "array", "unevaluatedItems": {"type": "integer"}, "maxItems": 3},
+    {"type": "object", "properties": {}, "maxProperties": 3},
+    {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 3},
+    {"type": "object", "propertyNames": {"maxLength": 2}, "maxProperties": 3},
+    {"type": "array", "enum": [[1]], "maxItems": 3},
+    {"type": "array", "maxItems": 3, "anyOf": [{"prefixItems": [{}]}]},
+    {"type": "string", "maxLength": 3}, True,
+])
+def test_schemas_xgrammar_already_reads_right_are_given_unchanged(schema):
+    text = json.dumps(schema)
+    assert xgrammar_schema(text) == text
+
+
+def test_the_defaults_are_written_at_every_position_and_pointers_stay():
+    """items / additionalProperties are added where the position lists none, and nothing else
+    changes: every JSON pointer of the schema as written names the same value."""
+    schema = {"$defs": {"d": {"type": "object", "maxProperties": 2}},
+              "type": ["array", "object"], "minItems": 1,
+              "properties": {"x": {"type": "array", "maxItems": 2}},
+              "anyOf": [{"type": "array", "uniqueItems": False}],
+              "not": {"type": "object", "required": []}}
+    out = json.loads(xgrammar_schema(json.dumps(schema)))
+    added = [(out["$defs"]["d"], "additionalProperties"), (out["properties"]["x"], "items"),
+             (out["anyOf"][0], "items"), (out["not"], "additionalProperties")]
+    for node, key in added:
+        assert node.pop(key) is True
+    assert out == schema  # (the root lists properties and is read with its anyOf: as written)
+    assert xgrammar_schema("not json") == "not json"
+
+
+def test_the_keyword_policy_judges_the_schema_xgrammar_gets(xg):
+    """A refusal still names the keyword at its pointer in the schema as written."""
+    schema = {"type": "object", "properties": {"x": {"type": "array", "maxItems": 2,
+                                                     "not": {"const": 1}}}}
+    with pytest.raises(UnsupportedGuideError, match="'not' at /properties/x"):
+        xg.compile(P.json_schema(schema))
+
+
+def test_a_minitems_array_compiles(xg):
+    """{"type": "array", "minItems": 1} was a compile error (xgrammar read "only []")."""
+    try:
+        xg.compile(P.json_schema({"type": "array", "minItems": 2}))
+    except GrammarCompileError as e:  # pragma: no cover - the failure this test guards
+        pytest.fail(f"refused: {e}")
