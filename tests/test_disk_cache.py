@@ -423,3 +423,105 @@ def test_exit_finishes_the_write_in_flight_and_drops_the_rest(tmp_path):
     assert proc.returncode == 0, proc.stderr
     written = [p.name for p in tmp_path.iterdir() if p.suffix == ".grammar"]
     assert len(written) == 1, sorted(p.name for p in tmp_path.iterdir())
+
+
+def _chain(rules: int) -> GuidedDecodingParams:
+    """An EBNF of ``rules`` rules each naming the next (about 20 bytes a rule): compiles in
+    well under a second, but xgrammar's serialization writes the grammar's whole FSM once per
+    rule (about 0.08 x rules x memory_size_bytes: 5000 rules, ~0.5 GB of text, minutes and
+    ~9 GB to build)."""
+    return GuidedDecodingParams.ebnf("root ::= r0\n" + "".join(
+        f"r{i} ::= r{i + 1}\n" for i in range(rules)) + f'r{rules} ::= "a"\n')
+
+
+def test_serialization_past_the_bound_never_starts(tok, cache_root, monkeypatch):
+    """A guide whose estimated serialization passes the cache's text bound
+    (MAX_SERIALIZED_BYTES, here with no load rule: every compile worth writing) is not
+    serialized at all (a spy on the serializer is never called), nothing is written, the
+    writer is done at once, and the guide decodes."""
+    factory = _factory(tok)
+    calls = []
+
+    def spy(compiled):  # (the real one: ~1.5 GB and ~10 s for this guide)
+        calls.append(compiled)
+        raise AssertionError("serialized a guide past the bound")
+
+    monkeypatch.setattr(factory, "_serialize", spy)
+    params = _chain(2000)
+    start = time.perf_counter()
+    compiled = factory.compile(params)
+    assert factory.disk_cache.flush(30)
+    assert time.perf_counter() - start < 10
+    assert calls == []
+    estimate = factory._serialized_bytes_estimate(compiled)
+    assert estimate is not None and estimate > dc.MAX_SERIALIZED_BYTES
+    assert factory.stats.disk_writes == 0 and factory.disk_cache.oversized == 1
+    assert not factory.disk_cache.path_of(factory._disk_key(params)).exists()
+    matcher = factory.create_from_compiled(compiled)
+    assert matcher.accept_token(encode_continuation(tok, "a")[0])
+
+
+def test_serialization_past_the_load_rule_never_starts(tok, cache_root, monkeypatch):
+    """With the default rules, a compile of a few tenths of a second is worth at most a few MB
+    of text (loading it must be min_speedup times faster than the compile): a larger estimate
+    is not serialized, however small the cache's absolute bound."""
+    factory = _factory(tok)
+    factory.disk_cache.min_speedup = dc.MIN_SPEEDUP
+    calls = []
+    monkeypatch.setattr(factory, "_serialize", lambda c: calls.append(c) or "")
+    compiled = factory.compile(_chain(500))
+    assert factory.disk_cache.flush(30)
+    assert calls == []
+    budget = factory.disk_cache.text_budget(compiled.compile_s)
+    assert budget < factory._serialized_bytes_estimate(compiled)
+    assert budget < dc.MAX_SERIALIZED_BYTES and factory.disk_cache.oversized == 1
+
+
+def test_estimate_is_above_the_serialization(tok, cache_root):
+    """The estimate made without serializing is above the real serialization's length, for
+    the tool-call schema, regexes and an EBNF chain (a budget it fits is never passed by
+    much); and guides like these are still written and loaded."""
+    factory = _factory(tok)
+    for params in (GuidedDecodingParams.json_schema(SCHEMA), GuidedDecodingParams.regex("a+"),
+                   GuidedDecodingParams.regex(r"[a-z]{2,5}@[0-9]{3}"), _chain(200)):
+        compiled = factory.compile(params)
+        estimate = factory._serialized_bytes_estimate(compiled)
+        assert estimate is not None and estimate >= len(factory._serialize(compiled)), params
+    assert factory.disk_cache.flush(30)
+    assert factory.stats.disk_writes == 4 and factory.disk_cache.oversized == 0
+    reader = _factory(tok)
+    reader.compile(_chain(200))
+    assert (reader.stats.disk_hits, reader.stats.compiled) == (1, 0)
+
+
+def test_writer_checks_the_estimate_before_producing(tmp_path):
+    """DiskCompileCache: produce() runs only where estimate() fits text_budget (None: no
+    estimate, not produced); a text that passes the budget anyway is not written; the budget
+    is what the load rule allows for the compile's time, at most max_text_bytes."""
+    cache = dc.DiskCompileCache(tmp_path, GIB, min_compile_s=0.0, min_speedup=0.0,
+                                max_text_bytes=1000)
+    assert cache.text_budget(1.0) == 1000
+    produced = []
+
+    def produce(text):
+        def run():
+            produced.append(text)
+            return text, {"backend": "t"}
+        return run
+
+    keys = [dc.entry_key([str(i)]) for i in range(4)]
+    assert cache.store_later(keys[0], 1.0, produce("x" * 10), estimate=lambda: 1001)
+    assert cache.store_later(keys[1], 1.0, produce("y" * 10), estimate=lambda: None)
+    assert cache.store_later(keys[2], 1.0, produce("z" * 1001), estimate=lambda: 10)
+    assert cache.store_later(keys[3], 1.0, produce("w" * 1000), estimate=lambda: 1000)
+    assert cache.flush(30)
+    assert produced == ["z" * 1001, "w" * 1000]
+    assert [cache.path_of(k).exists() for k in keys] == [False, False, False, True]
+    assert (cache.oversized, cache.skipped) == (2, 3)
+
+    timed = dc.DiskCompileCache(tmp_path, GIB)  # the load rule: 1.5x faster than the compile
+    one_s = (1.0 / dc.MIN_SPEEDUP - dc.LOAD_S_FIXED) / dc.LOAD_S_PER_BYTE
+    assert timed.text_budget(1.0) == pytest.approx(one_s)
+    assert timed.text_budget(1000.0) == dc.MAX_SERIALIZED_BYTES
+    timed.min_compile_s = 0.0
+    assert not timed.worth_storing(dc.LOAD_S_FIXED)  # (a load would take longer)

@@ -25,7 +25,8 @@ from ..params import GuidedDecodingConfig, GuidedDecodingParams
 from .._cache import cache_dir
 from .cache import ByteLRUCache
 from .compile_pool import BACKGROUND_NICE, CompilePool
-from .disk_cache import FORMAT_VERSION, DiskCompileCache, Lookup, config_key, entry_key
+from .disk_cache import (FORMAT_VERSION, DiskCompileCache, Lookup, config_key, entry_key,
+                         serialized_bytes_estimate)
 from .guide_limits import check_guide_limits
 
 __all__ = ["GrammarMatcher", "GrammarMatcherFactory", "CompiledGuide", "CompileHandle",
@@ -198,7 +199,8 @@ class GrammarMatcherFactory(ABC):
 
     backend_name: str = "?"
     #: Whether this backend's compiled guides go to the disk cache (it implements
-    #: :meth:`_disk_identity`, :meth:`_serialize` and :meth:`_deserialize`).
+    #: :meth:`_disk_identity`, :meth:`_serialize` and :meth:`_deserialize`, and
+    #: :meth:`_serialized_bytes_estimate` where its payload is not xgrammar's).
     disk_cacheable: bool = False
 
     def __init__(self, config: GuidedDecodingConfig) -> None:
@@ -247,6 +249,22 @@ class GrammarMatcherFactory(ABC):
     def _deserialize(self, params: GuidedDecodingParams, text: str) -> tuple[Any, int]:
         """Disk-cache hook: ``(payload, nbytes)`` from what :meth:`_serialize` wrote."""
         raise NotImplementedError
+
+    def _serialized_bytes_estimate(self, compiled: CompiledGuide) -> int | None:
+        """Disk-cache hook: an upper estimate of ``len(self._serialize(compiled))``, found
+        without serializing (called on the writer thread; the guide is serialized only where
+        it fits :meth:`~capgraph.grammar.disk_cache.DiskCompileCache.text_budget`). None: no
+        estimate, and the guide is not written (a serialization nothing bounds never starts).
+
+        The default reads an xgrammar ``CompiledGrammar`` payload, the one disk-cacheable
+        backend's: its rule count (the rules its grammar prints, linear in the grammar) and
+        ``compiled.nbytes`` (:func:`~capgraph.grammar.disk_cache.serialized_bytes_estimate`).
+        """
+        grammar = getattr(compiled.payload, "grammar", None)
+        if grammar is None or not hasattr(compiled.payload, "serialize_json"):
+            return None
+        rules = str(grammar).count("::=")  # every rule prints as "name ::= ..." (or more)
+        return serialized_bytes_estimate(compiled.nbytes, rules)
 
     # -- public API -------------------------------------------------------------------------
     def create(self, params: GuidedDecodingParams) -> GrammarMatcher:
@@ -431,7 +449,7 @@ class GrammarMatcherFactory(ABC):
                 lambda: (self._serialize(compiled),
                          {"backend": compiled.backend, "compile_s": seconds,
                           "fallback_reason": compiled.fallback_reason}),
-                self._written)
+                self._written, estimate=lambda: self._serialized_bytes_estimate(compiled))
         return compiled
 
     # -- disk cache ---------------------------------------------------------------------------

@@ -14,12 +14,24 @@ replaces the entry atomically, so processes sharing the folder never read a part
 two writers of one key both succeed. The folder stays under ``limit_bytes``: a write evicts the
 least recently used entries (a hit refreshes its file's mtime).
 
-Writing costs a serialization (measured with Tekken over the bundled schemas: 0.1-1.4x the
-compile) and loading costs 11-30 ns per serialized byte, which for some guides is more than
-compiling them. So an entry is written only for a compile of at least ``min_compile_s`` whose
-estimated load (:data:`LOAD_S_PER_BYTE`) is ``min_speedup`` times faster, on one background
-thread per cache, at most ``max_pending`` waiting: the request that compiled never waits for
-the disk. The record keeps the compile's time; the factory removes an entry that loaded slower
+Writing costs a serialization and loading costs 11-30 ns per serialized byte, which for some
+guides is more than compiling them. So an entry is written only for a compile of at least
+``min_compile_s`` whose estimated load (:data:`LOAD_S_PER_BYTE`) is ``min_speedup`` times
+faster, on one background thread per cache, at most ``max_pending`` waiting: the request that
+compiled never waits for the disk.
+
+The serialization is bounded before it starts. xgrammar 0.2.9's ``serialize_json`` writes the
+grammar's whole FSM once per rule, so its text grows with rules x memory (about 0.08 x
+``rules * memory_size_bytes`` bytes), not with the memory alone: a 5000-rule EBNF chain that
+compiles in 0.2 s would serialize to ~0.5 GB of text, at 120-430 ns and ~13 bytes of peak
+memory per byte of text (minutes, ~9 GB), and bundled JSON schemas of 500-1200 rules reach
+70-390 MB. Every byte past the load rule is wasted (the text is dropped after), so the writer
+asks the producer's estimate first (:func:`serialized_bytes_estimate`, above every measured
+serialization) and serializes only where it fits :meth:`DiskCompileCache.text_budget`: what
+the load rule allows for that compile, and at most ``max_text_bytes``
+(:data:`MAX_SERIALIZED_BYTES`, 64 MiB: ~0.9 GB peak and 10-30 s of the writer thread at
+worst). A text longer than the budget is not written either. So the writer's work per grammar,
+and what interpreter exit waits for (:meth:`DiskCompileCache.close`), stay bounded. The record keeps the compile's time; the factory removes an entry that loaded slower
 than that. A folder that cannot be written (read-only, full) is logged once, and the cache
 keeps serving from memory; writes are tried again after :data:`RETRY_WRITES_AFTER_S`.
 """
@@ -44,8 +56,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["DiskCompileCache", "DiskEntry", "Lookup", "entry_key", "config_key",
-           "source_digest", "FORMAT_VERSION", "KEY_FIELDS", "NOT_KEY_FIELDS",
-           "TOKENIZER_FIELDS"]
+           "source_digest", "serialized_bytes_estimate", "FORMAT_VERSION", "KEY_FIELDS",
+           "NOT_KEY_FIELDS", "TOKENIZER_FIELDS", "MAX_SERIALIZED_BYTES"]
 
 _log = logging.getLogger(__name__)
 
@@ -77,6 +89,9 @@ LOAD_S_PER_BYTE = 20e-9
 LOAD_S_FIXED = 2e-4
 #: Compiles shorter than this are not written (loading saves less than the write costs).
 MIN_COMPILE_S = 0.01
+#: The most serialized text one entry may take (before compression); a grammar whose
+#: estimated serialization is longer is not serialized (module docstring).
+MAX_SERIALIZED_BYTES = 64 << 20
 #: An entry is written only where its estimated load is this many times faster than its compile.
 MIN_SPEEDUP = 1.5
 #: Entries waiting for the writer thread; past it, a new one is dropped.
@@ -136,6 +151,19 @@ def source_digest(modules: Sequence[str]) -> str:
     return h.hexdigest()
 
 
+def serialized_bytes_estimate(memory_bytes: int, rules: int) -> int:
+    """An upper estimate of the serialized text of a compiled xgrammar grammar that takes
+    ``memory_bytes`` in memory (``memory_size_bytes``) and has ``rules`` rules.
+
+    ``serialize_json`` writes the whole FSM of the grammar once per rule, so the text grows with
+    ``rules * memory_bytes``: measured with xgrammar 0.2.9 over the bundled JSON schemas
+    (mistral-sp32k, 4-1178 rules, 12 KB-390 MB of text), EBNF chains of 250-2000 rules and a
+    20000-word alternation under 30-300 rules, the text was at most 0.12 x ``rules *
+    memory_bytes`` plus 2.5 x ``memory_bytes`` (about 0.08 x ``rules * memory_bytes`` from a
+    hundred rules on), and at most 0.53 of this estimate."""
+    return int(max(memory_bytes, 0) * (2 + max(rules, 0) / 6))
+
+
 class DiskCompileCache:
     """A folder of compiled grammars bounded by ``limit_bytes`` (file sizes), shared by processes.
 
@@ -144,13 +172,15 @@ class DiskCompileCache:
         limit_bytes: the most its entries may take together (> 0).
         min_compile_s, min_speedup: which compiles are worth writing (module docstring).
         max_pending: entries that may wait for the writer thread.
+        max_text_bytes: the longest serialization an entry may hold (:meth:`text_budget`).
 
     Thread-safe. Nothing here raises on an I/O error: a read that fails is a miss, a write
     that fails is dropped.
     """
 
     def __init__(self, directory: Path, limit_bytes: int, *, min_compile_s: float = MIN_COMPILE_S,
-                 min_speedup: float = MIN_SPEEDUP, max_pending: int = MAX_PENDING_WRITES) -> None:
+                 min_speedup: float = MIN_SPEEDUP, max_pending: int = MAX_PENDING_WRITES,
+                 max_text_bytes: int = MAX_SERIALIZED_BYTES) -> None:
         if limit_bytes <= 0:
             raise ValueError(f"limit_bytes must be > 0, got {limit_bytes}")
         self.directory = Path(directory)
@@ -158,11 +188,16 @@ class DiskCompileCache:
         self.min_compile_s = min_compile_s
         self.min_speedup = min_speedup
         self.max_pending = max_pending
+        self.max_text_bytes = int(max_text_bytes)
         self.evictions = 0  #: entries this cache deleted to stay under its limit
         self.skipped = 0  #: compiles not written (not worth it, queue full, writes paused)
+        #: of those, the ones not even serialized: their estimate passed :meth:`text_budget`
+        #: (or could not be made)
+        self.oversized = 0
         self._cv = threading.Condition()
         self._queue: deque[tuple[str, float, Callable[[], tuple[str, Mapping[str, Any]]],
-                                 Callable[[bool], None] | None]] = deque()
+                                 Callable[[bool], None] | None,
+                                 Callable[[], int | None] | None]] = deque()
         self._busy = 0  # queued + being written
         self._writer: threading.Thread | None = None
         self._paused_until = 0.0
@@ -209,13 +244,30 @@ class DiskCompileCache:
     # -- writing -----------------------------------------------------------------------------
     def worth_storing(self, compile_s: float) -> bool:
         """Whether a compile of ``compile_s`` seconds may be written (before serializing it)."""
-        return compile_s >= self.min_compile_s and time.monotonic() >= self._paused_until
+        return (compile_s >= self.min_compile_s and time.monotonic() >= self._paused_until
+                and self.text_budget(compile_s) > 0)
+
+    def text_budget(self, compile_s: float) -> float:
+        """The longest serialization worth writing for a compile of ``compile_s`` seconds: one
+        whose estimated load is ``min_speedup`` times faster than the compile, and at most
+        ``max_text_bytes``."""
+        if self.min_speedup <= 0:
+            return float(self.max_text_bytes)
+        useful = (compile_s / self.min_speedup - LOAD_S_FIXED) / LOAD_S_PER_BYTE
+        return min(float(self.max_text_bytes), useful)
 
     def store_later(self, key: str, compile_s: float,
                     produce: Callable[[], tuple[str, Mapping[str, Any]]],
-                    done: Callable[[bool], None] | None = None) -> bool:
+                    done: Callable[[bool], None] | None = None, *,
+                    estimate: Callable[[], int | None] | None = None) -> bool:
         """Write an entry on the writer thread: ``produce()`` returns the serialization and
-        the record; ``done(written)`` is called after. Returns whether it was queued."""
+        the record; ``done(written)`` is called after. Returns whether it was queued.
+
+        ``estimate()``, called on the writer thread before ``produce``, returns an upper
+        estimate of the serialization's length in characters, found without serializing (None:
+        it cannot tell); ``produce`` is called only where that fits :meth:`text_budget`. With
+        no ``estimate``, ``produce`` always runs (the caller bounds it) and only its result is
+        checked."""
         if not self.worth_storing(compile_s):
             self.skipped += 1
             return False
@@ -228,7 +280,7 @@ class DiskCompileCache:
                 _log.debug("capgraph: %d grammars wait for the disk; %s not written",
                            len(self._queue), key[:16])
                 return False
-            self._queue.append((key, compile_s, produce, done))
+            self._queue.append((key, compile_s, produce, done, estimate))
             self._busy += 1
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write_queued, daemon=True,
@@ -239,8 +291,8 @@ class DiskCompileCache:
 
     def close(self, timeout_s: float | None = 60.0) -> None:
         """Stop writing: entries still queued are dropped, the one being written is finished
-        (its serialization runs in the backend's C++ and cannot be interrupted; at most
-        ``timeout_s`` is waited for it). Runs at interpreter exit for every open cache: a
+        (its serialization runs in the backend's C++ and cannot be interrupted, and is bounded
+        by :meth:`text_budget`; at most ``timeout_s`` is waited for it). Runs at interpreter exit for every open cache: a
         writer thread still inside the backend while the process tears down its C++ state
         would abort the process."""
         with self._cv:
@@ -303,18 +355,27 @@ class DiskCompileCache:
                 if not self._queue:
                     self._writer = None  # a later store_later starts a new one
                     return
-                key, compile_s, produce, done = self._queue.popleft()
+                key, compile_s, produce, done, estimate = self._queue.popleft()
             written = False
             try:
+                budget = self.text_budget(compile_s)
+                expected = estimate() if estimate is not None else 0
+                if expected is None or expected > budget:
+                    self.skipped += 1
+                    self.oversized += 1
+                    _log.debug("capgraph: grammar %s not serialized: compiled in %.1f ms, its "
+                               "serialization (estimated %s bytes) may take at most %d",
+                               key[:16], compile_s * 1e3,
+                               "?" if expected is None else expected, max(budget, 0))
+                    continue  # (the finally clause still runs)
                 text, record = produce()
-                load_s = LOAD_S_FIXED + LOAD_S_PER_BYTE * len(text)
-                if compile_s >= self.min_speedup * load_s:
+                if len(text) <= budget:
                     written = self.store(key, text, record)
                 else:
                     self.skipped += 1
-                    _log.debug("capgraph: grammar %s not written: compiled in %.1f ms, loading "
-                               "%d bytes would take about %.1f ms", key[:16], compile_s * 1e3,
-                               len(text), load_s * 1e3)
+                    _log.debug("capgraph: grammar %s not written: compiled in %.1f ms, its "
+                               "%d bytes pass the %d worth writing", key[:16],
+                               compile_s * 1e3, len(text), max(budget, 0))
             except Exception as e:  # noqa: BLE001 - a grammar that cannot be serialized
                 _log.info("capgraph: grammar %s not written to disk: %s: %s", key[:16],
                           type(e).__name__, e)
