@@ -10,6 +10,7 @@ same rows and reported; a matcher it owned is dropped (by the decoder, before th
 
 from __future__ import annotations
 
+import operator
 from typing import cast
 
 from .errors import RequestError
@@ -47,7 +48,7 @@ class Admission:
         nseq, V, maxd, guides = (self.max_num_sequences, self.vocab_size_padded,
                                  self.max_num_draft_tokens, self.slot_guides)
         # (no request is read past this loop before the build: a failure here changes nothing)
-        updates: list[tuple[int, GuidedDecodingParams]] = []
+        updates: list[tuple[int, int, GuidedDecodingParams]] = []  # (index, slot, guide)
         dropped: list[int] = []
         failed: list[tuple[int, str]] = []
         fresh: list[GuidedRequest] = []
@@ -76,25 +77,34 @@ class Admission:
                                           max_num_draft_tokens=maxd,
                                           tokens_elsewhere=tokens_elsewhere)
                 if checked.guided_decoding_params is not None:
-                    self._check_guide(checked, updates)
+                    self._check_guide(checked, i, updates)
             except RequestError as e:
                 self._refuse(requests, i, e, updates, dropped, failed)
                 continue
             requests[i] = checked
             fresh.append(checked)
-        for slot, params in updates:
-            guides[slot] = params
+        if updates:
+            # a slot belongs to the first guided request of the batch on it (the build fails
+            # any later one, "appears twice", before it touches the slot): a later request's
+            # guide is not recorded, nor its compile started
+            slots = _slots_of(requests)
+            for i, slot, params in updates:
+                if _first_on_slot(requests, slots, i, slot):
+                    guides[slot] = params
+                else:
+                    fresh = [r for r in fresh if r is not requests[i]]
         return requests, dropped, fresh, failed
 
-    def _check_guide(self, req: GuidedRequest,
-                     updates: list[tuple[int, GuidedDecodingParams]]) -> None:
-        """A request that creates its slot's matcher records its guide (in ``updates``); one
-        that advances it must carry that guide (the same object, or an equal one)."""
+    def _check_guide(self, req: GuidedRequest, index: int,
+                     updates: list[tuple[int, int, GuidedDecodingParams]]) -> None:
+        """A request (at ``index`` of its batch) that creates its slot's matcher records its
+        guide (in ``updates``); one that advances it must carry that guide (the same object, or
+        an equal one)."""
         slot = cast(int, req.seq_slot)  # (both checked by checked_request)
         params = cast(GuidedDecodingParams, req.guided_decoding_params)
         if not req.is_draft and (req.is_generation_only_first_iteration
                                  or (req.is_context_init_state and req.is_last_context_chunk)):
-            updates.append((slot, params))
+            updates.append((index, slot, params))
             return
         if not req.require_matcher_advance():
             return
@@ -111,10 +121,10 @@ class Admission:
                                f"the guide slot {slot}'s matcher was created for "
                                f"({_guide_text(held)}); a new guide needs a context request",
                                request_id=req.request_id, seq_slot=slot)
-        updates.append((slot, params))  # equal: later steps match by identity
+        updates.append((index, slot, params))  # equal: later steps match by identity
 
     def _refuse(self, requests: list, i: int, error: RequestError,
-                updates: list[tuple[int, GuidedDecodingParams]], dropped: list[int],
+                updates: list[tuple[int, int, GuidedDecodingParams]], dropped: list[int],
                 failed: list[tuple[int, str]]) -> None:
         """Replace ``requests[i]`` by an unguided stand-in with its rows and record ``error``.
         The slot's matcher is dropped when it was this request's (its slot, its guide, no
@@ -137,7 +147,31 @@ class Admission:
         if creates or held is params or (held is not None and held == params):
             dropped.append(slot)
             if creates:
-                updates.append((slot, params))
+                updates.append((i, slot, params))
+
+
+def _slots_of(requests: list) -> list:
+    """Each request's ``seq_slot`` (None where reading it fails)."""
+    try:
+        return list(map(_SEQ_SLOT, requests))
+    except Exception:
+        return [_field(r, "seq_slot") for r in requests]
+
+
+_SEQ_SLOT = operator.attrgetter("seq_slot")
+
+
+def _first_on_slot(requests: list, slots: list, i: int, slot: int) -> bool:
+    """Whether no guided request before ``requests[i]`` (admitted: a guided one has an int
+    slot) is on ``slot``; an unguided one takes no slot in the build. ``slots``: theirs."""
+    k = -1
+    while True:
+        try:
+            k = slots.index(slot, k + 1, i)
+        except ValueError:
+            return True
+        if _field(requests[k], "guided_decoding_params") is not None:
+            return False
 
 
 def _field(request: object, name: str) -> object:

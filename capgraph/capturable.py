@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from threading import get_ident
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -57,6 +58,31 @@ HostNodeChoice = Literal["auto", "native", "python"]
 TICKET_RING = 4096
 #: ``add_batch`` refuses to queue more batches than this that no step has fetched
 MAX_QUEUED_BATCHES = TICKET_RING // 4
+
+#: integer dtypes every value of which is an int32: copied into the int32 buffers as they are
+_INT32_DTYPES = frozenset({torch.int8, torch.uint8, torch.int16, torch.int32,
+                           getattr(torch, "uint16", torch.int16)})
+#: the dtypes a token or count tensor may have: those and int64, which the copy clamps into
+#: int32's range (:meth:`CapturableGuidedDecoder._int32_source`); torch has no clamp for
+#: uint32 / uint64
+_INDEX_DTYPES = _INT32_DTYPES | {torch.int64}
+_INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1
+_INT32_BOUNDS_CPU = (torch.tensor(_INT32_MIN), torch.tensor(_INT32_MAX))  # (cheaper than ints)
+
+
+def _clamped(src: torch.Tensor, wide: torch.Tensor, narrow: torch.Tensor | None
+             ) -> torch.Tensor:
+    """int64 ``src`` clamped into int32's range, in the scratch ``wide`` (int64, src's shape
+    and device); on a device also cast into ``narrow`` (int32), so that the copy to the pinned
+    buffer is a plain one (a cross-device copy that casts would allocate)."""
+    if src.is_cpu:
+        torch.clamp(src, *_INT32_BOUNDS_CPU, out=wide)
+    else:
+        torch.clamp(src, _INT32_MIN, _INT32_MAX, out=wide)
+    if narrow is None:
+        return wide  # (the CPU copy into the int32 buffer casts without a temporary)
+    narrow.copy_(wide)
+    return narrow
 
 
 def ticket_distance(ticket: int, epoch: int) -> int:
@@ -121,6 +147,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
     ``execute`` returns nothing (a host callback cannot); call :meth:`take_failed_requests`
     after the step's sync. Callback exceptions are re-raised by the drain that ends each
     non-captured ``execute`` (and by ``hostfunc.drain()``), as ``hostfunc.HostFuncError``.
+    ``close()`` runs the work queued on the side stream, then ends it (see
+    :meth:`GuidedDecoder.close`); afterwards every step method, the draft and rollback ones
+    included, raises :class:`~capgraph.errors.DecoderClosedError`.
 
     ``host_node`` chooses the step's host callback: ``"native"``, the C++ host node, which a
     replayed graph calls as a C function that never takes the GIL for a steady-state batch
@@ -156,6 +185,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self.num_accepted_tokens = torch.zeros(S, dtype=torch.int32, pin_memory=pin)
         # [batch position]: the deepest accepted node of each request's draft tree (-1: none)
         self.accepted_draft_nodes = torch.full((S,), -1, dtype=torch.int32, pin_memory=pin)
+        # per int32 buffer, device (and shape): the clamp scratch of an int64 source
+        self._int32_scratch: dict[tuple, Any] = {}
         self._new_tokens_np = self.new_tokens.numpy()
         # the epoch of the latest add_batch (modulo TICKET_RING), written in stream order: on
         # CUDA copied from _ticket_ids on the current stream, on the CPU stand-in by a task on
@@ -204,11 +235,18 @@ class CapturableGuidedDecoder(GuidedDecoder):
         between ``add_batch`` and ``execute``), so that the next ``add_batch`` is in step;
         the matchers their failed requests owned are dropped as a fetch would. Returns how
         many were dropped. Call it host side, with no step in flight."""
-        self._node_collect()  # (a batch the native node has run is fetched)
-        n = len(self._queue)
-        while self._queue:
-            self._consume_put(newest=False)
-        return n
+        me = get_ident()
+        self._in_step.append(me)  # (before the check: see close())
+        try:
+            if self._closed:
+                self._refuse_closed("discard_queued_batches")
+            self._node_collect()  # (a batch the native node has run is fetched)
+            n = len(self._queue)
+            while self._queue:
+                self._consume_put(newest=False)
+            return n
+        finally:
+            self._in_step.remove(me)
 
     @property
     def streams(self) -> StepStreams:
@@ -258,37 +296,46 @@ class CapturableGuidedDecoder(GuidedDecoder):
             TensorArgError: ``new_tokens`` is not an integer tensor of the shape above.
             QueueEpochError: :data:`MAX_QUEUED_BATCHES` batches are queued already that no
                 step has fetched (each ``add_batch`` without its replay); nothing is queued.
+            DecoderClosedError: the decoder was closed; nothing is read or changed.
         """
-        if new_tokens is not None:
-            self._check_new_tokens(new_tokens)
-        if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
-            raise LayoutError(f"requests must be a sequence of GuidedRequest, got "
-                              f"{type(requests).__name__}")
-        if self._node_active:
-            self._node_collect()  # (what the last step did, before this batch is admitted)
-        if len(self._queue) >= MAX_QUEUED_BATCHES:
-            raise QueueEpochError(
-                f"{len(self._queue)} batches are queued that no step has fetched (at most "
-                f"{MAX_QUEUED_BATCHES}): each add_batch needs its replay or execute; "
-                "discard_queued_batches() drops them")
-        snapshot = GuidedRequest.snapshot
+        me = get_ident()
+        self._in_step.append(me)  # (before the check: see close())
         try:
-            snapshots = [snapshot(r) for r in requests]
-        except Exception:  # a request without the fields: checked_request names it
-            snapshots = list(requests)
-        # checked as GuidedDecoder.add_batch checks them; the slots a failed request drops
-        # are dropped by the callback that fetches this batch (_pop), in step order
-        batch = self._add_batch(snapshots, runtime_draft_len, new_tokens is not None)
-        self._tokens_recorded_in_capture = False
-        self._put_epoch += 1
-        ticketed = self._write_step(self._put_epoch, new_tokens)
-        put = _Put(self._put_epoch, batch, new_tokens is not None, ticketed)
-        self._queue.append(put)
-        if self._node_active:
-            self._node_push(put)
-        self.active = next(batch.valid_requests(), None) is not None  # type: ignore[union-attr]
-        if not self._streams.is_capturing():
-            self._streams.record_tokens()  # orders the callbacks after the token copy
+            if self._closed:
+                self._refuse_closed("add_batch")
+            if new_tokens is not None:
+                self._check_new_tokens(new_tokens)
+            if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
+                raise LayoutError(f"requests must be a sequence of GuidedRequest, got "
+                                  f"{type(requests).__name__}")
+            if self._node_active:
+                self._node_collect()  # (what the last step did, before this batch is admitted)
+            if len(self._queue) >= MAX_QUEUED_BATCHES:
+                raise QueueEpochError(
+                    f"{len(self._queue)} batches are queued that no step has fetched (at most "
+                    f"{MAX_QUEUED_BATCHES}): each add_batch needs its replay or execute; "
+                    "discard_queued_batches() drops them")
+            snapshot = GuidedRequest.snapshot
+            try:
+                snapshots = [snapshot(r) for r in requests]
+            except Exception:  # a request without the fields: checked_request names it
+                snapshots = list(requests)
+            # checked as GuidedDecoder.add_batch checks them; the slots a failed request drops
+            # are dropped by the callback that fetches this batch (_pop), in step order
+            batch = self._add_batch(snapshots, runtime_draft_len, new_tokens is not None)
+            self._tokens_recorded_in_capture = False
+            self._put_epoch += 1
+            ticketed = self._write_step(self._put_epoch, new_tokens)
+            put = _Put(self._put_epoch, batch, new_tokens is not None, ticketed)
+            self._queue.append(put)
+            if self._node_active:
+                self._node_push(put)
+            self.active = \
+                next(batch.valid_requests(), None) is not None  # type: ignore[union-attr]
+            if not self._streams.is_capturing():
+                self._streams.record_tokens()  # orders the callbacks after the token copy
+        finally:
+            self._in_step.remove(me)
 
     def _check_new_tokens(self, new_tokens: object) -> None:
         if not isinstance(new_tokens, torch.Tensor):
@@ -296,9 +343,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 f"new_tokens must be a tensor or None, got {type(new_tokens).__name__} "
                 f"{new_tokens!r}; CapturableGuidedDecoder.add_batch takes (requests, new_tokens, "
                 "runtime_draft_len): pass runtime_draft_len by keyword")
-        if new_tokens.dtype.is_floating_point or new_tokens.dtype.is_complex or \
-                new_tokens.dtype == torch.bool:
-            raise TensorArgError(f"new_tokens must be an integer tensor, got {new_tokens.dtype}")
+        if new_tokens.dtype not in _INDEX_DTYPES:
+            raise TensorArgError(f"new_tokens must be an integer tensor (int8 to int64, uint8, "
+                                 f"uint16), got {new_tokens.dtype}")
         t = new_tokens.squeeze(-1) if new_tokens.dim() == 3 else new_tokens
         if t.dim() != 2 or t.shape[0] > self.new_tokens.shape[0] or t.shape[1] != self.max_num_sequences:
             raise TensorArgError(
@@ -312,7 +359,40 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     def _copy_new_tokens(self, new_tokens: torch.Tensor) -> None:
         dst, t = self._token_rows(new_tokens)
-        dst.copy_(t, non_blocking=True)
+        dst.copy_(self._int32_source(t, dst), non_blocking=True)
+
+    def _int32_scratch_for(self, src: torch.Tensor, dst: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """None where ``src``'s values all fit the int32 buffer ``dst`` (a plain copy keeps
+        them); else (int64) the scratch :func:`_clamped` writes, shaped as ``src``, on its
+        device: allocated once per buffer and device, so a step allocates nothing and a
+        captured graph keeps reading the same memory."""
+        if src.dtype in _INT32_DTYPES:
+            return None
+        cache, device = self._int32_scratch, src.device
+        key = (dst.data_ptr(), device, src.shape)
+        views = cache.get(key)
+        if views is None:
+            base = cache.get(key[:2])
+            if base is None:  # the whole buffer's size: any rows of it
+                n = dst.untyped_storage().nbytes() // dst.element_size()
+                base = cache[key[:2]] = (
+                    torch.empty(n, dtype=torch.int64, device=device),
+                    None if device.type == "cpu" else
+                    torch.empty(n, dtype=torch.int32, device=device))
+            k = src.numel()
+            views = cache[key] = tuple(None if b is None else b[:k].view(src.shape)
+                                       for b in base)
+        return views
+
+    def _int32_source(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """What the copy of ``src`` into the int32 buffer ``dst`` reads: ``src`` itself, or
+        for an int64 ``src`` its values clamped into int32's range (in stream order on a
+        device, reading nothing on the host: no sync, capturable), so that a value past
+        int32 stays outside the vocabulary or count range the request checks refuse, where a
+        plain copy would wrap it (``2**32 + 1`` to ``1``)."""
+        scratch = self._int32_scratch_for(src, dst)
+        return src if scratch is None else _clamped(src, *scratch)
 
     def _write_step(self, epoch: int, new_tokens: torch.Tensor | None) -> bool:
         """Write the step's tokens and ticket (``epoch`` modulo :data:`TICKET_RING`) where the
@@ -329,7 +409,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         k = epoch % TICKET_RING
         if self._ticket_ids is not None:
             if new_tokens is not None:
-                self._cuda_copy(*self._token_rows(new_tokens), "new_tokens")
+                dst, t = self._token_rows(new_tokens)
+                self._cuda_copy(dst, self._int32_source(t, dst), "new_tokens")
             self._ticket.copy_(self._ticket_ids[k:k + 1], non_blocking=True)
             return True
         ticket, copy = self._ticket_np, self._copy_new_tokens
@@ -394,8 +475,15 @@ class CapturableGuidedDecoder(GuidedDecoder):
         Args:
             num_rows: bitmask rows to copy to the device (the logits' rows); default all.
         """
-        if not self._prepared:
-            self._enqueue_step(num_rows, self._streams.is_capturing())
+        me = get_ident()
+        self._in_step.append(me)  # (before the check: see close())
+        try:
+            if self._closed:
+                self._refuse_closed("prepare")
+            if not self._prepared:
+                self._enqueue_step(num_rows, self._streams.is_capturing())
+        finally:
+            self._in_step.remove(me)
 
     def _enqueue_step(self, num_rows: int | None, capturing: bool) -> None:
         if capturing and not self._tokens_recorded_in_capture:
@@ -432,7 +520,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._node_active = True  # (the batches queued from now on queue jobs too)
             node.set_epoch(self._put_epoch)
             node.sync_counts(self.num_advanced_tokens,  # (what the eager steps advanced)
-                             self.num_advanced_draft_tokens)
+                             self.num_advanced_draft_tokens, self.slots.draft_trees)
 
     @nvtx_range("CapturableGuidedDecoder.execute")
     def execute(self, logits: torch.Tensor, d2t: torch.Tensor | None = None) -> None:  # type: ignore[override]
@@ -447,21 +535,28 @@ class CapturableGuidedDecoder(GuidedDecoder):
         not capturing this drains (waits for the callbacks with the GIL released) and
         re-raises a callback exception as ``hostfunc.HostFuncError``.
         """
-        capturing = self._streams.is_capturing()
-        self._check_logits(logits, d2t, None)
-        if capturing:
-            # the batch queued before capture only gave the shapes: no replay will fetch it
-            self._consume_put()
-        elif not self.active and not self._prepared and self._stream_idle():
-            # nothing guided and nothing queued that reads the token mask or the slots (an
-            # earlier step the host ran ahead of): enqueue nothing at all, consume here
-            self._consume_put()
-            self._clear_token_mask()
-            return
-        if not self._prepared:
-            self._enqueue_step(logits.shape[0], capturing)
-        self._prepared = False
-        self._join_and_apply(logits, d2t, capturing)
+        me = get_ident()
+        self._in_step.append(me)  # (before the check: see close())
+        try:
+            if self._closed:
+                self._refuse_closed("execute")
+            capturing = self._streams.is_capturing()
+            self._check_logits(logits, d2t, None)
+            if capturing:
+                # the batch queued before capture only gave the shapes: no replay will fetch it
+                self._consume_put()
+            elif not self.active and not self._prepared and self._stream_idle():
+                # nothing guided and nothing queued that reads the token mask or the slots (an
+                # earlier step the host ran ahead of): enqueue nothing at all, consume here
+                self._consume_put()
+                self._clear_token_mask()
+                return
+            if not self._prepared:
+                self._enqueue_step(logits.shape[0], capturing)
+            self._prepared = False
+            self._join_and_apply(logits, d2t, capturing)
+        finally:
+            self._in_step.remove(me)
 
     def _join_and_apply(self, logits: torch.Tensor, d2t: torch.Tensor | None,
                         capturing: bool) -> None:
@@ -503,17 +598,26 @@ class CapturableGuidedDecoder(GuidedDecoder):
         Raises:
             TensorArgError: a tensor that is not integer or has more entries than slots; a
                 CPU tensor while a CUDA graph is being captured.
+            DecoderClosedError: the decoder was closed; nothing is read or changed.
         """
-        _check_draft_step(draft_step)
-        tokens = self._per_request("new_tokens", new_tokens)
-        counts = None
-        if draft_step == 0 and num_accepted_tokens is not None:
-            counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
-        self._copy_in_stream_order(self.draft_new_tokens[:tokens.shape[0]], tokens, "new_tokens")
-        if counts is not None:
-            self._copy_in_stream_order(self.num_accepted_tokens[:counts.shape[0]], counts,
-                                       "num_accepted_tokens")
-        self._streams.record_tokens()
+        me = get_ident()
+        self._in_step.append(me)  # (before the check: see close())
+        try:
+            if self._closed:
+                self._refuse_closed("add_draft_batch")
+            _check_draft_step(draft_step)
+            tokens = self._per_request("new_tokens", new_tokens)
+            counts = None
+            if draft_step == 0 and num_accepted_tokens is not None:
+                counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
+            self._copy_in_stream_order(self.draft_new_tokens[:tokens.shape[0]], tokens,
+                                       "new_tokens")
+            if counts is not None:
+                self._copy_in_stream_order(self.num_accepted_tokens[:counts.shape[0]], counts,
+                                           "num_accepted_tokens")
+            self._streams.record_tokens()
+        finally:
+            self._in_step.remove(me)
 
     def _copy_in_stream_order(self, dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
         """``dst.copy_(src)`` as a CUDA copy on the current stream is: after the work already
@@ -522,15 +626,16 @@ class CapturableGuidedDecoder(GuidedDecoder):
         the current HostStream is idle, a task on it where it has work queued, and while
         capturing a copy the HostGraph replays (:meth:`_capture_copy`)."""
         if self.device.type == "cuda":
-            self._cuda_copy(dst, src, name)
+            self._cuda_copy(dst, self._int32_source(src, dst), name)
             return
+        scratch = self._int32_scratch_for(src, dst)  # (an int64 src: clamped by the copy)
         graph = hostfunc.current_stream().capture_graph
         if graph is not None:
-            self._capture_copy(graph, dst, src)
+            self._capture_copy(graph, dst, src, scratch)
             return
 
         def copy() -> None:
-            dst.copy_(src)
+            dst.copy_(src if scratch is None else _clamped(src, *scratch))
         self._in_stream_order(copy)
 
     def release(self, seq_slot: int) -> None:
@@ -544,16 +649,24 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
         Raises:
             RequestError: ``seq_slot`` is outside ``[0, max_num_sequences)``.
+            DecoderClosedError: the decoder was closed; nothing is read or changed.
         """
-        slot = self._release_slot(seq_slot)
-        if self._streams.is_capturing() or self._stream_idle():
-            self._release_now(slot)
-            return
+        me = get_ident()
+        self._in_step.append(me)  # (before the check: see close())
+        try:
+            if self._closed:
+                self._refuse_closed("release")
+            slot = self._release_slot(seq_slot)
+            if self._streams.is_capturing() or self._stream_idle():
+                self._release_now(slot)
+                return
 
-        def release_in_order() -> None:
-            self._node_collect()  # (the node's steps before this one are read first)
-            self._release_now(slot)
-        hostfunc.launch(release_in_order)
+            def release_in_order() -> None:
+                self._node_collect()  # (the node's steps before this one are read first)
+                self._release_now(slot)
+            hostfunc.launch(release_in_order)
+        finally:
+            self._in_step.remove(me)
 
     def _stream_idle(self) -> bool:
         """Whether the current stream (torch's on CUDA, hostfunc's on the CPU stand-in) has
@@ -588,11 +701,12 @@ class CapturableGuidedDecoder(GuidedDecoder):
             dst.copy_(src.to(self.device, non_blocking=True), non_blocking=True)
 
     @staticmethod
-    def _capture_copy(graph: hostfunc.HostGraph, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _capture_copy(graph: hostfunc.HostGraph, dst: torch.Tensor, src: torch.Tensor,
+                      scratch: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
         """Record ``dst.copy_(src)`` into a HostGraph: a native copy (no GIL in the replay)
         where both are contiguous CPU tensors of one dtype and size and hostfunc's native
         functions build here (the graph holds the tensors and the arguments), else a Python
-        task."""
+        task (which clamps an int64 ``src`` into ``scratch`` first: :func:`_clamped`)."""
         try:
             fn = hostfunc.native.copy_function()
         except hostfunc.HostFuncUsageError:
@@ -606,7 +720,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             return
 
         def copy() -> None:
-            dst.copy_(src.reshape(dst.shape))
+            dst.copy_((src if scratch is None else _clamped(src, *scratch)).reshape(dst.shape))
 
         def step(replay: hostfunc.HostStream) -> None:
             replay.enqueue(copy)
@@ -614,10 +728,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     def _per_request(self, name: str, values: torch.Tensor) -> torch.Tensor:
         """A ``[batch]`` integer tensor of at most ``max_num_sequences`` entries, flattened."""
-        if not isinstance(values, torch.Tensor) or values.dtype.is_floating_point \
-                or values.dtype == torch.bool:
-            raise TensorArgError(f"{name} must be an integer tensor, got "
-                                 f"{getattr(values, 'dtype', type(values))}")
+        if not isinstance(values, torch.Tensor) or values.dtype not in _INDEX_DTYPES:
+            raise TensorArgError(f"{name} must be an integer tensor (int8 to int64, uint8, "
+                                 f"uint16), got {getattr(values, 'dtype', type(values))}")
         flat = values.reshape(-1)
         if flat.shape[0] > self.max_num_sequences:
             raise TensorArgError(f"{name} has {flat.shape[0]} entries, more than "
@@ -635,26 +748,33 @@ class CapturableGuidedDecoder(GuidedDecoder):
         native host node active, each step is the node's C function (a loop it cannot run is
         Python's from its first step to its last).
         """
-        _check_draft_step(draft_step)
-        requests = self._require_batch()
-        self._check_logits(logits, d2t, None, len(requests))  # (one row per request)
-        last = requests.max_num_draft_tokens - 1
-        if draft_step == 0 and self._streams.is_capturing():
-            self._consume_put()
-        capturing = self._streams.is_capturing()
-        if capturing:
-            self._activate_node()
-        node, first, end = self._node, draft_step == 0, draft_step >= last
-        with self._streams.side():
-            self._streams.wait_tokens()
-            if node is not None and self._node_active and (capturing or not self._warmup):
-                hostfunc.launch_native(node.draft_run(first, end), node.address,
-                                       retain=node.retain, release=node.release)
-            else:
-                self.draft_host_step(draft_step, first, end)
-            self.copy_bitmask(logits.shape[0])
-            self._streams.record_bitmask()
-        self._join_and_apply(logits, d2t, self._streams.is_capturing())
+        me = get_ident()
+        self._in_step.append(me)  # (before the check: see close())
+        try:
+            if self._closed:
+                self._refuse_closed("execute_draft_batch")
+            _check_draft_step(draft_step)
+            requests = self._require_batch()
+            self._check_logits(logits, d2t, None, len(requests))  # (one row per request)
+            last = requests.max_num_draft_tokens - 1
+            if draft_step == 0 and self._streams.is_capturing():
+                self._consume_put()
+            capturing = self._streams.is_capturing()
+            if capturing:
+                self._activate_node()
+            node, first, end = self._node, draft_step == 0, draft_step >= last
+            with self._streams.side():
+                self._streams.wait_tokens()
+                if node is not None and self._node_active and (capturing or not self._warmup):
+                    hostfunc.launch_native(node.draft_run(first, end), node.address,
+                                           retain=node.retain, release=node.release)
+                else:
+                    self.draft_host_step(draft_step, first, end)
+                self.copy_bitmask(logits.shape[0])
+                self._streams.record_bitmask()
+            self._join_and_apply(logits, d2t, self._streams.is_capturing())
+        finally:
+            self._in_step.remove(me)
 
     def rollback_rejected_batch(self, num_accepted_tokens: torch.Tensor,
                                 accepted_draft_nodes: torch.Tensor | None = None) -> None:
@@ -679,33 +799,40 @@ class CapturableGuidedDecoder(GuidedDecoder):
         where the last step was native; otherwise a Python callback, which needs the GIL:
         call it then after the drafting kernels have been enqueued.
         """
-        counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
-        with_nodes = accepted_draft_nodes is not None
-        nodes = None if accepted_draft_nodes is None else \
-            self._per_request("accepted_draft_nodes", accepted_draft_nodes)
-        self._copy_in_stream_order(self.num_accepted_tokens[:counts.shape[0]], counts,
-                                   "num_accepted_tokens")
-        if nodes is not None:
-            self._copy_in_stream_order(self.accepted_draft_nodes[:nodes.shape[0]], nodes,
-                                       "accepted_draft_nodes")
-        self._streams.record_tokens()
-        node = self._node
-        if self._streams.is_capturing():
-            self._activate_node()
-        with self._streams.side():
-            self._streams.wait_tokens()
-            if node is not None and self._node_active and not with_nodes:
-                hostfunc.launch_native(node.run_rollback, node.address, retain=node.retain,
-                                       release=node.release)
-            else:
-                self.accepted_host_step(with_nodes)
-            self._streams.record_bitmask()  # capture needs every fork joined
-        if self.device.type == "cpu" and not self._streams.is_capturing():
-            self._sync_side()
-            hostfunc.check_errors()
-            return
-        self._streams.wait_bitmask()
-        self._streams.drain()
+        me = get_ident()
+        self._in_step.append(me)  # (before the check: see close())
+        try:
+            if self._closed:
+                self._refuse_closed("rollback_rejected_batch")
+            counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
+            with_nodes = accepted_draft_nodes is not None
+            nodes = None if accepted_draft_nodes is None else \
+                self._per_request("accepted_draft_nodes", accepted_draft_nodes)
+            self._copy_in_stream_order(self.num_accepted_tokens[:counts.shape[0]], counts,
+                                       "num_accepted_tokens")
+            if nodes is not None:
+                self._copy_in_stream_order(self.accepted_draft_nodes[:nodes.shape[0]], nodes,
+                                           "accepted_draft_nodes")
+            self._streams.record_tokens()
+            node = self._node
+            if self._streams.is_capturing():
+                self._activate_node()
+            with self._streams.side():
+                self._streams.wait_tokens()
+                if node is not None and self._node_active and not with_nodes:
+                    hostfunc.launch_native(node.run_rollback, node.address, retain=node.retain,
+                                           release=node.release)
+                else:
+                    self.accepted_host_step(with_nodes)
+                self._streams.record_bitmask()  # capture needs every fork joined
+            if self.device.type == "cpu" and not self._streams.is_capturing():
+                self._sync_side()
+                hostfunc.check_errors()
+                return
+            self._streams.wait_bitmask()
+            self._streams.drain()
+        finally:
+            self._in_step.remove(me)
 
     # -- callbacks (run on the side stream) --------------------------------------------------
     # Each stage below is a host callback of its own; a step enqueues them fused (one hand-off
@@ -720,7 +847,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if self._node_active:  # the counters these stages wrote are the node's from now on
             self._node_collect()
             self._node.sync_counts(  # type: ignore[union-attr]
-                self.num_advanced_tokens, self.num_advanced_draft_tokens)
+                self.num_advanced_tokens, self.num_advanced_draft_tokens,
+                self.slots.draft_trees)
         if first is not None:
             raise first
 
@@ -943,13 +1071,14 @@ class CapturableGuidedDecoder(GuidedDecoder):
     def apply_hostfunc(self, logits: torch.Tensor, d2t: torch.Tensor | None, rows: int) -> None:
         self.apply_bitmask(logits, d2t, rows)
 
-    def close(self) -> None:
-        # the side stream first: a host step still queued on it may start a build, which the
-        # base close then ends before it stops the C++ build's thread
+    def _close(self) -> None:
+        """close()'s work (see :meth:`GuidedDecoder.close`): the side stream first (its queued
+        work runs, then its worker ends): a host step still queued on it may start a build,
+        which the base close then ends before it stops the C++ build's thread."""
         close = getattr(self._streams, "close", None)
         if close is not None:
             close()
-        super().close()
+        super()._close()
         if self._node is not None:
             hostfunc.remove_drain_hook(self._node_hook)
 
@@ -1113,6 +1242,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         for slot, matcher in put.installs:  # (installed by the node before the step ran)
             matchers[slot] = matcher
         self.slots.num_builds += 1
+        self.slots.forget_trees(batch.requests)  # (the node built these slots: see _build)
         self._masked_rows = masked
         if columns is not None:
             reqs = batch.requests
@@ -1140,6 +1270,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self.slots.num_builds += 1
         self._masked_rows = masked
         batch = self._node_batch(epoch)
+        if batch is not None:
+            self.slots.forget_trees(batch.requests)  # (the node built these slots)
         if unusual is None or batch is None:
             return
         outcomes: list = []

@@ -18,7 +18,10 @@ applies the masks, and rolls back.
 from __future__ import annotations
 
 import threading
-from typing import Collection, Sequence, cast
+import time
+from concurrent.futures import wait as wait_futures
+from threading import get_ident
+from typing import Collection, NoReturn, Sequence, cast
 
 import torch
 
@@ -28,8 +31,8 @@ from .bitmask import bitmask_dtype, token_mask_dtype, vocab_shard
 from .build import HostBuild, HostBuildChoice, Outcome, SlotState, Status
 from .build.slots import SlotMatchers
 from .build import make_host_build
-from .errors import (BudgetExceededError, ConfigError, DeadEndError, LayoutError,
-                     QueueEpochError, RequestError)
+from .errors import (BudgetExceededError, ConfigError, DeadEndError, DecoderClosedError,
+                     LayoutError, QueueEpochError, RequestError)
 from .grammar import (CompileHandle, ForcedTokenEncoder, GrammarMatcher, GrammarMatcherFactory,
                       create_matcher_factory)
 from .ops import logits_bitmask
@@ -149,6 +152,12 @@ class GuidedDecoder:
         self._pending_compiles: dict[int, CompileHandle] = {}
         self._failed: list[FailedRequest] = []
         self._failed_lock = threading.Lock()  # callbacks record failures from other threads
+        #: close() was called: every step method refuses (DecoderClosedError)
+        self._closed = False
+        # the idents of the threads inside a step method (close() waits for the others'): a
+        # list, as append and remove are atomic under the GIL and cost less than a lock
+        self._in_step: list[int] = []
+        self._close_lock = threading.Lock()  # (two close() calls at once: one does the work)
         self._masked_rows = False  # the last build set some token_mask entry
         self._forced_encoder: ForcedTokenEncoder | None = None
         #: the host build strategy (capgraph.build), chosen once
@@ -209,10 +218,18 @@ class GuidedDecoder:
                 ``is_context_init_state`` is not a bool (its rows are unknown), or a
                 ``runtime_draft_len`` that is not an integer in ``[0, max_num_draft_tokens]``.
                 Nothing is changed then.
+            DecoderClosedError: the decoder was closed; nothing is read or changed.
         """
-        batch = self._add_batch(requests, runtime_draft_len, False)
-        if batch.dropped_slots:
-            self._drop_slots(batch)
+        me = get_ident()
+        self._in_step.append(me)  # (before the check: see close())
+        try:
+            if self._closed:
+                self._refuse_closed("add_batch")
+            batch = self._add_batch(requests, runtime_draft_len, False)
+            if batch.dropped_slots:
+                self._drop_slots(batch)
+        finally:
+            self._in_step.remove(me)
 
     @nvtx_range("GuidedDecoder.execute")
     def execute(self, logits: torch.Tensor, d2t: torch.Tensor | None = None
@@ -235,27 +252,35 @@ class GuidedDecoder:
                 columns, overlapping rows, d2t targets outside the vocabulary), before any
                 matcher moves: call again with proper tensors.
             QueueEpochError: this batch was already built; call add_batch first.
+            DecoderClosedError: the decoder was closed; ``logits`` are left untouched.
         """
-        requests = self._require_batch()
-        self._check_logits(logits, d2t, requests.num_bitmask_tokens)
-        self._take_unbuilt_batch("execute")
-        if self.device.type == "cuda":
-            # the previous step's copy may still read the pinned buffer we are about to fill
-            self.bitmask_event.synchronize()
-        failed = self._build(requests)
-        n = requests.num_bitmask_tokens
-        if self.device.type == "cuda":
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_event(self.token_event)
-                self.copy_bitmask(n)
-                self.bitmask_event.record(self.stream)
-            torch.cuda.current_stream(self.device).wait_event(self.bitmask_event)
-            self.apply_bitmask(logits, d2t, n)
-            self.token_event.record()
-        elif self._masked_rows:  # on CPU a step that masks nothing costs nothing more
-            self.apply_bitmask(logits, d2t, n)
-        self._record_failed(failed)
-        return self.take_failed_requests()
+        me = get_ident()
+        self._in_step.append(me)  # (before the check: see close())
+        try:
+            if self._closed:
+                self._refuse_closed("execute")
+            requests = self._require_batch()
+            self._check_logits(logits, d2t, requests.num_bitmask_tokens)
+            self._take_unbuilt_batch("execute")
+            if self.device.type == "cuda":
+                # the previous step's copy may still read the pinned buffer we are about to fill
+                self.bitmask_event.synchronize()
+            failed = self._build(requests)
+            n = requests.num_bitmask_tokens
+            if self.device.type == "cuda":
+                with torch.cuda.stream(self.stream):
+                    self.stream.wait_event(self.token_event)
+                    self.copy_bitmask(n)
+                    self.bitmask_event.record(self.stream)
+                torch.cuda.current_stream(self.device).wait_event(self.bitmask_event)
+                self.apply_bitmask(logits, d2t, n)
+                self.token_event.record()
+            elif self._masked_rows:  # on CPU a step that masks nothing costs nothing more
+                self.apply_bitmask(logits, d2t, n)
+            self._record_failed(failed)
+            return self.take_failed_requests()
+        finally:
+            self._in_step.remove(me)
 
     def take_failed_requests(self) -> list[FailedRequest]:
         """Failures recorded since the last call, then forgets them."""
@@ -270,10 +295,18 @@ class GuidedDecoder:
 
         Raises:
             QueueEpochError: this batch was already built (by ``build`` or ``execute``).
+            DecoderClosedError: the decoder was closed.
         """
-        requests = self._require_batch()
-        self._take_unbuilt_batch("build")
-        return self._build(requests)
+        me = get_ident()
+        self._in_step.append(me)  # (before the check: see close())
+        try:
+            if self._closed:
+                self._refuse_closed("build")
+            requests = self._require_batch()
+            self._take_unbuilt_batch("build")
+            return self._build(requests)
+        finally:
+            self._in_step.remove(me)
 
     @nvtx_range("GuidedDecoder.copy_bitmask")
     def copy_bitmask(self, num_rows: int) -> None:
@@ -355,29 +388,68 @@ class GuidedDecoder:
         left None when no draft was accepted): its matcher, back at the root after the
         build, is fed the path from the root to that node, so it stands where a chain of
         the accepted drafts would (clamped where the grammar refuses or stops, as above).
+
+        Raises:
+            DecoderClosedError: the decoder was closed.
         """
-        self._rollback_rejected_tokens(self._require_batch())
+        me = get_ident()
+        self._in_step.append(me)  # (before the check: see close())
+        try:
+            if self._closed:
+                self._refuse_closed("rollback_rejected_tokens")
+            self._rollback_rejected_tokens(self._require_batch())
+        finally:
+            self._in_step.remove(me)
 
     @nvtx_range("GuidedDecoder.rollback_draft_tokens")
     def rollback_draft_tokens(self) -> None:
-        """Undo every advance made by a drafting loop (call after it, before the target build)."""
-        self._rollback_draft_tokens(self._require_batch())
+        """Undo every advance made by a drafting loop (call after it, before the target build).
+
+        Raises:
+            DecoderClosedError: the decoder was closed.
+        """
+        me = get_ident()
+        self._in_step.append(me)  # (before the check: see close())
+        try:
+            if self._closed:
+                self._refuse_closed("rollback_draft_tokens")
+            self._rollback_draft_tokens(self._require_batch())
+        finally:
+            self._in_step.remove(me)
 
     @nvtx_range("GuidedDecoder.init_disagg_gen_requests")
     def init_disagg_gen_requests(self) -> None:
         """Create matchers for requests whose prefill ran elsewhere (first generation step).
 
         Call before the drafting loop and the forward of that step.
+
+        Raises:
+            DecoderClosedError: the decoder was closed.
         """
-        self._init_disagg_gen_requests(self._require_batch())
+        me = get_ident()
+        self._in_step.append(me)  # (before the check: see close())
+        try:
+            if self._closed:
+                self._refuse_closed("init_disagg_gen_requests")
+            self._init_disagg_gen_requests(self._require_batch())
+        finally:
+            self._in_step.remove(me)
 
     def release(self, seq_slot: int) -> None:
         """Forget the matcher and counters of a slot whose request has finished.
 
         Raises:
             RequestError: ``seq_slot`` is outside ``[0, max_num_sequences)``.
+            DecoderClosedError: the decoder was closed.
         """
-        self._release_now(self._release_slot(seq_slot))
+        me = get_ident()
+        self._in_step.append(me)  # (before the check: see close())
+        try:
+            if self._closed:
+                self._refuse_closed("release")
+            self._release_now(self._release_slot(seq_slot))
+        finally:
+            self._in_step.remove(me)
 
     def _release_slot(self, seq_slot: object) -> int:
         """Free ``seq_slot`` for admission (the next ``add_batch`` may place a new request
@@ -411,17 +483,44 @@ class GuidedDecoder:
         Raises:
             RequestError: ``seq_slot`` is outside ``[0, max_num_sequences)``.
             ConfigError: the config has no tokenizer to encode forced text with.
+            DecoderClosedError: the decoder was closed.
         """
-        return self.forced_tokens_batch([seq_slot], max_tokens)[0]
+        me = get_ident()
+        self._in_step.append(me)  # (before the check: see close())
+        try:
+            if self._closed:
+                self._refuse_closed("forced_tokens")
+            return self._forced_tokens_batch([seq_slot], max_tokens)[0]
+        finally:
+            self._in_step.remove(me)
 
     def forced_tokens_batch(self, seq_slots: Sequence[int], max_tokens: int
                             ) -> list[list[int]]:
         """:meth:`forced_tokens` for each of ``seq_slots`` (checked and synchronised once:
         what a drafter calls per step)."""
+        me = get_ident()
+        self._in_step.append(me)  # (before the check: see close())
+        try:
+            if self._closed:
+                self._refuse_closed("forced_tokens_batch")
+            return self._forced_tokens_batch(seq_slots, max_tokens)
+        finally:
+            self._in_step.remove(me)
+
+    def _forced_tokens_batch(self, seq_slots: Sequence[int], max_tokens: int
+                             ) -> list[list[int]]:
         if type(max_tokens) is not int or max_tokens < 0:
             raise ConfigError(f"forced_tokens: max_tokens={max_tokens!r} must be an int >= 0")
-        slots = [as_int(s) for s in seq_slots]
-        for given, slot in zip(seq_slots, slots):
+        if isinstance(seq_slots, (str, bytes)) or not hasattr(seq_slots, "__iter__"):
+            raise RequestError(f"forced_tokens_batch: seq_slots must be a sequence of slot "
+                               f"indices, got {type(seq_slots).__name__} {seq_slots!r:.40}")
+        try:
+            given_slots = list(seq_slots)  # (once: a generator is read once)
+        except Exception as e:
+            raise RequestError(f"forced_tokens_batch: seq_slots could not be read as a "
+                               f"sequence of slot indices ({type(e).__name__}: {e})") from None
+        slots = [as_int(s) for s in given_slots]
+        for given, slot in zip(given_slots, slots):
             if slot is None or not self.slots.slot_ok(slot):
                 raise RequestError(f"forced_tokens: seq_slot {given!r} is not a slot index in "
                                    f"[0, max_num_sequences={self.max_num_sequences})",
@@ -450,11 +549,67 @@ class GuidedDecoder:
 
     def close(self) -> None:
         """Release what the decoder owns: the compile pool of a factory it built itself
-        (a factory passed in stays open for its other users) and the host build's thread."""
+        (a factory passed in stays open for its other users), the host build's threads (and,
+        on the capturable decoder, its side stream's worker, after the work queued on it), and
+        the compiles it started that no step took: each is waited for until
+        ``compile_timeout_s`` from its start, then given up, so that none is left inside the
+        backend when the interpreter exits (which aborts the process).
+
+        The decoder is done for then: every step method (``add_batch``, ``execute``,
+        ``build``, the rollbacks, ``init_disagg_gen_requests``, ``release``,
+        ``forced_tokens``; on the capturable decoder also ``prepare``, ``add_draft_batch``,
+        ``execute_draft_batch``, ``rollback_rejected_batch``, ``discard_queued_batches``)
+        raises :class:`~capgraph.errors.DecoderClosedError` before it reads or changes
+        anything: no matcher moves, nothing is queued, no compile starts.
+        ``take_failed_requests`` still returns the failures recorded before. Closing again, or
+        closing a decoder that never ran a step, is allowed and does nothing more. A step
+        method running on another thread when close() is called is waited for (GIL
+        released), then the decoder closes; one called after close() has begun is refused.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            # first (a close() that raises still leaves the decoder closed): from here on a
+            # step method is refused, and those already inside one are in _in_step (each
+            # adds its thread before it reads _closed; both run under the GIL)
+            self._closed = True
+            self._wait_for_steps()
+            self._close()
+
+    def _wait_for_steps(self) -> None:
+        """Wait (GIL released) until no other thread is inside a step method."""
+        me = get_ident()
+        while any(ident != me for ident in list(self._in_step)):
+            time.sleep(0.001)
+
+    def _close(self) -> None:
+        """close()'s work, run once, no step method running (a subclass extends it)."""
         self._finish_build()
         self.host_build.close()
+        self._end_pending_compiles()
         if self._owns_factory:
             self.grammar_matcher_factory.close()
+
+    def _end_pending_compiles(self) -> None:
+        """Wait for the compiles this decoder started that no build took (an ``add_batch``
+        without its step), each until the deadline its request would have waited for it
+        (``compile_timeout_s`` from its start); give up those still running then. A compile
+        left running on its thread when the interpreter exits aborts the process: xgrammar's
+        bindings cannot take the GIL back during finalization and end in std::terminate
+        ("terminate called without an active exception")."""
+        handles, self._pending_compiles = list(self._pending_compiles.values()), {}
+        timeout = self.config.compile_timeout_s
+        for handle in handles:
+            if not handle.done():
+                left = handle.started + timeout - time.monotonic()
+                wait_futures([handle.future], timeout=max(0.0, left))
+            if not handle.done():
+                handle.give_up()  # (stopped where the backend can stop it)
+
+    def _refuse_closed(self, method: str) -> NoReturn:
+        raise DecoderClosedError(
+            f"{type(self).__name__}.{method}: the decoder is closed (close() was called); "
+            "nothing was read or changed: build a new decoder to decode again")
 
     # -- the build ---------------------------------------------------------------------------
     @nvtx_range("GuidedDecoder.build")
@@ -474,7 +629,10 @@ class GuidedDecoder:
         if self._inflight is not None:
             self._finish_build()
         clear = requests.num_bitmask_tokens if clear_rows is None else clear_rows
-        self.slots.num_builds += 1  # (a draft tree stored before now is no longer current)
+        self.slots.num_builds += 1
+        # (the trees of the slots built now are no longer current; another slot's stays its
+        # own while its request sits out this step)
+        self.slots.forget_trees(requests.requests)
         if asynchronous and self.host_build.begin(requests, clear):
             self._inflight = requests
             self._masked_rows = True  # (until the join says: the token mask decides)
@@ -686,7 +844,7 @@ class GuidedDecoder:
             self._record_failed([self._fail(req, e)])
             return
         self.num_advanced_tokens[slot] += kept
-        self.slots.draft_trees[slot] = (self.slots.num_builds, None, parents)
+        self.slots.record_tree(slot, None, parents)
 
     def _rollback_draft_tokens(self, requests: GuidedRequests) -> None:
         self._finish_build()

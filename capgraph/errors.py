@@ -27,6 +27,7 @@ __all__ = [
     "CallbackError",
     "NativeBuildError",
     "BudgetExceededError",
+    "DecoderClosedError",
 ]
 
 
@@ -173,3 +174,11 @@ class BudgetExceededError(CapgraphError, RuntimeError):
         super().__init__(f"host step took {elapsed_ms:.1f} ms, over the "
                          f"{budget_ms:g} ms budget (GuidedDecodingConfig.host_step_budget_ms)"
                          + _context(request_id=request_id, seq_slot=seq_slot))
+
+
+class DecoderClosedError(CapgraphError, RuntimeError):
+    """A decoder was used after its ``close()``: a step method (``add_batch``, ``execute``,
+    a rollback, ``release``, ``forced_tokens``, ...) is refused before it reads or changes
+    anything (no matcher moves, nothing is queued, no compile starts). ``close()`` itself may
+    be called again (it does nothing more); ``take_failed_requests()`` still returns the
+    failures recorded before the close. Build a new decoder to decode again."""

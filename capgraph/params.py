@@ -9,9 +9,12 @@ bad field and the value received.
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import math
 import os
+import re
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -151,6 +154,11 @@ class GuidedDecodingParams:
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"GuidedDecodingParams.guide: the schema dict is not JSON "
                                   f"({e})") from None
+            except RecursionError:
+                raise ConfigError("GuidedDecodingParams.guide: the schema dict nests too deeply "
+                                  "to serialise (dicts and lists inside each other deeper than "
+                                  f"Python's recursion limit, {sys.getrecursionlimit()})"
+                                  ) from None
             object.__setattr__(self, "guide", guide)
         if guide is None:
             guide = ""
@@ -198,6 +206,12 @@ def _refuse_trailing_text(guide_type: GuideType, text: str) -> None:
         _, end = _JSON_DECODER.raw_decode(text, start)
     except ValueError:
         return
+    except RecursionError:  # (the parser recurses per nesting level)
+        raise ConfigError(f"GuidedDecodingParams.guide: the {guide_type.name} text nests "
+                          f"{_json_nesting(text)} levels deep (arrays and objects inside each "
+                          "other), too deep to parse within Python's recursion limit "
+                          f"({sys.getrecursionlimit()}); a guide nests at most a few hundred "
+                          "levels") from None
     if text[end:].strip():
         raise ConfigError(f"GuidedDecodingParams.guide: the {guide_type.name} text has more after "
                           f"its JSON value at character {end}: {text[end:end + 40]!r}; a guide "
@@ -205,6 +219,16 @@ def _refuse_trailing_text(guide_type: GuideType, text: str) -> None:
 
 
 _JSON_DECODER = json.JSONDecoder()
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def _json_nesting(text: str) -> int:
+    """The deepest nesting of arrays and objects in JSON ``text`` (strings skipped), counted
+    without recursion (for the error of a guide too deep to parse)."""
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    return max(itertools.accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0)
 
 
 def _parse_bytes(text: str, env: str) -> int:

@@ -78,6 +78,11 @@ class LogitsChecks:
                 raise TensorArgError(f"d2t is on {d2t.device}, logits on {logits.device}")
             self.check_d2t(d2t)
         full = self.vocab_size_padded if d2t is None else d2t.shape[0]
+        if d2t is not None and full < width:  # (an empty table: 0 % width passes below)
+            raise TensorArgError(f"logits width {width} is not the full vocabulary nor a "
+                                 f"tensor-parallel shard of it (len(d2t)={full}): d2t must be "
+                                 "the full draft-vocab table, at least as long as the logits "
+                                 "are wide")
         if width == 0 or full % width:
             what = "vocab_size_padded" if d2t is None else "len(d2t)"
             raise TensorArgError(f"logits width {width} is not the full vocabulary nor a "

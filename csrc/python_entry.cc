@@ -808,7 +808,8 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 // Python stage (node_sync_counts); a slot generation, bumped with each change of a slot's
 // handle, keeps a step or rollback that ran for a slot's previous matcher from writing its
 // counters (here and in Python's lists, NodeTake). After a Python step (it may have traversed a draft tree,
-// whose accepted path only Python keeps), or for a slot whose matcher only Python can run,
+// whose accepted path only Python keeps), for a slot that still holds such a tree (its request
+// sat out the steps since: slot_tree), or for a slot whose matcher only Python can run,
 // the rollback is Python's (`rollback_fallback`, under the GIL).
 //
 // A drafting loop's steps (execute_draft_batch) are C functions too (RunDraft): the first
@@ -860,8 +861,9 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //   for a rollback the slots whose matchers rolled back (a matcher that had terminated no
 //   longer has), for a loop's end every slot of its batch, else None; stale: a tuple of the
 //   batch indices of unusual requests whose slot holds another matcher by now.
-// node_sync_counts(node, advanced, drafted): the node's per-slot advance and draft-advance
-//   counts from Python's lists.
+// node_sync_counts(node, advanced, drafted, trees): the node's per-slot advance and
+//   draft-advance counts from Python's lists, and which slots hold a draft tree (trees[slot]
+//   not None: their rollback is Python's until the node builds the slot).
 // node_stats(node) -> (runs, python_runs, last_start_ns, last_end_ns, busy_ns, rows,
 //                      rollback_runs, python_rollback_runs, draft_runs, python_draft_runs)
 // node_set_warmup(node, on): runs from now on are warm-up runs (no job taken, nothing masked).
@@ -945,6 +947,10 @@ struct HostNode {
   std::vector<uint8_t> slot_stopped;  // the drafting loop stopped guiding the slot
   std::vector<int32_t> slot_advanced;  // tokens the slot's matcher advanced in its last step
   std::vector<uint64_t> slot_gen;  // bumped with each change of the slot's matcher
+  // the slot holds a draft tree whose accepted path only Python keeps (its rollback is
+  // Python's): set from Python's after a Python stage (node_sync_counts), cleared when a
+  // native step or draft build runs the slot (its tree is no longer current then)
+  std::vector<uint8_t> slot_tree;
   // the rollback's inputs: the accepted-count buffer, xgrammar's matcher rollback, and the
   // Python rollback for what the node cannot roll back
   PyObject* counts_buffer = nullptr;  // owns `counts`
@@ -1183,6 +1189,7 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d) {
   for (int64_t i = 0; i < k; ++i) {
     const int64_t slot = job.entries[i].slot;
     if (n->slot_gen[slot] == gens[i]) n->slot_advanced[slot] = 0;
+    n->slot_tree[slot] = 0;  // (the slot was built: a tree stored before is not current)
   }
   for (size_t q = 0; q < d->slots.size(); ++q) {
     const int64_t slot = d->slots[q];
@@ -1526,8 +1533,8 @@ void RunRollback(void* p) {
       d.epoch = n->last_run_epoch;
       if (!python) entries = n->last_entries;
     }
-    for (const NodeEntry& e : entries) {
-      if (n->slot_kind[e.slot] == 2) python = true;
+    for (const NodeEntry& e : entries) {  // (a slot's draft tree: Python keeps its path)
+      if (n->slot_kind[e.slot] == 2 || n->slot_tree[e.slot]) python = true;
     }
   }
   if (python) {
@@ -1606,6 +1613,7 @@ void DraftBuild(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d)
     std::lock_guard<std::mutex> lock(n->mu);
     for (int64_t i = 0; i < k; ++i) {
       if (n->slot_gen[entries[i].slot] == gens[i]) n->slot_advanced[entries[i].slot] = 0;
+      n->slot_tree[entries[i].slot] = 0;  // (as a step's build)
     }
   }
   size_t next_error = errors_before;
@@ -1691,7 +1699,8 @@ void RunDraft(HostNode* n, bool first, bool last) {
       python = have && pop.error.empty() &&
                (job.python || n->last_python || !job.installs.empty() ||
                 std::any_of(job.entries.begin(), job.entries.end(), [&](const NodeEntry& e) {
-                  return n->slot_kind[e.slot] == 2 || e.fill_only || e.skip;
+                  return n->slot_kind[e.slot] == 2 || n->slot_tree[e.slot] ||
+                         e.fill_only || e.skip;
                 }));
       n->draft_python = python;
       n->draft_epoch = job.epoch;
@@ -1818,6 +1827,7 @@ PyObject* NodeCreate(PyObject*, PyObject* args) {
   n->slot_stopped.assign(static_cast<size_t>(n->num_slots), 0);
   n->slot_advanced.assign(static_cast<size_t>(n->num_slots), 0);
   n->slot_gen.assign(static_cast<size_t>(n->num_slots), 0);
+  n->slot_tree.assign(static_cast<size_t>(n->num_slots), 0);
   n->slot_drafted.assign(static_cast<size_t>(n->num_slots), 0);
   PyObject* capsule = PyCapsule_New(n, kNodeCapsule, DestroyNode);
   if (capsule == nullptr) {
@@ -2314,19 +2324,31 @@ bool CountList(const HostNode* n, PyObject* list, const char* name, std::vector<
   return true;
 }
 
-// node_sync_counts(node, advanced, drafted): the node's per-slot advance and draft-advance
-// counts from Python's lists (after a Python stage, whose counters are then the decoder's).
+// node_sync_counts(node, advanced, drafted, trees): the node's per-slot advance and
+// draft-advance counts from Python's lists (after a Python stage, whose counters are then the
+// decoder's), and its draft-tree flags from Python's per-slot trees (None: no tree).
 PyObject* NodeSyncCounts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HostNode* n = NodeCall(args, nargs, 3, "node_sync_counts(node, advanced, drafted)");
+  HostNode* n = NodeCall(args, nargs, 4, "node_sync_counts(node, advanced, drafted, trees)");
   if (n == nullptr) return nullptr;
   std::vector<int32_t> advanced, drafted;
   if (!CountList(n, args[1], "advanced", &advanced) ||
       !CountList(n, args[2], "drafted", &drafted)) {
     return nullptr;
   }
+  PyObject* trees = args[3];
+  if (!PyList_Check(trees) || PyList_GET_SIZE(trees) != n->num_slots) {
+    PyErr_Format(PyExc_TypeError, "node_sync_counts: trees must be a list of %lld entries",
+                 static_cast<long long>(n->num_slots));
+    return nullptr;
+  }
+  std::vector<uint8_t> tree(static_cast<size_t>(n->num_slots));
+  for (int64_t slot = 0; slot < n->num_slots; ++slot) {
+    tree[slot] = PyList_GET_ITEM(trees, slot) != Py_None;
+  }
   std::lock_guard<std::mutex> lock(n->mu);
   n->slot_advanced.swap(advanced);
   n->slot_drafted.swap(drafted);
+  n->slot_tree.swap(tree);
   Py_RETURN_NONE;
 }
 

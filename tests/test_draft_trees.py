@@ -146,12 +146,18 @@ def make_sequences(factory, case_names: list[str]) -> list[Sequence]:
 
 
 def run(factory, seed: int, case_names: list[str], decoders, check_brute_force: bool,
-        capturable: CapturableGuidedDecoder | None = None, graphed: bool = False) -> None:
+        capturable: CapturableGuidedDecoder | None = None, graphed: bool = False,
+        sit_out: float = 0.0) -> int:
     """Drive ``decoders`` (eager) and ``capturable`` (tokens from the token tensor, accepted
     nodes from a tensor; ``graphed``: its step captured once in a HostGraph and replayed)
     through the sequences' steps; every decoder's masked logits must agree, and
-    (``check_brute_force``) every row must equal the brute force's."""
+    (``check_brute_force``) every row must equal the brute force's. ``sit_out``: the chance
+    that a live sequence is left out of a step (at least one takes part): it comes back
+    later with the rollback of its last step. Returns how many times a sequence whose last
+    step was a tree with an accepted node came back after sitting out."""
     rng = random.Random(seed)
+    gaps = 0
+    sat_out: set[int] = set()
     seqs = make_sequences(factory, case_names)
     V = factory.config.vocab_size_padded
     S = len(seqs)
@@ -166,6 +172,12 @@ def run(factory, seed: int, case_names: list[str], decoders, check_brute_force: 
     step = 0
     while not all(s.done for s in seqs):
         live = [s for s in seqs if not s.done]
+        if sit_out:
+            playing = [s for s in live if rng.random() >= sit_out] or live[:1]
+            gaps += sum(s.slot in sat_out and s.node is not None and s.node >= 0
+                        for s in playing)
+            sat_out = {s.slot for s in live if s not in playing}
+            live = playing
         rl = K if rng.random() < 0.7 else rng.randint(1, K)
         reqs = [s.request(rng, rl) for s in live]
         logits = torch.randn(sum(r.num_rows(rl) for r in reqs), V,
@@ -192,7 +204,7 @@ def run(factory, seed: int, case_names: list[str], decoders, check_brute_force: 
             capturable.add_batch(creqs, tokens, runtime_draft_len=rl)
             if step:
                 capturable.rollback_rejected_batch(
-                    torch.tensor([r.num_accepted_draft_tokens + 1 for r in reqs]),
+                    torch.tensor([(r.num_accepted_draft_tokens or 0) + 1 for r in reqs]),
                     torch.tensor([-1 if r.accepted_draft_node is None else r.accepted_draft_node
                                   for r in reqs]))
             if graph is not None:
@@ -239,6 +251,7 @@ def run(factory, seed: int, case_names: list[str], decoders, check_brute_force: 
             assert dec.grammar_matchers[s.slot].is_terminated(), s.case.name
     if graph is not None:
         graph.reset()
+    return gaps
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -282,6 +295,196 @@ def test_capturable_hostgraph_replay_equals_eager_on_trees(factory):
     finally:
         capt.close()
     assert hostfunc.live_entries() == live
+
+
+@pytest.mark.parametrize("seed", [7, 8])
+def test_tree_path_kept_while_its_request_sits_out_steps(factory, seed):
+    """A request left out of one or more steps (other requests built meanwhile) between its
+    tree step and the rollback still has the accepted path of its tree kept: every row of
+    every step equals the brute force's."""
+    dec = GuidedDecoder(factory.config, 3, K, factory=factory, host_build="python")
+    gaps = run(factory, seed, ["json_schema_tool", "regex_phone", "ebnf_arith"], [dec],
+               check_brute_force=True, sit_out=0.35)
+    assert gaps > 0  # (a tree request with an accepted node came back after sitting out)
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_sit_outs_agree_across_strategies_and_capturable(factory, graphed):
+    """With requests sitting out steps, the native strategies and the capturable decoder
+    (eager, or replayed from a HostGraph with the native host node where it is available)
+    mask every logit as the Python build does."""
+    decs = [GuidedDecoder(factory.config, 3, K, factory=factory, host_build=b)
+            for b in (("python", "native-loop", "auto") if not graphed else ("python",))]
+    capt = CapturableGuidedDecoder(factory.config, 3, K, factory=factory)
+    try:
+        gaps = run(factory, 9, ["json_schema_tool", "regex_phone", "ebnf_csv"], decs,
+                   check_brute_force=False, capturable=capt, graphed=graphed, sit_out=0.35)
+    finally:
+        capt.close()
+    assert gaps > 0
+
+
+#: the decoders of the sit-out tests: (name, how the rollback is given)
+GAP_DECODERS = [("python", "tokens"), ("native-loop", "tokens"), ("auto", "tokens"),
+                ("capturable", "tokens"), ("capturable", "batch"), ("capturable", "nodes"),
+                ("graphed", "batch"), ("graphed", "nodes")]
+
+
+class _GapDriver:
+    """One decoder of :data:`GAP_DECODERS` with two slots, driven step by step: each step
+    ``(requests, accepted counts, accepted nodes)``; returns the failures and the masked
+    rows (token mask and bitmask) of each request."""
+
+    def __init__(self, factory, kind: str, rollback: str) -> None:
+        self.kind, self.rollback = kind, rollback
+        self.V = V = factory.config.vocab_size_padded
+        self.graph = self.static = None
+        if kind in ("python", "native-loop", "auto"):
+            self.dec = GuidedDecoder(factory.config, 2, 4, factory=factory, host_build=kind)
+            return
+        self.dec = CapturableGuidedDecoder(factory.config, 2, 4, factory=factory,
+                                           host_node="auto" if kind == "graphed" else "python")
+        if kind == "graphed":  # (the native host node serves every step after the capture)
+            self.static = torch.zeros(10, V)
+            self.dec.add_batch([GuidedRequest.placeholder(-1, 4),
+                                GuidedRequest.placeholder(-2, 4)])
+            self.graph = hostfunc.HostGraph()
+            with hostfunc.capture(self.graph):
+                self.dec.execute(self.static)
+
+    def step(self, reqs, counts=None, nodes=None):
+        dec, V = self.dec, self.V
+        n = sum(r.num_rows(4) for r in reqs)
+        logits = torch.zeros(n, V)
+        dec.add_batch(reqs)
+        if self.rollback == "tokens":
+            dec.rollback_rejected_tokens()
+        else:
+            dec.rollback_rejected_batch(
+                torch.tensor(counts or [1] * len(reqs), dtype=torch.int32),
+                torch.tensor(nodes or [-1] * len(reqs), dtype=torch.int32)
+                if self.rollback == "nodes" else None)
+        if self.graph is not None:
+            self.static.zero_()
+            self.graph.replay()
+            hostfunc.drain()
+            failed = dec.take_failed_requests()
+        elif isinstance(dec, CapturableGuidedDecoder):
+            dec.execute(logits)
+            failed = dec.take_failed_requests()
+        else:
+            failed = dec.execute(logits)
+        mask = dec.token_mask_host[:n].clone()
+        return sorted(failed), mask, dec.bitmask_host[:n][mask.bool()].clone()
+
+    def close(self) -> None:
+        if self.graph is not None:
+            self.graph.reset()
+        if isinstance(self.dec, CapturableGuidedDecoder):
+            self.dec.close()
+
+
+def _gap_case(tekken):
+    case = next(c for c in TREE_CASES if c.name == "json_schema_tool")
+    other = next(c for c in TREE_CASES if c.name == "regex_phone")
+    return case, other, encode_continuation(tekken, case.valid), \
+        encode_continuation(tekken, other.valid)
+
+
+@pytest.mark.parametrize("sit_outs", [1, 3])
+@pytest.mark.parametrize("kind,rollback", GAP_DECODERS)
+def test_tree_request_back_after_sitting_out_keeps_its_path(factory, tekken, kind, rollback,
+                                                             sit_outs):
+    """A request verifies a draft tree (text[1..3] on the path to node 3, beside refused
+    nodes), then sits out ``sit_outs`` steps in which another request is built, then comes
+    back with node 3 accepted and the bonus token text[4]: no failure, and its rows are
+    those of the same drafts verified as a chain (a matcher fed text[0..4])."""
+    case, other, text, text2 = _gap_case(tekken)
+    results = []
+    for tree in (True, False):
+        d = _GapDriver(factory, kind, rollback)
+        try:
+            steps = [([GuidedRequest.context(7, 0, case.params),
+                       GuidedRequest.context(8, 1, other.params)], None, None)]
+            if tree:
+                first = GuidedRequest.generation(
+                    7, 0, case.params, text[0], draft_tokens=[text[1], 17, text[2], text[3]],
+                    draft_parents=[-1, -1, 0, 2])
+            else:
+                first = GuidedRequest.generation(7, 0, case.params, text[0],
+                                                 draft_tokens=text[1:4])
+            steps.append(([first, GuidedRequest.generation(8, 1, other.params, text2[0])],
+                          None, None))
+            for k in range(sit_outs):  # (request 7 is left out; request 8 is built)
+                steps.append(([GuidedRequest.generation(8, 1, other.params, text2[1 + k])],
+                              None, None))
+            back = GuidedRequest.generation(7, 0, case.params, text[4],
+                                            draft_tokens=text[5:7],
+                                            num_accepted_draft_tokens=3,
+                                            accepted_draft_node=3 if tree else None)
+            steps.append(([back], [4], [3 if tree else -1]))
+            outs = [d.step(*s) for s in steps]
+        finally:
+            d.close()
+        assert all(o[0] == [] for o in outs), [o[0] for o in outs]
+        results.append(outs[-1])
+    (_, tree_mask, tree_rows), (_, chain_mask, chain_rows) = results
+    assert tree_mask.tolist()[:3] == [1, 1, 1]  # (row 0 and the two drafts)
+    assert torch.equal(tree_mask, chain_mask) and torch.equal(tree_rows, chain_rows)
+    fresh = factory.create(case.params)
+    for t in text[:5]:
+        assert fresh.accept_token(t)
+    row = allocate_host_bitmask(1, factory.config.vocab_size_padded)
+    fresh.fill_next_token_bitmask(row, 0)
+    assert torch.equal(tree_rows[0], row[0])
+
+
+@pytest.mark.parametrize("kind,rollback", GAP_DECODERS)
+def test_stale_tree_not_applied_after_the_slot_is_built_again(factory, tekken, kind, rollback):
+    """After a tree step and a sit-out, the slot's tree is not applied once the slot is built
+    again: (a) the request comes back without a rollback (its matcher at the root), steps
+    on as a chain and then rolls back a chain; (b) a new request takes the slot (a context
+    step, no release) and rolls back its own chain. Both equal the same steps on a decoder
+    that never saw the tree."""
+    case, other, text, text2 = _gap_case(tekken)
+    tree = GuidedRequest.generation(7, 0, case.params, text[0],
+                                    draft_tokens=[text[1], 17, text[2], text[3]],
+                                    draft_parents=[-1, -1, 0, 2])
+    for scenario in ("back", "new"):
+        outs = []
+        for with_tree in (True, False):
+            d = _GapDriver(factory, kind, rollback)
+            try:
+                steps = [([GuidedRequest.context(7, 0, case.params),
+                           GuidedRequest.context(8, 1, other.params)], None, None)]
+                if with_tree:
+                    steps += [([GuidedRequest.snapshot(tree)], None, None)]
+                else:  # (the same token, no drafts)
+                    steps += [([GuidedRequest.generation(7, 0, case.params, text[0])],
+                               None, None)]
+                steps += [([GuidedRequest.generation(8, 1, other.params, text2[0])],
+                           None, None)]
+                if scenario == "back":  # the tree's node 3 was not accepted: no rollback
+                    steps += [([GuidedRequest.generation(7, 0, case.params, text[1],
+                                                         draft_tokens=text[2:5])], None, None),
+                              ([GuidedRequest.generation(7, 0, case.params, text[5],
+                                                         num_accepted_draft_tokens=3)],
+                               [4], [-1])]
+                else:  # request 9 takes slot 0, then verifies a chain
+                    steps += [([GuidedRequest.context(9, 0, case.params)], None, None),
+                              ([GuidedRequest.generation(9, 0, case.params, text[0],
+                                                         draft_tokens=text[1:4])], None, None),
+                              ([GuidedRequest.generation(9, 0, case.params, text[4],
+                                                         num_accepted_draft_tokens=3)],
+                               [4], [-1])]
+                outs.append([d.step(*s) for s in steps])
+            finally:
+                d.close()
+        with_tree_outs, plain = outs
+        for k in range(2, len(plain)):  # (from the sit-out step on)
+            assert with_tree_outs[k][0] == plain[k][0] == [], (scenario, k)
+            assert torch.equal(with_tree_outs[k][1], plain[k][1]), (scenario, k)
+            assert torch.equal(with_tree_outs[k][2], plain[k][2]), (scenario, k)
 
 
 def test_chain_given_as_tree_equals_the_chain(factory, tekken):

@@ -606,6 +606,37 @@ def test_rollback_that_cannot_roll_back_fails_its_request_alone(factory, tekken,
     assert same(logits, results["python"][1]) and advanced == results["python"][3]
 
 
+@pytest.mark.parametrize("host_node", ["native", "python"])
+def test_int64_count_past_int32_is_refused_not_wrapped_in_a_captured_rollback(
+        factory, tekken, native_ok, host_node):
+    """An int64 counts tensor captured into the rollback (copied into the int32 buffer at each
+    replay): a count of -2**32 + 1, whose low 32 bits read 1 (the right count here), fails its
+    request ("cannot roll back") on the node and on the Python callback alike, where a
+    wrapping copy rolled it back by 1 silently; the other request rolls back as usual."""
+    V = factory.config.vocab_size_padded
+    spec = Speculation(tekken, GUIDED[:2])
+    capt = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_node=host_node)
+    static = torch.zeros(6, V)
+    capt.add_batch(spec.context())
+    counts = torch.ones(2, dtype=torch.int64)
+    graph = hostfunc.HostGraph()
+    with hostfunc.capture(graph):
+        capt.rollback_rejected_batch(counts)
+        capt.execute(static)
+    for k, reqs in enumerate([spec.context(), spec.step(None), spec.step([0, 1])]):
+        capt.add_batch(reqs)
+        counts[:] = torch.tensor([1, 1] if k < 2 else [-2**32 + 1, 2])
+        graph.replay()
+        hostfunc.drain()
+        failed = capt.take_failed_requests()
+        if k < 2:
+            assert failed == []
+    assert [i for i, _ in failed] == [1] and "cannot roll back" in failed[0][1], failed
+    assert capt.grammar_matchers[0] is None and capt.grammar_matchers[1] is not None
+    graph.reset()
+    capt.close()
+
+
 def test_native_rollback_of_a_stop_token_leaves_the_matcher_running(factory, tekken,
                                                                     native_ok):
     """A request drafts the last token of its text and the stop token (its matcher accepts

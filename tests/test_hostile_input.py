@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import hostfunc
 from capgraph import (CapgraphError, ConfigError, GuidedDecodingConfig, GuidedDecodingParams,
-                      GuideType, LayoutError, QueueEpochError, TensorArgError)
+                      GuideType, LayoutError, QueueEpochError, RequestError, TensorArgError)
 from capgraph.capturable import CapturableGuidedDecoder
 from capgraph.decoder import GuidedDecoder
 from capgraph.grammar import GrammarMatcher, create_matcher_factory
@@ -357,6 +357,86 @@ def test_capturable_new_tokens_must_be_an_integer_tensor(make):
     assert step(dec, contexts((0, ABC)), torch.zeros(1, V), 0) == []
 
 
+WIDE = [2**32 + B, -2**32 + B, 2**40 + B]  # int64 values whose low 32 bits are the token B
+
+
+@pytest.mark.parametrize("path", ["python_step", "captured"])
+@pytest.mark.parametrize("value", WIDE, ids=["2**32+b", "-2**32+b", "2**40+b"])
+def test_int64_new_tokens_past_int32_are_refused_not_wrapped(path, value, make):
+    """A new_tokens tensor of int64 holding a value past int32 (whose low 32 bits are a token
+    the grammar allows) makes its request fail alone ("outside the vocabulary"), as -1 or V
+    do, instead of the int32 copy wrapping it to that token; the other request is served (on
+    a Python step and on the captured native node)."""
+    if path == "captured" and _native_unavailable() is not None:
+        pytest.skip("the C++ host build is unavailable")
+    dec = make("capturable", 4, 0)
+    ctx = contexts((0, ABC), (1, ABC))
+    if path == "captured":
+        run = _Captured(dec, ctx).step  # type: ignore[arg-type]
+    else:
+        def run(reqs, logits, new_tokens=None):
+            dec.add_batch(reqs, new_tokens, runtime_draft_len=0)
+            dec.execute(logits)
+            return dec.take_failed_requests()
+    assert run(ctx, torch.zeros(2, V)) == []
+    tokens = torch.zeros(1, 4, dtype=torch.int64)
+    tokens[0, 0], tokens[0, 1] = value, C
+    logits = torch.zeros(2, V)
+    failed = run([gen(0, A, prev_seq_slot=0), gen(1, A, prev_seq_slot=1)], logits, tokens)
+    assert [f[0] for f in failed] == [10], failed
+    assert "outside the vocabulary" in failed[0][1], failed
+    assert dec.num_advanced_tokens[:2] == [0, 1]
+    assert int(torch.isfinite(logits[1]).sum()) == 4 and bool(torch.isfinite(logits[0]).all())
+
+
+def test_int64_rollback_count_past_int32_is_refused_not_wrapped(make):
+    """The other int64 tensors copied into int32 buffers are clamped alike, not wrapped: a
+    rollback_rejected_batch count of -2**32 + 2 fails its request ("cannot roll back"), where
+    a wrapping copy kept 2 tokens; the other request rolls back as usual."""
+    dec = make("capturable", 4, 2)
+    assert step(dec, contexts((0, ABC), (1, ABC)), torch.zeros(2, V), 2) == []
+    assert step(dec, [gen(0, A, draft_tokens=[B, C]), gen(1, A, draft_tokens=[B, C])],
+                torch.zeros(6, V), 2) == []
+    dec.add_batch([gen(0, B), gen(1, B)], runtime_draft_len=0)
+    dec.rollback_rejected_batch(torch.tensor([1, -2**32 + 2], dtype=torch.int64))
+    dec.execute(torch.zeros(2, V))
+    failed = dec.take_failed_requests()
+    assert [f[0] for f in failed] == [11] and "cannot roll back" in failed[0][1], failed
+    assert dec.num_advanced_tokens[0] == 1
+
+
+def test_int64_draft_token_past_int32_is_refused_not_wrapped(make):
+    """An add_draft_batch token of 2**32 + b (int64) fails its request ("outside the
+    vocabulary"), where a wrapping copy fed it b; the other request's draft row is masked."""
+    dec = make("capturable", 4, 1)
+    assert step(dec, contexts((0, ABC), (1, ABC)), torch.zeros(2, V), 1) == []
+    dec.add_batch([gen(0, A), gen(1, A)], runtime_draft_len=1)
+    dec.add_draft_batch(torch.tensor([2**32 + B, B], dtype=torch.int64),
+                        torch.tensor([1, 1], dtype=torch.int64), 0)
+    logits = torch.zeros(2, V)
+    dec.execute_draft_batch(logits, draft_step=0)
+    failed = dec.take_failed_requests()
+    assert [f[0] for f in failed] == [10] and "outside the vocabulary" in failed[0][1], failed
+    assert bool(torch.isfinite(logits[0]).all()) and int(torch.isfinite(logits[1]).sum()) == 4
+
+
+@pytest.mark.parametrize("dtype", [getattr(torch, "uint32", None), getattr(torch, "uint64", None),
+                                   torch.bool, torch.float16],
+                         ids=["uint32", "uint64", "bool", "float16"])
+def test_token_and_count_tensors_of_other_dtypes_are_refused(dtype, make):
+    """new_tokens and the per-request count tensors must be int8..int64, uint8 or uint16: a
+    uint32 / uint64 tensor (which neither fits int32 nor clamps) is refused with a
+    TensorArgError before anything is queued, as a float one is."""
+    if dtype is None:
+        pytest.skip("no such dtype in this torch")
+    dec = make("capturable", 4, 2)
+    with pytest.raises(TensorArgError, match="integer tensor"):
+        dec.add_batch(contexts((0, ABC)), torch.zeros(3, 4, dtype=dtype), 0)
+    assert step(dec, contexts((0, ABC)), torch.zeros(1, V), 0) == []
+    with pytest.raises(TensorArgError, match="num_accepted_tokens must be an integer tensor"):
+        dec.rollback_rejected_batch(torch.zeros(1, dtype=dtype))
+
+
 CONFIG_FIELDS = {
     "compile_timeout_s": [float("inf"), 1e12, float("nan"), "5", True, 0],
     "compile_threads": ["2", 2.0, True, 0],
@@ -418,6 +498,44 @@ def test_json_schema_text_with_trailing_garbage_is_refused(text):
     assert GuidedDecodingParams.json_schema('  {"type": "integer"}\n').guide
 
 
+def _nested_dict(depth: int) -> dict:
+    schema: dict = {}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("make_guide,what", [
+    (lambda: GuidedDecodingParams.json_schema('{"type":"array","items":' * 3000 + "{}"
+                                              + "}" * 3000), "3001 levels"),
+    (lambda: GuidedDecodingParams.json_schema('{"allOf":[' * 900 + "{}" + "]}" * 900),
+     "1801 levels"),
+    (lambda: GuidedDecodingParams.structural_tag('{"type":"structural_tag","format":'
+                                                 + "[" * 5000 + "]" * 5000 + "}"),
+     "5001 levels"),
+    (lambda: GuidedDecodingParams.json_schema(_nested_dict(5000)), "nests too deeply"),
+], ids=["schema_arrays", "schema_allOf", "structural_tag_lists", "schema_dict"])
+def test_guide_nested_past_the_recursion_limit_is_a_config_error(make_guide, what):
+    """JSON guide text (or a schema dict) nested deeper than Python's parser recurses raises a
+    ConfigError naming GuidedDecodingParams.guide and the nesting, not a bare RecursionError."""
+    with pytest.raises(ConfigError, match="GuidedDecodingParams.guide") as info:
+        make_guide()
+    assert what in str(info.value) and "recursion limit" in str(info.value)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("seq_slots", [None, 0, 1.5, "0", b"0"])
+def test_forced_tokens_batch_of_a_non_sequence_is_a_request_error(kind, seq_slots, make):
+    """forced_tokens_batch's seq_slots that is not a sequence of slots (None, an int, a str)
+    raises RequestError naming seq_slots, as a bad slot in it does; a generator is read once
+    and its slots checked."""
+    dec = make(kind)
+    with pytest.raises(RequestError, match="seq_slots must be a sequence"):
+        dec.forced_tokens_batch(seq_slots, 3)
+    with pytest.raises(RequestError, match="seq_slot 99"):
+        dec.forced_tokens_batch(iter([0, 99]), 3)
+
+
 # -- family 4: the guide of a slot --------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -460,6 +578,70 @@ def test_equal_guide_and_disaggregated_first_step_are_served(kind, make):
     assert failed == []
     assert torch.isfinite(logits).sum(dim=1).tolist() == [4, 4]  # a, b, c and EOS
     assert step(dec, [gen(0, B, copy), gen(1, C)], torch.zeros(2, V), 0) == []
+
+
+def _native_unavailable() -> str | None:
+    from capgraph.build import library
+    return library.unavailable_reason()
+
+
+class _Captured:
+    """A capturable decoder whose steps replay one captured HostGraph (2 static logits rows),
+    so that from the capture on they take the native host node where it runs."""
+
+    def __init__(self, dec: CapturableGuidedDecoder, requests) -> None:
+        self.dec, self.static = dec, torch.zeros(2, V)
+        dec.add_batch(requests)
+        self.graph = hostfunc.HostGraph()
+        with hostfunc.capture(self.graph):
+            dec.execute(self.static)
+
+    def step(self, reqs, logits: torch.Tensor, new_tokens: torch.Tensor | None = None) -> list:
+        self.dec.add_batch(reqs, new_tokens, runtime_draft_len=0)
+        self.static[:logits.shape[0]].copy_(logits)
+        self.graph.replay()
+        hostfunc.drain()
+        logits.copy_(self.static[:logits.shape[0]])
+        return self.dec.take_failed_requests()
+
+
+@pytest.mark.parametrize("kind,build", [(k, b) for k in KINDS
+                                        for b in ("python", "native-loop", "native")]
+                         + [("captured", "native")])
+def test_second_request_on_a_slot_leaves_the_slot_to_its_first(kind, build, factory):
+    """A batch ``[generation on slot 0, a context request also on slot 0 with another
+    guide]``: the second fails alone ("appears twice") and changes nothing of the slot, whose
+    guide stays the first request's, so that request's next step is served and masked as in a
+    run without the duplicate (on every build, and through the captured native node)."""
+    if build != "python" and (reason := _native_unavailable()) is not None:
+        pytest.skip(f"the C++ host build is unavailable: {reason}")
+    cls = GuidedDecoder if kind == "eager" else CapturableGuidedDecoder
+    kw = {"host_node": "native"} if kind == "captured" else {}
+    made = [cls(factory.config, 4, 0, factory=factory, host_build=build, **kw)
+            for _ in range(2)]
+    try:
+        if kind == "captured":
+            runs = [_Captured(d, contexts((0, ABC))).step for d in made]  # type: ignore[arg-type]
+            assert made[0].host_node == "native"  # type: ignore[attr-defined]
+        else:
+            runs = [lambda r, l, d=d: step(d, r, l, 0) for d in made]
+        run, clean = runs
+        for go in runs:
+            assert go(contexts((0, ABC)), torch.zeros(1, V)) == []
+        got, want = rows(2, 21), rows(1, 21)
+        twin = GuidedRequest.context(20, 0, XYZ)
+        failed = run([gen(0, A), twin], got)
+        assert [f[0] for f in failed] == [20] and "appears twice" in failed[0][1], failed
+        assert clean([gen(0, A)], want) == []
+        assert same(got[:1], want) and same(got[1:], rows(2, 21)[1:])
+        for k, token in enumerate((B, C)):  # the first request's next steps, alone
+            got, want = rows(1, 30 + k), rows(1, 30 + k)
+            assert run([gen(0, token)], got) == []
+            assert clean([gen(0, token)], want) == []
+            assert same(got, want) and int(torch.isfinite(got).sum()) == 4  # a, b, c, EOS
+    finally:
+        for d in made:
+            d.close()
 
 
 # -- property: garbage in every public argument --------------------------------------------------

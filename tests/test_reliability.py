@@ -374,6 +374,9 @@ def _batch_errors(V: int):
         "d2t_length": (lambda d, r: d.execute(torch.zeros(2, 1024),
                                               torch.zeros(1000, dtype=torch.int32)),
                        TensorArgError, "len(d2t)=1000", True),
+        # (an empty table once passed: 0 % width == 0, and the op refused it after the build)
+        "d2t_empty": (lambda d, r: d.execute(torch.zeros(2, V), torch.zeros(0, dtype=torch.int32)),
+                      TensorArgError, "len(d2t)=0", True),
         "d2t_dtype": (lambda d, r: d.execute(torch.zeros(2, 1024), d2t_ok.long()),
                       TensorArgError, "d2t must be int32, got torch.int64", True),
         "d2t_on_meta": (lambda d, r: d.execute(torch.zeros(2, 1024), d2t_ok.to("meta")),
@@ -384,8 +387,8 @@ def _batch_errors(V: int):
 
 
 BATCH_ERRORS = ["too_many_requests", "draft_len_too_long", "logits_rows", "logits_width",
-                "logits_1d", "logits_on_meta", "d2t_length", "d2t_dtype", "d2t_on_meta",
-                "logits_float64"]
+                "logits_1d", "logits_on_meta", "d2t_length", "d2t_empty", "d2t_dtype",
+                "d2t_on_meta", "logits_float64"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -435,7 +438,7 @@ def test_batch_level_mistake_raises_named_error_and_next_step_works(name, kind, 
     assert same(logits, expect)
 
 
-@pytest.mark.parametrize("name", ["d2t_dtype", "d2t_on_meta", "logits_float64"])
+@pytest.mark.parametrize("name", ["d2t_dtype", "d2t_on_meta", "d2t_empty", "logits_float64"])
 def test_execute_rejects_bad_tensors_before_advancing_any_matcher(name, xf, letters, make):
     """A TensorArgError from execute leaves every matcher where it was, so a retry with good
     tensors masks exactly as a decoder that never saw the mistake."""

@@ -426,8 +426,9 @@ class HostNode:
     the requests of the batch the next step runs back to the accepted counts in ``counts``
     (by batch position), from the tokens each slot's matcher advanced in its last step, which
     the node keeps itself (:meth:`sync_counts` hands it Python's after a Python stage). After
-    a Python step, or for a slot whose matcher only Python can run, it calls
-    ``rollback_fallback()`` under the GIL instead.
+    a Python step, for a slot holding a draft tree (until the node builds the slot again), or
+    for a slot whose matcher only Python can run, it calls ``rollback_fallback()`` under the
+    GIL instead.
 
     A drafting loop's steps are C functions too (:meth:`draft_run`): the first takes the loop's
     batch off the queue and rolls its rejected drafts back, each builds the draft rows from the
@@ -557,10 +558,12 @@ class HostNode:
         the one the run used."""
         return self._take(self._capsule, advanced, guided, drafted)
 
-    def sync_counts(self, advanced: list, drafted: list) -> None:
+    def sync_counts(self, advanced: list, drafted: list, trees: list) -> None:
         """The node's per-slot advance and draft-advance counts from the decoder's lists
-        (after a Python stage changed them)."""
-        self._sync(self._capsule, advanced, drafted)
+        (after a Python stage changed them), and which slots hold a draft tree (``trees``,
+        :attr:`SlotState.draft_trees <capgraph.build.slots.SlotState.draft_trees>`: not
+        None): the rollback of such a slot is Python's, until the node builds the slot."""
+        self._sync(self._capsule, advanced, drafted, trees)
 
     def set_warmup(self, on: bool) -> None:
         """From now on the node's runs take no job and mask nothing (graph warm-up), or

@@ -415,7 +415,7 @@ class PythonBuild(HostBuild):
             state.num_guided_tokens[slot] = 0
             outcomes.append(fault(i, e))
             return
-        state.draft_trees[slot] = (state.num_builds, tokens, parents)
+        state.record_tree(slot, tokens, parents)
 
     def _fill_node(self, matcher: GrammarMatcher, row: int, slot: int) -> bool:
         """Fill ``row`` from ``matcher`` (``slot``'s) and mark it guided; False (unmarked)

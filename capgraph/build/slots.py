@@ -17,7 +17,7 @@ import numpy as np
 from ..bitmask import (allocate_host_bitmask, allocate_host_token_mask, split_last_word,
                        words_per_row)
 from ..grammar import GrammarMatcher
-from ..requests import GuidedRequest
+from ..requests import GuidedRequest, as_int
 
 __all__ = ["Delegating", "SlotFlags", "SlotMatchers", "SlotState", "probe_window"]
 
@@ -187,12 +187,17 @@ class SlotState:
         self.num_advanced_draft_tokens = [0] * S  #: tokens accepted over a drafting loop
         #: the drafting loop stopped guiding the slot
         self.is_draft_terminated: SlotFlags = SlotFlags(S)
-        #: builds run so far (the decoder counts them): a stored draft tree belongs to one
+        #: builds run so far (the decoder counts them; a stored draft tree names its own)
         self.num_builds = 0
-        #: per slot, the draft tree the last build traversed, for the rollback to keep its
-        #: accepted path: ``(build number, tokens, parents)`` of the nodes that had rows
-        #: (``tokens`` None once the rollback kept a path); None where there was none
+        #: per slot, the draft tree the slot's last build traversed, for the rollback to keep
+        #: its accepted path: ``(build number, tokens, parents)`` of the nodes that had rows
+        #: (``tokens`` None once the rollback kept a path); None where there was none. It
+        #: stays the slot's while builds of other slots run (its request may sit out steps
+        #: before its rollback) and is forgotten by the slot's next build
+        #: (:meth:`forget_trees`) or :meth:`reset`.
         self.draft_trees: list[tuple[int, list[int] | None, list[int]] | None] = [None] * S
+        #: how many slots hold a draft tree (a build forgets trees only where there are any)
+        self.num_trees = 0
         rows = S * (max_num_draft_tokens + 1)
         self.words = words_per_row(V)
         self.bitmask = allocate_host_bitmask(rows, V)
@@ -225,12 +230,40 @@ class SlotState:
         self.num_advanced_tokens[slot] = self.num_guided_tokens[slot] = 0
         self.num_advanced_draft_tokens[slot] = 0
         self.is_draft_terminated[slot] = False
-        self.draft_trees[slot] = None
+        self.forget_tree(slot)
 
     def current_tree(self, slot: int) -> tuple[int, list[int] | None, list[int]] | None:
-        """The draft tree ``slot``'s request had in the latest build, or None."""
-        tree = self.draft_trees[slot]
-        return tree if tree is not None and tree[0] == self.num_builds else None
+        """The draft tree ``slot``'s request had in the slot's latest build (other slots may
+        have been built since), or None."""
+        return self.draft_trees[slot]
+
+    def record_tree(self, slot: int, tokens: list[int] | None, parents: list[int]) -> None:
+        """Store the draft tree ``slot``'s build traversed (``tokens`` None: the rollback kept
+        its path), as of the current build."""
+        if self.draft_trees[slot] is None:
+            self.num_trees += 1
+        self.draft_trees[slot] = (self.num_builds, tokens, parents)
+
+    def forget_tree(self, slot: int) -> None:
+        """Forget ``slot``'s draft tree (if any)."""
+        if self.draft_trees[slot] is not None:
+            self.draft_trees[slot] = None
+            self.num_trees -= 1
+
+    def forget_trees(self, requests: Iterable[Any]) -> None:
+        """A build of ``requests`` starts: the draft trees of their slots are no longer
+        current (a request's tree is the one of its slot's latest build). Cheap where no
+        slot holds a tree."""
+        if not self.num_trees:
+            return
+        trees, S = self.draft_trees, self.max_num_sequences
+        for req in requests:
+            slot = getattr(req, "seq_slot", None)
+            if type(slot) is not int:
+                slot = as_int(slot)  # (an index-like slot the build takes as its int)
+            if slot is not None and 0 <= slot < S and trees[slot] is not None:
+                trees[slot] = None
+                self.num_trees -= 1
 
     def dead_rows(self, rows: list[int]) -> list[int]:
         """Dead-end guard: positions in ``rows`` whose row allows no token below
