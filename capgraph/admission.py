@@ -10,7 +10,6 @@ same rows and reported; a matcher it owned is dropped (by the decoder, before th
 
 from __future__ import annotations
 
-import operator
 from typing import cast
 
 from .errors import RequestError
@@ -87,7 +86,7 @@ class Admission:
             # a slot belongs to the first guided request of the batch on it (the build fails
             # any later one, "appears twice", before it touches the slot): a later request's
             # guide is not recorded, nor its compile started
-            slots = _slots_of(requests)
+            slots = [_field(r, "seq_slot") for r in requests]
             for i, slot, params in updates:
                 if _first_on_slot(requests, slots, i, slot):
                     guides[slot] = params
@@ -148,17 +147,6 @@ class Admission:
             dropped.append(slot)
             if creates:
                 updates.append((i, slot, params))
-
-
-def _slots_of(requests: list) -> list:
-    """Each request's ``seq_slot`` (None where reading it fails)."""
-    try:
-        return list(map(_SEQ_SLOT, requests))
-    except Exception:
-        return [_field(r, "seq_slot") for r in requests]
-
-
-_SEQ_SLOT = operator.attrgetter("seq_slot")
 
 
 def _first_on_slot(requests: list, slots: list, i: int, slot: int) -> bool:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from threading import get_ident
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ import hostfunc.native
 
 from ._nvtx import nvtx_range
 from .bitmask import _pin_host
-from .decoder import FailedRequest, GuidedDecoder, _request_id
+from .decoder import FailedRequest, GuidedDecoder, _open_only, _request_id
 from .build.base import Status
 from .build.library import NODE_RECORDS, HostNode, NodeStats
 from .errors import (CallbackError, ConfigError, LayoutError, NativeBuildError, QueueEpochError,
@@ -230,23 +229,17 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._node_collect()  # (a batch the native node has run is fetched)
         return len(self._queue)
 
+    @_open_only
     def discard_queued_batches(self) -> int:
         """Drop the batches ``add_batch`` queued that no step will fetch (say, after an error
         between ``add_batch`` and ``execute``), so that the next ``add_batch`` is in step;
         the matchers their failed requests owned are dropped as a fetch would. Returns how
         many were dropped. Call it host side, with no step in flight."""
-        me = get_ident()
-        self._in_step.append(me)  # (before the check: see close())
-        try:
-            if self._closed:
-                self._refuse_closed("discard_queued_batches")
-            self._node_collect()  # (a batch the native node has run is fetched)
-            n = len(self._queue)
-            while self._queue:
-                self._consume_put(newest=False)
-            return n
-        finally:
-            self._in_step.remove(me)
+        self._node_collect()  # (a batch the native node has run is fetched)
+        n = len(self._queue)
+        while self._queue:
+            self._consume_put(newest=False)
+        return n
 
     @property
     def streams(self) -> StepStreams:
@@ -265,6 +258,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     # -- host side ---------------------------------------------------------------------------
     @nvtx_range("CapturableGuidedDecoder.add_batch")
+    @_open_only
     def add_batch(  # type: ignore[override]  # new_tokens second, before runtime_draft_len
             self, requests: Sequence[GuidedRequest], new_tokens: torch.Tensor | None = None,
             runtime_draft_len: int | None = None) -> None:
@@ -298,44 +292,37 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 step has fetched (each ``add_batch`` without its replay); nothing is queued.
             DecoderClosedError: the decoder was closed; nothing is read or changed.
         """
-        me = get_ident()
-        self._in_step.append(me)  # (before the check: see close())
+        if new_tokens is not None:
+            self._check_new_tokens(new_tokens)
+        if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
+            raise LayoutError(f"requests must be a sequence of GuidedRequest, got "
+                              f"{type(requests).__name__}")
+        if self._node_active:
+            self._node_collect()  # (what the last step did, before this batch is admitted)
+        if len(self._queue) >= MAX_QUEUED_BATCHES:
+            raise QueueEpochError(
+                f"{len(self._queue)} batches are queued that no step has fetched (at most "
+                f"{MAX_QUEUED_BATCHES}): each add_batch needs its replay or execute; "
+                "discard_queued_batches() drops them")
+        snapshot = GuidedRequest.snapshot
         try:
-            if self._closed:
-                self._refuse_closed("add_batch")
-            if new_tokens is not None:
-                self._check_new_tokens(new_tokens)
-            if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
-                raise LayoutError(f"requests must be a sequence of GuidedRequest, got "
-                                  f"{type(requests).__name__}")
-            if self._node_active:
-                self._node_collect()  # (what the last step did, before this batch is admitted)
-            if len(self._queue) >= MAX_QUEUED_BATCHES:
-                raise QueueEpochError(
-                    f"{len(self._queue)} batches are queued that no step has fetched (at most "
-                    f"{MAX_QUEUED_BATCHES}): each add_batch needs its replay or execute; "
-                    "discard_queued_batches() drops them")
-            snapshot = GuidedRequest.snapshot
-            try:
-                snapshots = [snapshot(r) for r in requests]
-            except Exception:  # a request without the fields: checked_request names it
-                snapshots = list(requests)
-            # checked as GuidedDecoder.add_batch checks them; the slots a failed request drops
-            # are dropped by the callback that fetches this batch (_pop), in step order
-            batch = self._add_batch(snapshots, runtime_draft_len, new_tokens is not None)
-            self._tokens_recorded_in_capture = False
-            self._put_epoch += 1
-            ticketed = self._write_step(self._put_epoch, new_tokens)
-            put = _Put(self._put_epoch, batch, new_tokens is not None, ticketed)
-            self._queue.append(put)
-            if self._node_active:
-                self._node_push(put)
-            self.active = \
-                next(batch.valid_requests(), None) is not None  # type: ignore[union-attr]
-            if not self._streams.is_capturing():
-                self._streams.record_tokens()  # orders the callbacks after the token copy
-        finally:
-            self._in_step.remove(me)
+            snapshots = [snapshot(r) for r in requests]
+        except Exception:  # a request without the fields: checked_request names it
+            snapshots = list(requests)
+        # checked as GuidedDecoder.add_batch checks them; the slots a failed request drops
+        # are dropped by the callback that fetches this batch (_pop), in step order
+        batch = self._add_batch(snapshots, runtime_draft_len, new_tokens is not None)
+        self._tokens_recorded_in_capture = False
+        self._put_epoch += 1
+        ticketed = self._write_step(self._put_epoch, new_tokens)
+        put = _Put(self._put_epoch, batch, new_tokens is not None, ticketed)
+        self._queue.append(put)
+        if self._node_active:
+            self._node_push(put)
+        self.active = \
+            next(batch.valid_requests(), None) is not None  # type: ignore[union-attr]
+        if not self._streams.is_capturing():
+            self._streams.record_tokens()  # orders the callbacks after the token copy
 
     def _check_new_tokens(self, new_tokens: object) -> None:
         if not isinstance(new_tokens, torch.Tensor):
@@ -465,6 +452,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     # -- the step ----------------------------------------------------------------------------
     @nvtx_range("CapturableGuidedDecoder.prepare")
+    @_open_only
     def prepare(self, num_rows: int | None = None) -> None:
         """Enqueue this step's host work (fetch, init, build, copy) on the side stream now.
 
@@ -475,15 +463,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         Args:
             num_rows: bitmask rows to copy to the device (the logits' rows); default all.
         """
-        me = get_ident()
-        self._in_step.append(me)  # (before the check: see close())
-        try:
-            if self._closed:
-                self._refuse_closed("prepare")
-            if not self._prepared:
-                self._enqueue_step(num_rows, self._streams.is_capturing())
-        finally:
-            self._in_step.remove(me)
+        if not self._prepared:
+            self._enqueue_step(num_rows, self._streams.is_capturing())
 
     def _enqueue_step(self, num_rows: int | None, capturing: bool) -> None:
         if capturing and not self._tokens_recorded_in_capture:
@@ -523,6 +504,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                              self.num_advanced_draft_tokens, self.slots.draft_trees)
 
     @nvtx_range("CapturableGuidedDecoder.execute")
+    @_open_only
     def execute(self, logits: torch.Tensor, d2t: torch.Tensor | None = None) -> None:  # type: ignore[override]
         """Mask ``logits`` in place for the batch of the latest ``add_batch``: graph-safe.
 
@@ -535,28 +517,21 @@ class CapturableGuidedDecoder(GuidedDecoder):
         not capturing this drains (waits for the callbacks with the GIL released) and
         re-raises a callback exception as ``hostfunc.HostFuncError``.
         """
-        me = get_ident()
-        self._in_step.append(me)  # (before the check: see close())
-        try:
-            if self._closed:
-                self._refuse_closed("execute")
-            capturing = self._streams.is_capturing()
-            self._check_logits(logits, d2t, None)
-            if capturing:
-                # the batch queued before capture only gave the shapes: no replay will fetch it
-                self._consume_put()
-            elif not self.active and not self._prepared and self._stream_idle():
-                # nothing guided and nothing queued that reads the token mask or the slots (an
-                # earlier step the host ran ahead of): enqueue nothing at all, consume here
-                self._consume_put()
-                self._clear_token_mask()
-                return
-            if not self._prepared:
-                self._enqueue_step(logits.shape[0], capturing)
-            self._prepared = False
-            self._join_and_apply(logits, d2t, capturing)
-        finally:
-            self._in_step.remove(me)
+        capturing = self._streams.is_capturing()
+        self._check_logits(logits, d2t, None)
+        if capturing:
+            # the batch queued before capture only gave the shapes: no replay will fetch it
+            self._consume_put()
+        elif not self.active and not self._prepared and self._stream_idle():
+            # nothing guided and nothing queued that reads the token mask or the slots (an
+            # earlier step the host ran ahead of): enqueue nothing at all, consume here
+            self._consume_put()
+            self._clear_token_mask()
+            return
+        if not self._prepared:
+            self._enqueue_step(logits.shape[0], capturing)
+        self._prepared = False
+        self._join_and_apply(logits, d2t, capturing)
 
     def _join_and_apply(self, logits: torch.Tensor, d2t: torch.Tensor | None,
                         capturing: bool) -> None:
@@ -580,6 +555,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._streams.bitmask_event.synchronize()  # type: ignore[attr-defined]
 
     # -- speculative decoding ----------------------------------------------------------------
+    @_open_only
     def add_draft_batch(self, new_tokens: torch.Tensor, num_accepted_tokens: torch.Tensor | None,
                         draft_step: int = 0) -> None:
         """Host side of a draft-model step: the tokens each request's matcher consumes now.
@@ -600,24 +576,17 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 CPU tensor while a CUDA graph is being captured.
             DecoderClosedError: the decoder was closed; nothing is read or changed.
         """
-        me = get_ident()
-        self._in_step.append(me)  # (before the check: see close())
-        try:
-            if self._closed:
-                self._refuse_closed("add_draft_batch")
-            _check_draft_step(draft_step)
-            tokens = self._per_request("new_tokens", new_tokens)
-            counts = None
-            if draft_step == 0 and num_accepted_tokens is not None:
-                counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
-            self._copy_in_stream_order(self.draft_new_tokens[:tokens.shape[0]], tokens,
-                                       "new_tokens")
-            if counts is not None:
-                self._copy_in_stream_order(self.num_accepted_tokens[:counts.shape[0]], counts,
-                                           "num_accepted_tokens")
-            self._streams.record_tokens()
-        finally:
-            self._in_step.remove(me)
+        _check_draft_step(draft_step)
+        tokens = self._per_request("new_tokens", new_tokens)
+        counts = None
+        if draft_step == 0 and num_accepted_tokens is not None:
+            counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
+        self._copy_in_stream_order(self.draft_new_tokens[:tokens.shape[0]], tokens,
+                                   "new_tokens")
+        if counts is not None:
+            self._copy_in_stream_order(self.num_accepted_tokens[:counts.shape[0]], counts,
+                                       "num_accepted_tokens")
+        self._streams.record_tokens()
 
     def _copy_in_stream_order(self, dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
         """``dst.copy_(src)`` as a CUDA copy on the current stream is: after the work already
@@ -638,6 +607,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             dst.copy_(src if scratch is None else _clamped(src, *scratch))
         self._in_stream_order(copy)
 
+    @_open_only
     def release(self, seq_slot: int) -> None:
         """Forget the matcher and counters of a slot whose request has finished, after the
         steps already queued on the current stream.
@@ -651,22 +621,15 @@ class CapturableGuidedDecoder(GuidedDecoder):
             RequestError: ``seq_slot`` is outside ``[0, max_num_sequences)``.
             DecoderClosedError: the decoder was closed; nothing is read or changed.
         """
-        me = get_ident()
-        self._in_step.append(me)  # (before the check: see close())
-        try:
-            if self._closed:
-                self._refuse_closed("release")
-            slot = self._release_slot(seq_slot)
-            if self._streams.is_capturing() or self._stream_idle():
-                self._release_now(slot)
-                return
+        slot = self._release_slot(seq_slot)
+        if self._streams.is_capturing() or self._stream_idle():
+            self._release_now(slot)
+            return
 
-            def release_in_order() -> None:
-                self._node_collect()  # (the node's steps before this one are read first)
-                self._release_now(slot)
-            hostfunc.launch(release_in_order)
-        finally:
-            self._in_step.remove(me)
+        def release_in_order() -> None:
+            self._node_collect()  # (the node's steps before this one are read first)
+            self._release_now(slot)
+        hostfunc.launch(release_in_order)
 
     def _stream_idle(self) -> bool:
         """Whether the current stream (torch's on CUDA, hostfunc's on the CPU stand-in) has
@@ -738,6 +701,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         return flat
 
     @nvtx_range("CapturableGuidedDecoder.execute_draft_batch")
+    @_open_only
     def execute_draft_batch(self, logits: torch.Tensor, d2t: torch.Tensor | None = None,
                             draft_step: int = 0) -> None:
         """Mask a draft-model step's logits (one row per request); graph-safe.
@@ -748,34 +712,28 @@ class CapturableGuidedDecoder(GuidedDecoder):
         native host node active, each step is the node's C function (a loop it cannot run is
         Python's from its first step to its last).
         """
-        me = get_ident()
-        self._in_step.append(me)  # (before the check: see close())
-        try:
-            if self._closed:
-                self._refuse_closed("execute_draft_batch")
-            _check_draft_step(draft_step)
-            requests = self._require_batch()
-            self._check_logits(logits, d2t, None, len(requests))  # (one row per request)
-            last = requests.max_num_draft_tokens - 1
-            if draft_step == 0 and self._streams.is_capturing():
-                self._consume_put()
-            capturing = self._streams.is_capturing()
-            if capturing:
-                self._activate_node()
-            node, first, end = self._node, draft_step == 0, draft_step >= last
-            with self._streams.side():
-                self._streams.wait_tokens()
-                if node is not None and self._node_active and (capturing or not self._warmup):
-                    hostfunc.launch_native(node.draft_run(first, end), node.address,
-                                           retain=node.retain, release=node.release)
-                else:
-                    self.draft_host_step(draft_step, first, end)
-                self.copy_bitmask(logits.shape[0])
-                self._streams.record_bitmask()
-            self._join_and_apply(logits, d2t, self._streams.is_capturing())
-        finally:
-            self._in_step.remove(me)
+        _check_draft_step(draft_step)
+        requests = self._require_batch()
+        self._check_logits(logits, d2t, None, len(requests))  # (one row per request)
+        last = requests.max_num_draft_tokens - 1
+        if draft_step == 0 and self._streams.is_capturing():
+            self._consume_put()
+        capturing = self._streams.is_capturing()
+        if capturing:
+            self._activate_node()
+        node, first, end = self._node, draft_step == 0, draft_step >= last
+        with self._streams.side():
+            self._streams.wait_tokens()
+            if node is not None and self._node_active and (capturing or not self._warmup):
+                hostfunc.launch_native(node.draft_run(first, end), node.address,
+                                       retain=node.retain, release=node.release)
+            else:
+                self.draft_host_step(draft_step, first, end)
+            self.copy_bitmask(logits.shape[0])
+            self._streams.record_bitmask()
+        self._join_and_apply(logits, d2t, self._streams.is_capturing())
 
+    @_open_only
     def rollback_rejected_batch(self, num_accepted_tokens: torch.Tensor,
                                 accepted_draft_nodes: torch.Tensor | None = None) -> None:
         """Roll back the rejected drafts for drafters without a logits loop (graph-safe).
@@ -799,40 +757,33 @@ class CapturableGuidedDecoder(GuidedDecoder):
         where the last step was native; otherwise a Python callback, which needs the GIL:
         call it then after the drafting kernels have been enqueued.
         """
-        me = get_ident()
-        self._in_step.append(me)  # (before the check: see close())
-        try:
-            if self._closed:
-                self._refuse_closed("rollback_rejected_batch")
-            counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
-            with_nodes = accepted_draft_nodes is not None
-            nodes = None if accepted_draft_nodes is None else \
-                self._per_request("accepted_draft_nodes", accepted_draft_nodes)
-            self._copy_in_stream_order(self.num_accepted_tokens[:counts.shape[0]], counts,
-                                       "num_accepted_tokens")
-            if nodes is not None:
-                self._copy_in_stream_order(self.accepted_draft_nodes[:nodes.shape[0]], nodes,
-                                           "accepted_draft_nodes")
-            self._streams.record_tokens()
-            node = self._node
-            if self._streams.is_capturing():
-                self._activate_node()
-            with self._streams.side():
-                self._streams.wait_tokens()
-                if node is not None and self._node_active and not with_nodes:
-                    hostfunc.launch_native(node.run_rollback, node.address, retain=node.retain,
-                                           release=node.release)
-                else:
-                    self.accepted_host_step(with_nodes)
-                self._streams.record_bitmask()  # capture needs every fork joined
-            if self.device.type == "cpu" and not self._streams.is_capturing():
-                self._sync_side()
-                hostfunc.check_errors()
-                return
-            self._streams.wait_bitmask()
-            self._streams.drain()
-        finally:
-            self._in_step.remove(me)
+        counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
+        with_nodes = accepted_draft_nodes is not None
+        nodes = None if accepted_draft_nodes is None else \
+            self._per_request("accepted_draft_nodes", accepted_draft_nodes)
+        self._copy_in_stream_order(self.num_accepted_tokens[:counts.shape[0]], counts,
+                                   "num_accepted_tokens")
+        if nodes is not None:
+            self._copy_in_stream_order(self.accepted_draft_nodes[:nodes.shape[0]], nodes,
+                                       "accepted_draft_nodes")
+        self._streams.record_tokens()
+        node = self._node
+        if self._streams.is_capturing():
+            self._activate_node()
+        with self._streams.side():
+            self._streams.wait_tokens()
+            if node is not None and self._node_active and not with_nodes:
+                hostfunc.launch_native(node.run_rollback, node.address, retain=node.retain,
+                                       release=node.release)
+            else:
+                self.accepted_host_step(with_nodes)
+            self._streams.record_bitmask()  # capture needs every fork joined
+        if self.device.type == "cpu" and not self._streams.is_capturing():
+            self._sync_side()
+            hostfunc.check_errors()
+            return
+        self._streams.wait_bitmask()
+        self._streams.drain()
 
     # -- callbacks (run on the side stream) --------------------------------------------------
     # Each stage below is a host callback of its own; a step enqueues them fused (one hand-off
@@ -1241,7 +1192,6 @@ class CapturableGuidedDecoder(GuidedDecoder):
         matchers = self.grammar_matchers
         for slot, matcher in put.installs:  # (installed by the node before the step ran)
             matchers[slot] = matcher
-        self.slots.num_builds += 1
         self.slots.forget_trees(batch.requests)  # (the node built these slots: see _build)
         self._masked_rows = masked
         if columns is not None:
@@ -1267,7 +1217,6 @@ class CapturableGuidedDecoder(GuidedDecoder):
         """What a native draft step's build did (counters written already): a refused draft
         token or a dead row stops guiding the slot for the rest of the loop; any other outcome
         is interpreted as a build's."""
-        self.slots.num_builds += 1
         self._masked_rows = masked
         batch = self._node_batch(epoch)
         if batch is not None:

@@ -21,7 +21,8 @@ import threading
 import time
 from concurrent.futures import wait as wait_futures
 from threading import get_ident
-from typing import Collection, NoReturn, Sequence, cast
+from functools import update_wrapper
+from typing import Any, Callable, Collection, NoReturn, Sequence, TypeVar, cast
 
 import torch
 
@@ -46,6 +47,30 @@ from .tensor_checks import LogitsChecks
 __all__ = ["GuidedDecoder", "FailedRequest"]
 
 FailedRequest = tuple[int, str]  # (request_id, message)
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _open_only(method: _Method) -> _Method:
+    """A step method refused with ``DecoderClosedError`` (naming it, before it reads or
+    changes anything) once ``close()`` has begun; while it runs its thread is listed in
+    ``_in_step``, so that ``close()`` waits for it. The thread is listed before ``_closed``
+    is read: close() sets ``_closed`` first, then waits for the list (both under the GIL)."""
+    name = method.__name__
+
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        me = get_ident()
+        self._in_step.append(me)
+        try:
+            if self._closed:
+                self._refuse_closed(name)
+            return method(self, *args, **kwargs)
+        finally:
+            self._in_step.remove(me)
+    update_wrapper(guarded, method)
+    del guarded.__wrapped__  # type: ignore[attr-defined]  # (__wrapped__ marks NVTX ranges)
+    return cast(_Method, guarded)
 
 
 class GuidedDecoder:
@@ -193,6 +218,7 @@ class GuidedDecoder:
 
     # -- per-step API ------------------------------------------------------------------------
     @nvtx_range("GuidedDecoder.add_batch")
+    @_open_only
     def add_batch(self, requests: Sequence[GuidedRequest],
                   runtime_draft_len: int | None = None) -> None:
         """Take this step's request snapshots (batch order = row order). The requests are
@@ -220,18 +246,12 @@ class GuidedDecoder:
                 Nothing is changed then.
             DecoderClosedError: the decoder was closed; nothing is read or changed.
         """
-        me = get_ident()
-        self._in_step.append(me)  # (before the check: see close())
-        try:
-            if self._closed:
-                self._refuse_closed("add_batch")
-            batch = self._add_batch(requests, runtime_draft_len, False)
-            if batch.dropped_slots:
-                self._drop_slots(batch)
-        finally:
-            self._in_step.remove(me)
+        batch = self._add_batch(requests, runtime_draft_len, False)
+        if batch.dropped_slots:
+            self._drop_slots(batch)
 
     @nvtx_range("GuidedDecoder.execute")
+    @_open_only
     def execute(self, logits: torch.Tensor, d2t: torch.Tensor | None = None
                 ) -> list[FailedRequest]:
         """Build this step's masks and apply them to ``logits`` in place.
@@ -254,33 +274,26 @@ class GuidedDecoder:
             QueueEpochError: this batch was already built; call add_batch first.
             DecoderClosedError: the decoder was closed; ``logits`` are left untouched.
         """
-        me = get_ident()
-        self._in_step.append(me)  # (before the check: see close())
-        try:
-            if self._closed:
-                self._refuse_closed("execute")
-            requests = self._require_batch()
-            self._check_logits(logits, d2t, requests.num_bitmask_tokens)
-            self._take_unbuilt_batch("execute")
-            if self.device.type == "cuda":
-                # the previous step's copy may still read the pinned buffer we are about to fill
-                self.bitmask_event.synchronize()
-            failed = self._build(requests)
-            n = requests.num_bitmask_tokens
-            if self.device.type == "cuda":
-                with torch.cuda.stream(self.stream):
-                    self.stream.wait_event(self.token_event)
-                    self.copy_bitmask(n)
-                    self.bitmask_event.record(self.stream)
-                torch.cuda.current_stream(self.device).wait_event(self.bitmask_event)
-                self.apply_bitmask(logits, d2t, n)
-                self.token_event.record()
-            elif self._masked_rows:  # on CPU a step that masks nothing costs nothing more
-                self.apply_bitmask(logits, d2t, n)
-            self._record_failed(failed)
-            return self.take_failed_requests()
-        finally:
-            self._in_step.remove(me)
+        requests = self._require_batch()
+        self._check_logits(logits, d2t, requests.num_bitmask_tokens)
+        self._take_unbuilt_batch("execute")
+        if self.device.type == "cuda":
+            # the previous step's copy may still read the pinned buffer we are about to fill
+            self.bitmask_event.synchronize()
+        failed = self._build(requests)
+        n = requests.num_bitmask_tokens
+        if self.device.type == "cuda":
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(self.token_event)
+                self.copy_bitmask(n)
+                self.bitmask_event.record(self.stream)
+            torch.cuda.current_stream(self.device).wait_event(self.bitmask_event)
+            self.apply_bitmask(logits, d2t, n)
+            self.token_event.record()
+        elif self._masked_rows:  # on CPU a step that masks nothing costs nothing more
+            self.apply_bitmask(logits, d2t, n)
+        self._record_failed(failed)
+        return self.take_failed_requests()
 
     def take_failed_requests(self) -> list[FailedRequest]:
         """Failures recorded since the last call, then forgets them."""
@@ -290,6 +303,7 @@ class GuidedDecoder:
             failed, self._failed = self._failed, []
         return failed
 
+    @_open_only
     def build(self) -> list[FailedRequest]:
         """Host work only: advance matchers and fill the host bitmask for the latest batch.
 
@@ -297,16 +311,9 @@ class GuidedDecoder:
             QueueEpochError: this batch was already built (by ``build`` or ``execute``).
             DecoderClosedError: the decoder was closed.
         """
-        me = get_ident()
-        self._in_step.append(me)  # (before the check: see close())
-        try:
-            if self._closed:
-                self._refuse_closed("build")
-            requests = self._require_batch()
-            self._take_unbuilt_batch("build")
-            return self._build(requests)
-        finally:
-            self._in_step.remove(me)
+        requests = self._require_batch()
+        self._take_unbuilt_batch("build")
+        return self._build(requests)
 
     @nvtx_range("GuidedDecoder.copy_bitmask")
     def copy_bitmask(self, num_rows: int) -> None:
@@ -374,6 +381,7 @@ class GuidedDecoder:
 
     # -- speculative decoding ----------------------------------------------------------------
     @nvtx_range("GuidedDecoder.rollback_rejected_tokens")
+    @_open_only
     def rollback_rejected_tokens(self) -> None:
         """Undo the matcher advances the target rejected in verification.
 
@@ -392,32 +400,20 @@ class GuidedDecoder:
         Raises:
             DecoderClosedError: the decoder was closed.
         """
-        me = get_ident()
-        self._in_step.append(me)  # (before the check: see close())
-        try:
-            if self._closed:
-                self._refuse_closed("rollback_rejected_tokens")
-            self._rollback_rejected_tokens(self._require_batch())
-        finally:
-            self._in_step.remove(me)
+        self._rollback_rejected_tokens(self._require_batch())
 
     @nvtx_range("GuidedDecoder.rollback_draft_tokens")
+    @_open_only
     def rollback_draft_tokens(self) -> None:
         """Undo every advance made by a drafting loop (call after it, before the target build).
 
         Raises:
             DecoderClosedError: the decoder was closed.
         """
-        me = get_ident()
-        self._in_step.append(me)  # (before the check: see close())
-        try:
-            if self._closed:
-                self._refuse_closed("rollback_draft_tokens")
-            self._rollback_draft_tokens(self._require_batch())
-        finally:
-            self._in_step.remove(me)
+        self._rollback_draft_tokens(self._require_batch())
 
     @nvtx_range("GuidedDecoder.init_disagg_gen_requests")
+    @_open_only
     def init_disagg_gen_requests(self) -> None:
         """Create matchers for requests whose prefill ran elsewhere (first generation step).
 
@@ -426,15 +422,9 @@ class GuidedDecoder:
         Raises:
             DecoderClosedError: the decoder was closed.
         """
-        me = get_ident()
-        self._in_step.append(me)  # (before the check: see close())
-        try:
-            if self._closed:
-                self._refuse_closed("init_disagg_gen_requests")
-            self._init_disagg_gen_requests(self._require_batch())
-        finally:
-            self._in_step.remove(me)
+        self._init_disagg_gen_requests(self._require_batch())
 
+    @_open_only
     def release(self, seq_slot: int) -> None:
         """Forget the matcher and counters of a slot whose request has finished.
 
@@ -442,14 +432,7 @@ class GuidedDecoder:
             RequestError: ``seq_slot`` is outside ``[0, max_num_sequences)``.
             DecoderClosedError: the decoder was closed.
         """
-        me = get_ident()
-        self._in_step.append(me)  # (before the check: see close())
-        try:
-            if self._closed:
-                self._refuse_closed("release")
-            self._release_now(self._release_slot(seq_slot))
-        finally:
-            self._in_step.remove(me)
+        self._release_now(self._release_slot(seq_slot))
 
     def _release_slot(self, seq_slot: object) -> int:
         """Free ``seq_slot`` for admission (the next ``add_batch`` may place a new request
@@ -468,6 +451,7 @@ class GuidedDecoder:
         self.slots.reset(slot)
         self._forget_compile(slot)
 
+    @_open_only
     def forced_tokens(self, seq_slot: int, max_tokens: int) -> list[int]:
         """The tokens the grammar of ``seq_slot`` forces next, at most ``max_tokens``: the
         tokenizer's own encoding of the text every continuation starts with
@@ -485,27 +469,14 @@ class GuidedDecoder:
             ConfigError: the config has no tokenizer to encode forced text with.
             DecoderClosedError: the decoder was closed.
         """
-        me = get_ident()
-        self._in_step.append(me)  # (before the check: see close())
-        try:
-            if self._closed:
-                self._refuse_closed("forced_tokens")
-            return self._forced_tokens_batch([seq_slot], max_tokens)[0]
-        finally:
-            self._in_step.remove(me)
+        return self._forced_tokens_batch([seq_slot], max_tokens)[0]
 
+    @_open_only
     def forced_tokens_batch(self, seq_slots: Sequence[int], max_tokens: int
                             ) -> list[list[int]]:
         """:meth:`forced_tokens` for each of ``seq_slots`` (checked and synchronised once:
         what a drafter calls per step)."""
-        me = get_ident()
-        self._in_step.append(me)  # (before the check: see close())
-        try:
-            if self._closed:
-                self._refuse_closed("forced_tokens_batch")
-            return self._forced_tokens_batch(seq_slots, max_tokens)
-        finally:
-            self._in_step.remove(me)
+        return self._forced_tokens_batch(seq_slots, max_tokens)
 
     def _forced_tokens_batch(self, seq_slots: Sequence[int], max_tokens: int
                              ) -> list[list[int]]:
@@ -570,8 +541,8 @@ class GuidedDecoder:
             if self._closed:
                 return
             # first (a close() that raises still leaves the decoder closed): from here on a
-            # step method is refused, and those already inside one are in _in_step (each
-            # adds its thread before it reads _closed; both run under the GIL)
+            # step method is refused, and those already inside one are in _in_step
+            # (:func:`_open_only`)
             self._closed = True
             self._wait_for_steps()
             self._close()
@@ -629,7 +600,6 @@ class GuidedDecoder:
         if self._inflight is not None:
             self._finish_build()
         clear = requests.num_bitmask_tokens if clear_rows is None else clear_rows
-        self.slots.num_builds += 1
         # (the trees of the slots built now are no longer current; another slot's stays its
         # own while its request sits out this step)
         self.slots.forget_trees(requests.requests)
@@ -786,7 +756,7 @@ class GuidedDecoder:
                 continue  # a new request drafted nothing: the slot's advances were another's
             tree = self.slots.current_tree(slot)
             if tree is not None:
-                self._keep_tree_path(req, slot, tree[1], tree[2])
+                self._keep_tree_path(req, slot, *tree)
                 continue
             advanced = self.num_advanced_tokens[slot]  # type: ignore[index]
             n = req.num_accepted_draft_tokens

@@ -187,15 +187,13 @@ class SlotState:
         self.num_advanced_draft_tokens = [0] * S  #: tokens accepted over a drafting loop
         #: the drafting loop stopped guiding the slot
         self.is_draft_terminated: SlotFlags = SlotFlags(S)
-        #: builds run so far (the decoder counts them; a stored draft tree names its own)
-        self.num_builds = 0
         #: per slot, the draft tree the slot's last build traversed, for the rollback to keep
-        #: its accepted path: ``(build number, tokens, parents)`` of the nodes that had rows
+        #: its accepted path: ``(tokens, parents)`` of the nodes that had rows
         #: (``tokens`` None once the rollback kept a path); None where there was none. It
         #: stays the slot's while builds of other slots run (its request may sit out steps
         #: before its rollback) and is forgotten by the slot's next build
         #: (:meth:`forget_trees`) or :meth:`reset`.
-        self.draft_trees: list[tuple[int, list[int] | None, list[int]] | None] = [None] * S
+        self.draft_trees: list[tuple[list[int] | None, list[int]] | None] = [None] * S
         #: how many slots hold a draft tree (a build forgets trees only where there are any)
         self.num_trees = 0
         rows = S * (max_num_draft_tokens + 1)
@@ -232,17 +230,17 @@ class SlotState:
         self.is_draft_terminated[slot] = False
         self.forget_tree(slot)
 
-    def current_tree(self, slot: int) -> tuple[int, list[int] | None, list[int]] | None:
+    def current_tree(self, slot: int) -> tuple[list[int] | None, list[int]] | None:
         """The draft tree ``slot``'s request had in the slot's latest build (other slots may
         have been built since), or None."""
         return self.draft_trees[slot]
 
     def record_tree(self, slot: int, tokens: list[int] | None, parents: list[int]) -> None:
         """Store the draft tree ``slot``'s build traversed (``tokens`` None: the rollback kept
-        its path), as of the current build."""
+        its path)."""
         if self.draft_trees[slot] is None:
             self.num_trees += 1
-        self.draft_trees[slot] = (self.num_builds, tokens, parents)
+        self.draft_trees[slot] = (tokens, parents)
 
     def forget_tree(self, slot: int) -> None:
         """Forget ``slot``'s draft tree (if any)."""

@@ -25,8 +25,7 @@ from ..params import GuidedDecodingConfig, GuidedDecodingParams
 from .._cache import cache_dir
 from .cache import ByteLRUCache
 from .compile_pool import BACKGROUND_NICE, CompilePool
-from .disk_cache import (FORMAT_VERSION, DiskCompileCache, Lookup, config_key, entry_key,
-                         serialized_bytes_estimate)
+from .disk_cache import FORMAT_VERSION, DiskCompileCache, Lookup, config_key, entry_key
 from .guide_limits import check_guide_limits
 
 __all__ = ["GrammarMatcher", "GrammarMatcherFactory", "CompiledGuide", "CompileHandle",
@@ -199,8 +198,8 @@ class GrammarMatcherFactory(ABC):
 
     backend_name: str = "?"
     #: Whether this backend's compiled guides go to the disk cache (it implements
-    #: :meth:`_disk_identity`, :meth:`_serialize` and :meth:`_deserialize`, and
-    #: :meth:`_serialized_bytes_estimate` where its payload is not xgrammar's).
+    #: :meth:`_disk_identity`, :meth:`_serialize`, :meth:`_deserialize` and
+    #: :meth:`_serialized_bytes_estimate`).
     disk_cacheable: bool = False
 
     def __init__(self, config: GuidedDecodingConfig) -> None:
@@ -255,16 +254,8 @@ class GrammarMatcherFactory(ABC):
         without serializing (called on the writer thread; the guide is serialized only where
         it fits :meth:`~capgraph.grammar.disk_cache.DiskCompileCache.text_budget`). None: no
         estimate, and the guide is not written (a serialization nothing bounds never starts).
-
-        The default reads an xgrammar ``CompiledGrammar`` payload, the one disk-cacheable
-        backend's: its rule count (the rules its grammar prints, linear in the grammar) and
-        ``compiled.nbytes`` (:func:`~capgraph.grammar.disk_cache.serialized_bytes_estimate`).
         """
-        grammar = getattr(compiled.payload, "grammar", None)
-        if grammar is None or not hasattr(compiled.payload, "serialize_json"):
-            return None
-        rules = str(grammar).count("::=")  # every rule prints as "name ::= ..." (or more)
-        return serialized_bytes_estimate(compiled.nbytes, rules)
+        return None
 
     # -- public API -------------------------------------------------------------------------
     def create(self, params: GuidedDecodingParams) -> GrammarMatcher:

@@ -18,7 +18,7 @@ from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory, whole_utf8_prefix
 from .compile_pool import run_lowered
 from .converter_log import converter_warnings, exclusive
-from .disk_cache import source_digest
+from .disk_cache import serialized_bytes_estimate, source_digest
 from .process_pool import ProcessCompilePool
 from .schema_policy import describe, unenforced_in_tag, unenforced_in_text
 from .semantics import JSON_CONTAINER_SCHEMA, xgrammar_schema
@@ -593,6 +593,15 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
 
     def _serialize(self, compiled: CompiledGuide) -> str:
         return compiled.payload.serialize_json()
+
+    def _serialized_bytes_estimate(self, compiled: CompiledGuide) -> int | None:
+        """From the rule count (every rule prints as ``name ::= ...``, so counting can only
+        overcount) and ``compiled.nbytes``
+        (:func:`~capgraph.grammar.disk_cache.serialized_bytes_estimate`)."""
+        grammar = getattr(compiled.payload, "grammar", None)
+        if grammar is None:  # (not a CompiledGrammar: not written)
+            return None
+        return serialized_bytes_estimate(compiled.nbytes, str(grammar).count("::="))
 
     def _deserialize(self, params: GuidedDecodingParams, text: str) -> tuple[Any, int]:
         grammar = xgr.CompiledGrammar.deserialize_json(text, self._tokenizer_info_for(params))
