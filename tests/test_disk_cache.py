@@ -525,3 +525,15 @@ def test_writer_checks_the_estimate_before_producing(tmp_path):
     assert timed.text_budget(1000.0) == dc.MAX_SERIALIZED_BYTES
     timed.min_compile_s = 0.0
     assert not timed.worth_storing(dc.LOAD_S_FIXED)  # (a load would take longer)
+
+
+def test_serialize_cost_tool_prints_the_text_under_its_estimate(capsys):
+    """``tools/serialize_cost.py`` (the figures in docs/RELIABILITY.md) prints one row per
+    size, and in each the serialized text is shorter than the disk cache's estimate."""
+    from conftest import load_tool
+    load_tool("serialize_cost").main(["--rules", "20", "120"])
+    rows = capsys.readouterr().out.strip().splitlines()[1:]
+    assert [int(r.split()[0]) for r in rows] == [20, 120]
+    for row in rows:
+        cells = row.split()
+        assert int(cells[4]) < int(cells[5]) and 0 < float(cells[6]) < 1, row
