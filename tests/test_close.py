@@ -264,3 +264,73 @@ def test_a_process_using_decoders_after_close_exits_cleanly():
     assert "terminate called" not in done.stderr, done.stderr[-2000:]
     assert done.returncode == 0, (done.returncode, done.stdout[-1000:], done.stderr[-2000:])
     assert "refused 18 of 18" in done.stdout, done.stdout[-1000:]
+
+
+def _run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CAPGRAPH_COMPILE_DISK_CACHE_BYTES="0")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_exit_waits_for_a_running_compile_and_cancels_one_not_started(tmp_path):
+    """At interpreter exit a compile running on a pool's thread is waited for (its job ends:
+    a marker written after a 1 s sleep exists), and one still waiting for a slot never
+    starts."""
+    done = _run_python(f"""
+        import pathlib, time
+        from capgraph.grammar.compile_pool import CompilePool
+        root = pathlib.Path({str(tmp_path)!r})
+        def job(name, sleep):
+            def run():
+                time.sleep(sleep)
+                (root / name).write_text("done")
+            return run
+        pool = CompilePool(1)
+        pool.submit(job("running", 1.0))
+        while pool.running == 0:
+            time.sleep(0.01)
+        pool.submit(job("queued", 0.0))
+    """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "running").exists(), done.stderr[-2000:]
+    assert not (tmp_path / "queued").exists()
+    assert "waiting up to 30 s for 1 grammar compile(s) still running" in done.stderr
+
+
+def test_the_wait_at_exit_is_bounded_by_the_pools_exit_wait():
+    """A compile that outlives ``exit_wait_s`` is waited for that long only, with a warning
+    that says so."""
+    done = _run_python("""
+        import time
+        from capgraph.grammar.compile_pool import CompilePool
+        pool = CompilePool(1, exit_wait_s=0.5)
+        pool.submit(lambda: time.sleep(60))
+        while pool.running == 0:
+            time.sleep(0.01)
+        print("exit at", time.time(), flush=True)
+    """)
+    ended = time.time()
+    assert done.returncode == 0, done.stderr[-2000:]
+    started = float(done.stdout.split("exit at")[1])
+    assert ended - started < 20, ended - started  # (60 s without the bound)
+    assert "1 grammar compile(s) still running after 0 s" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_process_that_exits_while_the_factory_compiles_exits_cleanly():
+    """Compiles started by the factory itself (``compile_async``, as the auto backend's
+    background compiles are) and still inside xgrammar when the script ends: exit code 0, no
+    "terminate called" (without the wait at exit this aborted about one run in two)."""
+    done = _run_python("""
+        from capgraph import GuidedDecodingConfig, GuidedDecodingParams
+        from capgraph.grammar import create_matcher_factory
+        config = GuidedDecodingConfig(encoded_vocab=[chr(97 + i) for i in range(26)] + ["</s>"],
+                                      stop_token_ids=[26], vocab_size_padded=64,
+                                      compile_threads=2)
+        factory = create_matcher_factory(config)
+        for i in range(4):
+            factory.compile_async(GuidedDecodingParams.regex(f"[a-z]{{1,{2000 + i}}}x"))
+    """)
+    assert "terminate called" not in done.stderr, done.stderr[-2000:]
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])

@@ -209,7 +209,7 @@ class GrammarMatcherFactory(ABC):
         self.stats = CompileStats()
         self._lock = threading.Lock()
         self._inflight: dict[tuple[str, str], _Compile] = {}
-        self._pool = CompilePool(config.compile_threads)
+        self._pool = CompilePool(config.compile_threads, exit_wait_s=config.compile_timeout_s)
         self._likely_allowed: tuple[int, ...] | None = None
         #: the on-disk cache of compiled guides (None: off, or a backend that cannot serialize)
         self.disk_cache: DiskCompileCache | None = None

@@ -14,18 +14,29 @@ threads started from it inherit), so a compile nobody waits for right now cannot
 from the decode loop or from a compile a request waits for. Its Python part (keyword checks,
 conversion) stays at normal priority: a starved thread must never hold the GIL, or a lock,
 that a request's thread waits for.
+
+At interpreter exit, compiles that have not started are cancelled and those still running are
+waited for, up to the longest ``exit_wait_s`` of the pools (``compile_timeout_s``): a compile
+left inside xgrammar's C++ code when the interpreter finalizes cannot take the GIL back and
+aborts the process ("terminate called without an active exception", exit status 134).
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import threading
+import time
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
 from ..errors import CompileQueueFullError, GrammarCompileError
 
 __all__ = ["CompilePool", "BACKGROUND_NICE", "run_lowered"]
+
+logger = logging.getLogger("capgraph")
 
 T = TypeVar("T")
 
@@ -41,11 +52,14 @@ class CompilePool:
         max_abandoned: abandoned compiles allowed to run beyond the slots.
         max_waiting: compiles allowed to wait for a slot; past it :meth:`submit` raises
             :class:`~capgraph.errors.CompileQueueFullError` (None: no bound).
+        exit_wait_s: at interpreter exit, how long this pool's running compiles are waited
+            for (the factory passes ``compile_timeout_s``).
     """
 
     def __init__(self, slots: int, max_abandoned: int | None = None,
-                 max_waiting: int | None = None) -> None:
+                 max_waiting: int | None = None, exit_wait_s: float = 30.0) -> None:
         self.slots = slots
+        self.exit_wait_s = exit_wait_s
         self.max_abandoned = 4 * slots if max_abandoned is None else max_abandoned
         self.max_waiting = max_waiting
         self._waiting = 0  # submitted jobs without a slot yet
@@ -53,6 +67,7 @@ class CompilePool:
         self._holding: set[Future] = set()  # futures whose compile holds a slot
         self._abandoned: set[Future] = set()  # running past their slot
         self._generation = 0  # bumped by close(): waiting jobs of older generations cancel
+        _POOLS.add(self)
 
     @property
     def running(self) -> int:
@@ -100,6 +115,19 @@ class CompilePool:
             self._generation += 1
             self._cv.notify_all()
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no compile of this pool runs (abandoned ones included), at most
+        ``timeout`` seconds (None: no bound); returns whether none runs. Compiles waiting for
+        a slot are not waited for (:meth:`close` cancels them)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._holding or self._abandoned:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+            return True
+
     def _run(self, job: Callable[[], object], future: Future, generation: int,
              nice: int) -> None:
         _job.nice = nice  # (what run_lowered() reads on this thread)
@@ -122,7 +150,35 @@ class CompilePool:
             with self._cv:
                 self._holding.discard(future)
                 self._abandoned.discard(future)
-                self._cv.notify()
+                self._cv.notify_all()  # (a slot's waiter and wait_idle())
+
+
+_POOLS: "weakref.WeakSet[CompilePool]" = weakref.WeakSet()
+
+
+@atexit.register
+def _end_compiles_at_exit() -> None:
+    """Cancel the compiles that have not started and wait for the running ones (up to the
+    longest ``exit_wait_s``), so that none is inside the backend when the interpreter
+    finalizes (that aborts the process)."""
+    pools = list(_POOLS)
+    for pool in pools:
+        pool.close()
+    running = sum(pool.running + pool.abandoned for pool in pools)
+    if not running:
+        return
+    wait_s = max(pool.exit_wait_s for pool in pools)
+    logger.warning("capgraph: waiting up to %.0f s for %d grammar compile(s) still running "
+                   "(a compile cannot be stopped, and one left running when the interpreter "
+                   "exits aborts the process)", wait_s, running)
+    deadline = time.monotonic() + wait_s
+    for pool in pools:
+        pool.wait_idle(max(0.0, deadline - time.monotonic()))
+    left = sum(pool.running + pool.abandoned for pool in pools)
+    if left:
+        logger.warning("capgraph: %d grammar compile(s) still running after %.0f s; the "
+                       "exit may abort (compile_isolation=\"process\" runs compiles in "
+                       "processes that exit can stop)", left, wait_s)
 
 
 _job = threading.local()  # .nice: the priority the compile job on this thread asked for
