@@ -411,3 +411,40 @@ def test_guides_at_the_estimates_limits_compile_small_and_fast(tekken):
             assert compiled.nbytes < 8 << 20 and seconds < 5.0, (params.guide[:80], seconds)
     finally:
         factory.close()
+
+
+def _rule_chain(rules: int) -> GuidedDecodingParams:
+    """An EBNF chain ``r{i} ::= r{i+1}``: compiles in milliseconds, but xgrammar's
+    serialization writes the whole FSM once per rule (hundreds of MB at 3000 rules)."""
+    text = "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(rules))
+    return GuidedDecodingParams.ebnf(text + f'r{rules} ::= "{uuid.uuid4().hex[:8]}"\n')
+
+
+def test_a_grammar_too_large_to_send_back_is_compiled_here(procs):
+    """A guide whose serialized form would pass MAX_SERIALIZED_BYTES is not serialized in the
+    worker (that took ~25 s and GBs for this chain); compiled quickly there, it is compiled
+    again in the decoder's process and served."""
+    from capgraph.grammar.disk_cache import MAX_SERIALIZED_BYTES
+    params = _rule_chain(3000)
+    stats = procs.processes.stats
+    before = (stats.too_large, len(stats.serialize_s))
+    start = time.perf_counter()
+    compiled = procs.compile(params)
+    took = time.perf_counter() - start
+    assert (stats.too_large, len(stats.serialize_s)) == (before[0] + 1, before[1])
+    assert procs._serialized_bytes_estimate(compiled) > MAX_SERIALIZED_BYTES
+    assert took < 15, took
+    matcher = procs.create(params)
+    tail = params.guide.rsplit('"', 2)[1]
+    for t in encode_continuation(procs.config.tokenizer, tail):
+        assert matcher.accept_token(t)
+    assert matcher.accept_token(procs.config.stop_token_ids[0]) and matcher.is_terminated()
+
+
+def test_a_grammar_too_large_to_send_back_and_slow_fails_with_a_named_error(procs, monkeypatch):
+    """Where the worker's compile took more than COMPILE_HERE_SHARE of the timeout, compiling
+    it again here would cost as much: the request fails with CompileResourceError."""
+    from capgraph.grammar import process_pool
+    monkeypatch.setattr(process_pool, "COMPILE_HERE_SHARE", 0.0)
+    with pytest.raises(CompileResourceError, match="would serialize to about"):
+        procs.compile(_rule_chain(3000))

@@ -19,6 +19,14 @@ compile over it fails with :class:`~capgraph.errors.CompileResourceError`; and a
 Guides :func:`~capgraph.grammar.compile_cost.why_not_cheap` calls cheap compile in the
 decoder's process instead (:meth:`ProcessCompilePool.compiles_here`): a worker's round trip
 (serialize, pipe, deserialize) costs them about as much as their compile.
+
+A worker serializes a compiled grammar only where its estimated text
+(:func:`~capgraph.grammar.disk_cache.serialized_bytes_estimate`) fits
+:data:`~capgraph.grammar.disk_cache.MAX_SERIALIZED_BYTES`: xgrammar writes the whole FSM once per
+rule, so a small guide of many rules that compiles in milliseconds would take GB and minutes to
+send. Such a guide is compiled again in the decoder's process where the worker compiled it
+within :data:`COMPILE_HERE_SHARE` of ``compile_timeout_s`` (:class:`CompileHere`); otherwise its
+request fails with :class:`~capgraph.errors.CompileResourceError`.
 """
 
 from __future__ import annotations
@@ -36,9 +44,10 @@ from .. import errors
 from ..errors import CompileResourceError, CompileTimeoutError, GrammarCompileError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams
 from .compile_cost import why_not_cheap
+from .disk_cache import MAX_SERIALIZED_BYTES, serialized_bytes_estimate
 
-__all__ = ["ProcessCompilePool", "ProcessPoolStats", "KILL_GRACE_S", "START_TIMEOUT_S",
-           "WORKER_NICE"]
+__all__ = ["ProcessCompilePool", "ProcessPoolStats", "CompileHere", "KILL_GRACE_S",
+           "START_TIMEOUT_S", "WORKER_NICE", "COMPILE_HERE_SHARE"]
 
 #: Seconds a stopped worker gets between SIGTERM and SIGKILL.
 KILL_GRACE_S = 0.2
@@ -48,10 +57,26 @@ START_TIMEOUT_S = 120.0
 #: decode loop's threads, which keep the default 0, so a contended core goes to them first.
 #: On an idle machine it costs a compile nothing (``python -m capgraph.grammar.compile_cost``).
 WORKER_NICE = 10
+#: A grammar too large to send back (see the module docstring) is compiled again in the
+#: decoder's process where its compile in the worker took at most this share of
+#: ``compile_timeout_s``.
+COMPILE_HERE_SHARE = 0.25
 _BACKEND = "xgrammar"
 #: Errors a worker may send back by name (anything else arrives as GrammarCompileError).
 _ERRORS = {cls.__name__: cls for cls in (GrammarCompileError, errors.UnsupportedGuideError,
                                          CompileTimeoutError, CompileResourceError)}
+
+
+class CompileHere(Exception):
+    """Raised by :meth:`ProcessCompilePool.compile`: the worker compiled the guide quickly but
+    its serialized form would be too large to send (module docstring); compile it in this
+    process instead. Not a request's error: the factory catches it."""
+
+    def __init__(self, compile_s: float, estimate: int) -> None:
+        super().__init__(f"compiled in {compile_s:.3f} s; its serialization would take about "
+                         f"{estimate} bytes")
+        self.compile_s = compile_s
+        self.estimate = estimate
 
 
 def _address_space_bytes() -> int | None:
@@ -133,9 +158,13 @@ def _worker_main(conn: Connection, config: GuidedDecodingConfig, memory_limit: i
         try:
             compiled, nbytes = factory._compile(params)
             compiled_at = time.perf_counter()
-            text = compiled.serialize_json()
-            reply: tuple = ("ok", text, nbytes, compiled_at - start,
-                            time.perf_counter() - compiled_at)
+            estimate = serialized_bytes_estimate(nbytes, str(compiled.grammar).count("::="))
+            if estimate > MAX_SERIALIZED_BYTES:
+                reply: tuple = ("too_large", compiled_at - start, estimate)
+            else:
+                text = compiled.serialize_json()
+                reply = ("ok", text, nbytes, compiled_at - start,
+                         time.perf_counter() - compiled_at)
             del compiled
         except BaseException as e:  # noqa: BLE001 - sent to the parent by name and fields
             if _is_memory_error(e):
@@ -154,6 +183,7 @@ class ProcessPoolStats:
 
     spawned: int = 0  #: worker processes started
     compiled_here: int = 0  #: guides estimated cheap, compiled in the decoder's process
+    too_large: int = 0  #: compiled grammars a worker did not send back (too large to serialize)
     killed: int = 0  #: workers stopped because nobody waited for their compile any more
     not_started: int = 0  #: compiles stopped before they reached a worker (never run)
     died: int = 0  #: workers that died while compiling (memory limit, crash)
@@ -251,7 +281,9 @@ class ProcessCompilePool:
         grammar, nbytes, compile seconds)``, or raises the compile's GrammarCompileError,
         :class:`CompileResourceError` where the worker went over its memory limit or died,
         :class:`CompileTimeoutError` where :meth:`stop` killed it or stopped it before it
-        reached a worker. ``key`` names the compile for :meth:`stop`."""
+        reached a worker; :class:`CompileHere` where the grammar is too large to send back
+        and compiled within :data:`COMPILE_HERE_SHARE` of the timeout, CompileResourceError
+        where it is too large and slower. ``key`` names the compile for :meth:`stop`."""
         worker = self._acquire(key, params)
         try:
             worker.conn.send(params)
@@ -282,6 +314,18 @@ class ProcessCompilePool:
                 self.stats._add("compile_s", compile_s)
                 self.stats._add("serialize_s", serialize_s)
             return text, nbytes, compile_s
+        if kind == "too_large":
+            _, compile_s, estimate = reply
+            with self._cv:
+                self.stats._add("compile_s", compile_s)
+                self.stats.too_large += 1
+            if compile_s <= COMPILE_HERE_SHARE * self._config.compile_timeout_s:
+                raise CompileHere(compile_s, estimate)
+            raise CompileResourceError(
+                f"the compiled grammar would serialize to about {estimate} bytes (over "
+                f"{MAX_SERIALIZED_BYTES}) to come back from its worker, and it took "
+                f"{compile_s:.1f} s to compile there, too long to compile again in the "
+                "decoder's process", guide_type=params.guide_type.name, backend=_BACKEND)
         if kind == "memory":
             raise CompileResourceError(
                 f"the compile went over the worker's memory limit of {self._limit_text()} "

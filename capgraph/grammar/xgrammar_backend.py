@@ -19,7 +19,7 @@ from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory, whole_ut
 from .compile_pool import run_lowered
 from .converter_log import converter_warnings, exclusive
 from .disk_cache import serialized_bytes_estimate, source_digest
-from .process_pool import ProcessCompilePool
+from .process_pool import CompileHere, ProcessCompilePool
 from .schema_policy import describe, unenforced_in_tag, unenforced_in_text
 from .semantics import JSON_CONTAINER_SCHEMA, xgrammar_schema
 
@@ -621,9 +621,14 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         return self._compile_here(params)  # (in process mode: a guide estimated cheap)
 
     def _compile_in_process(self, params: GuidedDecodingParams) -> tuple[Any, int]:
-        """:meth:`_compile_here` in a worker process, the grammar sent back serialized."""
+        """:meth:`_compile_here` in a worker process, the grammar sent back serialized; one
+        too large to send back and quick to compile is compiled here again
+        (:class:`~capgraph.grammar.process_pool.CompileHere`)."""
         assert self.processes is not None
-        text, _, _ = self.processes.compile((params.guide_type.value, params.guide), params)
+        try:
+            text, _, _ = self.processes.compile((params.guide_type.value, params.guide), params)
+        except CompileHere:
+            return self._compile_here(params)
         start = time.perf_counter()
         loaded = self._deserialize(params, text)
         self.processes.record_deserialize(time.perf_counter() - start)
