@@ -321,7 +321,7 @@ def test_the_wait_at_exit_is_bounded_by_the_pools_exit_wait():
 def test_a_process_that_exits_while_the_factory_compiles_exits_cleanly():
     """Compiles started by the factory itself (``compile_async``, as the auto backend's
     background compiles are) and still inside xgrammar when the script ends: exit code 0, no
-    "terminate called" (without the wait at exit this aborted about one run in two)."""
+    "terminate called" (without the wait at exit about one run in two aborts)."""
     done = _run_python("""
         from capgraph import GuidedDecodingConfig, GuidedDecodingParams
         from capgraph.grammar import create_matcher_factory
