@@ -29,7 +29,8 @@ except ImportError as e:  # (SGLang absent, or one of the small packages it impo
     pytest.skip(f"SGLang is not importable ({e}); install ci/sglang-requirements.txt with "
                 f"--no-deps to run these tests", allow_module_level=True)
 
-from capgraph.errors import ConfigError  # noqa: E402
+from capgraph.errors import (CompileQueueFullError, ConfigError,  # noqa: E402
+                             MatcherError)
 from capgraph.integrations.sglang import (BACKEND_NAME, CONFIG_ENV,  # noqa: E402
                                           CapgraphGrammar, CapgraphGrammarBackend,
                                           config_from_server_args, create_backend)
@@ -373,7 +374,8 @@ def test_config_from_server_args(monkeypatch):
                                              "json_max_whitespace": 4}
     args.constrained_json_disable_any_whitespace = True
     monkeypatch.setenv(CONFIG_ENV, '{"compile_timeout_s": 5, "backend": "xgrammar"}')
-    assert config_from_server_args(args) == {"json_whitespace": "compact",
+    assert config_from_server_args(args) == {"json_whitespace": "bounded",
+                                             "json_max_whitespace": 1,
                                              "compile_timeout_s": 5, "backend": "xgrammar"}
     monkeypatch.setenv(CONFIG_ENV, "[1]")
     with pytest.raises(ConfigError, match="JSON object"):
@@ -448,3 +450,226 @@ def test_installed_capgraph_declares_the_entry_point():
     found = {(ep.name, ep.value) for ep in dist.entry_points
              if ep.group == "sglang.srt.plugins"}
     assert found == {_declared_entry_point()}
+
+
+def _allowed(mask_row: torch.Tensor, vocab: int) -> list[int]:
+    return [t for t in range(vocab) if int(mask_row[t // 32]) >> (t % 32) & 1]
+
+
+def _accepts(grammar, tok, text: str) -> bool:
+    """Whether the grammar takes ``text`` and then the stop token (SGLang's accept path: a
+    ValueError is a refusal)."""
+    for token in _tokens(tok, text):
+        try:
+            grammar.accept_token(token)
+        except ValueError:
+            return False
+    return grammar.is_terminated()
+
+
+class _BrokenMatcher:
+    """A matcher in llguidance's error state: every call raises capgraph's MatcherError (a
+    RuntimeError, which SGLang's handlers do not catch)."""
+
+    def fill_next_token_bitmask(self, bitmask, index):
+        raise MatcherError("Current row has 2005 items; max is 2000", backend="llguidance")
+
+    def accept_token(self, token):
+        raise MatcherError("Current row has 2005 items; max is 2000", backend="llguidance")
+
+    def is_terminated(self):
+        return False
+
+
+def test_matcher_failure_ends_only_its_request(tekken, capgraph_backend, caplog):
+    """A matcher that fails (llguidance's "row has 2005 items" on an ambiguous grammar) in the
+    batched fill does not raise out of it (SGLang's scheduler would die): its row allows only
+    the stop tokens, the other rows fill as usual, the error is logged, and its next
+    accept_token raises a ValueError (what SGLang turns into that request's abort). A failure
+    in accept_token itself is a ValueError as well."""
+    good = _dispatch(capgraph_backend, "regex", "[0-9]+")
+    bad = _dispatch(capgraph_backend, "regex", "[0-9]+")
+    bad.matcher, bad._handle = _BrokenMatcher(), None
+    expected = torch.full((3, capgraph_backend.masks.words), -1, dtype=torch.int32)
+    good.fill_vocab_mask(expected, 0)
+    mask = good.allocate_vocab_mask(len(tekken), 3, "cpu")
+    with caplog.at_level("ERROR"):
+        good.fill_vocab_mask_batched([GrammarRow(0, good), GrammarRow(1, bad)], mask)
+    assert torch.equal(mask[0], expected[0]) and (mask[2] == -1).all()
+    assert _allowed(mask[1], len(tekken)) == [tekken.eos_token_id]
+    assert "row has 2005 items" in caplog.text
+    with pytest.raises(ValueError, match="MatcherError: .*2005 items"):
+        bad.accept_token(tekken.eos_token_id)
+    single = torch.full_like(expected, -1)
+    bad.fill_vocab_mask(single, 2)  # (SGLang's speculative path fills row by row)
+    assert _allowed(single[2], len(tekken)) == [tekken.eos_token_id]
+    good.accept_token(tekken.encode("7", add_special_tokens=False)[0])
+
+    failing = _dispatch(capgraph_backend, "regex", "[0-9]+")
+    failing.matcher = _BrokenMatcher()
+    with pytest.raises(ValueError, match="MatcherError"):
+        failing.accept_token(tekken.encode("7", add_special_tokens=False)[0])
+
+
+def test_transient_compile_failure_is_not_cached(capgraph_backend, monkeypatch):
+    """SGLang caches ``grammar.copy()`` of whatever a compile gave (grammar_manager.py), an
+    InvalidGrammarObject included: a transient failure (queue full, timeout, worker out of
+    memory) or SGLang's own preprocessing timeout is not kept, so the next request with the
+    guide compiles again; a guide that is wrong stays a cached failure, as on SGLang's
+    backends."""
+    key = ("regex", "transient-[a-z]+")
+
+    def refuse(params, **kwargs):
+        raise CompileQueueFullError("12 compiles already queued", guide_type="REGEX",
+                                    backend="xgrammar")
+
+    with monkeypatch.context() as m:
+        m.setattr(capgraph_backend.factory, "compile_async", refuse)
+        value, hit = capgraph_backend.get_cached_or_future_value(key, False)
+        first = value.result(timeout=60)
+    assert not hit and isinstance(first, InvalidGrammarObject)
+    assert first.error_message.startswith("CompileQueueFullError")
+    capgraph_backend.set_cache(key, first.copy())  # (what SGLang does with the result)
+    value, hit = capgraph_backend.get_cached_or_future_value(key, False)
+    assert not hit and isinstance(value.result(timeout=60), CapgraphGrammar)
+
+    timed_out = ("regex", "sglang-timeout-[a-z]+")
+    capgraph_backend.set_cache(timed_out, InvalidGrammarObject("Grammar preprocessing timed out"))
+    assert not capgraph_backend.get_cached_or_future_value(timed_out, False)[1]
+
+    wrong = ("regex", "wrong-(")
+    value, hit = capgraph_backend.get_cached_or_future_value(wrong, False)
+    failed = value.result(timeout=60)
+    capgraph_backend.set_cache(wrong, failed.copy())
+    again, hit = capgraph_backend.get_cached_or_future_value(wrong, False)
+    assert hit and again is failed
+
+
+def test_sglang_cache_keeps_no_compiled_guides(tekken):
+    """SGLang's grammar cache never evicts: it keeps only the guide's key (bounded), and a
+    cache hit takes the compiled guide from capgraph's byte-bounded cache, so
+    compile_cache_bytes bounds what compiled guides cost; a guide evicted there compiles
+    again."""
+    backend = CapgraphGrammarBackend(tekken, len(tekken), [tekken.eos_token_id])
+    try:
+        key = ("regex", "cached-[0-9]+")
+        value, hit = backend.get_cached_or_future_value(key, False)
+        grammar = value.result(timeout=60)
+        backend.set_cache(key, grammar.copy())
+        assert backend.cache == {}  # SGLang's dict holds no grammar (nor its compiled guide)
+        assert not any(isinstance(v, CapgraphGrammar) for v, _ in backend._keys._items.values())
+        again, hit = backend.get_cached_or_future_value(key, False)
+        assert hit and isinstance(again, CapgraphGrammar) and again.grammar_stats.is_cache_hit
+        assert again.compiled is grammar.compiled and again.matcher is not grammar.matcher
+        assert _accepts(again, tekken, "cached-123")
+        with backend.factory._lock:
+            backend.factory.cache.clear()  # (evicted)
+        value, hit = backend.get_cached_or_future_value(key, False)
+        assert not hit and _accepts(value.result(timeout=60), tekken, "cached-45")
+        backend.reset()
+        assert not backend.get_cached_or_future_value(key, False)[1]
+    finally:
+        backend.close()
+
+
+def _whitespace_args(disable: bool, count=None):
+    return types.SimpleNamespace(constrained_json_whitespace_pattern=None,
+                                 constrained_json_disable_any_whitespace=disable,
+                                 constrained_json_max_whitespace_cnt=count)
+
+
+def test_disable_any_whitespace_accepts_what_sglang_xgrammar_accepts(tekken, monkeypatch):
+    """--constrained-json-disable-any-whitespace: SGLang's xgrammar backend then allows exactly
+    the separators ", " and ": "; capgraph has no such mode and bounds every whitespace run to
+    one character, which accepts all of SGLang's spellings (and the compact one as well) and
+    nothing with a longer run. "$$ANY$$" (json_object) ignores the flag on both, as SGLang's
+    builtin JSON grammar does."""
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    ours = create_backend(_whitespace_args(True), tekken, len(tekken), [tekken.eos_token_id])
+    theirs = XGrammarGrammarBackend(tekken, vocab_size=len(tekken),
+                                    model_eos_token_ids=[tekken.eos_token_id],
+                                    any_whitespace=False)
+    try:
+        schema = json.dumps({"type": "object", "properties": {
+            "a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "integer"}}},
+            "required": ["a", "b"]})
+        for text, sglang, capgraph in [('{"a": 1, "b": [2, 3]}', True, True),
+                                       ('{"a":1,"b":[2,3]}', False, True),
+                                       ('{"a":  1, "b": [2, 3]}', False, False),
+                                       ('{\n  "a": 1, "b": [2]\n}', False, False)]:
+            assert _accepts(_dispatch(theirs, "json", schema), tekken, text) is sglang, text
+            assert _accepts(_dispatch(ours, "json", schema), tekken, text) is capgraph, text
+        for text in ('{"a":1}', '{"a": 1, "b": [1, 2]}', '{\n  "a": 1\n}'):
+            assert _accepts(_dispatch(theirs, "json", "$$ANY$$"), tekken, text), text
+            assert _accepts(_dispatch(ours, "json", "$$ANY$$"), tekken, text), text
+    finally:
+        ours.close()
+
+
+def test_structural_tag_null_json_schema_is_repaired_as_sglang_does(tekken, sglang_xgrammar,
+                                                                    capgraph_backend):
+    """A current-format structural tag whose json_schema is missing or null at any nesting
+    level (a tool without parameters) is served as {} there, as SGLang's xgrammar backend
+    repairs it, with the same masks."""
+    tag = json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<tool"], "tags": [
+            {"type": "tag", "begin": "<tool=a>", "content": {"type": "json_schema",
+                                                             "json_schema": None},
+             "end": "</tool>"},
+            {"type": "tag", "begin": "<tool=b>", "content": {
+                "type": "sequence", "elements": [{"type": "json_schema"}]}, "end": "</tool>"}]}})
+    ours = _dispatch(capgraph_backend, "structural_tag", tag)
+    theirs = _dispatch(sglang_xgrammar, "structural_tag", tag)
+    for token in _tokens(tekken, 'Hi <tool=b>{"x": [1]}</tool>'):
+        a = ours.allocate_vocab_mask(len(tekken), 1, "cpu")
+        ours.fill_vocab_mask(a, 0)
+        b = theirs.allocate_vocab_mask(len(tekken), 1, "cpu")
+        theirs.fill_vocab_mask(b, 0)
+        assert int(a[0, token // 32]) >> (token % 32) & 1
+        assert int(b[0, token // 32]) >> (token % 32) & 1
+        ours.accept_token(token)
+        theirs.accept_token(token)
+    assert ours.is_terminated() and theirs.is_terminated()
+
+
+def test_unknown_config_field_is_a_named_config_error(tekken, monkeypatch):
+    """An unknown field in CAPGRAPH_SGLANG_CONFIG (or the backend's config) is a ConfigError
+    naming the variable and the field, not a TypeError."""
+    monkeypatch.setenv(CONFIG_ENV, '{"bogus_field": 1}')
+    with pytest.raises(ConfigError, match=f"{CONFIG_ENV}.*'bogus_field'"):
+        config_from_server_args(_whitespace_args(False))
+    with pytest.raises(ConfigError, match="'bogus_field'"):
+        CapgraphGrammarBackend(tekken, len(tekken), config={"bogus_field": 1})
+
+
+def test_several_eos_ids_on_a_one_stop_backend(tekken):
+    """A model with several EOS ids (SGLang passes them all) on a backend that takes one stop
+    token (llguidance here; also "auto" and json_unenforced_keywords="fallback"): the backend
+    starts, every EOS id is allowed exactly where the grammar may end, and each ends it."""
+    pytest.importorskip("llguidance", reason="the llguidance extra is not installed")
+    eos, other = tekken.eos_token_id, 11
+    backend = CapgraphGrammarBackend(tekken, len(tekken), {other, eos},
+                                     config={"backend": "llguidance"})
+    try:
+        assert backend.stop_ids == tuple(sorted((eos, other)))
+        digit = tekken.encode("7", add_special_tokens=False)[0]
+        for stop in (eos, other):
+            g = _dispatch(backend, "regex", "[0-9]+")
+            for batched in (False, True):
+                mask = g.allocate_vocab_mask(len(tekken), 1, "cpu")
+                if batched:
+                    g.fill_vocab_mask_batched([GrammarRow(0, g)], mask)
+                else:
+                    g.fill_vocab_mask(mask, 0)
+                allowed = set(_allowed(mask[0], len(tekken)))
+                assert (eos in allowed) == (other in allowed) == (g.num_accepted > 0)
+                if not batched and g.num_accepted == 0:
+                    with pytest.raises(ValueError):
+                        g.accept_token(other)
+                    g.accept_token(digit)
+            g.accept_token(stop)
+            assert g.is_terminated()
+            g.rollback(1)
+            assert not g.is_terminated()
+    finally:
+        backend.close()

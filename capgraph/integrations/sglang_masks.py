@@ -155,15 +155,20 @@ class MaskRing:
         return slot
 
     def fill(self, matchers: Sequence[GrammarMatcher], handles: list | None,
-             rows: Sequence[int], mask: torch.Tensor) -> list[int]:
-        """Fill ``mask[rows[i]]`` from ``matchers[i]``; returns the positions ``i`` whose row
-        allows no token at all (a dead end; the row is left as filled).
+             rows: Sequence[int], mask: torch.Tensor
+             ) -> tuple[list[int], list[tuple[int, Exception]]]:
+        """Fill ``mask[rows[i]]`` from ``matchers[i]``.
+
+        Returns ``(dead, failed)``: the positions ``i`` whose row allows no token at all (a
+        dead end; the row is left as filled), and ``(i, error)`` for each matcher whose fill
+        raised (its row is left in an unspecified state for the caller to overwrite). A
+        failing matcher never stops the other rows from filling.
 
         ``handles``: the xgrammar FFI object of every matcher (``XGrammarMatcher._handle``),
         or None where some matcher has none; with them a ring mask fills in the C++ build.
         """
         if not matchers:
-            return []
+            return [], []
         if mask.dim() != 2 or mask.shape[1] != self.words or mask.dtype != torch.int32:
             raise ValueError(f"fill_vocab_mask_batched: the mask is {mask.dtype} of shape "
                              f"{tuple(mask.shape)}, expected int32 [rows, {self.words}]")
@@ -171,12 +176,27 @@ class MaskRing:
             slot = self._slot_of(mask)
             if slot is not None:
                 return self._fill_native(slot, handles, rows)
-        self.factory.batch_fill(matchers, mask, rows)
-        index = torch.tensor(list(rows), dtype=torch.long)
+        failed: list[tuple[int, Exception]] = []
+        try:
+            self.factory.batch_fill(matchers, mask, rows)
+        except Exception:
+            # one matcher's failure (llguidance's sticky error, say) stopped the batch: each
+            # row alone, so that only the failing ones are reported
+            for k, (matcher, row) in enumerate(zip(matchers, rows)):
+                try:
+                    matcher.fill_next_token_bitmask(mask, row)
+                except Exception as e:
+                    failed.append((k, e))
+        bad = {k for k, _ in failed}
+        checked = [k for k in range(len(rows)) if k not in bad]
+        if not checked:
+            return [], failed
+        index = torch.tensor([rows[k] for k in checked], dtype=torch.long)
         valid = rows_have_valid_token(mask.index_select(0, index), self.vocab_size)
-        return [i for i, ok in enumerate(valid.tolist()) if not ok]
+        return [k for k, ok in zip(checked, valid.tolist()) if not ok], failed
 
-    def _fill_native(self, slot: _Slot, handles: list, rows: Sequence[int]) -> list[int]:
+    def _fill_native(self, slot: _Slot, handles: list, rows: Sequence[int]
+                     ) -> tuple[list[int], list[tuple[int, Exception]]]:
         assert self._native is not None
         if slot.builder is None:
             slot.builder = self._native(slot)
@@ -187,14 +207,17 @@ class MaskRing:
                              f"{builder.out.shape[0]}")
         unusual = builder.step(handles, [-1] * n, rows, (), (), 0, 0)
         if not unusual:
-            return []
+            return [], []
         out = builder.out[:n]
         faults = [k for k in range(n) if out[k, 0] == _STATUS_FAULT]
+        failed: list[tuple[int, Exception]] = []
         if faults:
             messages = builder.errors()
-            raise RuntimeError(f"capgraph: filling mask row {rows[faults[0]]} failed: "
-                               f"{messages[0] if messages else 'native build fault'}")
-        return [k for k in range(n) if out[k, 0] == _STATUS_DEAD_END]
+            if len(messages) != len(faults):  # (no budget is set: one message per fault)
+                messages = [messages[0] if messages else "native build fault"] * len(faults)
+            failed = [(k, RuntimeError(f"capgraph: filling mask row {rows[k]} failed: {m}"))
+                      for k, m in zip(faults, messages)]
+        return [k for k in range(n) if out[k, 0] == _STATUS_DEAD_END], failed
 
     def copied(self, mask: torch.Tensor, device: torch.device) -> None:
         """Record that a copy of the ring mask ``mask`` to the CUDA ``device`` was just enqueued
