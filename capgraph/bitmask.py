@@ -172,18 +172,16 @@ def vocab_shard(vocab_size_padded: int, tp_size: int, tp_rank: int) -> VocabShar
     """The :class:`VocabShard` of rank ``tp_rank`` of ``tp_size`` over ``vocab_size_padded``.
 
     Raises:
-        LayoutError: ``tp_size < 1``, ``tp_rank`` outside ``[0, tp_size)``, the row's word count
-            ``ceil(V/32)`` not divisible by ``tp_size``, or ``V`` not divisible by ``tp_size``.
+        LayoutError: ``tp_size < 1``, ``tp_rank`` outside ``[0, tp_size)``, or ``V`` not
+            divisible by ``tp_size``. The word count ``ceil(V/32)`` need not divide: a shard
+            reads the full row from ``col_offset``, wherever in a word it starts (Qwen's
+            151936 = 4748 words over tp=8 gives 18992-column shards, the first bits of rank
+            1 in the middle of word 593).
     """
     if tp_size < 1:
         raise LayoutError(f"tp_size must be >= 1, got {tp_size}")
     if not 0 <= tp_rank < tp_size:
         raise LayoutError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
-    words = words_per_row(vocab_size_padded)
-    if words % tp_size:
-        raise LayoutError(
-            f"bitmask words per row ({words} = ceil({vocab_size_padded}/32)) is not divisible "
-            f"by tp_size ({tp_size})")
     if vocab_size_padded % tp_size:
         raise LayoutError(
             f"vocab_size_padded ({vocab_size_padded}) is not divisible by tp_size ({tp_size})")

@@ -326,8 +326,10 @@ class GuidedDecodingConfig:
         encoded_vocab: the vocabulary as strings indexed by token id (xgrammar only, used
             when no tokenizer is given; read as a raw vocabulary).
         stop_token_ids: tokens that end a guided output: a non-empty list (or tuple) of
-            integer ids; None (the default) takes the tokenizer's EOS, if it has one.
-            llguidance takes exactly one.
+            integer ids; None (the default) takes the tokenizer's EOS (a tokenizer without
+            one is a ConfigError: pass the ids). With ``encoded_vocab`` alone None means no
+            stop token: a guide that completes leaves no valid token, and its request fails
+            (``DeadEndError``) instead of ending. llguidance takes exactly one.
         vocab_size_padded: width of the logits rows (>= the tokenizer's vocabulary); 0 (the
             default; ``None`` is read the same) means the tokenizer's vocabulary. Ids at or
             above the tokenizer's vocabulary are always masked on guided rows.
@@ -485,9 +487,14 @@ class GuidedDecodingConfig:
                 f"GuidedDecodingConfig.vocab_size_padded={self.vocab_size_padded} is smaller "
                 f"than the tokenizer's vocabulary ({self.tokenizer_vocab_size})")
         if self.stop_token_ids is None:
-            # (none at all, with a tokenizer without EOS: a guided output never ends on a
-            # stop token)
             eos = getattr(self.tokenizer, "eos_token_id", None)
+            if self.tokenizer is not None and type(eos) is not int:
+                raise ConfigError(
+                    f"GuidedDecodingConfig.stop_token_ids: the tokenizer has no EOS token "
+                    f"(eos_token_id={eos!r}); pass stop_token_ids=[...], the ids that end a "
+                    "guided output")
+            # (an encoded_vocab without stop_token_ids has none: a guide that completes
+            # then leaves no valid token and its request fails with DeadEndError)
             self.stop_token_ids = [eos] if type(eos) is int else []
         else:
             self.stop_token_ids = _token_ids_field("stop_token_ids", self.stop_token_ids)

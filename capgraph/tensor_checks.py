@@ -7,10 +7,12 @@ is a call into torch, and they are read once each.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from .errors import LayoutError, TensorArgError
-from .ops.op import _FLOAT_DTYPES
+from .errors import TensorArgError
+from .ops.op import _FLOAT_DTYPES, d2t_first_bad_target
 
 __all__ = ["LogitsChecks"]
 
@@ -27,8 +29,9 @@ class LogitsChecks:
         self.words = words
         self.rank = rank
         self.max_rows = max_rows
-        # d2t tables whose values were checked: (data_ptr, _version, length, device)
-        self._d2t_checked: list[tuple] = []
+        # on CUDA, the d2t tables whose values were read, newest first:
+        # (weak reference, _version, data_ptr, length)
+        self._d2t_checked: list[tuple[weakref.ref, int | None, int, int]] = []
 
     def check(self, logits: torch.Tensor, d2t: torch.Tensor | None, rows: int | None,
               min_rows: int = 0) -> None:
@@ -89,36 +92,54 @@ class LogitsChecks:
                                  f"tensor-parallel shard of it ({what}={full})")
         tp_size = full // width
         if tp_size > 1:
+            # (no word-count condition: the op reads the full row from col_offset = rank *
+            # width, which need not be a multiple of 32)
             if self.rank >= tp_size:
                 raise TensorArgError(f"rank {self.rank} is outside the {tp_size} shards "
                                      f"implied by logits width {width}")
-            if self.words % tp_size:
-                raise LayoutError(
-                    f"bitmask words per row ({self.words} = "
-                    f"ceil({self.vocab_size_padded}/32)) is not divisible by tp_size ({tp_size})")
 
     def check_d2t(self, d2t: torch.Tensor) -> None:
         """Check that every draft id ``g`` of ``d2t`` maps to a target id ``g + d2t[g]`` in
         ``[0, vocab_size_padded)``.
 
-        The check reads the values (a host sync on CUDA), so a table is checked once and
-        remembered by (data_ptr, ``_version``, length, device): an in-place change through
-        torch bumps ``_version`` and the table is checked again. Inside a CUDA graph capture an
-        unchecked table is not read (a sync there would break the capture).
+        On CPU the values are read on every call (one add and one max: about 8 us for 32000
+        ids, 42 us for 151936), so no change to a table can slip past. On CUDA reading them is
+        a host sync, so a table is read the first time this decoder sees it and remembered by
+        identity (a weak reference to the tensor object), ``_version``, data pointer and
+        length: another tensor object, even at the same address, is read again, and so is a
+        table changed in place through torch (which bumps ``_version``). A write that torch
+        does not count (through ``.data``, DLPack, another library, or to an inference-mode
+        tensor, which has no version counter) is not seen there; the
+        kernel then masks every column whose target lies outside the bitmask row and never
+        reads past it. Inside a CUDA graph capture an unseen table is not read (a sync would
+        break the capture), with the same kernel guarantee.
 
         Raises:
             TensorArgError: a target id is out of range (names the draft id and its target).
         """
-        key = (d2t.data_ptr(), d2t._version, d2t.shape[0], d2t.device)
-        if key in self._d2t_checked:
+        if self._on_cpu:
+            self._check_d2t_values(d2t)
             return
-        if d2t.is_cuda and torch.cuda.is_current_stream_capturing():
+        try:
+            version: int | None = d2t._version
+        except RuntimeError:  # an inference-mode tensor counts no versions
+            version = None
+        ptr, length = d2t.data_ptr(), d2t.shape[0]
+        for ref, seen_version, seen_ptr, seen_length in self._d2t_checked:
+            if (ref() is d2t and seen_version == version and seen_ptr == ptr
+                    and seen_length == length):
+                return
+        if torch.cuda.is_current_stream_capturing():
             return
-        targets = d2t.to(torch.int64) + torch.arange(d2t.shape[0], device=d2t.device)
-        bad = (targets < 0) | (targets >= self.vocab_size_padded)
-        if bool(bad.any()):
-            g = int(bad.nonzero()[0, 0])
-            raise TensorArgError(f"d2t maps draft id {g} to target id {int(targets[g])} "
+        self._check_d2t_values(d2t)
+        live = [entry for entry in self._d2t_checked if entry[0]() is not None
+                and entry[0]() is not d2t]
+        self._d2t_checked = [(weakref.ref(d2t), version, ptr, length), *live[:7]]
+
+    def _check_d2t_values(self, d2t: torch.Tensor) -> None:
+        host = d2t if d2t.is_cpu else d2t.cpu()
+        g = d2t_first_bad_target(host, 0, host.shape[0], self.vocab_size_padded)
+        if g is not None:
+            raise TensorArgError(f"d2t maps draft id {g} to target id {g + int(host[g])} "
                                  f"(= {g} + d2t[{g}]), outside [0, vocab_size_padded="
                                  f"{self.vocab_size_padded})")
-        self._d2t_checked = [key, *self._d2t_checked[:7]]

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 __all__ = ["TokenizerSpec", "BUNDLED_TOKENIZERS", "load_tokenizer", "default_tokenizer_name",
-           "encode_continuation", "special_token_ids"]
+           "encode_text", "encode_continuation", "special_token_ids"]
 
 # Bump when a conversion below changes, so stale cache entries are not reused.
 _RECIPE = 1
@@ -87,18 +87,32 @@ BUNDLED_TOKENIZERS: Mapping[str, TokenizerSpec] = MappingProxyType({
 })
 
 
+def encode_text(tokenizer: "PreTrainedTokenizerBase", text: str) -> list[int]:
+    """``tokenizer.encode(text)`` with no special tokens added, and with text that spells a
+    special token (``"[INST]"``, ``"<|im_start|>"``, ``"</s>"``) encoded as that text, not as
+    the special id (``split_special_tokens=True``): guided text is never a special token, and
+    every guided row masks special ids. An ``encode`` without that option (not a Hugging Face
+    tokenizer) is called without it."""
+    try:
+        ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    except TypeError:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    return list(ids)
+
+
 def encode_continuation(tokenizer: "PreTrainedTokenizerBase", text: str) -> list[int]:
     """Token ids a model would generate to continue its output with exactly ``text``.
 
     ``tokenizer.encode`` of sentencepiece-style tokenizers prepends a dummy-prefix space
     ("▁{" for "{"), which a grammar matcher rightly reads as a leading space. This encodes
     ``"\n" + text`` and drops the ids of the newline, so the first id carries no extra space.
-    Tokenizers without a dummy prefix encode ``text`` directly.
+    Tokenizers without a dummy prefix encode ``text`` directly. Text that spells a special
+    token is encoded as text (:func:`encode_text`).
     """
-    probe = tokenizer.encode("\n", add_special_tokens=False)
+    probe = encode_text(tokenizer, "\n")
     if not probe or not str(tokenizer.convert_ids_to_tokens(probe[0])).startswith("\u2581"):
-        return tokenizer.encode(text, add_special_tokens=False)
-    ids = tokenizer.encode("\n" + text, add_special_tokens=False)
+        return encode_text(tokenizer, text)
+    ids = encode_text(tokenizer, "\n" + text)
     if ids[:len(probe)] != probe:
         raise ValueError(f"cannot split the newline prefix off the encoding of {text[:40]!r}")
     return ids[len(probe):]

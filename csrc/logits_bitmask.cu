@@ -4,6 +4,8 @@
 //   * without d2t: global id  t = col_offset + j
 //   * with d2t:    draft id   g = col_offset + j, global (target) id t = g + d2t[g]
 // and is masked (written as -inf) where bit (t % 32) of word (t / 32) of bitmask row r is 0.
+// A d2t target outside the row's bits [0, 32 * bitmask_words) is masked without being read:
+// a bad table (a value changed where no host check saw it) never reads outside the row.
 // Rows whose token_mask entry is 0 are not touched. token_mask may be null.
 // Rows are mask rows: mask row r reads bitmask row r and token_mask[r] and masks logits row r,
 // or logits row indices[r] where indices is not null (int32 or int64 entries, index_bytes 4 or
@@ -54,7 +56,8 @@
 //
 // Host contract (capgraph/ops/cuda.py checks it before choosing an entry point): p divides
 // width and the logits row stride, the logits base pointer is aligned to p * element size,
-// width and col_offset + width fit in int32, every id a column reads lies inside its bitmask row.
+// width and col_offset + width fit in int32, every id a column reads without d2t lies inside its
+// bitmask row (with d2t the kernel bounds each target itself, above).
 
 namespace capgraph {
 
@@ -93,17 +96,20 @@ __device__ __forceinline__ unsigned allowed_bits(const unsigned* __restrict__ ro
     return bits & ((1u << kPack) - 1u);
 }
 
-// Allowed bits through the draft-to-target table: one bit lookup per column.
+// Allowed bits through the draft-to-target table: one bit lookup per column; a target outside
+// the row's row_bits bits is masked, its word never read.
 template <int kPack>
 __device__ __forceinline__ unsigned allowed_bits_d2t(const unsigned* __restrict__ row_words,
                                                      const int* __restrict__ d2t,
-                                                     long long draft_id) {
+                                                     long long draft_id, long long row_bits) {
     unsigned bits = 0;
 #pragma unroll
     for (int i = 0; i < kPack; ++i) {
         const long long g = draft_id + i;
         const long long t = g + d2t[g];
-        bits |= ((row_words[t >> 5] >> int(t & (kWordBits - 1))) & 1u) << i;
+        if (t >= 0 && t < row_bits) {
+            bits |= ((row_words[t >> 5] >> int(t & (kWordBits - 1))) & 1u) << i;
+        }
     }
     return bits;
 }
@@ -185,7 +191,8 @@ __device__ __forceinline__ void mask_logits(E* __restrict__ logits, long long lo
                                             const int* __restrict__ d2t, long long rows,
                                             long long width, long long col_offset,
                                             const void* __restrict__ indices,
-                                            long long index_bytes, long long logits_rows) {
+                                            long long index_bytes, long long logits_rows,
+                                            long long bitmask_words) {
     static_assert(kBitsPerThread % kPack == 0, "a thread handles whole packed groups");
     static_assert(int(sizeof(E)) * kPack <= 16, "at most 16 bytes per access");
     static_assert(!kD2t || kMixed == Mixed::kReadModifyWrite, "d2t entries are rmw only");
@@ -232,7 +239,8 @@ __device__ __forceinline__ void mask_logits(E* __restrict__ logits, long long lo
                     break;
                 }
                 const unsigned allowed = kD2t
-                    ? allowed_bits_d2t<kPack>(row_words, d2t, col_offset + col)
+                    ? allowed_bits_d2t<kPack>(row_words, d2t, col_offset + col,
+                                              bitmask_words * kWordBits)
                     : allowed_bits<kPack>(row_words, col_offset + col);
                 const unsigned masked = ~allowed & kAllMasked;
                 if (masked == 0) {
@@ -273,10 +281,10 @@ constexpr unsigned short kNegInfBF16 = 0xFF80u;
         const unsigned* __restrict__ bitmask, long long bitmask_row_stride,                   \
         const int* __restrict__ token_mask, const int* __restrict__ d2t, long long rows,      \
         long long width, long long col_offset, const void* __restrict__ indices,              \
-        long long index_bytes, long long logits_rows) {                                       \
+        long long index_bytes, long long logits_rows, long long bitmask_words) {              \
         capgraph::mask_logits<E, NEG_INF, BITS, PACK, D2T, capgraph::Mixed::MIXED>(           \
             logits, logits_row_stride, bitmask, bitmask_row_stride, token_mask, d2t, rows,    \
-            width, col_offset, indices, index_bytes, logits_rows);                            \
+            width, col_offset, indices, index_bytes, logits_rows, bitmask_words);             \
     }
 
 // one (dtype, bits, pack): the plain entry point and its d2t twin

@@ -165,6 +165,87 @@ def test_d2t_targets_out_of_range_are_refused_before_the_build(kind, target, mak
         dec.execute(torch.zeros(1, draft_vocab), good)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("change", ["new_object_same_address", "write_through_numpy"])
+def test_d2t_changed_where_torch_does_not_see_it_is_refused_before_the_build(kind, change,
+                                                                            make):
+    """A table that passed the check, then (a) a NEW tensor object at the same address with a
+    fresh _version of 0 (two torch.from_numpy of one array: what a freed table's address
+    reused by the allocator gives), or (b) the same object written through .numpy() (no
+    _version bump), now mapping draft id 5 outside the vocabulary: execute raises
+    TensorArgError before any matcher moves (on CPU the values are read on every step), and
+    the retry with a good table masks as a clean decoder (a check after the build would leave
+    the matchers moved and the retry would meet QueueEpochError)."""
+    draft_vocab = 32
+    dec, clean = make(kind), make(kind)
+    for d in (dec, clean):
+        assert step(d, contexts((0, ABC)), torch.zeros(1, V), 0) == []
+    values = np.zeros(draft_vocab, dtype=np.int32)
+    first = torch.from_numpy(values)
+    got, want = rows(1, 3, draft_vocab), rows(1, 3, draft_vocab)
+    assert step(dec, [gen(0, A)], got, 0, first) == []
+    assert step(clean, [gen(0, A)], want, 0, torch.zeros(draft_vocab, dtype=torch.int32)) == []
+    assert same(got, want)
+    values[5] = V  # draft id 5 -> target V + 5; torch counts no write
+    if change == "new_object_same_address":
+        table = torch.from_numpy(values)
+        assert table is not first and table.data_ptr() == first.data_ptr()
+        assert table._version == first._version == 0
+    else:
+        table = first
+        assert table._version == 0
+    before = list(dec.num_advanced_tokens)
+    dec.add_batch([gen(0, B)], runtime_draft_len=0)
+    with pytest.raises(TensorArgError, match=r"draft id 5 .*vocab_size_padded"):
+        dec.execute(torch.zeros(1, draft_vocab), table)
+    assert list(dec.num_advanced_tokens) == before, "a matcher moved before the error"
+    good = torch.zeros(draft_vocab, dtype=torch.int32)
+    got, want = rows(1, 4, draft_vocab), rows(1, 4, draft_vocab)
+    assert retry(dec, got, good) == []
+    assert step(clean, [gen(0, B)], want, 0, good) == []
+    assert same(got, want)
+
+
+def test_d2t_memory_on_cuda_is_by_tensor_object(monkeypatch):
+    """The CUDA decoder's d2t memory (driven here with host tensors: only the bookkeeping is
+    under test): the same object at the same _version is read once; a new object at the same
+    address, an in-place torch write and a new length are read again; a write torch does not
+    count is not read (the kernel then masks targets outside the row), nor an unseen table
+    inside a graph capture."""
+    from capgraph import tensor_checks
+    reads = []
+    real = tensor_checks.d2t_first_bad_target
+
+    def counting(d2t, *args):
+        reads.append(d2t.data_ptr())
+        return real(d2t, *args)
+    monkeypatch.setattr(tensor_checks, "d2t_first_bad_target", counting)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    checks = tensor_checks.LogitsChecks(torch.device("cuda"), V, 2, 0, 4)
+    values = np.zeros(32, dtype=np.int32)
+    table = torch.from_numpy(values)
+    checks.check_d2t(table)
+    checks.check_d2t(table)
+    assert len(reads) == 1
+    values[5] = V  # not counted by torch: not read, no error
+    checks.check_d2t(table)
+    assert len(reads) == 1
+    with pytest.raises(TensorArgError, match="draft id 5"):
+        checks.check_d2t(torch.from_numpy(values))  # another object, same address: read
+    assert len(reads) == 2
+    values[5] = 0
+    table.add_(0)  # in place through torch: _version moves, read again
+    checks.check_d2t(table)
+    checks.check_d2t(table)
+    assert len(reads) == 3
+    checks.check_d2t(table[:16])  # a view: another object and length
+    assert len(reads) == 4
+    capturing[0] = True  # inside a capture an unseen table is not read (no sync)
+    checks.check_d2t(torch.from_numpy(values.copy()))
+    assert len(reads) == 4
+
+
 def test_second_execute_for_one_add_batch_is_refused(make):
     """On the eager decoder a second execute() or build() for one add_batch raises
     QueueEpochError instead of feeding every token again; the rollbacks still use that batch,
@@ -459,6 +540,25 @@ def test_config_field_of_wrong_type_or_value_names_the_field(field, value):
     iterated as token lists."""
     with pytest.raises(ConfigError, match=field):
         GuidedDecodingConfig(encoded_vocab=VOCAB, **{field: value})
+
+
+def test_tokenizer_without_eos_needs_stop_token_ids(tokenizer_cache):
+    """A tokenizer with no EOS token and no stop_token_ids: a ConfigError at config creation
+    that names stop_token_ids (not xgrammar's raw ValueError when the decoder is built); given
+    stop_token_ids, the config and a decoder work."""
+    import copy
+    tok = copy.deepcopy(tokenizer_cache("mistral-sp32k"))
+    tok.eos_token = None
+    assert tok.eos_token_id is None
+    with pytest.raises(ConfigError, match=r"stop_token_ids.*no EOS"):
+        GuidedDecodingConfig.from_tokenizer(tok)
+    config = GuidedDecodingConfig.from_tokenizer(tok, stop_token_ids=[2])
+    assert config.stop_token_ids == [2]
+    dec = GuidedDecoder(config, 1)
+    dec.add_batch([GuidedRequest.context(0, 0, ABC)])
+    logits = torch.zeros(1, len(tok))
+    assert dec.execute(logits) == [] and torch.isneginf(logits).any()
+    dec.close()
 
 
 @pytest.mark.parametrize("env", ["inf", "nan", "-1", "lots"])

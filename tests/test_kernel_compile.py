@@ -259,12 +259,14 @@ static EmuDim3 blockIdx, threadIdx, gridDim;
 
 _DRIVER = """
 typedef void (*EmuKernel)(void*, long long, const unsigned*, long long, const int*, const int*,
-                          long long, long long, long long, const void*, long long, long long);
+                          long long, long long, long long, const void*, long long, long long,
+                          long long);
 extern "C" void emu_launch(void* kernel, unsigned grid_x, unsigned grid_y, void* logits,
                            long long logits_stride, const unsigned* bitmask,
                            long long bitmask_stride, const int* token_mask, const int* d2t,
                            long long rows, long long width, long long col_offset,
-                           const void* indices, long long index_bytes, long long logits_rows) {
+                           const void* indices, long long index_bytes, long long logits_rows,
+                           long long bitmask_words) {
     EmuKernel k = (EmuKernel)kernel;
     gridDim = {grid_x, grid_y, 1};
     for (unsigned by = 0; by < grid_y; ++by)
@@ -273,7 +275,7 @@ extern "C" void emu_launch(void* kernel, unsigned grid_x, unsigned grid_y, void*
                 blockIdx = {bx, by, 0};
                 threadIdx = {t, 0, 0};
                 k(logits, logits_stride, bitmask, bitmask_stride, token_mask, d2t, rows, width,
-                  col_offset, indices, index_bytes, logits_rows);
+                  col_offset, indices, index_bytes, logits_rows, bitmask_words);
             }
 }
 """
@@ -299,7 +301,7 @@ def emulated(tmp_path_factory):
                               ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong,
                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
                               ctypes.c_longlong, ctypes.c_longlong, ctypes.c_void_p,
-                              ctypes.c_longlong, ctypes.c_longlong]
+                              ctypes.c_longlong, ctypes.c_longlong, ctypes.c_longlong]
 
     def launch(plan):
         kernel = ctypes.cast(getattr(so, plan.kernel), ctypes.c_void_p).value
@@ -626,7 +628,7 @@ def test_launcher_host_path_with_a_fake_cuda_core(emulated, monkeypatch):
     expected = logits_bitmask_reference(view, bitmask, indices=[5, 0, 3])
     kernel(view, bitmask, None, None, 0, chosen)
     args = launches[-1][3]
-    assert args[-3] != chosen.data_ptr() and args[-2:] == (8, 6)
+    assert args[-4] != chosen.data_ptr() and args[-3:-1] == (8, 6)
     assert torch.equal(bits(view), bits(expected))
     parent, view = _logits(g, 1, 4000, torch.float32, "contiguous")  # 4 columns per thread
     bitmask = _random_bitmask(g, 1, words_per_row(4000))
@@ -673,12 +675,44 @@ def test_emulated_kernel_with_indices(emulated, dtype, index_dtype, col_offset, 
     before = parent.clone()
     plan = plan_launch(view, bitmask, token_mask, d2t, col_offset, 132, indices)
     assert plan.grid[1] == len(chosen)
-    assert plan.args[-3:] == (indices.data_ptr(), indices.element_size(), rows)
+    assert plan.args[-4:] == (indices.data_ptr(), indices.element_size(), rows,
+                              bitmask.size(1))
     emulated(plan)
     assert torch.equal(bits(view), bits(expected)), plan
     for r in (1, 2, 3, 4, 6, 8):  # 4: named, but its token_mask entry is 0
         assert torch.equal(bits(parent[r]), bits(before[r])), f"row {r} changed"
     assert torch.equal(bits(parent[:, 0]), bits(before[:, 0]))
+
+
+def test_emulated_kernel_masks_d2t_targets_outside_the_row(emulated):
+    """A d2t target outside the bitmask row (no host check reads the table on a GPU: that would
+    synchronise; a write torch does not count escapes the decoder's check) is masked without
+    being read: the row sits inside a buffer of all-ones words, so a read of the word before
+    or after the row would allow the column. Every other column equals the reference."""
+    g = torch.Generator().manual_seed(53)
+    rows, draft, words = 5, 3000, 100
+    good = random_d2t(g, draft, 32 * words)
+    bad = good.clone()
+    ids = [0, 7, 33, 1500, draft - 1]
+    bad[0] = 32 * words  # target 3200: the word just past the row
+    bad[7] = -8  # target -1: the word just before it
+    bad[33] = 32 * words + 31 - 33  # target 3231: last bit of the next word
+    bad[1500] = -1500 - 32  # target -32
+    bad[draft - 1] = 32 * words + 64 - (draft - 1)
+    buffer = torch.full((rows, words + 4), -1, dtype=torch.int32)
+    bitmask = buffer[:, 2:2 + words]
+    bitmask.copy_(torch.randint(-2**31, 2**31 - 1, (rows, words), generator=g,
+                                dtype=torch.int32))
+    for dtype in DTYPES:
+        parent, view = _logits(g, rows, draft, dtype, "contiguous")
+        expected = logits_bitmask_reference(view, bitmask, None, good)
+        expected[:, ids] = float("-inf")
+        assert torch.equal(bits(logits_bitmask_reference(view, bitmask, None, bad)),
+                           bits(expected))
+        plan = plan_launch(view, bitmask, None, bad, 0, 132)
+        assert plan.kernel.endswith("_d2t") and plan.args[-1] == words
+        emulated(plan)
+        assert torch.equal(bits(view), bits(expected)), dtype
 
 
 def test_emulated_kernel_skips_out_of_range_indices(emulated):

@@ -333,6 +333,44 @@ def test_bad_argument_raises_named_error(case):
     assert name in str(e.value), str(e.value)
 
 
+def _bad_target_table(draft: int, words: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(good d2t, the same with 5 targets outside the row's 32*words bits, their draft ids):
+    one past the row, far past it, -1, int32's minimum, past int32 (a sum that wraps)."""
+    good = random_d2t(torch.Generator().manual_seed(draft), draft, 32 * words)
+    bad = good.clone()
+    ids = [3, 17, 40, 41, draft - 1]
+    bad[3] = 32 * words - 3  # target 32*words: one past the row
+    bad[17] = 10**9
+    bad[40] = -41  # target -1
+    bad[41] = -2**31
+    bad[draft - 1] = 2**31 - 1  # target past int32
+    return good, bad, ids
+
+
+def test_torch_code_masks_d2t_targets_outside_the_row():
+    """The torch code (the op's CUDA fallback, where no check reads the table: a check would
+    synchronise) masks a column whose d2t target lies outside the bitmask row instead of
+    indexing outside it; every other column equals the reference, and the reference masks
+    those columns too. On CPU the op itself refuses such a table (TensorArgError)."""
+    from capgraph.ops.torch_impl import apply_logits_bitmask_torch_
+
+    draft, words, rows = 64, 4, 3
+    good, bad, ids = _bad_target_table(draft, words)
+    g = torch.Generator().manual_seed(5)
+    bitmask = torch.full((rows, words), -1, dtype=torch.int32)  # all allowed
+    bitmask[1] = torch.randint(-2**31, 2**31 - 1, (words,), generator=g, dtype=torch.int32)
+    logits = torch.randn(rows, draft, generator=g)
+    got = logits.clone()
+    apply_logits_bitmask_torch_(got, bitmask, None, bad, 0, bound_targets=True)  # CUDA's way
+    expected = logits_bitmask_reference(logits, bitmask, None, good)
+    expected[:, ids] = float("-inf")
+    assert torch.equal(bits(got), bits(expected))
+    assert torch.equal(bits(logits_bitmask_reference(logits, bitmask, None, bad)),
+                       bits(expected))
+    with pytest.raises(TensorArgError, match="draft id 3"):
+        logits_bitmask(logits.clone(), bitmask, None, bad)
+
+
 # ---- registration and tracing ------------------------------------------------------------
 
 

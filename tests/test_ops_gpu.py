@@ -127,6 +127,52 @@ def test_unaligned_col_offset(width, col_offset, dtype):
     check(random_logits(gen, rows, width, dtype), bitmask, col_offset=col_offset)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab,tp", [(151936, 8), (151936, 16), (32064, 8)])
+def test_tp_shards_whose_word_count_does_not_divide_tp(vocab, tp, dtype):
+    """Every rank of a vocabulary whose word count ceil(V/32) is not a multiple of tp (Qwen's
+    151936 = 4748 words over 8 and 16, Phi-3's 32064 = 1002 words over 8): the shard reads the
+    exact-width full row from col_offset = rank * V / tp (mid-word for most ranks) and equals
+    its slice of the full-row result, the last rank ending at the row's last bit."""
+    gen = torch.Generator(device="cuda").manual_seed(vocab + tp)
+    rows = 17
+    bitmask = random_bitmask(gen, rows, words_per_row(vocab))
+    token_mask = torch.randint(0, 2, (rows,), generator=gen, dtype=torch.int32, device="cuda")
+    logits = random_logits(gen, rows, vocab, dtype)
+    whole = logits.clone()
+    logits_bitmask(whole, bitmask, token_mask)
+    assert torch.equal(bits(whole.cpu()), bits(expect_cpu(logits, bitmask, token_mask)))
+    width = vocab // tp
+    for rank in range(tp):
+        shard = logits[:, rank * width:(rank + 1) * width].clone()
+        logits_bitmask(shard, bitmask, token_mask, col_offset=rank * width)
+        assert torch.equal(bits(shard), bits(whole[:, rank * width:(rank + 1) * width])), rank
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_d2t_targets_outside_the_row_are_masked_not_read(dtype):
+    """A d2t whose targets leave the bitmask row (the host reads no table on a GPU): those
+    columns become -inf and the words around the row (all ones here, so a stray read would
+    allow the column) are never read; every other column equals the CPU result with a good
+    table."""
+    gen = torch.Generator(device="cuda").manual_seed(97)
+    rows, draft, vocab = 9, 8000, 32000
+    words = words_per_row(vocab)
+    good = random_d2t(gen, draft, vocab, device="cuda")
+    bad = good.clone()
+    ids = [0, 7, 33, 4000, draft - 1]
+    for g, target in zip(ids, [vocab, -1, vocab + 31, -32, 2**31 + 5]):
+        bad[g] = max(-2**31, min(2**31 - 1, target - g))
+    buffer = torch.full((rows, words + 4), -1, dtype=torch.int32, device="cuda")
+    bitmask = buffer[:, 2:2 + words]
+    bitmask.copy_(random_bitmask(gen, rows, words))
+    logits = random_logits(gen, rows, draft, dtype)
+    expected = expect_cpu(logits, bitmask, None, good)
+    expected[:, ids] = float("-inf")
+    logits_bitmask(logits, bitmask, None, bad)
+    assert torch.equal(bits(logits.cpu()), bits(expected))
+
+
 def test_many_rows_beyond_grid_y():
     """More rows than the 65535 blocks of grid.y: the kernel's row loop covers the rest."""
     gen = torch.Generator(device="cuda").manual_seed(5)

@@ -183,7 +183,7 @@ def factory(factory_cache):
 def test_four_shards_with_d2t_in_process(factory):
     """tp=4 over a V/4 draft vocabulary: 8000 draft ids are 250 bitmask words, not divisible
     by 4 — irrelevant, since the shard reads the full target row (1000 words) through the full
-    d2t; the 4 shards equal the unsharded result (a former spurious LayoutError)."""
+    d2t; the 4 shards equal the unsharded result (no LayoutError)."""
     config = factory.config
     tok = config.tokenizer
     keep = sorted({t for _, text in TEXTS for t in encode_continuation(tok, text)})
@@ -208,7 +208,7 @@ def test_four_shards_with_d2t_in_process(factory):
 
 def test_unsharded_d2t_logits_on_a_nonzero_rank(factory):
     """Full-width draft logits on TP rank 1 (every rank holds the whole draft row) mask like
-    rank 0 (formerly a TensorArgError 'rank 1 is outside the 1 shards')."""
+    rank 0 (rank 1 is not refused as outside the shards)."""
     config = factory.config
     tok = config.tokenizer
     d2t = _draft_table(config.vocab_size_padded, encode_continuation(tok, TEXTS[0][1]), seed=4)
@@ -225,17 +225,94 @@ def test_unsharded_d2t_logits_on_a_nonzero_rank(factory):
 
 
 @pytest.mark.parametrize("use_d2t", [False, True])
-def test_words_not_divisible_by_tp_is_a_named_error_before_build(factory, use_d2t):
-    """1000 bitmask words over tp=64 (logits width V/64 = 500, or len(d2t)/64 = 125):
-    LayoutError naming both numbers, raised by execute before the build advances a matcher."""
+def test_shards_whose_word_count_does_not_divide_tp(factory, use_d2t):
+    """1000 bitmask words over tp=16 (1000 % 16 = 8): the shards (2000 target columns, odd
+    ranks starting mid-word at bit 16 of a word; or 500 draft columns of the 8000-id draft
+    table) are masked from the full row with col_offset, so each rank's result equals its
+    slice of the unsharded result over several steps (no LayoutError: the
+    bitmask words per row need not divide by tp_size)."""
     config = factory.config
-    d2t = _draft_table(config.vocab_size_padded, [], seed=5) if use_d2t else None
+    tok = config.tokenizer
+    tokens = [encode_continuation(tok, text) for _, text in TEXTS]
+    keep = sorted({t for toks in tokens for t in toks})
+    d2t = _draft_table(config.vocab_size_padded, keep, seed=5) if use_d2t else None
     full = config.vocab_size_padded if d2t is None else d2t.shape[0]
-    dec = GuidedDecoder(config, 1, 0, factory=factory, rank=0)
-    dec.add_batch([GuidedRequest.context(0, 0, TEXTS[0][0])])
-    with pytest.raises(LayoutError, match=r"\(1000 = ceil\(32000/32\)\).*tp_size \(64\)"):
-        dec.execute(torch.zeros(1, full // 64), d2t)
-    assert dec.grammar_matchers[0] is None, "the build ran before the layout check"
+    world = 16
+    assert -(-config.vocab_size_padded // 32) % world and full % world == 0
+    shards = [GuidedDecoder(config, len(TEXTS), 0, factory=factory, rank=r) for r in range(world)]
+    whole = GuidedDecoder(config, len(TEXTS), 0, factory=factory)
+    width = full // world
+    for step in range(3):
+        reqs = _batch(step, tokens)
+        original = _step_logits(step, len(reqs), full)
+        expected = original.clone()
+        whole.add_batch(reqs)
+        assert whole.execute(expected, d2t) == []
+        assert torch.isneginf(expected[0]).any()
+        got = original.clone()
+        for r, dec in enumerate(shards):
+            dec.add_batch(reqs)
+            assert dec.execute(got[:, r * width:(r + 1) * width], d2t) == []
+        assert torch.equal(_bits(got), _bits(expected)), step
+    for dec in (*shards, whole):
+        dec.close()
+
+
+def test_qwen_tp8_shards_are_slices_of_the_full_mask():
+    """Qwen's padded vocabulary 151936 (4748 words) over tp=8: 18992 columns per rank, so
+    rank r starts at bit 16 * r of word 593 * r. The op with col_offset = r * 18992 on the
+    full row (C++ CPU pass, the torch code, the brute-force reference) gives each rank exactly
+    its slice of the full-row result, with and without a token mask."""
+    from capgraph.bitmask import vocab_shard
+    from capgraph.ops.torch_impl import apply_logits_bitmask_torch_
+
+    vocab, tp, rows = 151936, 8, 3
+    g = torch.Generator().manual_seed(151936)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, vocab // 32), generator=g,
+                            dtype=torch.int32)
+    bitmask[1, ::3] = 0
+    token_mask = torch.tensor([1, 1, 0], dtype=torch.int32)
+    logits = torch.randn(rows, vocab, generator=g)
+    for tm in (None, token_mask):
+        expected = logits.clone()
+        logits_bitmask(expected, bitmask, tm)
+        for r in range(tp):
+            shard = vocab_shard(vocab, tp, r)
+            assert shard.col_offset == r * 18992 and shard.width == 18992
+            piece = logits[:, shard.start:shard.end]
+            want = expected[:, shard.start:shard.end]
+            ours = piece.clone()
+            logits_bitmask(ours, bitmask, tm, col_offset=shard.col_offset)
+            torch_path = piece.clone()
+            apply_logits_bitmask_torch_(torch_path, bitmask, tm, None, shard.col_offset)
+            ref = logits_bitmask_reference(piece, bitmask, tm, col_offset=shard.col_offset)
+            for got in (ours, torch_path, ref):
+                assert torch.equal(_bits(got), _bits(want)), (r, tm is None)
+
+
+def test_qwen_tp8_decoder_shards(factory_cache, tokenizer_cache):
+    """A GuidedDecoder on each of 8 ranks over V=151936 (Tekken padded to Qwen's padded size,
+    4748 words): accepted, and the 8 shards equal the unsharded result."""
+    factory = factory_cache("tekken", pad=151936 - len(tokenizer_cache("tekken")))
+    config = factory.config
+    assert config.vocab_size_padded == 151936
+    params = GuidedDecodingParams.regex(r"[a-c]{1,9}x")
+    tp, width = 8, 151936 // 8
+    shards = [GuidedDecoder(config, 1, 0, factory=factory, rank=r) for r in range(tp)]
+    whole = GuidedDecoder(config, 1, 0, factory=factory)
+    reqs = [GuidedRequest.context(0, 0, params)]
+    original = _step_logits(0, 1, 151936)
+    expected = original.clone()
+    whole.add_batch(reqs)
+    assert whole.execute(expected) == []
+    got = original.clone()
+    for r, dec in enumerate(shards):
+        dec.add_batch(reqs)
+        assert dec.execute(got[:, r * width:(r + 1) * width]) == []
+    assert torch.isfinite(expected).sum() > 0 and torch.isneginf(expected).any()
+    assert torch.equal(_bits(got), _bits(expected))
+    for dec in (*shards, whole):
+        dec.close()
 
 
 # ---- coordinate arithmetic on hand-made cases -----------------------------------------------

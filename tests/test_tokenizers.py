@@ -198,3 +198,32 @@ def test_a_conversion_that_encodes_unlike_sentencepiece_is_refused() -> None:
     tokenizers._check_against_sentencepiece(load_tokenizer("mistral-sp32k"), source)
     with pytest.raises(TokenizerLoadError, match="different token ids than sentencepiece"):
         tokenizers._check_against_sentencepiece(load_tokenizer("tekken"), source)
+
+
+@pytest.mark.parametrize("name,text", [("tekken", "[INST] hi"), ("qwen", "<|im_start|>user"),
+                                       ("mistral-sp32k", "a</s>b"), ("tekken", "</s>")])
+def test_encode_continuation_of_text_that_spells_a_special_token(load, name: str,
+                                                                  text: str) -> None:
+    """Text that spells a special token is encoded as text: no special id among the result
+    (the tokenizer's plain encode() gives the special id), and it decodes back to the text;
+    encode_text the same, without the continuation's newline trick."""
+    tok = load(name)
+    specials = tokenizers.special_token_ids(tok)
+    ids = tokenizers.encode_continuation(tok, text)
+    assert not set(ids) & specials, tok.convert_ids_to_tokens(ids)
+    assert tok.decode(ids) == text
+    plain = tokenizers.encode_text(tok, text)
+    assert not set(plain) & specials
+    if name != "mistral-sp32k":  # (sentencepiece prepends its dummy-prefix space)
+        assert plain == ids
+    if text != "</s>" or name == "mistral-sp32k":
+        assert set(tok.encode(text, add_special_tokens=False)) & specials
+
+
+def test_encode_text_without_the_split_option() -> None:
+    """An encode() that does not take split_special_tokens is called without it."""
+    class Plain:
+        def encode(self, text, add_special_tokens=True):
+            return [ord(c) for c in text]
+    assert tokenizers.encode_text(Plain(), "ab") == [97, 98]
+

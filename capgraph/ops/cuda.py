@@ -147,8 +147,9 @@ class LaunchPlan(NamedTuple):
 
     ``args`` follow the kernel signature: ``(logits, logits_row_stride, bitmask,
     bitmask_row_stride, token_mask, d2t, rows, width, col_offset, indices, index_bytes,
-    logits_rows)``, pointers as ints (0 for null); ``rows`` counts mask rows (``len(indices)``
-    where indices are given), ``logits_rows`` the logits' rows. Every parameter is 64-bit on
+    logits_rows, bitmask_words)``, pointers as ints (0 for null); ``rows`` counts mask rows
+    (``len(indices)`` where indices are given), ``logits_rows`` the logits' rows,
+    ``bitmask_words`` the words of a bitmask row (a d2t target outside them is masked). Every parameter is 64-bit on
     the device side, matching Python ints.
     """
 
@@ -215,7 +216,7 @@ def plan_launch(logits: torch.Tensor, bitmask: torch.Tensor, token_mask: torch.T
             0 if token_mask is None else token_mask.data_ptr(),
             0 if d2t is None else d2t.data_ptr(), rows, width, col_offset,
             0 if indices is None else indices.data_ptr(),
-            0 if indices is None else indices.element_size(), logits_rows)
+            0 if indices is None else indices.element_size(), logits_rows, bitmask.size(1))
     return LaunchPlan(_entry_name(logits.dtype, bits, pack, kind), grid, args)
 
 

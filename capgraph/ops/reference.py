@@ -38,6 +38,7 @@ def logits_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor,
             g = col_offset + j
             token = g if table is None else g + table[g]
             word, bit = divmod(token, 32)
-            masked.append((words[word] >> bit) & 1 == 0)
+            # a d2t target outside the row is masked (the kernels never read past the row)
+            masked.append(not 0 <= word < len(words) or (words[word] >> bit) & 1 == 0)
         out[r, torch.tensor(masked, dtype=torch.bool)] = float("-inf")
     return out

@@ -117,12 +117,16 @@ def apply_logits_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
 
 def apply_logits_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor,
                                 token_mask: torch.Tensor | None, d2t: torch.Tensor | None,
-                                col_offset: int, indices: torch.Tensor | None = None) -> None:
+                                col_offset: int, indices: torch.Tensor | None = None, *,
+                                bound_targets: bool | None = None) -> None:
     """The torch code of :func:`apply_logits_bitmask_` (any device, d2t, no compiler).
 
     With ``indices`` the blocks run over the mask rows (bitmask row ``i`` for logits row
     ``indices[i]``): each block's logits rows are gathered, masked and scattered back; indices
     are distinct (checked on CPU, a precondition elsewhere), so the scatter is exact.
+
+    ``bound_targets``: mask the columns whose d2t target lies outside the bitmask row instead
+    of reading it (None: everywhere but on CPU, where the op refuses such a table first).
     """
     width = logits.size(1)
     rows = logits.size(0) if indices is None else indices.size(0)  # mask rows
@@ -139,10 +143,21 @@ def apply_logits_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor,
         keep_cols = words.shape[1] * 32
     else:
         # column j -> target id t = g + d2t[g], g = col_offset + j (draft coordinates)
-        draft_ids = torch.arange(col_offset, col_offset + width, dtype=torch.int32, device=device)
+        if bound_targets is None:
+            bound_targets = device.type != "cpu"
+        # (int64 where targets may lie anywhere: g + d2t[g] may pass int32)
+        draft_ids = torch.arange(col_offset, col_offset + width, device=device,
+                                 dtype=torch.int64 if bound_targets else torch.int32)
         targets = d2t[col_offset:col_offset + width] + draft_ids  # [width]
+        inside_bits: torch.Tensor | None = None
+        if bound_targets:
+            # a target outside the row's bits is masked and its word never read (on CPU the
+            # op refuses such a table first; elsewhere a check would synchronise)
+            inside = (targets >= 0) & (targets < words.shape[1] * 32)
+            targets = targets.where(inside, 0)
+            inside_bits = inside.to(torch.int32).neg_()  # all ones inside, 0 outside
         word_index = targets >> 5
-        bit_shift = 31 - (targets & 31)
+        bit_shift = (31 - (targets & 31)).to(torch.int32)  # (a no-op for int32 targets)
         keep_cols = width
 
     budget = _BLOCK_ELEMENTS if device.type == "cpu" else _DEVICE_BLOCK_ELEMENTS
@@ -180,6 +195,8 @@ def apply_logits_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor,
             keep = wide[:n * keep_cols].view(n, width)
             torch.index_select(words[start:end], 1, word_index, out=keep)
             keep.bitwise_left_shift_(bit_shift)
+            if inside_bits is not None:
+                keep.bitwise_and_(inside_bits)  # outside: sign bit cleared, masked
         keep.bitwise_right_shift_(sign)  # arithmetic: sign bit -> all ones / all zeros
         if narrow is not None:
             keep = narrow[:n * width].view(n, width).copy_(keep)
