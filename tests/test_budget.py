@@ -30,7 +30,8 @@ V = 64
 A = 0  # token 'a'
 BUDGET_MS = 20.0
 HEALTHY = GuidedDecodingParams.regex("a*b?")
-AMBIGUOUS = ["(a*)*b", "((a|aa)*){1000}"]  # cost per token grows with the output
+AMBIGUOUS = ["(a*)*b"]  # cost per token grows with the output (nested counts such as
+# ((a|aa)*){1000} are refused at compile: test_guide_limits.py)
 MAX_STEPS = 800
 
 native_reason = native.unavailable_reason()

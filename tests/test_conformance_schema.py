@@ -520,3 +520,68 @@ def test_ignore_policy_still_compiles_unenforced_schemas(tekken_factories, tekke
     schema, violating = ISSUE_EXAMPLES["multipleOf_number"]
     assert lenient.config.json_unenforced_keywords == "ignore"
     assert _violation_accepted(lenient, tekken, schema, violating) is True
+
+
+def test_enum_against_a_backtracking_pattern_is_decided_without_a_stall():
+    """The enum-covers-siblings check matches the values against the schema's own pattern:
+    on Python's ``re`` (through jsonschema) ``^(a+)+$`` against 28 ``a`` and a ``!`` held
+    the GIL for 46 s. On the ``regex`` module it is decided at once (the value does not
+    match: reported), and a pattern still slow there stops at REGEX_CHECK_SECONDS and is
+    reported as unchecked: never served on an unproven claim."""
+    import time
+
+    from capgraph.grammar import schema_policy
+    start = time.perf_counter()
+    found = unenforced({"type": "string", "pattern": "^(a+)+$", "enum": ["a" * 28 + "!"]},
+                       "xgrammar")
+    assert [f.keyword for f in found] == ["enum"] and "lets" in found[0].reason
+    found = unenforced({"type": "string", "pattern": "^(a|aa)+$", "enum": ["a" * 40 + "!"]},
+                       "xgrammar")
+    assert [f.keyword for f in found] == ["enum"] and "within" in found[0].reason
+    assert time.perf_counter() - start < 10 * schema_policy.REGEX_CHECK_SECONDS
+    assert unenforced({"type": "string", "pattern": "^[A-Z]{2}$", "enum": ["US", "CA"]},
+                      "xgrammar") == []
+    assert [f.keyword for f in unenforced(
+        {"type": "string", "pattern": "^[A-Z]{2}$", "enum": ["US", "usa"]}, "xgrammar")] \
+        == ["enum"]
+
+
+def test_pattern_properties_against_listed_names_are_matched_with_a_bound():
+    """``patternProperties`` keys are matched against the listed names (xgrammar applies
+    neither to a name both cover) with the bounded matcher: a slow one is reported as
+    unchecked, not run for minutes on the decoder's process."""
+    import time
+
+    def schema(pattern: str, name: str) -> dict:
+        return {"type": "object", "properties": {name: {"type": "string"}},
+                "patternProperties": {pattern: {"type": "string"}},
+                "additionalProperties": False}
+
+    start = time.perf_counter()
+    assert unenforced(schema("^(a+)+$", "a" * 30 + "!"), "xgrammar") == []
+    found = unenforced(schema("^(a|aa)+$", "a" * 40 + "!"), "xgrammar")
+    assert [f.keyword for f in found] == ["patternProperties"]
+    assert "cannot be checked" in found[0].reason
+    assert time.perf_counter() - start < 10
+    found = unenforced(schema("^a", "ab"), "xgrammar")
+    assert [f.keyword for f in found] == ["patternProperties"]
+
+
+def test_policy_walk_keeps_no_pointer_per_node():
+    """A deep schema with long property names is judged in memory linear in its size: no
+    full JSON pointer per node (300 levels of 10 000-character names: 450 MB of them)."""
+    import tracemalloc
+    schema: dict = {"type": "number", "multipleOf": 3}
+    for i in range(300):
+        schema = {"type": "object", "properties": {chr(97 + i % 26) * 10000: schema}}
+    tracemalloc.start()
+    try:
+        found = unenforced(schema, "xgrammar")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20, peak
+    assert [f.keyword for f in found] == ["multipleOf"]
+    assert found[0].pointer.endswith("/" + "a" * 10000) and len(str(found[0])) < 1000
+    assert len(list(schema_positions({"items": {"$ref": "#/$defs/x"},
+                                      "$defs": {"x": {"$ref": "#/items"}}}))) == 3

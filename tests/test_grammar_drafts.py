@@ -131,6 +131,44 @@ def test_encoder_drafts_the_tokenizers_own_encoding_within_the_bound(tekken):
         ForcedTokenEncoder(None)
 
 
+SPECIAL_TEXTS = [("tekken", "[INST] hi"), ("qwen", "<|im_start|>user"),
+                 ("mistral-sp32k", "a</s>b")]
+
+
+@pytest.mark.parametrize("name,text", SPECIAL_TEXTS)
+def test_forced_text_that_spells_a_special_token_is_drafted_as_text(tokenizer_cache, name,
+                                                                    text):
+    """A guide whose forced text spells a special token ("[INST]", "<|im_start|>", "</s>"):
+    the encoder and the decoder's forced_tokens draft the text's ordinary tokens, never the
+    special id (which every guided row masks, so such a draft was always refused); each
+    drafted token is allowed by the mask of its step."""
+    from capgraph.tokenizers import special_token_ids
+    tok = tokenizer_cache(name)
+    specials = special_token_ids(tok)
+    assert set(tok.encode(text, add_special_tokens=False)) & specials  # what encode() does
+    enc = ForcedTokenEncoder(tok)
+    ids = enc.encode(text.encode(), 32)
+    assert ids and not set(ids) & specials
+    assert tok.decode(ids) == text
+    regex = "".join("\\" + c if c in "[]|()<>/" else c for c in text)
+    config = GuidedDecodingConfig.from_tokenizer(tok)
+    dec = GuidedDecoder(config, 1, 4)
+    try:
+        params = GuidedDecodingParams.regex(regex)
+        dec.add_batch([GuidedRequest.context(1, 0, params)])
+        logits = torch.zeros(1, len(tok))
+        assert dec.execute(logits) == []
+        forced = dec.forced_tokens(seq_slot=0, max_tokens=8)
+        assert forced and not set(forced) & specials, tok.convert_ids_to_tokens(forced)
+        for t in forced[:3]:  # each draft is allowed where it is drafted
+            assert torch.isfinite(logits[0, t])
+            dec.add_batch([GuidedRequest.generation(1, 0, params, new_token=t)], 0)
+            logits = torch.zeros(1, len(tok))
+            assert dec.execute(logits) == []
+    finally:
+        dec.close()
+
+
 class _Forcing:
     """A matcher stand-in that forces a fixed text (only ``forced_bytes`` is called)."""
 
@@ -253,3 +291,73 @@ def test_draft_choice_is_checked(tekken, model, factory):
     """An unknown draft choice raises ConfigError listing the choices."""
     with pytest.raises(ConfigError, match="grammar\\+ngram"):
         run(tekken, model, factory, PROMPTS[:1], None, draft="grammar+beam")
+
+
+# --- forced text is bounded ---------------------------------------------------------------
+
+_ENDLESS_CHILD = r'''
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+import torch
+from capgraph import GuidedDecodingConfig, GuidedDecodingParams as P
+from capgraph.decoder import GuidedDecoder
+from capgraph.requests import GuidedRequest as R
+from capgraph.tokenizers import load_tokenizer
+tok = load_tokenizer("tekken")
+cfg = GuidedDecodingConfig.from_tokenizer(tok, compile_disk_cache_bytes=0)
+dec = GuidedDecoder(cfg, max_num_sequences=2, max_num_draft_tokens=4)
+doubling = "\n".join(['root ::= r24', 'r0 ::= "x"'] + [f"r{i} ::= r{i-1} r{i-1}" for i in range(1, 25)])
+dec.add_batch([R.context(1, 0, P.ebnf('root ::= "ab" root')), R.context(2, 1, P.ebnf(doubling))])
+assert dec.execute(torch.zeros(2, len(tok))) == []
+start = time.perf_counter()
+out = dec.forced_tokens_batch([0, 1], max_tokens=4)
+print("OK", out, round(time.perf_counter() - start, 3))
+'''
+
+
+def test_forced_tokens_of_an_endless_or_exponential_forced_run_are_bounded():
+    """A grammar whose forced text never ends (``root ::= "ab" root``: xgrammar's walk has no
+    length bound and ran out of memory after ~16 s) or is 2^24 bytes long (doubling rules)
+    answers at once, with no drafts, under a 3 GiB address-space limit."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _ENDLESS_CHILD], capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("OK")][-1]
+    assert line.startswith("OK [[], []]")
+    assert float(line.split()[-1]) < 5.0  # (milliseconds here; the walk took 16 s and 4 GB)
+
+
+@pytest.mark.parametrize("ebnf,bound", [
+    ('root ::= "ab" root', float("inf")),  # no completion
+    ('root ::= "a" x\nx ::= "" | "z"*', 1.0),
+    ('root ::= "x" Regex("[0-9]{3}q")', 5.0),
+    ('root ::= r3\nr0 ::= "xy"\nr1 ::= r0 r0\nr2 ::= r1 r1\nr3 ::= r2 r2', 16.0),
+])
+def test_forced_run_bound_reads_the_shortest_completions(ebnf, bound):
+    import xgrammar as xgr
+    from capgraph.grammar.forced import forced_run_bound
+    assert forced_run_bound(str(xgr.Grammar.from_ebnf(ebnf))) == bound
+
+
+def test_forced_run_bound_admits_the_bundled_schemas():
+    """Every bundled schema's grammar is read and far under the bound: drafts are kept."""
+    import xgrammar as xgr
+    from capgraph.grammar.forced import MAX_FORCED_SEQUENCE_BYTES, forced_run_bound
+    assert forced_run_bound(str(xgr.Grammar.from_json_schema(bundled_schema()))) \
+        <= MAX_FORCED_SEQUENCE_BYTES
+    assert forced_run_bound(str(xgr.Grammar.builtin_json_grammar())) <= 64
+
+
+def test_xgrammar_forced_bytes_errors_are_matcher_errors(tekken):
+    """A failure inside xgrammar's jump-forward search is a named MatcherError."""
+    from capgraph.errors import MatcherError
+    factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(tekken))
+    matcher = factory.create(GuidedDecodingParams.regex("ab[0-9]"))
+
+    def broken() -> str:
+        raise RuntimeError("std::bad_alloc")
+    matcher._jump = broken
+    with pytest.raises(MatcherError, match="bad_alloc"):
+        matcher.forced_bytes(16)

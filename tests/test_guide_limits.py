@@ -213,3 +213,108 @@ def test_lark_grammars_inside_structural_tags_are_scanned_as_lark(tiny):
     tag = {"type": "structural_tag", "format": {
         "type": "grammar", "syntax": "lark", "grammar": 'start: "a" ~ 70000'}}
     _refused(tiny, GuidedDecodingParams(GuideType.STRUCTURAL_TAG, json.dumps(tag)), "~ 70000")
+
+
+@pytest.mark.parametrize("guide, needle", [
+    (GuidedDecodingParams.regex("((((a{0,100}){0,100}){0,100}){0,100}){0,100}"), "nested"),
+    (GuidedDecodingParams.regex("((a{0,8}){0,8}){0,8}"), "three or more nested"),
+    (GuidedDecodingParams.regex("(a*){0,100}"), "two nested quantifiers"),
+    (GuidedDecodingParams.regex("(a{0,64}b){0,64}"), "repeat 4096 times"),
+    (GuidedDecodingParams.json_schema(json.dumps(
+        {"type": "string", "pattern": "^((a{0,40}){0,40}){0,40}$"})), "pattern at /"),
+    (GuidedDecodingParams.ebnf('root ::= ("a"{0,100}){0,100}'), "grammar offset"),
+    (GuidedDecodingParams.ebnf('root ::= Regex("(a{0,100}){0,100}")'), "Regex at grammar"),
+])
+def test_nested_counts_are_bounded_by_their_product(tiny, guide, needle):
+    """Counts each under ``max_repetition_count`` but nested multiply what one host step
+    over a long token costs (``((((a{0,100}){0,100}){0,100}){0,100}){0,100}``: 35 s for a
+    16-character token, uninterruptible): a chain of two nested quantifiers may multiply to
+    MAX_NESTED_PRODUCT (1024), three or more to MAX_DEEP_NESTED_PRODUCT (64)."""
+    _refused(tiny, guide, needle, "nested")
+
+
+@pytest.mark.parametrize("guide", [
+    r"(\d{1,3}\.){3}\d{1,3}", r"([0-9a-f]{4}:){7}[0-9a-f]{4}", r"(a{1,63}\.){1,10}",
+    "((a{0,4}){0,4}){0,4}", "(a{0,32}){0,32}", "(a*)*b", "(a+b){0,16}"])
+def test_nested_counts_within_the_products_compile(tiny, guide):
+    tiny.compile(GuidedDecodingParams.regex(guide))
+
+
+def test_nested_product_limit_follows_a_lower_max_repetition_count():
+    factory = create_matcher_factory(GuidedDecodingConfig(
+        encoded_vocab=VOCAB, stop_token_ids=[2], vocab_size_padded=64,
+        max_repetition_count=100))
+    try:
+        factory.compile(GuidedDecodingParams.regex("(a{0,10}){0,10}"))
+        _refused(factory, GuidedDecodingParams.regex("(a{0,10}){0,11}"), "110", "nested")
+    finally:
+        factory.close()
+
+
+@pytest.mark.parametrize("fmt, needle", [
+    ({"type": "repeat", "min": 100000, "max": 100000,
+      "content": {"type": "const_string", "value": "ab"}}, "min=100000"),
+    ({"type": "repeat", "min": 0, "max": 10**8,
+      "content": {"type": "const_string", "value": "ab"}}, "max=100000000"),
+    ({"type": "repeat", "min": 0, "max": WRAPS,
+      "content": {"type": "const_string", "value": "ab"}}, "beyond"),
+])
+def test_structural_tag_repeat_counts_are_refused(tiny, fmt, needle):
+    """A structural tag's ``repeat`` counts are repetition counts like any other."""
+    tag = {"type": "structural_tag", "format": fmt}
+    _refused(tiny, GuidedDecodingParams(GuideType.STRUCTURAL_TAG, json.dumps(tag)), needle,
+             "/format/")
+
+
+@pytest.mark.parametrize("grammar, needle", [
+    ('root ::= Regex("a{100000}")', "100000"),
+    ('root ::= "x" Regex("[a-z]{1,4294967297}")', "beyond"),
+])
+def test_gbnf_regex_counts_are_refused(tiny, grammar, needle):
+    """The regex inside xgrammar's GBNF ``Regex("...")`` is read for counts (it is a string
+    literal, whose other contents hold none)."""
+    _refused(tiny, GuidedDecodingParams.ebnf(grammar), needle, "Regex at grammar offset")
+
+
+def test_cost_estimate_sends_a_pattern_next_to_an_enum_to_a_worker():
+    """The policy check matches an enum's values against a sibling pattern: such a schema
+    is not called cheap enough for the decoder's process."""
+    from capgraph.grammar.compile_cost import why_not_cheap
+    config = GuidedDecodingConfig(encoded_vocab=VOCAB, stop_token_ids=[2],
+                                  vocab_size_padded=64)
+    for extra in ({"enum": ["aa"]}, {"const": "aa"}):
+        schema = {"type": "string", "pattern": "^(a+)+$", **extra}
+        why = why_not_cheap(GuidedDecodingParams.json_schema(json.dumps(schema)), config)
+        assert why is not None and "enum/const" in why
+    assert why_not_cheap(GuidedDecodingParams.json_schema(json.dumps(
+        {"type": "string", "pattern": "^a+$"})), config) is None
+
+
+def test_deep_schema_with_long_names_is_checked_in_linear_memory(monkeypatch):
+    """Nested properties with long names: the walk keeps no JSON pointer per node and writes
+    out only the one a refusal names (each is depth x name length: 300 levels of
+    10 000-character names kept 450 MB of pointers; 480 x 40 000 took 4.8 GB and 18 s)."""
+    import tracemalloc
+
+    from capgraph.grammar import schema_policy
+    from capgraph.grammar.guide_limits import check_guide_limits
+    schema: dict = {"type": "string", "maxLength": 70000}
+    for i in range(300):
+        schema = {"type": "object", "properties": {chr(97 + i % 26) * 10000: schema}}
+    params = GuidedDecodingParams.json_schema(json.dumps(schema))
+    written = []
+    to_text = schema_policy.Pointer.__str__
+    monkeypatch.setattr(schema_policy.Pointer, "__str__",
+                        lambda self: written.append(1) or to_text(self))
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnsupportedGuideError, match="maxLength") as info:
+            check_guide_limits(params, "xgrammar", 65535)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20, peak
+    assert len(written) <= 2, len(written)  # the refused count's pointer only
+    message = str(info.value)  # names where, its middle cut out
+    assert "/properties/" + "n" * 40 in message and "/maxLength" in message
+    assert len(message) < 1000

@@ -140,7 +140,7 @@ BAD_GUIDES = {
         GrammarCompileError, ["JSON_SCHEMA", "Backreference is not supported"]),
     "xgr_unsupported_unicode_class": (
         "xgrammar", GuideType.JSON_SCHEMA, json.dumps({"type": "string", "pattern": "\\p{L}+"}),
-        GrammarCompileError, ["Unicode character class"]),
+        GrammarCompileError, ["regex escape '\\p'", "ECMA-262"]),
     "xgr_unsupported_lookbehind": ("xgrammar", GuideType.REGEX, "(?<=a)b", GrammarCompileError,
                                    ["REGEX", "Lookbehind is not supported"]),
     "xgr_invalid_regex": ("xgrammar", GuideType.REGEX, "[a-z", GrammarCompileError,

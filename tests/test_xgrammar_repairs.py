@@ -10,6 +10,7 @@ import json
 import os
 import re
 import threading
+import time
 
 import pytest
 import xgrammar as xgr
@@ -17,7 +18,7 @@ import xgrammar as xgr
 from capgraph import GuidedDecodingConfig, GuidedDecodingParams
 from capgraph.errors import GrammarCompileError, UnsupportedGuideError
 from capgraph.grammar import create_matcher_factory
-from capgraph.grammar.converter_log import converter_warnings, exclusive
+from capgraph.grammar.converter_log import captured, converter_warnings, exclusive
 from capgraph.grammar.semantics import xgrammar_schema
 from capgraph.grammar.xgrammar_backend import (GrammarShapeError, _repair_property_keys,
                                                json_whitespace_options)
@@ -70,26 +71,84 @@ def test_converter_warnings_reads_the_regex_and_automaton_builders_lines(capfd):
     assert "out of range" in capfd.readouterr().err
 
 
-def test_exclusive_keeps_captures_out_while_it_holds():
-    """A capture waits while ``exclusive()`` is held (a compile that logs warnings again)."""
-    entered = threading.Event()
+_WARN_LINE = b"[1] /p/cpp/json_schema_converter.cc:1: Warning: dropped %s\n"
 
-    def capture():
-        with converter_warnings():
-            entered.set()
 
+def test_a_slow_conversion_does_not_hold_back_another():
+    """Conversions capture at the same time: a quick one finishes while a slow one (a
+    500-deep schema converts for ~10 s) is still inside its capture. (With one lock around
+    every capture the quick one waited for the slow one to end: here, for 30 s.)"""
+    release = threading.Event()
+    results = {}
+
+    def slow():
+        results["slow"] = captured(lambda: release.wait(30))
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    time.sleep(0.2)  # (the slow conversion is inside its capture)
+    start = time.perf_counter()
+    results["quick"] = captured(lambda: "grammar")
+    quick_s = time.perf_counter() - start
+    release.set()
+    thread.join(35)
+    assert results["quick"] == ("grammar", []) and quick_s < 10
+    assert results["slow"] == (True, [])
+
+
+def test_overlapping_conversions_keep_their_own_warnings(capfd):
+    """A warning written while two conversions overlap is not read as the other's: the one
+    that did not log it is converted again and gets none; the one that did gets its own."""
+    b_inside, a_wrote = threading.Event(), threading.Event()
+    b_calls = []
+    a_calls = []
+    results = {}
+
+    def convert_a():
+        a_calls.append(1)
+        if len(a_calls) == 1:
+            assert b_inside.wait(10)
+            os.write(2, _WARN_LINE % b"a")
+            a_wrote.set()
+            time.sleep(0.3)  # (B's retry runs while A is still inside)
+        else:
+            os.write(2, _WARN_LINE % b"a")
+        return "A"
+
+    def convert_b():
+        b_calls.append(1)
+        if len(b_calls) == 1:
+            b_inside.set()
+            assert a_wrote.wait(10)
+        return "B"
+
+    thread = threading.Thread(target=lambda: results.setdefault("a", captured(convert_a)))
+    thread.start()
+    time.sleep(0.1)
+    results["b"] = captured(convert_b)
+    thread.join(20)
+    assert results["b"] == ("B", []) and len(b_calls) == 2
+    assert results["a"] == ("A", ["dropped a"])
+    assert "dropped a" in capfd.readouterr().err
+
+
+def test_exclusive_marks_an_overlapping_capture_ambiguous():
+    """A compile that logs warnings again (``exclusive()``) does not block a capture; a
+    capture alongside it that sees warnings knows they may not be its own."""
     with exclusive():
-        thread = threading.Thread(target=capture)
-        thread.start()
-        assert not entered.wait(0.2)
-    assert entered.wait(5)
-    thread.join()
+        with converter_warnings() as warned:
+            os.write(2, _WARN_LINE % b"x")
+    assert warned == ["dropped x"] and warned.ambiguous
+    with converter_warnings() as alone:
+        os.write(2, _WARN_LINE % b"y")
+    assert alone == ["dropped y"] and not alone.ambiguous
 
 
 IGNORED_REGEXES = [
     ("a$b", "'$' should be at the end", "ab"),
     ("x^a", "'^' should be at the start", "xa"),
-    ("\\Aab", "Escape sequence '\\A' is not recognized", "Aab"),
+    # (refused by capgraph's ECMA-262 scan before xgrammar's converter sees it)
+    ("\\Aab", "regex escape '\\A' (ECMA-262 reads it as a plain 'A')", "Aab"),
 ]
 
 
@@ -102,7 +161,8 @@ def test_regex_with_an_ignored_construct_is_refused(xg, xg_ignore, regex, report
     with pytest.raises(UnsupportedGuideError) as info:
         factory.compile(P.regex(regex))
     assert info.value.guide_type == "REGEX" and info.value.backend == "xgrammar"
-    assert reported in str(info.value) and "rewrite that construct" in str(info.value)
+    assert reported in str(info.value)
+    assert "rewrite that construct" in str(info.value) or "ECMA-262" in str(info.value)
 
 
 @pytest.mark.parametrize("regex,_,dropped", IGNORED_REGEXES)
@@ -129,24 +189,34 @@ def test_ebnf_with_an_ignored_regex_construct_is_refused(xg, xg_ignore, ebnf, re
 
 
 @pytest.mark.parametrize("pattern,dropped", [
-    ("^(?!a).*$", "a"), ("a$b", "ab"), ("x^a", "xa"), ("\\Aa", "Aa")])
+    ("^(?!a).*$", "a"), ("a$b", "ab"), ("x^a", "xa")])
 def test_schema_pattern_with_an_ignored_construct_is_refused(xg, xg_ignore, tekken, pattern,
                                                              dropped):
-    """A schema pattern xgrammar would read without its anchor / lookahead / unknown escape is
-    refused; with json_unenforced_keywords="ignore" it compiles, without that construct."""
+    """A schema pattern xgrammar would read without its anchor / lookahead is refused; with
+    json_unenforced_keywords="ignore" it compiles, without that construct."""
     params = P.json_schema({"type": "string", "pattern": pattern})
     with pytest.raises(UnsupportedGuideError, match="xgrammar reported"):
         xg.compile(params)
     assert accepts(xg_ignore, tekken, params, json.dumps(dropped))
 
 
+def test_schema_pattern_with_a_non_ecma_escape_is_refused_before_xgrammar(xg, xg_ignore):
+    """An escape ECMA-262 reads as a plain letter (``\\A``) is refused by capgraph's own
+    scan of the pattern, whatever json_unenforced_keywords says (xgrammar would drop it)."""
+    params = P.json_schema({"type": "string", "pattern": "\\Aa"})
+    for factory in (xg, xg_ignore):
+        with pytest.raises(UnsupportedGuideError, match="ECMA-262 reads it as a plain 'A'"):
+            factory.compile(params)
+
+
 @pytest.mark.parametrize("fmt,reported", [
     ({"type": "regex", "pattern": "a$b"}, "'$' should be at the end"),
     ({"type": "repeat", "min": 0, "max": 3_000_000_000,
-      "content": {"type": "const_string", "value": "a"}}, "Repeat max is too large"),
+      "content": {"type": "const_string", "value": "a"}}, "repetition count 3000000000"),
 ])
 def test_structural_tag_with_an_ignored_part_is_refused(xg, fmt, reported):
-    """A structural tag whose regex or repeat xgrammar changes is refused (as a tag)."""
+    """A structural tag whose regex xgrammar changes is refused (as a tag), and one whose
+    repeat count xgrammar would wrap is refused by the count limit before xgrammar sees it."""
     with pytest.raises(UnsupportedGuideError) as info:
         xg.compile(P.structural_tag(json.dumps({"type": "structural_tag", "format": fmt})))
     assert info.value.guide_type == "STRUCTURAL_TAG" and reported in str(info.value)

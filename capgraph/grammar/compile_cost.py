@@ -25,7 +25,8 @@ took 1.1 s but ``[^x]{0,64}x`` 12 ms, and ``(a+)+b`` 0.2 ms. So cheap means:
   conditionals or pattern-keyed properties (:data:`COSTLY_KEYWORDS`), no object that allows
   ``additionalProperties``, no tuple ``items``, counts (``maxLength``, ``minItems``, ...) of at
   most :data:`MAX_SCHEMA_COUNT`, enums of at most :data:`MAX_ENUM` values, and patterns cheap
-  as regexes above;
+  as regexes above, none next to ``enum`` or ``const`` (the policy check matches the
+  values against it: :data:`~capgraph.grammar.schema_policy.REGEX_CHECK_SECONDS`);
 - EBNF grammars and structural tags: never (their cost is not estimated here).
 
 ``python -m capgraph.grammar.compile_cost`` (:func:`main`) measures the estimate over the
@@ -136,6 +137,10 @@ def _schema_cost(root: Any) -> str | None:
         if pattern is not None:
             if not isinstance(pattern, str):
                 return f"pattern at {here} is not a string"
+            if "enum" in node or "const" in node:
+                # the policy check matches the values against the pattern (bounded, but up to
+                # schema_policy.REGEX_CHECK_SECONDS): not in the decoder's process
+                return f"pattern next to enum/const at {here}"
             reason = _regex_cost(pattern, f"pattern at {here}")
             if reason is not None:
                 return reason

@@ -12,12 +12,13 @@ what greedy decoding without drafts gives.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..errors import ConfigError
 from .base import GrammarMatcher
 
-__all__ = ["ForcedTokenEncoder"]
+__all__ = ["ForcedTokenEncoder", "forced_run_bound", "MAX_FORCED_SEQUENCE_BYTES"]
 
 
 class ForcedTokenEncoder:
@@ -55,9 +56,11 @@ class ForcedTokenEncoder:
         self._probe: list[int] | None = probe if dummy else None
 
     def _encode_text(self, text: str) -> list[int]:
+        # forced text that spells a special token ("[INST]", "</s>") is encoded as text
+        from ..tokenizers import encode_text
         if self._probe is None:
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        ids = list(self.tokenizer.encode("\n" + text, add_special_tokens=False))
+            return encode_text(self.tokenizer, text)
+        ids = encode_text(self.tokenizer, "\n" + text)
         n = len(self._probe)
         return ids[n:] if ids[:n] == self._probe else []  # (no clean split: no drafts)
 
@@ -82,3 +85,216 @@ class ForcedTokenEncoder:
             return []
         forced = matcher.forced_bytes(max_tokens * self.max_bytes_per_token)
         return self.encode(forced, max_tokens) if forced else []
+
+
+# --- a bound on the forced text of an xgrammar grammar ------------------------------------
+#
+# xgrammar's jump-forward search (``find_jump_forward_string``) has no length bound: it walks
+# the forced text to its end, one character and one parser state at a time, and only then
+# returns. The forced text from a state is never longer than the shortest completion from it
+# (the walk stops where the grammar may end), so where every rule has a completion the walk
+# ends; where one has none (``root ::= "ab" root``) it runs until memory is exhausted, and
+# where completions are exponentially long (``r1 ::= r0 r0``, ``r2 ::= r1 r1``, ...) it takes
+# exponential time. :func:`forced_run_bound` reads the grammar once, as xgrammar prints it, and
+# gives the length of the longest shortest completion of any of its sequences: the matcher
+# asks xgrammar for forced text only where that is at most :data:`MAX_FORCED_SEQUENCE_BYTES`.
+
+#: Grammars with a sequence (one alternative of a rule) whose shortest completion is longer
+#: than this get no forced text (the xgrammar walk would cost ~0.6 us per byte of it).
+MAX_FORCED_SEQUENCE_BYTES = 4096
+
+_INF = float("inf")
+_TOKEN = re.compile(r'''
+    \s+
+  | (?P<str>"(?:[^"\\]|\\.)*")
+  | (?P<cls>\[(?:[^\]\\]|\\.)*\])
+  | (?P<look>\(=)
+  | (?P<call>(?:Regex|TagDispatch|[A-Za-z_]\w*)\()
+  | (?P<rep>\{\s*(?P<lo>-?\d+)\s*(?:,\s*(?P<hi>-?\d+)\s*)?\})
+  | (?P<name>[A-Za-z_][\w.\-]*)
+  | (?P<op>[()|*+?,=])
+''', re.VERBOSE)
+_RULE = re.compile(r"^([A-Za-z_][\w.\-]*) ::= (.*)$")
+
+
+class _Unreadable(ValueError):
+    pass
+
+
+def _tokens(body: str) -> list[tuple[str, str, re.Match[str]]]:
+    out = []
+    pos = 0
+    while pos < len(body):
+        m = _TOKEN.match(body, pos)
+        if m is None:
+            raise _Unreadable(f"cannot read {body[pos:pos + 20]!r}")
+        pos = m.end()
+        kind = m.lastgroup
+        if kind is None:  # whitespace
+            continue
+        if kind in ("lo", "hi"):
+            kind = "rep"
+        out.append((kind, m.group(0), m))
+    return out
+
+
+_ESCAPES = {"\\": "\\", '"': '"', "?": "?", "n": "\n", "t": "\t", "r": "\r"}
+
+
+def _unescape(text: str) -> str:
+    """A string argument as xgrammar prints it (C-style escapes, ``\\?`` for ``?``)."""
+    return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m.group(1), "\\" + m.group(1)), text)
+
+
+def _regex_min(pattern: str) -> float:
+    import re._parser as sre  # type: ignore[import-not-found]  # (Python's own reader)
+    try:
+        return float(sre.parse(pattern).getwidth()[0])
+    except Exception as e:  # noqa: BLE001 - a syntax Python's reader lacks: unknown
+        raise _Unreadable(str(e)) from None
+
+
+class _Reader:
+    """Recursive descent over one rule body; builds ('seq', [...]) / ('alt', [...]) /
+    ('lit', n) / ('ref', name) / ('rep', lo, node) nodes."""
+
+    def __init__(self, body: str) -> None:
+        self.toks = _tokens(body)
+        self.i = 0
+
+    def peek(self) -> tuple[str, str] | None:
+        return self.toks[self.i][:2] if self.i < len(self.toks) else None
+
+    def take(self) -> tuple[str, str, re.Match[str]]:
+        if self.i >= len(self.toks):
+            raise _Unreadable("unexpected end")
+        tok = self.toks[self.i]
+        self.i += 1
+        return tok
+
+    def expr(self) -> tuple:
+        alts = [self.seq()]
+        while self.peek() == ("op", "|"):
+            self.i += 1
+            alts.append(self.seq())
+        return alts[0] if len(alts) == 1 else ("alt", alts)
+
+    def seq(self) -> tuple:
+        items = []
+        while self.peek() is not None and self.peek() not in (("op", "|"), ("op", ")"),
+                                                               ("op", ",")):
+            items.append(self.postfix())
+        return ("seq", items)
+
+    def postfix(self) -> tuple:
+        node = self.atom()
+        while True:
+            nxt = self.peek()
+            if nxt is None or nxt[0] not in ("rep", "op") or nxt[1][:1] not in "*+?{":
+                break
+            kind, text, m = self.take()
+            if text == "*" or text == "?":
+                node = ("lit", 0.0)
+            elif text == "+":
+                node = ("rep", 1, node)
+            else:
+                node = ("rep", max(0, int(m.group("lo"))), node)
+        return node
+
+    def atom(self) -> tuple:
+        kind, text, _ = self.take()
+        if kind == "str":
+            body = text[1:-1]
+            # escapes count as written: never fewer bytes than they stand for
+            return ("lit", float(len(body.encode("utf-8"))))
+        if kind == "cls":
+            return ("lit", 1.0)
+        if kind == "name":
+            return ("ref", text)
+        if kind == "look":  # a lookahead: matches nothing itself
+            self.expr()
+            self.close()
+            return ("lit", 0.0)
+        if kind == "call":
+            if text != "Regex(":
+                raise _Unreadable(f"unknown element {text}")
+            kind, pattern, _ = self.take()
+            if kind != "str":
+                raise _Unreadable("Regex without a string")
+            while self.peek() is not None and self.peek() != ("op", ")"):
+                self.take()  # (options: json_string=true)
+            self.close()
+            return ("lit", _regex_min(_unescape(pattern[1:-1])))
+        if (kind, text) == ("op", "("):
+            node = self.expr()
+            self.close()
+            return node
+        raise _Unreadable(f"unexpected {text!r}")
+
+    def close(self) -> None:
+        if self.take()[:2] != ("op", ")"):
+            raise _Unreadable("missing ')'")
+
+
+def forced_run_bound(grammar_text: str) -> float:
+    """The longest shortest completion of any sequence of the grammar ``grammar_text`` (as
+    ``str(xgrammar.Grammar)`` prints it), in bytes; ``inf`` where a rule has no completion or
+    the text cannot be read. The forced text from any state of a matcher is at most this
+    times the nesting depth of the state (each open rule contributes at most its sequence's
+    shortest completion)."""
+    rules: dict[str, tuple] = {}
+    try:
+        for line in grammar_text.splitlines():
+            if not line.strip():
+                continue
+            m = _RULE.match(line)
+            if m is None:
+                raise _Unreadable(f"not a rule: {line[:40]!r}")
+            reader = _Reader(m.group(2))
+            node = reader.expr()
+            while reader.peek() is not None:  # a rule's trailing lookahead "(=(...))"
+                if reader.take()[:2] != ("look", "(="):
+                    raise _Unreadable("trailing text")
+                reader.expr()
+                reader.close()
+            rules[m.group(1)] = node
+    except (_Unreadable, ValueError, RecursionError):
+        return _INF
+    if not rules:
+        return _INF
+    lengths = {name: _INF for name in rules}
+    seqs: list[tuple] = []
+
+    def length(node: tuple, collect: bool = False) -> float:
+        kind = node[0]
+        if kind == "lit":
+            return node[1]
+        if kind == "ref":
+            return lengths.get(node[1], _INF)
+        if kind == "rep":
+            inner = length(node[2], collect)
+            return 0.0 if node[1] == 0 else node[1] * inner
+        if kind == "alt":
+            return min(length(a, collect) for a in node[1])
+        total = sum((length(n, collect) for n in node[1]), 0.0)
+        if collect:
+            seqs.append(node)
+        return total
+
+    try:
+        for _ in range(len(rules) + 1):  # shortest lengths: a fixpoint from above
+            changed = False
+            for name, node in rules.items():
+                new = length(node)
+                if new < lengths[name]:
+                    lengths[name], changed = new, True
+            if not changed:
+                break
+        if any(v == _INF for v in lengths.values()):
+            return _INF
+        seqs.clear()
+        for node in rules.values():
+            length(node, collect=True)
+        return max((length(s) for s in seqs), default=0.0)
+    except RecursionError:
+        return _INF

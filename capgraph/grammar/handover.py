@@ -19,6 +19,10 @@ mask several times faster once compiled. So:
   :mod:`capgraph.grammar.schema_policy`, or its compile error) is served by the other one
   alone, and refused only when both refuse it: there is no hand-over between backends that do
   not both enforce the schema.
+- A regex is refused (the compile fails) where either backend refuses it as unsupported: the
+  ECMA-262 syntax check (:func:`~capgraph.grammar.semantics.ecma_regex`) both run, and
+  xgrammar's regex conversion, which runs once llguidance has compiled it, before the handle
+  completes; only a compile that fails or times out later leaves a regex on llguidance.
 
 The hand-over (:meth:`HandOverMatcher.serving`) happens at the start of a mask fill once the
 xgrammar compile has landed: a fresh xgrammar matcher is fed every token the llguidance matcher
@@ -232,8 +236,9 @@ class HandOverMatcherFactory(GrammarMatcherFactory):
         self.llguidance = llguidance
         self._by_backend = {xgrammar.backend_name: xgrammar,
                             llguidance.backend_name: llguidance}
-        from .xgrammar_backend import XGrammarMatcher
+        from .xgrammar_backend import XGrammarMatcher, refuse_unsupported_regex
         self._xgrammar_matcher = XGrammarMatcher
+        self._refuse_regex = refuse_unsupported_regex
 
     # -- compile routing ----------------------------------------------------------------------
     def _compile(self, params: GuidedDecodingParams) -> tuple[Any, int]:  # pragma: no cover
@@ -285,6 +290,14 @@ class HandOverMatcherFactory(GrammarMatcherFactory):
                 handles.append(xhandle)
                 xhandle.future.add_done_callback(lambda xf: xgrammar_alone(xf, refused))
                 return
+            if params.guide_type is GuideType.REGEX:
+                # a regex xgrammar refuses as unsupported fails here, not on llguidance alone
+                # (a compile that fails or times out later still leaves it there)
+                try:
+                    self._refuse_regex(params.guide)
+                except UnsupportedGuideError as e:
+                    _settle(out, error=e)
+                    return
             xhandle = self._start_xgrammar(params)
             handles.append(xhandle)
             compiled = lf.result()

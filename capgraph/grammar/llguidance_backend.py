@@ -7,6 +7,7 @@ wrapper, and :meth:`rollback` counts a stop token llguidance never consumed as o
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -15,8 +16,10 @@ import torch
 from ..errors import ConfigError, GrammarCompileError, MatcherError, UnsupportedGuideError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory, whole_utf8_prefix
-from .semantics import (JSON_CONTAINER_SCHEMA, JSON_WHITESPACE_CHARS, ascii_classes,
+from .semantics import (JSON_CONTAINER_SCHEMA, JSON_WHITESPACE_CHARS, ecma_regex,
                         llguidance_schema)
+from .lark_text import (LarkTextError, LarkTokenRef, lark_json_values, lark_token_refs,
+                        replace_json_values)
 from .schema_policy import describe, unenforced_in_text
 
 if TYPE_CHECKING:
@@ -56,6 +59,13 @@ def _refuse(what: str) -> None:
         backend=BACKEND)
 
 
+def _refuse_lark(what: str) -> None:
+    raise UnsupportedGuideError(
+        f"llguidance would not enforce {what}; remove them, use a JSON_SCHEMA guide or the "
+        "xgrammar backend, or set GuidedDecodingConfig(json_unenforced_keywords='ignore') to "
+        "generate with them unenforced", guide_type="EBNF_GRAMMAR", backend=BACKEND)
+
+
 def available() -> bool:
     """Whether the llguidance extra is installed."""
     return llguidance is not None
@@ -86,11 +96,15 @@ class LLGuidanceMatcher(GrammarMatcher):
     llguidance, so only it is subtracted by :meth:`rollback` before delegating.
     """
 
-    __slots__ = ("_matcher", "_eos", "_terminated", "_wrapper_eos")
+    __slots__ = ("_matcher", "_eos", "_terminated", "_wrapper_eos", "_eos_is_text")
 
-    def __init__(self, matcher: "llguidance.LLMatcher", eos_token: int) -> None:
+    def __init__(self, matcher: "llguidance.LLMatcher", eos_token: int,
+                 eos_is_text: bool = False) -> None:
         self._matcher = matcher
         self._eos = eos_token
+        # the stop token is ordinary text: llguidance's mask allows it wherever its text fits,
+        # but consumes it only as the end (fill_next_token_bitmask)
+        self._eos_is_text = eos_is_text
         self._terminated = False
         self._wrapper_eos = False
         self._check()
@@ -134,8 +148,16 @@ class LLGuidanceMatcher(GrammarMatcher):
         self._check()
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        """llguidance's mask; a stop token that is ordinary text is allowed only where the
+        output may end, as on xgrammar (llguidance allows it wherever its text fits, then
+        refuses it there as the end)."""
         llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, index)
         self._check()
+        if self._eos_is_text and not self._matcher.is_accepting():
+            word, bit = divmod(self._eos, 32)
+            value = int(bitmask[index, word])
+            if (value >> bit) & 1:
+                bitmask[index, word] = value & ~(1 << bit)  # (stays within int32)
 
     def is_terminated(self) -> bool:
         return self._terminated
@@ -171,6 +193,11 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
             eos_token=self.eos_token)
         self._json_options = json_whitespace_options(config)
         self._mask_words = (config.vocab_size_padded + 31) // 32
+        self._eos_is_text = not self.tokenizer.is_special_token(self.eos_token)
+        # ids that are never grammar text: special tokens, the stop token, padding ids
+        from ..tokenizers import special_token_ids
+        self._not_text = sorted(special_token_ids(config.tokenizer) | {self.eos_token}
+                                | set(range(len(config.tokenizer), config.vocab_size_padded)))
 
     def _likely_allowed_ids(self) -> Sequence[int]:
         t = self.tokenizer
@@ -182,6 +209,8 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
         gt, guide = params.guide_type, params.guide
         if gt is GuideType.JSON_SCHEMA and self.config.json_unenforced_keywords != "ignore":
             self._refuse_unenforced(guide)
+        if gt is GuideType.EBNF_GRAMMAR:
+            guide = self._prepared_lark(guide)
         try:
             if gt is GuideType.JSON:
                 return llguidance.LLMatcher.grammar_from_json_schema(  # as on xgrammar
@@ -190,11 +219,13 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
                 return llguidance.LLMatcher.grammar_from_json_schema(  # as xgrammar reads it
                     llguidance_schema(guide), overrides=self._json_options)
             if gt is GuideType.REGEX:
-                # \d and \w as ECMA-262 (ASCII), as on xgrammar
-                return llguidance.LLMatcher.grammar_from_regex(ascii_classes(guide))
+                # ECMA-262's classes, '.' and escapes, as on xgrammar; Rust-only syntax refused
+                return llguidance.LLMatcher.grammar_from_regex(ecma_regex(guide, BACKEND))
             if gt is GuideType.EBNF_GRAMMAR:
                 # llguidance reads Lark, not GBNF: the same guide type means a different syntax
                 return llguidance.LLMatcher.grammar_from_lark(guide)
+        except UnsupportedGuideError:
+            raise  # (a regex, or a schema pattern, :func:`ecma_regex` refused)
         except Exception as e:
             raise GrammarCompileError(f"{type(e).__name__}: {e}", guide_type=gt.name,
                                       backend=BACKEND) from e
@@ -217,16 +248,82 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
             raise GrammarCompileError(detail, guide_type=params.guide_type.name,
                                       backend=BACKEND)
         warnings = template.get_grammar_warnings()
-        if (warnings and params.guide_type is GuideType.JSON_SCHEMA
+        if (warnings and params.guide_type in (GuideType.JSON_SCHEMA, GuideType.EBNF_GRAMMAR)
                 and self.config.json_unenforced_keywords != "ignore"):
-            # a warning is llguidance saying it approximates (oneOf as anyOf, ignored keys)
-            _refuse("; ".join(f"llguidance reported: {m}" for m in warnings))
+            # a warning is llguidance saying it approximates (oneOf as anyOf, ignored keys);
+            # llguidance warns only about JSON schemas, a Lark grammar's from its %json values
+            reported = "; ".join(f"llguidance reported: {m}" for m in warnings)
+            if params.guide_type is GuideType.JSON_SCHEMA:
+                _refuse(reported)
+            _refuse_lark(f"a %json schema of this grammar: {reported}")
         scratch = torch.zeros((1, self._mask_words), dtype=torch.int32)
         llguidance.torch.fill_next_token_bitmask(template, scratch, 0)
         if template.is_error():
             raise GrammarCompileError(f"the grammar has no valid start: {template.get_error()}",
                                       guide_type=params.guide_type.name, backend=BACKEND)
         return LLGuidanceGuide(grammar, template), _TEMPLATE_BYTES + len(grammar.encode())
+
+    def _prepared_lark(self, grammar: str) -> str:
+        """The Lark grammar ``grammar`` as llguidance must be given it to mean what capgraph
+        documents.
+
+        - A token reference that may place a special token (``<name>``, ``<[id]>``, a range,
+          ``<[^...]>``, ``<[*]>``; :mod:`capgraph.grammar.lark_text`) is refused: special
+          tokens, the stop token and padding ids are never grammar text.
+        - Each ``%json`` schema is judged by the keyword policy
+          (:func:`~capgraph.grammar.schema_policy.unenforced`, its ``x-guidance`` options
+          included) as a JSON-schema guide is, outside ``json_unenforced_keywords="ignore"``,
+          and given as :func:`~capgraph.grammar.semantics.llguidance_schema` writes it, with
+          ``json_whitespace`` (as ``x-guidance`` options, which win over its own).
+        """
+        try:
+            refs = lark_token_refs(grammar)
+            values = lark_json_values(grammar)
+        except LarkTextError as e:
+            raise GrammarCompileError(str(e), guide_type="EBNF_GRAMMAR",
+                                      backend=BACKEND) from None
+        for ref in refs:
+            placed = self._placed_special(ref)
+            if placed is not None:
+                raise UnsupportedGuideError(
+                    f"the token reference {ref.text} at line {ref.line} of the grammar may "
+                    f"place the special token {placed}; special tokens (and the stop token) "
+                    "are never grammar text: only the stop token ends an output, and only an "
+                    "xgrammar structural tag may place a special token",
+                    guide_type="EBNF_GRAMMAR", backend=BACKEND)
+        if not values:
+            return grammar
+        refuse = self.config.json_unenforced_keywords != "ignore"
+        new = []
+        for found in values:
+            if refuse:
+                unenforced = unenforced_in_text(json.dumps(found.value), BACKEND)
+                if unenforced:
+                    _refuse_lark(f"the %json schema at line {found.line}: "
+                                 + describe(unenforced))
+            schema = json.loads(llguidance_schema(json.dumps(found.value)))
+            if isinstance(schema, dict):
+                options = schema.get("x-guidance")
+                schema["x-guidance"] = {**(options if isinstance(options, dict) else {}),
+                                        **self._json_options}
+            new.append(json.dumps(schema))
+        return replace_json_values(grammar, values, new)
+
+    def _placed_special(self, ref: LarkTokenRef) -> str | None:
+        """The special (or stop, or padding) token the token reference ``ref`` may place,
+        named with its id, or None. llguidance resolves ``<name>`` among special tokens only."""
+        if ref.ranges is None:
+            return repr(ref.text[1:-1])
+        not_text = self._not_text
+        if ref.everything:
+            found = not_text
+        else:
+            inside = [i for i in not_text if any(lo <= i <= hi for lo, hi in ref.ranges)]
+            found = sorted(set(not_text) - set(inside)) if ref.negated else inside
+        if not found:
+            return None
+        name = self.config.tokenizer.convert_ids_to_tokens(found[0])  # type: ignore[union-attr]
+        return f"{name!r} (id {found[0]})"
 
     @staticmethod
     def _refuse_unenforced(guide: str) -> None:
@@ -238,7 +335,7 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
 
     def create_from_compiled(self, compiled: CompiledGuide) -> LLGuidanceMatcher:
         guide: LLGuidanceGuide = compiled.payload
-        return LLGuidanceMatcher(guide.template.deep_copy(), self.eos_token)
+        return LLGuidanceMatcher(guide.template.deep_copy(), self.eos_token, self._eos_is_text)
 
     def batch_fill(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
                    indices: Sequence[int]) -> None:

@@ -26,15 +26,59 @@ warnings, llguidance's grammar warnings) are a second net, applied by the backen
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
-import re
+import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-__all__ = ["Unenforced", "unenforced", "unenforced_in_tag", "describe", "schema_positions",
-           "subschemas", "ANNOTATIONS", "VOCABULARY", "XGRAMMAR", "XGRAMMAR_TAG", "LLGUIDANCE",
+import regex
+
+__all__ = ["Unenforced", "Pointer", "unenforced", "unenforced_in_tag", "describe",
+           "schema_positions", "schema_nodes", "subschemas", "ANNOTATIONS", "VOCABULARY",
+           "XGRAMMAR", "XGRAMMAR_TAG", "LLGUIDANCE",
            "XGRAMMAR_FORMATS", "LLGUIDANCE_FORMATS"]
+
+
+class Pointer:
+    """A JSON pointer kept as a link to its parent's and one more token, written out only
+    when read (``str()``): a walk over nested schemas with long property names then costs
+    time and memory linear in the schema's size, not in its depth times its names
+    (``tests/test_conformance_schema.py::test_policy_walk_keeps_no_pointer_per_node``)."""
+
+    __slots__ = ("parent", "token")
+
+    def __init__(self, parent: "Pointer | None" = None, token: str = "") -> None:
+        self.parent = parent
+        self.token = token  #: the escaped token this pointer adds to its parent's
+
+    def child(self, *tokens: str) -> "Pointer":
+        """This pointer followed by ``tokens`` (unescaped)."""
+        p = self
+        for t in tokens:
+            p = Pointer(p, _escape(t))
+        return p
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def __str__(self) -> str:
+        parts: list[str] = []
+        p: Pointer | None = self
+        while p is not None and p.parent is not None:
+            parts.append(p.token)
+            p = p.parent
+        return "".join("/" + t for t in reversed(parts))
+
+    def __repr__(self) -> str:
+        return f"Pointer({str(self)!r})"
+
+
+_ROOT = Pointer()
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +86,24 @@ class Unenforced:
     """A keyword the backend would not enforce: where it is and why."""
 
     keyword: str
-    pointer: str  #: JSON pointer of the schema object holding the keyword ("" is the root)
+    where: object  #: the schema object holding the keyword, written out by ``str()``
     reason: str
+    prefix: str = ""  #: written before ``where`` (the place of the schema in a larger document)
+
+    @property
+    def pointer(self) -> str:
+        """JSON pointer of the schema object holding the keyword ("" is the root)."""
+        return self.prefix + str(self.where)
 
     def __str__(self) -> str:
-        return f"'{self.keyword}' at {self.pointer or '/'} ({self.reason})"
+        return f"'{self.keyword}' at {_short(self.pointer) or '/'} ({self.reason})"
+
+
+def _short(text: str, most: int = 160) -> str:
+    """``text``, its middle cut out where it is longer than ``most`` characters."""
+    if len(text) <= most:
+        return text
+    return f"{text[:most // 2]}...({len(text) - most} characters)...{text[-most // 2:]}"
 
 
 #: Keywords that assert nothing about an instance (meta-data, content and core annotations).
@@ -227,6 +284,55 @@ def _required_declared(node: _Node) -> str | None:
     return None
 
 
+#: Seconds of regex matching one schema check (:func:`unenforced`, :func:`unenforced_in_tag`)
+#: may spend on the guide's own patterns (``patternProperties`` against listed names, an
+#: ``enum``'s values against a sibling ``pattern``). Matching runs on the ``regex`` module,
+#: which releases the GIL and stops at its timeout: a backtracking pattern (``^(a|aa)+$``
+#: against 40 ``a`` and a ``!``) costs this compile that long at most and no other thread
+#: anything; past it the check cannot decide, and the keyword is reported as not known to be
+#: enforced (the schema is refused, never served unchecked).
+REGEX_CHECK_SECONDS = 0.5
+
+_budget = threading.local()  # .deadline: the perf_counter() the running check stops at
+
+
+class RegexUndecided(Exception):
+    """A guide's regex did not finish within the check's :data:`REGEX_CHECK_SECONDS`."""
+
+
+@contextlib.contextmanager
+def _regex_budget() -> Iterator[None]:
+    """One :data:`REGEX_CHECK_SECONDS` for every regex match of the check inside (a check
+    nested in another shares the outer one's)."""
+    if getattr(_budget, "deadline", None) is not None:
+        yield
+        return
+    _budget.deadline = time.perf_counter() + REGEX_CHECK_SECONDS
+    try:
+        yield
+    finally:
+        _budget.deadline = None
+
+
+def _search(pattern: str, text: str) -> bool:
+    """Whether ``pattern`` matches somewhere in ``text`` (as ``re.search``), on the ``regex``
+    module within what is left of the running check's budget.
+
+    Raises:
+        RegexUndecided: past the budget (outside a budgeted check: one of its own).
+        regex.error: ``pattern`` does not compile.
+    """
+    deadline = getattr(_budget, "deadline", None)
+    left = REGEX_CHECK_SECONDS if deadline is None else deadline - time.perf_counter()
+    if left <= 0:
+        raise RegexUndecided(f"pattern {pattern[:40]!r}: over {REGEX_CHECK_SECONDS} s")
+    try:
+        return regex.search(pattern, text, timeout=left) is not None
+    except TimeoutError:
+        raise RegexUndecided(f"pattern {pattern[:40]!r}: over {REGEX_CHECK_SECONDS} s") \
+            from None
+
+
 def _one_pattern_disjoint(node: _Node) -> str | None:
     patterns = node.value if isinstance(node.value, dict) else {}
     if len(patterns) > 1:
@@ -234,11 +340,12 @@ def _one_pattern_disjoint(node: _Node) -> str | None:
     props = node.schema.get("properties")
     for pattern in patterns:
         try:
-            compiled = re.compile(pattern)
-        except re.error:
-            return f"pattern {pattern!r} cannot be checked against 'properties'"
-        if isinstance(props, dict) and any(compiled.search(name) for name in props):
-            return "xgrammar does not apply patternProperties to names listed in 'properties'"
+            if isinstance(props, dict) and any(_search(pattern, name) for name in props):
+                return ("xgrammar does not apply patternProperties to names listed in "
+                        "'properties'")
+        except (regex.error, RegexUndecided) as e:
+            return (f"pattern {pattern[:40]!r} cannot be checked against 'properties' "
+                    f"({type(e).__name__})")
     return None
 
 
@@ -267,10 +374,17 @@ def _enum_covers_siblings(node: _Node) -> str | None:
     if unchecked:
         return (f"capgraph cannot check the {node.keyword} values against format "
                 f"{unchecked[0]!r}, which xgrammar would not apply next to them")
+    if _keys_in(rest) >= {"unevaluatedProperties", "patternProperties"}:
+        # (jsonschema matches those patterns with Python's backtracking 're')
+        return (f"capgraph cannot check the {node.keyword} values against "
+                "'unevaluatedProperties' next to 'patternProperties'")
     try:
         cls.check_schema(rest)
-        validator = cls(rest, format_checker=cls.FORMAT_CHECKER)
+        validator = _bounded_regexes(cls)(rest, format_checker=cls.FORMAT_CHECKER)
         bad = [v for v in values if not validator.is_valid(v)]
+    except RegexUndecided:
+        return (f"capgraph cannot check the {node.keyword} values against the sibling "
+                f"patterns within {REGEX_CHECK_SECONDS} s")
     except Exception as e:  # noqa: BLE001 - any failure to check is a reason to refuse
         return (f"capgraph cannot check the {node.keyword} values against the sibling "
                 f"keywords ({type(e).__name__})")
@@ -278,6 +392,61 @@ def _enum_covers_siblings(node: _Node) -> str | None:
         return (f"xgrammar lets {json.dumps(bad[0])[:40]} through, which the sibling keywords "
                 "refuse")
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _bounded_regexes(cls: Any) -> Any:
+    """``cls`` (a jsonschema validator class) matching every regex of the schema it checks
+    with :func:`_search` (linear-time and budgeted) instead of Python's backtracking ``re``,
+    which holds the GIL for as long as a hostile pattern takes: ``pattern``,
+    ``patternProperties`` and the names ``additionalProperties`` leaves to them. (The other
+    place jsonschema matches them, ``unevaluatedProperties``, is refused before.)"""
+    from jsonschema import ValidationError, validators
+
+    def pattern(validator: Any, patrn: Any, instance: Any, schema: Any) -> Iterator[Any]:
+        if validator.is_type(instance, "string") and not _search(patrn, instance):
+            yield ValidationError(f"{instance[:40]!r} does not match {patrn[:40]!r}")
+
+    def pattern_properties(validator: Any, patterns: Any, instance: Any,
+                           schema: Any) -> Iterator[Any]:
+        if not validator.is_type(instance, "object"):
+            return
+        for patrn, subschema in patterns.items():
+            for k, v in instance.items():
+                if _search(patrn, k):
+                    yield from validator.descend(v, subschema, path=k, schema_path=patrn)
+
+    def additional_properties(validator: Any, extra: Any, instance: Any,
+                              schema: Any) -> Iterator[Any]:
+        if not validator.is_type(instance, "object"):
+            return
+        listed = schema.get("properties", {})
+        patterns = list(schema.get("patternProperties", {}))
+        extras = [k for k in instance if k not in listed
+                  and not any(_search(p, k) for p in patterns)]
+        if validator.is_type(extra, "object"):
+            for k in extras:
+                yield from validator.descend(instance[k], extra, path=k)
+        elif not extra and extras:
+            yield ValidationError(f"additional properties {extras[:3]!r} are not allowed")
+
+    found = {"pattern": pattern, "patternProperties": pattern_properties,
+             "additionalProperties": additional_properties}
+    return validators.extend(cls, {k: v for k, v in found.items() if k in cls.VALIDATORS})
+
+
+def _keys_in(value: Any) -> set[str]:
+    """Every object key anywhere inside ``value``."""
+    found: set[str] = set()
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            found.update(k for k in item if isinstance(k, str))
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
 
 
 def _formats_in(value: Any) -> set[str]:
@@ -568,8 +737,9 @@ def unenforced(schema: Any, backend: str) -> list[Unenforced]:
     """
     rules = _RULES[backend]
     special = _BACKEND_KEYS.get(backend, {})
-    return [found for node, pointer in schema_positions(schema)
-            for found in _judge(node, pointer, schema, rules, special)]
+    with _regex_budget():
+        return [found for node, pointer in schema_nodes(schema)
+                for found in _judge(node, pointer, schema, rules, special)]
 
 
 def unenforced_in_text(guide: str, backend: str) -> list[Unenforced]:
@@ -588,26 +758,54 @@ def unenforced_in_tag(tag: Any) -> list[Unenforced]:
     tag document; an ``any_order`` schema (whose keys xgrammar does not check) is reported
     too."""
     found: list[Unenforced] = []
-
-    def visit(node: Any, pointer: str) -> None:
-        if isinstance(node, list):
-            for i, item in enumerate(node):
-                visit(item, f"{pointer}/{i}")
-        elif isinstance(node, dict):
-            for key, value in node.items():
-                where = f"{pointer}/{_escape(str(key))}"
-                if key == "any_order" and value is not False:
-                    found.append(Unenforced(key, pointer, (
-                        "xgrammar checks neither which properties are present nor that each "
-                        "appears once when they may come in any order")))
-                elif key == "json_schema" and isinstance(value, dict):
-                    found.extend(Unenforced(f.keyword, where + f.pointer, f.reason)
-                                 for f in unenforced(value, "xgrammar-tag"))
-                else:
-                    visit(value, where)
-
-    visit(tag, "")
+    with _regex_budget():
+        _walk_tag(tag, found)
     return found
+
+
+def _walk_tag(tag: Any, found: list[Unenforced]) -> None:
+    """:func:`unenforced_in_tag`'s walk, appending to ``found``."""
+    # iterative, in document order: any depth, no recursion
+    stack: list[Iterator[tuple[Any, Any, Pointer]]] = [iter([(None, tag, _ROOT)])]
+    while stack:
+        step = next(stack[-1], None)
+        if step is None:
+            stack.pop()
+            continue
+        key, node, pointer = step
+        if isinstance(node, list):
+            stack.append((i, item, pointer.child(str(i))) for i, item in enumerate(node))
+        elif isinstance(node, dict):
+            stack.append(_tag_members(node, pointer, found))
+
+
+def _tag_members(node: dict[str, Any], pointer: Pointer,
+                 found: list[Unenforced]) -> Iterator[tuple[Any, Any, Pointer]]:
+    """The members of one object of a structural tag to walk further; what a member itself
+    reports (``any_order``, an embedded ``json_schema``) goes to ``found`` on the way."""
+    for key, value in node.items():
+        where = pointer.child(str(key))
+        if key == "any_order" and value is not False:
+            found.append(Unenforced(key, pointer, (
+                "xgrammar checks neither which properties are present nor that each "
+                "appears once when they may come in any order")))
+        elif key == "json_schema" and isinstance(value, dict):
+            found.extend(Unenforced(f.keyword, _Joined(where, f.where), f.reason)
+                         for f in unenforced(value, "xgrammar-tag"))
+        else:
+            yield key, value, where
+
+
+class _Joined:
+    """Two pointers written one after the other, when read."""
+
+    __slots__ = ("head", "tail")
+
+    def __init__(self, head: object, tail: object) -> None:
+        self.head, self.tail = head, tail
+
+    def __str__(self) -> str:
+        return f"{self.head}{self.tail}"
 
 
 def describe(found: list[Unenforced], limit: int = 5) -> str:
@@ -616,10 +814,10 @@ def describe(found: list[Unenforced], limit: int = 5) -> str:
     return "; ".join(str(f) for f in found[:limit]) + more
 
 
-def _judge(schema: dict[str, Any], pointer: str, root: Any, rules: Mapping[str, Rule],
+def _judge(schema: dict[str, Any], pointer: Pointer, root: Any, rules: Mapping[str, Rule],
            special: Mapping[str, Rule]) -> Iterator[Unenforced]:
     """The keywords of one schema object that the rules do not show enforced."""
-    node_of = {k: _Node(schema, k, root, pointer == "") for k in schema}
+    node_of = {k: _Node(schema, k, root, pointer.is_root) for k in schema}
     # xgrammar: an enum/const whose every value satisfies the siblings decides the node alone
     # (its subschemas are still judged: a '$ref' elsewhere may point into them)
     covered = any(rules.get(k) is _enum_covers_siblings and _enum_covers_siblings(node_of[k])
@@ -638,55 +836,74 @@ def _judge(schema: dict[str, Any], pointer: str, root: Any, rules: Mapping[str, 
 
 
 def schema_positions(root: Any, pointer: str = "") -> Iterator[tuple[dict[str, Any], str]]:
-    """Every schema object a backend may read in ``root``, once each, with its JSON pointer
-    (prefixed by ``pointer``): ``root``, the subschemas in every place JSON Schema keeps them
-    (:func:`subschemas`), in document order, then each place a local ``$ref`` points at that
-    those do not reach (a schema kept under an unknown keyword or in ``default``: the backends
-    follow the pointer wherever it leads). Iterative: nesting depth costs no Python stack."""
-    seen: set[str] = set()
+    """:func:`schema_nodes` with each JSON pointer written out (prefixed by ``pointer``).
+    Writing every pointer costs depth times name length per node: walkers over guides use
+    :func:`schema_nodes`, which writes none."""
+    for node, where in schema_nodes(root):
+        yield node, pointer + str(where)
+
+
+def schema_nodes(root: Any) -> Iterator[tuple[dict[str, Any], Pointer]]:
+    """Every schema object a backend may read in ``root``, once each (by identity), with its
+    JSON pointer as a :class:`Pointer` (written out only when read): ``root``, the subschemas
+    in every place JSON Schema keeps them (:func:`subschemas`), in document order, then each
+    place a local ``$ref`` points at that those do not reach (a schema kept under an unknown
+    keyword or in ``default``: the backends follow the pointer wherever it leads). Iterative:
+    nesting depth costs no Python stack; time and memory linear in the schema's size."""
+    seen: set[int] = set()
     refs: list[str] = []
-    stack: list[tuple[Any, str]] = [(root, "")]
+    stack: list[tuple[Any, Pointer]] = [(root, _ROOT)]
     while True:
         while stack:
             node, where = stack.pop()
-            if not isinstance(node, dict) or where in seen:
+            if not isinstance(node, dict) or id(node) in seen:
                 continue  # booleans assert all or nothing; anything else is the backend's error
-            seen.add(where)
-            yield node, pointer + where
+            seen.add(id(node))
+            yield node, where
             ref = node.get("$ref")
             if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
-                refs.append(ref[1:])
-            stack.extend(reversed(list(subschemas(node, where))))
-        pending = [r for r in refs if r not in seen]
+                refs.append(ref)
+            stack.extend(reversed([(sub, where.child(*tokens))
+                                   for sub, tokens in _children(node)]))
+        pending = [(r, v) for r in refs
+                   if isinstance(v := _resolve(root, r), dict) and id(v) not in seen]
         refs.clear()
         if not pending:
             return
-        for target in reversed(pending):
-            value = _resolve(root, "#" + target)
-            if value is not _MISSING:
-                stack.append((value, target))
+        for ref, value in reversed(pending):
+            target = _ROOT
+            for token in ref[2:].split("/") if ref != "#" else ():
+                target = Pointer(target, token)  # (already escaped, as written in the ref)
+            stack.append((value, target))
 
 
 def subschemas(schema: dict[str, Any], pointer: str = "") -> Iterator[tuple[Any, str]]:
     """The schemas directly inside ``schema`` (2020-12 and draft-04..07 places), each with its
-    JSON pointer; the one definition of where subschemas live, for every walker here."""
+    JSON pointer (prefixed by ``pointer``)."""
+    for value, tokens in _children(schema):
+        yield value, pointer + "".join("/" + _escape(t) for t in tokens)
+
+
+def _children(schema: dict[str, Any]) -> Iterator[tuple[Any, tuple[str, ...]]]:
+    """The schemas directly inside ``schema``, each with the (unescaped) pointer tokens that
+    lead to it; the one definition of where subschemas live, for every walker here."""
     for key in _SCHEMA_MAPS:
         sub = schema.get(key)
         if isinstance(sub, dict):
             for name, value in sub.items():
-                yield value, f"{pointer}/{key}/{_escape(name)}"
+                yield value, (key, str(name))
     for key in _SCHEMA_LISTS:
         sub = schema.get(key)
         if isinstance(sub, list):
             for i, value in enumerate(sub):
-                yield value, f"{pointer}/{key}/{i}"
+                yield value, (key, str(i))
     for key in _SCHEMA_ONE:
         sub = schema.get(key)
         if isinstance(sub, dict):
-            yield sub, f"{pointer}/{key}"
+            yield sub, (key,)
         elif key == "items" and isinstance(sub, list):  # draft-04..07 tuple items
             for i, value in enumerate(sub):
-                yield value, f"{pointer}/items/{i}"
+                yield value, ("items", str(i))
 
 
 def _escape(name: str) -> str:

@@ -4,13 +4,18 @@
   builtin JSON grammar, and the same schema on llguidance.
 - JSON whitespace (``GuidedDecodingConfig.json_whitespace``) is space, newline, carriage return
   and tab (:data:`JSON_WHITESPACE_CHARS`), between tokens only, as xgrammar reads it.
-- Regex character-class escapes follow ECMA-262, as JSON Schema's ``pattern`` does: ``\\d`` is
-  ``[0-9]`` and ``\\w`` is ``[0-9A-Za-z_]`` (ASCII, without the ``u``/``v`` flags' case
-  folding), and ``\\s`` is Unicode whitespace (tab, vertical tab, form feed, space, no-break
-  space, BOM, every ``Zs`` space, the line terminators). xgrammar already reads them so, for
-  REGEX guides and schema patterns alike; llguidance reads ``\\d`` and ``\\w`` as Unicode
-  classes (``1३4`` would match ``\\d+``), so the llguidance backend rewrites them with
-  :func:`ascii_classes` / :func:`ascii_schema_patterns` first. Its ``\\s`` already agrees.
+- Regexes (REGEX guides, schema ``pattern``s, structural-tag ``regex`` elements, an EBNF
+  ``Regex("...")``) follow ECMA-262 read without flags, as JSON Schema's ``pattern`` does:
+  ``\\d`` is ``[0-9]`` and ``\\w`` is ``[0-9A-Za-z_]`` (ASCII), ``\\s`` is ECMA's white space
+  (tab, vertical tab, form feed, space, no-break space, BOM, every ``Zs`` space, the line
+  terminators), ``.`` is any character but ``\\n``, ``\\r``, U+2028 and U+2029, and an
+  escaped surrogate pair is the one character it spells. xgrammar reads the classes so; its
+  ``.`` is any character, so :func:`ecma_regex` writes ECMA's out for it. llguidance reads
+  Rust's regex syntax (Unicode ``\\d`` / ``\\w`` / ``\\s``, nested classes and set
+  operations, ``\\p{..}``, inline flags), so :func:`ecma_regex` writes every class out for it
+  as ECMA reads it. What either backend would read otherwise and cannot be written out
+  (``\\e``, ``\\a``, ``\\p{L}``, ``\\x{41}``, ``(?i)``, a lone surrogate escape) is refused
+  with ``UnsupportedGuideError``.
 - Properties and items a JSON schema does not list are absent where it lists some (xgrammar's
   strict reading); llguidance is given those defaults written out (:func:`llguidance_schema`).
   Where an array or object schema lists none, any are allowed, as JSON Schema has it; xgrammar
@@ -27,8 +32,9 @@ from typing import Any
 
 from .schema_policy import subschemas
 
-__all__ = ["JSON_CONTAINER_SCHEMA", "JSON_WHITESPACE_CHARS", "ascii_classes",
-           "ascii_schema_patterns", "llguidance_schema", "xgrammar_schema"]
+__all__ = ["ECMA_DOT", "JSON_CONTAINER_SCHEMA", "JSON_WHITESPACE_CHARS", "ascii_classes",
+           "ascii_schema_patterns", "ecma_ebnf", "ecma_regex", "ecma_tag", "llguidance_schema",
+           "xgrammar_schema"]
 
 #: ``GuideType.JSON`` on every backend: a JSON object or array (the "JSON mode" of serving
 #: engines; xgrammar's builtin JSON grammar, which fills a mask twice as fast as a schema).
@@ -38,47 +44,354 @@ JSON_WHITESPACE_CHARS = " \n\r\t"
 
 _DIGIT = "0-9"
 _WORD = "0-9A-Za-z_"
-# escape letter -> (outside a class, inside a class); negated ones nest a class, which
-# llguidance's regex syntax reads as a union with the enclosing class
+# ECMA-262's WhiteSpace and LineTerminator code points (\s): tab, vertical tab, form feed,
+# space, no-break space, every Zs space, the BOM, and LF, CR, U+2028, U+2029
+_SPACE = ("\\t\\n\\x0B\\x0C\\r \\xA0\\u1680\\u2000-\\u200A\\u2028\\u2029\\u202F\\u205F"
+          "\\u3000\\uFEFF")
+#: ECMA-262's ``.`` (without the ``s`` flag): any character but a line terminator. Both
+#: backends read ``\n``, ``\r`` and ``\uHHHH`` inside a class as those code points.
+ECMA_DOT = "[^\\n\\r\\u2028\\u2029]"
+# escape letter -> (outside a class, inside a class), for llguidance; negated ones nest a
+# class, which llguidance's regex syntax reads as a union with the enclosing class
 _REWRITE = {
     "d": (f"[{_DIGIT}]", _DIGIT),
     "D": (f"[^{_DIGIT}]", f"[^{_DIGIT}]"),
     "w": (f"[{_WORD}]", _WORD),
     "W": (f"[^{_WORD}]", f"[^{_WORD}]"),
+    "s": (f"[{_SPACE}]", _SPACE),
+    "S": (f"[^{_SPACE}]", f"[^{_SPACE}]"),
 }
+# the single characters an escape letter stands for in ECMA-262 (without flags)
+_CONTROL_ESCAPES = {"f": 0x0C, "n": 0x0A, "r": 0x0D, "t": 0x09, "v": 0x0B}
+_HEX = frozenset("0123456789abcdefABCDEF")
+_QUANTIFIER = re.compile(r"\{[0-9]+(?:,[0-9]*)?\}")
+_GROUP_NAME = re.compile(r"\(\?<[A-Za-z_$][A-Za-z0-9_$]*>")
+
+
+def _non_ecma(what: str, position: int, backend: str, guide_type: str, where: str) -> Exception:
+    from ..errors import UnsupportedGuideError
+    place = f" of {where}" if where else ""
+    return UnsupportedGuideError(
+        f"regex {what} at position {position}{place} is not ECMA-262 (read without flags) "
+        f"or {backend} would read it otherwise; capgraph refuses it rather than let a "
+        "different language through", guide_type=guide_type, backend=backend)
+
+
+def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str = "") -> str:
+    """``pattern``, an ECMA-262 regex (as JSON Schema's ``pattern`` is, read without flags), in
+    the syntax ``backend`` (``"xgrammar"`` or ``"llguidance"``) reads with that meaning.
+
+    On both: ``.`` outside a class is ECMA's (no line terminator: :data:`ECMA_DOT`); an escaped
+    surrogate pair (``\\ud83d\\ude00``) is the one character it spells, written as itself; a
+    ``{`` that starts no quantifier is a literal ``{``. Refused (``UnsupportedGuideError``,
+    naming the construct and its position): a lone surrogate escape; a letter escape ECMA reads
+    as the plain letter (``\\a``, ``\\e``, ``\\z``, ``\\p``, ``\\A``, ...; the backends read
+    several as something else); ``\\x`` / ``\\u`` / ``\\c`` without their hex digits or letter;
+    ``\\0`` before a digit (an octal escape); group syntax ECMA does not have (``(?i)``,
+    ``(?P<n>...)``); an empty class ``[]``.
+
+    llguidance reads Rust's regex syntax, so for it every character class is written out as
+    ECMA reads it: ``\\d`` / ``\\w`` / ``\\s`` (and negations) as ECMA's explicit sets,
+    ``[`` / ``&&`` / ``--`` / ``~~`` inside a class as literal characters (Rust nests classes
+    and reads set operations there; ``[[:alpha:]]`` is a class and a ``]``, as ECMA has it),
+    ``[^]`` as any character, ``[\\b]`` as backspace, ``\\cX`` and ``\\0`` as the characters
+    they stand for. xgrammar reads the rest as ECMA does and gets it as written."""
+    rust = backend == "llguidance"
+    out: list[str] = []
+    i, n = 0, len(pattern)
+
+    def refuse(what: str, at: int) -> Exception:
+        return _non_ecma(what, at, backend, guide_type, where)
+
+    def escape(at: int, in_class: bool) -> tuple[str, Any, int]:
+        """The escape at ``at`` (a backslash): ("class", letter, end), ("char", code point,
+        end) or ("other", None, end) (kept as written; the backend reads or refuses it)."""
+        if at + 1 >= n:
+            return "other", None, n
+        c = pattern[at + 1]
+        if c in _REWRITE:
+            return "class", c, at + 2
+        if c in _CONTROL_ESCAPES:
+            return "char", _CONTROL_ESCAPES[c], at + 2
+        if c in "xu":
+            width = 2 if c == "x" else 4
+            digits = pattern[at + 2:at + 2 + width]
+            if len(digits) != width or not set(digits) <= _HEX:
+                raise refuse(f"escape '\\{c}' without {width} hex digits", at)
+            code, end = int(digits, 16), at + 2 + width
+            if 0xDC00 <= code <= 0xDFFF:
+                raise refuse(f"lone surrogate escape '{pattern[at:end]}'", at)
+            if 0xD800 <= code <= 0xDBFF:
+                low = pattern[end:end + 6]
+                if (len(low) == 6 and low[:2] == "\\u" and set(low[2:]) <= _HEX
+                        and 0xDC00 <= int(low[2:], 16) <= 0xDFFF):
+                    code = 0x10000 + ((code - 0xD800) << 10) + (int(low[2:], 16) - 0xDC00)
+                    return "char", code, end + 6
+                raise refuse(f"lone surrogate escape '{pattern[at:end]}'", at)
+            return "char", code, end
+        if c == "c":
+            letter = pattern[at + 2:at + 3]
+            if not (letter.isascii() and letter.isalpha()):
+                raise refuse("escape '\\c' without a control letter", at)
+            return "char", ord(letter) % 32, at + 3
+        if c == "0":
+            if pattern[at + 2:at + 3].isdigit():
+                raise refuse("octal escape '\\0' followed by a digit", at)
+            return "char", 0, at + 2
+        if c == "b" and in_class:
+            return "char", 0x08, at + 2
+        if c in "123456789" or (c in "bBk" and not in_class):
+            return "other", None, at + 2  # a backreference or an assertion: the backend's
+        if c.isascii() and c.isalpha():
+            raise refuse(f"escape '\\{c}' (ECMA-262 reads it as a plain '{c}')", at)
+        return "char", ord(c), at + 2  # an identity escape
+
+    def rust_char(code: int) -> str:
+        ch = chr(code)
+        return ch if ch.isalnum() or code > 0x7F else f"\\x{{{code:X}}}"
+
+    while i < n:
+        ch = pattern[i]
+        if ch == "\\":
+            kind, value, end = escape(i, False)
+            if kind == "class" and rust:
+                out.append(_REWRITE[value][0])
+            elif kind == "char" and rust:
+                out.append(rust_char(value))
+            elif kind == "char" and _xgrammar_plain(pattern, i, end, value):
+                out.append(chr(value))
+            else:
+                out.append(pattern[i:end])
+            i = end
+        elif ch == "[":
+            i = _class(pattern, i, rust, out, escape, refuse)
+        elif ch == ".":
+            out.append(ECMA_DOT)
+            i += 1
+        elif ch == "(" and pattern.startswith("(?", i):
+            if not (pattern[i + 2:i + 3] in (":", "=", "!")
+                    or pattern.startswith(("(?<=", "(?<!"), i)
+                    or _GROUP_NAME.match(pattern, i)):
+                raise refuse(f"group syntax '{pattern[i:i + 4]}'", i)
+            out.append("(?")
+            i += 2
+        elif ch == "{":
+            m = _QUANTIFIER.match(pattern, i)
+            if m:
+                out.append(m.group(0))
+                i = m.end()
+            else:
+                out.append("\\{")  # ECMA-262 (Annex B): a literal brace
+                i += 1
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
+
+
+# the identity escapes xgrammar reads (of the others it reads the character itself, but warns)
+_XGRAMMAR_IDENTITY = frozenset('"$\'()*+-./?[\\]^{|}')
+
+
+def _xgrammar_plain(pattern: str, start: int, end: int, code: int) -> bool:
+    """Whether the escape ``pattern[start:end]`` (of the character ``code``) is written as the
+    character itself for xgrammar: an escaped surrogate pair (xgrammar would spell each half on
+    its own) and an identity escape xgrammar does not know (``\\%``, ``\\<``: ECMA's plain
+    character, which xgrammar matches too but warns about)."""
+    if code > 0xFFFF:
+        return True
+    c = pattern[start + 1]
+    return end - start == 2 and not (c.isascii() and c.isalnum()) \
+        and c not in _XGRAMMAR_IDENTITY
+
+
+def _class(pattern: str, start: int, rust: bool, out: list[str], escape: Any,
+           refuse: Any) -> int:
+    """Append the ECMA character class at ``start`` (its ``[``) to ``out`` as the backend reads
+    it (:func:`ecma_regex`); the index after it. ECMA classes do not nest: ``[`` inside is a
+    character."""
+    n = len(pattern)
+    i = start + 1
+    negated = pattern.startswith("^", i)
+    i += negated
+    if pattern.startswith("]", i):
+        if not negated:
+            raise refuse("empty character class '[]'", start)
+        out.append("[\\x{0}-\\x{10FFFF}]" if rust else "[^]")
+        return i + 1
+    # each item: ("char", code, src) / ("class", letter, src) / ("range", (lo, hi), src)
+    items: list[tuple[str, Any, str]] = []
+
+    def atom(at: int) -> tuple[str, Any, str, int]:
+        if pattern[at] == "\\":
+            kind, value, end = escape(at, True)
+            if kind == "other":
+                raise refuse(f"escape '{pattern[at:end]}' inside a class", at)
+            src = chr(value) if kind == "char" and _xgrammar_plain(pattern, at, end, value) \
+                else pattern[at:end]
+            return kind, value, src, end
+        return "char", ord(pattern[at]), pattern[at], at + 1
+
+    while i < n and pattern[i] != "]":
+        kind, value, src, i = atom(i)
+        if (pattern.startswith("-", i) and i + 1 < n and pattern[i + 1] != "]"):
+            kind2, value2, src2, end = atom(i + 1)
+            if kind == "char" and kind2 == "char":
+                items.append(("range", (value, value2), f"{src}-{src2}"))
+            else:  # Annex B: a class escape at either end makes the '-' a character
+                items += [(kind, value, src), ("char", 0x2D, "-"), (kind2, value2, src2)]
+            i = end
+        else:
+            items.append((kind, value, src))
+    if i >= n:  # unterminated: the backend's error says so
+        out.append(pattern[start:])
+        return n
+
+    def rust_char(code: int) -> str:
+        ch = chr(code)
+        return ch if ch.isalnum() or code > 0x7F else f"\\x{{{code:X}}}"
+
+    parts = ["[^" if negated else "["]
+    for kind, value, src in items:
+        if not rust:
+            parts.append(src)
+        elif kind == "class":
+            parts.append(_REWRITE[value][1])
+        elif kind == "range":
+            parts.append(f"{rust_char(value[0])}-{rust_char(value[1])}")
+        else:
+            parts.append(rust_char(value))
+    parts.append("]")
+    out.append("".join(parts))
+    return i + 1
+
+
+# an EBNF string escape (xgrammar's grammar parser) -> the character; \x takes every hex
+# digit that follows, \u four, \U eight
+_EBNF_SIMPLE = {"\\": "\\", '"': '"', "'": "'", "n": "\n", "r": "\r", "t": "\t", "v": "\v",
+                "f": "\f", "a": "\a", "e": "\x1b", "b": "\b", "[": "[", "]": "]", "-": "-"}
+_EBNF_ESCAPE = re.compile(r"\\(?:x([0-9a-fA-F]+)|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|(.))",
+                          re.DOTALL)
+_EBNF_SURROGATE = re.compile(r"\\u([dD][89abAB][0-9a-fA-F]{2})"
+                             r"(?:\\u([dD][c-fC-F][0-9a-fA-F]{2}))?"
+                             r"|\\u([dD][c-fC-F][0-9a-fA-F]{2})")
+# a string literal, a character class or a comment of EBNF text, or a Regex("...") call
+_EBNF_TOKEN = re.compile(r'(?P<regex>\bRegex\s*\(\s*)"(?P<body>(?:\\.|[^"\\])*)"'
+                         r'|"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*', re.DOTALL)
+
+
+def _ebnf_unescape(body: str) -> str | None:
+    """The text an xgrammar EBNF string literal's ``body`` spells (None: an escape not read
+    here, left for xgrammar's parser to read or refuse)."""
+    out: list[str] = []
+    pos = 0
+    for m in _EBNF_ESCAPE.finditer(body):
+        out.append(body[pos:m.start()])
+        pos = m.end()
+        hex_digits = m.group(1) or m.group(2) or m.group(3)
+        if hex_digits is not None:
+            code = int(hex_digits, 16)
+            if code > 0x10FFFF or 0xD800 <= code <= 0xDFFF:
+                return None
+            out.append(chr(code))
+        elif m.group(4) in _EBNF_SIMPLE:
+            out.append(_EBNF_SIMPLE[m.group(4)])
+        else:
+            return None
+    out.append(body[pos:])
+    return "".join(out)
+
+
+def _ebnf_escape(text: str) -> str:
+    """``text`` as the body of an xgrammar EBNF string literal."""
+    out: list[str] = []
+    for ch in text:
+        if ch in '\\"':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _ebnf_surrogates(text: str, where: str) -> str:
+    """``text`` (an EBNF string literal or class) with every escaped surrogate pair written as
+    the ``\\U`` escape of the one character it spells; a lone surrogate escape is refused."""
+    def join(m: re.Match[str]) -> str:
+        # (the match must follow an even run of backslashes to be an escape)
+        run = len(text[:m.start()]) - len(text[:m.start()].rstrip("\\"))
+        if run % 2:
+            return m.group(0)
+        if m.group(1) is None or m.group(2) is None:
+            raise _non_ecma(f"lone surrogate escape '{m.group(0)}'", m.start(), "xgrammar",
+                            "EBNF_GRAMMAR", where)
+        code = 0x10000 + ((int(m.group(1), 16) - 0xD800) << 10) + (int(m.group(2), 16) - 0xDC00)
+        return f"\\U{code:08x}"
+    return _EBNF_SURROGATE.sub(join, text)
+
+
+def ecma_ebnf(grammar: str, guide_type: str = "EBNF_GRAMMAR") -> str:
+    """The xgrammar EBNF text ``grammar`` with the regex of every ``Regex("...")`` as
+    :func:`ecma_regex` writes it for xgrammar, and every escaped surrogate pair in a string
+    literal or character class written as the one character it spells (a lone surrogate
+    escape is refused). Comments and everything else are kept as written; a ``Regex`` string
+    with an escape not read here is left for xgrammar's parser."""
+    def token(m: re.Match[str]) -> str:
+        text = m.group(0)
+        if text.startswith("#"):
+            return text
+        if m.group("regex") is None:
+            return _ebnf_surrogates(text, f"the EBNF literal at offset {m.start()}")
+        pattern = _ebnf_unescape(m.group("body"))
+        if pattern is None:
+            return text
+        rewritten = ecma_regex(pattern, "xgrammar", guide_type,
+                               f"Regex(...) at offset {m.start()} of the grammar")
+        return f'{m.group("regex")}"{_ebnf_escape(rewritten)}"'
+    return _EBNF_TOKEN.sub(token, grammar)
+
+
+def ecma_tag(tag: str) -> str:
+    """The xgrammar structural tag ``tag`` (JSON text) with the pattern of every ``regex``
+    element as :func:`ecma_regex` writes it for xgrammar and every EBNF ``grammar`` element as
+    :func:`ecma_ebnf` writes it; text that is not JSON is returned unchanged (xgrammar's error
+    says what is wrong)."""
+    try:
+        doc = json.loads(tag)
+    except ValueError:
+        return tag
+    changed = False
+
+    def walk(node: Any, at: str) -> None:
+        nonlocal changed
+        if isinstance(node, list):
+            for k, item in enumerate(node):
+                walk(item, f"{at}/{k}")
+            return
+        if not isinstance(node, dict):
+            return
+        kind = node.get("type")
+        if kind == "regex" and isinstance(node.get("pattern"), str):
+            new = ecma_regex(node["pattern"], "xgrammar", "STRUCTURAL_TAG",
+                             f"the regex element at {at or '/'}")
+            changed |= new != node["pattern"]
+            node["pattern"] = new
+        if kind == "grammar" and node.get("syntax", "ebnf") != "lark" \
+                and isinstance(node.get("grammar"), str):
+            new = ecma_ebnf(node["grammar"], "STRUCTURAL_TAG")
+            changed |= new != node["grammar"]
+            node["grammar"] = new
+        for key, value in node.items():
+            walk(value, f"{at}/{key}")
+
+    walk(doc, "")
+    return json.dumps(doc, ensure_ascii=False) if changed else tag
 
 
 def ascii_classes(pattern: str) -> str:
-    """``pattern`` with ``\\d``, ``\\D``, ``\\w`` and ``\\W`` spelled as explicit ASCII classes,
-    inside and outside character classes. Every other escape (``\\\\d`` is a backslash and a
-    ``d``) and every other character is kept as written."""
-    out: list[str] = []
-    depth = 0  # character-class nesting (llguidance's syntax nests classes)
-    i, n = 0, len(pattern)
-    while i < n:
-        ch = pattern[i]
-        if ch == "\\" and i + 1 < n:
-            letter = pattern[i + 1]
-            rewrite = _REWRITE.get(letter)
-            out.append(rewrite[1 if depth else 0] if rewrite else pattern[i:i + 2])
-            i += 2
-            continue
-        if ch == "[":
-            out.append(ch)
-            i += 1
-            if i < n and pattern[i] == "^":
-                out.append("^")
-                i += 1
-            if i < n and pattern[i] == "]":  # a leading "]" is literal
-                out.append("]")
-                i += 1
-            depth += 1
-            continue
-        if ch == "]" and depth:
-            depth -= 1
-        out.append(ch)
-        i += 1
-    return "".join(out)
+    """``pattern`` as llguidance must be given it (:func:`ecma_regex`)."""
+    return ecma_regex(pattern, "llguidance")
 
 
 # Keywords whose values are instances, not schemas: patterns inside them are data.
@@ -90,15 +403,16 @@ _SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchema
 
 
 def ascii_schema_patterns(schema_text: str) -> str:
-    """The JSON schema ``schema_text`` with :func:`ascii_classes` applied to every ``pattern``
-    and every ``patternProperties`` key; text that is not JSON is returned unchanged."""
+    """The JSON schema ``schema_text`` with every ``pattern`` and every ``patternProperties``
+    key as llguidance must be given it (:func:`ecma_regex`); text that is not JSON is returned
+    unchanged."""
     return _rewrite(schema_text, unlisted_absent=False)
 
 
 def llguidance_schema(schema_text: str) -> str:
     """The JSON schema ``schema_text`` as llguidance must be given it to mean what xgrammar
-    reads: :func:`ascii_classes` in every pattern, and properties and items a schema does not
-    list are absent.
+    reads: every pattern as :func:`ecma_regex` writes it for llguidance, and properties and
+    items a schema does not list are absent.
 
     xgrammar (in the strict mode capgraph compiles with) reads an object schema that lists
     ``properties`` or ``patternProperties`` without ``additionalProperties`` /
@@ -171,9 +485,12 @@ def _rewrite(schema_text: str, unlisted_absent: bool) -> str:
             if key in _DATA_KEYWORDS:
                 result[key] = value
             elif key == "pattern" and isinstance(value, str):
-                result[key] = ascii_classes(value)
+                result[key] = ecma_regex(value, "llguidance", "JSON_SCHEMA",
+                                         f"the pattern {value!r}")
             elif key == "patternProperties" and isinstance(value, dict):
-                result[key] = {ascii_classes(k): walk(v, inner) for k, v in value.items()}
+                result[key] = {ecma_regex(k, "llguidance", "JSON_SCHEMA",
+                                          f"the patternProperties key {k!r}"): walk(v, inner)
+                               for k, v in value.items()}
             elif key in _SCHEMA_MAPS and isinstance(value, dict):
                 result[key] = {k: walk(v, inner) for k, v in value.items()}
             else:
@@ -216,7 +533,8 @@ def xgrammar_schema(schema_text: str) -> str:
     schema without ``type`` (xgrammar reads ``{"maxItems": 5}`` as any value), ``enum`` /
     ``const`` schemas (their values win) and schemas next to ``$ref`` / ``allOf`` / ``anyOf`` /
     ``oneOf`` (read together with those). Text that is not a JSON object, and a schema with
-    nothing to add, are returned unchanged."""
+    nothing to add, are returned unchanged. Every ``pattern`` and ``patternProperties`` key
+    is written as :func:`ecma_regex` writes it for xgrammar."""
     try:
         schema = json.loads(schema_text)
     except ValueError:
@@ -231,7 +549,28 @@ def xgrammar_schema(schema_text: str) -> str:
             continue  # a boolean schema, or malformed: xgrammar's own error says so
         stack.extend(sub for sub, _ in subschemas(node))
         changed |= _allow_unlisted(node)
+        changed |= _xgrammar_patterns(node)
     return json.dumps(schema) if changed else schema_text
+
+
+def _xgrammar_patterns(node: dict[str, Any]) -> bool:
+    """Write ``node``'s ``pattern`` and ``patternProperties`` keys as :func:`ecma_regex` writes
+    them for xgrammar (ECMA's ``.``, surrogate pairs joined; non-ECMA escapes refused);
+    whether any changed."""
+    changed = False
+    pattern = node.get("pattern")
+    if isinstance(pattern, str):
+        new = ecma_regex(pattern, "xgrammar", "JSON_SCHEMA", f"the pattern {pattern!r}")
+        changed |= new != pattern
+        node["pattern"] = new
+    keyed = node.get("patternProperties")
+    if isinstance(keyed, dict):
+        new_keys = {ecma_regex(k, "xgrammar", "JSON_SCHEMA",
+                               f"the patternProperties key {k!r}"): v for k, v in keyed.items()}
+        if list(new_keys) != list(keyed):
+            node["patternProperties"] = new_keys
+            changed = True
+    return changed
 
 
 def _allow_unlisted(node: dict[str, Any]) -> bool:

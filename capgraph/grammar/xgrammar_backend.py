@@ -8,20 +8,22 @@ import json
 import re
 import threading
 import time
+import weakref
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 import xgrammar as xgr
 
-from ..errors import GrammarCompileError, NativeBuildError, UnsupportedGuideError
+from ..errors import GrammarCompileError, MatcherError, NativeBuildError, UnsupportedGuideError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory, whole_utf8_prefix
 from .compile_pool import run_lowered
-from .converter_log import converter_warnings, exclusive
+from .converter_log import captured, exclusive
 from .disk_cache import serialized_bytes_estimate, source_digest
+from .forced import MAX_FORCED_SEQUENCE_BYTES, forced_run_bound
 from .process_pool import CompileHere, ProcessCompilePool
 from .schema_policy import describe, unenforced_in_tag, unenforced_in_text
-from .semantics import JSON_CONTAINER_SCHEMA, xgrammar_schema
+from .semantics import JSON_CONTAINER_SCHEMA, ecma_ebnf, ecma_regex, ecma_tag, xgrammar_schema
 
 __all__ = ["XGrammarMatcher", "XGrammarMatcherFactory", "build_tokenizer_info",
            "json_whitespace_options"]
@@ -169,10 +171,9 @@ def _resolve_tag_tokens(tag: str, ids_by_name: Mapping[str, int]) -> tuple[str, 
 def _converted(convert: Callable[[], xgr.Grammar]) -> tuple[xgr.Grammar, list[str]]:
     """``convert()`` (a guide's conversion to an ``xgrammar.Grammar``, never its compile) with
     the warnings xgrammar's converters logged while it ran
-    (:func:`~capgraph.grammar.converter_log.converter_warnings`)."""
-    with converter_warnings() as warned:
-        grammar = convert()
-    return grammar, warned
+    (:func:`~capgraph.grammar.converter_log.captured`: conversions run alongside each other,
+    one whose warnings could be another's is converted again, alone at last)."""
+    return captured(convert)
 
 
 def _ebnf_grammar(guide: str) -> xgr.Grammar:
@@ -201,6 +202,75 @@ def _refuse(what: str, guide_type: GuideType = GuideType.JSON_SCHEMA) -> None:
         guide_type=guide_type.name, backend=BACKEND)
 
 
+# A rule as xgrammar prints a grammar, and the string literals (Regex(...) bodies included)
+# and character classes of its body, whose text may spell "(=".
+_PRINTED_RULE = re.compile(r"^(?P<name>\S+) ::= (?P<body>.*)$", re.MULTILINE)
+_PRINTED_TEXT = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]')
+
+
+def _lookahead_rules(grammar: xgr.Grammar) -> list[str]:
+    """The rules of the parsed guide ``grammar`` that carry a lookahead assertion
+    ``(= ...)``, which xgrammar 0.2.9 does not enforce (measured: with ``a ::= "x" (= "c")``,
+    ``root ::= a "d"`` accepts ``xd`` and ``root ::= a`` accepts ``x``)."""
+    return [rule.group("name") for rule in _PRINTED_RULE.finditer(str(grammar))
+            if "(=" in _PRINTED_TEXT.sub('""', rule.group("body"))]
+
+
+def _refuse_lookaheads(grammar: xgr.Grammar, guide_type: GuideType, where: str = "") -> None:
+    """Refuse a user grammar (an EBNF guide, or ``where``: a tag's grammar element) with a
+    lookahead assertion; ``json_unenforced_keywords`` does not apply."""
+    rules = _lookahead_rules(grammar)
+    if rules:
+        raise UnsupportedGuideError(
+            f"xgrammar does not enforce the lookahead assertion '(= ...)' of rule "
+            f"{', '.join(repr(r) for r in rules[:5])}{where}: the output may go on with text it "
+            "forbids; remove the lookahead or use the llguidance backend",
+            guide_type=guide_type.name, backend=BACKEND)
+
+
+def _refuse_ignored_in_tag(warned: Sequence[str], where: str) -> None:
+    """Refuse a structural tag with a regex or grammar element (``where``) of which xgrammar
+    ignores a construct; ``json_unenforced_keywords`` does not apply to these."""
+    raise UnsupportedGuideError(
+        f"xgrammar ignores part of {where}, so it would not enforce it: "
+        + "; ".join(f"xgrammar reported: {w}" for w in warned)
+        + "; rewrite that construct (anchors '^' / '$' only at the very start / end of a "
+        "regex, no lookahead, no escape other than the standard ones)",
+        guide_type=GuideType.STRUCTURAL_TAG.name, backend=BACKEND)
+
+
+def _tag_schemas_prepared(tag: str) -> str:
+    """The structural tag ``tag`` (JSON text) with every JSON schema it embeds (the value of
+    a ``"json_schema"`` key: ``json_schema`` and ``qwen_xml_parameter`` elements) as
+    :func:`~capgraph.grammar.semantics.xgrammar_schema` writes it, as a JSON-schema guide is;
+    text that is not JSON, or has nothing to change, is returned unchanged."""
+    try:
+        doc = json.loads(tag)
+    except ValueError:
+        return tag
+    changed = False
+
+    def walk(node: Any) -> Any:
+        nonlocal changed
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        result = {}
+        for key, value in node.items():
+            if key == "json_schema" and isinstance(value, dict):
+                text = json.dumps(value)
+                prepared = xgrammar_schema(text)
+                changed |= prepared != text
+                result[key] = json.loads(prepared)
+            else:
+                result[key] = walk(value)
+        return result
+
+    doc = walk(doc)
+    return json.dumps(doc, ensure_ascii=False) if changed else tag
+
+
 def _refuse_ignored(guide_type: GuideType, warned: Sequence[str]) -> None:
     """Refuse a REGEX or EBNF guide of which xgrammar ignores a construct (``warned``: what it
     logged); ``json_unenforced_keywords`` does not apply to these."""
@@ -211,6 +281,21 @@ def _refuse_ignored(guide_type: GuideType, warned: Sequence[str]) -> None:
         + "; rewrite that construct (anchors '^' / '$' only at the very start / end of a "
         "regex, no lookahead, no escape other than the standard ones) or use the llguidance "
         "backend", guide_type=guide_type.name, backend=BACKEND)
+
+
+def refuse_unsupported_regex(pattern: str, guide_type: GuideType = GuideType.REGEX) -> None:
+    """Raise UnsupportedGuideError where this backend refuses the regex ``pattern`` as
+    unsupported: what :func:`~capgraph.grammar.semantics.ecma_regex` refuses, or a construct
+    xgrammar's regex parser ignores (it says so while converting). The conversion only (about
+    as quick as parsing), never a compile; a pattern it cannot parse at all is left to the
+    compile's error."""
+    regex = ecma_regex(pattern, BACKEND, guide_type.name)
+    try:
+        _, warned = _converted(lambda: xgr.Grammar.from_regex(regex))
+    except Exception:  # noqa: BLE001 - a parse error: the compile reports it
+        return
+    if warned:
+        _refuse_ignored(guide_type, warned)
 
 
 # xgrammar 0.2.9 spells a character of a length-limited string (minLength / maxLength) as
@@ -426,10 +511,15 @@ class XGrammarMatcher(GrammarMatcher):
     """
 
     __slots__ = ("_matcher", "_stop_ids", "_terminated", "_handle", "_chandle", "_accept",
-                 "_fill", "_jump")
+                 "_fill", "_jump", "_compiled", "_jump_ok")
 
-    def __init__(self, matcher: xgr.GrammarMatcher, stop_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, stop_ids: frozenset[int] = frozenset(),
+                 compiled: xgr.CompiledGrammar | None = None) -> None:
         self._matcher = matcher
+        # the grammar, read once (on the first forced_bytes) for whether xgrammar's
+        # jump-forward walk is bounded on it (_jump_forward_ok); None: not known, no forced text
+        self._compiled = compiled
+        self._jump_ok: bool | None = None
         self._stop_ids = stop_ids
         self._terminated = matcher.is_terminated()
         handle = _ffi(matcher, "accept_token", "fill_next_token_bitmask")
@@ -474,10 +564,23 @@ class XGrammarMatcher(GrammarMatcher):
         return self._terminated
 
     def forced_bytes(self, max_bytes: int) -> bytes:
-        """xgrammar's jump-forward string (whole characters only), cut to ``max_bytes``."""
+        """xgrammar's jump-forward string (whole characters only), cut to ``max_bytes``; empty
+        for a grammar on which xgrammar's walk, which has no length bound, could be long
+        (:func:`_jump_forward_ok`)."""
         if self._terminated or max_bytes <= 0:
             return b""
-        forced = self._jump()
+        if not self._jump_ok:
+            if self._jump_ok is False:
+                return b""
+            self._jump_ok = _jump_forward_ok(self._compiled)
+            if not self._jump_ok:
+                return b""
+        try:
+            forced = self._jump()
+        except Exception as e:  # noqa: BLE001 - xgrammar's errors, as capgraph's
+            raise MatcherError(f"xgrammar's jump-forward search failed: "
+                               f"{type(e).__name__}: {str(e).strip()[:200]}",
+                               backend=BACKEND) from e
         return whole_utf8_prefix(forced.encode(), max_bytes) if forced else b""
 
     def sync_state(self) -> None:
@@ -490,6 +593,42 @@ class XGrammarMatcher(GrammarMatcher):
         """The address of the xgrammar FFI object this matcher drives (0 where this xgrammar
         exposes none): what the native host build runs."""
         return self._chandle
+
+
+# id(compiled grammar) -> (a weak reference to it, verdict); an entry leaves with its grammar
+# (CompiledGrammar is not hashable, so no WeakKeyDictionary)
+_JUMP_OK: dict[int, tuple[weakref.ref[Any], bool]] = {}
+_JUMP_OK_LOCK = threading.RLock()  # (re-entered where a weakref callback runs inside it)
+
+
+def _jump_forward_ok(compiled: xgr.CompiledGrammar | None) -> bool:
+    """Whether xgrammar's jump-forward walk is bounded on ``compiled``: every rule of its
+    grammar has a completion and no sequence's shortest completion is longer than
+    :data:`~capgraph.grammar.forced.MAX_FORCED_SEQUENCE_BYTES`
+    (:func:`~capgraph.grammar.forced.forced_run_bound`). The walk stops only at the end of
+    the forced text, so on ``root ::= "ab" root`` it never returns (memory runs out) and on
+    a grammar of exponentially long completions it takes exponential time; those grammars
+    get no forced text. Read once per compiled grammar (~10 ms for a large schema); None (a
+    matcher built without its grammar): False."""
+    if compiled is None:
+        return False
+    key = id(compiled)
+    with _JUMP_OK_LOCK:
+        known = _JUMP_OK.get(key)
+    if known is not None and known[0]() is compiled:
+        return known[1]
+    try:
+        ok = forced_run_bound(str(compiled.grammar)) <= MAX_FORCED_SEQUENCE_BYTES
+    except Exception:  # noqa: BLE001 - an unreadable grammar: no forced text
+        ok = False
+    def forget(ref: weakref.ref[Any]) -> None:
+        with _JUMP_OK_LOCK:
+            if _JUMP_OK.get(key, (None,))[0] is ref:
+                del _JUMP_OK[key]
+
+    with _JUMP_OK_LOCK:
+        _JUMP_OK[key] = (weakref.ref(compiled, forget), ok)
+    return ok
 
 
 def _delegate_handle(matcher: GrammarMatcher) -> Any:
@@ -660,17 +799,22 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 repaired = _repaired(grammar)
                 compiled = self._compile_grammar(self._compiler, repaired, bool(warned))
             elif gt is GuideType.REGEX:
-                grammar, warned = _converted(lambda: xgr.Grammar.from_regex(guide))
+                regex = ecma_regex(guide, BACKEND)  # ECMA-262's '.', escapes refused
+                grammar, warned = _converted(lambda: xgr.Grammar.from_regex(regex))
                 if warned:
                     _refuse_ignored(gt, warned)
                 compiled = run_lowered(lambda: self._compiler.compile_grammar(grammar))
             elif gt is GuideType.EBNF_GRAMMAR:
-                grammar, warned = _converted(lambda: _ebnf_grammar(guide))
+                ebnf = ecma_ebnf(guide)  # its Regex(...)s as ECMA-262 reads them
+                grammar, warned = _converted(lambda: _ebnf_grammar(ebnf))
                 if warned:
                     _refuse_ignored(gt, warned)
+                _refuse_lookaheads(grammar, gt)
                 compiled = run_lowered(lambda: self._compiler.compile_grammar(grammar))
             elif gt is GuideType.STRUCTURAL_TAG:
-                tag, placed = _resolve_tag_tokens(guide, self._special_ids_by_name)
+                guide = _tag_schemas_prepared(guide)  # its schemas as JSON_SCHEMA guides'
+                tag, placed = _resolve_tag_tokens(ecma_tag(guide), self._special_ids_by_name)
+                self._refuse_ignored_in_tag(tag)
                 if refuse:  # the JSON schemas a tag embeds: as JSON-schema guides
                     self._refuse_unenforced_in_tag(guide)
                 grammar, warned = _converted(lambda: xgr.Grammar.from_structural_tag(tag))
@@ -712,6 +856,51 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         if found:
             _refuse(describe(found))
 
+    def _refuse_ignored_in_tag(self, tag: str) -> None:
+        """Refuse the structural tag ``tag`` (JSON text, as it is compiled) if xgrammar ignores
+        a construct of one of its ``regex`` or ``grammar`` elements (it logs that while
+        converting them, each converted here alone) or a grammar element has a lookahead
+        assertion (:func:`_lookahead_rules`), whatever ``json_unenforced_keywords`` says, as
+        for REGEX and EBNF guides. An element xgrammar cannot convert alone is left for the
+        tag's compile to report."""
+        try:
+            doc = json.loads(tag)
+        except ValueError:
+            return
+
+        def check(convert: Callable[[], xgr.Grammar], where: str, lookahead: bool) -> None:
+            try:
+                grammar, warned = _converted(convert)
+            except Exception:  # noqa: BLE001 - the tag's compile reports it
+                return
+            if warned:
+                _refuse_ignored_in_tag(warned, where)
+            if lookahead:
+                _refuse_lookaheads(grammar, GuideType.STRUCTURAL_TAG, f" in {where}")
+
+        def walk(node: Any, at: str) -> None:
+            if isinstance(node, list):
+                for k, item in enumerate(node):
+                    walk(item, f"{at}/{k}")
+                return
+            if not isinstance(node, dict):
+                return
+            kind, where = node.get("type"), f"the {node.get('type')} element at {at or '/'}"
+            if kind == "regex" and isinstance(node.get("pattern"), str):
+                pattern = node["pattern"]
+                check(lambda: xgr.Grammar.from_regex(pattern), where, False)
+            elif kind == "grammar" and isinstance(node.get("grammar"), str):
+                text = node["grammar"]
+                if node.get("syntax", "ebnf") == "lark":
+                    check(lambda: xgr.Grammar.from_lark(
+                        text, tokenizer_info=self.tokenizer_info), where, True)
+                else:
+                    check(lambda: _ebnf_grammar(text), where, True)
+            for key, value in node.items():
+                walk(value, f"{at}/{key}")
+
+        walk(doc, "")
+
     @staticmethod
     def _refuse_unenforced_in_tag(guide: str) -> None:
         """Raise UnsupportedGuideError for the keywords of the JSON schemas a structural tag
@@ -725,7 +914,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
             _refuse(describe(found), GuideType.STRUCTURAL_TAG)
 
     def create_from_compiled(self, compiled: CompiledGuide) -> XGrammarMatcher:
-        return XGrammarMatcher(xgr.GrammarMatcher(compiled.payload), self._stop_ids)
+        return XGrammarMatcher(xgr.GrammarMatcher(compiled.payload), self._stop_ids,
+                               compiled.payload)
 
     def _likely_allowed_ids(self) -> Sequence[int]:
         single_byte = [i for i, b in enumerate(self.tokenizer_info.decoded_vocab) if len(b) == 1]

@@ -1,0 +1,220 @@
+"""Guides whose constructs a backend would ignore or mis-enforce: refused with
+UnsupportedGuideError (Lark ``%json`` schemas and token references on llguidance, EBNF
+lookaheads and a structural tag's regex / grammar elements on xgrammar), or prepared so that
+they mean what capgraph documents (a tag's JSON schemas; a stop token that is ordinary text
+on llguidance). Each is driven token by token through the public decoder."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from capgraph import GuidedDecodingConfig, GuidedDecodingParams
+from capgraph.decoder import GuidedDecoder
+from capgraph.errors import UnsupportedGuideError
+from capgraph.grammar import create_matcher_factory
+from capgraph.requests import GuidedRequest
+from capgraph.tokenizers import encode_continuation
+
+pytest.importorskip("llguidance")
+
+P = GuidedDecodingParams
+
+
+@pytest.fixture(scope="module")
+def xg(factory_cache):
+    return factory_cache("tekken")
+
+
+@pytest.fixture(scope="module")
+def xg_ignore(xg):
+    return create_matcher_factory(dataclasses.replace(xg.config,
+                                                      json_unenforced_keywords="ignore"))
+
+
+@pytest.fixture(scope="module")
+def llg(factory_cache):
+    return factory_cache("tekken", "llguidance")
+
+
+@pytest.fixture(scope="module")
+def llg_ignore(llg):
+    return create_matcher_factory(dataclasses.replace(llg.config,
+                                                      json_unenforced_keywords="ignore"))
+
+
+class RequestFailed(Exception):
+    """The decoder reported the request failed (its message: the error's type and text)."""
+
+
+def drive(factory, params: GuidedDecodingParams, ids: list[int]) -> list[bool]:
+    """Feed ``ids`` through a GuidedDecoder one step each; for every id, whether the masked
+    row allowed it, then (last) whether the stop token is allowed after them all. Stops at the
+    first id the mask refuses. A request that fails raises RequestFailed."""
+    config = factory.config
+    decoder = GuidedDecoder(config, max_num_sequences=1, factory=factory)
+    stop = config.stop_token_ids[0]
+    allowed: list[bool] = []
+    try:
+        decoder.add_batch([GuidedRequest.context(request_id=1, seq_slot=0, params=params)])
+        for k in range(len(ids) + 1):
+            logits = torch.zeros(1, config.vocab_size_padded)
+            failed = decoder.execute(logits)
+            if failed:
+                raise RequestFailed(failed[0][1])
+            if k == len(ids):
+                allowed.append(bool(torch.isfinite(logits[0, stop])))
+                break
+            allowed.append(bool(torch.isfinite(logits[0, ids[k]])))
+            if not allowed[-1]:
+                break
+            decoder.add_batch([GuidedRequest.generation(1, 0, params, new_token=ids[k])])
+    finally:
+        decoder.close()
+    return allowed
+
+
+def text_ids(factory, text: str) -> list[int]:
+    return encode_continuation(factory.config.tokenizer, text)
+
+
+def tag(fmt: dict) -> GuidedDecodingParams:
+    return P.structural_tag(json.dumps({"type": "structural_tag", "format": fmt}))
+
+
+# --- llguidance: Lark %json schemas ----------------------------------------------------------
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "array", "uniqueItems": True, "x-guidance": {"lenient": True}}, "uniqueItems"),
+    ({"type": "array", "contains": {"const": 5}, "x-guidance": {"lenient": True}}, "contains"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}],
+      "x-guidance": {"coerce_one_of": True}}, "x-guidance"),
+])
+def test_lark_json_schema_follows_the_keyword_policy(llg, llg_ignore, schema, keyword):
+    """A %json schema in a Lark grammar is judged like a JSON_SCHEMA guide: llguidance's
+    x-guidance options (which drop keywords) and keywords it does not enforce are refused,
+    naming them and the line; "ignore" lets it through."""
+    grammar = "// a JSON value\nstart: %json " + json.dumps(schema)
+    with pytest.raises(RequestFailed, match=rf"UnsupportedGuideError: .*%json schema at line 2: .*'{keyword}'"):
+        drive(llg, P.ebnf(grammar), [])
+    llg_ignore.compile(P.ebnf(grammar))
+
+
+def test_lark_json_warning_refuses_where_the_policy_passes(llg, monkeypatch):
+    """llguidance's own compile warnings refuse a Lark grammar (the second net, as for a
+    JSON_SCHEMA guide): with the keyword policy passing everything, a lenient %json schema
+    is still refused."""
+    import capgraph.grammar.llguidance_backend as backend
+    monkeypatch.setattr(backend, "unenforced_in_text", lambda *a, **k: [])
+    grammar = 'start: "n=" %json {"type": "array", "uniqueItems": true, ' \
+              '"x-guidance": {"lenient": true}}'
+    with pytest.raises(UnsupportedGuideError, match="llguidance reported: .*uniqueItems"):
+        llg.compile(P.ebnf(grammar))
+
+
+def test_lark_json_schema_means_what_xgrammar_reads(llg):
+    """A %json schema is given to llguidance as a JSON_SCHEMA guide is: properties it does
+    not list are absent (llguidance's own default allows them)."""
+    grammar = 'start: "v=" %json {"type": "object", "properties": {"a": {"type": "integer"}}}'
+    assert all(drive(llg, P.ebnf(grammar), text_ids(llg, 'v={"a": 1}')))
+    steps = drive(llg, P.ebnf(grammar), text_ids(llg, 'v={"a": 1, "b": 2}'))
+    assert not all(steps)
+
+
+# --- llguidance: Lark token references -------------------------------------------------------
+
+@pytest.mark.parametrize("reference, named", [
+    ("<[3]>", "[INST]"), ("<[0-5]>", "<unk>"), ("<[1000,2-4]>", "</s>"),
+    ("<[^5]>", "<unk>"), ("<[*]>", "<unk>"), ("<s>", "s"), ("<[2]>", "</s>"),
+])
+def test_lark_token_reference_to_a_special_token_is_refused(llg, reference, named):
+    """A Lark token reference that may place a special token (by id, range, negated range,
+    wildcard or name), the stop token included, is refused naming it; without the check
+    llguidance lets [INST] (id 3) through."""
+    grammar = f'start: "a" {reference} "b"'
+    with pytest.raises(RequestFailed, match=r"UnsupportedGuideError: .*token reference .* at line 1 .*"
+                       + json.dumps(named)[1:-1].replace("[", r"\[").replace("]", r"\]")):
+        drive(llg, P.ebnf(grammar), [1097, 3, 1098])
+
+
+def test_lark_text_that_spells_a_reference_is_text(llg):
+    """A string literal, a regex, a comment and a %json value that spell a reference are not
+    one (the grammar compiles), and a reference to an ordinary token places it."""
+    grammar = ('start: "<[3]>" /[<]s>/ <[1097]> // <[3]>\n'
+               'other: %json {"const": "<[3]>"}')
+    matcher = llg.create(P.ebnf(grammar))
+    for token in [*text_ids(llg, "<[3]><s>"), 1097, llg.config.stop_token_ids[0]]:
+        assert matcher.accept_token(token)
+
+
+# --- xgrammar: EBNF lookaheads ---------------------------------------------------------------
+
+def test_ebnf_lookahead_is_refused(xg, xg_ignore):
+    """xgrammar does not enforce a rule's lookahead ('xd' passes for a "x" (= "c")): an EBNF
+    guide or a tag's grammar element with one is refused, whatever json_unenforced_keywords
+    says; "(=" as text is not a lookahead."""
+    grammar = 'root ::= a "d"\na ::= "x" (= "c")'
+    for factory in (xg, xg_ignore):
+        with pytest.raises(RequestFailed, match="UnsupportedGuideError: .*lookahead assertion .* rule 'a'"):
+            drive(factory, P.ebnf(grammar), text_ids(xg, "xd"))
+        with pytest.raises(RequestFailed, match="UnsupportedGuideError: .*rule 'a' in the grammar element"):
+            drive(factory, tag({"type": "grammar", "grammar": grammar}), text_ids(xg, "xd"))
+    assert all(drive(xg, P.ebnf('root ::= "(=" [(=] "x"'), text_ids(xg, "(==x")))
+
+
+# --- xgrammar: a structural tag's JSON schemas and regex elements ----------------------------
+
+@pytest.mark.parametrize("fmt, text, invalid", [
+    ({"type": "tag", "begin": "<f>", "content": {
+        "type": "json_schema", "json_schema": {"type": "array", "maxItems": 3}},
+      "end": "</f>"}, "<f>[1, 2]</f>", "<f>[1, 2, 3, 4]</f>"),
+    ({"type": "tag", "begin": "<f>", "content": {
+        "type": "json_schema", "json_schema": {"type": "object", "maxProperties": 1}},
+      "end": "</f>"}, '<f>{"a": 1}</f>', '<f>{"a": 1, "b": 2}</f>'),
+    ({"type": "qwen_xml_parameter", "json_schema": {
+        "type": "object", "properties": {"a": {"type": "array", "maxItems": 3}},
+        "required": ["a"]}}, "<parameter=a>[1, 2]</parameter>",
+     "<parameter=a>[1, 2, 3, 4]</parameter>"),
+])
+def test_tag_schema_that_lists_no_items_allows_any(xg, fmt, text, invalid):
+    """A tag's JSON schema is prepared as a JSON_SCHEMA guide is: an array / object schema
+    that lists no items / properties allows any (xgrammar alone admits only [] / {}), and its
+    bounds hold."""
+    assert all(drive(xg, tag(fmt), text_ids(xg, text)))
+    assert not all(drive(xg, tag(fmt), text_ids(xg, invalid)))
+
+
+def test_tag_regex_element_xgrammar_ignores_is_refused_under_ignore(xg_ignore):
+    """A tag's regex element whose '^' xgrammar drops is refused even with
+    json_unenforced_keywords="ignore" (as a REGEX guide is); a JSON-schema keyword xgrammar
+    does not enforce still follows the setting."""
+    with pytest.raises(RequestFailed, match="UnsupportedGuideError: .*regex element at /format/content"):
+        drive(xg_ignore, tag({"type": "tag", "begin": "<r>",
+                              "content": {"type": "regex", "pattern": "a^b"}, "end": "</r>"}),
+              text_ids(xg_ignore, "<r>ab</r>"))
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    assert all(drive(xg_ignore, tag({"type": "json_schema", "json_schema": schema}),
+                     text_ids(xg_ignore, "[1, 1]")))
+
+
+# --- llguidance: a stop token that is ordinary text ------------------------------------------
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_text_stop_token_is_allowed_only_where_the_output_may_end(tekken, backend):
+    """A stop token that is ordinary text ('"', id 1034) is allowed only where the output may
+    end, on both backends: llguidance alone allows it wherever its text fits, then refuses it
+    there as the end, failing the request."""
+    stop = tekken.convert_tokens_to_ids('"')
+    config = GuidedDecodingConfig.from_tokenizer(tekken, backend=backend, stop_token_ids=[stop])
+    factory = create_matcher_factory(config)
+    schema = P.json_schema({"type": "object", "properties": {"a": {"type": "string"}},
+                            "required": ["a"]})
+    ids = text_ids(factory, '{"a": "x')
+    assert drive(factory, schema, [*ids, stop]) == [True] * len(ids) + [False]
+    ids = text_ids(factory, '{"a": "x"}')
+    assert stop not in ids
+    assert drive(factory, schema, ids) == [True] * (len(ids) + 1)
+    factory.close()

@@ -1,0 +1,153 @@
+"""Regexes mean what ECMA-262 (read without flags) means, on both backends, or are refused.
+
+Each case drives the public factory token by token with the tekken tokenizer: the text's
+tokens must each be accepted and the stop token after them (or one refused)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from capgraph import GuidedDecodingConfig, GuidedDecodingParams, UnsupportedGuideError
+from capgraph.errors import GrammarCompileError
+from capgraph.grammar import create_matcher_factory
+from capgraph.grammar.llguidance_backend import available as llg_available
+from capgraph.tokenizers import encode_continuation
+
+needs_llg = pytest.mark.skipif(not llg_available(), reason="llguidance extra not installed")
+BACKENDS = ["xgrammar", pytest.param("llguidance", marks=needs_llg)]
+
+
+def accepts(factory, tok, params: GuidedDecodingParams, text: str) -> bool:
+    """Whether ``text`` is accepted token by token and the stop token may follow it."""
+    matcher = factory.create(params)
+    for t in encode_continuation(tok, text):
+        if not matcher.accept_token(t):
+            return False
+    return matcher.accept_token(factory.config.stop_token_ids[0])
+
+
+# (pattern, text, whether ECMA-262's /^(?:pattern)$/ matches it; checked with node's RegExp)
+ECMA_TABLE = [
+    # '.' is any character but a line terminator
+    ("a.b", "axb", True), ("a.b", "a\nb", False), ("a.b", "a\rb", False),
+    ("a.b", "a\u2028b", False), ("a.b", "a\u2029b", False), ("a.b", "a\u0085b", True),
+    ("[.]", "x", False), (r"\.", ".", True),
+    # \s / \S are ECMA's white space, not Unicode's White_Space property
+    (r"a\sb", "a\u0085b", False), (r"a\sb", "a\ufeffb", True), (r"a\Sb", "a\ufeffb", False),
+    (r"a\Sb", "a\u0085b", True), (r"a[\s]b", "a\u0085b", False),
+    # classes do not nest and know no set operations or POSIX names
+    ("[[:alpha:]]", "a", False), ("[[:alpha:]]", "a]", True), ("[a-z&&[^b]]", "a", False),
+    ("[a-z&&[^b]]", "&]", True), ("[%--]", "+", True),
+    # an escaped surrogate pair is the one character it spells
+    (r"\ud83d\ude00", "\U0001F600", True), (r"[^\ud83d\ude00]", "\U0001F600", False),
+    (r"[^\ud83d\ude00]", "x", True),
+    # identity escapes and Annex B braces
+    (r"a\%b", "a%b", True), ("a{,5}", "a{,5}", True), ("a{2}", "aa", True),
+    (r"[\b]", "\x08", True), (r"\cA", "\x01", True),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_regex_guides_follow_ecma262(factory_cache, tokenizer_cache, backend):
+    """Line terminators against ``.``, ECMA white space against ``\\s``, literal ``[`` and
+    ``&&`` inside a class, surrogate escapes, identity escapes: a REGEX guide admits exactly
+    what ECMA-262 matches, on both backends."""
+    tok = tokenizer_cache("tekken")
+    factory = factory_cache("tekken", backend)
+    got = [(p, t, accepts(factory, tok, GuidedDecodingParams.regex(p), t))
+           for p, t, _ in ECMA_TABLE]
+    assert got == ECMA_TABLE
+
+
+# regex syntax ECMA-262 reads as something else than one backend would (or not at all)
+NON_ECMA = [r"a\eb", r"a\ab", r"\p{L}+", r"\P{L}", r"\x{41}", r"\u{41}", "(?i)a", "(?s:a.)",
+            "(?P<n>a)", r"\ud83d", r"a\ude00", r"[\ud83d]", r"\z", r"\A", r"\U00000041", "[]a]",
+            r"\01"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pattern", NON_ECMA)
+def test_non_ecma_regex_syntax_is_refused(factory_cache, backend, pattern):
+    """Escapes ECMA-262 reads as the plain letter (``\\e``: xgrammar reads ESC, llguidance
+    would error or read Rust's meaning), Rust-only syntax (``\\p{L}``, ``\\x{41}``, inline
+    flags), lone surrogate escapes and an empty class are refused with
+    UnsupportedGuideError naming the construct and its position."""
+    factory = factory_cache("tekken", backend)
+    with pytest.raises(UnsupportedGuideError, match="at position"):
+        factory.create(GuidedDecodingParams.regex(pattern))
+
+
+def test_xgrammar_tag_regex_and_ebnf_regex_dot(factory_cache, tokenizer_cache):
+    """A structural tag's ``regex`` element and an EBNF ``Regex("...")`` read ``.`` as
+    ECMA-262 does; an EBNF literal's surrogate pair is the one character it spells."""
+    tok = tokenizer_cache("tekken")
+    factory = factory_cache("tekken", "xgrammar")
+    tag = GuidedDecodingParams.structural_tag(json.dumps(
+        {"type": "structural_tag", "format": {"type": "regex", "pattern": "a.b"}}))
+    ebnf = GuidedDecodingParams.ebnf('root ::= Regex("a.b") "." [.]')
+    for text, ok in [("axb", True), ("a\nb", False), ("a\rb", False), ("a\u2028b", False)]:
+        assert accepts(factory, tok, tag, text) is ok, (text, "tag")
+        assert accepts(factory, tok, ebnf, text + "..") is ok, (text, "ebnf")
+    emoji = GuidedDecodingParams.ebnf('root ::= "\\ud83d\\ude00" [^\\ud83d\\ude00]')
+    assert accepts(factory, tok, emoji, "\U0001F600x")
+    assert not accepts(factory, tok, emoji, "\U0001F600\U0001F600")
+    with pytest.raises(UnsupportedGuideError, match="lone surrogate"):
+        factory.create(GuidedDecodingParams.ebnf('root ::= "\\ud83d"'))
+    with pytest.raises(UnsupportedGuideError, match="at position"):
+        factory.create(GuidedDecodingParams.ebnf('root ::= Regex("a\\\\eb")'))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_schema_patterns_follow_ecma262(factory_cache, tokenizer_cache, backend):
+    """A schema ``pattern`` reads ``.`` and ``\\s`` as ECMA-262 does and refuses ``\\e``."""
+    tok = tokenizer_cache("tekken")
+    factory = factory_cache("tekken", backend)
+
+    def schema(pattern: str) -> GuidedDecodingParams:
+        return GuidedDecodingParams.json_schema({"type": "string", "pattern": pattern})
+
+    assert accepts(factory, tok, schema("^a.b$"), '"axb"')
+    assert not accepts(factory, tok, schema("^a.b$"), '"a\u2028b"')
+    assert not accepts(factory, tok, schema("^a\\sb$"), '"a\u0085b"')
+    with pytest.raises(UnsupportedGuideError, match="at position"):
+        factory.create(schema("^a\\eb$"))
+
+
+@needs_llg
+def test_auto_refuses_what_either_backend_refuses(tokenizer_cache):
+    """``backend="auto"`` starts a regex on llguidance; a regex either backend refuses as
+    unsupported fails its compile instead of staying on llguidance: Rust-only syntax, and a
+    construct only xgrammar's conversion refuses (here an anchor xgrammar ignores inside a
+    group, which llguidance reads)."""
+    tok = tokenizer_cache("tekken")
+    config = GuidedDecodingConfig.from_tokenizer(tok, backend="auto")
+    factory = create_matcher_factory(config)
+    try:
+        for pattern in [r"\p{L}+", r"\x{41}", "(?i)a", "[[:alpha:]]x"]:
+            params = GuidedDecodingParams.regex(pattern)
+            if pattern == "[[:alpha:]]x":  # ECMA: a class, then "]x"
+                assert accepts(factory, tok, params, "a]x")
+                assert not accepts(factory, tok, params, "ax")
+                continue
+            with pytest.raises(GrammarCompileError):
+                factory.create(params)
+        handle = factory.compile_async(GuidedDecodingParams.regex("(^a)"))
+        with pytest.raises(UnsupportedGuideError):
+            handle.result(30, backend="auto")
+    finally:
+        factory.close()
+
+
+@pytest.mark.parametrize("pattern, rust", [
+    (r"\d+", "[0-9]+"), (r"[\d.]", r"[0-9\x{2E}]"), (r"[^\w]", "[^0-9A-Za-z_]"),
+    (r"[a\D]", "[a[^0-9]]"), ("a.b", r"a[^\n\r\u2028\u2029]b"),
+    (r"[[:a:]]", r"[\x{5B}\x{3A}a\x{3A}]]"),
+    (r"\ud83d\ude00", "\U0001F600"), ("a{,2}", r"a\{,2}"), (r"[^]", r"[\x{0}-\x{10FFFF}]"),
+])
+def test_ecma_regex_for_llguidance(pattern, rust):
+    """What llguidance is given: every class written out as ECMA-262 reads it."""
+    from capgraph.grammar.semantics import ecma_regex
+
+    assert ecma_regex(pattern, "llguidance") == rust
