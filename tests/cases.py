@@ -151,3 +151,14 @@ def nested_anyof_schema(depth: int) -> dict:
                              "properties": {"a": schema, "b": {"type": "string"}}},
                             {"type": "array", "items": schema}]}
     return schema
+
+
+def accepts(factory, tok, params: GuidedDecodingParams, text: str) -> bool:
+    """Whether a fresh matcher of ``factory`` accepts ``text`` (the tokenizer ``tok``'s own
+    encoding) token by token and the stop token may follow it."""
+    from capgraph.tokenizers import encode_continuation
+    matcher = factory.create(params)
+    for t in encode_continuation(tok, text):
+        if not matcher.accept_token(t):
+            return False
+    return matcher.accept_token(factory.config.stop_token_ids[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -48,6 +49,19 @@ def factory_cache(tokenizer_cache):
             built[key] = create_matcher_factory(config)
         return built[key]
     return get
+
+
+@pytest.fixture(scope="module")
+def xg(factory_cache):
+    """The xgrammar factory over Tekken (refuses unenforced keywords: the default)."""
+    return factory_cache("tekken")
+
+
+@pytest.fixture(scope="module")
+def xg_ignore(xg):
+    """The same, with json_unenforced_keywords="ignore"."""
+    return create_matcher_factory(dataclasses.replace(xg.config,
+                                                      json_unenforced_keywords="ignore"))
 
 
 @pytest.fixture(scope="session")

@@ -24,16 +24,6 @@ pytest.importorskip("llguidance")
 P = GuidedDecodingParams
 
 
-@pytest.fixture(scope="module")
-def xg(factory_cache):
-    return factory_cache("tekken")
-
-
-@pytest.fixture(scope="module")
-def xg_ignore(xg):
-    return create_matcher_factory(dataclasses.replace(xg.config,
-                                                      json_unenforced_keywords="ignore"))
-
 
 @pytest.fixture(scope="module")
 def llg(factory_cache):

@@ -12,6 +12,7 @@ from capgraph.bitmask import allocate_host_bitmask
 from capgraph.grammar.llguidance_backend import available as llg_available
 from capgraph.tokenizers import BUNDLED_TOKENIZERS, encode_continuation, special_token_ids
 from conftest import bits_of
+from cases import accepts
 
 ALL_TOKENIZERS = list(BUNDLED_TOKENIZERS)
 needs_llg = pytest.mark.skipif(
@@ -34,14 +35,6 @@ def force(factory, tok, params: GuidedDecodingParams, text: str):
         assert matcher.accept_token(t), f"token {i} ({t}) of {text!r} was refused"
     return matcher
 
-
-def accepts(factory, tok, params: GuidedDecodingParams, text: str) -> bool:
-    """Whether ``text`` is accepted token by token and the stop token may follow it."""
-    matcher = factory.create(params)
-    for t in encode_continuation(tok, text):
-        if not matcher.accept_token(t):
-            return False
-    return matcher.accept_token(factory.config.stop_token_ids[0])
 
 
 # --- special tokens ----------------------------------------------------------------------------

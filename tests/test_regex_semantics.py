@@ -13,19 +13,11 @@ from capgraph import GuidedDecodingConfig, GuidedDecodingParams, UnsupportedGuid
 from capgraph.errors import GrammarCompileError
 from capgraph.grammar import create_matcher_factory
 from capgraph.grammar.llguidance_backend import available as llg_available
-from capgraph.tokenizers import encode_continuation
+from cases import accepts
 
 needs_llg = pytest.mark.skipif(not llg_available(), reason="llguidance extra not installed")
 BACKENDS = ["xgrammar", pytest.param("llguidance", marks=needs_llg)]
 
-
-def accepts(factory, tok, params: GuidedDecodingParams, text: str) -> bool:
-    """Whether ``text`` is accepted token by token and the stop token may follow it."""
-    matcher = factory.create(params)
-    for t in encode_continuation(tok, text):
-        if not matcher.accept_token(t):
-            return False
-    return matcher.accept_token(factory.config.stop_token_ids[0])
 
 
 # (pattern, text, whether ECMA-262's /^(?:pattern)$/ matches it; checked with node's RegExp)

@@ -22,31 +22,11 @@ from capgraph.grammar.converter_log import captured, converter_warnings, exclusi
 from capgraph.grammar.semantics import xgrammar_schema
 from capgraph.grammar.xgrammar_backend import (GrammarShapeError, _repair_property_keys,
                                                json_whitespace_options)
-from capgraph.tokenizers import encode_continuation
+from cases import accepts
 
 P = GuidedDecodingParams
 
 
-@pytest.fixture(scope="module")
-def xg(factory_cache):
-    """The xgrammar factory over Tekken (refuses unenforced keywords: the default)."""
-    return factory_cache("tekken")
-
-
-@pytest.fixture(scope="module")
-def xg_ignore(xg):
-    """The same, with json_unenforced_keywords="ignore"."""
-    return create_matcher_factory(dataclasses.replace(xg.config,
-                                                      json_unenforced_keywords="ignore"))
-
-
-def accepts(factory, tok, params: GuidedDecodingParams, text: str) -> bool:
-    """Whether ``text``'s tokens, then the stop token, are accepted one by one."""
-    matcher = factory.create_from_compiled(factory.compile(params))
-    for t in [*encode_continuation(tok, text), factory.config.stop_token_ids[0]]:
-        if not matcher.accept_token(t):
-            return False
-    return True
 
 
 # --- constructs xgrammar ignores ---------------------------------------------------------------

@@ -57,11 +57,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 from ..errors import UnsupportedGuideError
 from ..params import DEFAULT_MAX_REPETITION_COUNT, GuidedDecodingParams, GuideType
 from .schema_policy import Pointer, _short, schema_nodes
+
+T = TypeVar("T")
 
 __all__ = ["BACKEND_MAX_COUNT", "DEFAULT_MAX_REPETITION_COUNT", "MAX_NESTED_PRODUCT",
            "MAX_DEEP_NESTED_PRODUCT",
@@ -550,40 +552,40 @@ def _structural_nesting(node: Any, path: str = "") -> Iterator[Nested]:
                     stack.append((value, at))
 
 
-def nested_counts(params: GuidedDecodingParams, backend: str) -> Iterator[Nested]:
-    """Every chain of nested quantifiers of a guide with a count among them, as ``backend``
-    reads it: ``(product, depth, location, text of the outermost quantifier)``."""
+def _per_guide_type(params: GuidedDecodingParams, backend: str,
+                    regex: Callable[[str], Iterator[T]],
+                    ebnf: Callable[[str, bool], Iterator[T]],
+                    schema: Callable[[Any], Iterator[T]],
+                    tag: Callable[[Any], Iterator[T]]) -> Iterator[T]:
+    """The walk of ``params`` for its guide type (EBNF read as Lark for llguidance, a JSON
+    guide parsed first). A guide that does not parse here (malformed JSON) yields nothing:
+    the backend's own compile error describes it."""
     gt, guide = params.guide_type, params.guide
     if gt is GuideType.REGEX:
-        yield from regex_nesting(guide)
-    elif gt is GuideType.EBNF_GRAMMAR:
-        yield from ebnf_nesting(guide, lark=backend == "llguidance")
-    elif gt in (GuideType.JSON_SCHEMA, GuideType.STRUCTURAL_TAG):
+        return regex(guide)
+    if gt is GuideType.EBNF_GRAMMAR:
+        return ebnf(guide, backend == "llguidance")
+    if gt in (GuideType.JSON_SCHEMA, GuideType.STRUCTURAL_TAG):
         try:
             doc = json.loads(guide)
         except ValueError:
-            return
-        yield from schema_nesting(doc) if gt is GuideType.JSON_SCHEMA else \
-            _structural_nesting(doc)
+            return iter(())
+        return schema(doc) if gt is GuideType.JSON_SCHEMA else tag(doc)
+    return iter(())
+
+
+def nested_counts(params: GuidedDecodingParams, backend: str) -> Iterator[Nested]:
+    """Every chain of nested quantifiers of a guide with a count among them, as ``backend``
+    reads it: ``(product, depth, location, text of the outermost quantifier)``."""
+    return _per_guide_type(params, backend, regex_nesting, ebnf_nesting, schema_nesting,
+                           _structural_nesting)
 
 
 def guide_counts(params: GuidedDecodingParams, backend: str) -> Iterator[Found]:
     """Every repetition count of a guide as ``backend`` reads it. A guide that does not parse
     here (malformed JSON) yields nothing: the backend's own compile error describes it."""
-    gt, guide = params.guide_type, params.guide
-    if gt is GuideType.REGEX:
-        yield from regex_counts(guide)
-    elif gt is GuideType.EBNF_GRAMMAR:
-        yield from ebnf_counts(guide, lark=backend == "llguidance")
-    elif gt in (GuideType.JSON_SCHEMA, GuideType.STRUCTURAL_TAG):
-        try:
-            doc = json.loads(guide)
-        except ValueError:
-            return
-        if gt is GuideType.JSON_SCHEMA:
-            yield from schema_counts(doc)
-        else:
-            yield from _structural_counts(doc)
+    return _per_guide_type(params, backend, regex_counts, ebnf_counts, schema_counts,
+                           _structural_counts)
 
 
 def check_guide_limits(params: GuidedDecodingParams, backend: str, max_count: int) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Iterator
 
 from .schema_policy import subschemas
 
@@ -352,6 +352,20 @@ def ecma_ebnf(grammar: str, guide_type: str = "EBNF_GRAMMAR") -> str:
     return _EBNF_TOKEN.sub(token, grammar)
 
 
+def tag_nodes(doc: Any) -> Iterator[tuple[dict[str, Any], str]]:
+    """Every JSON object of a structural-tag document ``doc`` with its JSON pointer (``""``
+    for the root), a parent before its children, without recursion. A consumer may replace
+    the values of a node's keys before the walk goes on into them."""
+    stack: list[tuple[Any, str]] = [(doc, "")]
+    while stack:
+        node, at = stack.pop()
+        if isinstance(node, list):
+            stack.extend((item, f"{at}/{k}") for k, item in reversed(list(enumerate(node))))
+        elif isinstance(node, dict):
+            yield node, at
+            stack.extend((value, f"{at}/{key}") for key, value in reversed(list(node.items())))
+
+
 def ecma_tag(tag: str) -> str:
     """The xgrammar structural tag ``tag`` (JSON text) with the pattern of every ``regex``
     element as :func:`ecma_regex` writes it for xgrammar and every EBNF ``grammar`` element as
@@ -362,15 +376,7 @@ def ecma_tag(tag: str) -> str:
     except ValueError:
         return tag
     changed = False
-
-    def walk(node: Any, at: str) -> None:
-        nonlocal changed
-        if isinstance(node, list):
-            for k, item in enumerate(node):
-                walk(item, f"{at}/{k}")
-            return
-        if not isinstance(node, dict):
-            return
+    for node, at in tag_nodes(doc):
         kind = node.get("type")
         if kind == "regex" and isinstance(node.get("pattern"), str):
             new = ecma_regex(node["pattern"], "xgrammar", "STRUCTURAL_TAG",
@@ -382,10 +388,6 @@ def ecma_tag(tag: str) -> str:
             new = ecma_ebnf(node["grammar"], "STRUCTURAL_TAG")
             changed |= new != node["grammar"]
             node["grammar"] = new
-        for key, value in node.items():
-            walk(value, f"{at}/{key}")
-
-    walk(doc, "")
     return json.dumps(doc, ensure_ascii=False) if changed else tag
 
 

@@ -23,7 +23,8 @@ from .disk_cache import serialized_bytes_estimate, source_digest
 from .forced import MAX_FORCED_SEQUENCE_BYTES, forced_run_bound
 from .process_pool import CompileHere, ProcessCompilePool
 from .schema_policy import describe, unenforced_in_tag, unenforced_in_text
-from .semantics import JSON_CONTAINER_SCHEMA, ecma_ebnf, ecma_regex, ecma_tag, xgrammar_schema
+from .semantics import (JSON_CONTAINER_SCHEMA, ecma_ebnf, ecma_regex, ecma_tag, tag_nodes,
+                        xgrammar_schema)
 
 __all__ = ["XGrammarMatcher", "XGrammarMatcherFactory", "build_tokenizer_info",
            "json_whitespace_options"]
@@ -878,13 +879,7 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
             if lookahead:
                 _refuse_lookaheads(grammar, GuideType.STRUCTURAL_TAG, f" in {where}")
 
-        def walk(node: Any, at: str) -> None:
-            if isinstance(node, list):
-                for k, item in enumerate(node):
-                    walk(item, f"{at}/{k}")
-                return
-            if not isinstance(node, dict):
-                return
+        for node, at in tag_nodes(doc):
             kind, where = node.get("type"), f"the {node.get('type')} element at {at or '/'}"
             if kind == "regex" and isinstance(node.get("pattern"), str):
                 pattern = node["pattern"]
@@ -896,10 +891,6 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                         text, tokenizer_info=self.tokenizer_info), where, True)
                 else:
                     check(lambda: _ebnf_grammar(text), where, True)
-            for key, value in node.items():
-                walk(value, f"{at}/{key}")
-
-        walk(doc, "")
 
     @staticmethod
     def _refuse_unenforced_in_tag(guide: str) -> None:
