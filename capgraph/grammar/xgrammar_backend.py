@@ -777,10 +777,10 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
     def _compile_here(self, params: GuidedDecodingParams) -> tuple[Any, int]:
         gt, guide = params.guide_type, params.guide
         try:
-            # Every conversion runs inside the stderr capture (a process-wide lock, around the
-            # conversion only, not the compile, which can take seconds), so no capture reads
-            # another conversion's warnings. A REGEX or EBNF guide whose conversion logged one
-            # is refused; a JSON schema or tag, outside "ignore".
+            # Every conversion runs inside the stderr capture (around the conversion only, not
+            # the compile; conversions overlap, and one whose warnings may be another's is
+            # converted again: converter_log.captured). A REGEX or EBNF guide whose conversion
+            # logged one is refused; a JSON schema or tag, outside "ignore".
             refuse = self.config.json_unenforced_keywords != "ignore"
             if gt is GuideType.JSON:  # a JSON object or array, as on llguidance
                 if self.config.json_whitespace == "any":  # (twice as fast per step)
@@ -841,9 +841,10 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                          warned: bool) -> xgr.CompiledGrammar:
         """``compiler.compile_grammar(grammar)`` at the compile's lowered priority; where its
         conversion logged warnings (``json_unenforced_keywords="ignore"`` lets it through),
-        under the capture lock instead (:func:`~capgraph.grammar.converter_log.exclusive`) and
-        at normal priority (a starved thread must not hold a lock others wait for): the
-        compile logs them again, and no other guide's capture may read them."""
+        inside the capture instead (:func:`~capgraph.grammar.converter_log.exclusive`) and at
+        normal priority (a starved thread must not hold the capture open for long): the
+        compile logs them again, and a conversion alongside then reads the warnings in its
+        window as possibly not its own."""
         if not warned:
             return run_lowered(lambda: compiler.compile_grammar(grammar))
         with exclusive():
