@@ -8,6 +8,7 @@ SGLang is an optional extra: without it these tests skip, unless ``CAPGRAPH_REQU
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
@@ -337,6 +338,59 @@ def test_jump_forward_matches_sglang_xgrammar(tekken, sglang_xgrammar, capgraph_
     assert ours.num_accepted == len(new)
     assert ours.try_jump_forward(tekken) is None or "ld".startswith(ours.try_jump_forward(
         tekken)[1])
+
+
+def test_jump_forward_is_bounded(tekken, capgraph_backend):
+    """A grammar that forces 8192 bytes gets no jump-forward text (xgrammar's own walk has no
+    length bound: it returned all of them); one that forces a short run gets it whole."""
+    from capgraph.grammar.forced import MAX_FORCED_SEQUENCE_BYTES
+
+    rules = ['root ::= r13 "!"', 'r0 ::= "a"'] + [f"r{i} ::= r{i - 1} r{i - 1}"
+                                                   for i in range(1, 14)]
+    long = _dispatch(capgraph_backend, "ebnf", "\n".join(rules))
+    assert long.try_jump_forward(tekken) is None
+    assert long.matcher.native.find_jump_forward_string() == "a" * 8192 + "!"
+    assert 8192 > MAX_FORCED_SEQUENCE_BYTES
+    short = _dispatch(capgraph_backend, "ebnf", "\n".join(rules[:1] + rules[1:9]).replace(
+        "r13", "r7"))
+    assert short.try_jump_forward(tekken) == ([], "a" * 128 + "!")
+
+
+def test_jump_forward_failure_aborts_only_its_request(tekken, capgraph_backend, monkeypatch,
+                                                      caplog):
+    """A matcher whose forced-text search fails gives SGLang's scheduler no exception: no
+    jump, and the request's next accept_token raises RequestError naming the failure; another
+    request on the same guide goes on."""
+    from capgraph.errors import MatcherError, RequestError
+
+    bad, good = (_dispatch(capgraph_backend, "regex", "hello (world|there)") for _ in range(2))
+
+    def fail(max_bytes):
+        raise MatcherError("boom", backend="xgrammar")
+
+    monkeypatch.setattr(bad.matcher, "forced_bytes", fail)
+    with caplog.at_level(logging.ERROR):
+        assert bad.try_jump_forward(tekken) is None
+    assert "finding its forced text" in caplog.text and "boom" in caplog.text
+    with pytest.raises(RequestError, match="finding its forced text.*boom"):
+        bad.accept_token(tekken.encode("hello", add_special_tokens=False)[0])
+    assert good.try_jump_forward(tekken)[1].startswith("hello")
+
+
+def test_jump_forward_on_llguidance(tekken):
+    """The llguidance backend's matchers say their forced text too (SGLang's jump-forward
+    needs no xgrammar matcher)."""
+    backend = CapgraphGrammarBackend(tekken, len(tekken), [tekken.eos_token_id],
+                                     config={"backend": "llguidance"})
+    try:
+        g = _dispatch(backend, "regex", "hello (world|there)")
+        helper = g.try_jump_forward(tekken)
+        assert helper is not None and helper[0] == [] and helper[1].startswith("hello ")
+        for t in tekken.encode(helper[1], add_special_tokens=False):
+            g.accept_token(t)
+        assert g.try_jump_forward(tekken) is None  # world or there
+    finally:
+        backend.close()
 
 
 def test_dead_end_row_allows_only_stop_tokens(tekken, capgraph_backend, caplog):

@@ -41,6 +41,7 @@ from ..errors import (CapgraphError, CompileQueueFullError, CompileResourceError
 from ..grammar import (CompiledGuide, CompileHandle, GrammarMatcher, GrammarMatcherFactory,
                        create_matcher_factory)
 from ..grammar.cache import ByteLRUCache
+from ..grammar.forced import MAX_FORCED_SEQUENCE_BYTES
 from ..ops import logits_bitmask
 from ..params import GuidedDecodingBackend, GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .sglang_masks import DEFAULT_RING_DEPTH, MaskRing
@@ -228,13 +229,17 @@ class CapgraphGrammar(BaseGrammarObject):
 
     def _on_fill_error(self, error: Exception) -> None:
         """Keep the matcher's failure for the next accept_token, and log it once."""
-        self._error = RequestError(
-            f"capgraph: the {self.compiled.params.guide_type.name} grammar failed filling its "
-            f"mask after {self.num_accepted} accepted tokens: {type(error).__name__}: {error} "
-            f"(guide {_clip(self.key_string)!r})")
-        self._error.__cause__ = error
+        self._keep_error(error, "filling its mask")
         _log.error("%s; its row allows only the stop tokens %s", self._error,
                    list(self.backend.stop_ids))
+
+    def _keep_error(self, error: Exception, doing: str) -> None:
+        """Make ``error`` this request's: its next accept_token raises it."""
+        self._error = RequestError(
+            f"capgraph: the {self.compiled.params.guide_type.name} grammar failed {doing} "
+            f"after {self.num_accepted} accepted tokens: {type(error).__name__}: {error} "
+            f"(guide {_clip(self.key_string)!r})")
+        self._error.__cause__ = error
 
     def _on_dead_end(self, vocab_mask: torch.Tensor, row: int) -> None:
         if not self._dead_end_logged:
@@ -275,13 +280,23 @@ class CapgraphGrammar(BaseGrammarObject):
 
     # -- jump-forward --------------------------------------------------------------------------
     def try_jump_forward(self, tokenizer: Any) -> Optional[Tuple[List[int], str]]:
-        """The text the grammar forces next, as ``([], text)``, or None (none, or a backend
-        that cannot say: only xgrammar matchers can)."""
-        native = getattr(self.matcher, "native", None)
-        find = getattr(native, "find_jump_forward_string", None)
-        if find is None:
+        """The text the grammar forces next, as ``([], text)``, or None (nothing forced, the
+        matcher is terminated or failed, or its backend cannot tell).
+
+        Asked through the matcher's bounded ``forced_bytes`` (at most
+        :data:`~capgraph.grammar.forced.MAX_FORCED_SEQUENCE_BYTES` bytes, whole characters,
+        none on a grammar whose forced text could be unbounded), never xgrammar's own walk,
+        which has no length bound. A matcher failure is kept for the request's next
+        ``accept_token`` (which aborts the request) instead of raised into SGLang's scheduler.
+        """
+        if self._error is not None or self.matcher.is_terminated():
             return None
-        text = find()
+        try:
+            text = self.matcher.forced_bytes(MAX_FORCED_SEQUENCE_BYTES).decode("utf-8")
+        except Exception as e:  # noqa: BLE001 - one request's failure, not the scheduler's
+            self._keep_error(e, "finding its forced text")
+            _log.error("%s", self._error)
+            return None
         return ([], text) if text else None
 
     def jump_forward_str_state(self, helper: Tuple[List[int], str]) -> Tuple[str, int]:
