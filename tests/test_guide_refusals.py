@@ -140,6 +140,34 @@ def test_lark_text_that_spells_a_reference_is_text(llg):
         assert matcher.accept_token(token)
 
 
+# --- llguidance: %llguidance options -------------------------------------------------------
+
+def test_llguidance_allow_invalid_utf8_is_refused(llg, llg_ignore):
+    """%llguidance {"allow_invalid_utf8": true} makes llguidance's regexes match bytes: /.+/
+    then lets [INST] (id 3) and the other special tokens through. Refused whatever
+    json_unenforced_keywords says, naming the option and its line."""
+    grammar = '// bytes\n%llguidance {"allow_invalid_utf8": true}\nstart: /.+/'
+    for factory in (llg, llg_ignore):
+        with pytest.raises(RequestFailed, match="UnsupportedGuideError: .*%llguidance options "
+                           "at line 2 .*allow_invalid_utf8.*special tokens"):
+            drive(factory, P.ebnf(grammar), [1097, 3])
+    assert drive(llg, P.ebnf('%llguidance {"allow_invalid_utf8": false}\nstart: /.+/'),
+                 [1097, 3]) == [True, False]
+
+
+def test_llguidance_unknown_option_is_refused(llg):
+    """An option name llguidance does not know (it would ignore it: a misspelt option) is
+    refused naming it; the options it knows, other than allow_invalid_utf8, compile, and text
+    that spells the directive inside a string is text."""
+    with pytest.raises(RequestFailed, match="UnsupportedGuideError: .*'no_forcin'.*does not "
+                       "know.*no_forcing"):
+        drive(llg, P.ebnf('%llguidance {"no_forcin": true}\nstart: "ab"'), [])
+    with pytest.raises(RequestFailed, match="GrammarCompileError: .*not a JSON object"):
+        drive(llg, P.ebnf('%llguidance [1]\nstart: "ab"'), [])
+    ok = '%llguidance {"no_forcing": true, "allow_initial_skip": true}\nstart: "ab" /%llguidance/'
+    assert all(drive(llg, P.ebnf(ok), text_ids(llg, "ab%llguidance")))
+
+
 # --- xgrammar: EBNF lookaheads ---------------------------------------------------------------
 
 def test_ebnf_lookahead_is_refused(xg, xg_ignore):

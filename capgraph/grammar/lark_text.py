@@ -1,5 +1,5 @@
 """What a Lark grammar (llguidance's dialect, which xgrammar's ``Grammar.from_lark`` shares for
-these parts) embeds: ``%json`` schemas and token references.
+these parts) embeds: ``%json`` schemas, ``%llguidance`` options and token references.
 
 The text is read the way llguidance's Lark lexer reads it (``parser/src/lark/lexer.rs``):
 comments (``#`` or ``//`` to the end of the line), string literals, regex literals and the JSON
@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-__all__ = ["LarkJson", "LarkTokenRef", "lark_json_values", "lark_token_refs",
+__all__ = ["LarkJson", "LarkTokenRef", "lark_json_values", "lark_options", "lark_token_refs",
            "replace_json_values"]
 
 # One unit at a position, as llguidance's lexer reads it (longest match; "//" is always a
@@ -32,7 +32,7 @@ _DECODER = json.JSONDecoder()
 
 @dataclass(frozen=True, slots=True)
 class LarkJson:
-    """The JSON value after a ``%json`` (``text[start:end]``)."""
+    """The JSON value after a ``%json`` or ``%llguidance`` (``text[start:end]``)."""
 
     value: Any
     start: int
@@ -59,7 +59,8 @@ class LarkTextError(ValueError):
 
 
 def _scan(text: str) -> Iterator[tuple[str, int, int, Any]]:
-    """``(kind, start, end, value)`` for each ``%json`` value and token reference."""
+    """``(kind, start, end, value)`` for each ``%json`` value (kind ``json``), ``%llguidance``
+    value (``options``) and token reference (``ref``)."""
     pos, n = 0, len(text)
     while pos < n:
         m = _UNIT.search(text, pos)
@@ -76,6 +77,8 @@ def _scan(text: str) -> Iterator[tuple[str, int, int, Any]]:
                                     ) from None
             if m.group(0) == "%json":
                 yield "json", start, end, value
+            elif m.group(0) == "%llguidance":
+                yield "options", start, end, value
             pos = end
             continue
         if kind == "ref":
@@ -95,6 +98,17 @@ def lark_json_values(text: str) -> list[LarkJson]:
     """
     return [LarkJson(value, start, end, _line(text, start))
             for kind, start, end, value in _scan(text) if kind == "json"]
+
+
+def lark_options(text: str) -> list[LarkJson]:
+    """Every ``%llguidance`` value (the grammar's llguidance options) of the Lark grammar
+    ``text``, in order.
+
+    Raises:
+        LarkTextError: a ``%json`` / ``%regex`` / ``%llguidance`` value is not JSON.
+    """
+    return [LarkJson(value, start, end, _line(text, start))
+            for kind, start, end, value in _scan(text) if kind == "options"]
 
 
 def replace_json_values(text: str, values: list[LarkJson], new: list[str]) -> str:

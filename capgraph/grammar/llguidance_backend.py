@@ -18,8 +18,8 @@ from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory, whole_utf8_prefix
 from .semantics import (JSON_CONTAINER_SCHEMA, JSON_WHITESPACE_CHARS, ecma_regex,
                         llguidance_schema)
-from .lark_text import (LarkTextError, LarkTokenRef, lark_json_values, lark_token_refs,
-                        replace_json_values)
+from .lark_text import (LarkJson, LarkTextError, LarkTokenRef, lark_json_values, lark_options,
+                        lark_token_refs, replace_json_values)
 from .schema_policy import describe, unenforced_in_text
 
 if TYPE_CHECKING:
@@ -49,6 +49,11 @@ def json_whitespace_options(config: GuidedDecodingConfig) -> JsonCompileOptions:
     limit = f"{{0,{config.json_max_whitespace}}}" if mode == "bounded" else "*"
     return {"whitespace_flexible": True, "whitespace_pattern": _JSON_WHITESPACE + limit,
             "item_separator": ",", "key_separator": ":"}
+
+
+#: The options a Lark grammar's ``%llguidance {...}`` may name (llguidance's
+#: ``LLGuidanceOptions``); capgraph refuses ``allow_invalid_utf8`` set to true.
+LLGUIDANCE_OPTIONS = ("allow_initial_skip", "allow_invalid_utf8", "no_forcing")
 
 
 def _refuse(what: str) -> None:
@@ -270,6 +275,8 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
         - A token reference that may place a special token (``<name>``, ``<[id]>``, a range,
           ``<[^...]>``, ``<[*]>``; :mod:`capgraph.grammar.lark_text`) is refused: special
           tokens, the stop token and padding ids are never grammar text.
+        - ``%llguidance`` options are checked (:meth:`_check_options`): ``allow_invalid_utf8``
+          and option names llguidance does not know are refused.
         - Each ``%json`` schema is judged by the keyword policy
           (:func:`~capgraph.grammar.schema_policy.unenforced`, its ``x-guidance`` options
           included) as a JSON-schema guide is, outside ``json_unenforced_keywords="ignore"``,
@@ -279,9 +286,12 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
         try:
             refs = lark_token_refs(grammar)
             values = lark_json_values(grammar)
+            directives = lark_options(grammar)
         except LarkTextError as e:
             raise GrammarCompileError(str(e), guide_type="EBNF_GRAMMAR",
                                       backend=BACKEND) from None
+        for found in directives:
+            self._check_options(found)
         for ref in refs:
             placed = self._placed_special(ref)
             if placed is not None:
@@ -308,6 +318,29 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
                                         **self._json_options}
             new.append(json.dumps(schema))
         return replace_json_values(grammar, values, new)
+
+    @staticmethod
+    def _check_options(found: LarkJson) -> None:
+        """Refuse the ``%llguidance`` options ``found`` where they would break what capgraph
+        promises: ``allow_invalid_utf8`` (llguidance's lexer then matches bytes, not characters,
+        so ``/.+/`` lets every special token and invalid UTF-8 into the output), and any name
+        llguidance does not know (it ignores such a name: a misspelt option would be dropped
+        without a word). ``no_forcing`` and ``allow_initial_skip`` are taken."""
+        where = f"the %llguidance options at line {found.line} of the grammar"
+        if not isinstance(found.value, dict):
+            raise GrammarCompileError(f"{where} are not a JSON object: {found.value!r}",
+                                      guide_type="EBNF_GRAMMAR", backend=BACKEND)
+        unknown = sorted(set(found.value) - set(LLGUIDANCE_OPTIONS))
+        if unknown:
+            raise UnsupportedGuideError(
+                f"{where} name {', '.join(map(repr, unknown))}, which llguidance does not "
+                f"know and would ignore; its options are {', '.join(LLGUIDANCE_OPTIONS)}",
+                guide_type="EBNF_GRAMMAR", backend=BACKEND)
+        if found.value.get("allow_invalid_utf8"):
+            raise UnsupportedGuideError(
+                f"{where} set allow_invalid_utf8: llguidance then matches bytes instead of "
+                "characters, which lets special tokens and invalid UTF-8 into the output; "
+                "capgraph's outputs are text", guide_type="EBNF_GRAMMAR", backend=BACKEND)
 
     def _placed_special(self, ref: LarkTokenRef) -> str | None:
         """The special (or stop, or padding) token the token reference ``ref`` may place,
