@@ -11,6 +11,7 @@ import torch
 from capgraph import (ConfigError, GrammarCompileError, GuidedDecodingConfig,
                       GuidedDecodingParams, GuideType, UnsupportedGuideError)
 from capgraph.decoder import GuidedDecoder
+from capgraph.demo import KV_GRAMMAR
 from capgraph.grammar import create_matcher_factory
 from capgraph.grammar.guide_limits import ebnf_counts, regex_counts, schema_counts
 from capgraph.grammar.llguidance_backend import available as llguidance_available
@@ -318,3 +319,217 @@ def test_deep_schema_with_long_names_is_checked_in_linear_memory(monkeypatch):
     message = str(info.value)  # names where, its middle cut out
     assert "/properties/" + "n" * 40 in message and "/maxLength" in message
     assert len(message) < 1000
+
+
+# -- chains of nested quantifiers through rule references ------------------------------------
+
+def _check(guide: str, backend: str = "xgrammar") -> None:
+    from capgraph.grammar.guide_limits import check_guide_limits
+    check_guide_limits(GuidedDecodingParams.ebnf(guide), backend, 65535)
+
+
+def _check_refused(guide: str, backend: str, *needles: str) -> str:
+    with pytest.raises(UnsupportedGuideError) as info:
+        _check(guide, backend)
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, (needle, message)
+    return message
+
+
+@pytest.mark.parametrize("grammar, needles", [
+    # one reference: 65536, one accept of a 64-character token 36 ms (as inline)
+    ('root ::= x{0,256}\nx ::= "a"{0,256}',
+     ["two nested", "65536", "{0,256} (rule root, grammar offset 10) > {0,256} (rule x"]),
+    # two references, three levels: 4096 (7.2 s for that token)
+    ('root ::= x{0,16}\nx ::= y{0,16}\ny ::= "a"{0,16}',
+     ["three or more nested", "4096", "(rule root,", "(rule x,", "(rule y,"]),
+    # a reference passed on by a rule without quantifiers
+    ('root ::= x{0,256}\nx ::= y | "b"\ny ::= "a"{0,256}', ["65536", "(rule y,"]),
+    # a rule under '*' and '+'
+    ('root ::= "s" x*\nx ::= "a"{0,1000}', ["64000", "* (rule root"]),
+    ('root ::= (x "," | x)+\nx ::= [a-z]{0,100}', ["6400", "(rule x,"]),
+    # the regex of a referenced rule
+    ('root ::= x{0,256}\nx ::= Regex("a{0,256}")', ["65536", "Regex at grammar offset 24"]),
+])
+def test_nested_counts_through_gbnf_rule_references_are_refused(tiny, grammar, needles):
+    """A chain of nested quantifiers split across rules costs what the same chain inline
+    costs (``x{0,256}`` with ``x ::= "a"{0,256}``: 36 ms per long-token accept, as
+    ``("a"{0,256}){0,256}``): it is refused by the same products, the message naming each
+    count of the chain and its rule."""
+    _refused(tiny, GuidedDecodingParams.ebnf(grammar), "the chain:", *needles)
+
+
+@pytest.mark.parametrize("grammar, needles", [
+    ('start: x{0,256}\nx: "a"{0,256}', ["65536", "(rule start,", "(rule x,"]),
+    ('start: x{0,16}\nx: y ~ 0..16\ny: "a" ~ 0..16',
+     ["three or more nested", "4096", "~ 0..16 (rule x,", "(rule y,"]),
+    ('start: "s" x*\nx: X\nX: /a{0,1000}/', ["64000", "regex at grammar offset"]),
+    ('?start: item+\nitem.2: [A] B{0,100}\nB: "b" | "c"\nA: "a"', ["6400", "(rule item,"]),
+])
+def test_nested_counts_through_lark_rules_and_terminals_are_refused(grammar, needles):
+    """The same through Lark rules and terminals (``~ n..m``, priorities and ``?rule``
+    read)."""
+    _check_refused(grammar, "llguidance", "the chain:", *needles)
+
+
+@pytest.mark.parametrize("grammar, needles", [
+    # left recursion under a count: xgrammar did not finish one accept in 120 s
+    ('root ::= x\nx ::= ("a" | x){0,40}', ["1600", "(rule x,"]),
+    # a count around a reference to its own rule nests without end (3.2 s at {0,40})
+    ('root ::= x\nx ::= "b" | ("a" x){0,4}', ["over 4611686018427387904", "{0,4} (rule x"]),
+    ('root ::= x\nx ::= "a" | ("a" x?){0,16}', ["three or more nested"]),  # 940 ms
+    ('root ::= y\ny ::= "c" z\nz ::= "d" | ("a" y){0,4}', ["(rule z,"]),  # through two rules
+])
+def test_counts_nested_through_recursion_are_refused(tiny, grammar, needles):
+    """A rule reached from itself inside a count repeats that count once per level of
+    recursion: such a chain grows without end and is refused."""
+    _refused(tiny, GuidedDecodingParams.ebnf(grammar), *needles)
+
+
+LLAMA_CPP_JSON = r'''
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::=
+  "{" ws (
+            string ":" ws value
+    ("," ws string ":" ws value)*
+  )? "}" ws
+array  ::=
+  "[" ws (
+            value
+    ("," ws value)*
+  )? "]" ws
+string ::=
+  "\"" (
+    [^"\\\x7F\x00-\x1F] |
+    "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4}) # escapes
+  )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+ws ::= | " " | "\n" [ \t]{0,20}
+'''
+EXPRESSION = '''root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor (("*" | "/") factor)*
+factor ::= [0-9]{1,10} ("." [0-9]{1,6})? | "(" ws expr ws ")" | "-" factor
+ws ::= [ ]*
+'''
+LARK_JSON = r'''
+?start: value
+?value: object | array | string | SIGNED_NUMBER -> number | "true" -> true | "null" -> null
+array  : "[" [value ("," value)*] "]"
+object : "{" [pair ("," pair)*] "}"
+pair   : string ":" value
+string : ESCAPED_STRING
+ESCAPED_STRING : /"([^"\\]|\\(["\\\/bfnrt]|u[0-9a-fA-F]{4}))*"/
+SIGNED_NUMBER: /-?[0-9]{1,15}(\.[0-9]+)?([eE][+-]?[0-9]+)?/
+%ignore /[ \t\n]+/
+'''
+LARK_EXPRESSION = r'''
+start: sum
+sum: product (("+" | "-") product)*
+product: atom (("*" | "/") atom)*
+atom: NUMBER | "-" atom | "(" sum ")"
+NUMBER: /[0-9]{1,10}/
+%ignore " "
+'''
+
+
+@pytest.mark.parametrize("grammar, backend, undelimited", [
+    # llama.cpp's json.gbnf: recursion through '*', counts in strings, numbers, whitespace
+    (LLAMA_CPP_JSON, "xgrammar", ('("," ws value)*', '(ws value)*')),
+    (EXPRESSION, "xgrammar", ('(("*" | "/") factor)*', '(factor)*')),
+    (LARK_JSON, "llguidance", ('("," value)*', '(value)*')),
+    (LARK_EXPRESSION, "llguidance", ('(("*" | "/") atom)*', '(atom)*')),
+    (KV_GRAMMAR, "xgrammar", ('(";" pair){0,2}', '(value){0,200}')),  # the demo's
+])
+def test_recursive_and_delimited_grammars_pass(grammar, backend, undelimited):
+    """Real grammars pass: plain recursion (JSON's ``value`` inside ``array``'s ``*``) and
+    counts a delimiter keeps apart (``("," ws value)*`` around a number's ``[0-9]{0,15}``,
+    ``"\\\\u" [0-9a-fA-F]{4}`` in a string's ``*``: the separator cannot be part of the
+    inner count's text, so the outer repetition cannot split it in several ways). Without
+    the delimiter the same grammar nests the counts, and is refused."""
+    _check(grammar, backend)
+    old, new = undelimited
+    assert old in grammar
+    _check_refused(grammar.replace(old, new), backend, "nested", "the chain:")
+
+
+def test_xgrammar_builtin_json_grammar_passes():
+    """xgrammar's own JSON grammar (lookaheads, recursion through rules) passes."""
+    xgrammar = pytest.importorskip("xgrammar")
+    _check(str(xgrammar.Grammar.builtin_json_grammar()))
+    _check_refused('root ::= x{0,256}\nx ::= y (= "b")\ny ::= "a"{0,256}', "xgrammar",
+                   "(rule y,")
+
+
+def test_a_delimiter_keeps_counts_apart_only_when_it_cannot_be_their_text():
+    """``x{0,64}`` with ``x ::= "a"{0,64} "b"`` passes (0.08 ms per long-token accept:
+    each ``b`` ends an iteration); with ``"a"`` as the delimiter the iterations can split
+    the text in many ways (5.9 ms; ``("a" ("a"{0,16}){0,16}){0,16}``: 18 s), and it is
+    refused."""
+    _check('root ::= x{0,64}\nx ::= "a"{0,64} "b"')
+    _check_refused('root ::= x{0,64}\nx ::= "a"{0,64} "a"', "xgrammar", "4096")
+    _check_refused('root ::= x{0,16}\nx ::= "a" y{0,16}\ny ::= "a"{0,16}', "xgrammar",
+                   "three or more nested")
+
+
+def _tag(fmt: dict) -> GuidedDecodingParams:
+    return GuidedDecodingParams(GuideType.STRUCTURAL_TAG,
+                                json.dumps({"type": "structural_tag", "format": fmt}))
+
+
+def _repeat(lo: int, hi: int, content: dict) -> dict:
+    return {"type": "repeat", "min": lo, "max": hi, "content": content}
+
+
+_A = {"type": "const_string", "value": "a"}
+
+
+@pytest.mark.parametrize("fmt, needles", [
+    # 36 ms per long-token accept, as ("a"{0,256}){0,256}
+    (_repeat(0, 256, _repeat(0, 256, _A)), ["65536", "repeat min=0 max=256 (structural tag, "
+                                                      "/format/content)"]),
+    (_repeat(0, 16, _repeat(0, 16, _repeat(0, 16, _A))), ["three or more", "4096"]),  # 8.6 s
+    ({"type": "star", "content": _repeat(0, 1000, _A)}, ["64000"]),
+    (_repeat(0, 256, {"type": "regex", "pattern": "a{0,256}"}), ["regex at /format/content"]),
+    (_repeat(0, 256, {"type": "grammar", "grammar": 'root ::= x\nx ::= "a"{0,256}'}),
+     ["(rule x,"]),
+    (_repeat(0, 256, {"type": "sequence", "elements": [
+        {"type": "optional", "content": _A}, _repeat(1, 256, _A)]}), ["65536"]),
+])
+def test_structural_tag_repeats_nested_in_repeats_are_refused(tiny, fmt, needles):
+    """A tag's ``repeat`` (``star``, ``plus``) around another, or around a regex or grammar
+    with counts, multiplies them like nested quantifiers."""
+    _refused(tiny, _tag(fmt), "nested", "/format", *needles)
+
+
+def test_structural_tag_repeats_kept_apart_by_tags_pass(tiny):
+    """A repeat of tags whose begin and end strings cannot be part of the inner repeat's
+    text does not multiply (one long-token accept: 0.01 ms)."""
+    from capgraph.grammar.guide_limits import check_guide_limits
+    check_guide_limits(_tag(_repeat(0, 256, {"type": "tag", "begin": "<b>", "content":
+                                             _repeat(0, 256, _A), "end": "</b>"})),
+                       "xgrammar", 65535)
+    _refused(tiny, _tag(_repeat(0, 256, {"type": "tag", "begin": "a", "content":
+                                         _repeat(0, 256, _A), "end": ""})), "65536")
+
+
+def test_rule_following_stays_fast():
+    """Summaries are computed once per rule (a cycle a few rounds): a chain of 5000 rules
+    (50 ms alone), a 2000-rule cycle and 5000 alternatives take under a second each on 2
+    cores. The bound is loose on purpose: it catches work that grows with the square of
+    the grammar (a 5000-rule chain walked once per rule), not a slower machine."""
+    import time
+    grammars = [
+        "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(5000)) + 'r5000 ::= "a"',
+        "root ::= r0\n" + "".join(f'r{i} ::= "x" (r{i + 1})* | "y" [0-9]{{1,3}}\n'
+                                  for i in range(2000)) + "r2000 ::= r0",
+        "root ::= " + " | ".join(f'"k{i}" [a-z]{{0,4}}' for i in range(5000)),
+    ]
+    for grammar in grammars:
+        start = time.perf_counter()
+        _check(grammar)
+        assert time.perf_counter() - start < 10.0
+    _check_refused("root ::= r0{0,256}\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(5000))
+                   + 'r5000 ::= "a"{0,256}', "xgrammar", "(rule r5000,")

@@ -35,8 +35,9 @@ It reads:
 Counts each under the limit still multiply when nested: xgrammar's cost of one step grows
 with the product along a chain of nested quantifiers and with the token's length, and one
 call cannot be interrupted (figures below). :func:`nested_counts` finds every chain of nested
-quantifiers with a count among them (through regex groups, EBNF groups and the regexes inside
-them), an unbounded quantifier weighing :data:`UNBOUNDED_FACTOR`; a chain of two may multiply to
+quantifiers with a count among them (through regex groups, EBNF groups, the regexes inside
+them, EBNF rule and Lark terminal references, and a structural tag's ``repeat``, ``star`` and
+``plus``), an unbounded quantifier weighing :data:`UNBOUNDED_FACTOR`; a chain of two may multiply to
 :data:`MAX_NESTED_PRODUCT` (1024), one of three or more to :data:`MAX_DEEP_NESTED_PRODUCT`
 (64), and neither past ``max_repetition_count``. One accept of a 64-character token of ``a``
 by a fresh xgrammar 0.2.9 matcher (2 cores, other jobs running; ``python -m
@@ -48,8 +49,31 @@ capgraph.grammar.guide_limits --long-token 64 '(a{0,32}){0,32}' '(a*){0,16}' ...
 of unbounded quantifiers alone (``(a*)*``: 0.14 ms for the 64-character token) are not
 refused: star height is not ambiguity (``(ab*)*`` and ``(\\w+\\s)*`` match in linear time), and the
 host-step budget (``GuidedDecodingConfig.host_step_budget_ms``) bounds what an ambiguous guide
-costs over many steps. A chain through an EBNF rule reference (``x ::= "a"{0,40}`` used as
-``x{0,40}``) is not followed.
+costs over many steps.
+
+A chain split across rules costs what it costs inline, so rule references are followed
+(:class:`_Grammar`): with the 64-character token, ``root ::= x{0,256}`` and ``x ::= "a"{0,256}``
+36 ms (``("a"{0,256}){0,256}``: 37 ms), ``x{0,8}``, ``y{0,8}``, ``"a"{0,8}`` 103 ms (inline
+104 ms), ``x*`` with ``x ::= "a"{0,1000}`` 9.5 ms, a tag's ``repeat`` 0..256 of a ``repeat``
+0..256 36 ms, and three ``repeat`` 0..16 8.6 s (``x{0,16}``, ``y{0,16}``, ``"a"{0,16}``: 7.2 s);
+``python -m capgraph.grammar.guide_limits --long-token 64 --guide-type ebnf $'root ::=
+x{0,256}\\nx ::= "a"{0,256}' ...`` (``--guide-type structural_tag`` for tags). Recursion nests a
+count once per level (``x ::= "b" | ("a" x){0,40}``: 3.2 s; ``x ::= ("a" | x){0,40}`` did not
+return in 120 s): a rule whose chains still grow after a few rounds of its cycle is taken as
+nesting without end and refused, while plain recursion (JSON's ``value`` inside ``array``'s
+``*``) only nests unbounded quantifiers, which pass. A chain stops going outward at a sequence
+where a sibling cannot be part of its text: ``("," ws value)*`` around a number's
+``[0-9]{0,15}``, ``"\\u" [0-9a-fA-F]{4}`` in a string's ``*``, a tag's ``begin`` and ``end``
+strings (``x{0,64}`` with ``x ::= "a"{0,64} "b"``: 0.08 ms; with ``"a"`` as the delimiter
+5.9 ms, refused). llama.cpp's ``json.gbnf`` and ``arithmetic.gbnf``, xgrammar's builtin JSON
+grammar, Lark JSON and expression grammars and the demo's EBNF pass. llguidance's cost grows
+the same way (Lark on Tekken, accept and mask of a 16-character token: ``start: x{0,32}`` with
+``x: /[a-z]/{0,32}`` up to 150 ms a step, inline 165 ms; at 256 x 256 its parser gives up,
+"Current row has 2393 items; max is 2000"). Not followed: a JSON schema (Lark ``%json``, a
+tag's ``json_schema``), ``any_text`` and the triggered or dispatched tags expose no chain to a
+quantifier around them, and inside a regex (REGEX guides, patterns) no delimiter stops a chain
+(``(a{0,64}b){0,64}`` is refused). Checking stays about linear (2 shared cores): a 5000-rule
+chain takes 50-60 ms, a 5000-rule cycle 0.5-0.9 s, 20 000 alternatives (430 kB) 0.5-0.8 s.
 """
 
 from __future__ import annotations
@@ -425,82 +449,646 @@ def _structural_counts(node: Any, path: str = "") -> Iterator[Found]:
 def ebnf_nesting(grammar: str, lark: bool) -> Iterator[Nested]:
     """:func:`regex_nesting` for an EBNF grammar (GBNF, or Lark with ``lark=True``): chains
     of quantifiers nested through parenthesised groups (Lark ``[...]`` too), the regexes
-    inside (Lark ``/.../``, GBNF ``Regex("...")``) taking part as groups, and those of the
-    patterns of Lark ``%json`` schemas. (A chain through a rule reference, ``x ::= y{0,9}``
-    then ``x{0,9}``, is not followed.)"""
-    chains = _Chains()
-    i, n = 0, len(grammar)
+    inside (Lark ``/.../``, GBNF ``Regex("...")``) taking part as groups, the rules and
+    terminals they reference (``x{0,9}`` with ``x ::= "a"{0,9}``: 81, recursion included:
+    :class:`_Grammar`), and those of the patterns of Lark ``%json`` schemas."""
+    return _Grammar(grammar, lark).nesting()
+
+
+# -- EBNF chains through rule references ------------------------------------------------------
+# Characters as an int: bit c for ASCII c, bit 128 for any other character.
+_NON_ASCII = 1 << 128
+_ALL_CHARS = (1 << 129) - 1
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'", "/": "/",
+            "]": "]", "[": "[", "-": "-", "^": "^", "0": "\0", " ": " ", ".": "."}
+_DIGITS = sum(1 << o for o in range(48, 58))
+_WORD = _DIGITS | sum(1 << o for o in range(65, 91)) | sum(1 << o for o in range(97, 123)) \
+    | 1 << 95 | _NON_ASCII
+_SPACE = sum(1 << ord(c) for c in " \t\n\r\f\v") | _NON_ASCII
+#: ``\d``, ``\w``, ``\s`` (their negations: anything)
+_CLASS_ESCAPES = {"d": _DIGITS, "w": _WORD, "s": _SPACE, "D": _ALL_CHARS, "W": _ALL_CHARS,
+                  "S": _ALL_CHARS}
+_HEX_ESCAPE = re.compile(r"x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})")
+_NAME_TAIL = re.compile(r"[\w.-]*")
+_DEFINES = re.compile(r"[ \t]*::=")
+_LARK_DEFINES = re.compile(r"[ \t]*:(?!:)")
+_PRIORITY = re.compile(r"\.\d+$")
+_UNBOUNDED_CLAMP = UNBOUNDED_FACTOR ** 3  # an uncounted chain's product stops here (its
+#                                          depth alone decides what a count above it makes)
+
+# A chain's key: (depth 1, 2 or 3+, any counted, the characters its outermost quantifier
+# repeats); its value: (product, the trace naming it).
+_Key = tuple[int, bool, int]
+_Entries = dict[_Key, tuple[int, Any]]
+
+
+def _bits(ch: str) -> int:
+    o = ord(ch)
+    return 1 << o if o < 128 else _NON_ASCII
+
+
+def _unescape(text: str, i: int) -> tuple[str | None, int]:
+    """The character of the escape at ``text[i] == '\\\\'`` (None: not known) and the index
+    past it."""
+    if i + 1 >= len(text):
+        return None, i + 1
+    m = _HEX_ESCAPE.match(text, i + 1)
+    if m:
+        code = int(m.group(1) or m.group(2) or m.group(3), 16)
+        return (chr(code) if code < 0x110000 else None), m.end()
+    return _ESCAPES.get(text[i + 1]), i + 2
+
+
+def _literal_chars(body: str, nocase: bool) -> tuple[int, int]:
+    """(characters a string literal's text may hold, characters it surely holds)."""
+    chars = must = 0
+    i, n = 0, len(body)
     while i < n:
-        c = grammar[i]
-        if c == '"' or (c == "'" and lark):
-            i = _skip_string(grammar, i)
-            chains.atom()
-        elif (c == "#" and not lark) or (c == "/" and lark and grammar.startswith("//", i)):
-            i = _line_end(grammar, i)
-        elif c == "/" and lark:
-            end = _skip_string(grammar, i)
-            chains.open()
-            yield from _regex_events(grammar[i + 1:end - 1], f"regex at grammar offset {i}",
-                                     chains)
-            chains.close()
-            i = end
-            while i < n and grammar[i] in "imslux":  # the regex's flags
-                i += 1
-        elif c == "R" and not lark and (m := _GBNF_REGEX.match(grammar, i)):
-            end = _skip_string(grammar, m.end() - 1)
-            chains.open()
-            yield from _regex_events(_unquote(grammar[m.end():end - 1]),
-                                     f"Regex at grammar offset {i}", chains)
-            chains.close()
-            close = grammar.find(")", end)
-            i = n if close < 0 else close + 1
-        elif c == "[" and not lark:
-            i = _skip_class(grammar, i)
-            chains.atom()
-        elif c == "%" and lark and grammar.startswith("%json", i):
-            start = grammar.find("{", i)
-            try:
-                schema, end = json.JSONDecoder().raw_decode(grammar, start)
-            except ValueError:
-                i += 5
+        if body[i] == "\\":
+            ch, i = _unescape(body, i)
+            if ch is None:
+                chars = _ALL_CHARS
                 continue
-            yield from schema_nesting(schema, f"%json at grammar offset {i}")
-            chains.atom()
-            i = end
-        elif c in "([" :
-            chains.open()
-            i += 1
-        elif c in ")]":
-            chains.close()
-            i += 1
-        elif c == "|" or c == "=" or c == ":":
-            chains.alt()
-            i += 1
-        elif c == "{" or (c == "~" and lark):
-            m = (_BRACE_COUNT if c == "{" else _LARK_TILDE).match(grammar, i)
-            if m is None:
-                i += 1
-                continue
-            lo, hi = int(m.group(1)), m.group(2)
-            unbounded = c == "{" and m.group(0).rstrip("} \t").endswith(",")
-            factor = max(lo, UNBOUNDED_FACTOR) if unbounded else int(hi) if hi else lo
-            yield from chains.quantifier(factor, True, f"grammar offset {i}", m.group(0))
-            i = m.end()
-        elif c in "*+":
-            yield from chains.quantifier(UNBOUNDED_FACTOR, False, f"grammar offset {i}", c)
-            i += 1
-        elif c == "\n" and _RULE_START.match(grammar, i):
-            chains.end()  # a new rule: groups left open do not go on into it
-            chains.alt()
-            i += 1
-        elif c.isspace() or c == "?":
-            i += 1
         else:
-            j = i + 1
-            while j < n and (grammar[j].isalnum() or grammar[j] in "_.-"):
-                j += 1
-            chains.atom()
-            i = j
+            ch, i = body[i], i + 1
+        bit = _bits(ch)
+        if nocase and ch.lower() != ch.upper():
+            chars |= bit | _bits(ch.lower()) | _bits(ch.upper())
+        else:
+            chars |= bit
+            must |= bit
+    return chars, must
+
+
+def _class_chars(body: str) -> int:
+    """The characters a GBNF character class (``[...]``'s inside) matches, or more."""
+    negated = body.startswith("^")
+    if "[:" in body or "[=" in body or "[." in body:
+        return _ALL_CHARS
+    i, n, chars = (1 if negated else 0), len(body), 0
+    prev: str | None = None
+    while i < n:
+        if body[i] == "\\" and body[i + 1:i + 2] in _CLASS_ESCAPES:
+            chars |= _CLASS_ESCAPES[body[i + 1]]
+            i += 2
+            prev = None
+            continue
+        if body[i] == "\\":
+            ch, i = _unescape(body, i)
+            if ch is None:
+                return _ALL_CHARS
+        else:
+            ch, i = body[i], i + 1
+        if ch == "-" and prev is not None and i < n:  # a range prev-next
+            if body[i] == "\\":
+                hi, i = _unescape(body, i)
+                if hi is None:
+                    return _ALL_CHARS
+            else:
+                hi, i = body[i], i + 1
+            lo_o, hi_o = ord(prev), ord(hi)
+            for o in range(lo_o, min(hi_o, 127) + 1):
+                chars |= 1 << o
+            if hi_o >= 128:
+                chars |= _NON_ASCII
+            prev = None
+            continue
+        chars |= _bits(ch)
+        prev = ch
+    return (_ALL_CHARS & ~chars) | _NON_ASCII if negated else chars
+
+
+def _regex_pieces(pattern: str, where: str, nocase: bool = False) -> list["_Piece"]:
+    """A regex as rule-body pieces (:data:`_Piece`) for the chains it exposes to the
+    quantifiers around it: literals, classes, groups, alternatives and quantifiers (a
+    lookaround as an optional group; a case-insensitive one, or one with inline flags, as a
+    single piece of any characters)."""
+    if nocase or "(?" in pattern and re.search(r"\(\?[a-zA-Z-]+[:)]", pattern):
+        return [("lit", _OPAQUE)]
+    pieces: list[_Piece] = []
+    i, n = 0, len(pattern)
+    prev_atom = False
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            e = pattern[i + 1:i + 2]
+            if e in _CLASS_ESCAPES:
+                pieces.append(("lit", _Item({}, _CLASS_ESCAPES[e], False)))
+                i += 2
+            elif e in "pPxuN" and pattern[i + 2:i + 3] == "{" or e in "pPN":
+                end = pattern.find("}", i + 3) if pattern[i + 2:i + 3] == "{" else i + 2
+                pieces.append(("lit", _Item({}, _ALL_CHARS, False)))
+                i = n if end < 0 else end + 1
+            elif e.isalpha() and e not in "ntrfvxu0":  # \b, \A, \z ...: anything
+                pieces.append(("lit", _OPAQUE))
+                i += 2
+            else:
+                ch, i = _unescape(pattern, i)
+                if ch is None and e:
+                    ch = e
+                bits = _ALL_CHARS if ch is None else _bits(ch)
+                pieces.append(("lit", _Item({}, bits, False, 0 if ch is None else bits)))
+            prev_atom = True
+            continue
+        if c == "[":
+            end = _skip_class(pattern, i)
+            pieces.append(("lit", _Item({}, _class_chars(pattern[i + 1:end - 1]), False)))
+            i, prev_atom = end, True
+            continue
+        m = _BRACE_COUNT.match(pattern, i) if c == "{" and prev_atom else None
+        if m is not None:
+            lo, hi = int(m.group(1)), m.group(2)
+            unbounded = m.group(0).rstrip("} \t").endswith(",")
+            factor = max(lo, UNBOUNDED_FACTOR) if unbounded else int(hi) if hi else lo
+            pieces.append(("quant", (factor, True, lo == 0, m.group(0),
+                                     f"{where} offset {i}")))
+            i = m.end()
+        elif c in "*+" and prev_atom:
+            pieces.append(("quant", (UNBOUNDED_FACTOR, False, c == "*", c,
+                                     f"{where} offset {i}")))
+            i += 1
+        elif c == "?" and prev_atom:
+            pieces.append(("opt", None))
+            i += 1
+        elif c == "(":
+            look = pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), i)
+            pieces.append(("open", look))
+            if pattern.startswith("(?", i):  # (?:, (?P<name>, (?<name>, lookarounds
+                j = i + 2
+                if pattern.startswith(("P<", "<"), j) and not look:
+                    close = pattern.find(">", j)
+                    j = n if close < 0 else close + 1
+                else:
+                    while j < n and pattern[j] in ":=!<":
+                        j += 1
+                i = j
+            else:
+                i += 1
+            prev_atom = False
+            continue
+        elif c == ")":
+            pieces.append(("close", None))
+            i, prev_atom = i + 1, True
+            continue
+        elif c == "|":
+            pieces.append(("alt", None))
+            i, prev_atom = i + 1, False
+            continue
+        elif c in "^$":
+            i += 1
+            continue
+        else:
+            bits = _ALL_CHARS if c == "." else _bits(c)
+            pieces.append(("lit", _Item({}, bits, False, 0 if c == "." else bits)))
+            i, prev_atom = i + 1, True
+            continue
+        if i < n and pattern[i] in "?+":  # a lazy or possessive quantifier
+            i += 1
+        prev_atom = True
+    return pieces
+
+
+class _Item:
+    """What a piece of a rule body (a literal, a group, a quantified item, a reference)
+    contributes to the chains around it: the chains it exposes to a quantifier applied to
+    it, the characters its text may hold, whether it may be empty, and characters its text
+    surely holds."""
+
+    __slots__ = ("chains", "chars", "nullable", "must")
+
+    def __init__(self, chains: _Entries, chars: int, nullable: bool, must: int = 0) -> None:
+        self.chains, self.chars, self.nullable, self.must = chains, chars, nullable, must
+
+
+_OPAQUE = _Item({}, _ALL_CHARS, True)  # an unknown reference, a %json schema, <[...]>
+
+
+def _put(into: _Entries, key: _Key, value: tuple[int, Any]) -> None:
+    old = into.get(key)
+    if old is None or value[0] > old[0]:
+        into[key] = value
+
+
+def _guarded(item_index: int, chars: int, guards: list[tuple[int, int, int]]) -> bool:
+    """Whether a chain whose outermost quantifier repeats ``chars`` is kept from going on
+    past its sequence by a sibling that cannot be part of its text (``"," x{0,9}``): a
+    non-empty one of other characters, or a literal holding one. The outer quantifier's
+    iterations then cannot split the chain's text in several ways."""
+    for index, g_chars, g_must in guards:
+        if index != item_index and (g_chars & chars == 0 or g_must & ~chars):
+            return True
+    return False
+
+
+def _sequence(items: list[_Item]) -> _Item:
+    if len(items) == 1:
+        return items[0]
+    if not items:
+        return _Item({}, 0, True)
+    chars = must = 0
+    nullable = True
+    guards: list[tuple[int, int, int]] = []
+    seen: dict[tuple[int, int], int] = {}
+    for i, item in enumerate(items):
+        chars |= item.chars
+        must |= item.must
+        nullable = nullable and item.nullable
+        if not item.nullable or item.must:
+            sig = (item.chars if not item.nullable else _ALL_CHARS, item.must)
+            if sig in seen:
+                if seen[sig] >= 0:
+                    guards.append((-1, *sig))  # twice: a guard for every item
+                    seen[sig] = -1
+            elif len(seen) < 64:
+                seen[sig] = i
+                guards.append((i, *sig))
+    chains: _Entries = {}
+    for i, item in enumerate(items):
+        for key, value in item.chains.items():
+            if not guards or not _guarded(i, key[2], guards):
+                _put(chains, key, value)
+    return _Item(_bounded(chains), chars, nullable, must)
+
+
+def _bounded(chains: _Entries) -> _Entries:
+    """``chains``, or where they hold more than 64 kinds of characters, one chain per depth
+    and countedness with all their characters (fewer siblings keep it from going on)."""
+    if len(chains) <= 64:
+        return chains
+    merged: dict[tuple[int, bool], tuple[int, int, Any]] = {}
+    for (depth, counted, chars), (product, trace) in chains.items():
+        old = merged.get((depth, counted))
+        if old is None:
+            merged[depth, counted] = (chars, product, trace)
+        else:
+            best = (product, trace) if product > old[1] else (old[1], old[2])
+            merged[depth, counted] = (old[0] | chars, *best)
+    return {(d, c, chars): (product, trace)
+            for (d, c), (chars, product, trace) in merged.items()}
+
+
+def _alternatives(alts: list[_Item]) -> _Item:
+    if len(alts) == 1:
+        return alts[0]
+    chains: _Entries = {}
+    chars, nullable, must = 0, False, -1
+    for alt in alts:
+        for key, value in alt.chains.items():
+            _put(chains, key, value)
+        chars |= alt.chars
+        nullable = nullable or alt.nullable
+        must &= alt.must
+    return _Item(_bounded(chains), chars, nullable, must if must > 0 else 0)
+
+
+class _Link:
+    """A quantifier of a chain, for a message: its text, where and in which rule, and the
+    chain inside it (written out only when read)."""
+
+    __slots__ = ("text", "where", "rule", "inner")
+
+    def __init__(self, text: str, where: Any, rule: str, inner: _Link | None) -> None:
+        self.text, self.where, self.rule, self.inner = text, where, rule, inner
+
+    def __str__(self) -> str:
+        parts: list[str] = []
+        link: _Link | None = self
+        while link is not None and len(parts) < 6:
+            parts.append(f"{link.text} ({link.rule}, {link.where})")
+            link = link.inner
+        more = "" if link is None else " > ..."
+        return f"{self.where} in {self.rule} (the chain: {' > '.join(parts)}{more})"
+
+
+def _quantify(item: _Item, factor: int, counted: bool, nullable: bool, link: tuple[str, Any,
+              str], found: list[Nested] | None) -> _Item:
+    text, where, rule = link
+    chains: _Entries = {(1, counted, item.chars): (factor, _Link(text, where, rule, None))}
+    for (depth, was_counted, _), (product, inner) in item.chains.items():
+        any_counted = was_counted or counted
+        product = min(product * factor, _CAP if any_counted else _UNBOUNDED_CLAMP)
+        key = (min(depth + 1, 3), any_counted, item.chars)
+        trace = _Link(text, where, rule, inner)
+        _put(chains, key, (product, trace))
+        if found is not None and any_counted:
+            found.append((product, key[0], trace, text))
+    return _Item(chains, item.chars, nullable or item.nullable,
+                 0 if nullable else item.must)
+
+
+# A rule body's pieces, read once: ("lit", _Item), ("ref", name), ("open", lark optional),
+# ("close", None), ("alt", None), ("quant", (factor, counted, may be empty, text, where)),
+# ("opt", None), ("regex", (pattern, where)), ("json", (schema, where)).
+_Piece = tuple[str, Any]
+
+
+class _Grammar:
+    """An EBNF grammar's rules, read once, and the chains of nested quantifiers in them,
+    followed through rule (and Lark terminal) references.
+
+    Each rule has a summary, the :class:`_Item` of its body: the chains a quantifier around
+    a reference to it extends. Rules are summarised callee first (strongly connected
+    components, Tarjan's order); a component holding a cycle (``value ::= object | ...``,
+    ``object ::= "{" (value ("," value)*)? "}"``) is summarised again until nothing changes,
+    a reference to a rule of the cycle reading its summary so far, so that recursion through
+    a quantifier nests it once more per round: what still grows after a few rounds (a count
+    around a reference to its own rule, ``x ::= ("a" x){0,4}``, nests without end) is taken
+    as unbounded. A chain stops going on outward at a sequence where a sibling cannot be
+    part of its text (:func:`_guarded`): JSON's ``("," value)*`` does not multiply the counts
+    inside its quoted strings and numbers, nor ``"\\\\u" [0-9a-f]{4}`` the quantifiers around
+    it."""
+
+    def __init__(self, grammar: str, lark: bool) -> None:
+        self.text, self.lark = grammar, lark
+        self.rules: dict[str, list[_Piece]] = {}
+        self.order: list[str] = []
+        self.summary: dict[str, _Item] = {}
+        self.inner: dict[str, tuple[list[Nested], _Item]] = {}  # per regex, by location
+        self.found: list[Nested] = []  # the chains of the rules outside cycles
+        self.cyclic: list[str] = []  # the rules in cycles
+        self._read()
+
+    # reading ----------------------------------------------------------------------------
+    def _name_at(self, i: int) -> int:
+        return _NAME_TAIL.match(self.text, i + 1).end()  # type: ignore[union-attr]
+
+    def _read(self) -> None:
+        text, lark, n = self.text, self.lark, len(self.text)
+        pieces: list[_Piece] = []
+        self.rules[""] = pieces  # (text before any rule)
+        i = 0
+        while i < n:
+            c = text[i]
+            if c == '"' or (c == "'" and lark):
+                end = _skip_string(text, i)
+                nocase = lark and end < n and text[end] == "i"
+                chars, must = _literal_chars(text[i + 1:end - 1], nocase)
+                pieces.append(("lit", _Item({}, chars, end - i <= 2, must)))
+                i = end + nocase
+                if lark and text.startswith("..", i):  # "a".."z": a range
+                    i = _skip_string(text, i + 2) if i + 2 < n else n
+                    pieces[-1] = ("lit", _Item({}, _ALL_CHARS, False))
+            elif (c == "#" and not lark) or (c == "/" and lark and text.startswith("//", i)):
+                i = _line_end(text, i)
+            elif c == "/" and lark:
+                end = _skip_string(text, i)
+                flags = re.match(r"[imslux]*", text[end:]).group(0)  # type: ignore[union-attr]
+                pieces.append(("regex", (text[i + 1:end - 1], f"regex at grammar offset {i}",
+                                         "i" in flags or "x" in flags)))
+                i = end + len(flags)
+            elif c == "R" and not lark and (m := _GBNF_REGEX.match(text, i)):
+                end = _skip_string(text, m.end() - 1)
+                pieces.append(("regex", (_unquote(text[m.end():end - 1]),
+                                         f"Regex at grammar offset {i}", False)))
+                close = text.find(")", end)
+                i = n if close < 0 else close + 1
+            elif c == "[" and not lark:
+                end = _skip_class(text, i)
+                pieces.append(("lit", _Item({}, _class_chars(text[i + 1:end - 1]), False)))
+                i = end
+            elif c == "%" and lark:
+                if text.startswith("%json", i):
+                    start = text.find("{", i)
+                    try:
+                        schema, end = json.JSONDecoder().raw_decode(text, start)
+                    except ValueError:
+                        i += 5
+                        continue
+                    pieces.append(("json", (schema, f"%json at grammar offset {i}")))
+                    i = end
+                else:  # %import, %ignore, %llguidance ...: no chain
+                    i = _line_end(text, i)
+            elif c == "(" and not lark and re.match(r"\(\s*=", text[i:i + 16]):
+                i = self._skip_group(i)  # a lookahead: no text of its own
+            elif c in "([":
+                pieces.append(("open", c == "["))
+                i += 1
+            elif c in ")]":
+                pieces.append(("close", None))
+                i += 1
+            elif c == "|":
+                pieces.append(("alt", None))
+                i += 1
+            elif c == "{" or (c == "~" and lark):
+                m = (_BRACE_COUNT if c == "{" else _LARK_TILDE).match(text, i)
+                if m is None:
+                    i += 1
+                    continue
+                lo, hi = int(m.group(1)), m.group(2)
+                unbounded = c == "{" and m.group(0).rstrip("} \t").endswith(",")
+                factor = max(lo, UNBOUNDED_FACTOR) if unbounded else int(hi) if hi else lo
+                pieces.append(("quant", (factor, True, lo == 0, m.group(0),
+                                         f"grammar offset {i}")))
+                i = m.end()
+            elif c in "*+":
+                pieces.append(("quant", (UNBOUNDED_FACTOR, False, c == "*", c,
+                                         f"grammar offset {i}")))
+                i += 1
+            elif c == "?":
+                pieces.append(("opt", None))
+                i += 1
+            elif c == "-" and text.startswith("->", i):  # a Lark alias: not a reference
+                j = i + 2
+                while j < n and text[j] in " \t":
+                    j += 1
+                i = self._name_at(j) if j < n and (text[j].isalnum() or text[j] == "_") \
+                    else j
+            elif c == "<" and lark:  # <[...]>, <name>: special tokens
+                end = text.find(">", i)
+                pieces.append(("lit", _OPAQUE))
+                i = n if end < 0 else end + 1
+            elif c.isalpha() or c == "_":
+                j = self._name_at(i)
+                name = text[i:j]
+                d = (_LARK_DEFINES if lark else _DEFINES).match(text, j)
+                if d is not None:
+                    if lark:
+                        name = _PRIORITY.sub("", name)
+                        if pieces and pieces[-1][0] == "opt":  # ?rule: (inlined)
+                            pieces.pop()
+                    pieces = self.rules.setdefault(name, [])
+                    if pieces:
+                        pieces.append(("alt", None))  # a rule given twice: both alternatives
+                    else:
+                        self.order.append(name)
+                    i = d.end()
+                else:
+                    pieces.append(("ref", name))
+                    i = j
+            else:
+                i += 1
+
+    def _skip_group(self, i: int) -> int:
+        depth, n = 0, len(self.text)
+        while i < n:
+            c = self.text[i]
+            if c == '"':
+                i = _skip_string(self.text, i)
+                continue
+            if c == "[":
+                i = _skip_class(self.text, i)
+                continue
+            if c == "(":
+                depth += 1
+            elif c == ")":
+                depth -= 1
+                if depth == 0:
+                    return i + 1
+            i += 1
+        return n
+
+    # summarising ------------------------------------------------------------------------
+    def _refs(self, name: str) -> list[str]:
+        return [p[1] for p in self.rules[name] if p[0] == "ref" and p[1] in self.rules]
+
+    def _components(self) -> list[list[str]]:
+        """Tarjan's strongly connected components of the reference graph, callees first
+        (iterative: a chain of thousands of rules is no deep recursion)."""
+        index: dict[str, int] = {}
+        low: dict[str, int] = {}
+        on_stack: set[str] = set()
+        stack: list[str] = []
+        out: list[list[str]] = []
+        for root in list(self.rules):
+            if root in index:
+                continue
+            work = [(root, iter(self._refs(root)))]
+            index[root] = low[root] = len(index)
+            stack.append(root)
+            on_stack.add(root)
+            while work:
+                node, children = work[-1]
+                child = next(children, None)
+                if child is not None:
+                    if child not in index:
+                        index[child] = low[child] = len(index)
+                        stack.append(child)
+                        on_stack.add(child)
+                        work.append((child, iter(self._refs(child))))
+                    elif child in on_stack:
+                        low[node] = min(low[node], index[child])
+                    continue
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    out.append(component)
+        return out
+
+    def _summarise(self) -> None:
+        for component in self._components():
+            cyclic = len(component) > 1 or component[0] in self._refs(component[0])
+            if not cyclic:  # summarised once, its chains found on the way
+                self.summary[component[0]] = self._body(component[0], self.found)
+                continue
+            self.cyclic.extend(component)
+            for name in component:
+                self.summary[name] = _Item({}, 0, True)
+            for round_ in range(40):
+                changed = False
+                for name in component:
+                    new = self._body(name, None)
+                    old = self.summary[name]
+                    if new.chars != old.chars or any(
+                            old.chains.get(k, (-1,))[0] < v[0] for k, v in new.chains.items()):
+                        changed = True
+                        if round_ >= 6:  # still growing: a nesting without end
+                            for key, (product, trace) in list(new.chains.items()):
+                                if old.chains.get(key, (-1,))[0] < product:
+                                    new.chains[key] = (_CAP if key[1] else _UNBOUNDED_CLAMP,
+                                                       trace)
+                        _merge_item(new, old)
+                    self.summary[name] = new
+                if not changed:
+                    break
+
+    def _regex(self, pattern: str, where: str, nocase: bool,
+               rule: str) -> tuple[list[Nested], _Item]:
+        """A regex's own chains (as :func:`regex_nesting` finds them) and what it exposes
+        to the quantifiers around it."""
+        cached = self.inner.get(where)
+        if cached is None:
+            found = list(regex_nesting(pattern, where))
+            cached = found, self._evaluate(_regex_pieces(pattern, where, nocase), rule, None)
+            self.inner[where] = cached
+        return cached
+
+    def _body(self, name: str, found: list[Nested] | None) -> _Item:
+        """The summary of rule ``name``'s body; with ``found``, the chains of two or more
+        nested quantifiers with a count among them appended to it."""
+        return self._evaluate(self.rules[name], name, found)
+
+    def _evaluate(self, pieces: list[_Piece], name: str, found: list[Nested] | None) -> _Item:
+        label = name if name == "structural tag" else f"rule {name}"
+        frames: list[tuple[list[_Item], list[_Item], bool]] = [([], [], False)]
+        for kind, value in pieces:
+            alts, seq, _ = frames[-1]
+            if kind == "lit":
+                seq.append(value)
+            elif kind == "ref":
+                ref = self.summary.get(value)
+                seq.append(_OPAQUE if ref is None else
+                           _Item(ref.chains, ref.chars, True))  # (a reference guards nothing)
+            elif kind == "regex":
+                pattern, where, nocase = value
+                inner, item = self._regex(pattern, where, nocase, name)
+                if found is not None:
+                    found.extend(inner)
+                seq.append(item)
+            elif kind == "json":
+                if found is not None:
+                    found.extend(schema_nesting(value[0], value[1]))
+                seq.append(_OPAQUE)
+            elif kind == "open":
+                frames.append(([], [], value))
+            elif kind == "close":
+                if len(frames) > 1:
+                    self._close(frames)
+            elif kind == "alt":
+                alts.append(_sequence(seq))
+                seq.clear()
+            elif kind == "quant" and seq:
+                factor, counted, empty, text, where = value
+                seq[-1] = _quantify(seq[-1], factor, counted, empty, (text, where, label),
+                                    found)
+            elif kind == "opt" and seq:
+                last = seq[-1]
+                seq[-1] = _Item(last.chains, last.chars, True)
+        while len(frames) > 1:
+            self._close(frames)
+        alts, seq, _ = frames[0]
+        return _alternatives(alts + [_sequence(seq)])
+
+    @staticmethod
+    def _close(frames: list[tuple[list[_Item], list[_Item], bool]]) -> None:
+        alts, seq, optional = frames.pop()
+        group = _alternatives(alts + [_sequence(seq)])
+        if optional:  # Lark [...]
+            group = _Item(group.chains, group.chars, True)
+        frames[-1][1].append(group)
+
+    def nesting(self) -> Iterator[Nested]:
+        self._summarise()
+        yield from self.found
+        for name in self.cyclic:  # once more, on the final summaries
+            found: list[Nested] = []
+            self._body(name, found)
+            yield from found
+
+
+def _merge_item(into: _Item, old: _Item) -> None:
+    """Keep what an earlier round found (summaries only grow)."""
+    for key, value in old.chains.items():
+        _put(into.chains, key, value)
+    into.chars |= old.chars
 
 
 def schema_nesting(schema: Any, path: str = "") -> Iterator[Nested]:
@@ -550,6 +1138,71 @@ def _structural_nesting(node: Any, path: str = "") -> Iterator[Nested]:
                                 ebnf_nesting(value, item.get("syntax") == "lark"))
                 else:
                     stack.append((value, at))
+    if isinstance(node, dict) and isinstance(node.get("format"), dict):
+        found: list[Nested] = []
+        _format_item(node["format"], f"{path}/format", found, 0)
+        yield from found
+
+
+_TAG_FORMAT_DEPTH = 200  # deeper formats count as a chain without end
+
+
+def _format_item(node: Any, path: str, found: list[Nested], depth: int) -> _Item:
+    """What a structural tag's format exposes to a ``repeat`` (``star``, ``plus``) around
+    it, the chains those quantifiers make appended to ``found``: ``repeat``, ``star``,
+    ``plus``, ``optional``, ``sequence``, ``or``, ``tag`` (its ``begin`` and ``end`` strings
+    as literals), ``const_string``, ``regex`` and ``grammar`` (its root rule) are followed;
+    any other format (``json_schema``, ``any_text``, the triggered and dispatched tags)
+    exposes no chain."""
+    if depth > _TAG_FORMAT_DEPTH:
+        return _Item({(3, True, _ALL_CHARS): (_CAP, _Link("nesting", path, "structural tag",
+                                                          None))}, _ALL_CHARS, True)
+    if not isinstance(node, dict):
+        return _OPAQUE
+    kind, content = node.get("type"), node.get("content")
+    if kind in ("repeat", "star", "plus", "optional"):
+        item = _format_item(content, f"{path}/content", found, depth + 1)
+        if kind == "optional":
+            return _Item(item.chains, item.chars, True)
+        if kind != "repeat":
+            return _quantify(item, UNBOUNDED_FACTOR, False, kind == "star",
+                             (kind, path, "structural tag"), found)
+        lo, hi = node.get("min"), node.get("max")
+        if not isinstance(hi, int) or isinstance(hi, bool) or \
+                not isinstance(lo, int) or isinstance(lo, bool):
+            return item  # the backend's own error
+        factor = max(lo, UNBOUNDED_FACTOR) if hi < 0 else hi
+        return _quantify(item, factor, True, lo <= 0, (f"repeat min={lo} max={hi}", path,
+                                                        "structural tag"), found)
+    if kind in ("sequence", "or") and isinstance(node.get("elements"), list):
+        items = [_format_item(e, f"{path}/elements/{i}", found, depth + 1)
+                 for i, e in enumerate(node["elements"])]
+        return _sequence(items) if kind == "sequence" else _alternatives(items)
+    if kind == "tag":
+        begin, end = node.get("begin"), node.get("end")
+        ends = [end] if isinstance(end, str) else end if isinstance(end, list) else []
+        return _sequence([
+            _literal_item(begin) if isinstance(begin, str) else _OPAQUE,
+            _format_item(content, f"{path}/content", found, depth + 1),
+            _alternatives([_literal_item(e) if isinstance(e, str) else _OPAQUE
+                           for e in ends] or [_OPAQUE])])
+    if kind == "const_string" and isinstance(node.get("value"), str):
+        return _literal_item(node["value"])
+    if kind == "regex" and isinstance(node.get("pattern"), str):
+        where = f"regex at {path}/pattern"
+        grammar = _Grammar("", False)
+        return grammar._evaluate(_regex_pieces(node["pattern"], where), "structural tag", None)
+    if kind == "grammar" and isinstance(node.get("grammar"), str):
+        lark = node.get("syntax") == "lark"
+        grammar = _Grammar(node["grammar"], lark)
+        grammar._summarise()
+        return grammar.summary.get("start" if lark else "root", _OPAQUE)
+    return _OPAQUE
+
+
+def _literal_item(text: str) -> _Item:
+    chars, must = _literal_chars(text.replace("\\", "\\\\"), False)
+    return _Item({}, chars, not text, must)
 
 
 def _per_guide_type(params: GuidedDecodingParams, backend: str,
@@ -620,7 +1273,7 @@ def check_guide_limits(params: GuidedDecodingParams, backend: str, max_count: in
             rule = (f"{bound} (capgraph.grammar.guide_limits.{name}, or "
                     "max_repetition_count where lower)")
             raise UnsupportedGuideError(
-                f"{nesting} ending in {what} at {_short(str(where))} repeat {shown} times "
+                f"{nesting} ending in {what} at {_short(str(where), 480)} repeat {shown} times "
                 "(their counts "
                 f"multiplied, an unbounded one as {UNBOUNDED_FACTOR}), above {rule}: one "
                 "step over a long token grows with that product and cannot be interrupted",
@@ -634,7 +1287,9 @@ def main(argv: list[str] | None = None) -> None:
 
     With ``--long-token N``: on a vocabulary of the tokens ``a`` .. ``a`` x N, the time of one
     accept of the N-character token by a fresh matcher, the nested-count limits lifted
-    (``--limit`` still applies to single counts)."""
+    (``--limit`` still applies to single counts); with ``--guide-type ebnf`` (or
+    ``structural_tag``) the arguments are such guides (xgrammar only: llguidance needs a real
+    tokenizer)."""
     import argparse
     import time
 
@@ -650,9 +1305,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=300)
     parser.add_argument("--limit", type=int, default=BACKEND_MAX_COUNT)
     parser.add_argument("--long-token", type=int, default=0)
+    parser.add_argument("--guide-type", default="regex",
+                        choices=["regex", "ebnf", "structural_tag"])
     args = parser.parse_args(argv)
     if args.long_token:
-        _long_token(args.patterns, args.backend, args.long_token, args.limit)
+        _long_token(args.patterns, args.backend, args.long_token, args.limit, args.guide_type)
         return
     tokenizer = load_tokenizer("tekken")
     factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
@@ -692,7 +1349,8 @@ def main(argv: list[str] | None = None) -> None:
     factory.close()
 
 
-def _long_token(patterns: list[str], backend: str, chars: int, limit: int) -> None:
+def _long_token(patterns: list[str], backend: str, chars: int, limit: int,
+                guide_type: str = "regex") -> None:
     import time
 
     from ..params import GuidedDecodingConfig
@@ -707,7 +1365,9 @@ def _long_token(patterns: list[str], backend: str, chars: int, limit: int) -> No
         backend=backend,  # type: ignore[arg-type]
         max_repetition_count=limit, host_step_budget_ms=None, compile_disk_cache_bytes=0))
     for pattern in patterns:
-        matcher = factory.create(GuidedDecodingParams.regex(pattern))
+        kind = {"ebnf": GuideType.EBNF_GRAMMAR, "structural_tag": GuideType.STRUCTURAL_TAG}.get(
+            guide_type, GuideType.REGEX)
+        matcher = factory.create(GuidedDecodingParams(kind, pattern))
         start = time.perf_counter()
         ok = matcher.accept_token(chars - 1)
         print(f"{backend} {pattern}: one accept of a {chars}-character token "
