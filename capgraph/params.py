@@ -166,7 +166,8 @@ class GuidedDecodingParams:
         if not isinstance(guide, str):
             raise ConfigError(
                 f"GuidedDecodingParams.guide: expected str, got {type(guide).__name__}")
-        if gt is not GuideType.JSON and not guide.strip():
+        # (a regex of whitespace only, " " or "\n", is a guide: one space, one newline)
+        if gt is not GuideType.JSON and not (guide if gt is GuideType.REGEX else guide.strip()):
             raise ConfigError(
                 f"GuidedDecodingParams.guide: empty guide for guide_type {gt.name}; "
                 "only GuideType.JSON takes no guide")
@@ -465,6 +466,8 @@ class GuidedDecodingConfig:
             except TypeError:
                 raise _field_error("tokenizer", self.tokenizer, "a Hugging Face tokenizer "
                                    "(get_vocab(), and len() >= 1 its vocabulary size)") from None
+            from .tokenizers import check_decode_round_trips
+            check_decode_round_trips(self.tokenizer)  # (what decode() shows is what was guided)
         else:
             vocab = self.encoded_vocab
             if isinstance(vocab, (str, bytes)) or not hasattr(vocab, "__iter__") or \

@@ -20,20 +20,21 @@ import importlib
 import importlib.resources
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from ._cache import cache_dir
-from .errors import TokenizerLoadError
+from .errors import ConfigError, TokenizerLoadError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 __all__ = ["TokenizerSpec", "BUNDLED_TOKENIZERS", "load_tokenizer", "default_tokenizer_name",
-           "encode_text", "encode_continuation", "special_token_ids"]
+           "encode_text", "encode_continuation", "special_token_ids", "check_decode_round_trips",
+           "decode_continuation"]
 
 # Bump when a conversion below changes, so stale cache entries are not reused.
 _RECIPE = 1
@@ -118,6 +119,28 @@ def encode_continuation(tokenizer: "PreTrainedTokenizerBase", text: str) -> list
     return ids[len(probe):]
 
 
+def decode_continuation(tokenizer: "PreTrainedTokenizerBase", ids: Sequence[int], *,
+                        skip_special_tokens: bool = True) -> str:
+    """The text ``ids`` add to the output they continue: the text a grammar matched them as.
+
+    ``tokenizer.decode(ids)`` of a sentencepiece tokenizer (``mistral-sp32k``, Llama) drops
+    the first leading space of what it decodes (its decoder strips the dummy prefix), so an
+    output ``["▁a"]`` that a guide ``" a"`` accepted decodes to ``"a"``, outside the guide.
+    Servers keep that space (they decode an output after the prompt's last tokens). This
+    decodes ``ids`` after a newline (:func:`encode_continuation` of ``"\\n"``) and returns
+    what follows it, which is the concatenation of the tokens' texts on every tokenizer;
+    where the newline's text is not a prefix of the result, ``decode(ids)`` itself."""
+    ids = list(ids)
+    if not ids:
+        return ""
+    context = encode_continuation(tokenizer, "\n")
+    head = str(tokenizer.decode(context, skip_special_tokens=skip_special_tokens))
+    text = str(tokenizer.decode(context + ids, skip_special_tokens=skip_special_tokens))
+    if context and text.startswith(head):
+        return text[len(head):]
+    return str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+
 def special_token_ids(tokenizer: "PreTrainedTokenizerBase") -> frozenset[int]:
     """Ids of every special token of ``tokenizer``: its named special tokens (bos, eos, unk,
     pad, ... and ``additional_special_tokens``) and every added token marked special (Tekken's
@@ -127,6 +150,43 @@ def special_token_ids(tokenizer: "PreTrainedTokenizerBase") -> frozenset[int]:
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     ids.update(int(i) for i, token in added.items() if getattr(token, "special", False))
     return frozenset(ids)
+
+
+#: Text a faithful ``decode`` gives back from its tokens: the spaces transformers'
+#: ``clean_up_tokenization`` removes (" .", " ,", " ?", " !", " 's", " n't", ...), a doubled
+#: space and a newline; lower-case ASCII, so that no normalizer changes it.
+_DECODE_PROBE = "a . b , c ? d ! e 's f n't g 'm h 've i 're j  k\n l"
+
+
+def check_decode_round_trips(tokenizer: "PreTrainedTokenizerBase") -> None:
+    """Raise :class:`~capgraph.errors.ConfigError` where ``tokenizer.decode`` (as a user calls
+    it: ``skip_special_tokens=True`` and the tokenizer's own clean-up setting) does not give
+    back the text that the tokens of :data:`_DECODE_PROBE` spell.
+
+    A grammar accepts the text the tokens spell; the user reads ``decode(ids)``. transformers'
+    ``clean_up_tokenization_spaces`` (applied to BPE tokenizers only together with
+    ``clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output``, to others
+    whenever it is set) turns ``" ."`` into ``"."`` and ``" 's"`` into ``"'s"``, so a JSON
+    string ``"a ."`` or a regex ``x \\.`` would reach the user outside its guide. Only
+    Hugging Face tokenizers are checked; one whose encode cannot be split as a continuation
+    is left to the backends."""
+    if not any(c.__module__.startswith("transformers.") for c in type(tokenizer).__mro__):
+        return
+    try:
+        ids = encode_continuation(tokenizer, _DECODE_PROBE)
+    except ValueError:
+        return
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if text == _DECODE_PROBE:
+        return
+    setting = ""
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        setting = (" (clean_up_tokenization_spaces=True: set tokenizer."
+                   "clean_up_tokenization_spaces = False)")
+    raise ConfigError(
+        f"GuidedDecodingConfig.tokenizer: decode() does not give back the text its tokens "
+        f"spell ({_DECODE_PROBE!r} decodes to {text!r}){setting}; a guided output would reach "
+        "the user changed, outside its guide")
 
 
 def default_tokenizer_name() -> str:

@@ -54,6 +54,8 @@ class ForcedTokenEncoder:
         dummy = bool(probe) and convert is not None and \
             str(convert(probe[0])).startswith("\u2581")
         self._probe: list[int] | None = probe if dummy else None
+        self._decode = getattr(tokenizer, "decode", None)
+        self._probe_text = self._decoded(probe) if dummy else ""
 
     def _encode_text(self, text: str) -> list[int]:
         # forced text that spells a special token ("[INST]", "</s>") is encoded as text
@@ -64,19 +66,50 @@ class ForcedTokenEncoder:
         n = len(self._probe)
         return ids[n:] if ids[:n] == self._probe else []  # (no clean split: no drafts)
 
+    def _decoded(self, ids: list[int]) -> str:
+        """The text of ``ids`` as a user's ``decode`` gives it (no clean-up of spaces)."""
+        assert self._decode is not None
+        try:
+            return str(self._decode(ids, clean_up_tokenization_spaces=False))
+        except TypeError:
+            return str(self._decode(ids))
+
+    def _spelled_prefix(self, ids: list[int], text: str) -> list[int]:
+        """The longest prefix of ``ids`` whose text is a prefix of ``text``. A tokenizer's
+        encoding does not always spell its input: a normalizer rewrites it (Qwen's NFC turns
+        ``"e\\u0301"`` into ``"é"``; sentencepiece reads a literal ``"▁"`` as a space), and
+        such tokens are not the forced text, so they are never drafted. The continuation's
+        text is read after the newline the dummy-prefix trick encodes, so a first token's
+        leading space is kept as the grammar sees it."""
+        if self._decode is None or not ids:
+            return ids
+        for k in range(len(ids), 0, -1):
+            if self._probe is None:
+                spelled = self._decoded(ids[:k])
+            else:
+                spelled = self._decoded(self._probe + ids[:k])
+                if not spelled.startswith(self._probe_text):
+                    return []
+                spelled = spelled[len(self._probe_text):]
+            if text.startswith(spelled):
+                return ids[:k]
+        return []
+
     def encode(self, forced: bytes, max_tokens: int) -> list[int]:
         """At most ``max_tokens`` token ids of the tokenizer's encoding of ``forced``
-        (whole UTF-8 characters), asked for with ``max_tokens * max_bytes_per_token`` bytes."""
+        (whole UTF-8 characters), asked for with ``max_tokens * max_bytes_per_token`` bytes;
+        cut before the first token that does not spell the forced text (:meth:`_spelled_prefix`)."""
         if max_tokens <= 0 or not forced:
             return []
-        ids = self._encode_text(forced.decode("utf-8", "replace"))
+        text = forced.decode("utf-8", "replace")
+        ids = self._encode_text(text)
         reached_end = len(forced) < max_tokens * self.max_bytes_per_token
         if len(ids) <= max_tokens and reached_end and not self.keep_last:
             ids = ids[:-1]
         elif len(ids) > max_tokens or not reached_end:
             # the bound cut the text: its last token may be cut short, never draft it
             ids = ids[:min(max_tokens, len(ids) - 1)]
-        return ids
+        return self._spelled_prefix(ids, text)
 
     def __call__(self, matcher: GrammarMatcher, max_tokens: int) -> list[int]:
         """The forced tokens of ``matcher`` at its current state (unchanged), at most

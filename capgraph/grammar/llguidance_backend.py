@@ -176,6 +176,126 @@ class LLGuidanceMatcher(GrammarMatcher):
         return whole_utf8_prefix(forced, max_bytes)
 
 
+#: Texts whose llguidance tokenization must spell exactly their bytes (see _ll_tokenizer);
+#: the last ones spell special tokens of the bundled tokenizers.
+_TOKENIZE_PROBES = ("a", " a", "  a", "a b", "\n a", "a</s>", "<s>[INST]", "<|im_start|>",
+                    "e\u0301\u212b")
+
+
+def _tokenizes_exactly(tokenizer: Any) -> bool:
+    return all(bytes(tokenizer.decode_bytes(tokenizer.tokenize_str(text))) == text.encode()
+               for text in _TOKENIZE_PROBES)
+
+
+#: Normalizers that change the text itself (not only how a space is written), dropped for
+#: llguidance's tokenization of forced text: a dummy-prefix ``Prepend`` and the Unicode
+#: normalizations (Qwen's NFC turned a forced ``"e\u0301"`` into the token ``"é"``).
+_REWRITING_NORMALIZERS = ("Prepend", "NFC", "NFD", "NFKC", "NFKD", "Lowercase", "StripAccents",
+                          "Strip")
+
+
+def _as_llguidance_reads_it(spec: Any, specials: frozenset[int]) -> Any:
+    """A tokenizer.json document (``spec``, changed in place) for llguidance's own
+    tokenization of forced text: the text of every special token (``specials``) renamed so
+    that no text spells it, no sentencepiece dummy prefix (Metaspace pre-tokenizers
+    prepend nothing; ``Replace`` normalizers anchored at the start of the text, ``\\A▁`` ->
+    ``▁▁``, are dropped) and no normalizer that rewrites the text
+    (:data:`_REWRITING_NORMALIZERS`). The vocabulary, the decoder (which give each ordinary
+    token its bytes) and which tokens are special are untouched."""
+    renamed = {}
+    for added in spec.get("added_tokens") or []:
+        if isinstance(added, dict) and added.get("id") in specials:
+            renamed[added["content"]] = added["content"] = \
+                f"<|capgraph special {added['id']}: {added['content']}|>"
+    vocab = (spec.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):  # BPE, WordLevel: where a special token is a piece as well
+        for old, new in renamed.items():
+            if old in vocab:
+                vocab[new] = vocab.pop(old)
+    elif isinstance(vocab, list):  # Unigram: [piece, score] pairs
+        for entry in vocab:
+            if isinstance(entry, list) and entry and entry[0] in renamed:
+                entry[0] = renamed[entry[0]]
+
+    def normalizer(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        if node.get("type") == "Sequence":
+            kept = [normalizer(n) for n in node.get("normalizers", [])]
+            node["normalizers"] = [n for n in kept if n is not None]
+            return node
+        if node.get("type") in _REWRITING_NORMALIZERS:
+            return None
+        pattern = node.get("pattern")
+        if node.get("type") == "Replace" and isinstance(pattern, dict) and \
+                str(pattern.get("Regex", "")).startswith(("\\A", "^")):
+            return None
+        return node
+
+    def pre_tokenizer(node: Any) -> None:
+        if not isinstance(node, dict):
+            return
+        if node.get("type") == "Sequence":
+            for n in node.get("pretokenizers", []):
+                pre_tokenizer(n)
+        elif node.get("type") == "Metaspace":
+            node["prepend_scheme"] = "never"
+            node["add_prefix_space"] = False
+
+    spec["normalizer"] = normalizer(spec.get("normalizer"))
+    pre_tokenizer(spec.get("pre_tokenizer"))
+    return spec
+
+
+def _ll_tokenizer(config: GuidedDecodingConfig, eos_token: int) -> Any:
+    """llguidance's ``LLTokenizer`` for ``config.tokenizer``.
+
+    Where a grammar forces bytes, llguidance tokenizes them with the tokenizer's own encode
+    (``tokenize_str``) and its mask allows the first token of that encoding only, trusting it
+    to spell those bytes. Two ways it does not:
+
+    - text that spells a special token is encoded as that token: a guide forcing ``"</s>"``,
+      ``"[INST]"`` or ``"<|im_start|>"`` got a mask allowing only the special id (the stop
+      token ended the output before the text; ``skip_special_tokens`` dropped the others,
+      or the parser refused the token it had just allowed);
+    - a sentencepiece dummy prefix (``mistral-sp32k``, Llama) encodes ``" a"`` as
+      ``["▁", "▁a"]``, two spaces: the mask allowed tokens the parser refuses, or llguidance
+      panicked at the first mask of a guide that starts with a space (regex ``" [a-z]+"``).
+
+    So llguidance is given the tokenizer as :func:`_as_llguidance_reads_it` rewrites it,
+    checked to spell :data:`_TOKENIZE_PROBES` exactly; where that build fails, the tokenizer
+    as it is."""
+    import copy
+
+    from ..tokenizers import special_token_ids
+
+    n_vocab = config.vocab_size_padded
+    try:
+        backend = copy.copy(config.tokenizer.backend_tokenizer)  # type: ignore[union-attr]
+        backend.no_padding()
+        backend.no_truncation()
+        specials = special_token_ids(config.tokenizer)  # type: ignore[arg-type]
+        spec = _as_llguidance_reads_it(json.loads(backend.to_str()), specials)
+        tokenizer = llguidance.LLTokenizer(json.dumps(spec), n_vocab=n_vocab,
+                                           eos_token=eos_token)
+        placed = [i for i in specials if i < n_vocab]
+        if _tokenizes_exactly(tokenizer) and all(  # (each special kept its id)
+                tokenizer.is_special_token(i)
+                and b"<|capgraph special " in bytes(tokenizer.decode_bytes([i]))
+                for i in placed):
+            return tokenizer
+        why = "its forced-text tokenization still does not spell the probe texts"
+    except Exception as e:  # noqa: BLE001 - not a fast tokenizer, or a document llguidance refuses
+        why = f"{type(e).__name__}: {e}"
+    import warnings
+    warnings.warn(f"llguidance: the tokenizer could not be prepared for forced text ({why}); "
+                  "using it as it is, where a guide forcing text that spells a special token "
+                  "or starting with a space may be masked wrongly (prefer xgrammar)",
+                  RuntimeWarning, stacklevel=3)
+    return llguidance.hf.from_tokenizer(  # a fast tokenizer; its error if not
+        config.tokenizer, n_vocab=n_vocab, eos_token=eos_token)  # type: ignore[arg-type]
+
+
 class LLGuidanceMatcherFactory(GrammarMatcherFactory):
     """Builds an ``LLTokenizer`` from the HF tokenizer once; grammars are validated at compile."""
 
@@ -193,9 +313,7 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
             raise ConfigError("the llguidance backend takes exactly one stop token, got "
                               f"{config.stop_token_ids}")
         self.eos_token = config.stop_token_ids[0]
-        self.tokenizer = llguidance.hf.from_tokenizer(  # a fast tokenizer; its error if not
-            config.tokenizer, n_vocab=config.vocab_size_padded,  # type: ignore[arg-type]
-            eos_token=self.eos_token)
+        self.tokenizer = _ll_tokenizer(config, self.eos_token)
         self._json_options = json_whitespace_options(config)
         self._mask_words = (config.vocab_size_padded + 31) // 32
         self._eos_is_text = not self.tokenizer.is_special_token(self.eos_token)

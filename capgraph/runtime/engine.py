@@ -20,6 +20,7 @@ from ..capturable import CapturableGuidedDecoder
 from ..decoder import GuidedDecoder
 from ..errors import ConfigError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams
+from ..tokenizers import decode_continuation
 from .drafter import Drafter, GrammarDrafter, ModelDrafter, NgramDrafter
 from .guide import GuideDriver, StageClock
 from .model import tiny_llama
@@ -368,7 +369,8 @@ class _Engine:
             ntok += len(s.output)
             out.append(GenerationResult(
                 index=s.index, tokens=list(s.output),
-                text=self.tokenizer.decode(body) if body else "",
+                # (as a continuation: a sentencepiece decode() drops a leading space)
+                text=decode_continuation(self.tokenizer, body, skip_special_tokens=False),
                 finish_reason=s.finish_reason or "error", error=s.error,
                 prompt_len=len(s.prompt), num_steps=s.num_steps,
                 num_draft_tokens=s.num_draft_tokens,
