@@ -257,8 +257,20 @@ def test_policy_findings_xgrammar(schema, expected):
     ({"type": "string", "pattern": '^\\\\[^"]$'}, [("pattern", "")]),  # a '\\', then a class
     ({"type": "object", "patternProperties": {'^[^"]': {}}, "additionalProperties": False},
      [("patternProperties", "")]),
-    ({"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
      [("properties", "")]),
+    # a listed schema that takes any value loses nothing to a name spelled with an escape
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": True}, []),
+    # llguidance_schema writes no additionalProperties: false into an allOf branch, nor next
+    # to a required name the schema does not list
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}]},
+     [("properties", "/allOf/0")]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]},
+     [("properties", "")]),
+    ({"type": "object", "properties": {"x": {"type": "object",
+                                             "properties": {"a": {"type": "integer"}}}}}, []),
+    ({"$ref": "#/x-o", "x-o": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+     [("properties", "/x-o")]),
     ({"type": "object", "properties": {"a": {}}, "additionalProperties": False}, []),
     ({"type": "object", "properties": {"a": {}}}, []),
     ({"type": "object", "additionalProperties": {"type": "integer"}}, []),

@@ -15,7 +15,9 @@ keyword without a rule is reported. Annotations (``title``, ``description``, ``d
 validators ignore them, so leaving them out of the grammar drops nothing. A few values are
 no-ops wherever they appear (``uniqueItems: false``, ``additionalProperties: true``, ...), and
 a keyword for instances that ``type`` excludes (``minLength`` next to ``"type": "integer"``)
-asserts nothing either.
+asserts nothing either. A ``$schema`` naming draft-03 or earlier is reported wherever it
+appears: that draft asserts with keywords (``disallow``, ``divisibleBy``, ``extends``) that
+later drafts, and so both backends, read as unknown ones.
 
 The rules are pinned by ``tests/test_conformance_schema.py``: for an enforced keyword, an
 instance that violates only it is refused token by token; for a reported one, the schema is
@@ -169,6 +171,9 @@ class _Node:
     keyword: str
     root: Any
     is_root: bool
+    #: llguidance: the ids of the schema objects ``llguidance_schema`` writes its strict
+    #: defaults into (:func:`~capgraph.grammar.semantics.llguidance_described`); else None
+    described: "set[int] | None" = None
 
     @property
     def value(self) -> Any:
@@ -534,8 +539,22 @@ def _counts_names_once(node: _Node) -> str | None:
 def _names_spelled_once(node: _Node) -> str | None:
     """llguidance tells listed names from additional ones by their text as written, so a
     listed name spelled with an escape (``"\\u0061"`` for ``"a"``) passes as an additional
-    one: its value escapes the listed name's schema."""
-    if node.schema.get("additionalProperties", False) is not False:
+    one: its value escapes the listed name's schema. Enforced only where llguidance is given
+    ``additionalProperties: false``: written so, or written out for it by
+    :func:`~capgraph.grammar.semantics.llguidance_schema` (not in an ``allOf`` branch, nor
+    next to a ``required`` name the schema does not list). Listed schemas that take any value
+    (``true``, ``{}``) lose nothing to a name so spelled."""
+    listed = node.value if isinstance(node.value, dict) else {}
+    if all(v is True or (isinstance(v, dict) and not v) for v in listed.values()):
+        return None
+    extra = node.schema.get("additionalProperties", _MISSING)
+    if extra is _MISSING:
+        from .semantics import llguidance_closes_properties
+        closed = isinstance(node.schema, dict) and node.described is not None and \
+            llguidance_closes_properties(node.schema, node.described)
+    else:
+        closed = extra is False
+    if not closed:
         return ("llguidance takes a listed name written with a JSON escape ('\\u0061' for "
                 "'a') as an additional property, so its value is not checked against the "
                 "listed schema; set 'additionalProperties' to false or use xgrammar")
@@ -723,8 +742,29 @@ XGRAMMAR_TAG: dict[str, Rule] = {
     "patternProperties": _all(XGRAMMAR["patternProperties"], _tag_names_spelled_once)}
 
 _RULES = {"xgrammar": XGRAMMAR, "llguidance": LLGUIDANCE, "xgrammar-tag": XGRAMMAR_TAG}
-# Keywords outside the vocabulary that a backend reads as instructions.
-_BACKEND_KEYS: dict[str, dict[str, Rule]] = {"llguidance": {"x-guidance": _no_guidance_options}}
+
+# draft-00 to draft-03 meta-schemas (schema and hyper-schema), http or https
+_OLD_DRAFT = regex.compile(r"^https?://json-schema\.org/draft-0[0-3]/")
+
+
+def _readable_draft(node: _Node) -> str | None:
+    """``$schema`` naming draft-03 or earlier: that draft asserts with keywords no backend
+    reads (``disallow``, ``divisibleBy``, ``extends``, ``required: true`` inside a property,
+    schemas in ``type``), which later drafts and both backends take for unknown keywords and
+    drop. capgraph reads draft-04 and later."""
+    if isinstance(node.value, str) and _OLD_DRAFT.match(node.value):
+        return ("a draft-03 (or earlier) schema asserts with keywords no backend reads "
+                "('disallow', 'divisibleBy', 'extends', a boolean 'required'); capgraph reads "
+                "draft-04 and later")
+    return None
+
+
+# Keywords outside the vocabulary (or annotations) that change what a schema asserts: on
+# every backend, and per backend.
+_DRAFT_KEYS: dict[str, Rule] = {"$schema": _readable_draft}
+_BACKEND_KEYS: dict[str, dict[str, Rule]] = {
+    "xgrammar": _DRAFT_KEYS, "xgrammar-tag": _DRAFT_KEYS,
+    "llguidance": {**_DRAFT_KEYS, "x-guidance": _no_guidance_options}}
 
 
 def unenforced(schema: Any, backend: str) -> list[Unenforced]:
@@ -737,9 +777,13 @@ def unenforced(schema: Any, backend: str) -> list[Unenforced]:
     """
     rules = _RULES[backend]
     special = _BACKEND_KEYS.get(backend, {})
+    described = None
+    if backend == "llguidance":
+        from .semantics import llguidance_described
+        described = llguidance_described(schema)
     with _regex_budget():
         return [found for node, pointer in schema_nodes(schema)
-                for found in _judge(node, pointer, schema, rules, special)]
+                for found in _judge(node, pointer, schema, rules, special, described)]
 
 
 def unenforced_in_text(guide: str, backend: str) -> list[Unenforced]:
@@ -815,9 +859,11 @@ def describe(found: list[Unenforced], limit: int = 5) -> str:
 
 
 def _judge(schema: dict[str, Any], pointer: Pointer, root: Any, rules: Mapping[str, Rule],
-           special: Mapping[str, Rule]) -> Iterator[Unenforced]:
-    """The keywords of one schema object that the rules do not show enforced."""
-    node_of = {k: _Node(schema, k, root, pointer.is_root) for k in schema}
+           special: Mapping[str, Rule], described: "set[int] | None" = None
+           ) -> Iterator[Unenforced]:
+    """The keywords of one schema object that the rules do not show enforced (``described``:
+    :attr:`_Node.described`)."""
+    node_of = {k: _Node(schema, k, root, pointer.is_root, described) for k in schema}
     # xgrammar: an enum/const whose every value satisfies the siblings decides the node alone
     # (its subschemas are still judged: a '$ref' elsewhere may point into them)
     covered = any(rules.get(k) is _enum_covers_siblings and _enum_covers_siblings(node_of[k])

@@ -438,6 +438,46 @@ _DESCRIBING = {"properties": "map", "patternProperties": "map", "additionalPrope
                "anyOf": "list", "oneOf": "list", "$defs": "map", "definitions": "map"}
 
 
+def llguidance_described(root: Any) -> set[int]:
+    """The ids of the schema objects in ``root`` that :func:`llguidance_schema` reads as
+    describing the instance or one of its parts (the root, and what every keyword on the way
+    there, each one of :data:`_DESCRIBING`, leads to: not an ``allOf`` branch, a ``not``, an
+    ``if``, ...): where it writes out xgrammar's reading of unlisted properties and items.
+    One linear walk, as :func:`llguidance_schema` makes it."""
+    found: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(root, True)]
+    while stack:
+        node, describes = stack.pop()
+        if isinstance(node, list):
+            stack.extend((item, describes) for item in node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        if describes:
+            found.add(id(node))
+        for key, value in node.items():
+            if key in _DATA_KEYWORDS:
+                continue
+            inner = describes and key in _DESCRIBING
+            if (key == "patternProperties" or key in _SCHEMA_MAPS) and isinstance(value, dict):
+                stack.extend((v, inner) for v in value.values())
+            else:
+                stack.append((value, inner))
+    return found
+
+
+def llguidance_closes_properties(node: dict[str, Any], described: set[int]) -> bool:
+    """Whether :func:`llguidance_schema` writes ``additionalProperties: false`` into the object
+    schema ``node``: it describes the instance or a part of it (its id is in ``described``,
+    from :func:`llguidance_described` of the whole schema), lists properties, says nothing of
+    others, and requires none it does not list."""
+    if id(node) not in described:
+        return False
+    written: dict[str, Any] = {}
+    _strict_defaults(node, written)
+    return written.get("additionalProperties") is False
+
+
 def _strict_defaults(node: dict[str, Any], result: dict[str, Any]) -> None:
     """Write out xgrammar's reading of unlisted properties and items into ``result``."""
     required = node.get("required")
