@@ -520,6 +520,14 @@ def _literal_chars(body: str, nocase: bool) -> tuple[int, int]:
     return chars, must
 
 
+def _class_member(body: str, i: int) -> tuple[str | None, int]:
+    """The character at ``body[i]`` of a class, escaped or not (None: not known), and the
+    index past it."""
+    if body[i] == "\\":
+        return _unescape(body, i)
+    return body[i], i + 1
+
+
 def _class_chars(body: str) -> int:
     """The characters a GBNF character class (``[...]``'s inside) matches, or more."""
     negated = body.startswith("^")
@@ -533,19 +541,13 @@ def _class_chars(body: str) -> int:
             i += 2
             prev = None
             continue
-        if body[i] == "\\":
-            ch, i = _unescape(body, i)
-            if ch is None:
-                return _ALL_CHARS
-        else:
-            ch, i = body[i], i + 1
+        ch, i = _class_member(body, i)
+        if ch is None:
+            return _ALL_CHARS
         if ch == "-" and prev is not None and i < n:  # a range prev-next
-            if body[i] == "\\":
-                hi, i = _unescape(body, i)
-                if hi is None:
-                    return _ALL_CHARS
-            else:
-                hi, i = body[i], i + 1
+            hi, i = _class_member(body, i)
+            if hi is None:
+                return _ALL_CHARS
             lo_o, hi_o = ord(prev), ord(hi)
             for o in range(lo_o, min(hi_o, 127) + 1):
                 chars |= 1 << o
