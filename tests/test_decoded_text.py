@@ -169,3 +169,35 @@ def test_a_whitespace_regex_is_a_guide(factory_cache, backend: str, pattern: str
     assert all(matcher.accept_token(t) for t in ids)
     assert matcher.accept_token(factory.config.stop_token_ids[0])
     assert tok.decode(ids, skip_special_tokens=True) == pattern
+
+
+@pytest.mark.parametrize("kind,guide", [
+    ("regex", "x\u2581y"), ("regex", "a\\u2581+b"),
+    ("json_schema", '{"const": "a\u2581b"}'), ("json_schema", '{"enum": ["a\\u2581"]}'),
+    ("json_schema", '{"type": "string", "pattern": "^\\\\u2581$"}')])
+def test_llguidance_refuses_u2581_a_sentencepiece_encode_reads_as_space(
+        factory_cache, kind: str, guide: str) -> None:
+    """sentencepiece reads a literal "▁" as a space, so llguidance's tokenization of forced
+    text gave the space token where a guide forced "▁": its mask allowed that token and its
+    parser refused it, failing the request at that step. Such a guide is refused at compile
+    with a named error on llguidance (xgrammar places "▁" as its three byte tokens); where
+    the tokenizer spells "▁" (Tekken) it compiles."""
+    pytest.importorskip("llguidance")
+    from capgraph import UnsupportedGuideError
+    params = GuidedDecodingParams(guide_type=kind, guide=guide)
+    with pytest.raises(UnsupportedGuideError, match="U\\+2581"):
+        factory_cache("mistral-sp32k", "llguidance").compile(params)
+    factory_cache("tekken", "llguidance").compile(params)
+    factory_cache("mistral-sp32k", "xgrammar").compile(params)
+
+
+def test_llguidance_class_around_u2581_compiles_and_masks_exactly(factory_cache) -> None:
+    """Only a guide that writes "▁" is refused: a class around it (nothing forced there)
+    compiles on sentencepiece, and every token its first mask allows is accepted."""
+    pytest.importorskip("llguidance")
+    factory = factory_cache("mistral-sp32k", "llguidance")
+    params = GuidedDecodingParams.regex("[\u2580-\u2582]")
+    allowed = _allowed(factory, factory.create(params))
+    assert allowed
+    for token in allowed:
+        assert factory.create(params).accept_token(token)

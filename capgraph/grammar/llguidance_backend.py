@@ -8,6 +8,7 @@ wrapper, and :meth:`rollback` counts a stop token llguidance never consumed as o
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -247,6 +248,19 @@ def _as_llguidance_reads_it(spec: Any, specials: frozenset[int]) -> Any:
     return spec
 
 
+#: U+2581 ``"▁"`` written in a guide: the character, or an escape of it (a regex's or JSON's
+#: ``\u2581``, also with its backslash escaped inside a JSON string, ``\u{2581}``)
+_U2581 = re.compile(r"\u2581|\\+(?:u2581|u\{0*2581\})", re.IGNORECASE)
+
+
+def _places_u2581(tokenizer: Any) -> bool:
+    """Whether ``tokenizer``'s encoding of forced text spells a literal ``"▁"``. A
+    sentencepiece tokenizer writes a space as ``"▁"`` and reads the character itself as one:
+    ``"▁"`` encodes to a token whose text is ``" "``."""
+    return bytes(tokenizer.decode_bytes(tokenizer.tokenize_str("\u2581"))) == \
+        "\u2581".encode()
+
+
 def _ll_tokenizer(config: GuidedDecodingConfig, eos_token: int) -> Any:
     """llguidance's ``LLTokenizer`` for ``config.tokenizer``.
 
@@ -317,6 +331,7 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
         self._json_options = json_whitespace_options(config)
         self._mask_words = (config.vocab_size_padded + 31) // 32
         self._eos_is_text = not self.tokenizer.is_special_token(self.eos_token)
+        self._places_u2581 = _places_u2581(self.tokenizer)
         # ids that are never grammar text: special tokens, the stop token, padding ids
         from ..tokenizers import special_token_ids
         self._not_text = sorted(special_token_ids(config.tokenizer) | {self.eos_token}
@@ -330,6 +345,14 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
 
     def _grammar_text(self, params: GuidedDecodingParams) -> str:
         gt, guide = params.guide_type, params.guide
+        if not self._places_u2581 and _U2581.search(guide):
+            # llguidance encodes text the grammar forces with the tokenizer, trusting it to
+            # spell it: its mask would allow the space token where "▁" is forced, and the
+            # parser refuse that token, failing the request there
+            raise UnsupportedGuideError(
+                "the guide writes '\u2581' (U+2581), which this tokenizer's encoding reads as a "
+                "space: llguidance cannot place it; use the xgrammar backend",
+                guide_type=gt.name, backend=BACKEND)
         if gt is GuideType.JSON_SCHEMA and self.config.json_unenforced_keywords != "ignore":
             self._refuse_unenforced(guide)
         if gt is GuideType.EBNF_GRAMMAR:
