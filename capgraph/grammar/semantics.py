@@ -88,7 +88,9 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
     as the plain letter (``\\a``, ``\\e``, ``\\z``, ``\\p``, ``\\A``, ...; the backends read
     several as something else); ``\\x`` / ``\\u`` / ``\\c`` without their hex digits or letter;
     ``\\0`` before a digit (an octal escape); group syntax ECMA does not have (``(?i)``,
-    ``(?P<n>...)``); an empty class ``[]``.
+    ``(?P<n>...)``); an empty class ``[]``; a quantifier right after a quantifier and its
+    optional lazy ``?`` (``a++``, ``a*+``, ``a**``, ``a{2}{3}``, ``a+??``: possessive or
+    stacked repeats, which ECMA-262 does not have and other dialects read differently).
 
     llguidance reads Rust's regex syntax, so for it every character class is written out as
     ECMA reads it: ``\\d`` / ``\\w`` / ``\\s`` (and negations) as ECMA's explicit sets,
@@ -150,8 +152,24 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
         ch = chr(code)
         return ch if ch.isalnum() or code > 0x7F else f"\\x{{{code:X}}}"
 
+    # after a quantifier ("quantified"), or after its lazy "?" ("lazy"): another quantifier
+    # there is no ECMA-262 (a SyntaxError) and means something else elsewhere: "a++" is
+    # possessive in PCRE, Java and Python (so "a++a" matches nothing), stacked repeats
+    # ("a**", "a{2}{3}") an error in Python; llguidance would read either as nested repeats
+    # ("a++a" taking "aa") and xgrammar refuses them with its own error
+    after, previous = "", 0
     while i < n:
         ch = pattern[i]
+        quantifier = _QUANTIFIER.match(pattern, i) if ch == "{" else None
+        quantifier_text = quantifier.group(0) if quantifier else ch if ch in "*+?" else ""
+        if quantifier_text and after and not (ch == "?" and after == "quantified"):
+            raise refuse(f"quantifier '{quantifier_text}' right after the quantifier "
+                         f"'{pattern[previous:i]}' (a possessive or stacked repeat)", i)
+        if quantifier_text:
+            lazy = after == "quantified" and ch == "?"
+            after, previous = ("lazy", previous) if lazy else ("quantified", i)
+        else:
+            after = ""
         if ch == "\\":
             kind, value, end = escape(i, False)
             if kind == "class" and rust:
