@@ -1,0 +1,888 @@
+"""Other engines' structured-output test cases run through capgraph: no string their tests (or
+an independent oracle) mark invalid may get through a guide capgraph compiles, and no guide or
+string may crash capgraph.
+
+The cases are read at run time from local checkouts of the engines' repositories (nothing of
+them is copied here), plus a small bundled file of guides from vLLM's and SGLang's tests with
+strings written for them (``tests/data/engine_cases/serving_engines.json``, each with its source):
+
+* ``--outlines-core PATH``: dottxt-ai/outlines-core, ``src/json_schema/mod.rs``: every tuple
+  ``(schema, regex, [strings that match], [strings that do not])`` of its tests;
+* ``--xgrammar PATH``: mlc-ai/xgrammar, the ``tests/python`` files named in
+  :data:`XGRAMMAR_FILES`: ``pytest.mark.parametrize`` tables and ``assert`` calls whose schema,
+  regex or EBNF grammar and strings are literals (read with :mod:`ast`, never imported);
+* ``--llguidance PATH``: guidance-ai/llguidance, ``parser/tests/test_json_*.rs``: in each test
+  function, every ``json!`` schema it checks against every ``json!`` value or string case it
+  holds.
+
+What makes a string valid is decided by an oracle where one exists, not by the engine's own
+expectation (an engine's regex for a schema may be stricter or looser than the schema): for a
+JSON schema, the string must parse as JSON and validate with ``jsonschema`` (the schema's
+``$schema`` or draft 2020-12, format assertion on); for ``GuideType.JSON``, parse as a JSON object
+or array; for a regex, ``re.fullmatch``; for an EBNF grammar with an ``oracle`` regex (the
+serving engines' tests check their outputs with one), that regex. Where there is no oracle (an
+EBNF grammar, a regex Python cannot compile) the engine's expectation is the verdict. A string
+whose oracle verdict differs from the engine's expectation is counted as "disputed" and listed
+with ``-v``. A JSON-schema string that fails only a ``format`` assertion and is accepted is
+counted under "format gaps", not as invalid: JSON Schema leaves format assertion optional, and
+docs/CONFORMANCE.md lists what the grammars' formats do not check.
+
+For every case and every backend (``xgrammar``, ``llguidance``, ``fallback``: xgrammar with
+``json_unenforced_keywords="fallback"``) the guide is compiled with the Tekken tokenizer; a
+compiled guide gets each string token by token with the stop token
+(``tools/schema_test_suite.py``'s feed); a JSON value is fed in its six spellings, accepted when
+one is. The fault is an **invalid string accepted**, and a crash: an exception that is not a
+``CapgraphError``, or a compile or a string over ``--timeout`` seconds.
+
+    python tools/engine_cases.py --outlines-core ~/src/outlines-core \\
+        --xgrammar ~/src/xgrammar --llguidance ~/src/llguidance
+    python tools/engine_cases.py --backends xgrammar -v        # the bundled cases alone
+
+Exit status 1 on any invalid string accepted or any crash. docs/ENGINE_CASES.md has the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import concurrent.futures
+import dataclasses
+import faulthandler
+import json
+import re
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import schema_test_suite as suite  # noqa: E402  (the feed and the factories are shared)
+
+ROOT = Path(__file__).resolve().parent.parent
+BUNDLED = ROOT / "tests" / "data" / "engine_cases" / "serving_engines.json"
+BACKENDS = suite.BACKENDS
+DEFAULT_TIMEOUT_S = suite.DEFAULT_TIMEOUT_S
+KINDS = ("json_schema", "json", "regex", "ebnf")
+XGRAMMAR_FILES = ("test_json_schema_converter.py", "test_grammar_matcher_json_schema.py",
+                  "test_grammar_matcher_regex.py", "test_regex_converter.py",
+                  "test_grammar_matcher_ebnf.py", "test_grammar_matcher_json.py",
+                  "test_grammar_matcher_basic.py")
+
+
+@dataclass
+class Instance:
+    """One string (or JSON value) for a guide and the engine's expectation (None: none)."""
+
+    text: str | None = None  #: fed as is
+    value: Any = None  #: fed in :func:`schema_test_suite.spellings` (``text`` None)
+    expected: bool | None = None
+
+    def texts(self) -> list[str]:
+        return [self.text] if self.text is not None else suite.spellings(self.value)
+
+    def shown(self) -> str:
+        return self.text if self.text is not None else json.dumps(self.value)
+
+
+@dataclass
+class Case:
+    """A guide, its strings, and where it comes from."""
+
+    kind: str  #: one of :data:`KINDS`
+    guide: str
+    source: str  #: "repo path:line"
+    instances: list[Instance] = field(default_factory=list)
+    oracle: str | None = None  #: for ``ebnf``: a regex the whole string must match
+    compiles: bool | None = None  #: the engine's own verdict on compiling the guide
+
+
+@dataclass
+class Tally:
+    """What one backend did with a set of cases."""
+
+    cases: int = 0
+    compiled: int = 0
+    refused: int = 0  #: UnsupportedGuideError
+    compile_errors: int = 0  #: another named capgraph error
+    invalid_refused: int = 0
+    valid_accepted: int = 0
+    valid_refused: int = 0  #: stricter than the guide: allowed, listed in the doc
+    format_gaps: list[str] = field(default_factory=list)
+    invalid_accepted: list[str] = field(default_factory=list)
+    crashes: list[str] = field(default_factory=list)
+    disputed: list[str] = field(default_factory=list)
+    compiled_upstream_refuses: list[str] = field(default_factory=list)
+    refusals: list[str] = field(default_factory=list)  #: "where: error" of refused guides
+    valid_refusals: list[str] = field(default_factory=list)
+
+    def add(self, other: "Tally") -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @property
+    def ok(self) -> bool:
+        return not self.invalid_accepted and not self.crashes
+
+
+# ---------------------------------------------------------------------------------------------
+# oracles
+
+
+def _strict_json(text: str) -> Any:
+    """``text`` parsed as strict JSON (no NaN/Infinity); ValueError otherwise."""
+    def bad(name: str) -> Any:
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(text, parse_constant=bad)
+
+
+def oracle(case: Case, inst: Instance) -> tuple[bool | None, bool]:
+    """(valid, fails only a format assertion) for ``inst`` under ``case``; valid is None where
+    there is no oracle."""
+    if case.kind in ("json_schema", "json"):
+        if inst.text is not None:
+            try:
+                value = _strict_json(inst.text)
+            except (ValueError, RecursionError):
+                return False, False
+        else:
+            value = inst.value
+        if case.kind == "json":
+            return isinstance(value, (dict, list)), False
+        return _schema_verdict(json.loads(case.guide), value)
+    pattern = case.guide if case.kind == "regex" else case.oracle
+    if pattern is None or inst.text is None:
+        return None, False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compiled = re.compile(pattern, re.ASCII)
+    except (re.error, RecursionError, OverflowError):
+        return None, False
+    return compiled.fullmatch(inst.text) is not None, False
+
+
+def _schema_verdict(schema: Any, value: Any) -> tuple[bool | None, bool]:
+    import jsonschema
+    try:
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        with_format = cls(schema, format_checker=cls.FORMAT_CHECKER)
+        if with_format.is_valid(value):
+            return True, False
+        return False, cls(schema).is_valid(value)
+    except Exception:  # noqa: BLE001 - an unresolvable $ref, a schema jsonschema cannot read
+        return None, False
+
+
+# ---------------------------------------------------------------------------------------------
+# Rust test files: a small lexer for string literals and brackets
+
+
+@dataclass
+class _Tok:
+    kind: str  #: "str", "open", "close", ",", "word", "punct"
+    text: str  #: the value of a string, else the source text
+    pos: int
+
+
+def _rust_string(src: str, i: int) -> tuple[str, int]:
+    """The value of the (non-raw) Rust string literal opening at ``src[i] == '"'``, and the
+    index after it."""
+    out, i = [], i + 1
+    simple = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'", "0": "\0"}
+    while src[i] != '"':
+        c = src[i]
+        if c != "\\":
+            out.append(c)
+            i += 1
+            continue
+        e = src[i + 1]
+        if e in simple:
+            out.append(simple[e])
+            i += 2
+        elif e == "x":
+            out.append(chr(int(src[i + 2:i + 4], 16)))
+            i += 4
+        elif e == "u":
+            end = src.index("}", i)
+            out.append(chr(int(src[i + 3:end], 16)))
+            i = end + 1
+        elif e == "\n":  # line continuation: the newline and the next line's indent go
+            i += 2
+            while src[i] in " \t\n\r":
+                i += 1
+        else:
+            raise ValueError(f"unknown escape \\{e} at {i}")
+    return "".join(out), i + 1
+
+
+def rust_tokens(src: str) -> list[_Tok]:
+    """Tokens of Rust source: string literals (raw or not, with their values), brackets,
+    commas, words and other punctuation; comments dropped."""
+    toks, i, n = [], 0, len(src)
+    raw = re.compile(r'b?r(#*)"')
+    while i < n:
+        c = src[i]
+        if c.isspace():
+            i += 1
+        elif src.startswith("//", i):
+            i = src.find("\n", i) if "\n" in src[i:] else n
+        elif src.startswith("/*", i):
+            i = src.index("*/", i) + 2
+        elif (m := raw.match(src, i)) and (i == 0 or not (src[i - 1].isalnum() or
+                                                          src[i - 1] == "_")):
+            end = src.index('"' + m.group(1), m.end())
+            toks.append(_Tok("str", src[m.end():end], i))
+            i = end + 1 + len(m.group(1))
+        elif c == '"' or (c == "b" and src.startswith('b"', i)):
+            start = i + (c == "b")
+            value, i = _rust_string(src, start)
+            toks.append(_Tok("str", value, start))
+        elif c == "'":  # a char literal or a lifetime
+            m2 = re.compile(r"'(\\.|[^\\'])'").match(src, i)
+            if m2:
+                toks.append(_Tok("word", m2.group(0), i))
+                i = m2.end()
+            else:
+                i += 1
+        elif c in "([{":
+            toks.append(_Tok("open", c, i))
+            i += 1
+        elif c in ")]}":
+            toks.append(_Tok("close", c, i))
+            i += 1
+        elif c == ",":
+            toks.append(_Tok(",", c, i))
+            i += 1
+        elif c.isalnum() or c == "_":
+            m3 = re.compile(r"[A-Za-z0-9_.]+").match(src, i)
+            assert m3 is not None
+            toks.append(_Tok("word", m3.group(0), i))
+            i = m3.end()
+        else:
+            toks.append(_Tok("punct", c, i))
+            i += 1
+    return toks
+
+
+def _matching(toks: list[_Tok], i: int) -> int:
+    """The index of the bracket closing the one opened at ``toks[i]``."""
+    depth = 0
+    for j in range(i, len(toks)):
+        if toks[j].kind == "open":
+            depth += 1
+        elif toks[j].kind == "close":
+            depth -= 1
+            if depth == 0:
+                return j
+    raise ValueError(f"unbalanced bracket at {toks[i].pos}")
+
+
+def _split(toks: list[_Tok]) -> list[list[_Tok]]:
+    """Tokens split at the commas outside brackets (an empty last item dropped)."""
+    items: list[list[_Tok]] = [[]]
+    depth = 0
+    for t in toks:
+        if t.kind == "," and depth == 0:
+            items.append([])
+            continue
+        depth += (t.kind == "open") - (t.kind == "close")
+        items[-1].append(t)
+    return [it for it in items if it]
+
+
+def _json_of(toks: list[_Tok]) -> Any:
+    """The value of the tokens inside a ``json!( )``, or raise ValueError (a Rust expression)."""
+    parts = [json.dumps(t.text) if t.kind == "str" else t.text for t in toks]
+    text = re.sub(r",\s*([\]}])", r"\1", " ".join(parts))
+    text = re.sub(r"(?<=\d)\s*_\s*(?=\d)", "", text)
+    if re.search(r"\b(f32|f64|i64|u64|i32|u32|usize)\b", text):
+        text = re.sub(r"_?(f32|f64|i64|u64|i32|u32|usize)\b", "", text)
+    text = re.sub(r"(-)\s+(\d)", r"\1\2", text)
+    return _strict_json(text)
+
+
+def _line(src: str, pos: int) -> int:
+    return src.count("\n", 0, pos) + 1
+
+
+def load_outlines_core(root: Path) -> list[Case]:
+    """dottxt-ai/outlines-core: the ``(schema, regex, matches, non-matches)`` tuples of the tests
+    in ``src/json_schema/mod.rs``."""
+    path = root / "src" / "json_schema" / "mod.rs"
+    src = path.read_text(encoding="utf-8")
+    toks = rust_tokens(src)
+    cases = []
+    for i, t in enumerate(toks):
+        if t.kind != "open" or t.text != "(":
+            continue
+        items = _split(toks[i + 1:_matching(toks, i)])
+        if len(items) != 4 or len(items[0]) != 1 or items[0][0].kind != "str":
+            continue
+        lists = [_vec_strings(it) for it in items[2:]]
+        if any(v is None for v in lists):
+            continue
+        try:
+            schema = json.loads(items[0][0].text)
+        except ValueError:
+            continue
+        if not isinstance(schema, (dict, bool)):
+            continue
+        case = Case("json_schema", json.dumps(schema),
+                    f"outlines-core src/json_schema/mod.rs:{_line(src, t.pos)}")
+        for strings, expected in zip(lists, (True, False)):
+            case.instances += [Instance(text=s, expected=expected) for s in strings or ()]
+        cases.append(case)
+    return cases
+
+
+def _vec_strings(toks: list[_Tok]) -> list[str] | None:
+    """The string literals of ``vec![...]`` tokens, or None if they are not that."""
+    if len(toks) < 4 or [t.text for t in toks[:3]] != ["vec", "!", "["]:
+        return None
+    return [t.text for t in toks[3:-1] if t.kind == "str"]
+
+
+def load_llguidance(root: Path) -> list[Case]:
+    """guidance-ai/llguidance: in each test function of ``parser/tests/test_json_*.rs``, every
+    ``json!`` schema it checks (``let schema = json!(...)``, a first argument of
+    ``json_schema_check``/``json_err_test``, a ``lazy_static`` schema it names) against every
+    ``json!`` value and string ``#[case]``/``#[values]`` it holds. The verdicts are the oracle's."""
+    cases: dict[tuple[str, str], Case] = {}
+    for path in sorted((root / "parser" / "tests").glob("test_json_*.rs")):
+        src = path.read_text(encoding="utf-8")
+        toks = rust_tokens(src)
+        statics: dict[str, Any] = {}
+        for i in range(len(toks) - 5):
+            if toks[i].text == "static" and toks[i + 1].text == "ref":
+                j = next(k for k in range(i, len(toks)) if toks[k].text == "json")
+                try:
+                    statics[toks[i + 2].text] = _json_of(toks[j + 3:_matching(toks, j + 2)])
+                except ValueError:
+                    pass
+        for fn_start, fn_end, attrs_start in _rust_functions(toks):
+            schemas, values = [], []
+            names = {t.text for t in toks[fn_start:fn_end] if t.text in statics}
+            schemas += [(statics[n], n) for n in sorted(names)]
+            for j in range(attrs_start, fn_end):
+                if not (toks[j].text == "json" and toks[j + 1].text == "!" and
+                        toks[j + 2].kind == "open"):
+                    continue
+                end = _matching(toks, j + 2)
+                try:
+                    value = _json_of(toks[j + 3:end])
+                except ValueError:
+                    continue
+                before = [t.text for t in toks[max(j - 3, 0):j]]
+                if "schema" in before[-3:] and "=" in before[-2:] or \
+                        before[-2:] in (["json_schema_check", "("], ["json_err_test", "("]) or \
+                        before[-3:-1] in (["json_schema_check", "("], ["json_err_test", "("]):
+                    schemas.append((value, f"line {_line(src, toks[j].pos)}"))
+                else:
+                    values.append(value)
+            attr_strings = _case_strings(toks, attrs_start, fn_start)
+            values += attr_strings
+            for schema, _ in schemas:
+                if not isinstance(schema, (dict, bool)):
+                    continue
+                key = (path.name, json.dumps(schema, sort_keys=True))
+                case = cases.setdefault(key, Case(
+                    "json_schema", json.dumps(schema),
+                    f"llguidance parser/tests/{path.name}:{_line(src, toks[fn_start].pos)}"))
+                seen = {json.dumps(i.value, sort_keys=True) for i in case.instances}
+                for v in values:
+                    if json.dumps(v, sort_keys=True) not in seen:
+                        seen.add(json.dumps(v, sort_keys=True))
+                        case.instances.append(Instance(value=v))
+    return list(cases.values())
+
+
+def _rust_functions(toks: list[_Tok]) -> Iterator[tuple[int, int, int]]:
+    """(index of ``fn``, index after its body, index of its first attribute) of each
+    function."""
+    i = 0
+    while i < len(toks):
+        if toks[i].text == "fn" and i + 1 < len(toks) and toks[i + 1].kind == "word":
+            body = next(k for k in range(i, len(toks)) if toks[k].text == "{")
+            end = _matching(toks, body) + 1
+            attrs = i
+            while attrs > 0 and toks[attrs - 1].text in ("pub",):
+                attrs -= 1
+            while attrs >= 2 and toks[attrs - 1].text == "]":
+                opening = _opening(toks, attrs - 1)
+                if opening > 0 and toks[opening - 1].text == "#":
+                    attrs = opening - 1
+                else:
+                    break
+            yield i, end, attrs
+            i = end
+        else:
+            i += 1
+
+
+def _opening(toks: list[_Tok], close: int) -> int:
+    depth = 0
+    for j in range(close, -1, -1):
+        if toks[j].kind == "close":
+            depth += 1
+        elif toks[j].kind == "open":
+            depth -= 1
+            if depth == 0:
+                return j
+    return 0
+
+
+def _case_strings(toks: list[_Tok], start: int, end: int) -> list[str]:
+    """The string literals that are whole arguments of ``#[case(...)]`` attributes in
+    ``toks[start:end]`` (values fed as JSON strings by ``json!(s)``)."""
+    out = []
+    for j in range(start, end - 2):
+        if toks[j].text == "case" and toks[j + 1].text == "(":
+            for item in _split(toks[j + 2:_matching(toks, j + 1)]):
+                if len(item) == 1 and item[0].kind == "str":
+                    out.append(item[0].text)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# xgrammar's Python tests, read with ast
+
+
+class _Unknown:
+    """A value the reader cannot evaluate (a name, a call, a pydantic model)."""
+
+
+UNKNOWN = _Unknown()
+
+
+def _eval(node: ast.AST, env: dict[str, Any]) -> Any:
+    """``node``'s value where it is a literal (names of literal module values allowed)."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_eval(e, env) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        keys = [_eval(k, env) if k is not None else UNKNOWN for k in node.keys]
+        if any(not isinstance(k, (str, int, float, bool)) or k is None for k in keys):
+            return UNKNOWN
+        return {k: _eval(v, env) for k, v in zip(keys, node.values)}
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        v = _eval(node.operand, env)
+        return -v if isinstance(v, (int, float)) and not isinstance(v, bool) else UNKNOWN
+    if isinstance(node, ast.BinOp):
+        a, b = _eval(node.left, env), _eval(node.right, env)
+        if isinstance(node.op, ast.Add) and isinstance(a, str) and isinstance(b, str):
+            return a + b
+        if isinstance(node.op, ast.Mult) and isinstance(a, str) and isinstance(b, int):
+            return a * b if b <= 10_000 else UNKNOWN
+        return UNKNOWN
+    if isinstance(node, ast.Name) and node.id in env:
+        return env[node.id]
+    return UNKNOWN
+
+
+def _known(value: Any) -> bool:
+    if isinstance(value, _Unknown):
+        return False
+    if isinstance(value, list):
+        return all(_known(v) for v in value)
+    if isinstance(value, dict):
+        return all(_known(v) for v in value.values())
+    return True
+
+
+_SCHEMA_NAMES = ("schema",)
+_REGEX_NAMES = ("regex", "regex_string", "regex_str", "pattern")
+_GRAMMAR_NAMES = ("grammar_str", "ebnf_grammar_str", "grammar", "ebnf")
+_TEXT_NAMES = ("instance", "input", "input_str", "string", "test_value", "value")
+_FLAG_NAMES = ("accepted", "is_accepted", "expected", "should_match")
+
+
+def load_xgrammar(root: Path) -> list[Case]:
+    """mlc-ai/xgrammar: the literal cases of the files in :data:`XGRAMMAR_FILES`."""
+    cases: dict[tuple[str, str], Case] = {}
+    for name in XGRAMMAR_FILES:
+        path = root / "tests" / "python" / name
+        if not path.is_file():
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        env: dict[str, Any] = {}
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
+                    isinstance(node.targets[0], ast.Name):
+                env[node.targets[0].id] = _eval(node.value, env)
+        for fn in tree.body:
+            if isinstance(fn, ast.FunctionDef):
+                where = f"xgrammar tests/python/{name}:{fn.lineno}"
+                for case in _xgrammar_function(fn, env, where):
+                    key = (case.kind, case.guide)
+                    if key in cases:
+                        cases[key].instances += case.instances
+                        if case.compiles is False:
+                            cases[key].compiles = False
+                    else:
+                        cases[key] = case
+    return list(cases.values())
+
+
+def _xgrammar_function(fn: ast.FunctionDef, env: dict[str, Any], where: str) -> list[Case]:
+    local = dict(env)
+    guides: dict[str, tuple[str, str]] = {}  # variable -> (kind, guide) of a Grammar
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
+                isinstance(node.targets[0], ast.Name):
+            value = _eval(node.value, local)
+            if _known(value):
+                local[node.targets[0].id] = value
+    rows = _parametrize_rows(fn, env) or [{}]
+    out = []
+    body = ast.unparse(fn)
+    quoted = "'\"' + instance + '\"'" in body
+    for row in rows:
+        scope = {**local, **row}
+        for node in ast.walk(fn):  # grammar objects built from literals
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
+                    isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Call):
+                made = _grammar_of(node.value, scope)
+                if made:
+                    guides[node.targets[0].id] = made
+        out += _row_cases(fn, row, scope, guides, quoted, where)
+    return out
+
+
+def _parametrize_rows(fn: ast.FunctionDef, env: dict[str, Any]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for dec in fn.decorator_list:
+        if not (isinstance(dec, ast.Call) and ast.unparse(dec.func).endswith("parametrize")):
+            continue
+        names = _eval(dec.args[0], env)
+        values = _eval(dec.args[1], env)
+        if not isinstance(names, str) or not isinstance(values, list):
+            continue
+        keys = [n.strip() for n in names.split(",")]
+        if "tokenizer_path" in keys:
+            continue
+        new = []
+        for v in values:
+            if len(keys) == 1:
+                new.append({keys[0]: v})
+            elif isinstance(v, list) and len(v) == len(keys):
+                new.append(dict(zip(keys, v)))
+        if rows:  # stacked decorators: the product
+            rows = [{**a, **b} for a in rows for b in new]
+        else:
+            rows = new
+    return rows
+
+
+def _grammar_of(call: ast.Call, scope: dict[str, Any]) -> tuple[str, str] | None:
+    func = ast.unparse(call.func)
+    kinds = {"from_ebnf": "ebnf", "from_regex": "regex", "from_json_schema": "json_schema",
+             "_regex_to_ebnf": "regex"}
+    kind = next((k for f, k in kinds.items() if func.endswith(f)), None)
+    if kind is None or not call.args or any(k.arg == "root_rule_name" for k in call.keywords):
+        return None  # (capgraph has no other root rule)
+    guide = _eval(call.args[0], scope)
+    if kind == "json_schema":
+        if isinstance(guide, str):
+            try:
+                guide = json.loads(guide)
+            except ValueError:
+                return None
+        if isinstance(call.args[0], ast.Call) and ast.unparse(call.args[0].func) == "json.dumps":
+            guide = _eval(call.args[0].args[0], scope)
+        if not _known(guide) or not isinstance(guide, (dict, bool)):
+            return None
+        return kind, json.dumps(guide)
+    return (kind, guide) if isinstance(guide, str) else None
+
+
+def _row_cases(fn: ast.FunctionDef, row: dict[str, Any], scope: dict[str, Any],
+               guides: dict[str, tuple[str, str]], quoted: bool, where: str) -> list[Case]:
+    found: dict[tuple[str, str], Case] = {}
+
+    class _Adder:
+        def __init__(self, c: Case) -> None:
+            self.instances = self
+            self.c = c
+
+        def append(self, inst: Instance | None) -> None:
+            if inst is not None:
+                self.c.instances.append(inst)
+
+        @property
+        def compiles(self) -> bool | None:
+            return self.c.compiles
+
+        @compiles.setter
+        def compiles(self, value: bool | None) -> None:
+            self.c.compiles = value
+
+    def case(kind: str, guide: str) -> Any:
+        return _Adder(found.setdefault((kind, guide), Case(kind, guide, where)))
+
+    schema = next((scope[n] for n in _SCHEMA_NAMES if n in scope), None)
+    regex = next((scope[n] for n in _REGEX_NAMES if isinstance(scope.get(n), str)), None)
+    grammar = next((scope[n] for n in _GRAMMAR_NAMES if isinstance(scope.get(n), str)), None)
+    guide: tuple[str, str] | None = None
+    if isinstance(schema, (dict, bool)) and _known(schema):
+        guide = ("json_schema", json.dumps(schema))
+    elif regex is not None:
+        guide = ("regex", regex)
+    elif grammar is not None:
+        guide = ("ebnf", grammar)
+    if "json_input_accepted" in row or "json_input_refused" in row:
+        text = row.get("json_input_accepted", row.get("json_input_refused"))
+        if isinstance(text, str):
+            case("json", "").instances.append(
+                Instance(text=text, expected="json_input_accepted" in row))
+        return list(found.values())
+    if "regex_input_refused" in row and isinstance(row["regex_input_refused"], str):
+        case("regex", row["regex_input_refused"]).compiles = False
+        return list(found.values())
+    if guide is not None:
+        for key, flag in (("accepted_instances", True), ("rejected_instances", False),
+                          ("accepted_inputs", True), ("rejected_inputs", False)):
+            for inst in row.get(key) or []:
+                if _known(inst):
+                    case(*guide).instances.append(_instance(inst, flag, guide[0]))
+        for pair in row.get("instances") or []:
+            if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[1], bool) \
+                    and _known(pair[0]):
+                case(*guide).instances.append(_instance(pair[0], pair[1], guide[0]))
+        text = next((row[n] for n in _TEXT_NAMES if n in row), None)
+        flag = next((row[n] for n in _FLAG_NAMES if isinstance(row.get(n), bool)), None)
+        if text is not None and _known(text) and (flag is not None or row.keys() & {
+                "instance", "input_str"}):
+            if quoted and isinstance(text, str):
+                text = '"' + text + '"'
+            case(*guide).instances.append(_instance(text, flag, guide[0]))
+    # assert [not] _is_grammar_accept_string(grammar, "literal") and
+    # check_schema_with_instance(schema, literal, is_accepted=...) in the body
+    for node in ast.walk(fn):
+        if not isinstance(node, ast.Assert):
+            continue
+        test, flag = node.test, True
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            test, flag = test.operand, False
+        if isinstance(test, ast.Call) and ast.unparse(test.func).endswith(
+                "_is_grammar_accept_string") and len(test.args) >= 2:
+            g = test.args[0]
+            made = guides.get(g.id) if isinstance(g, ast.Name) else None
+            if made is None and isinstance(g, ast.Name) and isinstance(scope.get(g.id), str):
+                made = ("ebnf", scope[g.id])
+            if made is None and isinstance(g, ast.Call):
+                made = _grammar_of(g, scope)
+            text = _eval(test.args[1], scope)
+            if made and isinstance(text, str):
+                case(*made).instances.append(Instance(text=text, expected=flag))
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and \
+                ast.unparse(node.func) == "check_schema_with_instance" and len(node.args) >= 2:
+            s, inst = _eval(node.args[0], scope), _eval(node.args[1], scope)
+            flags = [_eval(k.value, scope) for k in node.keywords if k.arg == "is_accepted"]
+            if len(node.args) >= 3:
+                flags.append(_eval(node.args[2], scope))
+            flag = flags[0] if flags and isinstance(flags[0], bool) else True
+            if isinstance(s, (dict, bool)) and _known(s) and _known(inst) and \
+                    not any(isinstance(a, ast.Name) and a.id in row for a in node.args[1:2]):
+                case("json_schema", json.dumps(s)).instances.append(
+                    _instance(inst, flag, "json_schema"))
+    return list(found.values())
+
+
+def _instance(inst: Any, flag: bool | None, kind: str) -> Instance | None:
+    """A string is a text; any other value (a JSON-schema instance) is fed in its spellings;
+    None for what is neither (bytes)."""
+    if isinstance(inst, bytes) or (kind != "json_schema" and not isinstance(inst, str)):
+        return None
+    if isinstance(inst, str):
+        return Instance(text=inst, expected=flag)
+    return Instance(value=inst, expected=flag)
+
+
+# ---------------------------------------------------------------------------------------------
+# the bundled serving-engine cases
+
+
+def load_bundled(path: Path = BUNDLED) -> list[Case]:
+    """The hand-written file: ``{"cases": [{"kind", "guide", "source", "oracle"?,
+    "valid": [...], "invalid": [...]}]}`` (a JSON-schema guide may be an object)."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    out = []
+    for c in data["cases"]:
+        guide = c["guide"] if isinstance(c["guide"], str) else json.dumps(c["guide"])
+        case = Case(c["kind"], guide, c["source"], oracle=c.get("oracle"))
+        for key, flag in (("valid", True), ("invalid", False)):
+            case.instances += [Instance(text=t, expected=flag) for t in c.get(key, [])]
+        out.append(case)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# running
+
+
+def _params(case: Case) -> Any:
+    from capgraph import GuidedDecodingParams
+    if case.kind == "json":
+        return GuidedDecodingParams.json()
+    return GuidedDecodingParams(case.kind if case.kind != "ebnf" else "ebnf_grammar", case.guide)
+
+
+def run_case(factory: Any, tokenizer: Any, case: Case,
+             timeout_s: float = DEFAULT_TIMEOUT_S) -> Tally:
+    """One case on one factory."""
+    from capgraph.errors import CapgraphError, UnsupportedGuideError
+
+    tally = Tally(cases=1)
+    where = f"{case.source} {case.kind} {case.guide[:80]!r}"
+    try:
+        compiled = factory.compile_async(_params(case)).future.result(timeout=timeout_s)
+    except UnsupportedGuideError as e:
+        tally.refused += 1
+        tally.refusals.append(f"{where}: {str(e)[:160]}")
+        return tally
+    except concurrent.futures.TimeoutError:
+        tally.crashes.append(f"{where}: compile over {timeout_s:g} s")
+        return tally
+    except CapgraphError as e:
+        tally.compile_errors += 1
+        tally.refusals.append(f"{where}: {type(e).__name__}: {str(e)[:160]}")
+        return tally
+    except Exception as e:  # noqa: BLE001 - anything else is the fault this tool reports
+        tally.crashes.append(f"{where}: compile raised {type(e).__name__}: {e}"[:400])
+        return tally
+    tally.compiled += 1
+    if case.compiles is False:
+        tally.compiled_upstream_refuses.append(where)
+    for inst in case.instances:
+        name = f"{where} / {inst.shown()[:100]!r}"
+        valid, format_only = oracle(case, inst)
+        if valid is not None and inst.expected is not None and valid != inst.expected:
+            tally.disputed.append(f"{name}: engine says {'valid' if inst.expected else 'invalid'}"
+                                  f", oracle {'valid' if valid else 'invalid'}")
+        verdict = valid if valid is not None else inst.expected
+        start = time.perf_counter()
+        faulthandler.dump_traceback_later(2 * timeout_s, exit=True, file=sys.__stderr__)
+        try:
+            taken = [t for t in inst.texts()
+                     if suite._accepted(factory, compiled, tokenizer, t)]
+        except Exception as e:  # noqa: BLE001
+            tally.crashes.append(f"{name}: {type(e).__name__}: {e}"[:400])
+            continue
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        spent = time.perf_counter() - start
+        if spent > timeout_s:
+            tally.crashes.append(f"{name}: {spent:.1f} s over {timeout_s:g} s")
+        if verdict is None:
+            continue
+        if verdict:
+            if taken:
+                tally.valid_accepted += 1
+            else:
+                tally.valid_refused += 1
+                tally.valid_refusals.append(name)
+        elif not taken:
+            tally.invalid_refused += 1
+        elif format_only:
+            tally.format_gaps.append(f"{name}: accepted {taken[0][:100]!r}")
+        else:
+            tally.invalid_accepted.append(f"{name}: accepted {taken[0][:100]!r}")
+    return tally
+
+
+def load_sources(outlines_core: Path | None = None, xgrammar: Path | None = None,
+                 llguidance: Path | None = None, bundled: Path | None = BUNDLED
+                 ) -> dict[str, list[Case]]:
+    """source name -> its cases, for the sources given."""
+    out: dict[str, list[Case]] = {}
+    for name, path, loader in (("outlines-core", outlines_core, load_outlines_core),
+                               ("xgrammar", xgrammar, load_xgrammar),
+                               ("llguidance", llguidance, load_llguidance),
+                               ("vllm+sglang", bundled, load_bundled)):
+        if path is not None:
+            if not Path(path).exists():
+                raise FileNotFoundError(f"{path}: no such checkout or file for {name}")
+            out[name] = [c for c in loader(Path(path)) if c.instances or c.compiles is False]
+    return out
+
+
+def table(rows: dict[str, Tally]) -> str:
+    """The summary table (Markdown), one row per label."""
+    lines = ["| backend | source | cases | compiled | refused | compile errors | crashes | "
+             "INVALID ACCEPTED | invalid refused | valid accepted | valid refused | "
+             "format gaps | disputed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, t in rows.items():
+        backend, _, source = label.partition(" / ")
+        lines.append(f"| {backend} | {source} | {t.cases} | {t.compiled} | {t.refused} | "
+                     f"{t.compile_errors} | {len(t.crashes)} | {len(t.invalid_accepted)} | "
+                     f"{t.invalid_refused} | {t.valid_accepted} | {t.valid_refused} | "
+                     f"{len(t.format_gaps)} | {len(t.disputed)} |")
+    return "\n".join(lines)
+
+
+def run(sources: dict[str, list[Case]], factories: dict[str, Any], tokenizer: Any,
+        timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Tally]:
+    """``"backend / source" -> Tally`` for every backend and source."""
+    rows = {}
+    for backend, factory in factories.items():
+        for source, cases in sources.items():
+            tally = Tally()
+            for case in cases:
+                tally.add(run_case(factory, tokenizer, case, timeout_s))
+            rows[f"{backend} / {source}"] = tally
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: see the module docstring."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--outlines-core", type=Path, help="a checkout of dottxt-ai/outlines-core")
+    parser.add_argument("--xgrammar", type=Path, help="a checkout of mlc-ai/xgrammar")
+    parser.add_argument("--llguidance", type=Path, help="a checkout of guidance-ai/llguidance")
+    parser.add_argument("--bundled", type=Path, default=BUNDLED,
+                        help="the serving engines' case file (default: %(default)s)")
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    parser.add_argument("--tokenizer", default="tekken")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also list disputed strings, format gaps, refusals and valid "
+                             "strings refused")
+    args = parser.parse_args(argv)
+
+    from capgraph.tokenizers import load_tokenizer
+    sources = load_sources(args.outlines_core, args.xgrammar, args.llguidance, args.bundled)
+    tokenizer = load_tokenizer(args.tokenizer)
+    factories = suite.make_factories(tokenizer, args.backends, args.timeout)
+    start = time.perf_counter()
+    try:
+        rows = run(sources, factories, tokenizer, args.timeout)
+    finally:
+        for factory in factories.values():
+            factory.close()
+    counts = ", ".join(f"{s} {len(c)} cases / {sum(len(x.instances) for x in c)} strings"
+                       for s, c in sources.items())
+    print(f"engine cases: {counts}; tokenizer {args.tokenizer}, "
+          f"{time.perf_counter() - start:.0f} s")
+    totals: dict[str, Tally] = {}
+    for label, t in rows.items():
+        totals.setdefault(label.split(" / ")[0] + " / all", Tally()).add(t)
+    print(table({**rows, **totals}))
+    lists = [("INVALID ACCEPTED", "invalid_accepted"), ("CRASH", "crashes")]
+    if args.verbose:
+        lists += [("FORMAT GAP", "format_gaps"), ("DISPUTED", "disputed"),
+                  ("COMPILED, ENGINE REFUSES", "compiled_upstream_refuses"),
+                  ("REFUSED", "refusals"), ("VALID REFUSED", "valid_refusals")]
+    for label, t in rows.items():
+        for what, attr in lists:
+            for item in getattr(t, attr):
+                print(f"{label.split(' / ')[0]}: {what}: {item}")
+    return 0 if all(t.ok for t in rows.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
