@@ -47,7 +47,6 @@ import argparse
 import ast
 import concurrent.futures
 import dataclasses
-import faulthandler
 import json
 import re
 import sys
@@ -764,17 +763,12 @@ def run_case(factory: Any, tokenizer: Any, case: Case,
             tally.disputed.append(f"{name}: engine says {'valid' if inst.expected else 'invalid'}"
                                   f", oracle {'valid' if valid else 'invalid'}")
         verdict = valid if valid is not None else inst.expected
-        start = time.perf_counter()
-        faulthandler.dump_traceback_later(2 * timeout_s, exit=True, file=sys.__stderr__)
         try:
-            taken = [t for t in inst.texts()
-                     if suite._accepted(factory, compiled, tokenizer, t)]
+            taken, spent = suite.accepted_texts(factory, compiled, tokenizer, inst.texts(),
+                                                timeout_s)
         except Exception as e:  # noqa: BLE001
             tally.crashes.append(f"{name}: {type(e).__name__}: {e}"[:400])
             continue
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-        spent = time.perf_counter() - start
         if spent > timeout_s:
             tally.crashes.append(f"{name}: {spent:.1f} s over {timeout_s:g} s")
         if verdict is None:

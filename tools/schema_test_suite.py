@@ -183,6 +183,21 @@ def _accepted(factory: Any, compiled: Any, tokenizer: Any, text: str) -> bool:
         return False  # a matcher that refuses by raising a named error refuses
 
 
+
+def accepted_texts(factory: Any, compiled: Any, tokenizer: Any, texts: Iterable[str],
+                   timeout_s: float) -> tuple[list[str], float]:
+    """The ``texts`` the compiled guide accepts (each fed token by token), and the seconds
+    that took. A matcher that never returns cannot be interrupted from Python: past twice
+    ``timeout_s`` the process dies with every thread's traceback on stderr (exit status 1).
+    A matcher's exception propagates."""
+    start = time.perf_counter()
+    faulthandler.dump_traceback_later(2 * timeout_s, exit=True, file=sys.__stderr__)
+    try:
+        taken = [text for text in texts if _accepted(factory, compiled, tokenizer, text)]
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    return taken, time.perf_counter() - start
+
 def run_group(factory: Any, tokenizer: Any, group: dict[str, Any], where: str,
               timeout_s: float = DEFAULT_TIMEOUT_S) -> Tally:
     """One test group on one factory. ``where`` names the group in the lists of faults."""
@@ -212,19 +227,12 @@ def run_group(factory: Any, tokenizer: Any, group: dict[str, Any], where: str,
     tally.compiled += 1
     for test in group["tests"]:
         name = f"{where} / {test['description']}"
-        start = time.perf_counter()
-        # a matcher that never returns cannot be interrupted from Python: past twice the
-        # timeout the process dies with every thread's traceback on stderr (exit status 1)
-        faulthandler.dump_traceback_later(2 * timeout_s, exit=True, file=sys.__stderr__)
         try:
-            taken = [text for text in spellings(test["data"])
-                     if _accepted(factory, compiled, tokenizer, text)]
+            taken, spent = accepted_texts(factory, compiled, tokenizer, spellings(test["data"]),
+                                          timeout_s)
         except Exception as e:  # noqa: BLE001
             tally.crashes.append(f"{name}: {type(e).__name__}: {e}"[:300])
             continue
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-        spent = time.perf_counter() - start
         if spent > timeout_s:
             tally.crashes.append(f"{name}: {spent:.1f} s over {timeout_s:g} s")
         if test["valid"]:
