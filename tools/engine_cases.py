@@ -601,25 +601,12 @@ def _row_cases(fn: ast.FunctionDef, row: dict[str, Any], scope: dict[str, Any],
                guides: dict[str, tuple[str, str]], quoted: bool, where: str) -> list[Case]:
     found: dict[tuple[str, str], Case] = {}
 
-    class _Adder:
-        def __init__(self, c: Case) -> None:
-            self.instances = self
-            self.c = c
-
-        def append(self, inst: Instance | None) -> None:
-            if inst is not None:
-                self.c.instances.append(inst)
-
-        @property
-        def compiles(self) -> bool | None:
-            return self.c.compiles
-
-        @compiles.setter
-        def compiles(self, value: bool | None) -> None:
-            self.c.compiles = value
-
-    def case(kind: str, guide: str) -> Any:
-        return _Adder(found.setdefault((kind, guide), Case(kind, guide, where)))
+    def add(kind: str, guide: str, inst: Instance | None) -> Case:
+        """The case of ``guide`` (made on first sight), ``inst`` added unless None."""
+        found_case = found.setdefault((kind, guide), Case(kind, guide, where))
+        if inst is not None:
+            found_case.instances.append(inst)
+        return found_case
 
     schema = next((scope[n] for n in _SCHEMA_NAMES if n in scope), None)
     regex = next((scope[n] for n in _REGEX_NAMES if isinstance(scope.get(n), str)), None)
@@ -634,29 +621,28 @@ def _row_cases(fn: ast.FunctionDef, row: dict[str, Any], scope: dict[str, Any],
     if "json_input_accepted" in row or "json_input_refused" in row:
         text = row.get("json_input_accepted", row.get("json_input_refused"))
         if isinstance(text, str):
-            case("json", "").instances.append(
-                Instance(text=text, expected="json_input_accepted" in row))
+            add("json", "", Instance(text=text, expected="json_input_accepted" in row))
         return list(found.values())
     if "regex_input_refused" in row and isinstance(row["regex_input_refused"], str):
-        case("regex", row["regex_input_refused"]).compiles = False
+        add("regex", row["regex_input_refused"], None).compiles = False
         return list(found.values())
     if guide is not None:
         for key, flag in (("accepted_instances", True), ("rejected_instances", False),
                           ("accepted_inputs", True), ("rejected_inputs", False)):
             for inst in row.get(key) or []:
                 if _known(inst):
-                    case(*guide).instances.append(_instance(inst, flag, guide[0]))
+                    add(*guide, _instance(inst, flag, guide[0]))
         for pair in row.get("instances") or []:
             if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[1], bool) \
                     and _known(pair[0]):
-                case(*guide).instances.append(_instance(pair[0], pair[1], guide[0]))
+                add(*guide, _instance(pair[0], pair[1], guide[0]))
         text = next((row[n] for n in _TEXT_NAMES if n in row), None)
         flag = next((row[n] for n in _FLAG_NAMES if isinstance(row.get(n), bool)), None)
         if text is not None and _known(text) and (flag is not None or row.keys() & {
                 "instance", "input_str"}):
             if quoted and isinstance(text, str):
                 text = '"' + text + '"'
-            case(*guide).instances.append(_instance(text, flag, guide[0]))
+            add(*guide, _instance(text, flag, guide[0]))
     # assert [not] _is_grammar_accept_string(grammar, "literal") and
     # check_schema_with_instance(schema, literal, is_accepted=...) in the body
     for node in ast.walk(fn):
@@ -675,7 +661,7 @@ def _row_cases(fn: ast.FunctionDef, row: dict[str, Any], scope: dict[str, Any],
                 made = _grammar_of(g, scope)
             text = _eval(test.args[1], scope)
             if made and isinstance(text, str):
-                case(*made).instances.append(Instance(text=text, expected=flag))
+                add(*made, Instance(text=text, expected=flag))
     for node in ast.walk(fn):
         if isinstance(node, ast.Call) and \
                 ast.unparse(node.func) == "check_schema_with_instance" and len(node.args) >= 2:
@@ -686,8 +672,7 @@ def _row_cases(fn: ast.FunctionDef, row: dict[str, Any], scope: dict[str, Any],
             flag = flags[0] if flags and isinstance(flags[0], bool) else True
             if isinstance(s, (dict, bool)) and _known(s) and _known(inst) and \
                     not any(isinstance(a, ast.Name) and a.id in row for a in node.args[1:2]):
-                case("json_schema", json.dumps(s)).instances.append(
-                    _instance(inst, flag, "json_schema"))
+                add("json_schema", json.dumps(s), _instance(inst, flag, "json_schema"))
     return list(found.values())
 
 

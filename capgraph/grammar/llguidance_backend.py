@@ -261,7 +261,8 @@ def _places_u2581(tokenizer: Any) -> bool:
         "\u2581".encode()
 
 
-def _ll_tokenizer(config: GuidedDecodingConfig, eos_token: int) -> Any:
+def _ll_tokenizer(config: GuidedDecodingConfig, eos_token: int, specials: frozenset[int]
+                  ) -> Any:
     """llguidance's ``LLTokenizer`` for ``config.tokenizer``.
 
     Where a grammar forces bytes, llguidance tokenizes them with the tokenizer's own encode
@@ -277,18 +278,15 @@ def _ll_tokenizer(config: GuidedDecodingConfig, eos_token: int) -> Any:
       panicked at the first mask of a guide that starts with a space (regex ``" [a-z]+"``).
 
     So llguidance is given the tokenizer as :func:`_as_llguidance_reads_it` rewrites it,
-    checked to spell :data:`_TOKENIZE_PROBES` exactly; where that build fails, the tokenizer
-    as it is."""
+    checked to spell :data:`_TOKENIZE_PROBES` exactly (``specials``: the tokenizer's special
+    ids, renamed); where that build fails, the tokenizer as it is."""
     import copy
-
-    from ..tokenizers import special_token_ids
 
     n_vocab = config.vocab_size_padded
     try:
         backend = copy.copy(config.tokenizer.backend_tokenizer)  # type: ignore[union-attr]
         backend.no_padding()
         backend.no_truncation()
-        specials = special_token_ids(config.tokenizer)  # type: ignore[arg-type]
         spec = _as_llguidance_reads_it(json.loads(backend.to_str()), specials)
         tokenizer = llguidance.LLTokenizer(json.dumps(spec), n_vocab=n_vocab,
                                            eos_token=eos_token)
@@ -327,14 +325,15 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
             raise ConfigError("the llguidance backend takes exactly one stop token, got "
                               f"{config.stop_token_ids}")
         self.eos_token = config.stop_token_ids[0]
-        self.tokenizer = _ll_tokenizer(config, self.eos_token)
+        from ..tokenizers import special_token_ids
+        specials = special_token_ids(config.tokenizer)  # type: ignore[arg-type]
+        self.tokenizer = _ll_tokenizer(config, self.eos_token, specials)
         self._json_options = json_whitespace_options(config)
         self._mask_words = (config.vocab_size_padded + 31) // 32
         self._eos_is_text = not self.tokenizer.is_special_token(self.eos_token)
         self._places_u2581 = _places_u2581(self.tokenizer)
         # ids that are never grammar text: special tokens, the stop token, padding ids
-        from ..tokenizers import special_token_ids
-        self._not_text = sorted(special_token_ids(config.tokenizer) | {self.eos_token}
+        self._not_text = sorted(specials | {self.eos_token}
                                 | set(range(len(config.tokenizer), config.vocab_size_padded)))
 
     def _likely_allowed_ids(self) -> Sequence[int]:
