@@ -270,12 +270,13 @@ def _ll_tokenizer(config: GuidedDecodingConfig, eos_token: int, specials: frozen
     to spell those bytes. Two ways it does not:
 
     - text that spells a special token is encoded as that token: a guide forcing ``"</s>"``,
-      ``"[INST]"`` or ``"<|im_start|>"`` got a mask allowing only the special id (the stop
-      token ended the output before the text; ``skip_special_tokens`` dropped the others,
-      or the parser refused the token it had just allowed);
+      ``"[INST]"`` or ``"<|im_start|>"`` would get a mask allowing only the special id (the
+      stop token ends the output before the text; ``skip_special_tokens`` drops the others,
+      or the parser refuses the token it has just allowed);
     - a sentencepiece dummy prefix (``mistral-sp32k``, Llama) encodes ``" a"`` as
-      ``["▁", "▁a"]``, two spaces: the mask allowed tokens the parser refuses, or llguidance
-      panicked at the first mask of a guide that starts with a space (regex ``" [a-z]+"``).
+      ``["▁", "▁a"]``, two spaces: the mask would allow tokens the parser refuses, and
+      llguidance panics at the first mask of a guide that starts with a space (regex
+      ``" [a-z]+"``).
 
     So llguidance is given the tokenizer as :func:`_as_llguidance_reads_it` rewrites it,
     checked to spell :data:`_TOKENIZE_PROBES` exactly (``specials``: the tokenizer's special
