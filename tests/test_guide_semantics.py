@@ -444,3 +444,91 @@ def test_llguidance_schema_writes_out_only_describing_defaults():
     assert rewrite({"properties": {"properties": {"properties": props}}}) == {
         "properties": {"properties": {"properties": props, "additionalProperties": False}},
         "additionalProperties": False}
+
+
+# --- Lark regex literals -----------------------------------------------------------------------
+
+def lark_guide(backend: str, grammar: str) -> GuidedDecodingParams:
+    """A Lark grammar as each backend takes it: an EBNF guide on llguidance, a structural tag's
+    Lark ``grammar`` element on xgrammar."""
+    if backend == "llguidance":
+        return GuidedDecodingParams.ebnf(grammar)
+    return GuidedDecodingParams.structural_tag(json.dumps({
+        "type": "structural_tag",
+        "format": {"type": "grammar", "grammar": grammar, "syntax": "lark"}}))
+
+
+# (grammar, text, accepted) where both backends serve the grammar: what Lark means.
+LARK_TABLE = [
+    ("start: /[^a-c]+/i", "dD", True), ("start: /[^a-c]+/i", "B", False),
+    ('start: /[^"]+/i', "x!", True),
+    ("start: /[kσ]+/i", "kK", True),  # (xgrammar narrower: its ASCII folding refuses 'Σ')
+    ("start: /\\d+/", "12", True), ("start: /[^\\W]+/", "ab", True),
+    ("start: /[^\\D]+/", "12", True), ("start: /[\\s]+/", " \t", True),
+]
+# (grammar, text outside its language): xgrammar would read these wider than Lark.
+LARK_WIDER_ON_XGRAMMAR = [
+    ("start: /[^kσ]+/i", "\u212a"),  # KELVIN SIGN: a case variant of k
+    ("start: /[^kσ]+/i", "Σ"),
+    ("start: /[^a-z]+/i", "\u017f"),  # LONG S: a case variant of s
+    ("start: /\\W+/", "é"),
+    ("start: /a\\D/", "a\u0661"),  # ARABIC-INDIC DIGIT ONE
+    ("start: /[^\\s]+/", "\u0085"),
+    ("start: /[\\S]+/", "\u0085"),
+    ("start: A\nA: /[^\\w]/", "ж"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lark_regex_literals_mean_the_same_on_both_backends(factory_cache, tokenizer_cache,
+                                                           backend):
+    """Lark regex literals xgrammar reads as Lark does compile and match alike on both
+    backends."""
+    tok = tokenizer_cache("tekken")
+    factory = factory_cache("tekken", backend)
+    got = [(g, t, accepts(factory, tok, lark_guide(backend, g), t)) for g, t, _ in LARK_TABLE]
+    assert got == LARK_TABLE
+
+
+@pytest.mark.parametrize("grammar, text", LARK_WIDER_ON_XGRAMMAR)
+def test_lark_regex_xgrammar_reads_wider_is_refused_on_xgrammar(factory_cache, tokenizer_cache,
+                                                                grammar, text):
+    """A Lark regex literal xgrammar would read wider than Lark (ASCII ``\\d``/``\\w``/``\\s``
+    under a negation, ASCII-only case folding in a negated class) is refused on xgrammar by
+    name, with the literal and its line; llguidance serves it and refuses the text outside
+    it."""
+    tok = tokenizer_cache("tekken")
+    with pytest.raises(UnsupportedGuideError, match=r"at line \d+ of .* wider than Lark does: "):
+        factory_cache("tekken").create(lark_guide("xgrammar", grammar))
+    if llg_available():
+        assert not accepts(factory_cache("tekken", "llguidance"), tok,
+                           lark_guide("llguidance", grammar), text)
+
+
+@pytest.mark.parametrize("pattern, nocase, wider", [
+    ("[^kσ]+", True, "'k' (U+006B)"), ("[^kσ]+", False, None),
+    ("[^a-h]", True, None), ("[^a-z]", True, "'i' (U+0069)"), ("[^\\u00e9]", True, "'é'"),
+    ("[^\\p{L}]", True, "not read here"), ("[^]k]", True, "'k'"), ("\\[^k]", True, None),
+    ("\\\\W", False, None), ("\\W", False, "'\\W' at position 0"), ("[\\S]", False, "'\\S'"),
+    ("[^\\d]", False, "'\\d'"), ("[^\\D]", False, None), ("[\\w]", False, None),
+    ("[^0-9_-]", True, None), ("[^\\x41-\\x43]", True, None), ("[^\\x{212a}]", True, "U+212A"),
+])
+def test_xgrammar_wider_names_the_construct(pattern, nocase, wider):
+    """:func:`xgrammar_wider` finds negated shorthands, shorthands a negated class holds, and
+    with ``i`` a negated class holding a character with a non-ASCII case variant (ASCII i, k,
+    s included); escapes and a leading ``]`` are read as class members, an escaped ``[`` is no
+    class."""
+    from capgraph.grammar.semantics import xgrammar_wider
+    found = xgrammar_wider(pattern, nocase)
+    assert (found is None) == (wider is None), found
+    if wider:
+        assert wider in found
+
+
+def test_lark_regexes_reads_literals_not_comments_or_strings():
+    """:func:`lark_regexes` returns each ``/pattern/flags`` with its line, skipping strings and
+    comments that hold slashes."""
+    from capgraph.grammar.lark_text import LarkRegex, lark_regexes
+    text = 'start: /[^k]+/i "/x/" // /c/\nB: /a\\/b/ # /z/\nC: /q/imsx'
+    assert lark_regexes(text) == [LarkRegex("[^k]+", "i", 1), LarkRegex("a\\/b", "", 2),
+                                  LarkRegex("q", "imsx", 3)]

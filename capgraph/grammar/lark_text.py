@@ -15,8 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-__all__ = ["LarkJson", "LarkTokenRef", "lark_json_values", "lark_options", "lark_token_refs",
-           "replace_json_values"]
+__all__ = ["LarkJson", "LarkRegex", "LarkTokenRef", "lark_json_values", "lark_options",
+           "lark_regexes", "lark_token_refs", "replace_json_values"]
 
 # One unit at a position, as llguidance's lexer reads it (longest match; "//" is always a
 # comment: a regex literal has at least one character between its slashes).
@@ -41,6 +41,16 @@ class LarkJson:
 
 
 @dataclass(frozen=True, slots=True)
+class LarkRegex:
+    """A regex literal ``/pattern/flags``: ``pattern`` as written between the slashes (``\\/``
+    still escaped)."""
+
+    pattern: str
+    flags: str
+    line: int
+
+
+@dataclass(frozen=True, slots=True)
 class LarkTokenRef:
     """A token reference: ``<[id]>``, ``<[a-b, c]>``, ``<[^a-b]>``, ``<[*]>`` or ``<name>``.
 
@@ -60,7 +70,8 @@ class LarkTextError(ValueError):
 
 def _scan(text: str) -> Iterator[tuple[str, int, int, Any]]:
     """``(kind, start, end, value)`` for each ``%json`` value (kind ``json``), ``%llguidance``
-    value (``options``) and token reference (``ref``)."""
+    value (``options``), token reference (``ref``) and regex literal (``regex``, the literal's
+    text)."""
     pos, n = 0, len(text)
     while pos < n:
         m = _UNIT.search(text, pos)
@@ -81,8 +92,8 @@ def _scan(text: str) -> Iterator[tuple[str, int, int, Any]]:
                 yield "options", start, end, value
             pos = end
             continue
-        if kind == "ref":
-            yield "ref", m.start(), m.end(), m.group(0)
+        if kind in ("ref", "regex"):
+            yield kind, m.start(), m.end(), m.group(0)
         pos = m.end()
 
 
@@ -109,6 +120,20 @@ def lark_options(text: str) -> list[LarkJson]:
     """
     return [LarkJson(value, start, end, _line(text, start))
             for kind, start, end, value in _scan(text) if kind == "options"]
+
+
+def lark_regexes(text: str) -> list[LarkRegex]:
+    """Every regex literal (``/.../flags``) of the Lark grammar ``text``, in order.
+
+    Raises:
+        LarkTextError: a ``%json`` / ``%regex`` / ``%llguidance`` value is not JSON.
+    """
+    out = []
+    for kind, start, _, literal in _scan(text):
+        if kind == "regex":
+            close = literal.rindex("/")
+            out.append(LarkRegex(literal[1:close], literal[close + 1:], _line(text, start)))
+    return out
 
 
 def replace_json_values(text: str, values: list[LarkJson], new: list[str]) -> str:

@@ -16,6 +16,13 @@
   as ECMA reads it. What either backend would read otherwise and cannot be written out
   (``\\e``, ``\\a``, ``\\p{L}``, ``\\x{41}``, ``(?i)``, a lone surrogate escape) is refused
   with ``UnsupportedGuideError``.
+- A Lark grammar (an EBNF_GRAMMAR guide on llguidance, a structural tag's ``grammar`` element
+  with ``"syntax": "lark"`` on xgrammar) means what llguidance reads: its regex literals in
+  Rust's syntax, with Unicode ``\\d`` / ``\\w`` / ``\\s`` and Unicode case folding under the
+  ``i`` flag (Python's ``re``, which the ``lark`` package uses, agrees on these). xgrammar reads
+  the shorthands as ASCII and folds ASCII letters only, which is narrower except where a
+  negation turns it wider: a regex literal in which it would be (:func:`xgrammar_wider`) is
+  refused on xgrammar.
 - Properties and items a JSON schema does not list are absent where it lists some (xgrammar's
   strict reading); llguidance is given those defaults written out (:func:`llguidance_schema`).
   Where an array or object schema lists none, any are allowed, as JSON Schema has it; xgrammar
@@ -26,6 +33,8 @@
 
 from __future__ import annotations
 
+import bisect
+import functools
 import json
 import re
 from typing import Any, Iterator
@@ -34,7 +43,7 @@ from .schema_policy import subschemas
 
 __all__ = ["ECMA_DOT", "JSON_CONTAINER_SCHEMA", "JSON_WHITESPACE_CHARS", "ascii_classes",
            "ascii_schema_patterns", "ecma_ebnf", "ecma_regex", "ecma_tag", "llguidance_schema",
-           "xgrammar_schema"]
+           "xgrammar_schema", "xgrammar_wider"]
 
 #: ``GuideType.JSON`` on every backend: a JSON object or array (the "JSON mode" of serving
 #: engines; xgrammar's builtin JSON grammar, which fills a mask twice as fast as a schema).
@@ -407,6 +416,115 @@ def ecma_tag(tag: str) -> str:
             changed |= new != node["grammar"]
             node["grammar"] = new
     return json.dumps(doc, ensure_ascii=False) if changed else tag
+
+
+# ASCII letters a case-insensitive match takes non-ASCII characters for (Python's ``re``,
+# which Lark's regexes are: U+0130 and U+0131 for i, U+212A KELVIN SIGN for k, U+017F LONG S
+# for s).
+_ASCII_WITH_NON_ASCII_CASE = frozenset("iIkKsS")
+_CLASS_SHORTHANDS = frozenset("dDwWsS")  # closed under case: a case variant stays in or out
+_CONTROL = {"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v", "0": "\0", "a": "\a",
+            "b": "\b", "e": "\x1b"}
+
+
+@functools.cache
+def _non_ascii_case_sensitive() -> list[int]:
+    """Sorted code points whose case-insensitive match differs once non-ASCII case variants
+    count: the ASCII letters of :data:`_ASCII_WITH_NON_ASCII_CASE` and every non-ASCII
+    character with a case variant."""
+    out = sorted(ord(c) for c in _ASCII_WITH_NON_ASCII_CASE)
+    for cp in range(0x80, 0x1F000):  # (no cased character above U+1E943)
+        c = chr(cp)
+        if c.lower() != c or c.upper() != c or c.casefold() != c:
+            out.append(cp)
+    return out
+
+
+def _case_sensitive_in(lo: str, hi: str) -> str | None:
+    """A character of :func:`_non_ascii_case_sensitive` in ``lo``-``hi``, or None."""
+    points = _non_ascii_case_sensitive()
+    k = bisect.bisect_left(points, ord(lo))
+    return chr(points[k]) if k < len(points) and points[k] <= ord(hi) else None
+
+
+def _class_char(body: str, i: int) -> tuple[str | None, int]:
+    """The character at ``body[i]`` of a class (Python / Rust escapes read), None for a
+    shorthand class or an escape not read here (``\\p{..}``), and the index past it."""
+    if body[i] != "\\" or i + 1 >= len(body):
+        return body[i], i + 1
+    e = body[i + 1]
+    hexes = {"x": 2, "u": 4, "U": 8}
+    if e in hexes:
+        if body[i + 2:i + 3] == "{":
+            end = body.find("}", i)
+            digits = body[i + 3:end] if end > 0 else ""
+        else:
+            end, digits = i + 1 + hexes[e], body[i + 2:i + 2 + hexes[e]]
+        try:
+            return chr(int(digits, 16)), end + 1
+        except ValueError:
+            return None, i + 2
+    if e in _CONTROL:
+        return _CONTROL[e], i + 2
+    if e.isalnum():  # \d and its kin, \p{..}, \N{..}: not one character
+        return None, i + 2
+    return e, i + 2
+
+
+def xgrammar_wider(pattern: str, nocase: bool) -> str | None:
+    """Where xgrammar would read the Lark regex ``pattern`` (``nocase``: with the ``i`` flag)
+    wider than Lark does (llguidance's Rust ``regex``, and Python's ``re`` alike), a
+    description of the construct; else None.
+
+    xgrammar's ``\\d``, ``\\w`` and ``\\s`` are ASCII (``\\s`` with U+00A0 and a few
+    more), so ``\\D``, ``\\W`` and ``\\S``, and a negated class holding ``\\d``, ``\\w`` or
+    ``\\s``, take non-ASCII digits, letters or spaces the Lark grammar excludes. It folds case
+    for ASCII letters only, so with ``i`` a negated class holding a character with a non-ASCII
+    case variant lets the variant through (``[^kσ]``: ``Σ``, ``ς``, U+212A KELVIN SIGN).
+    Positive classes and shorthands are only narrower. An escape this reader does not know
+    (``\\p{..}``) inside a negated class counts as such a construct."""
+    i, n = 0, len(pattern)
+    while i < n:
+        if pattern[i] == "\\":
+            if pattern[i + 1:i + 2] in ("D", "W", "S"):
+                return (f"'\\{pattern[i + 1]}' at position {i} (xgrammar's \\d, \\w and \\s "
+                        "are ASCII, so it would take the non-ASCII ones)")
+            i += 2
+            continue
+        if pattern[i] != "[":
+            i += 1
+            continue
+        start = i
+        negated = pattern[i + 1:i + 2] == "^"
+        i += 2 if negated else 1
+        if pattern[i:i + 1] == "]":  # a ']' first is a member
+            i += 1
+        shorthand: str | None = None  # one that reads wider on xgrammar in this class
+        cased: str | None = None
+        while i < n and pattern[i] != "]":
+            e = pattern[i + 1:i + 2] if pattern[i] == "\\" else ""
+            if e and e in _CLASS_SHORTHANDS:
+                if e.isupper() != negated:
+                    shorthand = shorthand or f"'\\{e}'"
+                i += 2
+                continue
+            lo, i = _class_char(pattern, i)
+            hi = lo
+            if lo is not None and pattern[i:i + 1] == "-" and pattern[i + 1:i + 2] not in ("]", ""):
+                hi, i = _class_char(pattern, i + 1)
+            if lo is None or hi is None:
+                cased = cased or "an escape whose characters are not read here"
+            elif cased is None and (hit := _case_sensitive_in(lo, max(lo, hi))) is not None:
+                cased = f"{hit!r} (U+{ord(hit):04X}), which has a non-ASCII case variant"
+        where = f"the {'negated ' if negated else ''}class {pattern[start:i + 1]!r}"
+        if shorthand:
+            return (f"{where} holds {shorthand} (xgrammar's \\d, \\w and \\s are ASCII, so "
+                    "the class would take the non-ASCII ones)")
+        if negated and nocase and cased:
+            return (f"{where} with the i flag holds {cased} (xgrammar folds case for ASCII "
+                    "letters only, so the class would take the variant)")
+        i += 1
+    return None
 
 
 def ascii_classes(pattern: str) -> str:

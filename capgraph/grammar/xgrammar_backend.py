@@ -23,8 +23,9 @@ from .disk_cache import serialized_bytes_estimate, source_digest
 from .forced import MAX_FORCED_SEQUENCE_BYTES, forced_run_bound
 from .process_pool import CompileHere, ProcessCompilePool
 from .schema_policy import describe, unenforced_in_tag, unenforced_in_text
+from .lark_text import LarkTextError, lark_regexes
 from .semantics import (JSON_CONTAINER_SCHEMA, ecma_ebnf, ecma_regex, ecma_tag, tag_nodes,
-                        xgrammar_schema)
+                        xgrammar_schema, xgrammar_wider)
 
 __all__ = ["XGrammarMatcher", "XGrammarMatcherFactory", "build_tokenizer_info",
            "json_whitespace_options"]
@@ -238,6 +239,25 @@ def _refuse_ignored_in_tag(warned: Sequence[str], where: str) -> None:
         + "; rewrite that construct (anchors '^' / '$' only at the very start / end of a "
         "regex, no lookahead, no escape other than the standard ones)",
         guide_type=GuideType.STRUCTURAL_TAG.name, backend=BACKEND)
+
+
+def _refuse_wider_lark_regexes(grammar: str, where: str) -> None:
+    """Refuse the Lark ``grammar`` of a structural tag's ``grammar`` element (``where``) if
+    xgrammar would read one of its regex literals wider than Lark does
+    (:func:`~capgraph.grammar.semantics.xgrammar_wider`); a grammar whose text cannot be
+    read is left for the tag's compile to report."""
+    try:
+        regexes = lark_regexes(grammar)
+    except LarkTextError:
+        return
+    for found in regexes:
+        wider = xgrammar_wider(found.pattern, "i" in found.flags)
+        if wider:
+            raise UnsupportedGuideError(
+                f"xgrammar would read the regex /{found.pattern}/{found.flags} at line "
+                f"{found.line} of {where} wider than Lark does: {wider}; write the characters "
+                "out in a class (or use the llguidance backend with the grammar as an "
+                "EBNF_GRAMMAR guide)", guide_type=GuideType.STRUCTURAL_TAG.name, backend=BACKEND)
 
 
 def _tag_schemas_prepared(tag: str) -> str:
@@ -890,6 +910,7 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 if node.get("syntax", "ebnf") == "lark":
                     check(lambda: xgr.Grammar.from_lark(
                         text, tokenizer_info=self.tokenizer_info), where, True)
+                    _refuse_wider_lark_regexes(text, where)
                 else:
                     check(lambda: _ebnf_grammar(text), where, True)
 
