@@ -170,3 +170,96 @@ def test_d():
     assert [(i.text, i.expected) for i in got["ebnf", 'root ::= "b"'].instances] == [
         ("b", True), ("bb", False)]
     assert not any("root_rule" in g or 'x ::= "c"' in g for _, g in got)
+
+
+def test_llguidance_lark_reader(tmp_path):
+    """``parser/tests/test_lark.rs``: each ``lark_str_test_many`` call (its literal strings;
+    ``FINAL_REJECT:`` dropped; a grammar named by a ``for`` loop gives a case per grammar) and
+    each ``json_test_many`` call; an item built with ``format!`` is skipped."""
+    folder = tmp_path / "parser" / "tests"
+    folder.mkdir(parents=True)
+    (folder / "test_lark.rs").write_text(r'''
+#[test]
+fn a() {
+    lark_str_test_many(
+        r#"start: "a" | "b""#,
+        &["a", &format!("{}", x)],
+        &["FINAL_REJECT:", "ab"],
+    );
+    for grm in &[r#"start: X
+                    X: "x""#, "start: /y/"] {
+        lark_str_test_many_quiet(grm, &["x"], &[]);
+    }
+    json_test_many(&json!({"type": "integer",}), &[json!(1)], &[json!("1"), json!(1.5)]);
+    json_test_many(&json!({"type": "integer"}), &[json!(n)], &[]);
+}
+''')
+    cases = ec.load_llguidance_lark(tmp_path)
+    got = {(c.kind, c.guide): [(i.shown(), i.expected) for i in c.instances] for c in cases}
+    assert got == {
+        ("lark", 'start: "a" | "b"'): [("a", True), ("", False), ("ab", False)],
+        ("lark", 'start: X\n                    X: "x"'): [("x", True)],
+        ("lark", "start: /y/"): [("x", True)],
+        ("json_schema", '{"type": "integer"}'): [("1", True), ('"1"', False), ("1.5", False)],
+    }
+    assert cases[0].source.endswith("test_lark.rs:4")
+
+
+def test_xgrammar_lark_reader(tmp_path):
+    """xgrammar's ``test_lark.py``: ``_assert_language`` calls, their arguments taken from
+    ``pytest.param`` rows, f-strings and ``json.dumps`` of literals; a call with a vocabulary
+    of its own is skipped."""
+    folder = tmp_path / "tests" / "python"
+    folder.mkdir(parents=True)
+    (folder / "test_lark.py").write_text(r'''
+import json, pytest
+
+@pytest.mark.parametrize("grammar, accepted, rejected", [
+    pytest.param('start: "a"', ["a"], ["b"], id="one"),
+])
+def test_rows(grammar, accepted, rejected):
+    _assert_language(grammar, accepted, rejected)
+
+@pytest.mark.parametrize("name, accepted, rejected", [pytest.param("INT", ["1"], ["a"])])
+def test_common(name, accepted, rejected):
+    _assert_language(f"%import common.{name}\nstart: {name}", accepted, rejected)
+
+def test_json():
+    _assert_language("start: %json " + json.dumps({"type": "integer"}), ["1"], ["x"])
+    _assert_language('start: <t>', ["x"], [], tokenizer_info=info)
+''')
+    got = {c.guide: [(i.text, i.expected) for i in c.instances]
+           for c in ec.load_xgrammar(tmp_path) if c.kind == "lark"}
+    assert got == {'start: "a"': [("a", True), ("b", False)],
+                   "%import common.INT\nstart: INT": [("1", True), ("a", False)],
+                   'start: %json {"type": "integer"}': [("1", True), ("x", False)]}
+
+
+@pytest.mark.parametrize("grammar, text, valid", [
+    ('start: /a|ab/ "c"', "abc", True),  # not only the prefixes of the first match
+    ('start: /a|ab/ "c"', "abbc", False),
+    ("start: /a{2,}?/", "aaa", True), ("start: /a{2,}?/", "a", False),
+    ("start: A B\nA: /a+/\nB: /a+b/", "aaab", True),
+    ('%import common.WS\n%ignore WS\nstart: "a" "b"', " a b ", True),
+    ('start: "\\b"', "\b", None),  # lark keeps "\b" as two characters; llguidance does not
+    ('start: <|tool|> "x"', "x", None),  # an extension lark cannot read
+    ('start: %json {"type": "integer", "minimum": 2}', "3", True),  # the schema decides
+    ('start: %json {"type": "integer", "minimum": 2}', "1", False),
+])
+def test_lark_oracle(grammar, text, valid):
+    """A Lark grammar's verdict is the ``lark`` package's Earley parse over every length each
+    terminal matches whole; ``start: %json SCHEMA`` is the schema's verdict; none where lark
+    cannot read the grammar or reads its strings otherwise."""
+    pytest.importorskip("lark", reason="the lark package (the test extra) is not installed")
+    assert ec.oracle(ec.Case("lark", grammar, "s"), ec.Instance(text=text))[0] is valid
+
+
+def test_lark_cases_run_on_every_backend(factories, tekken):
+    """A Lark case compiles as an EBNF guide on llguidance and as a structural tag's Lark
+    grammar on xgrammar, and its strings get their oracle verdicts there."""
+    pytest.importorskip("lark", reason="the lark package (the test extra) is not installed")
+    case = ec.Case("lark", 'start: "x" NUM\nNUM: /[0-9]+/', "probe",
+                   [ec.Instance(text="x12"), ec.Instance(text="x"), ec.Instance(text="y1")])
+    for backend, factory in factories.items():
+        tally = ec.run_case(factory, tekken, case)
+        assert (tally.compiled, tally.valid_accepted, tally.invalid_refused) == (1, 1, 2), backend

@@ -9,26 +9,33 @@ strings written for them (``tests/data/engine_cases/serving_engines.json``, each
 * ``--outlines-core PATH``: dottxt-ai/outlines-core, ``src/json_schema/mod.rs``: every tuple
   ``(schema, regex, [strings that match], [strings that do not])`` of its tests;
 * ``--xgrammar PATH``: mlc-ai/xgrammar, the ``tests/python`` files named in
-  :data:`XGRAMMAR_FILES`: ``pytest.mark.parametrize`` tables and ``assert`` calls whose schema,
-  regex or EBNF grammar and strings are literals (read with :mod:`ast`, never imported);
+  :data:`XGRAMMAR_FILES`: ``pytest.mark.parametrize`` tables (``pytest.param`` rows too) and
+  ``assert`` / ``_assert_language`` calls whose schema, regex, EBNF or Lark grammar and strings
+  are literals (read with :mod:`ast`, never imported);
 * ``--llguidance PATH``: guidance-ai/llguidance, ``parser/tests/test_json_*.rs``: in each test
   function, every ``json!`` schema it checks against every ``json!`` value or string case it
-  holds.
+  holds; ``parser/tests/test_lark.rs``: its ``lark_str_test_many`` (a Lark grammar, strings
+  accepted, strings refused) and ``json_test_many`` calls.
 
 What makes a string valid is decided by an oracle where one exists, not by the engine's own
 expectation (an engine's regex for a schema may be stricter or looser than the schema): for a
 JSON schema, the string must parse as JSON and validate with ``jsonschema`` (the schema's
 ``$schema`` or draft 2020-12, format assertion on); for ``GuideType.JSON``, parse as a JSON object
 or array; for a regex, ``re.fullmatch``; for an EBNF grammar with an ``oracle`` regex (the
-serving engines' tests check their outputs with one), that regex. Where there is no oracle (an
-EBNF grammar, a regex Python cannot compile) the engine's expectation is the verdict. A string
+serving engines' tests check their outputs with one), that regex; for a Lark grammar, the
+``lark`` package's Earley parser over every length each terminal matches whole (``start: %json
+SCHEMA``: the schema's verdict). Where there is no oracle (an EBNF grammar, a regex Python
+cannot compile, a Lark grammar with llguidance's or xgrammar's extensions) the engine's
+expectation is the verdict. A string
 whose oracle verdict differs from the engine's expectation is counted as "disputed" and listed
 with ``-v``. A JSON-schema string that fails only a ``format`` assertion and is accepted is
 counted under "format gaps", not as invalid: JSON Schema leaves format assertion optional, and
 docs/CONFORMANCE.md lists what the grammars' formats do not check.
 
 For every case and every backend (``xgrammar``, ``llguidance``, ``fallback``: xgrammar with
-``json_unenforced_keywords="fallback"``) the guide is compiled with the Tekken tokenizer; a
+``json_unenforced_keywords="fallback"``) the guide is compiled with the Tekken tokenizer (a Lark
+grammar as an ``ebnf_grammar`` guide on llguidance, as a structural tag's Lark ``grammar``
+element on xgrammar); a
 compiled guide gets each string token by token with the stop token
 (``tools/schema_test_suite.py``'s feed); a JSON value is fed in its six spellings, accepted when
 one is. The fault is an **invalid string accepted**, and a crash: an exception that is not a
@@ -63,11 +70,13 @@ ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "tests" / "data" / "engine_cases" / "serving_engines.json"
 BACKENDS = suite.BACKENDS
 DEFAULT_TIMEOUT_S = suite.DEFAULT_TIMEOUT_S
-KINDS = ("json_schema", "json", "regex", "ebnf")
+KINDS = ("json_schema", "json", "regex", "ebnf", "lark")
 XGRAMMAR_FILES = ("test_json_schema_converter.py", "test_grammar_matcher_json_schema.py",
                   "test_grammar_matcher_regex.py", "test_regex_converter.py",
                   "test_grammar_matcher_ebnf.py", "test_grammar_matcher_json.py",
-                  "test_grammar_matcher_basic.py")
+                  "test_grammar_matcher_basic.py", "test_lark.py")
+#: xgrammar test files whose grammars are Lark, not GBNF
+XGRAMMAR_LARK_FILES = ("test_lark.py",)
 
 
 @dataclass
@@ -89,7 +98,9 @@ class Instance:
 class Case:
     """A guide, its strings, and where it comes from."""
 
-    kind: str  #: one of :data:`KINDS`
+    kind: str  #: one of :data:`KINDS` (``lark``: a Lark grammar, compiled as an
+    #: ``ebnf_grammar`` guide on llguidance and as a structural tag's Lark ``grammar`` element on
+    #: xgrammar, which reads Lark only there)
     guide: str
     source: str  #: "repo path:line"
     instances: list[Instance] = field(default_factory=list)
@@ -150,6 +161,21 @@ def oracle(case: Case, inst: Instance) -> tuple[bool | None, bool]:
         if case.kind == "json":
             return isinstance(value, (dict, list)), False
         return _schema_verdict(json.loads(case.guide), value)
+    if case.kind == "lark" and case.oracle is None:
+        if inst.text is None:
+            return None, False
+        only = _LARK_JSON_ONLY.fullmatch(case.guide)
+        if only:  # start: %json SCHEMA: the schema's verdict
+            try:
+                schema = json.loads(only.group(1))
+            except ValueError:
+                return None, False
+            try:
+                value = _strict_json(inst.text)
+            except (ValueError, RecursionError):
+                return False, False
+            return _schema_verdict(schema, value)
+        return _lark_verdict(case.guide, inst.text), False
     pattern = case.guide if case.kind == "regex" else case.oracle
     if pattern is None or inst.text is None:
         return None, False
@@ -160,6 +186,80 @@ def oracle(case: Case, inst: Instance) -> tuple[bool | None, bool]:
     except (re.error, RecursionError, OverflowError):
         return None, False
     return compiled.fullmatch(inst.text) is not None, False
+
+
+_LARK_PARSERS: dict[str, Any] = {}
+_LARK_JSON_ONLY = re.compile(r"\s*start\s*:\s*%json\s*(\{.*\})\s*", re.S)
+
+
+# A string literal of a Lark grammar, and the escapes the ``lark`` package reads in one (it
+# keeps any other, ``\b`` say, as a backslash and a letter, where llguidance and xgrammar read
+# a control character).
+_LARK_STRING = re.compile(r'"((?:\\.|[^"\\\n])*)"')
+_LARK_READ_ESCAPES = frozenset('\\"Uuxnftr')
+
+
+class _LongestFullMatch:
+    """A terminal matcher for ``lark``'s dynamic Earley lexer that finds every length a
+    terminal's regex matches whole, not only the lengths of the prefixes of its first match:
+    asked at ``(stream, i)`` it returns the longest full match from ``i``, and asked for a
+    prefix of that text (the lexer's next questions) the longest full match within it. (The
+    stock matcher misses ``ab`` for ``/a|ab/`` and ``aaa`` for ``/a{2,}?/``.)"""
+
+    def __init__(self, regexps: dict[str, Any]) -> None:
+        self.regexps = regexps
+        self._last: tuple[str, str, list[int]] = ("", "", [])  # term, its text, match ends
+
+    def __call__(self, term: Any, text: str, index: int = 0) -> Any:
+        rx = self.regexps[term.name]
+        last_term, last_text, last_ends = self._last
+        if index == 0 and text and term.name == last_term and last_text.startswith(text):
+            ends = [e for e in last_ends if e <= len(text)]
+        else:
+            ends = [e - index for e in range(index + 1, len(text) + 1)
+                    if rx.fullmatch(text, index, e)]
+            self._last = (term.name, text[index:index + ends[-1]] if ends else "", ends)
+        return rx.fullmatch(text, index, index + ends[-1]) if ends else None
+
+
+def _lark_parser(grammar: str) -> Any:
+    """The ``lark`` Earley parser of ``grammar`` with :class:`_LongestFullMatch` terminals, or
+    None where ``lark`` cannot build it or reads its string literals differently."""
+    for m in _LARK_STRING.finditer(grammar):
+        if any(e not in _LARK_READ_ESCAPES for e in re.findall(r"\\(.)", m.group(1))):
+            return None
+    try:
+        import lark
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            parser = lark.Lark(grammar, parser="earley", lexer="dynamic_complete",
+                               start="start")
+    except Exception:  # noqa: BLE001 - ImportError, GrammarError, re.error, ...
+        return None
+    earley = parser.parser.parser
+    earley.term_matcher = _LongestFullMatch(earley.term_matcher.__self__.regexps)
+    return parser
+
+
+def _lark_verdict(grammar: str, text: str) -> bool | None:
+    """Whether ``text`` is in the language of the Lark grammar ``grammar`` by the ``lark``
+    package (Earley over every way to cut the text into terminals: the grammar's language with
+    its terminals as Python regexes); None where ``lark`` cannot build the grammar
+    (llguidance's or xgrammar's extensions: ``%json``, special tokens, attributes, their regex
+    syntax) or is not installed."""
+    if grammar not in _LARK_PARSERS:
+        _LARK_PARSERS[grammar] = _lark_parser(grammar)
+    parser = _LARK_PARSERS[grammar]
+    if parser is None:
+        return None
+    import lark
+    try:
+        parser.parse(text)
+    except lark.exceptions.UnexpectedInput:
+        return False
+    except Exception:  # noqa: BLE001 - lark's own limits (recursion): no verdict
+        return None
+    return True
 
 
 def _schema_verdict(schema: Any, value: Any) -> tuple[bool | None, bool]:
@@ -397,6 +497,97 @@ def load_llguidance(root: Path) -> list[Case]:
     return list(cases.values())
 
 
+_FINAL_REJECT = "FINAL_REJECT:"  # llguidance's mark of a string refused only at its end
+
+
+def load_llguidance_lark(root: Path) -> list[Case]:
+    """guidance-ai/llguidance, ``parser/tests/test_lark.rs``: each ``lark_str_test_many``
+    call (a Lark grammar, strings it accepts, strings it refuses; a grammar named by a
+    ``for NAME in &[...]`` loop gives one case per grammar) and each ``json_test_many`` call
+    (a ``json!`` schema, values valid, values invalid) whose arguments are literals."""
+    path = root / "parser" / "tests" / "test_lark.rs"
+    src = path.read_text(encoding="utf-8")
+    toks = rust_tokens(src)
+    out = []
+    for i in range(len(toks) - 1):
+        name = toks[i].text
+        if toks[i].kind != "word" or toks[i + 1].text != "(" or name not in (
+                "lark_str_test_many", "lark_str_test_many_quiet", "json_test_many"):
+            continue
+        items = _split(toks[i + 2:_matching(toks, i + 1)])
+        if len(items) != 3:
+            continue
+        where = f"llguidance parser/tests/test_lark.rs:{_line(src, toks[i].pos)}"
+        if name == "json_test_many":
+            schema = _json_macro(items[0])
+            lists = [_json_values(it) for it in items[1:]]
+            if not isinstance(schema, (dict, bool)) or any(v is None for v in lists):
+                continue
+            case = Case("json_schema", json.dumps(schema), where)
+            for values, flag in zip(lists, (True, False)):
+                case.instances += [Instance(value=v, expected=flag) for v in values or ()]
+            out.append(case)
+            continue
+        grammars = _literal_or_loop(toks, i, items[0])
+        lists = [_str_slice(it) for it in items[1:]]
+        for grammar in grammars:
+            case = Case("lark", grammar, where)
+            for strings, flag in zip(lists, (True, False)):
+                case.instances += [Instance(text=t.removeprefix(_FINAL_REJECT), expected=flag)
+                                   for t in strings]
+            out.append(case)
+    return out
+
+
+def _str_slice(toks: list[_Tok]) -> list[str]:
+    """The string literals that are whole items of ``&[...]`` (others, ``&format!(...)``,
+    are left)."""
+    if len(toks) < 3 or [t.text for t in toks[:2]] != ["&", "["]:
+        return []
+    return [it[0].text for it in _split(toks[2:-1]) if len(it) == 1 and it[0].kind == "str"]
+
+
+def _json_macro(toks: list[_Tok]) -> Any:
+    """The value of ``[&]json!(...)`` tokens, or None."""
+    toks = toks[1:] if toks and toks[0].text == "&" else toks
+    if len(toks) < 4 or [t.text for t in toks[:2]] != ["json", "!"]:
+        return None
+    try:
+        return _json_of(toks[3:-1])
+    except ValueError:
+        return None
+
+
+def _json_values(toks: list[_Tok]) -> list[Any] | None:
+    """The values of ``&[json!(...), ...]``, or None if an item is not one."""
+    if len(toks) < 3 or [t.text for t in toks[:2]] != ["&", "["]:
+        return None
+    values = []
+    for item in _split(toks[2:-1]):
+        value = _json_macro(item)
+        if value is None:
+            return None
+        values.append(value)
+    return values
+
+
+def _literal_or_loop(toks: list[_Tok], call: int, arg: list[_Tok]) -> list[str]:
+    """The grammar argument of a call: a literal, or the literals of the nearest ``for NAME
+    in &[...]`` before the call naming the same variable; [] otherwise."""
+    arg = arg[1:] if arg and arg[0].text == "&" else arg
+    if len(arg) == 1 and arg[0].kind == "str":
+        return [arg[0].text]
+    if len(arg) != 1 or arg[0].kind != "word":
+        return []
+    for k in range(call - 1, 2, -1):
+        if toks[k].text == "fn":
+            break
+        if toks[k].text == "for" and toks[k + 1].text == arg[0].text and \
+                toks[k + 2].text == "in" and toks[k + 3].text == "&" and toks[k + 4].text == "[":
+            return _str_slice(toks[k + 3:_matching(toks, k + 4) + 1])
+    return []
+
+
 def _rust_functions(toks: list[_Tok]) -> Iterator[tuple[int, int, int]]:
     """(index of ``fn``, index after its body, index of its first attribute) of each
     function."""
@@ -478,6 +669,22 @@ def _eval(node: ast.AST, env: dict[str, Any]) -> Any:
         return UNKNOWN
     if isinstance(node, ast.Name) and node.id in env:
         return env[node.id]
+    if isinstance(node, ast.JoinedStr):  # an f-string of known strings
+        parts = [_eval(v.value if isinstance(v, ast.FormattedValue) else v, env)
+                 for v in node.values]
+        if all(isinstance(p, str) for p in parts) and not any(
+                isinstance(v, ast.FormattedValue) and (v.conversion != -1 or v.format_spec)
+                for v in node.values):
+            return "".join(parts)
+        return UNKNOWN
+    if isinstance(node, ast.Call) and not node.keywords or isinstance(node, ast.Call) and all(
+            k.arg in ("id", "marks") for k in node.keywords):
+        func = ast.unparse(node.func)
+        if func == "pytest.param":  # a parametrize row: its values
+            return [_eval(a, env) for a in node.args]
+        if func == "json.dumps" and len(node.args) == 1 and not node.keywords:
+            value = _eval(node.args[0], env)
+            return json.dumps(value) if _known(value) else UNKNOWN
     return UNKNOWN
 
 
@@ -514,7 +721,7 @@ def load_xgrammar(root: Path) -> list[Case]:
         for fn in tree.body:
             if isinstance(fn, ast.FunctionDef):
                 where = f"xgrammar tests/python/{name}:{fn.lineno}"
-                for case in _xgrammar_function(fn, env, where):
+                for case in _xgrammar_function(fn, env, where, name in XGRAMMAR_LARK_FILES):
                     key = (case.kind, case.guide)
                     if key in cases:
                         cases[key].instances += case.instances
@@ -525,7 +732,8 @@ def load_xgrammar(root: Path) -> list[Case]:
     return list(cases.values())
 
 
-def _xgrammar_function(fn: ast.FunctionDef, env: dict[str, Any], where: str) -> list[Case]:
+def _xgrammar_function(fn: ast.FunctionDef, env: dict[str, Any], where: str,
+                       lark: bool = False) -> list[Case]:
     local = dict(env)
     guides: dict[str, tuple[str, str]] = {}  # variable -> (kind, guide) of a Grammar
     for node in ast.walk(fn):
@@ -547,6 +755,29 @@ def _xgrammar_function(fn: ast.FunctionDef, env: dict[str, Any], where: str) -> 
                 if made:
                     guides[node.targets[0].id] = made
         out += _row_cases(fn, row, scope, guides, quoted, where)
+        if lark:
+            out += _lark_language_cases(fn, scope, where)
+    return out
+
+
+def _lark_language_cases(fn: ast.FunctionDef, scope: dict[str, Any], where: str) -> list[Case]:
+    """The ``_assert_language(grammar, accepted, rejected)`` calls of xgrammar's Lark tests
+    whose arguments are known (calls with a ``tokenizer_info`` of their own vocabulary are
+    left: their strings are token ids)."""
+    out = []
+    for node in ast.walk(fn):
+        if not (isinstance(node, ast.Call) and ast.unparse(node.func) == "_assert_language"
+                and len(node.args) == 3 and not node.keywords):
+            continue
+        grammar, accepted, rejected = (_eval(a, scope) for a in node.args)
+        if not isinstance(grammar, str):
+            continue
+        case = Case("lark", grammar, where)
+        for strings, flag in ((accepted, True), (rejected, False)):
+            if isinstance(strings, list):
+                case.instances += [Instance(text=t, expected=flag) for t in strings
+                                   if isinstance(t, str)]
+        out.append(case)
     return out
 
 
@@ -708,10 +939,17 @@ def load_bundled(path: Path = BUNDLED) -> list[Case]:
 # running
 
 
-def _params(case: Case) -> Any:
+def _params(case: Case, backend: str) -> Any:
+    """The guide of ``case`` for a factory of ``backend`` (a ``GuidedDecodingBackend`` value)."""
     from capgraph import GuidedDecodingParams
     if case.kind == "json":
         return GuidedDecodingParams.json()
+    if case.kind == "lark":
+        if backend == "llguidance":
+            return GuidedDecodingParams.ebnf(case.guide)
+        return GuidedDecodingParams.structural_tag(json.dumps({
+            "type": "structural_tag",
+            "format": {"type": "grammar", "grammar": case.guide, "syntax": "lark"}}))
     return GuidedDecodingParams(case.kind if case.kind != "ebnf" else "ebnf_grammar", case.guide)
 
 
@@ -723,7 +961,8 @@ def run_case(factory: Any, tokenizer: Any, case: Case,
     tally = Tally(cases=1)
     where = f"{case.source} {case.kind} {case.guide[:80]!r}"
     try:
-        compiled = factory.compile_async(_params(case)).future.result(timeout=timeout_s)
+        params = _params(case, factory.config.backend.value)
+        compiled = factory.compile_async(params).future.result(timeout=timeout_s)
     except UnsupportedGuideError as e:
         tally.refused += 1
         tally.refusals.append(f"{where}: {str(e)[:160]}")
@@ -780,7 +1019,8 @@ def load_sources(outlines_core: Path | None = None, xgrammar: Path | None = None
     out: dict[str, list[Case]] = {}
     for name, path, loader in (("outlines-core", outlines_core, load_outlines_core),
                                ("xgrammar", xgrammar, load_xgrammar),
-                               ("llguidance", llguidance, load_llguidance),
+                               ("llguidance", llguidance,
+                                lambda root: load_llguidance(root) + load_llguidance_lark(root)),
                                ("vllm+sglang", bundled, load_bundled)):
         if path is not None:
             if not Path(path).exists():
