@@ -532,3 +532,35 @@ def test_lark_regexes_reads_literals_not_comments_or_strings():
     text = 'start: /[^k]+/i "/x/" // /c/\nB: /a\\/b/ # /z/\nC: /q/imsx'
     assert lark_regexes(text) == [LarkRegex("[^k]+", "i", 1), LarkRegex("a\\/b", "", 2),
                                   LarkRegex("q", "imsx", 3)]
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "integer", "not": {"const": 3}}, "not"),
+    ({"type": "integer", "if": {"minimum": 5}, "then": {"multipleOf": 2}}, "if"),
+    ({"type": "integer", "enum": [1, 2], "minimum": 2}, "enum"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "not": {"const": 1}}}}, "not"),
+])
+def test_lark_json_on_xgrammar_is_judged_like_a_tag_schema(factory_cache, schema, keyword):
+    """A ``%json`` schema in a tag's Lark grammar on xgrammar is judged like the tag's
+    ``json_schema`` elements: a keyword xgrammar would drop is refused, named with the
+    grammar element, the line of the ``%json`` and the pointer inside the schema."""
+    grammar = 'start: "v=" value\nvalue: %json ' + json.dumps(schema)
+    with pytest.raises(UnsupportedGuideError, match=(
+            rf"'{keyword}' at /format/grammar \(%json at line 2\)")):
+        factory_cache("tekken").create(lark_guide("xgrammar", grammar))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lark_json_means_the_same_on_both_backends(factory_cache, tokenizer_cache, backend):
+    """A Lark grammar's ``%json`` schemas read as JSON-schema guides do on both backends:
+    listed properties only where some are listed, any items where none are, bounds kept."""
+    tok = tokenizer_cache("tekken")
+    factory = factory_cache("tekken", backend)
+    grammar = ('start: "o=" obj " a=" arr\n'
+               'obj: %json {"type": "object", "properties": {"a": {"type": "integer"}}}\n'
+               'arr: %json {"type": "array", "maxItems": 2}')
+    params = lark_guide(backend, grammar)
+    assert accepts(factory, tok, params, 'o={"a": 1} a=["x", 2]')
+    assert not accepts(factory, tok, params, 'o={"a": 1, "b": 2} a=[]')
+    assert not accepts(factory, tok, params, 'o={"a": "1"} a=[]')
+    assert not accepts(factory, tok, params, 'o={} a=[1, 2, 3]')

@@ -39,6 +39,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import regex
 
+from .lark_text import LarkTextError, lark_json_values
+
 __all__ = ["Unenforced", "Pointer", "unenforced", "unenforced_in_tag", "describe",
            "schema_positions", "schema_nodes", "subschemas", "ANNOTATIONS", "VOCABULARY",
            "XGRAMMAR", "XGRAMMAR_TAG", "LLGUIDANCE",
@@ -798,7 +800,8 @@ def unenforced_in_text(guide: str, backend: str) -> list[Unenforced]:
 
 def unenforced_in_tag(tag: Any) -> list[Unenforced]:
     """:func:`unenforced` for every JSON schema a structural tag embeds (the value of any
-    ``"json_schema"`` key), judged for xgrammar (:data:`XGRAMMAR_TAG`), with pointers into the
+    ``"json_schema"`` key, and each ``%json`` value of a ``grammar`` element with
+    ``"syntax": "lark"``), judged for xgrammar (:data:`XGRAMMAR_TAG`), with pointers into the
     tag document; an ``any_order`` schema (whose keys xgrammar does not check) is reported
     too."""
     found: list[Unenforced] = []
@@ -836,6 +839,15 @@ def _tag_members(node: dict[str, Any], pointer: Pointer,
         elif key == "json_schema" and isinstance(value, dict):
             found.extend(Unenforced(f.keyword, _Joined(where, f.where), f.reason)
                          for f in unenforced(value, "xgrammar-tag"))
+        elif key == "grammar" and node.get("syntax") == "lark" and isinstance(value, str):
+            try:
+                embedded = lark_json_values(value)
+            except LarkTextError:  # the tag's compile reports it
+                embedded = []
+            for schema in embedded:
+                at = _Joined(where, f" (%json at line {schema.line})")
+                found.extend(Unenforced(f.keyword, _Joined(at, f.where), f.reason)
+                             for f in unenforced(schema.value, "xgrammar-tag"))
         else:
             yield key, value, where
 

@@ -23,7 +23,7 @@ from .disk_cache import serialized_bytes_estimate, source_digest
 from .forced import MAX_FORCED_SEQUENCE_BYTES, forced_run_bound
 from .process_pool import CompileHere, ProcessCompilePool
 from .schema_policy import describe, unenforced_in_tag, unenforced_in_text
-from .lark_text import LarkTextError, lark_regexes
+from .lark_text import LarkTextError, lark_json_values, lark_regexes, replace_json_values
 from .semantics import (JSON_CONTAINER_SCHEMA, ecma_ebnf, ecma_regex, ecma_tag, tag_nodes,
                         xgrammar_schema, xgrammar_wider)
 
@@ -262,7 +262,8 @@ def _refuse_wider_lark_regexes(grammar: str, where: str) -> None:
 
 def _tag_schemas_prepared(tag: str) -> str:
     """The structural tag ``tag`` (JSON text) with every JSON schema it embeds (the value of
-    a ``"json_schema"`` key: ``json_schema`` and ``qwen_xml_parameter`` elements) as
+    a ``"json_schema"`` key: ``json_schema`` and ``qwen_xml_parameter`` elements; each
+    ``%json`` value of a Lark ``grammar`` element) as
     :func:`~capgraph.grammar.semantics.xgrammar_schema` writes it, as a JSON-schema guide is;
     text that is not JSON, or has nothing to change, is returned unchanged."""
     try:
@@ -284,12 +285,29 @@ def _tag_schemas_prepared(tag: str) -> str:
                 prepared = xgrammar_schema(text)
                 changed |= prepared != text
                 result[key] = json.loads(prepared)
+            elif key == "grammar" and node.get("syntax") == "lark" and isinstance(value, str):
+                result[key] = _lark_schemas_prepared(value)
+                changed |= result[key] != value
             else:
                 result[key] = walk(value)
         return result
 
     doc = walk(doc)
     return json.dumps(doc, ensure_ascii=False) if changed else tag
+
+
+def _lark_schemas_prepared(grammar: str) -> str:
+    """The Lark ``grammar`` with each ``%json`` schema as
+    :func:`~capgraph.grammar.semantics.xgrammar_schema` writes it; unchanged where its text
+    cannot be read (the compile reports that)."""
+    try:
+        values = lark_json_values(grammar)
+    except LarkTextError:
+        return grammar
+    if not values:
+        return grammar
+    return replace_json_values(grammar, values,
+                               [xgrammar_schema(json.dumps(v.value)) for v in values])
 
 
 def _refuse_ignored(guide_type: GuideType, warned: Sequence[str]) -> None:
@@ -908,8 +926,10 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
             elif kind == "grammar" and isinstance(node.get("grammar"), str):
                 text = node["grammar"]
                 if node.get("syntax", "ebnf") == "lark":
+                    # (Lark has no lookahead syntax: those of the converted grammar are
+                    # xgrammar's own, in the rules it writes for a %json)
                     check(lambda: xgr.Grammar.from_lark(
-                        text, tokenizer_info=self.tokenizer_info), where, True)
+                        text, tokenizer_info=self.tokenizer_info), where, False)
                     _refuse_wider_lark_regexes(text, where)
                 else:
                     check(lambda: _ebnf_grammar(text), where, True)
