@@ -263,3 +263,33 @@ def test_lark_cases_run_on_every_backend(factories, tekken):
     for backend, factory in factories.items():
         tally = ec.run_case(factory, tekken, case)
         assert (tally.compiled, tally.valid_accepted, tally.invalid_refused) == (1, 1, 2), backend
+
+
+def test_xgrammar_structural_tag_reader(tmp_path):
+    """xgrammar's ``check_stag_with_instance(format, instance[, is_accepted])`` calls, from
+    stacked parametrize tables of module-level lists: each is a structural-tag case; a format
+    built from a pydantic class is skipped."""
+    folder = tmp_path / "tests" / "python"
+    folder.mkdir(parents=True)
+    (folder / "test_structural_tag_converter.py").write_text(r'''
+import pytest
+FORMATS = [({"type": "const_string", "value": "Hi"}, "const_string ::= ...")]
+INSTANCES = [("Hi", True), ("Ho", False)]
+
+@pytest.mark.parametrize("stag_format, expected_grammar", FORMATS)
+@pytest.mark.parametrize("instance, is_accepted", INSTANCES)
+def test_format(stag_format, expected_grammar, instance, is_accepted):
+    check_stag_with_instance(stag_format, instance, is_accepted)
+
+def test_model():
+    check_stag_with_instance(TagFormat(begin="a", end="b"), "ab")
+    check_stag_with_instance({"type": "regex", "pattern": "a+"}, "aa")
+''')
+    got = {}
+    for c in ec.load_xgrammar(tmp_path):
+        got.setdefault((c.kind, c.guide), []).extend((i.text, i.expected) for i in c.instances)
+    tag = '{"type": "structural_tag", "format": {"type": "const_string", "value": "Hi"}}'
+    assert got == {
+        ("structural_tag", tag): [("Hi", True), ("Ho", False)],
+        ("structural_tag", '{"type": "structural_tag", "format": {"type": "regex", '
+                           '"pattern": "a+"}}'): [("aa", True)]}

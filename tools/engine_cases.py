@@ -10,8 +10,9 @@ strings written for them (``tests/data/engine_cases/serving_engines.json``, each
   ``(schema, regex, [strings that match], [strings that do not])`` of its tests;
 * ``--xgrammar PATH``: mlc-ai/xgrammar, the ``tests/python`` files named in
   :data:`XGRAMMAR_FILES`: ``pytest.mark.parametrize`` tables (``pytest.param`` rows too) and
-  ``assert`` / ``_assert_language`` calls whose schema, regex, EBNF or Lark grammar and strings
-  are literals (read with :mod:`ast`, never imported);
+  ``assert`` / ``_assert_language`` / ``check_stag_with_instance`` calls whose schema, regex,
+  EBNF or Lark grammar, structural-tag format and strings are literals (read with :mod:`ast`,
+  never imported);
 * ``--llguidance PATH``: guidance-ai/llguidance, ``parser/tests/test_json_*.rs``: in each test
   function, every ``json!`` schema it checks against every ``json!`` value or string case it
   holds; ``parser/tests/test_lark.rs``: its ``lark_str_test_many`` (a Lark grammar, strings
@@ -70,11 +71,12 @@ ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "tests" / "data" / "engine_cases" / "serving_engines.json"
 BACKENDS = suite.BACKENDS
 DEFAULT_TIMEOUT_S = suite.DEFAULT_TIMEOUT_S
-KINDS = ("json_schema", "json", "regex", "ebnf", "lark")
+KINDS = ("json_schema", "json", "regex", "ebnf", "lark", "structural_tag")
 XGRAMMAR_FILES = ("test_json_schema_converter.py", "test_grammar_matcher_json_schema.py",
                   "test_grammar_matcher_regex.py", "test_regex_converter.py",
                   "test_grammar_matcher_ebnf.py", "test_grammar_matcher_json.py",
-                  "test_grammar_matcher_basic.py", "test_lark.py")
+                  "test_grammar_matcher_basic.py", "test_lark.py",
+                  "test_structural_tag_converter.py")
 #: xgrammar test files whose grammars are Lark, not GBNF
 XGRAMMAR_LARK_FILES = ("test_lark.py",)
 
@@ -757,6 +759,29 @@ def _xgrammar_function(fn: ast.FunctionDef, env: dict[str, Any], where: str,
         out += _row_cases(fn, row, scope, guides, quoted, where)
         if lark:
             out += _lark_language_cases(fn, scope, where)
+        out += _structural_tag_cases(fn, scope, where)
+    return out
+
+
+def _structural_tag_cases(fn: ast.FunctionDef, scope: dict[str, Any], where: str
+                          ) -> list[Case]:
+    """The ``check_stag_with_instance(format, instance[, is_accepted])`` calls of xgrammar's
+    structural-tag tests whose format (a dict: the tag is ``{"type": "structural_tag",
+    "format": ...}``) and instance are known."""
+    out = []
+    for node in ast.walk(fn):
+        if not (isinstance(node, ast.Call) and ast.unparse(node.func) ==
+                "check_stag_with_instance" and len(node.args) >= 2):
+            continue
+        fmt, text = _eval(node.args[0], scope), _eval(node.args[1], scope)
+        flags = [_eval(a, scope) for a in node.args[2:3]] + [
+            _eval(k.value, scope) for k in node.keywords if k.arg == "is_accepted"]
+        flag = flags[0] if flags else True
+        if not (isinstance(fmt, dict) and _known(fmt) and isinstance(text, str)
+                and isinstance(flag, bool)):
+            continue
+        tag = json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
+        out.append(Case("structural_tag", tag, where, [Instance(text=text, expected=flag)]))
     return out
 
 
@@ -944,6 +969,8 @@ def _params(case: Case, backend: str) -> Any:
     from capgraph import GuidedDecodingParams
     if case.kind == "json":
         return GuidedDecodingParams.json()
+    if case.kind == "structural_tag":
+        return GuidedDecodingParams.structural_tag(case.guide)
     if case.kind == "lark":
         if backend == "llguidance":
             return GuidedDecodingParams.ebnf(case.guide)
