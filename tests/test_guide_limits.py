@@ -533,3 +533,17 @@ def test_rule_following_stays_fast():
         assert time.perf_counter() - start < 10.0
     _check_refused("root ::= r0{0,256}\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(5000))
                    + 'r5000 ::= "a"{0,256}', "xgrammar", "(rule r5000,")
+
+
+@needs_llguidance
+def test_a_large_choice_list_serves_on_llguidance(tekken_factories, tekken):
+    """A Lark rule of 3000 alternatives (over llguidance's default 2000 items in a parser row)
+    serves its request to the end on llguidance: the row bound is raised to the per-step item
+    cap, which still bounds the step; before, the request failed at its first token."""
+    from cases import accepts
+    grammar = "start: " + " | ".join(f'"w{i}"' for i in range(3000))
+    params = GuidedDecodingParams.ebnf(grammar)
+    factory = tekken_factories["llguidance"]
+    assert accepts(factory, tekken, params, "w2999")
+    assert accepts(factory, tekken, params, "w17")
+    assert not accepts(factory, tekken, params, "w3000")

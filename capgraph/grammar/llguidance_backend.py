@@ -40,6 +40,20 @@ BACKEND = "llguidance"
 _JSON_WHITESPACE = "[" + "".join(f"\\x{ord(c):02X}" for c in JSON_WHITESPACE_CHARS) + "]"
 
 
+#: llguidance's cap on the Earley items of one step (its default); the items of one row (a
+#: rule's live alternatives) may take all of it.
+STEP_MAX_ITEMS = 50_000
+
+
+def _parser_limits() -> "llguidance.LLParserLimits":
+    """llguidance's defaults, but for ``max_items_in_row`` (2000 by default) raised to the
+    per-step cap :data:`STEP_MAX_ITEMS`, which still bounds a step's work. With the default,
+    a rule of more than 2000 alternatives (a large choice list) compiles and then fails its
+    request at the first token ("Current row has 3001 items; max is 2000")."""
+    return llguidance.LLParserLimits(max_items_in_row=STEP_MAX_ITEMS,
+                                     step_max_items=STEP_MAX_ITEMS)
+
+
 def json_whitespace_options(config: GuidedDecodingConfig) -> JsonCompileOptions:
     """llguidance JSON compile options for ``config.json_whitespace``, given as ``overrides``
     so that they win over a schema's own ``x-guidance``; the same strings as the xgrammar
@@ -385,7 +399,8 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
         states the start needs are built too: :meth:`create_from_compiled` hands each request
         a copy of it, which fills its first mask at once."""
         grammar = self._grammar_text(params)
-        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
+                                        limits=_parser_limits())
         if template.is_error():
             detail = template.get_error() or "invalid grammar"
             if params.guide_type is GuideType.EBNF_GRAMMAR and "::=" in params.guide:
