@@ -8,10 +8,12 @@ wrapper, and :meth:`rollback` counts a stop token llguidance never consumed as o
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError, GrammarCompileError, MatcherError, UnsupportedGuideError
@@ -91,6 +93,17 @@ def available() -> bool:
     return llguidance is not None
 
 
+#: Appended to every Lark guide. llguidance 1.9.1 computes the bytes a grammar forces in a
+#: loop that stops only where the parser accepts or more than one byte may follow; with a
+#: lexeme that may end or go on before one that starts the same way (``start: /a+/ "a"``,
+#: ``start: / +/ " "``) the parser never reports accepting there, and the loop forces the
+#: same byte forever, holding its memory growing (the first mask of ``/a+/ "a"`` never
+#: returns). Without forcing a mask is the grammar's, every tokenization of forced text
+#: allowed; the forced bytes of such a guide are read from masks
+#: (:meth:`LLGuidanceMatcher.forced_bytes`). JSON-schema and regex guides, whose lexemes
+#: are separated, keep llguidance's forcing.
+_NO_FORCING = '\n%llguidance {"no_forcing": true}\n'
+
 #: What a compiled guide's parser and lexer count for in the compile cache's byte bound,
 #: besides the grammar text: llguidance does not report its size; a template of a bundled
 #: JSON schema, first mask computed, grows the process by a few tens of KiB.
@@ -105,6 +118,14 @@ class LLGuidanceGuide:
 
     grammar: str
     template: "llguidance.LLMatcher"
+    #: llguidance forces bytes for this guide (JSON-schema and regex guides; not Lark:
+    #: :data:`_NO_FORCING`)
+    forcing: bool = True
+
+
+#: The most masks :meth:`LLGuidanceMatcher.forced_bytes` reads for a guide llguidance does
+#: not force bytes for (one per forced token; a mask is a fraction of a millisecond).
+MAX_FORCED_MASKS = 16
 
 
 class LLGuidanceMatcher(GrammarMatcher):
@@ -116,12 +137,16 @@ class LLGuidanceMatcher(GrammarMatcher):
     llguidance, so only it is subtracted by :meth:`rollback` before delegating.
     """
 
-    __slots__ = ("_matcher", "_eos", "_terminated", "_wrapper_eos", "_eos_is_text")
+    __slots__ = ("_matcher", "_eos", "_terminated", "_wrapper_eos", "_eos_is_text", "_tokens")
 
     def __init__(self, matcher: "llguidance.LLMatcher", eos_token: int,
-                 eos_is_text: bool = False) -> None:
+                 eos_is_text: bool = False,
+                 tokens: "llguidance.LLTokenizer | None" = None) -> None:
         self._matcher = matcher
         self._eos = eos_token
+        # the tokenizer whose token bytes :meth:`forced_bytes` reads masks with, for a guide
+        # llguidance does not force bytes for; None: llguidance's own forced bytes
+        self._tokens = tokens
         # the stop token is ordinary text: llguidance's mask allows it wherever its text fits,
         # but consumes it only as the end (fill_next_token_bitmask)
         self._eos_is_text = eos_is_text
@@ -183,12 +208,47 @@ class LLGuidanceMatcher(GrammarMatcher):
         return self._terminated
 
     def forced_bytes(self, max_bytes: int) -> bytes:
-        """llguidance's forced bytes, cut to whole characters and ``max_bytes``."""
+        """llguidance's forced bytes, cut to whole characters and ``max_bytes``; for a guide
+        llguidance does not force bytes for (a Lark guide), the bytes its masks force, read
+        on a copy of the matcher (:meth:`_masks_force`)."""
         if self._terminated or max_bytes <= 0 or self._matcher.is_stopped():
             return b""
+        if self._tokens is not None:
+            return whole_utf8_prefix(self._masks_force(max_bytes), max_bytes)
         forced = self._matcher.compute_ff_bytes()
         self._check()
         return whole_utf8_prefix(forced, max_bytes)
+
+    def _masks_force(self, max_bytes: int) -> bytes:
+        """The bytes every token the masks allow starts with, token after token, on a copy
+        of the matcher: while no stop token is allowed, the allowed tokens' common prefix is
+        forced; where it is itself an allowed token, that token is taken and the next mask
+        read. At most :data:`MAX_FORCED_MASKS` masks and ``max_bytes`` (llguidance's own
+        forcing can loop forever on such guides: :data:`_NO_FORCING`)."""
+        assert self._tokens is not None
+        tokens, copy = self._tokens, self._matcher.deep_copy()
+        words = (tokens.vocab_size + 31) // 32
+        mask = torch.zeros((1, words), dtype=torch.int32)
+        out = bytearray()
+        for _ in range(MAX_FORCED_MASKS):
+            if len(out) >= max_bytes:
+                break
+            llguidance.torch.fill_next_token_bitmask(copy, mask, 0)
+            if copy.is_error():
+                break
+            bits = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")
+            ids = np.flatnonzero(bits[:tokens.vocab_size]).tolist()
+            if not ids or self._eos in ids or any(tokens.is_special_token(t) for t in ids):
+                break
+            texts = [tokens.decode_bytes([t]) for t in ids]
+            common = os.path.commonprefix(texts)
+            if not common:
+                break
+            out += common
+            whole = [t for t, text in zip(ids, texts) if text == common]
+            if not whole or not copy.consume_token(whole[0]):
+                break
+        return bytes(out)
 
 
 #: Texts whose llguidance tokenization must spell exactly their bytes (see _ll_tokenizer);
@@ -422,7 +482,9 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
         if template.is_error():
             raise GrammarCompileError(f"the grammar has no valid start: {template.get_error()}",
                                       guide_type=params.guide_type.name, backend=BACKEND)
-        return LLGuidanceGuide(grammar, template), _TEMPLATE_BYTES + len(grammar.encode())
+        forcing = params.guide_type is not GuideType.EBNF_GRAMMAR
+        return (LLGuidanceGuide(grammar, template, forcing),
+                _TEMPLATE_BYTES + len(grammar.encode()))
 
     def _prepared_lark(self, grammar: str) -> str:
         """The Lark grammar ``grammar`` as llguidance must be given it to mean what capgraph
@@ -438,7 +500,12 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
           included) as a JSON-schema guide is, outside ``json_unenforced_keywords="ignore"``,
           and given as :func:`~capgraph.grammar.semantics.llguidance_schema` writes it, with
           ``json_whitespace`` (as ``x-guidance`` options, which win over its own).
+        - ``%llguidance {"no_forcing": true}`` is appended (:data:`_NO_FORCING`).
         """
+        return self._checked_lark(grammar) + _NO_FORCING
+
+    def _checked_lark(self, grammar: str) -> str:
+        """:meth:`_prepared_lark` but for the appended options."""
         try:
             refs = lark_token_refs(grammar)
             values = lark_json_values(grammar)
@@ -524,7 +591,8 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
 
     def create_from_compiled(self, compiled: CompiledGuide) -> LLGuidanceMatcher:
         guide: LLGuidanceGuide = compiled.payload
-        return LLGuidanceMatcher(guide.template.deep_copy(), self.eos_token, self._eos_is_text)
+        return LLGuidanceMatcher(guide.template.deep_copy(), self.eos_token, self._eos_is_text,
+                                 None if guide.forcing else self.tokenizer)
 
     def batch_fill(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
                    indices: Sequence[int]) -> None:
