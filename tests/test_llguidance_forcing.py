@@ -1,8 +1,9 @@
-"""llguidance does not force bytes for a Lark guide: a lexeme that may end or go on before one
-that starts the same way (``start: /a+/ "a"``) sent llguidance 1.9.1's forcing into a loop
-that never ends (the compile's first mask never returned; ``compute_ff_bytes`` held the GIL
-while its memory grew). Such guides now compile and serve, and their forced bytes are read
-from masks, bounded."""
+"""llguidance and Lark guides. llguidance does not force bytes for a Lark guide: a lexeme that
+may end or go on before one that starts the same way (``start: /a+/ "a"``) sent llguidance
+1.9.1's forcing into a loop that never ends (the compile's first mask never returned;
+``compute_ff_bytes`` held the GIL while its memory grew). Such guides now compile and serve,
+and their forced bytes are read from masks, bounded. A lazy rule matching the empty text
+(which llguidance reads as one character) is refused."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import textwrap
 
 import pytest
 
-from capgraph import GuidedDecodingParams
+from capgraph import GuidedDecodingParams, UnsupportedGuideError
 from capgraph.grammar.llguidance_backend import MAX_FORCED_MASKS
 from capgraph.tokenizers import encode_continuation
 
@@ -84,3 +85,23 @@ def test_lark_forced_bytes_read_a_bounded_number_of_masks(factory_cache, tekken)
     schema = llg.create(GuidedDecodingParams.json_schema(
         {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}))
     assert schema.forced_bytes(64).startswith(b'{')
+
+
+@pytest.mark.parametrize("rule", ["r[lazy]: /[a-z]*/", "r[lazy]: /[a-z]?/",
+                                  "r[capture, lazy]: /x*/  // a comment"])
+def test_lazy_rule_matching_the_empty_text_is_refused(factory_cache, rule):
+    """llguidance documents a lazy lexeme as matching as few bytes as possible; for one that
+    matches the empty text it takes one character (``"<" r ">"`` accepted ``<a>``): refused by
+    name, with the rule and its line."""
+    with pytest.raises(UnsupportedGuideError, match=r"lazy rule 'r' at line 2 .* empty text"):
+        factory_cache("tekken", "llguidance").compile(
+            GuidedDecodingParams.ebnf(f'start: "<" r ">"\n{rule}'))
+
+
+def test_lazy_rule_matching_text_and_stop_rules_compile(factory_cache, tekken):
+    """A lazy rule that must match a character, and a rule with a stop string, compile."""
+    from cases import accepts
+    factory = factory_cache("tekken", "llguidance")
+    lazy = GuidedDecodingParams.ebnf('start: "<" r ">"\nr[lazy]: /[a-z]+/')
+    assert accepts(factory, tekken, lazy, "<a>") and not accepts(factory, tekken, lazy, "<>")
+    factory.compile(GuidedDecodingParams.ebnf('start: foo\nfoo[stop=""]: /.*/'))

@@ -123,6 +123,38 @@ class LLGuidanceGuide:
     forcing: bool = True
 
 
+# A rule with attributes, and its body when that is one regex literal:
+# ``name[lazy]: /[a-z]*/``.
+_ATTRIBUTED_RULE = re.compile(
+    r"^[ \t]*[?!]?(?P<name>[A-Za-z_][A-Za-z_0-9]*)[ \t]*\[(?P<attrs>[^\]\n]*)\][^:\n]*:"
+    r"[ \t]*/(?P<regex>(?:\\.|[^/\\\n])+)/[imslux]*[ \t]*(?://[^\n]*|#[^\n]*)?$",
+    re.MULTILINE)
+
+
+def _refuse_empty_lazy(grammar: str) -> None:
+    """Refuse a ``lazy`` rule of the Lark ``grammar`` whose one regex matches the empty text
+    (``r[lazy]: /[a-z]*/``). llguidance documents a lazy lexeme as matching as few bytes as
+    possible, none here, but 1.9.1 takes one character (``"<" r ">"`` accepts ``<a>`` and
+    refuses ``<ab>``), and with byte forcing its first mask panicked. (Python's ``re`` decides
+    whether the regex matches the empty text; a regex it cannot read is left alone.)"""
+    for m in _ATTRIBUTED_RULE.finditer(grammar):
+        attrs = [a.strip().split("=")[0].strip() for a in m.group("attrs").split(",")]
+        if "lazy" not in attrs:
+            continue
+        try:
+            empty = re.fullmatch(m.group("regex").replace("\\/", "/"), "") is not None
+        except (re.error, RecursionError, OverflowError):
+            continue
+        if empty:
+            line = grammar.count("\n", 0, m.start()) + 1
+            raise UnsupportedGuideError(
+                f"the lazy rule {m.group('name')!r} at line {line} of the grammar matches the "
+                f"empty text (/{m.group('regex')}/): llguidance documents a lazy lexeme as "
+                "matching as few bytes as possible, yet takes a character there; make it "
+                "match at least one character, or drop 'lazy'",
+                guide_type="EBNF_GRAMMAR", backend=BACKEND)
+
+
 #: The most masks :meth:`LLGuidanceMatcher.forced_bytes` reads for a guide llguidance does
 #: not force bytes for (one per forced token; a mask is a fraction of a millisecond).
 MAX_FORCED_MASKS = 16
@@ -515,6 +547,7 @@ class LLGuidanceMatcherFactory(GrammarMatcherFactory):
                                       backend=BACKEND) from None
         for found in directives:
             self._check_options(found)
+        _refuse_empty_lazy(grammar)
         for ref in refs:
             placed = self._placed_special(ref)
             if placed is not None:
