@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "capgraph" / "data" / "jsonschemabench.jsonl"
@@ -160,37 +160,66 @@ def make_factory(tokenizer: Any, backend: str) -> Any:
 
 def walk(factory: Any, tokenizer: Any, schemas: Sequence[Any], *, walks: int = 1,
          max_tokens: int = 160, batch: int = 32, seed: int = 0) -> Counts:
-    """Walk every schema ``walks`` times through one ``GuidedDecoder`` on ``factory``."""
+    """Walk every schema ``walks`` times through one ``GuidedDecoder`` on ``factory``; a
+    finished output must parse as JSON and validate against its schema."""
+    from capgraph import GuidedDecodingParams
+
+    def check(schema: Any) -> Checker:
+        def valid(text: str) -> bool:
+            try:
+                return bool(_validator(schema).is_valid(json.loads(text)))
+            except ValueError:
+                return False
+        return valid
+
+    guides = [(GuidedDecodingParams.json_schema(schema), check(schema), json.dumps(schema))
+              for schema in schemas]
+    return walk_guides(factory, tokenizer, guides, walks=walks, max_tokens=max_tokens,
+                       batch=batch, seed=seed, tilt=JSON_TILT)
+
+
+#: a checker of finished outputs: valid, invalid, or None (no verdict)
+Checker = Callable[[str], "bool | None"]
+#: texts whose last token the walk's random logits favour, with their weights: the JSON walk
+#: draws the characters that end things (quotes, brackets) so that most walks finish
+JSON_TILT = (('"', 7.0), ("}", 8.0), ("]", 8.0), (",", 4.0), ("1", 5.0), ("a", 4.0))
+
+
+def walk_guides(factory: Any, tokenizer: Any, guides: Sequence[tuple[Any, Checker, str]], *,
+                walks: int = 1, max_tokens: int = 160, batch: int = 32, seed: int = 0,
+                tilt: Sequence[tuple[str, float]] = JSON_TILT) -> Counts:
+    """Walk every guide ``(params, checker, label)`` ``walks`` times through one
+    ``GuidedDecoder`` on ``factory``: a guide that does not compile is counted refused; each
+    finished output (a stop token drawn) goes to its checker, and one it calls invalid is
+    counted and kept (``label -> output``) in :attr:`Counts.examples`."""
     import torch
 
-    from capgraph import GuidedDecoder, GuidedDecodingParams, GuidedRequest
+    from capgraph import GuidedDecoder, GuidedRequest
     from capgraph.errors import GrammarCompileError
 
-    counts = Counts(schemas=len(schemas))
-    jobs: list[tuple[Any, Any]] = []  # (params, schema) per walk
-    for schema in schemas:
-        params = GuidedDecodingParams.json_schema(schema)
+    counts = Counts(schemas=len(guides))
+    jobs: list[tuple[Any, Checker, str]] = []  # one per walk
+    for params, checker, label in guides:
         try:
             factory.compile(params)
         except GrammarCompileError:
             counts.refused += 1
             continue
         counts.walked += 1
-        jobs += [(params, schema)] * walks
+        jobs += [(params, checker, label)] * walks
     if not jobs:
         return counts
     config = factory.config
     V = config.vocab_size_padded
     stops = set(config.stop_token_ids or ())
     gen = torch.Generator().manual_seed(seed)
-    # random logits, tilted towards single bytes and the tokens that end things (stop,
-    # quotes, brackets) so that most walks finish under the cap; any allowed token can be drawn
-    tilt = torch.zeros(V)
-    for text, weight in (('"', 7.0), ("}", 8.0), ("]", 8.0), (",", 4.0), ("1", 5.0),
-                         ("a", 4.0)):
+    # random logits, tilted towards the tokens of ``tilt`` and the stop tokens so that most
+    # walks finish under the cap; any allowed token can be drawn
+    tilted = torch.zeros(V)
+    for text, weight in tilt:
         for t in tokenizer.encode(text, add_special_tokens=False)[-1:]:
-            tilt[t] += weight
-    tilt[list(stops)] += 10.0
+            tilted[t] += weight
+    tilted[list(stops)] += 10.0
     dec = GuidedDecoder(config, max_num_sequences=batch, vocab_size_padded=V, factory=factory)
     queue = list(enumerate(jobs))
     active: dict[int, tuple[int, list[int]]] = {}  # slot -> (job index, tokens so far)
@@ -210,7 +239,7 @@ def walk(factory: Any, tokenizer: Any, schemas: Sequence[Any], *, walks: int = 1
                 order.append(slot)
             dec.add_batch(requests)
             # logits: [rows, V]; masked in place, then one token drawn per row
-            logits = torch.randn(len(requests), V, generator=gen) + tilt
+            logits = torch.randn(len(requests), V, generator=gen) + tilted
             failed = {rid for rid, _ in dec.execute(logits)}
             # a softmax sample by the Gumbel-max trick; a row with nothing allowed stays -inf
             noise = torch.rand(logits.shape, generator=gen).clamp_(min=1e-20).log_().neg_().log_()
@@ -224,7 +253,7 @@ def walk(factory: Any, tokenizer: Any, schemas: Sequence[Any], *, walks: int = 1
                     continue
                 token = int(drawn[row])
                 if token in stops:
-                    _check(counts, tokenizer, jobs[j][1], toks)
+                    _check(counts, tokenizer, jobs[j][1], jobs[j][2], toks)
                     _finish(active, free, slot)
                 elif len(toks) + 1 >= max_tokens:
                     counts.unfinished += 1
@@ -241,17 +270,18 @@ def _finish(active: dict, free: list, slot: int) -> None:
     free.append(slot)
 
 
-def _check(counts: Counts, tokenizer: Any, schema: Any, tokens: list[int]) -> None:
+def _check(counts: Counts, tokenizer: Any, checker: Checker, label: str,
+           tokens: list[int]) -> None:
+    from capgraph.tokenizers import decode_continuation
+    text = decode_continuation(tokenizer, tokens)
+    verdict = checker(text)
+    if verdict is None:
+        return
     counts.validated += 1
-    text = tokenizer.decode(tokens)
-    try:
-        ok = _validator(schema).is_valid(json.loads(text))
-    except ValueError:
-        ok = False
-    if not ok:
+    if not verdict:
         counts.invalid += 1
         if len(counts.examples) < 10:
-            counts.examples.append(f"{json.dumps(schema)[:300]} -> {text[:300]!r}")
+            counts.examples.append(f"{label[:300]} -> {text[:300]!r}")
 
 
 def run(tokenizer_name: str, backends: Iterable[str], walks: int, n_random: int, seed: int,

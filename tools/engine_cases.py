@@ -24,8 +24,9 @@ JSON schema, the string must parse as JSON and validate with ``jsonschema`` (the
 ``$schema`` or draft 2020-12, format assertion on); for ``GuideType.JSON``, parse as a JSON object
 or array; for a regex, ``re.fullmatch``; for an EBNF grammar with an ``oracle`` regex (the
 serving engines' tests check their outputs with one), that regex; for a Lark grammar, the
-``lark`` package's Earley parser over every length each terminal matches whole (``start: %json
-SCHEMA``: the schema's verdict). Where there is no oracle (an EBNF grammar, a regex Python
+``lark`` package's Earley parser over every length each terminal matches whole, its regexes'
+``\\d`` / ``\\w`` / ``\\s`` read as Rust's (llguidance's) ``regex`` reads them (``start:
+%json SCHEMA``: the schema's verdict). Where there is no oracle (an EBNF grammar, a regex Python
 cannot compile, a Lark grammar with llguidance's or xgrammar's extensions) the engine's
 expectation is the verdict. A string
 whose oracle verdict differs from the engine's expectation is counted as "disputed" and listed
@@ -177,7 +178,7 @@ def oracle(case: Case, inst: Instance) -> tuple[bool | None, bool]:
             except (ValueError, RecursionError):
                 return False, False
             return _schema_verdict(schema, value)
-        return _lark_verdict(case.guide, inst.text), False
+        return lark_verdict(case.guide, inst.text), False
     pattern = case.guide if case.kind == "regex" else case.oracle
     if pattern is None or inst.text is None:
         return None, False
@@ -224,26 +225,81 @@ class _LongestFullMatch:
         return rx.fullmatch(text, index, index + ends[-1]) if ends else None
 
 
+# Rust's regex classes (llguidance's reading of a Lark grammar's regexes), in the ``regex``
+# module's syntax: \d is \p{Nd}, \s is \p{White_Space}, \w is this union (Python's \w
+# leaves out combining marks, Rust's takes them).
+_RUST_WORD = "\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\p{Join_Control}"
+_RUST_OUTSIDE = {"d": "\\p{Nd}", "D": "\\P{Nd}", "s": "\\p{White_Space}",
+                 "S": "\\P{White_Space}", "w": f"[{_RUST_WORD}]", "W": f"[^{_RUST_WORD}]"}
+_RUST_INSIDE = {**_RUST_OUTSIDE, "w": _RUST_WORD, "W": f"[^{_RUST_WORD}]"}  # \W: a nested set
+
+
+def _rust_classes(pattern: str) -> tuple[str, bool]:
+    """``pattern`` with ``\\d``, ``\\w``, ``\\s`` and their negations written as Rust reads
+    them, for the ``regex`` module; and whether it holds a nested set (``regex.V1`` needed)."""
+    out, i, n, in_class, nested = [], 0, len(pattern), False, False
+    while i < n:
+        c = pattern[i]
+        if c == "\\" and i + 1 < n:
+            e = pattern[i + 1]
+            table = _RUST_INSIDE if in_class else _RUST_OUTSIDE
+            if e in table:
+                out.append(table[e])
+                nested |= in_class and e == "W"
+            else:
+                out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if c == "[" and not in_class:
+            in_class = True
+            out.append(c)
+            i += 1
+            for lead in ("^", "]"):  # a leading '^', then a leading ']' (a member)
+                if pattern[i:i + 1] == lead:
+                    out.append(lead)
+                    i += 1
+            continue
+        if c == "]" and in_class:
+            in_class = False
+        out.append(c)
+        i += 1
+    return "".join(out), nested
+
+
 def _lark_parser(grammar: str) -> Any:
-    """The ``lark`` Earley parser of ``grammar`` with :class:`_LongestFullMatch` terminals, or
-    None where ``lark`` cannot build it or reads its string literals differently."""
+    """The ``lark`` Earley parser of ``grammar`` with :class:`_LongestFullMatch` terminals and
+    its regexes' classes as Rust (llguidance) reads them, or None where ``lark`` cannot build
+    it or reads its string literals differently."""
     for m in _LARK_STRING.finditer(grammar):
         if any(e not in _LARK_READ_ESCAPES for e in re.findall(r"\\(.)", m.group(1))):
             return None
     try:
         import lark
+        import regex
+
+        from capgraph.grammar.lark_text import lark_regexes
+        rewritten, pos, v1 = [], 0, False
+        for found in lark_regexes(grammar):
+            pattern, nested = _rust_classes(found.pattern)
+            v1 |= nested
+            rewritten += [grammar[pos:found.start], f"/{pattern}/{found.flags}"]
+            pos = found.end
+        text = "".join(rewritten) + grammar[pos:]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            parser = lark.Lark(grammar, parser="earley", lexer="dynamic_complete",
-                               start="start")
-    except Exception:  # noqa: BLE001 - ImportError, GrammarError, re.error, ...
+            # (ambiguity="forest": recognition only; building the trees of an ambiguous
+            # parse can take exponential time and memory)
+            parser = lark.Lark(text, parser="earley", lexer="dynamic_complete", start="start",
+                               regex=True, g_regex_flags=regex.V1 if v1 else 0,
+                               ambiguity="forest")
+    except Exception:  # noqa: BLE001 - ImportError, GrammarError, regex.error, ...
         return None
     earley = parser.parser.parser
     earley.term_matcher = _LongestFullMatch(earley.term_matcher.__self__.regexps)
     return parser
 
 
-def _lark_verdict(grammar: str, text: str) -> bool | None:
+def lark_verdict(grammar: str, text: str) -> bool | None:
     """Whether ``text`` is in the language of the Lark grammar ``grammar`` by the ``lark``
     package (Earley over every way to cut the text into terminals: the grammar's language with
     its terminals as Python regexes); None where ``lark`` cannot build the grammar
@@ -964,7 +1020,7 @@ def load_bundled(path: Path = BUNDLED) -> list[Case]:
 # running
 
 
-def _params(case: Case, backend: str) -> Any:
+def params_for(case: Case, backend: str) -> Any:
     """The guide of ``case`` for a factory of ``backend`` (a ``GuidedDecodingBackend`` value)."""
     from capgraph import GuidedDecodingParams
     if case.kind == "json":
@@ -988,7 +1044,7 @@ def run_case(factory: Any, tokenizer: Any, case: Case,
     tally = Tally(cases=1)
     where = f"{case.source} {case.kind} {case.guide[:80]!r}"
     try:
-        params = _params(case, factory.config.backend.value)
+        params = params_for(case, factory.config.backend.value)
         compiled = factory.compile_async(params).future.result(timeout=timeout_s)
     except UnsupportedGuideError as e:
         tally.refused += 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 __all__ = ["LarkJson", "LarkRegex", "LarkTokenRef", "lark_json_values", "lark_options",
@@ -43,11 +43,13 @@ class LarkJson:
 @dataclass(frozen=True, slots=True)
 class LarkRegex:
     """A regex literal ``/pattern/flags``: ``pattern`` as written between the slashes (``\\/``
-    still escaped)."""
+    still escaped); the literal is ``text[start:end]``."""
 
     pattern: str
     flags: str
     line: int
+    start: int = field(default=0, compare=False)
+    end: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,10 +131,11 @@ def lark_regexes(text: str) -> list[LarkRegex]:
         LarkTextError: a ``%json`` / ``%regex`` / ``%llguidance`` value is not JSON.
     """
     out = []
-    for kind, start, _, literal in _scan(text):
+    for kind, start, end, literal in _scan(text):
         if kind == "regex":
             close = literal.rindex("/")
-            out.append(LarkRegex(literal[1:close], literal[close + 1:], _line(text, start)))
+            out.append(LarkRegex(literal[1:close], literal[close + 1:], _line(text, start),
+                                 start, end))
     return out
 
 
