@@ -37,7 +37,7 @@ BACKENDS = ("xgrammar", "llguidance", "fallback")
 
 @dataclass
 class Counts:
-    schemas: int = 0
+    schemas: int = 0  #: guides given (schemas; for walk_guides any guides)
     refused: int = 0
     walked: int = 0  #: schemas walked (compiled under the default policy)
     validated: int = 0  #: finished outputs checked with jsonschema
@@ -284,6 +284,18 @@ def _check(counts: Counts, tokenizer: Any, checker: Checker, label: str,
             counts.examples.append(f"{label[:300]} -> {text[:300]!r}")
 
 
+def print_counts(results: dict[str, Counts], guides: str) -> None:
+    """The table of ``backend -> Counts`` (``guides``: what the second column counts), each
+    invalid output after its backend's row."""
+    print(f"{'backend':<11} {guides:>8} {'refused':>7} {'walked':>6} {'validated':>9} "
+          f"{'invalid':>7} {'unfinished':>10} {'failed':>6}")
+    for backend, c in results.items():
+        print(f"{backend:<11} {c.schemas:>8} {c.refused:>7} {c.walked:>6} {c.validated:>9} "
+              f"{c.invalid:>7} {c.unfinished:>10} {c.failed:>6}")
+        for example in c.examples:
+            print(f"  INVALID {example}")
+
+
 def run(tokenizer_name: str, backends: Iterable[str], walks: int, n_random: int, seed: int,
         max_tokens: int) -> dict[str, Counts]:
     from capgraph.tokenizers import load_tokenizer
@@ -316,13 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     results = run(args.tokenizer, args.backends, args.walks, args.random, args.seed,
                   args.max_tokens)
-    print(f"{'backend':<11} {'schemas':>7} {'refused':>7} {'walked':>6} {'validated':>9} "
-          f"{'invalid':>7} {'unfinished':>10} {'failed':>6}")
-    for backend, c in results.items():
-        print(f"{backend:<11} {c.schemas:>7} {c.refused:>7} {c.walked:>6} {c.validated:>9} "
-              f"{c.invalid:>7} {c.unfinished:>10} {c.failed:>6}")
-        for example in c.examples:
-            print(f"  INVALID {example}")
+    print_counts(results, "schemas")
     print(f"({time.perf_counter() - start:.0f} s)")
     if record:
         RECORD.write_text(json.dumps({

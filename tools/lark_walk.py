@@ -168,13 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     results = run(args.tokenizer, args.backends, args.grammars, args.walks, args.seed,
                   args.max_tokens)
-    print(f"{'backend':<11} {'grammars':>8} {'refused':>7} {'walked':>6} {'validated':>9} "
-          f"{'invalid':>7} {'unfinished':>10} {'failed':>6}")
-    for backend, c in results.items():
-        print(f"{backend:<11} {c.schemas:>8} {c.refused:>7} {c.walked:>6} {c.validated:>9} "
-              f"{c.invalid:>7} {c.unfinished:>10} {c.failed:>6}")
-        for example in c.examples:
-            print(f"  INVALID {example}")
+    conformance_walk.print_counts(results, "grammars")
     print(f"({time.perf_counter() - start:.0f} s; tokenizer {args.tokenizer}, seed {args.seed})")
     return 1 if any(c.invalid for c in results.values()) else 0
 
