@@ -423,16 +423,14 @@ def rust_tokens(src: str) -> list[_Tok]:
     return toks
 
 
-def _matching(toks: list[_Tok], i: int) -> int:
-    """The index of the bracket closing the one opened at ``toks[i]``."""
+def _matching(toks: list[_Tok], i: int, step: int = 1) -> int:
+    """The index of the bracket closing the one opened at ``toks[i]`` (``step=-1``: opening
+    the one closed there)."""
     depth = 0
-    for j in range(i, len(toks)):
-        if toks[j].kind == "open":
-            depth += 1
-        elif toks[j].kind == "close":
-            depth -= 1
-            if depth == 0:
-                return j
+    for j in range(i, len(toks) if step > 0 else -1, step):
+        depth += step * ((toks[j].kind == "open") - (toks[j].kind == "close"))
+        if depth == 0 and toks[j].kind in ("open", "close"):
+            return j
     raise ValueError(f"unbalanced bracket at {toks[i].pos}")
 
 
@@ -658,7 +656,10 @@ def _rust_functions(toks: list[_Tok]) -> Iterator[tuple[int, int, int]]:
             while attrs > 0 and toks[attrs - 1].text in ("pub",):
                 attrs -= 1
             while attrs >= 2 and toks[attrs - 1].text == "]":
-                opening = _opening(toks, attrs - 1)
+                try:
+                    opening = _matching(toks, attrs - 1, step=-1)
+                except ValueError:
+                    break
                 if opening > 0 and toks[opening - 1].text == "#":
                     attrs = opening - 1
                 else:
@@ -667,18 +668,6 @@ def _rust_functions(toks: list[_Tok]) -> Iterator[tuple[int, int, int]]:
             i = end
         else:
             i += 1
-
-
-def _opening(toks: list[_Tok], close: int) -> int:
-    depth = 0
-    for j in range(close, -1, -1):
-        if toks[j].kind == "close":
-            depth += 1
-        elif toks[j].kind == "open":
-            depth -= 1
-            if depth == 0:
-                return j
-    return 0
 
 
 def _case_strings(toks: list[_Tok], start: int, end: int) -> list[str]:
@@ -1070,15 +1059,9 @@ def run_case(factory: Any, tokenizer: Any, case: Case,
             tally.disputed.append(f"{name}: engine says {'valid' if inst.expected else 'invalid'}"
                                   f", oracle {'valid' if valid else 'invalid'}")
         verdict = valid if valid is not None else inst.expected
-        try:
-            taken, spent = suite.accepted_texts(factory, compiled, tokenizer, inst.texts(),
-                                                timeout_s)
-        except Exception as e:  # noqa: BLE001
-            tally.crashes.append(f"{name}: {type(e).__name__}: {e}"[:400])
-            continue
-        if spent > timeout_s:
-            tally.crashes.append(f"{name}: {spent:.1f} s over {timeout_s:g} s")
-        if verdict is None:
+        taken = suite.fed(factory, compiled, tokenizer, inst.texts(), name, timeout_s,
+                          tally.crashes)
+        if taken is None or verdict is None:
             continue
         if verdict:
             if taken:

@@ -198,6 +198,20 @@ def accepted_texts(factory: Any, compiled: Any, tokenizer: Any, texts: Iterable[
         faulthandler.cancel_dump_traceback_later()
     return taken, time.perf_counter() - start
 
+def fed(factory: Any, compiled: Any, tokenizer: Any, texts: Iterable[str], name: str,
+        timeout_s: float, crashes: list[str]) -> list[str] | None:
+    """:func:`accepted_texts` for the case ``name``; a feed that raised (then None is
+    returned) or took over ``timeout_s`` is added to ``crashes``."""
+    try:
+        taken, spent = accepted_texts(factory, compiled, tokenizer, texts, timeout_s)
+    except Exception as e:  # noqa: BLE001 - anything is the fault the tools report
+        crashes.append(f"{name}: {type(e).__name__}: {e}"[:400])
+        return None
+    if spent > timeout_s:
+        crashes.append(f"{name}: {spent:.1f} s over {timeout_s:g} s")
+    return taken
+
+
 def run_group(factory: Any, tokenizer: Any, group: dict[str, Any], where: str,
               timeout_s: float = DEFAULT_TIMEOUT_S) -> Tally:
     """One test group on one factory. ``where`` names the group in the lists of faults."""
@@ -227,14 +241,10 @@ def run_group(factory: Any, tokenizer: Any, group: dict[str, Any], where: str,
     tally.compiled += 1
     for test in group["tests"]:
         name = f"{where} / {test['description']}"
-        try:
-            taken, spent = accepted_texts(factory, compiled, tokenizer, spellings(test["data"]),
-                                          timeout_s)
-        except Exception as e:  # noqa: BLE001
-            tally.crashes.append(f"{name}: {type(e).__name__}: {e}"[:300])
+        taken = fed(factory, compiled, tokenizer, spellings(test["data"]), name, timeout_s,
+                    tally.crashes)
+        if taken is None:
             continue
-        if spent > timeout_s:
-            tally.crashes.append(f"{name}: {spent:.1f} s over {timeout_s:g} s")
         if test["valid"]:
             if taken:
                 tally.valid_accepted += 1

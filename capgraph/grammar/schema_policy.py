@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator, Mapping
 import regex
 
 from .lark_text import LarkTextError, lark_json_values
+from .regex_classes import CharClass, regex_parts
 
 __all__ = ["Unenforced", "Pointer", "unenforced", "unenforced_in_tag", "describe",
            "schema_positions", "schema_nodes", "subschemas", "ANNOTATIONS", "VOCABULARY",
@@ -600,56 +601,17 @@ def _escape_proof_patterns(node: _Node) -> str | None:
 
 
 _JSON_ESCAPED = (0x22, 0x5C)  # '"' and '\\': JSON writes them only escaped
-_CLASS_ESCAPES = frozenset("dDwWsSbB")
 
 
 def negated_class_excluding_escaped(pattern: str) -> str | None:
     """The first negated character class of ``pattern`` (a regex) whose listed characters
     include ``"`` or ``\\`` (directly, escaped, as ``\\x``/``\\u`` or in a range), or None.
     Class escapes (``\\W``, ``\\S``, ...) are not counted: llguidance expands them right."""
-    i, n = 0, len(pattern)
-    while i < n:
-        if pattern[i] == "\\":
-            i += 2
-            continue
-        if pattern[i] != "[":
-            i += 1
-            continue
-        start = i
-        negated = pattern.startswith("[^", i)
-        i += 2 if negated else 1
-        codes: list[int | None] = []  # a code point, or None for a class escape
-        ranges: list[tuple[int, int]] = []
-        while i < n and pattern[i] != "]":
-            code, i = _class_atom(pattern, i)
-            if code is not None and i + 1 < n and pattern[i] == "-" and pattern[i + 1] != "]":
-                high, i = _class_atom(pattern, i + 1)
-                if high is not None:
-                    ranges.append((code, high))
-                    continue
-            codes.append(code)
-        i += 1
-        if negated and (any(c in _JSON_ESCAPED for c in codes) or any(
-                lo <= c <= hi for lo, hi in ranges for c in _JSON_ESCAPED)):
-            return pattern[start:i]
+    for part in regex_parts(pattern, leading_bracket_is_member=False):
+        if isinstance(part, CharClass) and part.negated and any(
+                lo <= c <= hi for lo, hi in part.ranges for c in _JSON_ESCAPED):
+            return part.text
     return None
-
-
-def _class_atom(pattern: str, i: int) -> tuple[int | None, int]:
-    """One character of a class at ``i``: its code point (None for a class escape such as
-    ``\\d``) and the index after it."""
-    if pattern[i] != "\\" or i + 1 >= len(pattern):
-        return ord(pattern[i]), i + 1
-    letter = pattern[i + 1]
-    for prefix, width in (("x", 2), ("u", 4)):
-        digits = pattern[i + 2:i + 2 + width]
-        if letter == prefix and len(digits) == width and all(
-                c in "0123456789abcdefABCDEF" for c in digits):
-            return int(digits, 16), i + 2 + width
-    if letter in _CLASS_ESCAPES or letter in "pP":
-        return None, i + 2
-    return ord({"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}.get(letter, letter)), \
-        i + 2
 
 
 def _no_guidance_options(node: _Node) -> str | None:

@@ -39,6 +39,7 @@ import json
 import re
 from typing import Any, Iterator
 
+from .regex_classes import OutsideEscape, regex_parts
 from .schema_policy import subschemas
 
 __all__ = ["ECMA_DOT", "JSON_CONTAINER_SCHEMA", "JSON_WHITESPACE_CHARS", "ascii_classes",
@@ -423,8 +424,6 @@ def ecma_tag(tag: str) -> str:
 # for s).
 _ASCII_WITH_NON_ASCII_CASE = frozenset("iIkKsS")
 _CLASS_SHORTHANDS = frozenset("dDwWsS")  # closed under case: a case variant stays in or out
-_CONTROL = {"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v", "0": "\0", "a": "\a",
-            "b": "\b", "e": "\x1b"}
 
 
 @functools.cache
@@ -447,30 +446,6 @@ def _case_sensitive_in(lo: str, hi: str) -> str | None:
     return chr(points[k]) if k < len(points) and points[k] <= ord(hi) else None
 
 
-def _class_char(body: str, i: int) -> tuple[str | None, int]:
-    """The character at ``body[i]`` of a class (Python / Rust escapes read), None for a
-    shorthand class or an escape not read here (``\\p{..}``), and the index past it."""
-    if body[i] != "\\" or i + 1 >= len(body):
-        return body[i], i + 1
-    e = body[i + 1]
-    hexes = {"x": 2, "u": 4, "U": 8}
-    if e in hexes:
-        if body[i + 2:i + 3] == "{":
-            end = body.find("}", i)
-            digits = body[i + 3:end] if end > 0 else ""
-        else:
-            end, digits = i + 1 + hexes[e], body[i + 2:i + 2 + hexes[e]]
-        try:
-            return chr(int(digits, 16)), end + 1
-        except ValueError:
-            return None, i + 2
-    if e in _CONTROL:
-        return _CONTROL[e], i + 2
-    if e.isalnum():  # \d and its kin, \p{..}, \N{..}: not one character
-        return None, i + 2
-    return e, i + 2
-
-
 def xgrammar_wider(pattern: str, nocase: bool) -> str | None:
     """Where xgrammar would read the Lark regex ``pattern`` (``nocase``: with the ``i`` flag)
     wider than Lark does (llguidance's Rust ``regex``, and Python's ``re`` alike), a
@@ -483,47 +458,31 @@ def xgrammar_wider(pattern: str, nocase: bool) -> str | None:
     case variant lets the variant through (``[^kσ]``: ``Σ``, ``ς``, U+212A KELVIN SIGN).
     Positive classes and shorthands are only narrower. An escape this reader does not know
     (``\\p{..}``) inside a negated class counts as such a construct."""
-    i, n = 0, len(pattern)
-    while i < n:
-        if pattern[i] == "\\":
-            if pattern[i + 1:i + 2] in ("D", "W", "S"):
-                return (f"'\\{pattern[i + 1]}' at position {i} (xgrammar's \\d, \\w and \\s "
-                        "are ASCII, so it would take the non-ASCII ones)")
-            i += 2
+    for part in regex_parts(pattern, leading_bracket_is_member=True):
+        if isinstance(part, OutsideEscape):
+            if part.letter in ("D", "W", "S"):
+                return (f"'\\{part.letter}' at position {part.position} (xgrammar's \\d, \\w "
+                        "and \\s are ASCII, so it would take the non-ASCII ones)")
             continue
-        if pattern[i] != "[":
-            i += 1
-            continue
-        start = i
-        negated = pattern[i + 1:i + 2] == "^"
-        i += 2 if negated else 1
-        if pattern[i:i + 1] == "]":  # a ']' first is a member
-            i += 1
-        shorthand: str | None = None  # one that reads wider on xgrammar in this class
-        cased: str | None = None
-        while i < n and pattern[i] != "]":
-            e = pattern[i + 1:i + 2] if pattern[i] == "\\" else ""
-            if e and e in _CLASS_SHORTHANDS:
-                if e.isupper() != negated:
-                    shorthand = shorthand or f"'\\{e}'"
-                i += 2
-                continue
-            lo, i = _class_char(pattern, i)
-            hi = lo
-            if lo is not None and pattern[i:i + 1] == "-" and pattern[i + 1:i + 2] not in ("]", ""):
-                hi, i = _class_char(pattern, i + 1)
-            if lo is None or hi is None:
-                cased = cased or "an escape whose characters are not read here"
-            elif cased is None and (hit := _case_sensitive_in(lo, max(lo, hi))) is not None:
-                cased = f"{hit!r} (U+{ord(hit):04X}), which has a non-ASCII case variant"
-        where = f"the {'negated ' if negated else ''}class {pattern[start:i + 1]!r}"
+        where = f"the {'negated ' if part.negated else ''}class {part.text!r}"
+        shorthand = next((e for e in part.escapes
+                          if e in _CLASS_SHORTHANDS and e.isupper() != part.negated), None)
         if shorthand:
-            return (f"{where} holds {shorthand} (xgrammar's \\d, \\w and \\s are ASCII, so "
-                    "the class would take the non-ASCII ones)")
-        if negated and nocase and cased:
+            return (f"{where} holds '\\{shorthand}' (xgrammar's \\d, \\w and \\s are ASCII, "
+                    "so the class would take the non-ASCII ones)")
+        if not (part.negated and nocase):
+            continue
+        cased: str | None = None
+        if any(e not in _CLASS_SHORTHANDS for e in part.escapes):
+            cased = "an escape whose characters are not read here"
+        else:
+            hit = next((h for lo, hi in part.ranges
+                        if (h := _case_sensitive_in(chr(lo), chr(hi))) is not None), None)
+            cased = None if hit is None else (
+                f"{hit!r} (U+{ord(hit):04X}), which has a non-ASCII case variant")
+        if cased:
             return (f"{where} with the i flag holds {cased} (xgrammar folds case for ASCII "
                     "letters only, so the class would take the variant)")
-        i += 1
     return None
 
 
