@@ -35,11 +35,23 @@ ECMA_TABLE = [
     # an escaped surrogate pair is the one character it spells
     (r"\ud83d\ude00", "\U0001F600", True), (r"[^\ud83d\ude00]", "\U0001F600", False),
     (r"[^\ud83d\ude00]", "x", True),
+    # code points, not UTF-16 units (ECMA-262 with the u flag; JSON Schema's own tests)
+    (".", "\U0001F600", True), (".{2}", "\U0001F600", False), ("[^a]", "\U0001F600", True),
     # identity escapes and Annex B braces
     (r"a\%b", "a%b", True), ("a{,5}", "a{,5}", True), ("a{2}", "aa", True),
     (r"[\b]", "\x08", True), (r"\cA", "\x01", True),
     # a lazy quantifier is a quantifier and its "?": the same language
     ("a+?b", "aab", True), ("a{1,2}?", "aa", True), ("a??b", "b", True),
+    # spellings xgrammar 0.2.9 misreads as written (found by tools/regex_walk.py): the hex
+    # digits after \x and \u taken greedily, an escaped '^' first in a class as negation
+    (r"\x090", "\t0", True), (r"\x090", "\x90", False), (r"\x07b", "\x07b", True),
+    (r"\x07b", "{", False), (r"[\u00e9b]", "b", True), (r"[\u00e9b]", "\u0e9b", False),
+    (r"[\u00e9\w]", "_", True), (r"[\u00e9\w]", "\u0c8e", False),
+    (r"[\x61-\u00e9\w]", "\u0c8e", False), (r"[\x61-\u00e9\w]", "\u00e9", True),
+    (r"[\^a]", "^", True), (r"[\^a]", "x", False), (r"[\^-a]", "_", True),
+    (r"[\^-a]", "x", False), (r"[\u005eK]", "x", False), (r"[\^]+", "^^", True),
+    (r"[\^]", "x", False), (r"[\n\r]", "\r", True), (r"[\0a]", "\x00", True),
+    (r"[\0a]", "\n", False), (r"\x00", "\x00", True),
 ]
 
 
@@ -58,7 +70,7 @@ def test_regex_guides_follow_ecma262(factory_cache, tokenizer_cache, backend):
 # regex syntax ECMA-262 reads as something else than one backend would (or not at all)
 NON_ECMA = [r"a\eb", r"a\ab", r"\p{L}+", r"\P{L}", r"\x{41}", r"\u{41}", "(?i)a", "(?s:a.)",
             "(?P<n>a)", r"\ud83d", r"a\ude00", r"[\ud83d]", r"\z", r"\A", r"\U00000041", "[]a]",
-            r"\01",
+            r"\01", r"[^\s\S]", r"a|[^\d\D]", r"[z-a]",
             # a quantifier right after a quantifier: possessive in PCRE and Python ("a++a"
             # matches nothing there; llguidance read it as "(a+)+a" and took "aa") or stacked
             "a++a", "a*+", "a?+", "a{2}+", "a**", "a{2}{3}", "a+??", "a{1,2}?{3}"]
@@ -114,6 +126,71 @@ def test_schema_patterns_follow_ecma262(factory_cache, tokenizer_cache, backend)
     # where "++" means anything (PCRE, Python)
     with pytest.raises(UnsupportedGuideError, match="right after the quantifier '\\+'"):
         factory.create(schema("^a++a$"))
+
+
+# (pattern, JSON text, valid, whether xgrammar takes it): the pattern matches the string the
+# JSON text spells, and the text is JSON. Where a set holds characters JSON writes bare and
+# characters it escapes, xgrammar matches the bare ones only (semantics._xg_set): valid
+# strings refused, never an invalid one taken
+JSON_ESCAPE_TABLE = [
+    ("^\\\\$", '"\\\\"', True, True), ("^\\\\$", '"\\"', False, False),
+    ("^\\x22$", '"\\""', True, True), ("^\\x22$", '"""', False, False),
+    ('^"$', '"\\""', True, True), ("^a\\nb$", '"a\\nb"', True, True),
+    ("^a\\nb$", '"a\nb"', False, False), ("^\\D$", '"\\u0001"', True, False),
+    ("^\\D$", '"\x01"', False, False), ("^\\D$", '"x"', True, True),
+    ("^.$", '"\\\\"', True, False), ("^.$", '"\\n"', False, False),
+    ("^[^a]+$", '"b!"', True, True), ("^[^a]+$", '"\t"', False, False),
+    ("^[^a]+$", '"""', False, False), ("^\\s+$", '" \u00a0"', True, True),
+    ("^\\s+$", '"\\u001c"', False, False), ("^\\W$", '"\\\\"', True, False),
+    ("^[\\x00-\\x1f]$", '"\\u001f"', True, True),
+    ("^[\\x00-\\x1f]$", '"\\u001F"', True, True),
+    ("^[\\x00-\\x1f]$", '"\\u0020"', False, False),
+    ("^[\\n\\t]+$", '"\\t\\n"', True, True), ("^[\\n\\t]+$", '"\t"', False, False),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_schema_patterns_match_the_string_not_its_json_text(factory_cache, tokenizer_cache,
+                                                             backend):
+    """A schema ``pattern`` matches the decoded string: a character JSON writes escaped (a
+    backslash, a quote, a control character) never appears bare in the JSON text, and where
+    the pattern spells it, it is taken as its escape. xgrammar 0.2.9 matched the pattern
+    against the JSON text, so ``^\\\\$`` let ``"\\"`` (not JSON) through and ``[\\D]`` a bare
+    control character (found by ``tools/regex_walk.py``: 94 of 518 outputs were not JSON)."""
+    tok = tokenizer_cache("tekken")
+    factory = factory_cache("tekken", backend)
+    expected = [(p, t, valid if backend == "llguidance" else xg)
+                for p, t, valid, xg in JSON_ESCAPE_TABLE]
+    got = [(p, t, accepts(factory, tok, GuidedDecodingParams.json_schema(
+        {"type": "string", "pattern": p}), t)) for p, t, _, _ in JSON_ESCAPE_TABLE]
+    assert got == expected
+    assert all(valid or not xg for _, _, valid, xg in JSON_ESCAPE_TABLE)
+
+
+def test_pattern_properties_keys_match_the_name_not_its_json_text(factory_cache,
+                                                                  tokenizer_cache):
+    """A ``patternProperties`` key is a pattern over the property's name, which is a JSON
+    string too: a name with a quote is written escaped."""
+    tok = tokenizer_cache("tekken")
+    factory = factory_cache("tekken", "xgrammar")
+    params = GuidedDecodingParams.json_schema({
+        "type": "object", "patternProperties": {'^a"$': {"type": "integer"}},
+        "additionalProperties": False})
+    assert accepts(factory, tok, params, '{"a\\"": 1}')
+    assert not accepts(factory, tok, params, '{"a"": 1}')
+
+
+@pytest.mark.parametrize("pattern, written", [
+    ("[a-z]+", "[a-z]+"), ("[^a]", "[^a]"), (r"[\^a]", r"[a\^]"), (r"[\^]", r"\^"),
+    (r"\x090", r"\t0"), (r"[\u00e9b]", r"[b\u00e9]"), (r"\x00", r"[\x00]"), (r"[\0a]", r"[a\x00]"),
+    (r"[\x00-\x1fa]", r"[a\x00-\x1f]"), (r"[\x1f-a]", r"[\x1f-a]"),
+    (r"[\w\-]", r"[\-0-9A-Z_a-z]"),
+])
+def test_ecma_regex_for_xgrammar(pattern, written):
+    """What xgrammar is given: classes from their code points, escapes as the characters."""
+    from capgraph.grammar.semantics import ecma_regex
+
+    assert ecma_regex(pattern, "xgrammar") == written
 
 
 @needs_llg

@@ -8,12 +8,14 @@
   ``Regex("...")``) follow ECMA-262 read without flags, as JSON Schema's ``pattern`` does:
   ``\\d`` is ``[0-9]`` and ``\\w`` is ``[0-9A-Za-z_]`` (ASCII), ``\\s`` is ECMA's white space
   (tab, vertical tab, form feed, space, no-break space, BOM, every ``Zs`` space, the line
-  terminators), ``.`` is any character but ``\\n``, ``\\r``, U+2028 and U+2029, and an
-  escaped surrogate pair is the one character it spells. xgrammar reads the classes so; its
-  ``.`` is any character, so :func:`ecma_regex` writes ECMA's out for it. llguidance reads
-  Rust's regex syntax (Unicode ``\\d`` / ``\\w`` / ``\\s``, nested classes and set
-  operations, ``\\p{..}``, inline flags), so :func:`ecma_regex` writes every class out for it
-  as ECMA reads it. What either backend would read otherwise and cannot be written out
+  terminators), ``.`` is any character but ``\\n``, ``\\r``, U+2028 and U+2029, and an escaped
+  surrogate pair is the one character it spells (a regex matches code points: ``.`` takes
+  U+1F600 whole, as ECMA-262 does with the ``u`` flag). A schema ``pattern`` matches the
+  string, not its JSON text (:func:`ecma_regex` with ``json_string``). xgrammar reads the
+  classes so; its ``.`` is any character, so :func:`ecma_regex` writes ECMA's out for it.
+  llguidance reads Rust's regex syntax (Unicode ``\\d`` / ``\\w`` / ``\\s``, nested classes
+  and set operations, ``\\p{..}``, inline flags), so :func:`ecma_regex` writes every class out
+  for it as ECMA reads it. What either backend would read otherwise and cannot be written out
   (``\\e``, ``\\a``, ``\\p{L}``, ``\\x{41}``, ``(?i)``, a lone surrogate escape) is refused
   with ``UnsupportedGuideError``.
 - A Lark grammar (an EBNF_GRAMMAR guide on llguidance, a structural tag's ``grammar`` element
@@ -77,6 +79,166 @@ _HEX = frozenset("0123456789abcdefABCDEF")
 _QUANTIFIER = re.compile(r"\{[0-9]+(?:,[0-9]*)?\}")
 _GROUP_NAME = re.compile(r"\(\?<[A-Za-z_$][A-Za-z0-9_$]*>")
 
+# -- character sets as sorted, disjoint, inclusive code-point intervals --------------------------
+Intervals = list[tuple[int, int]]
+#: every character a text can hold (no surrogate code point)
+_UNIVERSE: Intervals = [(0, 0xD7FF), (0xE000, 0x10FFFF)]
+_SHORTHAND_SETS: dict[str, Intervals] = {
+    "d": [(0x30, 0x39)],
+    "w": [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)],
+    "s": [(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
+          (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000),
+          (0xFEFF, 0xFEFF)],
+}
+_LINE_TERMINATOR_SET: Intervals = [(0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)]
+#: the characters a JSON string cannot hold unescaped: U+0000-U+001F, '"' and '\'
+_JSON_ESCAPED_SET: Intervals = [(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]
+
+
+def _union(sets: list[Intervals]) -> Intervals:
+    merged: Intervals = []
+    for lo, hi in sorted(iv for ivs in sets for iv in ivs):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _subtract(ivs: Intervals, minus: Intervals) -> Intervals:
+    out: Intervals = []
+    minus = _union([minus])
+    for lo, hi in _union([ivs]):
+        for mlo, mhi in minus:
+            if mhi < lo or mlo > hi:
+                continue
+            if mlo > lo:
+                out.append((lo, mlo - 1))
+            lo = mhi + 1
+            if lo > hi:
+                break
+        if lo <= hi:
+            out.append((lo, hi))
+    return out
+
+
+def _complement(ivs: Intervals) -> Intervals:
+    return _subtract(_UNIVERSE, ivs)
+
+
+def _shorthand_set(letter: str) -> Intervals:
+    base = _SHORTHAND_SETS[letter.lower()]
+    return base if letter.islower() else _complement(base)
+
+
+# -- sets and characters written for xgrammar's regex parser ------------------------------------
+# xgrammar 0.2.9 misreads some ECMA spellings that mean one character (measured on Tekken):
+# it reads the hex digits after \x and \u greedily ('\x090' is U+0090, '[\u00e9b]' takes
+# U+0E9B, '[\u00e9\w]' fails to compile), a '\^' first in a class as the class's negation
+# ('[\^a]' takes any character but 'a'), and refuses a raw line feed or carriage return in a
+# class. A raw control or non-ASCII character in a JSON-schema pattern makes xgrammar build
+# the pattern from grammar rules instead of one automaton, whose steps can be slow
+# ('^(?:[^\0-<U+001F>"\\a]|...)*$': 45 ms a step; with '\x1f' 0.06 ms). So every class, and
+# every character written as an escape, is written out for it from the character's code
+# point: the character itself, an identity escape for regex syntax, '\n' / '\r' / '\t',
+# '\xHH' for the other ASCII control characters and '\uHHHH' for the rest of the BMP, only
+# where no hex digit follows, and '^' never first in a class.
+_XG_CLASS_ESCAPE = {0x5C: "\\\\", 0x5D: "\\]", 0x5B: "\\[", 0x5E: "\\^", 0x2D: "\\-",
+                    0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
+_XG_SYNTAX = frozenset("^$\\.*+?()[]{}|/-")
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+
+
+def _xg_hex_escaped(code: int) -> bool:
+    """Whether xgrammar is given ``code`` as a hex escape (no hex digit may follow it)."""
+    return (code < 0x20 or 0x7F <= code <= 0xFFFF) and code not in _XG_CLASS_ESCAPE
+
+
+def _xg_class_char(code: int) -> str:
+    if _xg_hex_escaped(code):
+        return f"\\x{code:02x}" if code < 0x80 else f"\\u{code:04x}"
+    return _XG_CLASS_ESCAPE.get(code) or chr(code)
+
+
+def _xg_literal(code: int) -> str:
+    """The character ``code`` outside a class, for xgrammar's regex parser."""
+    ch = chr(code)
+    if ch in _XG_SYNTAX or ch == '"':
+        return "\\" + ch
+    if _xg_hex_escaped(code):
+        return f"[{_xg_class_char(code)}]"  # closed by ']': no hex digit can follow
+    return _XG_CLASS_ESCAPE.get(code) or ch
+
+
+_JSON_SHORT_ESCAPES = {0x22: '\\"', 0x5C: "\\\\", 0x08: "b", 0x0C: "f", 0x0A: "n", 0x0D: "r",
+                      0x09: "t"}
+
+
+def _json_escapes(codes: list[int]) -> str:
+    """A regex (xgrammar's syntax) for the JSON escapes of ``codes``, characters a JSON string
+    holds only escaped: ``\\"``, ``\\\\``, ``\\n`` ..., ``\\u00XX`` for a control character
+    without a short escape (hex letters in either case). One leading backslash shared by
+    all, the ``\\u`` escapes grouped by their third hex digit."""
+    short = [_JSON_SHORT_ESCAPES[c] for c in codes if c in _JSON_SHORT_ESCAPES]
+    branches = []
+    for high in (0, 1):
+        lows = [c & 0xF for c in codes if c >> 4 == high and c not in _JSON_SHORT_ESCAPES]
+        if len(lows) == 16:
+            branches.append(f"u00{high}[0-9a-fA-F]")
+        elif lows:
+            digits = "".join(f"{d:x}{d:X}" if d > 9 else f"{d}" for d in lows)
+            branches.append(f"u00{high}" + (f"[{digits}]" if len(digits) > 1 else digits))
+    if short:
+        branches.append("[" + "".join(short) + "]" if len(short) > 1 else short[0])
+    return "\\\\" + (branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")")
+
+
+def _xg_class(ivs: Intervals) -> str:
+    """The non-empty set ``ivs`` as one xgrammar class (or a single escaped ``^``)."""
+    complement = _complement(ivs)
+    if complement and len(complement) < len(ivs):
+        items, head = complement, "[^"
+    else:
+        items, head = list(ivs), "["
+    if head == "[" and len(items) == 1 and items[0][0] == 0x5E:
+        lo, hi = items[0]  # '^' alone, or first with nothing to put before it
+        if lo == hi:
+            return "\\^"
+        items = [(lo + 1, hi), (lo, lo)]
+    parts = [_xg_class_char(lo) if lo == hi else f"{_xg_class_char(lo)}-{_xg_class_char(hi)}"
+             for lo, hi in items]
+    # a part ending in '\xHH' goes last (those all begin with '\', but for at most one range
+    # from a printable character, which goes first among them): no hex digit after it
+    hex_ended = [p for (lo, hi), p in zip(items, parts) if _xg_hex_escaped(hi)]
+    plain = [p for (lo, hi), p in zip(items, parts) if not _xg_hex_escaped(hi)]
+    hex_ended.sort(key=lambda p: p.startswith("\\"))
+    if head == "[" and plain and plain[0].startswith("\\^"):
+        caret = plain.pop(0)
+        if plain:
+            plain.append(caret)
+        else:
+            hex_ended.append(caret)
+    return head + "".join(plain + hex_ended) + "]"
+
+
+def _xg_set(ivs: Intervals, json_string: bool) -> str | None:
+    """The set ``ivs`` as xgrammar's regex parser reads it; None for the empty set.
+
+    In a JSON string (a ``pattern``) a set matches the characters of ``ivs`` that JSON writes
+    bare; only a set of characters JSON always escapes (U+0000-U+001F, ``"``, ``\\``) is
+    matched as their escapes. xgrammar 0.2.9 drops an alternative that begins with a
+    backslash where another alternative does not (``^(?:a|\\\\n)$`` takes neither ``"\\n"``
+    nor ``"\n"``), so a set holding both kinds is narrowed to its bare characters, which
+    refuses some valid strings and never lets an invalid one through."""
+    ivs = _union([ivs])
+    if not json_string:
+        return _xg_class(ivs) if ivs else None
+    bare = _subtract(ivs, _JSON_ESCAPED_SET)
+    if bare:
+        return _xg_class(bare)
+    escaped = [code for lo, hi in ivs for code in range(lo, hi + 1)]
+    return "(?:" + _json_escapes(escaped) + ")" if escaped else None
+
 
 def _non_ecma(what: str, position: int, backend: str, guide_type: str, where: str) -> Exception:
     from ..errors import UnsupportedGuideError
@@ -87,7 +249,8 @@ def _non_ecma(what: str, position: int, backend: str, guide_type: str, where: st
         "different language through", guide_type=guide_type, backend=backend)
 
 
-def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str = "") -> str:
+def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str = "",
+               json_string: bool = False) -> str:
     """``pattern``, an ECMA-262 regex (as JSON Schema's ``pattern`` is, read without flags), in
     the syntax ``backend`` (``"xgrammar"`` or ``"llguidance"``) reads with that meaning.
 
@@ -107,8 +270,23 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
     ``[`` / ``&&`` / ``--`` / ``~~`` inside a class as literal characters (Rust nests classes
     and reads set operations there; ``[[:alpha:]]`` is a class and a ``]``, as ECMA has it),
     ``[^]`` as any character, ``[\\b]`` as backspace, ``\\cX`` and ``\\0`` as the characters
-    they stand for. xgrammar reads the rest as ECMA does and gets it as written."""
+    they stand for. For xgrammar every character class, and every character written as an
+    escape, is written out from its code points (xgrammar misreads ``\\x090``, ``[\\u00e9b]``
+    and ``[\\^a]``: the note above ``_xg_class``); it reads the rest as ECMA does and gets it
+    as written.
+
+    ``json_string`` (xgrammar only): the regex is a JSON schema's ``pattern`` or
+    ``patternProperties`` key, which xgrammar 0.2.9 matches against the JSON text of the
+    string, escapes included, not against the string: a ``\\\\`` or ``\\x22`` in the pattern
+    would let a bare ``\\`` or ``"`` into the JSON text (not JSON), and a set such as ``[\\D]``
+    a bare control character. So a character the pattern spells that JSON writes escaped
+    (U+0000-U+001F, ``"``, ``\\``) is matched as its escape (``\\"``, ``\\n``,
+    ``\\u001c`` ...), and so is a class of such characters only; any other set is matched
+    as its characters JSON writes bare (``_xg_set``). Stricter than JSON Schema where a string
+    spells a character with an escape it does not need (``\\u0061``) or holds an escaped
+    character where the pattern has a set (``"\\n"`` for ``.``), never looser."""
     rust = backend == "llguidance"
+    json_string = json_string and not rust
     out: list[str] = []
     i, n = 0, len(pattern)
 
@@ -162,6 +340,12 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
         ch = chr(code)
         return ch if ch.isalnum() or code > 0x7F else f"\\x{{{code:X}}}"
 
+    def xg_char(code: int) -> str:
+        """The one character ``code`` outside a class, for xgrammar."""
+        if json_string and (code < 0x20 or code in (0x22, 0x5C)):
+            return "(?:" + _json_escapes([code]) + ")"
+        return _xg_literal(code)
+
     # after a quantifier ("quantified"), or after its lazy "?" ("lazy"): another quantifier
     # there is no ECMA-262 (a SyntaxError) and means something else elsewhere: "a++" is
     # possessive in PCRE, Java and Python (so "a++a" matches nothing), stacked repeats
@@ -186,15 +370,18 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
                 out.append(_REWRITE[value][0])
             elif kind == "char" and rust:
                 out.append(rust_char(value))
-            elif kind == "char" and _xgrammar_plain(pattern, i, end, value):
-                out.append(chr(value))
+            elif kind == "class" and json_string:
+                out.append(_xg_set(_shorthand_set(value), True) or "")
+            elif kind == "char":
+                out.append(xg_char(value))
             else:
                 out.append(pattern[i:end])
             i = end
         elif ch == "[":
-            i = _class(pattern, i, rust, out, escape, refuse)
+            i = _class(pattern, i, rust, out, escape, refuse, json_string)
         elif ch == ".":
-            out.append(ECMA_DOT)
+            out.append(_xg_set(_complement(_LINE_TERMINATOR_SET), True) or ""
+                       if json_string else ECMA_DOT)
             i += 1
         elif ch == "(" and pattern.startswith("(?", i):
             if not (pattern[i + 2:i + 3] in (":", "=", "!")
@@ -211,30 +398,17 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
             else:
                 out.append("\\{")  # ECMA-262 (Annex B): a literal brace
                 i += 1
+        elif json_string and (ch == '"' or ord(ch) < 0x20):
+            out.append(xg_char(ord(ch)))
+            i += 1
         else:
             out.append(ch)
             i += 1
     return "".join(out)
 
 
-# the identity escapes xgrammar reads (of the others it reads the character itself, but warns)
-_XGRAMMAR_IDENTITY = frozenset('"$\'()*+-./?[\\]^{|}')
-
-
-def _xgrammar_plain(pattern: str, start: int, end: int, code: int) -> bool:
-    """Whether the escape ``pattern[start:end]`` (of the character ``code``) is written as the
-    character itself for xgrammar: an escaped surrogate pair (xgrammar would spell each half on
-    its own) and an identity escape xgrammar does not know (``\\%``, ``\\<``: ECMA's plain
-    character, which xgrammar matches too but warns about)."""
-    if code > 0xFFFF:
-        return True
-    c = pattern[start + 1]
-    return end - start == 2 and not (c.isascii() and c.isalnum()) \
-        and c not in _XGRAMMAR_IDENTITY
-
-
 def _class(pattern: str, start: int, rust: bool, out: list[str], escape: Any,
-           refuse: Any) -> int:
+           refuse: Any, json_string: bool = False) -> int:
     """Append the ECMA character class at ``start`` (its ``[``) to ``out`` as the backend reads
     it (:func:`ecma_regex`); the index after it. ECMA classes do not nest: ``[`` inside is a
     character."""
@@ -245,7 +419,8 @@ def _class(pattern: str, start: int, rust: bool, out: list[str], escape: Any,
     if pattern.startswith("]", i):
         if not negated:
             raise refuse("empty character class '[]'", start)
-        out.append("[\\x{0}-\\x{10FFFF}]" if rust else "[^]")
+        out.append("[\\x{0}-\\x{10FFFF}]" if rust else
+                   _xg_set(_UNIVERSE, json_string) or "")
         return i + 1
     # each item: ("char", code, src) / ("class", letter, src) / ("range", (lo, hi), src)
     items: list[tuple[str, Any, str]] = []
@@ -255,16 +430,17 @@ def _class(pattern: str, start: int, rust: bool, out: list[str], escape: Any,
             kind, value, end = escape(at, True)
             if kind == "other":
                 raise refuse(f"escape '{pattern[at:end]}' inside a class", at)
-            src = chr(value) if kind == "char" and _xgrammar_plain(pattern, at, end, value) \
-                else pattern[at:end]
-            return kind, value, src, end
+            return kind, value, pattern[at:end], end
         return "char", ord(pattern[at]), pattern[at], at + 1
 
     while i < n and pattern[i] != "]":
+        at = i
         kind, value, src, i = atom(i)
         if (pattern.startswith("-", i) and i + 1 < n and pattern[i + 1] != "]"):
             kind2, value2, src2, end = atom(i + 1)
             if kind == "char" and kind2 == "char":
+                if value > value2:
+                    raise refuse(f"class range '{pattern[at:end]}' out of order", at)
                 items.append(("range", (value, value2), f"{src}-{src2}"))
             else:  # Annex B: a class escape at either end makes the '-' a character
                 items += [(kind, value, src), ("char", 0x2D, "-"), (kind2, value2, src2)]
@@ -275,15 +451,24 @@ def _class(pattern: str, start: int, rust: bool, out: list[str], escape: Any,
         out.append(pattern[start:])
         return n
 
+    members = _union([_shorthand_set(value) if kind == "class" else
+                      [value] if kind == "range" else [(value, value)]
+                      for kind, value, _ in items])
+    members = _complement(members) if negated else _subtract(members, [(0xD800, 0xDFFF)])
+    if not members:  # '[^\s\S]': a regex that can only dead-end where it is reached
+        raise refuse(f"character class '{pattern[start:i + 1]}' that matches no character",
+                     start)
+    if not rust:
+        out.append(_xg_set(members, json_string) or "")
+        return i + 1
+
     def rust_char(code: int) -> str:
         ch = chr(code)
         return ch if ch.isalnum() or code > 0x7F else f"\\x{{{code:X}}}"
 
     parts = ["[^" if negated else "["]
     for kind, value, src in items:
-        if not rust:
-            parts.append(src)
-        elif kind == "class":
+        if kind == "class":
             parts.append(_REWRITE[value][1])
         elif kind == "range":
             parts.append(f"{rust_char(value[0])}-{rust_char(value[1])}")
@@ -692,18 +877,19 @@ def xgrammar_schema(schema_text: str) -> str:
 
 def _xgrammar_patterns(node: dict[str, Any]) -> bool:
     """Write ``node``'s ``pattern`` and ``patternProperties`` keys as :func:`ecma_regex` writes
-    them for xgrammar (ECMA's ``.``, surrogate pairs joined; non-ECMA escapes refused);
-    whether any changed."""
+    them for xgrammar in a JSON string (ECMA's ``.``, surrogate pairs joined, the characters
+    JSON escapes matched as their escapes; non-ECMA escapes refused); whether any changed."""
     changed = False
     pattern = node.get("pattern")
     if isinstance(pattern, str):
-        new = ecma_regex(pattern, "xgrammar", "JSON_SCHEMA", f"the pattern {pattern!r}")
+        new = ecma_regex(pattern, "xgrammar", "JSON_SCHEMA", f"the pattern {pattern!r}",
+                         json_string=True)
         changed |= new != pattern
         node["pattern"] = new
     keyed = node.get("patternProperties")
     if isinstance(keyed, dict):
-        new_keys = {ecma_regex(k, "xgrammar", "JSON_SCHEMA",
-                               f"the patternProperties key {k!r}"): v for k, v in keyed.items()}
+        new_keys = {ecma_regex(k, "xgrammar", "JSON_SCHEMA", f"the patternProperties key {k!r}",
+                               json_string=True): v for k, v in keyed.items()}
         if list(new_keys) != list(keyed):
             node["patternProperties"] = new_keys
             changed = True
