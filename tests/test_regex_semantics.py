@@ -142,8 +142,8 @@ JSON_ESCAPE_TABLE = [
     ("^[^a]+$", '"b!"', True, True), ("^[^a]+$", '"\t"', False, False),
     ("^[^a]+$", '"""', False, False), ("^\\s+$", '" \u00a0"', True, True),
     ("^\\s+$", '"\\u001c"', False, False), ("^\\W$", '"\\\\"', True, False),
-    ("^[\\x00-\\x1f]$", '"\\u001f"', True, True),
-    ("^[\\x00-\\x1f]$", '"\\u001F"', True, True),
+    ("^[\\x00-\\x1f]$", '"\\u001e"', True, True),
+    ("^[\\x00-\\x1f]$", '"\\u001E"', True, True),
     ("^[\\x00-\\x1f]$", '"\\u0020"', False, False),
     ("^[\\n\\t]+$", '"\\t\\n"', True, True), ("^[\\n\\t]+$", '"\t"', False, False),
 ]
@@ -165,6 +165,41 @@ def test_schema_patterns_match_the_string_not_its_json_text(factory_cache, token
         {"type": "string", "pattern": p}), t)) for p, t, _, _ in JSON_ESCAPE_TABLE]
     assert got == expected
     assert all(valid or not xg for _, _, valid, xg in JSON_ESCAPE_TABLE)
+
+
+_CLASS_PARTS = {"C": ("\\x00-\\x1f", range(0x20)), "Q": ("\\x22", [0x22]),
+                "B": ("\\x5c", [0x5C]), "A": ("a", [0x61]), "S": (" -!", [0x20, 0x21])}
+_ESCAPED_TEXTS = {'"\\""': 0x22, '"\\\\"': 0x5C, '"\\n"': 0x0A, '"\\u0001"': 0x01,
+                  '"\\u001f"': 0x1F, '"a"': 0x61, '" "': 0x20}
+
+
+@needs_llg
+def test_llguidance_classes_holding_every_control_character(factory_cache, tokenizer_cache):
+    """llguidance 1.9.1 takes ``\\"`` and ``\\\\`` wherever a pattern's set holds every
+    control character (U+0000-U+001F) but not both of ``"`` and ``\\``: ``[^"]`` took
+    ``"\\""``, ``[\\x00-\\x1fa]`` took ``"\\\\"``. capgraph gives it such a set without
+    U+001F. Every class of up to three parts, plain and negated: no escaped character outside
+    the class is taken, every other member is, and U+001F only where ``"`` and ``\\`` are
+    members too."""
+    import itertools
+
+    tok = tokenizer_cache("tekken")
+    factory = factory_cache("tekken", "llguidance")
+    wrong = []
+    for size in (1, 2, 3):
+        for combo in itertools.combinations(_CLASS_PARTS, size):
+            for negated in (False, True):
+                listed = set().union(*(_CLASS_PARTS[c][1] for c in combo))
+                members = {c for c in range(0x80) if (c in listed) != negated}
+                narrowed = set(range(0x20)) <= members and not {0x22, 0x5C} <= members
+                cls = "[" + "^" * negated + "".join(_CLASS_PARTS[c][0] for c in combo) + "]"
+                params = GuidedDecodingParams.json_schema(
+                    {"type": "string", "pattern": f"^{cls}$"})
+                for text, code in _ESCAPED_TEXTS.items():
+                    want = code in members and not (narrowed and code == 0x1F)
+                    if accepts(factory, tok, params, text) != want:
+                        wrong.append((cls, text, want))
+    assert wrong == []
 
 
 def test_pattern_properties_keys_match_the_name_not_its_json_text(factory_cache,

@@ -1,6 +1,5 @@
 """The character classes of a regex, read once for the checks that look inside them
-(:func:`~capgraph.grammar.schema_policy.negated_class_excluding_escaped`,
-:func:`~capgraph.grammar.semantics.xgrammar_wider`), and the escapes outside them."""
+(:func:`~capgraph.grammar.semantics.xgrammar_wider`), and the escapes outside them."""
 
 from __future__ import annotations
 

@@ -40,7 +40,6 @@ from typing import Any, Callable, Iterator, Mapping
 import regex
 
 from .lark_text import LarkTextError, lark_json_values
-from .regex_classes import CharClass, regex_parts
 
 __all__ = ["Unenforced", "Pointer", "unenforced", "unenforced_in_tag", "describe",
            "schema_positions", "schema_nodes", "subschemas", "ANNOTATIONS", "VOCABULARY",
@@ -586,34 +585,6 @@ def _tag_names_spelled_once(node: _Node) -> str | None:
     return None
 
 
-def _escape_proof_patterns(node: _Node) -> str | None:
-    """llguidance lets the escaped spelling (``\\"``, ``\\\\``) of a character a negated
-    class excludes through: ``[^"]`` accepts ``\\"``, a ``"``."""
-    patterns = [node.value] if node.keyword == "pattern" else \
-        list(node.value) if isinstance(node.value, dict) else []
-    for pattern in patterns:
-        if isinstance(pattern, str):
-            cls = negated_class_excluding_escaped(pattern)
-            if cls is not None:
-                return (f"llguidance lets the escaped '\"' or '\\' through the negated "
-                        f"class {cls}")
-    return None
-
-
-_JSON_ESCAPED = (0x22, 0x5C)  # '"' and '\\': JSON writes them only escaped
-
-
-def negated_class_excluding_escaped(pattern: str) -> str | None:
-    """The first negated character class of ``pattern`` (a regex) whose listed characters
-    include ``"`` or ``\\`` (directly, escaped, as ``\\x``/``\\u`` or in a range), or None.
-    Class escapes (``\\W``, ``\\S``, ...) are not counted: llguidance expands them right."""
-    for part in regex_parts(pattern, leading_bracket_is_member=False):
-        if isinstance(part, CharClass) and part.negated and any(
-                lo <= c <= hi for lo, hi in part.ranges for c in _JSON_ESCAPED):
-            return part.text
-    return None
-
-
 def _no_guidance_options(node: _Node) -> str | None:
     return "x-guidance options can make llguidance ignore keywords"
 
@@ -677,12 +648,12 @@ LLGUIDANCE: dict[str, Rule] = {
     "enum": _ok, "const": _ok,
     "minimum": _ok, "maximum": _ok, "exclusiveMinimum": _ok, "exclusiveMaximum": _ok,
     "multipleOf": _ok,
-    "minLength": _ok, "maxLength": _ok, "pattern": _escape_proof_patterns,
+    "minLength": _ok, "maxLength": _ok, "pattern": _ok,
     "format": _formats(LLGUIDANCE_FORMATS, "llguidance"),
     "items": _ok, "prefixItems": _ok, "additionalItems": _ok,
     "minItems": _ok, "maxItems": _ok,
     "properties": _names_spelled_once, "additionalProperties": _ok, "required": _ok,
-    "patternProperties": _all(_names_spelled_once, _escape_proof_patterns),
+    "patternProperties": _names_spelled_once,
     "minProperties": _all(_all_properties_required, _counts_names_once),
     "maxProperties": _all_properties_required,
     "allOf": _ok, "anyOf": _ok,

@@ -93,6 +93,7 @@ _SHORTHAND_SETS: dict[str, Intervals] = {
 _LINE_TERMINATOR_SET: Intervals = [(0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)]
 #: the characters a JSON string cannot hold unescaped: U+0000-U+001F, '"' and '\'
 _JSON_ESCAPED_SET: Intervals = [(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]
+_JSON_CONTROLS: Intervals = [(0, 0x1F)]
 
 
 def _union(sets: list[Intervals]) -> Intervals:
@@ -275,18 +276,20 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
     and ``[\\^a]``: the note above ``_xg_class``); it reads the rest as ECMA does and gets it
     as written.
 
-    ``json_string`` (xgrammar only): the regex is a JSON schema's ``pattern`` or
-    ``patternProperties`` key, which xgrammar 0.2.9 matches against the JSON text of the
-    string, escapes included, not against the string: a ``\\\\`` or ``\\x22`` in the pattern
-    would let a bare ``\\`` or ``"`` into the JSON text (not JSON), and a set such as ``[\\D]``
-    a bare control character. So a character the pattern spells that JSON writes escaped
-    (U+0000-U+001F, ``"``, ``\\``) is matched as its escape (``\\"``, ``\\n``,
-    ``\\u001c`` ...), and so is a class of such characters only; any other set is matched
-    as its characters JSON writes bare (``_xg_set``). Stricter than JSON Schema where a string
-    spells a character with an escape it does not need (``\\u0061``) or holds an escaped
-    character where the pattern has a set (``"\\n"`` for ``.``), never looser."""
+    ``json_string``: the regex is a JSON schema's ``pattern`` or ``patternProperties`` key.
+    llguidance 1.9.1 takes ``\\"`` and ``\\\\`` for a set that holds every control character
+    but not both of ``"`` and ``\\``, so it is given such a set without U+001F. xgrammar
+    0.2.9 matches such a regex against the JSON text of the string, escapes included, not
+    against the string: a ``\\\\`` or ``\\x22`` in the pattern would let a bare ``\\`` or
+    ``"`` into the JSON text (not JSON), and a set such as ``[\\D]`` a bare control
+    character. So a character the pattern spells that JSON writes escaped (U+0000-U+001F,
+    ``"``, ``\\``) is matched as its escape (``\\"``, ``\\n``, ``\\u001c`` ...), and so is a
+    class of such characters only; any other set is matched as its characters JSON writes
+    bare (``_xg_set``). Stricter than JSON Schema where a string spells a character with an
+    escape it does not need (``\\u0061``) or holds an escaped character where the pattern
+    has a set (``"\\n"`` for ``.``), never looser."""
     rust = backend == "llguidance"
-    json_string = json_string and not rust
+    xg_json = json_string and not rust
     out: list[str] = []
     i, n = 0, len(pattern)
 
@@ -342,7 +345,7 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
 
     def xg_char(code: int) -> str:
         """The one character ``code`` outside a class, for xgrammar."""
-        if json_string and (code < 0x20 or code in (0x22, 0x5C)):
+        if xg_json and (code < 0x20 or code in (0x22, 0x5C)):
             return "(?:" + _json_escapes([code]) + ")"
         return _xg_literal(code)
 
@@ -370,7 +373,7 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
                 out.append(_REWRITE[value][0])
             elif kind == "char" and rust:
                 out.append(rust_char(value))
-            elif kind == "class" and json_string:
+            elif kind == "class" and xg_json:
                 out.append(_xg_set(_shorthand_set(value), True) or "")
             elif kind == "char":
                 out.append(xg_char(value))
@@ -381,7 +384,7 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
             i = _class(pattern, i, rust, out, escape, refuse, json_string)
         elif ch == ".":
             out.append(_xg_set(_complement(_LINE_TERMINATOR_SET), True) or ""
-                       if json_string else ECMA_DOT)
+                       if xg_json else ECMA_DOT)
             i += 1
         elif ch == "(" and pattern.startswith("(?", i):
             if not (pattern[i + 2:i + 3] in (":", "=", "!")
@@ -398,7 +401,7 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
             else:
                 out.append("\\{")  # ECMA-262 (Annex B): a literal brace
                 i += 1
-        elif json_string and (ch == '"' or ord(ch) < 0x20):
+        elif xg_json and (ch == '"' or ord(ch) < 0x20):
             out.append(xg_char(ord(ch)))
             i += 1
         else:
@@ -465,6 +468,16 @@ def _class(pattern: str, start: int, rust: bool, out: list[str], escape: Any,
     def rust_char(code: int) -> str:
         ch = chr(code)
         return ch if ch.isalnum() or code > 0x7F else f"\\x{{{code:X}}}"
+
+    if json_string and _subtract(_JSON_CONTROLS, members) == [] and \
+            _subtract([(0x22, 0x22), (0x5C, 0x5C)], members) != []:
+        # llguidance 1.9.1 takes '\\"' and '\\\\' for a set holding every control character
+        # but not both of '"' and '\\' ('[^"]' took '"\\""', '[\\x00-\\x1fa]' took
+        # '"\\\\"'), and not for one control character fewer: the set without U+001F
+        members = _subtract(members, [(0x1F, 0x1F)])
+        out.append("[" + "".join(rust_char(lo) if lo == hi else
+                                 f"{rust_char(lo)}-{rust_char(hi)}" for lo, hi in members) + "]")
+        return i + 1
 
     parts = ["[^" if negated else "["]
     for kind, value, src in items:
@@ -808,10 +821,11 @@ def _rewrite(schema_text: str, unlisted_absent: bool) -> str:
                 result[key] = value
             elif key == "pattern" and isinstance(value, str):
                 result[key] = ecma_regex(value, "llguidance", "JSON_SCHEMA",
-                                         f"the pattern {value!r}")
+                                         f"the pattern {value!r}", json_string=True)
             elif key == "patternProperties" and isinstance(value, dict):
                 result[key] = {ecma_regex(k, "llguidance", "JSON_SCHEMA",
-                                          f"the patternProperties key {k!r}"): walk(v, inner)
+                                          f"the patternProperties key {k!r}",
+                                          json_string=True): walk(v, inner)
                                for k, v in value.items()}
             elif key in _SCHEMA_MAPS and isinstance(value, dict):
                 result[key] = {k: walk(v, inner) for k, v in value.items()}
