@@ -287,13 +287,54 @@ def _check(counts: Counts, tokenizer: Any, checker: Checker, label: str,
 def print_counts(results: dict[str, Counts], guides: str) -> None:
     """The table of ``backend -> Counts`` (``guides``: what the second column counts), each
     invalid output after its backend's row."""
-    print(f"{'backend':<11} {guides:>8} {'refused':>7} {'walked':>6} {'validated':>9} "
+    width = max([11, *map(len, results)])
+    print(f"{'backend':<{width}} {guides:>8} {'refused':>7} {'walked':>6} {'validated':>9} "
           f"{'invalid':>7} {'unfinished':>10} {'failed':>6}")
     for backend, c in results.items():
-        print(f"{backend:<11} {c.schemas:>8} {c.refused:>7} {c.walked:>6} {c.validated:>9} "
-              f"{c.invalid:>7} {c.unfinished:>10} {c.failed:>6}")
+        print(f"{backend:<{width}} {c.schemas:>8} {c.refused:>7} {c.walked:>6} "
+              f"{c.validated:>9} {c.invalid:>7} {c.unfinished:>10} {c.failed:>6}")
         for example in c.examples:
             print(f"  INVALID {example}")
+
+
+#: one row of a walk table: its name, its guides ``(params, checker, label)`` and the tilt
+Suite = tuple[str, Sequence[tuple[Any, Checker, str]], Sequence[tuple[str, float]]]
+
+
+def walk_backends(tokenizer_name: str, backends: Iterable[str],
+                  suites: Callable[[str], Iterable[Suite]], *, walks: int, seed: int,
+                  max_tokens: int) -> dict[str, Counts]:
+    """Walk the suites ``suites(backend)`` gives for each backend (:func:`walk_guides`), one
+    factory per backend with its defaults; the counts by row name."""
+    from capgraph import GuidedDecodingConfig
+    from capgraph.grammar import create_matcher_factory
+    from capgraph.tokenizers import load_tokenizer
+    tokenizer = load_tokenizer(tokenizer_name)
+    out = {}
+    for backend in backends:
+        factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
+            tokenizer, backend=backend))
+        try:
+            for name, guides, tilt in suites(backend):
+                out[name] = walk_guides(factory, tokenizer, guides, walks=walks, seed=seed,
+                                        max_tokens=max_tokens, tilt=tilt)
+        finally:
+            factory.close()
+    return out
+
+
+def walk_arguments(description: str, what: str,
+                   backends: Sequence[str]) -> argparse.ArgumentParser:
+    """The command line the random walks share: ``--tokenizer``, ``--backends``, ``--<what>``
+    (how many, default 300), ``--walks``, ``--seed``, ``--max-tokens``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--tokenizer", default="tekken")
+    parser.add_argument("--backends", nargs="+", default=list(backends), choices=backends)
+    parser.add_argument(f"--{what}", type=int, default=300)
+    parser.add_argument("--walks", type=int, default=4, help="walks per guide")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    return parser
 
 
 def run(tokenizer_name: str, backends: Iterable[str], walks: int, n_random: int, seed: int,

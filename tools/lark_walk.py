@@ -23,7 +23,6 @@ version.
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import time
@@ -138,32 +137,15 @@ def guides(grammars: Sequence[str], backend: str) -> list[tuple[Any, Any, str]]:
 
 def run(tokenizer_name: str, backends: Iterable[str], n: int, walks: int, seed: int,
         max_tokens: int) -> dict[str, conformance_walk.Counts]:
-    from capgraph import GuidedDecodingConfig
-    from capgraph.grammar import create_matcher_factory
-    from capgraph.tokenizers import load_tokenizer
-    tokenizer = load_tokenizer(tokenizer_name)
     grammars = random_larks(n, seed)
-    out = {}
-    for backend in backends:
-        factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
-            tokenizer, backend=backend))
-        try:
-            out[backend] = conformance_walk.walk_guides(
-                factory, tokenizer, guides(grammars, backend), walks=walks, seed=seed,
-                max_tokens=max_tokens, tilt=TILT)
-        finally:
-            factory.close()
-    return out
+    return conformance_walk.walk_backends(
+        tokenizer_name, backends, lambda backend: [(backend, guides(grammars, backend), TILT)],
+        walks=walks, seed=seed, max_tokens=max_tokens)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--tokenizer", default="tekken")
-    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
-    parser.add_argument("--grammars", type=int, default=300)
-    parser.add_argument("--walks", type=int, default=4, help="walks per grammar")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser = conformance_walk.walk_arguments((__doc__ or "").split("\n\n")[0], "grammars",
+                                             BACKENDS)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     results = run(args.tokenizer, args.backends, args.grammars, args.walks, args.seed,

@@ -30,7 +30,6 @@ Node disagree). ``tests/test_regex_walk.py`` runs a short version.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shutil
@@ -472,34 +471,19 @@ def sample_texts(regex: Regex, rng: random.Random, n: int) -> list[str]:
 
 def run(tokenizer_name: str, backends: Iterable[str], kinds: Iterable[str], n: int, walks: int,
         seed: int, max_tokens: int) -> dict[str, conformance_walk.Counts]:
-    from capgraph import GuidedDecodingConfig
-    from capgraph.grammar import create_matcher_factory
-    from capgraph.tokenizers import load_tokenizer
-    tokenizer = load_tokenizer(tokenizer_name)
     regexes = random_regexes(n, seed)
-    out = {}
-    for backend in backends:
-        factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
-            tokenizer, backend=backend))
-        try:
-            for kind in kinds:
-                out[f"{backend}/{kind}"] = conformance_walk.walk_guides(
-                    factory, tokenizer, guides(regexes, kind), walks=walks, seed=seed,
-                    max_tokens=max_tokens, tilt=tilt(kind))
-        finally:
-            factory.close()
-    return out
+    kinds = list(kinds)
+    return conformance_walk.walk_backends(
+        tokenizer_name, backends,
+        lambda backend: [(f"{backend}/{kind}", guides(regexes, kind), tilt(kind))
+                         for kind in kinds],
+        walks=walks, seed=seed, max_tokens=max_tokens)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--tokenizer", default="tekken")
-    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    parser = conformance_walk.walk_arguments((__doc__ or "").split("\n\n")[0], "regexes",
+                                             BACKENDS)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    parser.add_argument("--regexes", type=int, default=300)
-    parser.add_argument("--walks", type=int, default=4, help="walks per regex")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--node", action="store_true",
                         help="first check the judge against Node's RegExp on random texts")
     args = parser.parse_args(argv)
