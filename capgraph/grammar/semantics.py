@@ -147,7 +147,6 @@ def _shorthand_set(letter: str) -> Intervals:
 _XG_CLASS_ESCAPE = {0x5C: "\\\\", 0x5D: "\\]", 0x5B: "\\[", 0x5E: "\\^", 0x2D: "\\-",
                     0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
 _XG_SYNTAX = frozenset("^$\\.*+?()[]{}|/-")
-_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 
 
 def _xg_hex_escaped(code: int) -> bool:
