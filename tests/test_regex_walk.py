@@ -33,6 +33,17 @@ def test_random_regex_walks_stay_in_the_language(backend, kind, factory_cache, t
     assert counts.walked >= 30 and counts.validated >= 10, counts
 
 
+def test_random_regex_walks_in_structural_tags_stay_in_the_language(factory_cache, tekken,
+                                                                      one_torch_thread):
+    """A structural tag's ``regex`` element on xgrammar: the same promise."""
+    regexes = regex_walk.random_regexes(40, seed=5)
+    counts = regex_walk.conformance_walk.walk_guides(
+        factory_cache("tekken", "xgrammar"), tekken, regex_walk.guides(regexes, "tag"),
+        walks=2, seed=5, max_tokens=16, tilt=regex_walk.tilt("tag"))
+    assert counts.invalid == 0, "\n".join(counts.examples)
+    assert counts.walked >= 30 and counts.validated >= 10, counts
+
+
 @pytest.mark.parametrize("text, tree, whole, search", [
     # (regex text, its tree, whether "ab" matches whole, whether some part of "xaby" does)
     ("ab", regex_walk.Seq((regex_walk.Char("a"), regex_walk.Char("b"))), True, True),

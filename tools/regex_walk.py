@@ -2,6 +2,9 @@
 random ECMA-262 regexes, as REGEX guides and as JSON-schema ``pattern``s, each finished output
 judged by a matcher of this file's own. Every output capgraph lets through must match.
 
+Each regex is given as a REGEX guide, as a string schema's ``pattern``, and on xgrammar as an
+EBNF guide's ``Regex("...")`` and a structural tag's ``regex`` element (``--kinds``).
+
 The regexes (:func:`random_regex`) are drawn as syntax trees and written out in ECMA-262
 syntax (read without flags, as capgraph's REGEX guides and JSON Schema's ``pattern`` are),
 mixing what such regexes are made of and where the backends' readings could part from ECMA's:
@@ -21,7 +24,7 @@ anything but a line terminator. No regex engine is involved, so the judge shares
 with the backends; ``--node`` checks it against Node's ``RegExp`` on every output that has
 no character outside the BMP (where ECMA without the ``u`` flag counts UTF-16 units).
 
-    python tools/regex_walk.py                        # 300 regexes, 4 walks each, both backends
+    python tools/regex_walk.py                        # 300 regexes, 4 walks each, every kind
     python tools/regex_walk.py --regexes 2000 --backends xgrammar --seed 7 --node
 
 Exit status 1 if any output does not match its regex (or, with ``--node``, if the judge and
@@ -45,7 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import conformance_walk  # noqa: E402
 
 BACKENDS = ("xgrammar", "llguidance")
-KINDS = ("regex", "pattern")
+#: how a regex is given: a REGEX guide, a string schema's ``pattern``, an EBNF guide's
+#: ``Regex("...")`` and a structural tag's ``regex`` element (the last two: xgrammar's)
+KINDS = ("regex", "pattern", "ebnf", "tag")
+#: the kinds each backend serves
+SERVED = {"xgrammar": KINDS, "llguidance": ("regex", "pattern")}
 
 #: the characters of the regexes' literals and classes: ASCII letters and digits, a Kelvin
 #: sign (folds to k), non-ASCII letters, an Arabic-Indic digit, ECMA spaces (no-break space,
@@ -388,15 +395,29 @@ def _pattern_verdict(regex: Regex, text: str) -> bool:
     return isinstance(value, str) and matches(regex, value, search=True)
 
 
+def _ebnf_string(text: str) -> str:
+    """``text`` as the body of an xgrammar EBNF string literal."""
+    return "".join("\\" + c if c in '"\\' else f"\\u{ord(c):04x}" if ord(c) < 0x20 else c
+                   for c in text)
+
+
 def guides(regexes: Sequence[Regex], kind: str) -> list[tuple[Any, Callable[[str], bool], str]]:
-    """``(params, checker, label)`` of each regex: a REGEX guide (``kind="regex"``), or the
-    ``pattern`` of a string schema (``kind="pattern"``), judged by :func:`matches`."""
+    """``(params, checker, label)`` of each regex given as ``kind`` (:data:`KINDS`), judged
+    by :func:`matches` (a pattern: on the JSON string's value, searched)."""
     from capgraph import GuidedDecodingParams, GuideType
     out: list[tuple[Any, Callable[[str], bool], str]] = []
     for regex in regexes:
+        def whole(text: str, r: Regex = regex) -> bool:
+            return matches(r, text)
         if kind == "regex":
-            out.append((GuidedDecodingParams(GuideType.REGEX, regex.text),
-                        lambda text, r=regex: matches(r, text), regex.text))
+            out.append((GuidedDecodingParams(GuideType.REGEX, regex.text), whole, regex.text))
+        elif kind == "ebnf":
+            grammar = f'root ::= Regex("{_ebnf_string(regex.text)}")'
+            out.append((GuidedDecodingParams(GuideType.EBNF_GRAMMAR, grammar), whole, grammar))
+        elif kind == "tag":
+            tag = json.dumps({"type": "structural_tag",
+                              "format": {"type": "regex", "pattern": regex.text}})
+            out.append((GuidedDecodingParams(GuideType.STRUCTURAL_TAG, tag), whole, tag))
         else:
             schema = json.dumps({"type": "string", "pattern": regex.text})
             out.append((GuidedDecodingParams(GuideType.JSON_SCHEMA, schema),
@@ -476,7 +497,7 @@ def run(tokenizer_name: str, backends: Iterable[str], kinds: Iterable[str], n: i
     return conformance_walk.walk_backends(
         tokenizer_name, backends,
         lambda backend: [(f"{backend}/{kind}", guides(regexes, kind), tilt(kind))
-                         for kind in kinds],
+                         for kind in kinds if kind in SERVED[backend]],
         walks=walks, seed=seed, max_tokens=max_tokens)
 
 
