@@ -271,9 +271,10 @@ def test_ecma_regex_for_llguidance(pattern, rust):
     "grammar (an EBNF Regex(\"...\"), a JSON-schema pattern) takes text past the end after an "
     "optional group holding a repeat and a class that overlaps it: 'a(bx+)?[^n]' takes 'axk' "
     "(and the pattern '^a(bx+)?[^n]$' the string \"axk\"); the same regex as a REGEX guide, "
-    "converted to grammar rules, is right. Found by tools/regex_walk.py --kinds ebnf (3 of 998 "
-    "outputs). A fix on capgraph's side would give xgrammar the REGEX guide's rules in place of "
-    "each Regex(...) of a grammar and a schema"))
+    "converted to grammar rules, is right; an optional group that starts with a counted repeat "
+    "loses the count's minimum too ('^x(b{2,3})?$' takes \"xb\"). Found by "
+    "tools/regex_walk.py --kinds ebnf pattern. A fix on capgraph's side would give xgrammar the "
+    "REGEX guide's rules in place of each Regex(...) of a grammar and a schema"))
 def test_xgrammar_regex_automaton_stops_at_the_end(factory_cache, tokenizer_cache):
     """The text after an optional group and a class that overlaps its repeat must end where
     the regex ends: ``a(bx+)?[^n]`` matches ``ax``, not ``axk``."""
@@ -287,3 +288,5 @@ def test_xgrammar_regex_automaton_stops_at_the_end(factory_cache, tokenizer_cach
     assert accepts(factory, tok, pattern, '"ax"')
     assert not accepts(factory, tok, ebnf, "axk")
     assert not accepts(factory, tok, pattern, '"axk"')
+    counted = GuidedDecodingParams.json_schema({"type": "string", "pattern": "^x(b{2,3})?$"})
+    assert not accepts(factory, tok, counted, '"xb"')
