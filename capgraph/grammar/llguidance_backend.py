@@ -8,7 +8,6 @@ wrapper, and :meth:`rollback` counts a stop token llguidance never consumed as o
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
@@ -270,17 +269,40 @@ class LLGuidanceMatcher(GrammarMatcher):
                 break
             bits = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")
             ids = np.flatnonzero(bits[:tokens.vocab_size]).tolist()
-            if not ids or self._eos in ids or any(tokens.is_special_token(t) for t in ids):
-                break
-            texts = [tokens.decode_bytes([t]) for t in ids]
-            common = os.path.commonprefix(texts)
+            common, whole = self._common_prefix(ids)
             if not common:
                 break
             out += common
-            whole = [t for t, text in zip(ids, texts) if text == common]
-            if not whole or not copy.consume_token(whole[0]):
+            if whole is None or not copy.consume_token(whole):
                 break
         return bytes(out)
+
+    def _common_prefix(self, ids: list[int]) -> tuple[bytes, int | None]:
+        """The bytes every token of ``ids`` starts with (nothing where the stop token or a
+        special token is among them), and a token that is exactly those bytes, if any. Stops
+        decoding at the first token that leaves nothing in common, so a wide mask costs a few
+        decodes, not one per allowed token."""
+        assert self._tokens is not None
+        tokens = self._tokens
+        common: bytes | None = None
+        texts: dict[int, bytes] = {}
+        for t in ids:
+            if t == self._eos or tokens.is_special_token(t):
+                return b"", None
+            text = tokens.decode_bytes([t])
+            texts[t] = text
+            if common is None:
+                common = text
+            else:
+                n, limit = 0, min(len(common), len(text))
+                while n < limit and common[n] == text[n]:
+                    n += 1
+                common = common[:n]
+            if not common:
+                return b"", None
+        if not common:
+            return b"", None
+        return common, next((t for t, text in texts.items() if text == common), None)
 
 
 #: Texts whose llguidance tokenization must spell exactly their bytes (see _ll_tokenizer);

@@ -61,11 +61,10 @@ def _member(pattern: str, i: int) -> tuple[int | None, str, int]:
     return ord(letter), "", i + 2
 
 
-def regex_parts(pattern: str, leading_bracket_is_member: bool
-                ) -> Iterator[CharClass | OutsideEscape]:
+def regex_parts(pattern: str) -> Iterator[CharClass | OutsideEscape]:
     """The classes of ``pattern`` and the escapes outside them that are not one character,
-    in order. ``leading_bracket_is_member``: a ``]`` right after ``[`` or ``[^`` is a member
-    (Python's and Rust's reading), not the end of an empty class (ECMA-262's)."""
+    in order. A ``]`` right after ``[`` or ``[^`` is a member (Python's and Rust's reading,
+    as in a Lark regex literal)."""
     i, n = 0, len(pattern)
     while i < n:
         if pattern[i] == "\\":
@@ -82,7 +81,7 @@ def regex_parts(pattern: str, leading_bracket_is_member: bool
         i += 2 if negated else 1
         ranges: list[tuple[int, int]] = []
         escapes: list[str] = []
-        if leading_bracket_is_member and pattern[i:i + 1] == "]":
+        if pattern[i:i + 1] == "]":
             ranges.append((ord("]"), ord("]")))
             i += 1
         while i < n and pattern[i] != "]":

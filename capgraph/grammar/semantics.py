@@ -207,8 +207,8 @@ def _xg_class(ivs: Intervals) -> str:
         items = [(lo + 1, hi), (lo, lo)]
     parts = [_xg_class_char(lo) if lo == hi else f"{_xg_class_char(lo)}-{_xg_class_char(hi)}"
              for lo, hi in items]
-    # a part ending in '\xHH' goes last (those all begin with '\', but for at most one range
-    # from a printable character, which goes first among them): no hex digit after it
+    # a part ending in a hex escape goes last (those all begin with '\', but for at most one
+    # range from a printable character, which goes first among them): no hex digit after it
     hex_ended = [p for (lo, hi), p in zip(items, parts) if _xg_hex_escaped(hi)]
     plain = [p for (lo, hi), p in zip(items, parts) if not _xg_hex_escaped(hi)]
     hex_ended.sort(key=lambda p: p.startswith("\\"))
@@ -238,6 +238,12 @@ def _xg_set(ivs: Intervals, json_string: bool) -> str | None:
         return _xg_class(bare)
     escaped = [code for lo, hi in ivs for code in range(lo, hi + 1)]
     return "(?:" + _json_escapes(escaped) + ")" if escaped else None
+
+
+def _rust_char(code: int) -> str:
+    """The character ``code`` in a llguidance (Rust syntax) regex, in a class or outside."""
+    ch = chr(code)
+    return ch if ch.isalnum() or code > 0x7F else f"\\x{{{code:X}}}"
 
 
 def _non_ecma(what: str, position: int, backend: str, guide_type: str, where: str) -> Exception:
@@ -338,10 +344,6 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
             raise refuse(f"escape '\\{c}' (ECMA-262 reads it as a plain '{c}')", at)
         return "char", ord(c), at + 2  # an identity escape
 
-    def rust_char(code: int) -> str:
-        ch = chr(code)
-        return ch if ch.isalnum() or code > 0x7F else f"\\x{{{code:X}}}"
-
     def xg_char(code: int) -> str:
         """The one character ``code`` outside a class, for xgrammar."""
         if xg_json and (code < 0x20 or code in (0x22, 0x5C)):
@@ -371,7 +373,7 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
             if kind == "class" and rust:
                 out.append(_REWRITE[value][0])
             elif kind == "char" and rust:
-                out.append(rust_char(value))
+                out.append(_rust_char(value))
             elif kind == "class" and xg_json:
                 out.append(_xg_set(_shorthand_set(value), True) or "")
             elif kind == "char":
@@ -464,18 +466,14 @@ def _class(pattern: str, start: int, rust: bool, out: list[str], escape: Any,
         out.append(_xg_set(members, json_string) or "")
         return i + 1
 
-    def rust_char(code: int) -> str:
-        ch = chr(code)
-        return ch if ch.isalnum() or code > 0x7F else f"\\x{{{code:X}}}"
-
     if json_string and _subtract(_JSON_CONTROLS, members) == [] and \
             _subtract([(0x22, 0x22), (0x5C, 0x5C)], members) != []:
         # llguidance 1.9.1 takes '\\"' and '\\\\' for a set holding every control character
         # but not both of '"' and '\\' ('[^"]' took '"\\""', '[\\x00-\\x1fa]' took
         # '"\\\\"'), and not for one control character fewer: the set without U+001F
         members = _subtract(members, [(0x1F, 0x1F)])
-        out.append("[" + "".join(rust_char(lo) if lo == hi else
-                                 f"{rust_char(lo)}-{rust_char(hi)}" for lo, hi in members) + "]")
+        out.append("[" + "".join(_rust_char(lo) if lo == hi else
+                                 f"{_rust_char(lo)}-{_rust_char(hi)}" for lo, hi in members) + "]")
         return i + 1
 
     parts = ["[^" if negated else "["]
@@ -483,9 +481,9 @@ def _class(pattern: str, start: int, rust: bool, out: list[str], escape: Any,
         if kind == "class":
             parts.append(_REWRITE[value][1])
         elif kind == "range":
-            parts.append(f"{rust_char(value[0])}-{rust_char(value[1])}")
+            parts.append(f"{_rust_char(value[0])}-{_rust_char(value[1])}")
         else:
-            parts.append(rust_char(value))
+            parts.append(_rust_char(value))
     parts.append("]")
     out.append("".join(parts))
     return i + 1
@@ -655,7 +653,7 @@ def xgrammar_wider(pattern: str, nocase: bool) -> str | None:
     case variant lets the variant through (``[^kσ]``: ``Σ``, ``ς``, U+212A KELVIN SIGN).
     Positive classes and shorthands are only narrower. An escape this reader does not know
     (``\\p{..}``) inside a negated class counts as such a construct."""
-    for part in regex_parts(pattern, leading_bracket_is_member=True):
+    for part in regex_parts(pattern):
         if isinstance(part, OutsideEscape):
             if part.letter in ("D", "W", "S"):
                 return (f"'\\{part.letter}' at position {part.position} (xgrammar's \\d, \\w "
