@@ -42,7 +42,7 @@ ECMA_TABLE = [
     (r"[\b]", "\x08", True), (r"\cA", "\x01", True),
     # a lazy quantifier is a quantifier and its "?": the same language
     ("a+?b", "aab", True), ("a{1,2}?", "aa", True), ("a??b", "b", True),
-    # spellings xgrammar 0.2.9 misreads as written (found by tools/regex_walk.py): the hex
+    # spellings xgrammar 0.2.9 misreads as written (tools/regex_walk.py draws them): the hex
     # digits after \x and \u taken greedily, an escaped '^' first in a class as negation
     (r"\x090", "\t0", True), (r"\x090", "\x90", False), (r"\x07b", "\x07b", True),
     (r"\x07b", "{", False), (r"[\u00e9b]", "b", True), (r"[\u00e9b]", "\u0e9b", False),
@@ -154,9 +154,9 @@ def test_schema_patterns_match_the_string_not_its_json_text(factory_cache, token
                                                              backend):
     """A schema ``pattern`` matches the decoded string: a character JSON writes escaped (a
     backslash, a quote, a control character) never appears bare in the JSON text, and where
-    the pattern spells it, it is taken as its escape. xgrammar 0.2.9 matched the pattern
-    against the JSON text, so ``^\\\\$`` let ``"\\"`` (not JSON) through and ``[\\D]`` a bare
-    control character (found by ``tools/regex_walk.py``: 94 of 518 outputs were not JSON)."""
+    the pattern spells it, it is taken as its escape. xgrammar 0.2.9, given a pattern as
+    written, matches it against the JSON text: ``^\\\\$`` takes ``"\\"`` (not JSON) and
+    ``[\\D]`` a bare control character."""
     tok = tokenizer_cache("tekken")
     factory = factory_cache("tekken", backend)
     expected = [(p, t, valid if backend == "llguidance" else xg)
