@@ -6,6 +6,7 @@ tokens must each be accepted and the stop token after them (or one refused)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -266,27 +267,70 @@ def test_ecma_regex_for_llguidance(pattern, rust):
     assert ecma_regex(pattern, "llguidance") == rust
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (upstream, xgrammar 0.2.9): the automaton xgrammar builds for a regex inside a "
-    "grammar (an EBNF Regex(\"...\"), a JSON-schema pattern) takes text past the end after an "
-    "optional group holding a repeat and a class that overlaps it: 'a(bx+)?[^n]' takes 'axk' "
-    "(and the pattern '^a(bx+)?[^n]$' the string \"axk\"); the same regex as a REGEX guide, "
-    "converted to grammar rules, is right; an optional group that starts with a counted repeat "
-    "loses the count's minimum too ('^x(b{2,3})?$' takes \"xb\"). Found by "
-    "tools/regex_walk.py --kinds ebnf pattern. A fix on capgraph's side would give xgrammar the "
-    "REGEX guide's rules in place of each Regex(...) of a grammar and a schema"))
-def test_xgrammar_regex_automaton_stops_at_the_end(factory_cache, tokenizer_cache):
-    """The text after an optional group and a class that overlaps its repeat must end where
-    the regex ends: ``a(bx+)?[^n]`` matches ``ax``, not ``axk``."""
+def _tagged(content: dict) -> GuidedDecodingParams:
+    return GuidedDecodingParams.structural_tag(json.dumps(
+        {"type": "structural_tag", "format": {"type": "tag", "begin": "<a>",
+                                              "content": content, "end": "</a>"}}))
+
+
+def _regex_places(regex: str) -> list[tuple[str, GuidedDecodingParams, Any]]:
+    """``regex`` at every place a guide can hold one, with how a text is written there."""
+    ebnf_body = regex.replace("\\", "\\\\")
+    string = {"type": "string", "pattern": f"^{regex}$"}
+    return [
+        ("regex", GuidedDecodingParams.regex(regex), str),
+        ("ebnf", GuidedDecodingParams.ebnf(f'root ::= "<" Regex("{ebnf_body}") ">"'),
+         lambda t: f"<{t}>"),
+        ("pattern", GuidedDecodingParams.json_schema(string), json.dumps),
+        ("patternProperties", GuidedDecodingParams.json_schema(
+            {"type": "object", "patternProperties": {f"^{regex}$": {"type": "integer"}},
+             "additionalProperties": False}),
+         lambda t: json.dumps({t: 1})),
+        ("propertyNames", GuidedDecodingParams.json_schema(
+            {"type": "object", "propertyNames": string,
+             "additionalProperties": {"type": "integer"}}), lambda t: json.dumps({t: 1})),
+        ("tag json_schema", _tagged({"type": "json_schema", "json_schema": string}),
+         lambda t: f"<a>{json.dumps(t)}</a>"),
+        ("tag grammar", _tagged({"type": "grammar", "grammar": f'root ::= Regex("{ebnf_body}")'}),
+         lambda t: f"<a>{t}</a>"),
+    ]
+
+
+# (regex, texts in its language, texts outside it that xgrammar 0.2.9's automaton for a
+# Regex(...) element takes: an optional group of a character and a repeat lets the character
+# be skipped; found by tools/regex_walk.py --kinds ebnf pattern)
+AUTOMATON_CASES = [
+    ("a(bx+)?[^n]", ["ax", "abxxk"], ["axk"]),
+    ("a(bx+)?d", ["ad", "abxd"], ["axd"]),
+    ("x(b{2,3})?", ["x", "xbb", "xbbb"], ["xb"]),
+]
+
+
+@pytest.mark.parametrize("pattern, written", [
+    ("a(bx+)?d", "a(bx+){0,1}d"), ("(?:ab)??c", "(?:ab){0,1}?c"), ("((a)?)?", "((a){0,1}){0,1}"),
+    ("a?b", "a?b"), (r"\)?", r"\)?"), ("[)]?", "[)]?"), ("(a)*(b)+(c){2}", "(a)*(b)+(c){2}"),
+])
+def test_an_optional_group_is_written_as_a_counted_repeat_for_xgrammar(pattern, written):
+    """'?' after a group is '{0,1}' for xgrammar (whose '?' lets a loop inside the group skip
+    part of it); a '?' after anything else, and llguidance's regexes, are left as written."""
+    from capgraph.grammar.semantics import ecma_regex
+
+    assert ecma_regex(pattern, "xgrammar") == written
+    assert ecma_regex(pattern, "xgrammar", json_string=True) == written
+    assert "{0,1}" not in ecma_regex(pattern, "llguidance")
+
+
+@pytest.mark.parametrize("regex, inside, outside", AUTOMATON_CASES)
+def test_xgrammar_regexes_mean_the_same_in_every_place(factory_cache, tokenizer_cache, regex,
+                                                       inside, outside):
+    """A regex inside a grammar, a schema or a tag takes what the same REGEX guide takes:
+    xgrammar 0.2.9 builds an optional group into an automaton where a loop inside the group
+    can skip part of it (``a(bx+)?d`` takes ``axd``), so capgraph writes the group's ``?`` as
+    ``{0,1}``."""
     tok = tokenizer_cache("tekken")
     factory = factory_cache("tekken", "xgrammar")
-    regex = GuidedDecodingParams.regex("a(bx+)?[^n]")
-    ebnf = GuidedDecodingParams.ebnf('root ::= Regex("a(bx+)?[^n]")')
-    pattern = GuidedDecodingParams.json_schema({"type": "string", "pattern": "^a(bx+)?[^n]$"})
-    assert accepts(factory, tok, regex, "ax") and not accepts(factory, tok, regex, "axk")
-    assert accepts(factory, tok, ebnf, "ax")
-    assert accepts(factory, tok, pattern, '"ax"')
-    assert not accepts(factory, tok, ebnf, "axk")
-    assert not accepts(factory, tok, pattern, '"axk"')
-    counted = GuidedDecodingParams.json_schema({"type": "string", "pattern": "^x(b{2,3})?$"})
-    assert not accepts(factory, tok, counted, '"xb"')
+    for place, params, written in _regex_places(regex):
+        for text in inside:
+            assert accepts(factory, tok, params, written(text)), (place, text)
+        for text in outside:
+            assert not accepts(factory, tok, params, written(text)), (place, text)

@@ -95,3 +95,31 @@ def test_judge_agrees_with_node():
              for t in regex_walk.sample_texts(r, rng, 8) for s in (False, True)]
     assert sum(regex_walk.matches(r, t, s) for r, t, s in cases) > len(cases) // 4
     assert regex_walk.node_disagreements(cases) == []
+
+
+regex_exhaustive = load_tool("regex_exhaustive")
+
+
+def test_every_short_text_is_read_as_ecma262_reads_it():
+    """60 random regexes, every text up to 3 characters over each regex's own characters:
+    xgrammar's REGEX and EBNF readings (what capgraph gives it) agree with the judge."""
+    counts, found = regex_exhaustive.disagreements(regex_walk.random_regexes(60, seed=9), 3, 9)
+    assert found == []
+    assert counts["checked"] >= 50, counts
+
+
+def test_the_exhaustive_check_finds_an_optional_group_read_wider(monkeypatch):
+    """The check sees xgrammar's own '?' on a group with a repeat inside (the reading capgraph
+    writes as '{0,1}'): 'a(bx+)?d' taking 'axd'."""
+    import capgraph.grammar.semantics as semantics
+
+    real = semantics.ecma_regex
+    monkeypatch.setattr(semantics, "ecma_regex",
+                        lambda *a, **k: real(*a, **k).replace("{0,1}", "?"))
+    plus = regex_walk.Repeat(regex_walk.Char("x"), 1, None, False, "+")
+    body = regex_walk.Group(regex_walk.Seq((regex_walk.Char("b"), plus)), True)
+    tree = regex_walk.Seq((regex_walk.Char("a"), regex_walk.Repeat(body, 0, 1, False, "?"),
+                           regex_walk.Char("d")))
+    regex = regex_walk.Regex(tree, False, False, "a(bx+)?d")
+    counts, found = regex_exhaustive.disagreements([regex], 3, 0)
+    assert counts["disagree"] == 1 and "'axd' taken" in found[0], found

@@ -12,7 +12,8 @@
   surrogate pair is the one character it spells (a regex matches code points: ``.`` takes
   U+1F600 whole, as ECMA-262 does with the ``u`` flag). A schema ``pattern`` matches the
   string, not its JSON text (:func:`ecma_regex` with ``json_string``). xgrammar reads the
-  classes so; its ``.`` is any character, so :func:`ecma_regex` writes ECMA's out for it.
+  classes so; its ``.`` is any character, so :func:`ecma_regex` writes ECMA's out for it, and
+  an optional group as ``{0,1}`` (its ``?`` on a group with a repeat inside takes more).
   llguidance reads Rust's regex syntax (Unicode ``\\d`` / ``\\w`` / ``\\s``, nested classes
   and set operations, ``\\p{..}``, inline flags), so :func:`ecma_regex` writes every class out
   for it as ECMA reads it. What either backend would read otherwise and cannot be written out
@@ -278,8 +279,9 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
     ``[^]`` as any character, ``[\\b]`` as backspace, ``\\cX`` and ``\\0`` as the characters
     they stand for. For xgrammar every character class, and every character written as an
     escape, is written out from its code points (xgrammar misreads ``\\x090``, ``[\\u00e9b]``
-    and ``[\\^a]``: the note above ``_xg_class``); it reads the rest as ECMA does and gets it
-    as written.
+    and ``[\\^a]``: the note above ``_xg_class``), and ``?`` after a group as ``{0,1}``
+    (xgrammar 0.2.9's automaton for ``(X)?`` lets a loop inside X skip part of it:
+    ``a(bx+)?d`` takes ``axd``); it reads the rest as ECMA does and gets it as written.
 
     ``json_string``: the regex is a JSON schema's ``pattern`` or ``patternProperties`` key.
     llguidance 1.9.1 takes ``\\"`` and ``\\\\`` for a set that holds every control character
@@ -356,6 +358,7 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
     # ("a**", "a{2}{3}") an error in Python; llguidance would read either as nested repeats
     # ("a++a" taking "aa") and xgrammar refuses them with its own error
     after, previous = "", 0
+    group_closed = False  # the last thing written closes a group
     while i < n:
         ch = pattern[i]
         quantifier = _QUANTIFIER.match(pattern, i) if ch == "{" else None
@@ -368,7 +371,15 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
             after, previous = ("lazy", previous) if lazy else ("quantified", i)
         else:
             after = ""
-        if ch == "\\":
+        closed, group_closed = group_closed, False
+        if ch == "?" and closed and not rust:
+            # xgrammar 0.2.9 builds 'X?' as X's automaton plus an empty path from X's start
+            # to its first end, without a new start or end, so a loop of X into its start or
+            # out of that end skips part of X: 'a(bx+)?d' takes 'axd', 'x(b{2,3})?' takes
+            # 'xb'. Its '{0,1}' adds a new start, as its other repeats do.
+            out.append("{0,1}")
+            i += 1
+        elif ch == "\\":
             kind, value, end = escape(i, False)
             if kind == "class" and rust:
                 out.append(_REWRITE[value][0])
@@ -405,8 +416,12 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
         elif xg_json and (ch == '"' or ord(ch) < 0x20):
             out.append(xg_char(ord(ch)))
             i += 1
+        elif ch in "]}" and not rust:
+            out.append("\\" + ch)  # Annex B: a literal (xgrammar's automaton refuses it bare)
+            i += 1
         else:
             out.append(ch)
+            group_closed = ch == ")"
             i += 1
     return "".join(out)
 
@@ -525,7 +540,7 @@ def _ebnf_unescape(body: str) -> str | None:
     return "".join(out)
 
 
-def _ebnf_escape(text: str) -> str:
+def ebnf_escape(text: str) -> str:
     """``text`` as the body of an xgrammar EBNF string literal."""
     out: list[str] = []
     for ch in text:
@@ -571,7 +586,7 @@ def ecma_ebnf(grammar: str, guide_type: str = "EBNF_GRAMMAR") -> str:
             return text
         rewritten = ecma_regex(pattern, "xgrammar", guide_type,
                                f"Regex(...) at offset {m.start()} of the grammar")
-        return f'{m.group("regex")}"{_ebnf_escape(rewritten)}"'
+        return f'{m.group("regex")}"{ebnf_escape(rewritten)}"'
     return _EBNF_TOKEN.sub(token, grammar)
 
 
