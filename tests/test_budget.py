@@ -1,7 +1,7 @@
 """The per-request host-step budget (GuidedDecodingConfig.host_step_budget_ms): a request whose
 accept and fills take too long fails alone, in every build path, and the batch goes on.
 
-No timing is asserted: the slow requests here are either ambiguous regexes whose per-token cost
+No timing is asserted: the slow requests here are either ambiguous grammars whose per-token cost
 grows without bound (tens of ms after ~200 tokens, seconds later), or matchers that spend CPU
 time far beyond a budget that healthy requests stay three orders of magnitude below. An overrun
 counts the CPU time the request's thread spent, not time it waited: a matcher that sleeps (as a
@@ -30,8 +30,10 @@ V = 64
 A = 0  # token 'a'
 BUDGET_MS = 20.0
 HEALTHY = GuidedDecodingParams.regex("a*b?")
-AMBIGUOUS = ["(a*)*b"]  # cost per token grows with the output (nested counts such as
-# ((a|aa)*){1000} are refused at compile: test_guide_limits.py)
+# (a*)*b as grammar rules (what Grammar.from_regex writes for it): the cost per token grows
+# with the output (as a REGEX guide it is one automaton, whose cost does not; nested counts
+# such as ((a|aa)*){1000} are refused at compile: test_guide_limits.py)
+AMBIGUOUS = ['root ::= inner "b"\nrun ::= "" | "a" run\ninner ::= "" | run inner']
 MAX_STEPS = 800
 
 native_reason = native.unavailable_reason()
@@ -78,13 +80,13 @@ def _allowed(logits_row: torch.Tensor) -> list[int]:
 @pytest.mark.parametrize("kind", ["eager", "capturable"])
 @pytest.mark.parametrize("build", ["python", "native"])
 @pytest.mark.parametrize("pattern", AMBIGUOUS)
-def test_ambiguous_regex_fails_alone(tiny, pattern, build, kind):
-    """An ambiguous regex fed 'a' step after step (its host step grows past the budget)
+def test_ambiguous_guide_fails_alone(tiny, pattern, build, kind):
+    """An ambiguous grammar fed 'a' step after step (its host step grows past the budget)
     fails with BudgetExceededError, once, while two healthy requests in the same batch keep
     their exact masks and never fail; afterwards its rows are unmasked and its matcher is
     gone, so it costs nothing more. Three requests: the Python build runs batched rounds."""
     dec = _decoder(tiny, build, kind)
-    bad = GuidedDecodingParams.regex(pattern)
+    bad = GuidedDecodingParams.ebnf(pattern)
     guides = [HEALTHY, bad, HEALTHY]
     reference = tiny.create(HEALTHY)
     _, failed = _step(dec, [GuidedRequest.context(i, i, p) for i, p in enumerate(guides)], 3)

@@ -19,9 +19,10 @@ from capgraph import GuidedDecodingConfig, GuidedDecodingParams
 from capgraph.errors import GrammarCompileError, UnsupportedGuideError
 from capgraph.grammar import create_matcher_factory
 from capgraph.grammar.converter_log import captured, converter_warnings, exclusive
-from capgraph.grammar.semantics import xgrammar_schema
+from capgraph.grammar.semantics import ebnf_escape, ecma_regex, xgrammar_schema
+from capgraph.grammar import xgrammar_backend
 from capgraph.grammar.xgrammar_backend import (GrammarShapeError, _repair_property_keys,
-                                               json_whitespace_options)
+                                               _repaired, json_whitespace_options)
 from cases import accepts
 
 P = GuidedDecodingParams
@@ -125,8 +126,8 @@ def test_exclusive_marks_an_overlapping_capture_ambiguous():
 
 
 IGNORED_REGEXES = [
-    ("a$b", "'$' should be at the end", "ab"),
-    ("x^a", "'^' should be at the start", "xa"),
+    ("a$b", "Anchor '$' in the middle of regex is ignored", "ab"),
+    ("x^a", "Anchor '^' in the middle of regex is ignored", "xa"),
     # (refused by capgraph's ECMA-262 scan before xgrammar's converter sees it)
     ("\\Aab", "regex escape '\\A' (ECMA-262 reads it as a plain 'A')", "Aab"),
 ]
@@ -208,13 +209,35 @@ def test_structural_tag_with_an_ignored_part_is_refused(xg, fmt, reported):
     ("[a-z]+@[a-z]+\\.com", "a@b.com", "a@b.org"),
 ])
 def test_regex_guides_compile_as_xgrammar_compiles_them(xg, tekken, regex, good, bad):
-    """Converting first (from_regex, inside the capture), then compiling, gives exactly what
-    xgrammar's compile_regex gives; the guide is enforced."""
+    """Converting first (the regex as ECMA-262 reads it, as one automaton, built inside the
+    capture), then compiling, gives exactly what xgrammar's compile of a grammar whose root is
+    that ``Regex(...)`` gives; the guide is enforced."""
     compiler = xgr.GrammarCompiler(xg.tokenizer_info, cache_enabled=False)
     ours = xg.compile(P.regex(regex)).payload.serialize_json()
-    assert ours == compiler.compile_regex(regex).serialize_json()
+    root = f'root ::= Regex("{ebnf_escape(ecma_regex(regex, "xgrammar"))}")'
+    assert ours == compiler.compile_grammar(root).serialize_json()
     assert accepts(xg, tekken, P.regex(regex), good)
     assert not accepts(xg, tekken, P.regex(regex), bad)
+
+
+def test_a_regex_with_a_repeat_too_large_to_unroll_compiles_as_rules(xg, tekken):
+    """xgrammar makes '{2,255}' an edge of the automaton whose masks take milliseconds; such a
+    REGEX guide is compiled from the rules of Grammar.from_regex (what compile_regex gives)."""
+    compiler = xgr.GrammarCompiler(xg.tokenizer_info, cache_enabled=False)
+    ours = xg.compile(P.regex("x[a-z]{2,255}")).payload.serialize_json()
+    assert ours == compiler.compile_regex("x[a-z]{2,255}").serialize_json()
+    assert accepts(xg, tekken, P.regex("x[a-z]{2,255}"), "xab")
+    assert not accepts(xg, tekken, P.regex("x[a-z]{2,255}"), "xa")
+
+
+def test_a_regex_the_automaton_cannot_be_built_for_compiles_as_rules(xg, monkeypatch):
+    functor = xgr.testing.GrammarFunctor
+
+    def refuse(grammar):
+        raise RuntimeError("the automaton's reader refuses it")
+    monkeypatch.setattr(functor, "fsm_builder", refuse)
+    from capgraph.grammar.xgrammar_backend import _regex_grammar
+    assert str(_regex_grammar("ab+")) == str(xgr.Grammar.from_regex("ab+"))
 
 
 @pytest.mark.parametrize("ebnf,good,bad", [
@@ -424,3 +447,32 @@ def test_a_minitems_array_compiles(xg):
         xg.compile(P.json_schema({"type": "array", "minItems": 2}))
     except GrammarCompileError as e:  # pragma: no cover - the failure this test guards
         pytest.fail(f"refused: {e}")
+
+
+# --- repaired grammars are read back as printed -----------------------------------------------
+
+def test_a_repaired_grammar_keeps_its_characters_beyond_ascii(xg, tekken):
+    """xgrammar prints 'é' as '\\xe9' and reads '\\xe9a' back as U+0E9A; a repaired schema
+    grammar (here: property names made escape-free) keeps its enum value 'éa'."""
+    schema = {"type": "object", "properties": {"x": {"enum": ["éa", "\u00ffb"]}},
+              "required": ["x"], "additionalProperties": {"type": "integer"}}
+    grammar = xgr.Grammar.from_json_schema(schema)
+    assert "\\xe9a" in str(grammar)  # what xgrammar prints, and would misread
+    repaired = _repaired(grammar)
+    assert repaired is not grammar and "\\xe9a" in str(repaired)
+    params = P.json_schema(schema)
+    assert accepts(xg, tekken, params, '{"x": "éa"}')
+    assert accepts(xg, tekken, params, '{"x": "\u00ffb"}')
+    assert not accepts(xg, tekken, params, '{"x": "\u0e9a"}')
+
+
+def test_a_grammar_whose_print_does_not_read_back_is_refused(monkeypatch):
+    """A repair is a change of the printed text: where that text would not read back as the
+    grammar it was printed for, the guide is refused, not compiled as something else."""
+    real = xgrammar_backend._reparsed
+    monkeypatch.setattr(xgrammar_backend, "_reparsed",
+                        lambda text: real(text.replace("[1-9]", "[1-8]")))
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}},
+              "additionalProperties": {"type": "integer"}}
+    with pytest.raises(GrammarShapeError, match="does not read its printed grammar back"):
+        _repaired(xgr.Grammar.from_json_schema(schema))

@@ -24,8 +24,8 @@ from .forced import MAX_FORCED_SEQUENCE_BYTES, forced_run_bound
 from .process_pool import CompileHere, ProcessCompilePool
 from .schema_policy import describe, unenforced_in_tag, unenforced_in_text
 from .lark_text import LarkTextError, lark_json_values, lark_regexes, replace_json_values
-from .semantics import (JSON_CONTAINER_SCHEMA, ecma_ebnf, ecma_regex, ecma_tag, tag_nodes,
-                        xgrammar_schema, xgrammar_wider)
+from .semantics import (JSON_CONTAINER_SCHEMA, ebnf_escape, ecma_ebnf, ecma_regex, ecma_tag,
+                        tag_nodes, xgrammar_schema, xgrammar_wider)
 
 __all__ = ["XGrammarMatcher", "XGrammarMatcherFactory", "build_tokenizer_info",
            "json_whitespace_options"]
@@ -180,11 +180,16 @@ def _converted(convert: Callable[[], xgr.Grammar]) -> tuple[xgr.Grammar, list[st
 
 def _ebnf_grammar(guide: str) -> xgr.Grammar:
     """The EBNF guide ``guide`` parsed, with the automata of its ``Regex(...)`` elements built
-    once, so that what xgrammar's automaton builder logs about them (an anchor or a lookahead
-    it ignores) is logged here, inside the conversion's capture: parsing alone builds none, the
+    once (:func:`_build_automata`)."""
+    return _build_automata(xgr.Grammar.from_ebnf(guide))
+
+
+def _build_automata(grammar: xgr.Grammar) -> xgr.Grammar:
+    """``grammar`` (parsed), with the automata of its ``Regex(...)`` elements built once, so
+    that what xgrammar's automaton builder logs about them (an anchor or a lookahead it
+    ignores) is logged here, inside the conversion's capture: parsing alone builds none, the
     compile builds them again. Where this xgrammar has no separate automaton pass, or the pass
     raises, parsing is all (the compile reports a grammar's errors)."""
-    grammar = xgr.Grammar.from_ebnf(guide)
     functor = getattr(getattr(xgr, "testing", None), "GrammarFunctor", None)
     if functor is not None and hasattr(functor, "fsm_builder"):
         try:
@@ -192,6 +197,34 @@ def _ebnf_grammar(guide: str) -> xgr.Grammar:
         except Exception:  # noqa: BLE001 - the compile reports the grammar's errors
             pass
     return grammar
+
+
+# The rule xgrammar's automaton builder adds for a repeat too large to unroll into a Regex
+# element's automaton (an edge of the automaton refers to it, and masks at its states are
+# computed token by token).
+_REPEAT_RULE = re.compile(r"^root_repeat\w* ::= ", re.MULTILINE)
+
+
+def _regex_grammar(regex: str) -> xgr.Grammar:
+    """The REGEX guide ``regex`` (as :func:`~capgraph.grammar.semantics.ecma_regex` writes it)
+    as one xgrammar automaton, a grammar whose root is a ``Regex(...)`` element, or where
+    xgrammar would make a repeat of it an edge of the automaton (``[a-z]{2,255}``), as the
+    grammar rules ``Grammar.from_regex`` writes. Measured with Tekken
+    (``python tools/bench_regex_paths.py``, docs/BENCHMARKS.md): an automaton's masks take
+    0.001-0.005 ms where the rules' take up to 1 ms (``\\w+(\\s\\w+)*``), but an automaton
+    with a repeat edge 6 ms where the rules' take 0.2 ms. Where the automaton cannot be built
+    (its regex reader refuses what ``from_regex`` takes), or this xgrammar builds no automaton
+    apart from a compile, the rules too."""
+    functor = getattr(getattr(xgr, "testing", None), "GrammarFunctor", None)
+    if functor is not None and hasattr(functor, "fsm_builder"):
+        grammar = xgr.Grammar.from_ebnf(f'root ::= Regex("{ebnf_escape(regex)}")')
+        try:
+            built = functor.fsm_builder(grammar)  # (its warnings: inside the caller's capture)
+        except Exception:  # noqa: BLE001 - a regex only the rules' reader takes
+            built = None
+        if built is not None and not _REPEAT_RULE.search(str(built)):
+            return grammar
+    return xgr.Grammar.from_regex(regex)
 
 
 def _refuse(what: str, guide_type: GuideType = GuideType.JSON_SCHEMA) -> None:
@@ -521,10 +554,39 @@ def _grammar_char(ch: str) -> str:
 def _repaired(grammar: xgr.Grammar) -> xgr.Grammar:
     """The converted JSON schema ``grammar`` with both repairs applied
     (:func:`_repair_length_strings`, :func:`_repair_property_keys`); the same object where
-    neither changes it."""
+    neither changes it (:func:`_changed`)."""
     text = str(grammar)
     repaired = _repair_property_keys(_repair_length_strings(text))
-    return grammar if repaired == text else xgr.Grammar.from_ebnf(repaired)
+    return grammar if repaired == text else _changed(text, repaired)
+
+
+# An escape of printed grammar text: a \xHH (the printer writes two digits), or any other
+# escaped character, so that the backslash of a "\\" pair never starts an escape.
+_PRINTED_ESCAPE = re.compile(r"\\(?:x([0-9a-fA-F]{2})|.)", re.DOTALL)
+
+
+def _reparsed(text: str) -> xgr.Grammar:
+    """The grammar xgrammar printed as ``text``, parsed back. xgrammar prints a character up
+    to U+00FF as ``\\xHH`` and its parser reads every hex digit after ``\\x`` (``"\\xe9a"``,
+    printed for ``"éa"``, reads back as U+0E9A), so those escapes are read as ``\\u00HH``."""
+    def unambiguous(m: re.Match[str]) -> str:
+        return f"\\u00{m.group(1)}" if m.group(1) is not None else m.group(0)
+    return xgr.Grammar.from_ebnf(_PRINTED_ESCAPE.sub(unambiguous, text))
+
+
+def _changed(printed: str, new: str) -> xgr.Grammar:
+    """The grammar text ``new``, a change of the text xgrammar ``printed`` for a grammar,
+    parsed (:func:`_reparsed`), once ``printed`` is known to read back as the grammar it was
+    printed for (it prints the same once read back).
+
+    Raises:
+        GrammarShapeError: ``printed`` does not read back so: a change of it would not mean
+            what it says.
+    """
+    if str(_reparsed(printed)) != printed:
+        raise GrammarShapeError("xgrammar does not read its printed grammar back as printed; "
+                                "capgraph cannot repair it as text")
+    return _reparsed(new)
 
 
 def _ffi(obj: Any, *methods: str) -> Any:
@@ -680,7 +742,7 @@ def _delegate_handle(matcher: GrammarMatcher) -> Any:
 #: The modules whose code shapes an xgrammar compile (their source is in the disk-cache key).
 _COMPILE_MODULES = ("capgraph.grammar.xgrammar_backend", "capgraph.grammar.semantics",
                     "capgraph.grammar.schema_policy", "capgraph.grammar.guide_limits",
-                    "capgraph.grammar.converter_log")
+                    "capgraph.grammar.converter_log", "capgraph.grammar.lark_text")
 
 
 def _xgrammar_version() -> str:
@@ -839,7 +901,7 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 compiled = self._compile_grammar(self._compiler, repaired, bool(warned))
             elif gt is GuideType.REGEX:
                 regex = ecma_regex(guide, BACKEND)  # ECMA-262's '.', escapes refused
-                grammar, warned = _converted(lambda: xgr.Grammar.from_regex(regex))
+                grammar, warned = _converted(lambda: _regex_grammar(regex))
                 if warned:
                     _refuse_ignored(gt, warned)
                 compiled = run_lowered(lambda: self._compiler.compile_grammar(grammar))
