@@ -957,7 +957,7 @@ def test_compile_cache_never_exceeds_its_byte_budget(tekken, make):
     """Through a decoder serving a new guide every step (real xgrammar sizes from 10 kB to 5 MB),
     the compile cache's bytes never exceed compile_cache_bytes: old guides are evicted, a guide
     larger than the whole budget is served but not stored, and every request succeeds."""
-    budget = 2 << 20
+    budget = 3 << 19  # 1.5 MiB
     config = GuidedDecodingConfig.from_tokenizer(tekken, compile_cache_bytes=budget)
     factory = create_matcher_factory(config)
     V = config.vocab_size_padded

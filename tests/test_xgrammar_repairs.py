@@ -476,3 +476,31 @@ def test_a_grammar_whose_print_does_not_read_back_is_refused(monkeypatch):
               "additionalProperties": {"type": "integer"}}
     with pytest.raises(GrammarShapeError, match="does not read its printed grammar back"):
         _repaired(xgr.Grammar.from_json_schema(schema))
+
+
+# --- patterns whose automaton would compute masks token by token -------------------------------
+
+def test_a_pattern_with_a_repeat_xgrammar_would_not_unroll_is_given_as_rules(xg, tekken):
+    """'{1,255}' becomes an edge of xgrammar's automaton, whose masks take milliseconds a token;
+    such a pattern is given to xgrammar as from_regex's rules, and means the same."""
+    schema = {"type": "object", "properties": {
+        "id": {"type": "string", "pattern": "^[0-9a-z_-]{1,255}$"},
+        "code": {"type": "string", "pattern": "^[A-Z]{2,16}$"}}, "required": ["id", "code"]}
+    text = str(_repaired(xgr.Grammar.from_json_schema(xgrammar_schema(json.dumps(schema)))))
+    assert "capgraph_pattern_0 ::=" in text and "{1, 255}" in text
+    assert text.count("Regex(") == 1 and "[A-Z]{2,16}" in text  # the small one: an automaton
+    params = P.json_schema(schema)
+    assert accepts(xg, tekken, params, '{"id": "' + "a" * 255 + '", "code": "AB"}')
+    assert accepts(xg, tekken, params, '{"id": "x-1_y", "code": "ABC"}')
+    for bad in ('{"id": "", "code": "AB"}', '{"id": "' + "a" * 256 + '", "code": "AB"}',
+                '{"id": "A", "code": "AB"}', '{"id": "a", "code": "A"}'):
+        assert not accepts(xg, tekken, params, bad), bad
+
+
+def test_a_pattern_from_regex_cannot_read_keeps_its_automaton():
+    """(?!..) is refused by from_regex and ignored by the automaton (which says so, and the
+    guide is refused unless unenforced keywords are allowed): the automaton is left in place."""
+    from capgraph.grammar.xgrammar_backend import _patterns_as_rules
+    grammar = xgr.Grammar.from_json_schema({"type": "string", "pattern": "^(?!a)[a-z]{1,255}$"})
+    text = str(grammar)
+    assert _patterns_as_rules(text) == text and str(grammar) == text

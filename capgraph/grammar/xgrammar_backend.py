@@ -174,8 +174,9 @@ def _converted(convert: Callable[[], xgr.Grammar]) -> tuple[xgr.Grammar, list[st
     """``convert()`` (a guide's conversion to an ``xgrammar.Grammar``, never its compile) with
     the warnings xgrammar's converters logged while it ran
     (:func:`~capgraph.grammar.converter_log.captured`: conversions run alongside each other,
-    one whose warnings could be another's is converted again, alone at last)."""
-    return captured(convert)
+    one whose warnings could be another's is converted again, alone at last), each once."""
+    grammar, warned = captured(convert)
+    return grammar, list(dict.fromkeys(warned))
 
 
 def _ebnf_grammar(guide: str) -> xgr.Grammar:
@@ -553,11 +554,106 @@ def _grammar_char(ch: str) -> str:
 
 def _repaired(grammar: xgr.Grammar) -> xgr.Grammar:
     """The converted JSON schema ``grammar`` with both repairs applied
-    (:func:`_repair_length_strings`, :func:`_repair_property_keys`); the same object where
-    neither changes it (:func:`_changed`)."""
+    (:func:`_repair_length_strings`, :func:`_repair_property_keys`) and its patterns' slow
+    automata as rules (:func:`_patterns_as_rules`); the same object where none changes it
+    (:func:`_changed`). Run inside the conversion's capture: building the patterns' automata
+    logs what xgrammar ignores in them again."""
     text = str(grammar)
-    repaired = _repair_property_keys(_repair_length_strings(text))
+    repaired = _patterns_as_rules(_repair_property_keys(_repair_length_strings(text)))
     return grammar if repaired == text else _changed(text, repaired)
+
+
+# A rule whose body is a schema pattern's Regex element, as xgrammar's converter writes it
+_PATTERN_RULE = re.compile(
+    r'^(?P<name>\w+) ::= Regex\("(?P<body>(?:[^"\\]|\\.)*)", json_string=true\)$', re.MULTILINE)
+# a character of a string as xgrammar prints it (EscapeString: printable ASCII as itself)
+_PRINTED_CHAR = re.compile(
+    r"\\(?:x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|(.))", re.DOTALL)
+# in printed text: a string literal or a character class (skipped), or a rule name
+_NAME_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|(?P<name>\b[A-Za-z_]\w*\b)',
+                         re.DOTALL)
+_PATTERN_RULES = "capgraph_pattern"
+
+
+def _printed_string(body: str) -> str | None:
+    """The text of a string xgrammar printed as ``body`` (between its quotes); None for an
+    escape its printer does not write."""
+    out: list[str] = []
+    pos = 0
+    for m in _PRINTED_CHAR.finditer(body):
+        out.append(body[pos:m.start()])
+        pos = m.end()
+        digits = m.group(1) or m.group(2) or m.group(3)
+        if digits is not None:
+            out.append(chr(int(digits, 16)))
+        elif m.group(4) in _PRINTED_ESCAPES:
+            out.append(chr(_PRINTED_ESCAPES[m.group(4)]))
+        else:
+            return None
+    out.append(body[pos:])
+    return "".join(out)
+
+
+def _regex_rules(pattern: str, name: str) -> list[str]:
+    """The rules ``Grammar.from_regex`` writes for ``pattern`` (printed, one a line), the
+    first named ``name``, the others ``name_1``, ``name_2``, ... as xgrammar numbers them."""
+    text = str(xgr.Grammar.from_regex(pattern))
+    names = {m.group("name") for m in _RULE.finditer(text)}
+
+    def rename(m: re.Match[str]) -> str:
+        found = m.group("name")
+        if found is None or found not in names:
+            return m.group(0)
+        return name + found[len("root"):] if found.startswith("root") else f"{name}_{found}"
+    return [line for line in _NAME_TOKEN.sub(rename, text).splitlines() if line.strip()]
+
+
+def _patterns_as_rules(text: str) -> str:
+    """The schema grammar text ``text`` (maybe repaired) with each pattern
+    whose automaton xgrammar would build with a repeat edge (``^[a-z]{1,255}$``; its masks are
+    computed token by token: 4-6 ms a token on Tekken, ``tools/bench_regex_paths.py``) as the
+    rules ``Grammar.from_regex`` writes for it (0.1-0.2 ms). Such a pattern is written by
+    :func:`~capgraph.grammar.semantics.xgrammar_schema`, with no character JSON escapes left
+    bare in a set, so its rules match what the ``json_string=true`` automaton matches (and an
+    escape the automaton leaves out, ``\\n`` for ``\n``, too). A pattern ``from_regex``
+    cannot read, or a grammar without this xgrammar's automaton pass, is left as it is."""
+    patterns = list(_PATTERN_RULE.finditer(text))
+    functor = getattr(getattr(xgr, "testing", None), "GrammarFunctor", None)
+    if not patterns or functor is None or not hasattr(functor, "fsm_builder"):
+        return text
+
+    def repeat_edge(body: str) -> bool:
+        # (the automaton of the pattern alone: the pass adds the repeat's rule to the grammar
+        # it is given, so it is not given the schema's)
+        try:
+            probe = _reparsed(f'root ::= Regex("{body}", json_string=true)')
+            return _REPEAT_RULE.search(str(functor.fsm_builder(probe))) is not None
+        except Exception:  # noqa: BLE001 - the compile reports the grammar's errors
+            return False
+
+    taken = {m.group("name") for m in _RULE.finditer(text)}
+    prefix = _PATTERN_RULES
+    while any(name.startswith(prefix) for name in taken):
+        prefix += "x"
+    replaced: dict[str, str] = {}
+    added: list[str] = []
+    for m in patterns:
+        if not repeat_edge(m.group("body")):
+            continue
+        pattern = _printed_string(m.group("body"))
+        if pattern is None:
+            continue
+        name = f"{prefix}_{len(replaced)}"
+        try:
+            added.extend(_regex_rules(pattern, name))
+        except Exception:  # noqa: BLE001 - from_regex cannot read it: the automaton stays
+            continue
+        replaced[m.group("name")] = f"{m.group('name')} ::= (({name}))"
+    if not replaced:
+        return text
+    lines = [replaced.get(rule.group("name"), line) if (rule := _RULE.match(line)) else line
+             for line in text.splitlines()]
+    return "\n".join([*lines, *added]) + "\n"
 
 
 # An escape of printed grammar text: a \xHH (the printer writes two digits), or any other
@@ -893,12 +989,11 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 schema = xgrammar_schema(guide)  # what capgraph means, as xgrammar reads it
                 if refuse:
                     self._refuse_unenforced(schema)
-                grammar, warned = _converted(
-                    lambda: xgr.Grammar.from_json_schema(schema, **self._json_options))
+                grammar, warned = _converted(lambda: _repaired(
+                    xgr.Grammar.from_json_schema(schema, **self._json_options)))
                 if warned and refuse:
                     _refuse("; ".join(f"xgrammar reported: {w}" for w in warned))
-                repaired = _repaired(grammar)
-                compiled = self._compile_grammar(self._compiler, repaired, bool(warned))
+                compiled = self._compile_grammar(self._compiler, grammar, bool(warned))
             elif gt is GuideType.REGEX:
                 regex = ecma_regex(guide, BACKEND)  # ECMA-262's '.', escapes refused
                 grammar, warned = _converted(lambda: _regex_grammar(regex))
