@@ -334,3 +334,14 @@ def test_xgrammar_regexes_mean_the_same_in_every_place(factory_cache, tokenizer_
             assert accepts(factory, tok, params, written(text)), (place, text)
         for text in outside:
             assert not accepts(factory, tok, params, written(text)), (place, text)
+
+
+def test_an_ebnf_regex_spelling_its_quantifier_as_an_escape_is_read_the_same(factory_cache,
+                                                                               tokenizer_cache):
+    """xgrammar prints '?' in a string as '\\?' and reads it back as '?': a Regex(...) written
+    so (as xgrammar prints grammars) is the same regex, its optional group included."""
+    tok = tokenizer_cache("tekken")
+    factory = factory_cache("tekken", "xgrammar")
+    params = GuidedDecodingParams.ebnf('root ::= Regex("a(bx+)\\?d")')
+    assert accepts(factory, tok, params, "ad") and accepts(factory, tok, params, "abxd")
+    assert not accepts(factory, tok, params, "axd")

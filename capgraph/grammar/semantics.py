@@ -507,7 +507,8 @@ def _class(pattern: str, start: int, rust: bool, out: list[str], escape: Any,
 # an EBNF string escape (xgrammar's grammar parser) -> the character; \x takes every hex
 # digit that follows, \u four, \U eight
 _EBNF_SIMPLE = {"\\": "\\", '"': '"', "'": "'", "n": "\n", "r": "\r", "t": "\t", "v": "\v",
-                "f": "\f", "a": "\a", "e": "\x1b", "b": "\b", "[": "[", "]": "]", "-": "-"}
+                "f": "\f", "a": "\a", "e": "\x1b", "b": "\b", "[": "[", "]": "]", "-": "-",
+                "?": "?", "0": "\0"}
 _EBNF_ESCAPE = re.compile(r"\\(?:x([0-9a-fA-F]+)|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|(.))",
                           re.DOTALL)
 _EBNF_SURROGATE = re.compile(r"\\u([dD][89abAB][0-9a-fA-F]{2})"
@@ -518,7 +519,7 @@ _EBNF_TOKEN = re.compile(r'(?P<regex>\bRegex\s*\(\s*)"(?P<body>(?:\\.|[^"\\])*)"
                          r'|"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*', re.DOTALL)
 
 
-def _ebnf_unescape(body: str) -> str | None:
+def ebnf_unescape(body: str) -> str | None:
     """The text an xgrammar EBNF string literal's ``body`` spells (None: an escape not read
     here, left for xgrammar's parser to read or refuse)."""
     out: list[str] = []
@@ -581,7 +582,7 @@ def ecma_ebnf(grammar: str, guide_type: str = "EBNF_GRAMMAR") -> str:
             return text
         if m.group("regex") is None:
             return _ebnf_surrogates(text, f"the EBNF literal at offset {m.start()}")
-        pattern = _ebnf_unescape(m.group("body"))
+        pattern = ebnf_unescape(m.group("body"))
         if pattern is None:
             return text
         rewritten = ecma_regex(pattern, "xgrammar", guide_type,

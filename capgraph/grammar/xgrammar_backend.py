@@ -24,8 +24,8 @@ from .forced import MAX_FORCED_SEQUENCE_BYTES, forced_run_bound
 from .process_pool import CompileHere, ProcessCompilePool
 from .schema_policy import describe, unenforced_in_tag, unenforced_in_text
 from .lark_text import LarkTextError, lark_json_values, lark_regexes, replace_json_values
-from .semantics import (JSON_CONTAINER_SCHEMA, ebnf_escape, ecma_ebnf, ecma_regex, ecma_tag,
-                        tag_nodes, xgrammar_schema, xgrammar_wider)
+from .semantics import (JSON_CONTAINER_SCHEMA, ebnf_escape, ebnf_unescape, ecma_ebnf,
+                        ecma_regex, ecma_tag, tag_nodes, xgrammar_schema, xgrammar_wider)
 
 __all__ = ["XGrammarMatcher", "XGrammarMatcherFactory", "build_tokenizer_info",
            "json_whitespace_options"]
@@ -566,9 +566,6 @@ def _repaired(grammar: xgr.Grammar) -> xgr.Grammar:
 # A rule whose body is a schema pattern's Regex element, as xgrammar's converter writes it
 _PATTERN_RULE = re.compile(
     r'^(?P<name>\w+) ::= Regex\("(?P<body>(?:[^"\\]|\\.)*)", json_string=true\)$', re.MULTILINE)
-# a character of a string as xgrammar prints it (EscapeString: printable ASCII as itself)
-_PRINTED_CHAR = re.compile(
-    r"\\(?:x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|(.))", re.DOTALL)
 # in printed text: a string literal or a character class (skipped), or a rule name
 _NAME_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|(?P<name>\b[A-Za-z_]\w*\b)',
                          re.DOTALL)
@@ -577,21 +574,8 @@ _PATTERN_RULES = "capgraph_pattern"
 
 def _printed_string(body: str) -> str | None:
     """The text of a string xgrammar printed as ``body`` (between its quotes); None for an
-    escape its printer does not write."""
-    out: list[str] = []
-    pos = 0
-    for m in _PRINTED_CHAR.finditer(body):
-        out.append(body[pos:m.start()])
-        pos = m.end()
-        digits = m.group(1) or m.group(2) or m.group(3)
-        if digits is not None:
-            out.append(chr(int(digits, 16)))
-        elif m.group(4) in _PRINTED_ESCAPES:
-            out.append(chr(_PRINTED_ESCAPES[m.group(4)]))
-        else:
-            return None
-    out.append(body[pos:])
-    return "".join(out)
+    escape its parser does not read."""
+    return ebnf_unescape(_unambiguous_hex(body))
 
 
 def _regex_rules(pattern: str, name: str) -> list[str]:
@@ -661,13 +645,18 @@ def _patterns_as_rules(text: str) -> str:
 _PRINTED_ESCAPE = re.compile(r"\\(?:x([0-9a-fA-F]{2})|.)", re.DOTALL)
 
 
-def _reparsed(text: str) -> xgr.Grammar:
-    """The grammar xgrammar printed as ``text``, parsed back. xgrammar prints a character up
-    to U+00FF as ``\\xHH`` and its parser reads every hex digit after ``\\x`` (``"\\xe9a"``,
-    printed for ``"éa"``, reads back as U+0E9A), so those escapes are read as ``\\u00HH``."""
+def _unambiguous_hex(text: str) -> str:
+    """Printed grammar ``text`` with each ``\\xHH`` written ``\\u00HH``: xgrammar prints a
+    character up to U+00FF as ``\\xHH`` and its parser reads every hex digit after ``\\x``
+    (``"\\xe9a"``, printed for ``"éa"``, reads back as U+0E9A)."""
     def unambiguous(m: re.Match[str]) -> str:
         return f"\\u00{m.group(1)}" if m.group(1) is not None else m.group(0)
-    return xgr.Grammar.from_ebnf(_PRINTED_ESCAPE.sub(unambiguous, text))
+    return _PRINTED_ESCAPE.sub(unambiguous, text)
+
+
+def _reparsed(text: str) -> xgr.Grammar:
+    """The grammar xgrammar printed as ``text``, parsed back (:func:`_unambiguous_hex`)."""
+    return xgr.Grammar.from_ebnf(_unambiguous_hex(text))
 
 
 def _changed(printed: str, new: str) -> xgr.Grammar:
