@@ -208,24 +208,52 @@ _REPEAT_RULE = re.compile(r"^root_repeat\w* ::= ", re.MULTILINE)
 
 def _regex_grammar(regex: str) -> xgr.Grammar:
     """The REGEX guide ``regex`` (as :func:`~capgraph.grammar.semantics.ecma_regex` writes it)
-    as one xgrammar automaton, a grammar whose root is a ``Regex(...)`` element, or where
-    xgrammar would make a repeat of it an edge of the automaton (``[a-z]{2,255}``), as the
-    grammar rules ``Grammar.from_regex`` writes. Measured with Tekken
-    (``python tools/bench_regex_paths.py``, docs/BENCHMARKS.md): an automaton's masks take
-    0.001-0.005 ms where the rules' take up to 1 ms (``\\w+(\\s\\w+)*``), but an automaton
-    with a repeat edge 6 ms where the rules' take 0.2 ms. Where the automaton cannot be built
-    (its regex reader refuses what ``from_regex`` takes), or this xgrammar builds no automaton
-    apart from a compile, the rules too."""
+    as one xgrammar automaton (:func:`_automaton`), or where that is not the faster reading,
+    as the grammar rules ``Grammar.from_regex`` writes."""
+    return _automaton(regex) or xgr.Grammar.from_regex(regex)
+
+
+def _automaton(regex: str) -> xgr.Grammar | None:
+    """A grammar whose root is one ``Regex(...)`` element of ``regex`` (as
+    :func:`~capgraph.grammar.semantics.ecma_regex` writes it), xgrammar's automaton, with the
+    automaton built once (its warnings: inside the caller's capture); None where xgrammar would
+    make a repeat of it an edge of the automaton (``[a-z]{2,255}``), where it cannot build it
+    (its regex reader refuses what ``Grammar.from_regex`` takes), or where this xgrammar builds
+    no automaton apart from a compile. Measured with Tekken (``python
+    tools/bench_regex_paths.py``, docs/BENCHMARKS.md): an automaton's masks take 0.001-0.005 ms
+    where ``from_regex``'s rules take up to 1 ms (``\\w+(\\s\\w+)*``), but with a repeat edge
+    6 ms where the rules take 0.2 ms."""
     functor = getattr(getattr(xgr, "testing", None), "GrammarFunctor", None)
-    if functor is not None and hasattr(functor, "fsm_builder"):
-        grammar = xgr.Grammar.from_ebnf(f'root ::= Regex("{ebnf_escape(regex)}")')
-        try:
-            built = functor.fsm_builder(grammar)  # (its warnings: inside the caller's capture)
-        except Exception:  # noqa: BLE001 - a regex only the rules' reader takes
-            built = None
-        if built is not None and not _REPEAT_RULE.search(str(built)):
-            return grammar
-    return xgr.Grammar.from_regex(regex)
+    if functor is None or not hasattr(functor, "fsm_builder"):
+        return None
+    grammar = xgr.Grammar.from_ebnf(f'root ::= Regex("{ebnf_escape(regex)}")')
+    try:
+        built = functor.fsm_builder(grammar)
+    except Exception:  # noqa: BLE001 - a regex only the rules' reader takes
+        return None
+    return None if _REPEAT_RULE.search(str(built)) else grammar
+
+
+def _tag_regexes_as_automata(tag: str) -> str:
+    """The structural tag ``tag`` (JSON text, its regexes as
+    :func:`~capgraph.grammar.semantics.ecma_tag` writes them) with each ``regex`` element that
+    has an automaton (:func:`_automaton`) written as a ``grammar`` element holding that one
+    ``Regex(...)``: xgrammar converts a ``regex`` element to ``Grammar.from_regex``'s rules,
+    whose masks are up to 200x slower. Run inside the conversion's capture; text that is not
+    JSON is returned unchanged."""
+    try:
+        doc = json.loads(tag)
+    except ValueError:
+        return tag
+    changed = False
+    for node, _ in tag_nodes(doc):
+        pattern = node.get("pattern")
+        if node.get("type") == "regex" and isinstance(pattern, str) \
+                and set(node) == {"type", "pattern"} and _automaton(pattern) is not None:
+            node.clear()
+            node.update(type="grammar", grammar=f'root ::= Regex("{ebnf_escape(pattern)}")')
+            changed = True
+    return json.dumps(doc, ensure_ascii=False) if changed else tag
 
 
 def _refuse(what: str, guide_type: GuideType = GuideType.JSON_SCHEMA) -> None:
@@ -1002,7 +1030,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 self._refuse_ignored_in_tag(tag)
                 if refuse:  # the JSON schemas a tag embeds: as JSON-schema guides
                     self._refuse_unenforced_in_tag(guide)
-                grammar, warned = _converted(lambda: xgr.Grammar.from_structural_tag(tag))
+                grammar, warned = _converted(
+                    lambda: xgr.Grammar.from_structural_tag(_tag_regexes_as_automata(tag)))
                 if warned and refuse:
                     _refuse("; ".join(f"xgrammar reported: {w}" for w in warned), gt)
                 compiled = self._compile_grammar(self._compiler_placing(placed), grammar,
