@@ -40,7 +40,7 @@ import bisect
 import functools
 import json
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .regex_classes import OutsideEscape, regex_parts
 from .schema_policy import subschemas
@@ -605,10 +605,10 @@ def tag_nodes(doc: Any) -> Iterator[tuple[dict[str, Any], str]]:
             stack.extend((value, f"{at}/{key}") for key, value in reversed(list(node.items())))
 
 
-def ecma_tag(tag: str) -> str:
-    """The xgrammar structural tag ``tag`` (JSON text) with the pattern of every ``regex``
-    element as :func:`ecma_regex` writes it for xgrammar and every EBNF ``grammar`` element as
-    :func:`ecma_ebnf` writes it; text that is not JSON is returned unchanged (xgrammar's error
+def changed_tag(tag: str, change: Callable[[dict[str, Any], str], bool]) -> str:
+    """The structural tag ``tag`` (JSON text) after ``change(node, pointer)`` is called on
+    each of its JSON objects (:func:`tag_nodes`; it may change the node in place and says
+    whether it did); ``tag`` itself where nothing changed or it is not JSON (xgrammar's error
     says what is wrong)."""
     try:
         doc = json.loads(tag)
@@ -616,18 +616,24 @@ def ecma_tag(tag: str) -> str:
         return tag
     changed = False
     for node, at in tag_nodes(doc):
-        kind = node.get("type")
+        changed |= change(node, at)
+    return json.dumps(doc, ensure_ascii=False) if changed else tag
+
+
+def ecma_tag(tag: str) -> str:
+    """The xgrammar structural tag ``tag`` (JSON text) with the pattern of every ``regex``
+    element as :func:`ecma_regex` writes it for xgrammar and every EBNF ``grammar`` element as
+    :func:`ecma_ebnf` writes it (:func:`changed_tag`)."""
+    def change(node: dict[str, Any], at: str) -> bool:
+        kind, before = node.get("type"), dict(node)
         if kind == "regex" and isinstance(node.get("pattern"), str):
-            new = ecma_regex(node["pattern"], "xgrammar", "STRUCTURAL_TAG",
-                             f"the regex element at {at or '/'}")
-            changed |= new != node["pattern"]
-            node["pattern"] = new
+            node["pattern"] = ecma_regex(node["pattern"], "xgrammar", "STRUCTURAL_TAG",
+                                         f"the regex element at {at or '/'}")
         if kind == "grammar" and node.get("syntax", "ebnf") != "lark" \
                 and isinstance(node.get("grammar"), str):
-            new = ecma_ebnf(node["grammar"], "STRUCTURAL_TAG")
-            changed |= new != node["grammar"]
-            node["grammar"] = new
-    return json.dumps(doc, ensure_ascii=False) if changed else tag
+            node["grammar"] = ecma_ebnf(node["grammar"], "STRUCTURAL_TAG")
+        return node != before
+    return changed_tag(tag, change)
 
 
 # ASCII letters a case-insensitive match takes non-ASCII characters for (Python's ``re``,

@@ -24,8 +24,9 @@ from .forced import MAX_FORCED_SEQUENCE_BYTES, forced_run_bound
 from .process_pool import CompileHere, ProcessCompilePool
 from .schema_policy import describe, unenforced_in_tag, unenforced_in_text
 from .lark_text import LarkTextError, lark_json_values, lark_regexes, replace_json_values
-from .semantics import (JSON_CONTAINER_SCHEMA, ebnf_escape, ebnf_unescape, ecma_ebnf,
-                        ecma_regex, ecma_tag, tag_nodes, xgrammar_schema, xgrammar_wider)
+from .semantics import (JSON_CONTAINER_SCHEMA, changed_tag, ebnf_escape, ebnf_unescape,
+                        ecma_ebnf, ecma_regex, ecma_tag, tag_nodes, xgrammar_schema,
+                        xgrammar_wider)
 
 __all__ = ["XGrammarMatcher", "XGrammarMatcherFactory", "build_tokenizer_info",
            "json_whitespace_options"]
@@ -239,21 +240,16 @@ def _tag_regexes_as_automata(tag: str) -> str:
     :func:`~capgraph.grammar.semantics.ecma_tag` writes them) with each ``regex`` element that
     has an automaton (:func:`_automaton`) written as a ``grammar`` element holding that one
     ``Regex(...)``: xgrammar converts a ``regex`` element to ``Grammar.from_regex``'s rules,
-    whose masks are up to 200x slower. Run inside the conversion's capture; text that is not
-    JSON is returned unchanged."""
-    try:
-        doc = json.loads(tag)
-    except ValueError:
-        return tag
-    changed = False
-    for node, _ in tag_nodes(doc):
+    whose masks are up to 200x slower. Run inside the conversion's capture."""
+    def change(node: dict[str, Any], _: str) -> bool:
         pattern = node.get("pattern")
-        if node.get("type") == "regex" and isinstance(pattern, str) \
-                and set(node) == {"type", "pattern"} and _automaton(pattern) is not None:
-            node.clear()
-            node.update(type="grammar", grammar=f'root ::= Regex("{ebnf_escape(pattern)}")')
-            changed = True
-    return json.dumps(doc, ensure_ascii=False) if changed else tag
+        if node.get("type") != "regex" or not isinstance(pattern, str) \
+                or set(node) != {"type", "pattern"} or _automaton(pattern) is None:
+            return False
+        node.clear()
+        node.update(type="grammar", grammar=f'root ::= Regex("{ebnf_escape(pattern)}")')
+        return True
+    return changed_tag(tag, change)
 
 
 def _refuse(what: str, guide_type: GuideType = GuideType.JSON_SCHEMA) -> None:
