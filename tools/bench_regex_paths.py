@@ -40,11 +40,6 @@ CASES = [
 ]
 
 
-def _ebnf_string(text: str) -> str:
-    return "".join("\\" + c if c in '"\\' else f"\\u{ord(c):04x}" if ord(c) < 0x20 else c
-                   for c in text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", default="tekken", help="bundled tokenizer")
@@ -55,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from capgraph import GuidedDecodingConfig
     from capgraph.bench.common import Column, print_table, summarize
-    from capgraph.grammar.semantics import ecma_regex
+    from capgraph.grammar.semantics import ebnf_escape, ecma_regex
     from capgraph.grammar.xgrammar_backend import _regex_grammar, build_tokenizer_info
     from capgraph.tokenizers import encode_continuation, load_tokenizer
 
@@ -68,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, regex, text in CASES:
         written = ecma_regex(regex, "xgrammar")
-        automaton = f'root ::= Regex("{_ebnf_string(written)}")'
+        automaton = f'root ::= Regex("{ebnf_escape(written)}")'
         grammars = {"automaton": xgr.Grammar.from_ebnf(automaton),
                     "rules": xgr.Grammar.from_regex(written)}
         picked = str(_regex_grammar(written)).startswith("root ::= Regex(")

@@ -8,9 +8,10 @@ wrapper, and :meth:`rollback` counts a stop token llguidance never consumed as o
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 import numpy as np
 import torch
@@ -291,13 +292,7 @@ class LLGuidanceMatcher(GrammarMatcher):
                 return b"", None
             text = tokens.decode_bytes([t])
             texts[t] = text
-            if common is None:
-                common = text
-            else:
-                n, limit = 0, min(len(common), len(text))
-                while n < limit and common[n] == text[n]:
-                    n += 1
-                common = common[:n]
+            common = text if common is None else cast(bytes, os.path.commonprefix([common, text]))
             if not common:
                 return b"", None
         if not common:

@@ -227,10 +227,12 @@ def _xg_set(ivs: Intervals, json_string: bool) -> str | None:
 
     In a JSON string (a ``pattern``) a set matches the characters of ``ivs`` that JSON writes
     bare; only a set of characters JSON always escapes (U+0000-U+001F, ``"``, ``\\``) is
-    matched as their escapes. xgrammar 0.2.9 drops an alternative that begins with a
-    backslash where another alternative does not (``^(?:a|\\\\n)$`` takes neither ``"\\n"``
-    nor ``"\n"``), so a set holding both kinds is narrowed to its bare characters, which
-    refuses some valid strings and never lets an invalid one through."""
+    matched as their escapes. xgrammar 0.2.9 builds a pattern as one automaton with those
+    characters taken out of every character it matches, a backslash included, unless that
+    leaves it nothing to match: an escape next to a bare alternative is dead there
+    (``^(?:a|\\\\n)$`` takes neither ``"\\n"`` nor ``"\n"``), so a set holding both kinds is
+    narrowed to its bare characters, which refuses some valid strings and never lets an
+    invalid one through."""
     ivs = _union([ivs])
     if not json_string:
         return _xg_class(ivs) if ivs else None

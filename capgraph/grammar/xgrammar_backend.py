@@ -192,13 +192,22 @@ def _build_automata(grammar: xgr.Grammar) -> xgr.Grammar:
     ignores) is logged here, inside the conversion's capture: parsing alone builds none, the
     compile builds them again. Where this xgrammar has no separate automaton pass, or the pass
     raises, parsing is all (the compile reports a grammar's errors)."""
-    functor = getattr(getattr(xgr, "testing", None), "GrammarFunctor", None)
-    if functor is not None and hasattr(functor, "fsm_builder"):
+    build = _fsm_builder()
+    if build is not None:
         try:
-            functor.fsm_builder(grammar)
+            build(grammar)
         except Exception:  # noqa: BLE001 - the compile reports the grammar's errors
             pass
     return grammar
+
+
+def _fsm_builder() -> Callable[[xgr.Grammar], xgr.Grammar] | None:
+    """xgrammar's automaton pass apart from a compile (``testing.GrammarFunctor.fsm_builder``:
+    it builds the automata of a grammar's ``Regex(...)`` elements, adds the rule of a repeat it
+    does not unroll to the grammar it is given, and returns the grammar built), or None where
+    this xgrammar has none."""
+    functor = getattr(getattr(xgr, "testing", None), "GrammarFunctor", None)
+    return getattr(functor, "fsm_builder", None)
 
 
 # The rule xgrammar's automaton builder adds for a repeat too large to unroll into a Regex
@@ -214,22 +223,24 @@ def _regex_grammar(regex: str) -> xgr.Grammar:
     return _automaton(regex) or xgr.Grammar.from_regex(regex)
 
 
-def _automaton(regex: str) -> xgr.Grammar | None:
+def _automaton(regex: str, json_string: bool = False) -> xgr.Grammar | None:
     """A grammar whose root is one ``Regex(...)`` element of ``regex`` (as
-    :func:`~capgraph.grammar.semantics.ecma_regex` writes it), xgrammar's automaton, with the
-    automaton built once (its warnings: inside the caller's capture); None where xgrammar would
+    :func:`~capgraph.grammar.semantics.ecma_regex` writes it; ``json_string``: with
+    ``json_string=true``, as a schema pattern's), xgrammar's automaton, with the automaton
+    built once (its warnings: inside the caller's capture); None where xgrammar would
     make a repeat of it an edge of the automaton (``[a-z]{2,255}``), where it cannot build it
     (its regex reader refuses what ``Grammar.from_regex`` takes), or where this xgrammar builds
     no automaton apart from a compile. Measured with Tekken (``python
     tools/bench_regex_paths.py``, docs/BENCHMARKS.md): an automaton's masks take 0.001-0.005 ms
     where ``from_regex``'s rules take up to 1 ms (``\\w+(\\s\\w+)*``), but with a repeat edge
     6 ms where the rules take 0.2 ms."""
-    functor = getattr(getattr(xgr, "testing", None), "GrammarFunctor", None)
-    if functor is None or not hasattr(functor, "fsm_builder"):
+    build = _fsm_builder()
+    if build is None:
         return None
-    grammar = xgr.Grammar.from_ebnf(f'root ::= Regex("{ebnf_escape(regex)}")')
+    option = ", json_string=true" if json_string else ""
+    grammar = xgr.Grammar.from_ebnf(f'root ::= Regex("{ebnf_escape(regex)}"{option})')
     try:
-        built = functor.fsm_builder(grammar)
+        built = build(grammar)
     except Exception:  # noqa: BLE001 - a regex only the rules' reader takes
         return None
     return None if _REPEAT_RULE.search(str(built)) else grammar
@@ -624,21 +635,12 @@ def _patterns_as_rules(text: str) -> str:
     :func:`~capgraph.grammar.semantics.xgrammar_schema`, with no character JSON escapes left
     bare in a set, so its rules match what the ``json_string=true`` automaton matches (and an
     escape the automaton leaves out, ``\\n`` for ``\n``, too). A pattern ``from_regex``
-    cannot read, or a grammar without this xgrammar's automaton pass, is left as it is."""
+    cannot read, or a grammar without this xgrammar's automaton pass, is left as it is. (Each
+    pattern's automaton is built alone, :func:`_automaton`: the pass adds a repeat's rule to
+    the grammar it is given, so it is not given the schema's.)"""
     patterns = list(_PATTERN_RULE.finditer(text))
-    functor = getattr(getattr(xgr, "testing", None), "GrammarFunctor", None)
-    if not patterns or functor is None or not hasattr(functor, "fsm_builder"):
+    if not patterns or _fsm_builder() is None:
         return text
-
-    def repeat_edge(body: str) -> bool:
-        # (the automaton of the pattern alone: the pass adds the repeat's rule to the grammar
-        # it is given, so it is not given the schema's)
-        try:
-            probe = _reparsed(f'root ::= Regex("{body}", json_string=true)')
-            return _REPEAT_RULE.search(str(functor.fsm_builder(probe))) is not None
-        except Exception:  # noqa: BLE001 - the compile reports the grammar's errors
-            return False
-
     taken = {m.group("name") for m in _RULE.finditer(text)}
     prefix = _PATTERN_RULES
     while any(name.startswith(prefix) for name in taken):
@@ -646,10 +648,8 @@ def _patterns_as_rules(text: str) -> str:
     replaced: dict[str, str] = {}
     added: list[str] = []
     for m in patterns:
-        if not repeat_edge(m.group("body")):
-            continue
         pattern = _printed_string(m.group("body"))
-        if pattern is None:
+        if pattern is None or _automaton(pattern, json_string=True) is not None:
             continue
         name = f"{prefix}_{len(replaced)}"
         try:
