@@ -324,28 +324,44 @@ def test_length_limits_stay_json_when_unenforced_keywords_are_ignored(tokenizer_
         factory.close()
 
 
-def _tag(schema: dict) -> str:
+def _tag(schema: dict, **element) -> str:
     return json.dumps({"type": "structural_tag", "format": {
-        "type": "tag", "begin": "<t>", "content": {"type": "json_schema", "json_schema": schema},
+        "type": "tag", "begin": "<t>", "content": {"type": "json_schema", "json_schema": schema,
+                                                   **element},
         "end": "</t>"}})
 
 
-@pytest.mark.parametrize("schema,fragment", [
-    ({"type": "number", "multipleOf": 120}, "'multipleOf' at /format/content/json_schema"),
-    ({"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}},
-     "'maxLength' at /format/content/json_schema/properties/s"),
-    ({"type": "object", "properties": {"a": {"type": "integer"}},
-      "additionalProperties": {"type": "string"}}, "'properties' at /format/content/json_schema"),
-])
-def test_structural_tag_schemas_follow_the_policy(schema, fragment, factory_cache):
-    """A JSON schema embedded in a structural tag goes through the same xgrammar converter:
-    a constraint it would drop there (string length limits and listed names next to additional
-    ones included: capgraph's repairs of those apply to JSON-schema guides only) refuses the
-    tag, naming keyword and pointer."""
+_LENGTH = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}}
+_ADDITIONAL = {"type": "object", "properties": {"a": {"type": "integer"}},
+               "additionalProperties": {"type": "string"}}
+
+
+def test_structural_tag_schemas_follow_the_policy(factory_cache):
+    """A JSON schema embedded in a structural tag goes through the same xgrammar converter: a
+    constraint it would drop there refuses the tag, naming keyword and pointer."""
     from capgraph import GuideType
     with pytest.raises(UnsupportedGuideError) as info:
-        factory_cache("tekken").compile(GuidedDecodingParams(GuideType.STRUCTURAL_TAG,
-                                                             _tag(schema)))
+        factory_cache("tekken").compile(GuidedDecodingParams(
+            GuideType.STRUCTURAL_TAG, _tag({"type": "number", "multipleOf": 120})))
+    assert "'multipleOf' at /format/content/json_schema" in str(info.value)
+
+
+@pytest.mark.parametrize("schema,fragment", [
+    (_LENGTH, "'maxLength' at /format/content/json_schema/properties/s"),
+    (_ADDITIONAL, "'properties' at /format/content/json_schema"),
+])
+def test_structural_tag_schemas_xgrammar_converts_keep_its_gaps(schema, fragment,
+                                                               factory_cache):
+    """A plain json_schema element compiles as a JSON-schema guide, repairs included, so its
+    length limits and listed names next to additional ones compile; in an XML-style element
+    xgrammar converts the schema itself, without them, and the tag is refused."""
+    from capgraph import GuideType
+    factory = factory_cache("tekken")
+    factory.compile(GuidedDecodingParams(GuideType.STRUCTURAL_TAG, _tag(schema)))
+    assert unenforced_in_tag(json.loads(_tag(schema))) == []
+    with pytest.raises(UnsupportedGuideError) as info:
+        factory.compile(GuidedDecodingParams(GuideType.STRUCTURAL_TAG,
+                                             _tag(schema, style="qwen_xml")))
     assert fragment in str(info.value)
 
 

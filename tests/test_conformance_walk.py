@@ -1,5 +1,6 @@
 """Differential walk (short run): random outputs of the decoder under JSON-schema masks are
-all valid under ``jsonschema``, on both backends and with the fallback.
+all valid under ``jsonschema``, on both backends, with the fallback and inside a structural
+tag on xgrammar.
 
 The long run is ``python tools/conformance_walk.py`` (counts in docs/CONFORMANCE.md). Here the
 32k-token sentencepiece tokenizer keeps the per-step work small.
@@ -36,15 +37,16 @@ def _assert_all_valid(counts) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance", "xgrammar-tag"])
 def test_bench_schema_walks_are_all_valid(backend, walk_factories, tokenizer_cache,
                                           one_torch_thread):
-    """Every bundled JSON Schema Bench schema the backend accepts is walked once; every
-    finished output parses as JSON and validates against its schema. Most schemas are walked
-    and most walks finish (the walk is not vacuous)."""
+    """Every bundled JSON Schema Bench schema the backend accepts is walked once (on
+    ``xgrammar-tag``: as a structural tag's json_schema element); every finished output parses
+    as JSON and validates against its schema. Most schemas are walked and most walks finish
+    (the walk is not vacuous)."""
     schemas = walk.bench_schemas()
     counts = walk.walk(walk_factories[backend], tokenizer_cache(TOKENIZER), schemas,
-                       walks=1, max_tokens=96, seed=1)
+                       walks=1, max_tokens=96, seed=1, in_tag=backend.endswith("-tag"))
     _assert_all_valid(counts)
     assert counts.walked + counts.refused == len(schemas)
     assert counts.walked >= len(schemas) // 2 and counts.validated >= counts.walked // 2
@@ -56,14 +58,17 @@ def test_bench_schema_walks_are_all_valid(backend, walk_factories, tokenizer_cac
 def test_random_schema_walks_are_all_valid(rng, walk_factories, tokenizer_cache,
                                            one_torch_thread):
     """Small random schemas (tools/conformance_walk.py's generator, drawing from a
-    hypothesis-controlled Random, so failures shrink), walked on both backends and with the
-    fallback: no invalid output; the fallback refuses only what both backends refuse."""
+    hypothesis-controlled Random, so failures shrink), walked on both backends, with the
+    fallback and inside a structural tag on xgrammar: no invalid output; the fallback refuses
+    only what both backends refuse; a tag refuses what the JSON-schema guide refuses."""
     schemas = [walk.random_schema(rng) for _ in range(12)]
     seed = rng.randrange(2**31)
     tokenizer = tokenizer_cache(TOKENIZER)
     counts = {b: walk.walk(walk_factories[b], tokenizer, schemas, walks=1, max_tokens=64,
-                           seed=seed) for b in walk.BACKENDS}
+                           seed=seed, in_tag=b.endswith("-tag")) for b in walk.BACKENDS}
     for c in counts.values():
         _assert_all_valid(c)
     assert counts["fallback"].walked >= max(counts["xgrammar"].walked,
                                             counts["llguidance"].walked)
+    # a tag's json_schema element is judged and compiled as the JSON-schema guide
+    assert counts["xgrammar-tag"].walked == counts["xgrammar"].walked

@@ -541,8 +541,8 @@ def test_lark_regexes_reads_literals_not_comments_or_strings():
     ({"type": "object", "properties": {"a": {"type": "integer", "not": {"const": 1}}}}, "not"),
 ])
 def test_lark_json_on_xgrammar_is_judged_like_a_tag_schema(factory_cache, schema, keyword):
-    """A ``%json`` schema in a tag's Lark grammar on xgrammar is judged like the tag's
-    ``json_schema`` elements: a keyword xgrammar would drop is refused, named with the
+    """A ``%json`` schema in a tag's Lark grammar on xgrammar is judged as a schema xgrammar
+    converts inside a tag: a keyword xgrammar would drop is refused, named with the
     grammar element, the line of the ``%json`` and the pointer inside the schema."""
     grammar = 'start: "v=" value\nvalue: %json ' + json.dumps(schema)
     with pytest.raises(UnsupportedGuideError, match=(

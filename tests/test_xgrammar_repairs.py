@@ -521,3 +521,79 @@ def test_a_tag_regex_element_compiles_as_the_automaton_where_that_is_faster(xg, 
     assert accepts(xg, tekken, params, "hello big world!ab")
     assert not accepts(xg, tekken, params, "hello  world!ab")
     assert not accepts(xg, tekken, params, "hello!a")
+
+
+# --- a structural tag's json_schema elements get the JSON-schema guide's repairs ---------------
+
+def _schema_tag(schema: dict, **element) -> str:
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<t>", "end": "</t>",
+        "content": {"type": "json_schema", "json_schema": schema, **element}}})
+
+
+_TOOL_ARGS = {"type": "object", "properties": {
+    "city": {"type": "string", "minLength": 1, "maxLength": 3},
+    "code": {"type": "string", "pattern": "^[a-z]{1,255}$"}},
+    "required": ["city"], "additionalProperties": {"type": "integer"}}
+
+
+def test_a_tag_json_schema_element_is_enforced_as_a_json_schema_guide(xg, tekken):
+    """A tool call's arguments schema inside a structural tag, with a length-limited string and
+    listed names next to additional ones, compiles (it was refused: xgrammar converts the
+    element without capgraph's repairs) and is enforced as the same JSON-schema guide is: no
+    raw control character in the limited string, no listed name spelled with an escape as an
+    additional one, the long pattern's repeat as rules."""
+    params = P.structural_tag(_schema_tag(_TOOL_ARGS))
+    assert accepts(xg, tekken, params, '<t>{"city": "Osl", "code": "abc", "zip": 5}</t>')
+    for bad in ('<t>{"city": "O\x0fs"}</t>',  # a raw control character: not JSON
+                '<t>{"city": ""}</t>',  # under minLength
+                '<t>{"city": "Oslo"}</t>',  # over maxLength
+                '<t>{"city": "Osl", "\\u0063ity": 5}</t>',  # "city" again, escaped
+                '<t>{"city": "Osl", "code": "' + "a" * 256 + '"}</t>'):
+        assert not accepts(xg, tekken, params, bad), bad
+    given = json.loads(xgrammar_backend._tag_schemas_repaired(_schema_tag(_TOOL_ARGS)))
+    grammar = given["format"]["content"]["grammar"]
+    assert given["format"]["content"]["type"] == "grammar"
+    assert "capgraph_key_rest" in grammar and "capgraph_pattern_0" in grammar
+
+
+def test_a_tag_json_schema_element_keeps_its_whitespace_cap(xg, tekken):
+    """The element's max_whitespace_cnt holds in the grammar it is given as."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 2}},
+              "required": ["a"]}
+    params = P.structural_tag(_schema_tag(schema, max_whitespace_cnt=1))
+    assert accepts(xg, tekken, params, '<t>{"a": "xy"}</t>')
+    assert not accepts(xg, tekken, params, '<t>{"a":  "xy"}</t>')
+
+
+@pytest.mark.parametrize("element", [{"style": "qwen_xml"}, {"any_order": True},
+                                     {"max_whitespace_cnt": 0}])
+def test_other_json_schema_elements_are_left_to_xgrammar(element):
+    """An element written otherwise than as plain JSON in the listed order (or ill-formed, for
+    xgrammar's error to name) is given to xgrammar as it is."""
+    tag = _schema_tag(_TOOL_ARGS, **element)
+    assert xgrammar_backend._tag_schemas_repaired(tag) == tag
+
+
+def test_a_repaired_tag_schema_keeps_its_characters_beyond_ascii(xg, tekken):
+    """The grammar text of a repaired element reads back as printed: an enum value 'éa'
+    (printed '\\xe9a', which xgrammar would read as U+0E9A) stays 'éa'."""
+    schema = {"type": "object", "properties": {"x": {"enum": ["éa"]}}, "required": ["x"],
+              "additionalProperties": {"type": "integer"}}
+    params = P.structural_tag(_schema_tag(schema))
+    assert accepts(xg, tekken, params, '<t>{"x": "éa"}</t>')
+    assert not accepts(xg, tekken, params, '<t>{"x": "\u0e9a"}</t>')
+
+
+def test_a_schema_inside_a_tag_is_not_read_as_tag_elements():
+    """The objects of an embedded schema are schemas: one spelled like a tag element (here a
+    property schema of an XML-style element, which xgrammar converts itself) is given as
+    written, not rewritten as an element."""
+    inner = {"type": "json_schema", "json_schema": {"type": "string", "maxLength": 2}}
+    tag = _schema_tag({"type": "object", "properties": {"p": inner}}, style="qwen_xml")
+    assert xgrammar_backend._tag_schemas_repaired(tag) == tag
+    assert xgrammar_backend._tag_regexes_as_automata(
+        _schema_tag({"type": "object", "properties": {
+            "p": {"type": "regex", "pattern": "a+"}}}, style="qwen_xml")) == _schema_tag(
+        {"type": "object", "properties": {"p": {"type": "regex", "pattern": "a+"}}},
+        style="qwen_xml")

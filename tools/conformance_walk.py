@@ -7,9 +7,10 @@ policy; a refused schema is counted, not walked. Walkable schemas are decoded in
 through the public decoder API (``add_batch`` / ``execute`` with random logits, one allowed
 token sampled per row and fed back as ``new_token``) until a stop token or the length cap.
 A finished output that is not JSON, or that ``jsonschema`` (the schema's ``$schema`` draft,
-else 2020-12, with format checks) rejects, is counted invalid and printed.
+else 2020-12, with format checks) rejects, is counted invalid and printed. The row
+``xgrammar-tag`` walks each schema on xgrammar as a structural tag's ``json_schema`` element.
 
-    python tools/conformance_walk.py                      # bench + 200 random, both backends
+    python tools/conformance_walk.py                      # bench + 200 random, every row
     python tools/conformance_walk.py --walks 4 --random 1000 --backends xgrammar
     python tools/conformance_walk.py --record             # the run docs/CONFORMANCE.md cites
 
@@ -32,7 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "capgraph" / "data" / "jsonschemabench.jsonl"
 RECORD = ROOT / "docs" / "conformance_walk.json"
 RECORD_ARGS = ["--tokenizer", "tekken", "--walks", "2", "--random", "200", "--seed", "0"]
-BACKENDS = ("xgrammar", "llguidance", "fallback")
+#: the walk's rows: a backend, or ``"xgrammar-tag"``: each schema on xgrammar as the
+#: ``json_schema`` element of a structural tag ``<t>...</t>``
+BACKENDS = ("xgrammar", "llguidance", "fallback", "xgrammar-tag")
 
 
 @dataclass
@@ -148,32 +151,51 @@ def _validator(schema: Any) -> Any:
 
 
 def make_factory(tokenizer: Any, backend: str) -> Any:
-    """A factory for ``backend`` (``"fallback"``: xgrammar, llguidance where it refuses)."""
+    """A factory for ``backend`` (``"fallback"``: xgrammar, llguidance where it refuses;
+    ``"xgrammar-tag"``: xgrammar)."""
     from capgraph import GuidedDecodingConfig
     from capgraph.grammar import create_matcher_factory
     if backend == "fallback":
         config = GuidedDecodingConfig.from_tokenizer(tokenizer, json_unenforced_keywords="fallback")
     else:
-        config = GuidedDecodingConfig.from_tokenizer(tokenizer, backend=backend)
+        config = GuidedDecodingConfig.from_tokenizer(
+            tokenizer, backend=backend.removesuffix("-tag"))
     return create_matcher_factory(config)
 
 
+#: the structural tag a schema is walked inside with ``in_tag``
+TAG_BEGIN, TAG_END = "<t>", "</t>"
+
+
 def walk(factory: Any, tokenizer: Any, schemas: Sequence[Any], *, walks: int = 1,
-         max_tokens: int = 160, batch: int = 32, seed: int = 0) -> Counts:
+         max_tokens: int = 160, batch: int = 32, seed: int = 0, in_tag: bool = False) -> Counts:
     """Walk every schema ``walks`` times through one ``GuidedDecoder`` on ``factory``; a
-    finished output must parse as JSON and validate against its schema."""
+    finished output must parse as JSON and validate against its schema. With ``in_tag`` each
+    schema is the ``json_schema`` element of a structural tag (:data:`TAG_BEGIN`,
+    :data:`TAG_END`), and an output must be that tag around such JSON."""
     from capgraph import GuidedDecodingParams
 
     def check(schema: Any) -> Checker:
         def valid(text: str) -> bool:
+            if in_tag:
+                if not (text.startswith(TAG_BEGIN) and text.endswith(TAG_END)):
+                    return False
+                text = text[len(TAG_BEGIN):len(text) - len(TAG_END)]
             try:
                 return bool(_validator(schema).is_valid(json.loads(text)))
             except ValueError:
                 return False
         return valid
 
-    guides = [(GuidedDecodingParams.json_schema(schema), check(schema), json.dumps(schema))
-              for schema in schemas]
+    def params(schema: Any) -> Any:
+        if not in_tag:
+            return GuidedDecodingParams.json_schema(schema)
+        return GuidedDecodingParams.structural_tag(json.dumps({
+            "type": "structural_tag", "format": {
+                "type": "tag", "begin": TAG_BEGIN, "end": TAG_END,
+                "content": {"type": "json_schema", "json_schema": schema}}}))
+
+    guides = [(params(schema), check(schema), json.dumps(schema)) for schema in schemas]
     return walk_guides(factory, tokenizer, guides, walks=walks, max_tokens=max_tokens,
                        batch=batch, seed=seed, tilt=JSON_TILT)
 
@@ -347,7 +369,7 @@ def run(tokenizer_name: str, backends: Iterable[str], walks: int, n_random: int,
         factory = make_factory(tokenizer, backend)
         try:
             out[backend] = walk(factory, tokenizer, schemas, walks=walks, seed=seed,
-                                max_tokens=max_tokens)
+                                max_tokens=max_tokens, in_tag=backend.endswith("-tag"))
         finally:
             factory.close()
     return out

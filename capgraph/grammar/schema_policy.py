@@ -41,7 +41,8 @@ import regex
 
 from .lark_text import LarkTextError, lark_json_values
 
-__all__ = ["Unenforced", "Pointer", "unenforced", "unenforced_in_tag", "describe",
+__all__ = ["Unenforced", "Pointer", "unenforced", "unenforced_in_tag", "plain_tag_schema",
+           "describe",
            "schema_positions", "schema_nodes", "subschemas", "ANNOTATIONS", "VOCABULARY",
            "XGRAMMAR", "XGRAMMAR_TAG", "LLGUIDANCE",
            "XGRAMMAR_FORMATS", "LLGUIDANCE_FORMATS"]
@@ -573,15 +574,14 @@ def _patterns_without_additional(node: _Node) -> str | None:
 
 
 def _tag_names_spelled_once(node: _Node) -> str | None:
-    """In a structural tag xgrammar's additional names keep their escapes (capgraph repairs
-    the name rule in JSON-schema guides only), so ``"\\u0061"`` passes for a listed
-    ``"a"``."""
+    """In a schema xgrammar converts inside a structural tag (:data:`XGRAMMAR_TAG`) additional
+    names keep their escapes, so ``"\\u0061"`` passes for a listed ``"a"``."""
     extra = node.schema.get("additionalProperties", node.schema.get("unevaluatedProperties",
                                                                      False))
     if extra is not False:
         return ("in a structural tag xgrammar takes a listed name written with a JSON escape "
                 "('\\u0061' for 'a') as an additional property; capgraph repairs that in "
-                "JSON-schema guides only")
+                "JSON-schema guides and plain json_schema elements only")
     return None
 
 
@@ -665,12 +665,15 @@ LLGUIDANCE: dict[str, Rule] = {
 
 def _unrepaired_length(node: _Node) -> str | None:
     return ("xgrammar's length rule lets raw control characters into the string; capgraph "
-            "repairs it in JSON-schema guides only")
+            "repairs it in JSON-schema guides and plain json_schema elements only")
 
 
-#: xgrammar on a JSON schema embedded in a structural tag: as :data:`XGRAMMAR`, but string
-#: length limits and listed names next to additional ones stay unenforced there (the backend
-#: repairs those in JSON-schema guides only).
+#: xgrammar on a JSON schema embedded in a structural tag other than as a plain
+#: ``json_schema`` element (:func:`plain_tag_schema`): in an XML-style element
+#: (``qwen_xml_parameter``, a ``style`` other than ``"json"``) or a Lark ``%json``. As
+#: :data:`XGRAMMAR`, but string length limits and listed names next to additional ones stay
+#: unenforced there: xgrammar converts those schemas itself, and capgraph's repairs of its
+#: grammar apply to the grammars it converts (JSON-schema guides and plain elements).
 XGRAMMAR_TAG: dict[str, Rule] = {
     **XGRAMMAR, "minLength": _unrepaired_length, "maxLength": _unrepaired_length,
     "properties": _tag_names_spelled_once,
@@ -734,13 +737,28 @@ def unenforced_in_text(guide: str, backend: str) -> list[Unenforced]:
 def unenforced_in_tag(tag: Any) -> list[Unenforced]:
     """:func:`unenforced` for every JSON schema a structural tag embeds (the value of any
     ``"json_schema"`` key, and each ``%json`` value of a ``grammar`` element with
-    ``"syntax": "lark"``), judged for xgrammar (:data:`XGRAMMAR_TAG`), with pointers into the
-    tag document; an ``any_order`` schema (whose keys xgrammar does not check) is reported
-    too."""
+    ``"syntax": "lark"``), judged for xgrammar, with pointers into the tag document: a plain
+    ``json_schema`` element's (:func:`plain_tag_schema`) as a JSON-schema guide's
+    (:data:`XGRAMMAR`), every other as :data:`XGRAMMAR_TAG`; an ``any_order`` schema (whose
+    keys xgrammar does not check) is reported too."""
     found: list[Unenforced] = []
     with _regex_budget():
         _walk_tag(tag, found)
     return found
+
+
+def plain_tag_schema(node: Mapping[str, Any]) -> bool:
+    """Whether the structural-tag object ``node`` is a ``json_schema`` element whose schema
+    is written as plain JSON in the order listed: an object schema, ``style`` absent or
+    ``"json"``, ``any_order`` absent or false, ``max_whitespace_cnt`` absent, null or a
+    positive integer. The xgrammar backend compiles such an element as the repaired grammar
+    of a JSON-schema guide of that schema (with the element's whitespace); any other form is
+    left to xgrammar (and an ill-formed one to its error)."""
+    if node.get("type") != "json_schema" or not isinstance(node.get("json_schema"), dict):
+        return False
+    cap = node.get("max_whitespace_cnt")
+    return (node.get("style", "json") == "json" and node.get("any_order", False) is False
+            and (cap is None or (type(cap) is int and cap > 0)))
 
 
 def _walk_tag(tag: Any, found: list[Unenforced]) -> None:
@@ -770,8 +788,9 @@ def _tag_members(node: dict[str, Any], pointer: Pointer,
                 "xgrammar checks neither which properties are present nor that each "
                 "appears once when they may come in any order")))
         elif key == "json_schema" and isinstance(value, dict):
+            rules = "xgrammar" if plain_tag_schema(node) else "xgrammar-tag"
             found.extend(Unenforced(f.keyword, _Joined(where, f.where), f.reason)
-                         for f in unenforced(value, "xgrammar-tag"))
+                         for f in unenforced(value, rules))
         elif key == "grammar" and node.get("syntax") == "lark" and isinstance(value, str):
             try:
                 embedded = lark_json_values(value)

@@ -595,8 +595,10 @@ def ecma_ebnf(grammar: str, guide_type: str = "EBNF_GRAMMAR") -> str:
 
 def tag_nodes(doc: Any) -> Iterator[tuple[dict[str, Any], str]]:
     """Every JSON object of a structural-tag document ``doc`` with its JSON pointer (``""``
-    for the root), a parent before its children, without recursion. A consumer may replace
-    the values of a node's keys before the walk goes on into them."""
+    for the root), a parent before its children, without recursion; the JSON schema a node
+    embeds (the value of its ``json_schema`` key) is not walked: its objects are schemas, not
+    tag nodes. A consumer may replace the values of a node's keys before the walk goes on into
+    them."""
     stack: list[tuple[Any, str]] = [(doc, "")]
     while stack:
         node, at = stack.pop()
@@ -604,7 +606,8 @@ def tag_nodes(doc: Any) -> Iterator[tuple[dict[str, Any], str]]:
             stack.extend((item, f"{at}/{k}") for k, item in reversed(list(enumerate(node))))
         elif isinstance(node, dict):
             yield node, at
-            stack.extend((value, f"{at}/{key}") for key, value in reversed(list(node.items())))
+            stack.extend((value, f"{at}/{key}") for key, value in reversed(list(node.items()))
+                         if key != "json_schema")
 
 
 def changed_tag(tag: str, change: Callable[[dict[str, Any], str], bool]) -> str:

@@ -22,7 +22,7 @@ from .converter_log import captured, exclusive
 from .disk_cache import serialized_bytes_estimate, source_digest
 from .forced import MAX_FORCED_SEQUENCE_BYTES, forced_run_bound
 from .process_pool import CompileHere, ProcessCompilePool
-from .schema_policy import describe, unenforced_in_tag, unenforced_in_text
+from .schema_policy import describe, plain_tag_schema, unenforced_in_tag, unenforced_in_text
 from .lark_text import LarkTextError, lark_json_values, lark_regexes, replace_json_values
 from .semantics import (JSON_CONTAINER_SCHEMA, changed_tag, ebnf_escape, ebnf_unescape,
                         ecma_ebnf, ecma_regex, ecma_tag, tag_nodes, xgrammar_schema,
@@ -259,6 +259,32 @@ def _tag_regexes_as_automata(tag: str) -> str:
             return False
         node.clear()
         node.update(type="grammar", grammar=f'root ::= Regex("{ebnf_escape(pattern)}")')
+        return True
+    return changed_tag(tag, change)
+
+
+def _tag_schemas_repaired(tag: str) -> str:
+    """The structural tag ``tag`` (JSON text, its schemas prepared:
+    :func:`_tag_schemas_prepared`) with each plain ``json_schema`` element
+    (:func:`~capgraph.grammar.schema_policy.plain_tag_schema`) written as a ``grammar``
+    element holding the grammar a JSON-schema guide of its schema compiles to, repaired
+    (:func:`_repaired`), with the whitespace xgrammar gives such an element (any, up to its
+    ``max_whitespace_cnt``). xgrammar converts a ``json_schema`` element with the same
+    converter but none of capgraph's repairs: raw control characters in a length-limited
+    string, a listed name spelled with an escape as an additional one, the slow automata of
+    patterns. Run inside the conversion's capture (the converter's warnings are the tag's).
+
+    Raises:
+        GrammarShapeError: a repaired grammar's text does not read back as printed.
+    """
+    def change(node: dict[str, Any], _: str) -> bool:
+        if not plain_tag_schema(node):
+            return False
+        grammar = _repaired(xgr.Grammar.from_json_schema(
+            json.dumps(node["json_schema"]), any_whitespace=True, strict_mode=True,
+            max_whitespace_cnt=node.get("max_whitespace_cnt")))
+        node.clear()
+        node.update(type="grammar", grammar=_readable(str(grammar)))
         return True
     return changed_tag(tag, change)
 
@@ -683,18 +709,29 @@ def _reparsed(text: str) -> xgr.Grammar:
     return xgr.Grammar.from_ebnf(_unambiguous_hex(text))
 
 
-def _changed(printed: str, new: str) -> xgr.Grammar:
-    """The grammar text ``new``, a change of the text xgrammar ``printed`` for a grammar,
-    parsed (:func:`_reparsed`), once ``printed`` is known to read back as the grammar it was
-    printed for (it prints the same once read back).
+def _readable(printed: str) -> str:
+    """The text xgrammar ``printed`` for a grammar, as its parser reads it
+    (:func:`_unambiguous_hex`), once known to read back as the grammar it was printed for (it
+    prints the same once read back).
 
     Raises:
-        GrammarShapeError: ``printed`` does not read back so: a change of it would not mean
-            what it says.
+        GrammarShapeError: ``printed`` does not read back so: neither it nor a change of it
+            would mean what it says.
     """
     if str(_reparsed(printed)) != printed:
         raise GrammarShapeError("xgrammar does not read its printed grammar back as printed; "
                                 "capgraph cannot repair it as text")
+    return _unambiguous_hex(printed)
+
+
+def _changed(printed: str, new: str) -> xgr.Grammar:
+    """The grammar text ``new``, a change of the text xgrammar ``printed`` for a grammar,
+    parsed (:func:`_reparsed`), once ``printed`` reads back (:func:`_readable`).
+
+    Raises:
+        GrammarShapeError: ``printed`` does not read back as printed.
+    """
+    _readable(printed)
     return _reparsed(new)
 
 
@@ -1026,8 +1063,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 self._refuse_ignored_in_tag(tag)
                 if refuse:  # the JSON schemas a tag embeds: as JSON-schema guides
                     self._refuse_unenforced_in_tag(guide)
-                grammar, warned = _converted(
-                    lambda: xgr.Grammar.from_structural_tag(_tag_regexes_as_automata(tag)))
+                grammar, warned = _converted(lambda: xgr.Grammar.from_structural_tag(
+                    _tag_schemas_repaired(_tag_regexes_as_automata(tag))))
                 if warned and refuse:
                     _refuse("; ".join(f"xgrammar reported: {w}" for w in warned), gt)
                 compiled = self._compile_grammar(self._compiler_placing(placed), grammar,
