@@ -15,7 +15,7 @@ import time
 import pytest
 import xgrammar as xgr
 
-from capgraph import GuidedDecodingConfig, GuidedDecodingParams
+from capgraph import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from capgraph.errors import GrammarCompileError, UnsupportedGuideError
 from capgraph.grammar import create_matcher_factory
 from capgraph.grammar.converter_log import captured, converter_warnings, exclusive
@@ -487,7 +487,7 @@ def test_a_pattern_with_a_repeat_xgrammar_would_not_unroll_is_given_as_rules(xg,
         "id": {"type": "string", "pattern": "^[0-9a-z_-]{1,255}$"},
         "code": {"type": "string", "pattern": "^[A-Z]{2,16}$"}}, "required": ["id", "code"]}
     text = str(_repaired(xgr.Grammar.from_json_schema(xgrammar_schema(json.dumps(schema)))))
-    assert "capgraph_pattern_0 ::=" in text and "{1, 255}" in text
+    assert "capgraph_regex_0 ::=" in text and "{1, 255}" in text
     assert text.count("Regex(") == 1 and "[A-Z]{2,16}" in text  # the small one: an automaton
     params = P.json_schema(schema)
     assert accepts(xg, tekken, params, '{"id": "' + "a" * 255 + '", "code": "AB"}')
@@ -500,21 +500,21 @@ def test_a_pattern_with_a_repeat_xgrammar_would_not_unroll_is_given_as_rules(xg,
 def test_a_pattern_from_regex_cannot_read_keeps_its_automaton():
     """(?!..) is refused by from_regex and ignored by the automaton (which says so, and the
     guide is refused unless unenforced keywords are allowed): the automaton is left in place."""
-    from capgraph.grammar.xgrammar_backend import _patterns_as_rules
+    from capgraph.grammar.xgrammar_backend import _regexes_as_rules
     grammar = xgr.Grammar.from_json_schema({"type": "string", "pattern": "^(?!a)[a-z]{1,255}$"})
     text = str(grammar)
-    assert _patterns_as_rules(text) == text and str(grammar) == text
+    assert _regexes_as_rules(text, json_string=True) == text and str(grammar) == text
 
 
 def test_a_tag_regex_element_compiles_as_the_automaton_where_that_is_faster(xg, tekken):
     """A structural tag's regex element is given to xgrammar as a grammar element holding one
     Regex(...) (an automaton; xgrammar would convert the element to slower rules), except one
     with a repeat xgrammar would make an edge of the automaton; both mean what they did."""
-    from capgraph.grammar.xgrammar_backend import _tag_regexes_as_automata
+    from capgraph.grammar.xgrammar_backend import _tag_regexes_faster
     tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
         {"type": "regex", "pattern": r"\w+(\s\w+)*"}, {"type": "const_string", "value": "!"},
         {"type": "regex", "pattern": "[a-z]{2,255}"}]}}
-    given = json.loads(_tag_regexes_as_automata(json.dumps(tag)))["format"]["elements"]
+    given = json.loads(_tag_regexes_faster(json.dumps(tag)))["format"]["elements"]
     assert given[0] == {"type": "grammar", "grammar": 'root ::= Regex("\\\\w+(\\\\s\\\\w+)*")'}
     assert given[1:] == tag["format"]["elements"][1:]
     params = P.structural_tag(json.dumps(tag))
@@ -554,7 +554,7 @@ def test_a_tag_json_schema_element_is_enforced_as_a_json_schema_guide(xg, tekken
     given = json.loads(xgrammar_backend._tag_schemas_repaired(_schema_tag(_TOOL_ARGS)))
     grammar = given["format"]["content"]["grammar"]
     assert given["format"]["content"]["type"] == "grammar"
-    assert "capgraph_key_rest" in grammar and "capgraph_pattern_0" in grammar
+    assert "capgraph_key_rest" in grammar and "capgraph_regex_0" in grammar
 
 
 def test_a_tag_json_schema_element_keeps_its_whitespace_cap(xg, tekken):
@@ -592,8 +592,49 @@ def test_a_schema_inside_a_tag_is_not_read_as_tag_elements():
     inner = {"type": "json_schema", "json_schema": {"type": "string", "maxLength": 2}}
     tag = _schema_tag({"type": "object", "properties": {"p": inner}}, style="qwen_xml")
     assert xgrammar_backend._tag_schemas_repaired(tag) == tag
-    assert xgrammar_backend._tag_regexes_as_automata(
+    assert xgrammar_backend._tag_regexes_faster(
         _schema_tag({"type": "object", "properties": {
             "p": {"type": "regex", "pattern": "a+"}}}, style="qwen_xml")) == _schema_tag(
         {"type": "object", "properties": {"p": {"type": "regex", "pattern": "a+"}}},
         style="qwen_xml")
+
+
+# --- a grammar's Regex(...) whose automaton would compute masks token by token ----------------
+
+_SLOW_EBNF = r'root ::= "id=" Regex("[0-9a-z_-]{1,255}") ";" Regex("[A-Z]{2,16}")'
+
+
+def test_an_ebnf_regex_with_a_repeat_xgrammar_would_not_unroll_is_given_as_rules(xg, tekken):
+    """An EBNF guide's Regex("...") whose automaton would have a repeat edge is compiled as
+    from_regex's rules (the small one stays an automaton), and means the same."""
+    grammar = xgrammar_backend._ebnf_grammar(_SLOW_EBNF)
+    text = str(grammar)
+    assert "capgraph_regex_0 ::=" in text and "{1, 255}" in text
+    assert text.count("Regex(") == 1 and "[A-Z]{2,16}" in text
+    params = P(GuideType.EBNF_GRAMMAR, _SLOW_EBNF)
+    assert accepts(xg, tekken, params, "id=" + "a" * 255 + ";AB")
+    assert accepts(xg, tekken, params, "id=x-1_y;ABC")
+    for bad in ("id=;AB", "id=" + "a" * 256 + ";AB", "id=A;AB", "id=a;A"):
+        assert not accepts(xg, tekken, params, bad), bad
+
+
+def test_a_tag_grammar_elements_slow_regex_is_given_as_rules(xg, tekken):
+    """The same in a structural tag's EBNF grammar element."""
+    tag = json.dumps({"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<t>", "end": "</t>",
+        "content": {"type": "grammar", "grammar": _SLOW_EBNF}}})
+    given = json.loads(xgrammar_backend._tag_regexes_faster(tag))["format"]["content"]
+    assert "capgraph_regex_0 ::=" in given["grammar"]
+    params = P.structural_tag(tag)
+    assert accepts(xg, tekken, params, "<t>id=abc;AB</t>")
+    assert not accepts(xg, tekken, params, "<t>id=" + "a" * 256 + ";AB</t>")
+
+
+def test_an_ebnf_grammar_whose_print_does_not_read_back_keeps_its_automata(monkeypatch):
+    """Giving a slow Regex as rules is a change of the printed text; where that text would not
+    read back, the guide keeps its automata (the same language) instead of being refused."""
+    real = xgrammar_backend._reparsed
+    monkeypatch.setattr(xgrammar_backend, "_reparsed",
+                        lambda text: real(text.replace("[A-Z]", "[A-Y]")))
+    text = str(xgrammar_backend._ebnf_grammar(_SLOW_EBNF))
+    assert "capgraph_regex" not in text and 'Regex("[0-9a-z_-]{1,255}")' in text

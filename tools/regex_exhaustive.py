@@ -5,7 +5,9 @@ regex's own characters (its letters, digits, spaces and ``_`` / ``-``, shuffled,
 four, and ``q``), so a construct read wider or narrower shows up even where random walks
 rarely reach it. Two readings per regex: a REGEX guide's grammar (``_regex_grammar``: one
 automaton, or ``Grammar.from_regex``'s rules) and an EBNF guide's ``Regex("...")`` element
-(always the automaton), each from the regex as ``ecma_regex`` writes it for xgrammar.
+(``_ebnf_grammar``: the automaton, or the rules where xgrammar would give the automaton a
+repeat edge, written into the printed grammar and read back), each from the regex as
+``ecma_regex`` writes it for xgrammar.
 xgrammar's character-level matcher (``xgrammar.testing``) answers; no tokenizer is involved.
 
     python tools/regex_exhaustive.py                   # 1500 regexes, texts up to 4

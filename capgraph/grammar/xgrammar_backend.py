@@ -181,9 +181,27 @@ def _converted(convert: Callable[[], xgr.Grammar]) -> tuple[xgr.Grammar, list[st
 
 
 def _ebnf_grammar(guide: str) -> xgr.Grammar:
-    """The EBNF guide ``guide`` parsed, with the automata of its ``Regex(...)`` elements built
-    once (:func:`_build_automata`)."""
-    return _build_automata(xgr.Grammar.from_ebnf(guide))
+    """The EBNF guide ``guide`` parsed, each ``Regex(...)`` element whose automaton would
+    compute masks token by token given as rules (:func:`_ebnf_regexes_as_rules`), with the
+    automata of its ``Regex(...)`` elements built once (:func:`_build_automata`)."""
+    parsed = xgr.Grammar.from_ebnf(guide)
+    text = _ebnf_regexes_as_rules(str(parsed))
+    return _build_automata(parsed if text is None else xgr.Grammar.from_ebnf(text))
+
+
+def _ebnf_regexes_as_rules(printed: str) -> str | None:
+    """The grammar xgrammar ``printed`` with its slow ``Regex(...)`` rules as grammar rules
+    (:func:`_regexes_as_rules`), as text its parser reads (:func:`_readable`); None where
+    none is slow, or the printed text does not read back (the guide then keeps its
+    automata: the same language, slower masks)."""
+    text = _regexes_as_rules(printed, json_string=False)
+    if text == printed:
+        return None
+    try:
+        _readable(printed)
+    except GrammarShapeError:
+        return None
+    return _unambiguous_hex(text)
 
 
 def _build_automata(grammar: xgr.Grammar) -> xgr.Grammar:
@@ -246,15 +264,28 @@ def _automaton(regex: str, json_string: bool = False) -> xgr.Grammar | None:
     return None if _REPEAT_RULE.search(str(built)) else grammar
 
 
-def _tag_regexes_as_automata(tag: str) -> str:
+def _tag_regexes_faster(tag: str) -> str:
     """The structural tag ``tag`` (JSON text, its regexes as
-    :func:`~capgraph.grammar.semantics.ecma_tag` writes them) with each ``regex`` element that
-    has an automaton (:func:`_automaton`) written as a ``grammar`` element holding that one
-    ``Regex(...)``: xgrammar converts a ``regex`` element to ``Grammar.from_regex``'s rules,
-    whose masks are up to 200x slower. Run inside the conversion's capture."""
+    :func:`~capgraph.grammar.semantics.ecma_tag` writes them) with each regex in the form
+    whose masks xgrammar computes faster, the same language: a ``regex`` element that has an
+    automaton (:func:`_automaton`) written as a ``grammar`` element holding that one
+    ``Regex(...)`` (xgrammar converts a ``regex`` element to ``Grammar.from_regex``'s rules,
+    whose masks are up to 200x slower), and an EBNF ``grammar`` element's ``Regex(...)``
+    whose automaton would have a repeat edge as rules (:func:`_ebnf_regexes_as_rules`). Run
+    inside the conversion's capture."""
     def change(node: dict[str, Any], _: str) -> bool:
+        kind = node.get("type")
+        if kind == "grammar" and node.get("syntax", "ebnf") != "lark" \
+                and isinstance(node.get("grammar"), str):
+            try:
+                text = _ebnf_regexes_as_rules(str(xgr.Grammar.from_ebnf(node["grammar"])))
+            except Exception:  # noqa: BLE001 - not EBNF xgrammar reads: the tag's compile says
+                return False
+            if text is not None:
+                node["grammar"] = text
+            return text is not None
         pattern = node.get("pattern")
-        if node.get("type") != "regex" or not isinstance(pattern, str) \
+        if kind != "regex" or not isinstance(pattern, str) \
                 or set(node) != {"type", "pattern"} or _automaton(pattern) is None:
             return False
         node.clear()
@@ -616,21 +647,24 @@ def _grammar_char(ch: str) -> str:
 def _repaired(grammar: xgr.Grammar) -> xgr.Grammar:
     """The converted JSON schema ``grammar`` with both repairs applied
     (:func:`_repair_length_strings`, :func:`_repair_property_keys`) and its patterns' slow
-    automata as rules (:func:`_patterns_as_rules`); the same object where none changes it
+    automata as rules (:func:`_regexes_as_rules`); the same object where none changes it
     (:func:`_changed`). Run inside the conversion's capture: building the patterns' automata
     logs what xgrammar ignores in them again."""
     text = str(grammar)
-    repaired = _patterns_as_rules(_repair_property_keys(_repair_length_strings(text)))
+    repaired = _regexes_as_rules(_repair_property_keys(_repair_length_strings(text)),
+                                 json_string=True)
     return grammar if repaired == text else _changed(text, repaired)
 
 
-# A rule whose body is a schema pattern's Regex element, as xgrammar's converter writes it
-_PATTERN_RULE = re.compile(
-    r'^(?P<name>\w+) ::= Regex\("(?P<body>(?:[^"\\]|\\.)*)", json_string=true\)$', re.MULTILINE)
+# A rule whose body is one Regex element, as xgrammar prints it: a schema pattern's (with
+# json_string=true, as its converter writes it) or a grammar's
+_REGEX_RULE = re.compile(
+    r'^(?P<name>\w+) ::= Regex\("(?P<body>(?:[^"\\]|\\.)*)"(?P<json>, json_string=true)?\)$',
+    re.MULTILINE)
 # in printed text: a string literal or a character class (skipped), or a rule name
 _NAME_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|(?P<name>\b[A-Za-z_]\w*\b)',
                          re.DOTALL)
-_PATTERN_RULES = "capgraph_pattern"
+_REGEX_RULES = "capgraph_regex"
 
 
 def _printed_string(body: str) -> str | None:
@@ -653,29 +687,31 @@ def _regex_rules(pattern: str, name: str) -> list[str]:
     return [line for line in _NAME_TOKEN.sub(rename, text).splitlines() if line.strip()]
 
 
-def _patterns_as_rules(text: str) -> str:
-    """The schema grammar text ``text`` (maybe repaired) with each pattern
-    whose automaton xgrammar would build with a repeat edge (``^[a-z]{1,255}$``; its masks are
-    computed token by token: 4-6 ms a token on Tekken, ``tools/bench_regex_paths.py``) as the
-    rules ``Grammar.from_regex`` writes for it (0.1-0.2 ms). Such a pattern is written by
-    :func:`~capgraph.grammar.semantics.xgrammar_schema`, with no character JSON escapes left
-    bare in a set, so its rules match what the ``json_string=true`` automaton matches (and an
-    escape the automaton leaves out, ``\\n`` for ``\n``, too). A pattern ``from_regex``
-    cannot read, or a grammar without this xgrammar's automaton pass, is left as it is. (Each
-    pattern's automaton is built alone, :func:`_automaton`: the pass adds a repeat's rule to
-    the grammar it is given, so it is not given the schema's.)"""
-    patterns = list(_PATTERN_RULE.finditer(text))
-    if not patterns or _fsm_builder() is None:
+def _regexes_as_rules(text: str, json_string: bool) -> str:
+    """The printed grammar ``text`` with each ``Regex(...)`` rule whose automaton xgrammar
+    would build with a repeat edge (``[a-z]{1,255}``; its masks are computed token by token:
+    4-6 ms a token on Tekken, ``tools/bench_regex_paths.py``) as the rules
+    ``Grammar.from_regex`` writes for it (0.1-0.2 ms), the same language.
+
+    ``json_string``: the rules of a JSON schema's patterns (``json_string=true``), which
+    :func:`~capgraph.grammar.semantics.xgrammar_schema` writes with no character JSON escapes
+    left bare in a set, so their rules match what the ``json_string=true`` automaton matches
+    (and an escape the automaton leaves out, ``\\n`` for ``\n``, too); else a grammar's plain
+    ``Regex("...")`` rules. A regex ``from_regex`` cannot read, or a grammar without this
+    xgrammar's automaton pass, is left as it is. (Each regex's automaton is built alone,
+    :func:`_automaton`: the pass adds a repeat's rule to the grammar it is given.)"""
+    found = [m for m in _REGEX_RULE.finditer(text) if bool(m.group("json")) == json_string]
+    if not found or _fsm_builder() is None:
         return text
     taken = {m.group("name") for m in _RULE.finditer(text)}
-    prefix = _PATTERN_RULES
+    prefix = _REGEX_RULES
     while any(name.startswith(prefix) for name in taken):
         prefix += "x"
     replaced: dict[str, str] = {}
     added: list[str] = []
-    for m in patterns:
+    for m in found:
         pattern = _printed_string(m.group("body"))
-        if pattern is None or _automaton(pattern, json_string=True) is not None:
+        if pattern is None or _automaton(pattern, json_string=json_string) is not None:
             continue
         name = f"{prefix}_{len(replaced)}"
         try:
@@ -1064,7 +1100,7 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 if refuse:  # the JSON schemas a tag embeds: as JSON-schema guides
                     self._refuse_unenforced_in_tag(guide)
                 grammar, warned = _converted(lambda: xgr.Grammar.from_structural_tag(
-                    _tag_schemas_repaired(_tag_regexes_as_automata(tag))))
+                    _tag_schemas_repaired(_tag_regexes_faster(tag))))
                 if warned and refuse:
                     _refuse("; ".join(f"xgrammar reported: {w}" for w in warned), gt)
                 compiled = self._compile_grammar(self._compiler_placing(placed), grammar,
