@@ -47,13 +47,18 @@ def test_csrc_is_package_data():
 
 
 def test_every_subpackage_is_packaged():
-    """Every folder with an __init__.py under capgraph/ and hostfunc/ is listed in pyproject
-    (the list is explicit, so a new subpackage would silently miss the wheel)."""
+    """Every folder under capgraph/ and hostfunc/ that holds a file (a subpackage, or data
+    without an __init__.py) is listed in pyproject's packages: the list is explicit, so a new
+    subpackage would silently miss the wheel, and setuptools warns that it will stop shipping
+    an unlisted importable folder's files as package data."""
     text = (ROOT / "pyproject.toml").read_text()
     listed = set(re.findall(r'"([a-z_.]+)"', re.search(r"packages = \[(.*?)\]", text, re.S).group(1)))
     for top in ("capgraph", "hostfunc"):
-        for init in (ROOT / top).rglob("__init__.py"):
-            name = ".".join(init.parent.relative_to(ROOT).parts)
+        for folder in [ROOT / top, *(ROOT / top).rglob("*")]:
+            if not folder.is_dir() or folder.name == "__pycache__" \
+                    or not any(f.is_file() for f in folder.iterdir()):
+                continue
+            name = ".".join(folder.relative_to(ROOT).parts)
             assert name in listed, f"{name} is missing from pyproject's packages"
 
 
