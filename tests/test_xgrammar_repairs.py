@@ -638,3 +638,12 @@ def test_an_ebnf_grammar_whose_print_does_not_read_back_keeps_its_automata(monke
                         lambda text: real(text.replace("[A-Z]", "[A-Y]")))
     text = str(xgrammar_backend._ebnf_grammar(_SLOW_EBNF))
     assert "capgraph_regex" not in text and 'Regex("[0-9a-z_-]{1,255}")' in text
+
+
+def test_the_tag_schema_bench_runs_and_both_sides_accept_every_instance(capsys):
+    """tools/bench_tag_schemas.py compiles a tag of tool schemas both ways and feeds each
+    tool's instance to both (it exits naming the side that refuses a token)."""
+    from conftest import load_tool
+    assert load_tool("bench_tag_schemas").main(["--tools", "3", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "convert capgraph ms" in out and "|   capgraph |" in out
