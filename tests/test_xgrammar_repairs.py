@@ -647,3 +647,12 @@ def test_the_tag_schema_bench_runs_and_both_sides_accept_every_instance(capsys):
     assert load_tool("bench_tag_schemas").main(["--tools", "3", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert "convert capgraph ms" in out and "|   capgraph |" in out
+
+
+def test_the_length_escape_bench_runs_and_every_side_takes_its_text(capsys):
+    """tools/bench_length_escapes.py compiles a length-limited string four ways and feeds each
+    its text (it exits naming the side that refuses a token)."""
+    from conftest import load_tool
+    assert load_tool("bench_length_escapes").main(["--lengths", "4", "--budget", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("|         4 |") == 4 and "regex rules" in out
