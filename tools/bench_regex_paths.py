@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     import xgrammar as xgr
 
     from capgraph import GuidedDecodingConfig
-    from capgraph.bench.common import Column, print_table, summarize
+    from capgraph.bench.common import (Column, fastest_masks, print_mask_summary,
+                                       print_table)
     from capgraph.grammar.semantics import ebnf_escape, ecma_regex
     from capgraph.grammar.xgrammar_backend import _regex_grammar, build_tokenizer_info
     from capgraph.tokenizers import encode_continuation, load_tokenizer
@@ -74,17 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             compiled[side] = compiler.compile_grammar(grammars[side])
             row[f"compile_{side}"] = (time.perf_counter() - start) * 1e3
         tokens = encode_continuation(tok, text)
-        best = {side: [float("inf")] * len(tokens) for side in sides}
-        for _ in range(max(1, args.repeat)):
-            matchers = {side: xgr.GrammarMatcher(compiled[side]) for side in sides}
-            for i, token in enumerate(tokens):
-                for side in sides:
-                    start = time.perf_counter()
-                    matchers[side].fill_next_token_bitmask(bitmask)
-                    best[side][i] = min(best[side][i], time.perf_counter() - start)
-                    if not matchers[side].accept_token(token):
-                        raise SystemExit(f"{name}: the {side} grammar refuses token {i} of "
-                                         f"{text!r}")
+        best = fastest_masks(compiled, tokens, args.repeat, bitmask, f"{name}: {text!r}")
         row["tokens"] = len(tokens)
         for side in sides:
             masks[side] += best[side]
@@ -98,12 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                  Column("ratio", "rules / automaton", ".3g"), Column("capgraph", "capgraph"),
                  Column("compile_automaton", "compile automaton ms", ".1f"),
                  Column("compile_rules", "compile rules ms", ".1f")], rows)
-    summary = [{"side": side, **summarize(masks[side], 1e3)} for side in masks]
     print()
-    print_table([Column("side", "regex as"), Column("n", "masks"),
-                 Column("p50", "p50 ms", ".4f"), Column("p90", "p90 ms", ".4f"),
-                 Column("p99", "p99 ms", ".3f"), Column("max", "max ms", ".3f"),
-                 Column("mean", "mean ms", ".4f")], summary)
+    print_mask_summary(masks, "regex as")
     return 0
 
 

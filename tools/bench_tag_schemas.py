@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     import xgrammar as xgr
 
     from capgraph import GuidedDecodingConfig, GuidedDecodingParams
-    from capgraph.bench.common import Column, print_table, summarize
+    from capgraph.bench.common import (Column, fastest_masks, print_mask_summary,
+                                       print_table)
     from capgraph.errors import GrammarCompileError
     from capgraph.grammar import create_matcher_factory
     from capgraph.grammar.xgrammar_backend import (_tag_regexes_faster, _tag_schemas_prepared,
@@ -101,17 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     masks: dict[str, list[float]] = {side: [] for side in sides}
     for i, (_, instance) in enumerate(tools):
         tokens = encode_continuation(tok, f"<f{i}>{json.dumps(instance)}</f>")
-        best = {side: [float("inf")] * len(tokens) for side in sides}
-        for _ in range(max(1, args.repeat)):
-            matchers = {side: xgr.GrammarMatcher(compiled[side]) for side in sides}
-            for k, token in enumerate(tokens):
-                for side in sides:
-                    start = time.perf_counter()
-                    matchers[side].fill_next_token_bitmask(bitmask)
-                    best[side][k] = min(best[side][k], time.perf_counter() - start)
-                    if not matchers[side].accept_token(token):
-                        raise SystemExit(f"tool {i}: the {side} grammar refuses token {k} of "
-                                         "its instance")
+        best = fastest_masks(compiled, tokens, args.repeat, bitmask, f"tool {i}'s instance")
         for side in sides:
             masks[side] += best[side]
     print_table([Column("tools", "tools"),
@@ -120,11 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                  Column("compile_xgrammar", "compile xgrammar ms", ".0f"),
                  Column("compile_capgraph", "compile capgraph ms", ".0f")], [row])
     print()
-    summary = [{"side": side, **summarize(masks[side], 1e3)} for side in sides]
-    print_table([Column("side", "schemas as"), Column("n", "masks"),
-                 Column("p50", "p50 ms", ".4f"), Column("p90", "p90 ms", ".4f"),
-                 Column("p99", "p99 ms", ".3f"), Column("max", "max ms", ".3f"),
-                 Column("mean", "mean ms", ".4f")], summary)
+    print_mask_summary(masks, "schemas as")
     return 0
 
 

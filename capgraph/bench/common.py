@@ -185,3 +185,39 @@ def pick(value: Any, quick: bool, quick_default: Any, full_default: Any) -> Any:
     if value is not None:
         return value
     return quick_default if quick else full_default
+
+
+def fastest_masks(compiled: dict[str, Any], tokens: Sequence[int], repeat: int,
+                  bitmask: Any, what: str) -> dict[str, list[float]]:
+    """Per side of ``compiled`` (name -> ``xgrammar.CompiledGrammar``), the fastest of
+    ``repeat`` passes of ``fill_next_token_bitmask`` (seconds) before each of ``tokens``, fed
+    to a fresh matcher per side per pass; the sides are timed alternately on the same token,
+    so that a change of load hits all of them.
+
+    Raises:
+        SystemExit: a side's matcher refuses a token (``what`` names the text).
+    """
+    import time
+
+    import xgrammar as xgr
+    best = {side: [math.inf] * len(tokens) for side in compiled}
+    for _ in range(max(1, repeat)):
+        matchers = {side: xgr.GrammarMatcher(grammar) for side, grammar in compiled.items()}
+        for i, token in enumerate(tokens):
+            for side, matcher in matchers.items():
+                start = time.perf_counter()
+                matcher.fill_next_token_bitmask(bitmask)
+                best[side][i] = min(best[side][i], time.perf_counter() - start)
+                if not matcher.accept_token(token):
+                    raise SystemExit(f"the {side} grammar refuses token {i} of {what}")
+    return best
+
+
+def print_mask_summary(masks: dict[str, list[float]], label: str) -> str:
+    """Print (and return) one row per side of ``masks`` (name -> mask times in seconds): the
+    count, p50, p90, p99, max and mean in milliseconds; ``label`` heads the side column."""
+    rows = [{"side": side, **summarize(times, 1e3)} for side, times in masks.items()]
+    return print_table([Column("side", label), Column("n", "masks"),
+                        Column("p50", "p50 ms", ".4f"), Column("p90", "p90 ms", ".4f"),
+                        Column("p99", "p99 ms", ".3f"), Column("max", "max ms", ".3f"),
+                        Column("mean", "mean ms", ".4f")], rows)
