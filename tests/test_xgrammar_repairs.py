@@ -656,3 +656,34 @@ def test_the_length_escape_bench_runs_and_every_side_takes_its_text(capsys):
     assert load_tool("bench_length_escapes").main(["--lengths", "4", "--budget", "0.5"]) == 0
     out = capsys.readouterr().out
     assert out.count("|         4 |") == 4 and "regex rules" in out
+
+
+def test_unambiguous_hex_rewrites_exactly_the_hex_escapes():
+    """Only a \\xHH whose backslash is not itself escaped is rewritten: read escape by escape
+    from the left (the reading xgrammar's parser has), every random text over backslashes,
+    'x', hex digits and others gives the same result."""
+    import random
+
+    def by_escapes(text: str) -> str:
+        out, i = [], 0
+        while i < len(text):
+            if text[i] == "\\" and i + 1 < len(text):
+                hex2 = text[i + 2:i + 4]
+                if text[i + 1] == "x" and len(hex2) == 2 and all(
+                        c in "0123456789abcdefABCDEF" for c in hex2):
+                    out.append("\\u00" + hex2)
+                    i += 4
+                else:
+                    out.append(text[i:i + 2])
+                    i += 2
+            else:
+                out.append(text[i])
+                i += 1
+        return "".join(out)
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice('\\\\\\x41fZ"[') for _ in range(rng.randrange(12)))
+        assert xgrammar_backend._unambiguous_hex(text) == by_escapes(text), text
+    assert xgrammar_backend._unambiguous_hex('[^\\0-\\x1f\\"\\\\] "\\\\x41" "\\\\\\xe9a"') == \
+        '[^\\0-\\u001f\\"\\\\] "\\\\x41" "\\\\\\u00e9a"'

@@ -191,17 +191,16 @@ def _ebnf_grammar(guide: str) -> xgr.Grammar:
 
 def _ebnf_regexes_as_rules(printed: str) -> str | None:
     """The grammar xgrammar ``printed`` with its slow ``Regex(...)`` rules as grammar rules
-    (:func:`_regexes_as_rules`), as text its parser reads (:func:`_readable`); None where
+    (:func:`_regexes_as_rules`), as text its parser reads (:func:`_edited`); None where
     none is slow, or the printed text does not read back (the guide then keeps its
     automata: the same language, slower masks)."""
     text = _regexes_as_rules(printed, json_string=False)
     if text == printed:
         return None
     try:
-        _readable(printed)
+        return _edited(printed, text)
     except GrammarShapeError:
         return None
-    return _unambiguous_hex(text)
 
 
 def _build_automata(grammar: xgr.Grammar) -> xgr.Grammar:
@@ -311,11 +310,11 @@ def _tag_schemas_repaired(tag: str) -> str:
     def change(node: dict[str, Any], _: str) -> bool:
         if not plain_tag_schema(node):
             return False
-        grammar = _repaired(xgr.Grammar.from_json_schema(
+        printed = str(xgr.Grammar.from_json_schema(
             json.dumps(node["json_schema"]), any_whitespace=True, strict_mode=True,
             max_whitespace_cnt=node.get("max_whitespace_cnt")))
         node.clear()
-        node.update(type="grammar", grammar=_readable(str(grammar)))
+        node.update(type="grammar", grammar=_edited(printed, _repaired_text(printed)))
         return True
     return changed_tag(tag, change)
 
@@ -391,35 +390,22 @@ def _tag_schemas_prepared(tag: str) -> str:
     a ``"json_schema"`` key: ``json_schema`` and ``qwen_xml_parameter`` elements; each
     ``%json`` value of a Lark ``grammar`` element) as
     :func:`~capgraph.grammar.semantics.xgrammar_schema` writes it, as a JSON-schema guide is;
-    text that is not JSON, or has nothing to change, is returned unchanged."""
-    try:
-        doc = json.loads(tag)
-    except ValueError:
-        return tag
-    changed = False
-
-    def walk(node: Any) -> Any:
-        nonlocal changed
-        if isinstance(node, list):
-            return [walk(item) for item in node]
-        if not isinstance(node, dict):
-            return node
-        result = {}
-        for key, value in node.items():
-            if key == "json_schema" and isinstance(value, dict):
-                text = json.dumps(value)
-                prepared = xgrammar_schema(text)
-                changed |= prepared != text
-                result[key] = json.loads(prepared)
-            elif key == "grammar" and node.get("syntax") == "lark" and isinstance(value, str):
-                result[key] = _lark_schemas_prepared(value)
-                changed |= result[key] != value
-            else:
-                result[key] = walk(value)
-        return result
-
-    doc = walk(doc)
-    return json.dumps(doc, ensure_ascii=False) if changed else tag
+    text that is not JSON, or has nothing to change, is returned unchanged
+    (:func:`~capgraph.grammar.semantics.changed_tag`)."""
+    def change(node: dict[str, Any], _: str) -> bool:
+        changed = False
+        schema = node.get("json_schema")
+        if isinstance(schema, dict):
+            text = json.dumps(schema)
+            prepared = xgrammar_schema(text)
+            if prepared != text:
+                node["json_schema"], changed = json.loads(prepared), True
+        grammar = node.get("grammar")
+        if node.get("syntax") == "lark" and isinstance(grammar, str):
+            node["grammar"] = _lark_schemas_prepared(grammar)
+            changed |= node["grammar"] != grammar
+        return changed
+    return changed_tag(tag, change)
 
 
 def _lark_schemas_prepared(grammar: str) -> str:
@@ -651,9 +637,15 @@ def _repaired(grammar: xgr.Grammar) -> xgr.Grammar:
     (:func:`_changed`). Run inside the conversion's capture: building the patterns' automata
     logs what xgrammar ignores in them again."""
     text = str(grammar)
-    repaired = _regexes_as_rules(_repair_property_keys(_repair_length_strings(text)),
-                                 json_string=True)
+    repaired = _repaired_text(text)
     return grammar if repaired == text else _changed(text, repaired)
+
+
+def _repaired_text(printed: str) -> str:
+    """:func:`_repaired`'s change of the text xgrammar ``printed`` for a converted JSON
+    schema (not yet known to read back: :func:`_edited`)."""
+    return _regexes_as_rules(_repair_property_keys(_repair_length_strings(printed)),
+                             json_string=True)
 
 
 # A rule whose body is one Regex element, as xgrammar prints it: a schema pattern's (with
@@ -726,18 +718,18 @@ def _regexes_as_rules(text: str, json_string: bool) -> str:
     return "\n".join([*lines, *added]) + "\n"
 
 
-# An escape of printed grammar text: a \xHH (the printer writes two digits), or any other
-# escaped character, so that the backslash of a "\\" pair never starts an escape.
-_PRINTED_ESCAPE = re.compile(r"\\(?:x([0-9a-fA-F]{2})|.)", re.DOTALL)
+# A \xHH escape of printed grammar text (the printer writes two digits): a backslash after
+# an even run of backslashes (the pairs are escaped backslashes, kept as group 1), an x and
+# two hex digits (group 2). Matched and rewritten without a Python call per match: a printed
+# JSON-schema grammar holds hundreds of other escapes.
+_PRINTED_HEX = re.compile(r"(?<!\\)((?:\\\\)*)\\x([0-9a-fA-F]{2})")
 
 
 def _unambiguous_hex(text: str) -> str:
     """Printed grammar ``text`` with each ``\\xHH`` written ``\\u00HH``: xgrammar prints a
     character up to U+00FF as ``\\xHH`` and its parser reads every hex digit after ``\\x``
     (``"\\xe9a"``, printed for ``"éa"``, reads back as U+0E9A)."""
-    def unambiguous(m: re.Match[str]) -> str:
-        return f"\\u00{m.group(1)}" if m.group(1) is not None else m.group(0)
-    return _PRINTED_ESCAPE.sub(unambiguous, text)
+    return _PRINTED_HEX.sub(r"\1\\u00\2", text)
 
 
 def _reparsed(text: str) -> xgr.Grammar:
@@ -745,30 +737,28 @@ def _reparsed(text: str) -> xgr.Grammar:
     return xgr.Grammar.from_ebnf(_unambiguous_hex(text))
 
 
-def _readable(printed: str) -> str:
-    """The text xgrammar ``printed`` for a grammar, as its parser reads it
-    (:func:`_unambiguous_hex`), once known to read back as the grammar it was printed for (it
-    prints the same once read back).
+def _edited(printed: str, new: str) -> str:
+    """The grammar text ``new``, a change of the text xgrammar ``printed`` for a grammar (or
+    that text itself), as its parser reads it (:func:`_unambiguous_hex`), once ``printed`` is
+    known to read back as the grammar it was printed for (it prints the same once read back).
 
     Raises:
-        GrammarShapeError: ``printed`` does not read back so: neither it nor a change of it
-            would mean what it says.
+        GrammarShapeError: ``printed`` does not read back so: a change of it would not mean
+            what it says.
     """
     if str(_reparsed(printed)) != printed:
         raise GrammarShapeError("xgrammar does not read its printed grammar back as printed; "
                                 "capgraph cannot repair it as text")
-    return _unambiguous_hex(printed)
+    return _unambiguous_hex(new)
 
 
 def _changed(printed: str, new: str) -> xgr.Grammar:
-    """The grammar text ``new``, a change of the text xgrammar ``printed`` for a grammar,
-    parsed (:func:`_reparsed`), once ``printed`` reads back (:func:`_readable`).
+    """:func:`_edited`, parsed.
 
     Raises:
         GrammarShapeError: ``printed`` does not read back as printed.
     """
-    _readable(printed)
-    return _reparsed(new)
+    return xgr.Grammar.from_ebnf(_edited(printed, new))
 
 
 def _ffi(obj: Any, *methods: str) -> Any:
@@ -1175,8 +1165,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                     check(lambda: xgr.Grammar.from_lark(
                         text, tokenizer_info=self.tokenizer_info), where, False)
                     _refuse_wider_lark_regexes(text, where)
-                else:
-                    check(lambda: _ebnf_grammar(text), where, True)
+                else:  # (parsed and built only: the rules rewrite is the compile's)
+                    check(lambda: _build_automata(xgr.Grammar.from_ebnf(text)), where, True)
 
     @staticmethod
     def _refuse_unenforced_in_tag(guide: str) -> None:
