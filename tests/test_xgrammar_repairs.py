@@ -191,7 +191,7 @@ def test_schema_pattern_with_a_non_ecma_escape_is_refused_before_xgrammar(xg, xg
 
 
 @pytest.mark.parametrize("fmt,reported", [
-    ({"type": "regex", "pattern": "a$b"}, "'$' should be at the end"),
+    ({"type": "regex", "pattern": "a$b"}, "Anchor '$' in the middle of regex is ignored"),
     ({"type": "repeat", "min": 0, "max": 3_000_000_000,
       "content": {"type": "const_string", "value": "a"}}, "repetition count 3000000000"),
 ])
@@ -201,6 +201,20 @@ def test_structural_tag_with_an_ignored_part_is_refused(xg, fmt, reported):
     with pytest.raises(UnsupportedGuideError) as info:
         xg.compile(P.structural_tag(json.dumps({"type": "structural_tag", "format": fmt})))
     assert info.value.guide_type == "STRUCTURAL_TAG" and reported in str(info.value)
+
+
+def test_a_tag_regex_elements_lookahead_is_refused_whatever_the_policy(xg, xg_ignore):
+    """A tag's regex element is checked as it is compiled (its automaton, which drops a
+    lookahead with a warning), so ``json_unenforced_keywords="ignore"`` does not let the
+    dropped lookahead through either, as for a REGEX guide (checked with the rules' reader,
+    which raises on it, the element passed the check and then compiled without it)."""
+    tag = json.dumps({"type": "structural_tag",
+                      "format": {"type": "regex", "pattern": "(?!a)[a-z]"}})
+    for factory in (xg, xg_ignore):
+        with pytest.raises(UnsupportedGuideError, match="Lookahead"):
+            factory.compile(P.structural_tag(tag))
+        with pytest.raises(UnsupportedGuideError, match="Lookahead"):
+            factory.compile(P.regex("(?!a)[a-z]"))
 
 
 @pytest.mark.parametrize("regex,good,bad", [
@@ -441,6 +455,46 @@ def test_the_keyword_policy_judges_the_schema_xgrammar_gets(xg):
         xg.compile(P.json_schema(schema))
 
 
+@pytest.mark.parametrize("schema", [
+    # a value the pattern refuses: "\\n" is backslash-n, the pattern takes a newline
+    {"type": "string", "enum": ["\\n", "a"], "pattern": "^(a|\n)$"},
+    {"type": "string", "const": "\\\"", "pattern": "^\"$"},
+    # a listed name the pattern matches, whose schema then applies to it as well
+    {"type": "object", "properties": {"\n": {"type": "integer"}},
+     "patternProperties": {"^\n$": {"type": "integer", "minimum": 5}}, "required": ["\n"]},
+])
+def test_the_keyword_policy_reads_patterns_as_written(xg, schema):
+    """The policy judges a schema's patterns as they are written, not as they are given to
+    xgrammar (there they match JSON text: a newline as its escape), so it sees that a value
+    or a listed name meets the pattern and refuses what xgrammar would not enforce (judging
+    the rewritten patterns, these compiled and let the violating value through: the text
+    backslash-n where a newline is meant, a backslash-quote where a quote is, the listed name
+    with a value under the pattern's minimum)."""
+    with pytest.raises(UnsupportedGuideError):
+        xg.compile(P.json_schema(schema))
+    tag = _schema_tag({"type": "object", "properties": {"v": schema}, "required": ["v"]})
+    with pytest.raises(UnsupportedGuideError):
+        xg.compile(P.structural_tag(tag))
+
+
+def test_pattern_keys_written_alike_keep_both_schemas():
+    """Two patternProperties keys that differ as text but are the same regex once written
+    for a backend keep both schemas (as an allOf), for xgrammar and for llguidance: a dict
+    of the rewritten keys kept only the last, dropping the first's constraints."""
+    from capgraph.grammar.semantics import llguidance_schema, rewritten_keys
+    schema = {"type": "object", "patternProperties": {
+        "^a$": {"type": "integer"}, "^\\x61$": {"minimum": 3}, "^(?:a)$": {"maximum": 9},
+        "^[a]$": {"multipleOf": 2}}}
+    for written in (xgrammar_schema(json.dumps(schema)), llguidance_schema(json.dumps(schema))):
+        keyed = json.loads(written)["patternProperties"]
+        assert keyed["^a$"] == {"allOf": [{"type": "integer"}, {"minimum": 3}]}
+        assert keyed["^(?:a)$"] == {"maximum": 9} and keyed["^[a]$"] == {"multipleOf": 2}
+    assert rewritten_keys({"x": 1, "X": 2, "y": 3}, str.lower) == {"x": {"allOf": [1, 2]},
+                                                                   "y": 3}
+    assert rewritten_keys({"x": 1, "X": 2, "x ": 3}, lambda k: k.strip().lower()) == {
+        "x": {"allOf": [1, 2, 3]}}
+
+
 def test_a_minitems_array_compiles(xg):
     """{"type": "array", "minItems": 1} was a compile error (xgrammar read "only []")."""
     try:
@@ -566,8 +620,18 @@ def test_a_tag_json_schema_element_keeps_its_whitespace_cap(xg, tekken):
     assert not accepts(xg, tekken, params, '<t>{"a":  "xy"}</t>')
 
 
+def test_a_tag_json_schema_elements_excludes_hold(xg, tekken):
+    """An element with ``excludes`` is left to xgrammar, which enforces them (the repaired
+    grammar has no place for them: given as one, a string holding an excluded text passed)."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    params = P.structural_tag(_schema_tag(schema, excludes=["bad"]))
+    assert accepts(xg, tekken, params, '<t>{"a": "ok"}</t>')
+    assert not accepts(xg, tekken, params, '<t>{"a": "bad"}</t>')
+
+
 @pytest.mark.parametrize("element", [{"style": "qwen_xml"}, {"any_order": True},
-                                     {"max_whitespace_cnt": 0}])
+                                     {"max_whitespace_cnt": 0}, {"excludes": ["x"]},
+                                     {"some_later_option": 1}])
 def test_other_json_schema_elements_are_left_to_xgrammar(element):
     """An element written otherwise than as plain JSON in the listed order (or ill-formed, for
     xgrammar's error to name) is given to xgrammar as it is."""

@@ -751,14 +751,22 @@ def plain_tag_schema(node: Mapping[str, Any]) -> bool:
     """Whether the structural-tag object ``node`` is a ``json_schema`` element whose schema
     is written as plain JSON in the order listed: an object schema, ``style`` absent or
     ``"json"``, ``any_order`` absent or false, ``max_whitespace_cnt`` absent, null or a
-    positive integer. The xgrammar backend compiles such an element as the repaired grammar
-    of a JSON-schema guide of that schema (with the element's whitespace); any other form is
-    left to xgrammar (and an ill-formed one to its error)."""
-    if node.get("type") != "json_schema" or not isinstance(node.get("json_schema"), dict):
+    positive integer, ``excludes`` absent or empty, and no other key. The xgrammar backend
+    compiles such an element as the repaired grammar of a JSON-schema guide of that schema
+    (with the element's whitespace), which has no place for anything else the element says;
+    any other form is left to xgrammar (and an ill-formed one to its error)."""
+    if node.get("type") != "json_schema" or not isinstance(node.get("json_schema"), dict) \
+            or not _PLAIN_TAG_SCHEMA_KEYS.issuperset(node):
         return False
     cap = node.get("max_whitespace_cnt")
     return (node.get("style", "json") == "json" and node.get("any_order", False) is False
-            and (cap is None or (type(cap) is int and cap > 0)))
+            and (cap is None or (type(cap) is int and cap > 0))
+            and node.get("excludes", []) == [])
+
+
+# The keys of a json_schema element :func:`plain_tag_schema` knows what to do with.
+_PLAIN_TAG_SCHEMA_KEYS = frozenset({"type", "json_schema", "style", "any_order",
+                                    "max_whitespace_cnt", "excludes"})
 
 
 def _walk_tag(tag: Any, found: list[Unenforced]) -> None:

@@ -40,7 +40,7 @@ import bisect
 import functools
 import json
 import re
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from .regex_classes import OutsideEscape, regex_parts
 from .schema_policy import subschemas
@@ -847,10 +847,10 @@ def _rewrite(schema_text: str, unlisted_absent: bool) -> str:
                 result[key] = ecma_regex(value, "llguidance", "JSON_SCHEMA",
                                          f"the pattern {value!r}", json_string=True)
             elif key == "patternProperties" and isinstance(value, dict):
-                result[key] = {ecma_regex(k, "llguidance", "JSON_SCHEMA",
-                                          f"the patternProperties key {k!r}",
-                                          json_string=True): walk(v, inner)
-                               for k, v in value.items()}
+                result[key] = rewritten_keys(
+                    {k: walk(v, inner) for k, v in value.items()},
+                    lambda k: ecma_regex(k, "llguidance", "JSON_SCHEMA",
+                                         f"the patternProperties key {k!r}", json_string=True))
             elif key in _SCHEMA_MAPS and isinstance(value, dict):
                 result[key] = {k: walk(v, inner) for k, v in value.items()}
             else:
@@ -876,7 +876,7 @@ _LISTS_PROPERTIES = ("properties", "patternProperties", "additionalProperties",
 _COMBINED_WITH_SIBLINGS = ("$ref", "allOf", "anyOf", "oneOf")
 
 
-def xgrammar_schema(schema_text: str) -> str:
+def xgrammar_schema(schema_text: str, *, patterns: bool = True) -> str:
     """The JSON schema ``schema_text`` as xgrammar must be given it to mean what capgraph
     documents: an array or object schema that lists no items / properties allows any.
 
@@ -894,7 +894,9 @@ def xgrammar_schema(schema_text: str) -> str:
     ``const`` schemas (their values win) and schemas next to ``$ref`` / ``allOf`` / ``anyOf`` /
     ``oneOf`` (read together with those). Text that is not a JSON object, and a schema with
     nothing to add, are returned unchanged. Every ``pattern`` and ``patternProperties`` key
-    is written as :func:`ecma_regex` writes it for xgrammar."""
+    is written as :func:`ecma_regex` writes it for xgrammar, unless ``patterns`` is false: the keyword policy judges that form, whose
+    keywords are the user's and whose patterns still mean what they say (the rewritten ones
+    match JSON text, escapes included, not the string a validator sees)."""
     try:
         schema = json.loads(schema_text)
     except ValueError:
@@ -909,7 +911,8 @@ def xgrammar_schema(schema_text: str) -> str:
             continue  # a boolean schema, or malformed: xgrammar's own error says so
         stack.extend(sub for sub, _ in subschemas(node))
         changed |= _allow_unlisted(node)
-        changed |= _xgrammar_patterns(node)
+        if patterns:
+            changed |= _xgrammar_patterns(node)
     return json.dumps(schema) if changed else schema_text
 
 
@@ -926,12 +929,31 @@ def _xgrammar_patterns(node: dict[str, Any]) -> bool:
         node["pattern"] = new
     keyed = node.get("patternProperties")
     if isinstance(keyed, dict):
-        new_keys = {ecma_regex(k, "xgrammar", "JSON_SCHEMA", f"the patternProperties key {k!r}",
-                               json_string=True): v for k, v in keyed.items()}
+        new_keys = rewritten_keys(keyed, lambda k: ecma_regex(
+            k, "xgrammar", "JSON_SCHEMA", f"the patternProperties key {k!r}", json_string=True))
         if list(new_keys) != list(keyed):
             node["patternProperties"] = new_keys
             changed = True
     return changed
+
+
+def rewritten_keys(keyed: Mapping[str, Any], rewrite: Callable[[str], str]) -> dict[str, Any]:
+    """The ``patternProperties`` map ``keyed`` with each key as ``rewrite`` writes it. Keys
+    that differ as text but are written alike (``^a$`` and ``^\\x61$``) are one regex with
+    both schemas: its value is ``{"allOf": [...]}`` of their values, in the order given (a
+    dict would keep only the last, dropping the other's constraints)."""
+    out: dict[str, Any] = {}
+    merged: set[str] = set()
+    for key, value in keyed.items():
+        new = rewrite(key)
+        if new not in out:
+            out[new] = value
+        elif new in merged:
+            out[new]["allOf"].append(value)
+        else:
+            out[new] = {"allOf": [out[new], value]}
+            merged.add(new)
+    return out
 
 
 def _allow_unlisted(node: dict[str, Any]) -> bool:

@@ -385,33 +385,33 @@ def _refuse_wider_lark_regexes(grammar: str, where: str) -> None:
                 "EBNF_GRAMMAR guide)", guide_type=GuideType.STRUCTURAL_TAG.name, backend=BACKEND)
 
 
-def _tag_schemas_prepared(tag: str) -> str:
+def _tag_schemas_prepared(tag: str, *, patterns: bool = True) -> str:
     """The structural tag ``tag`` (JSON text) with every JSON schema it embeds (the value of
     a ``"json_schema"`` key: ``json_schema`` and ``qwen_xml_parameter`` elements; each
     ``%json`` value of a Lark ``grammar`` element) as
-    :func:`~capgraph.grammar.semantics.xgrammar_schema` writes it, as a JSON-schema guide is;
-    text that is not JSON, or has nothing to change, is returned unchanged
-    (:func:`~capgraph.grammar.semantics.changed_tag`)."""
+    :func:`~capgraph.grammar.semantics.xgrammar_schema` writes it (with ``patterns``), as a
+    JSON-schema guide is; text that is not JSON, or has nothing to change, is returned
+    unchanged (:func:`~capgraph.grammar.semantics.changed_tag`)."""
     def change(node: dict[str, Any], _: str) -> bool:
         changed = False
         schema = node.get("json_schema")
         if isinstance(schema, dict):
             text = json.dumps(schema)
-            prepared = xgrammar_schema(text)
+            prepared = xgrammar_schema(text, patterns=patterns)
             if prepared != text:
                 node["json_schema"], changed = json.loads(prepared), True
         grammar = node.get("grammar")
         if node.get("syntax") == "lark" and isinstance(grammar, str):
-            node["grammar"] = _lark_schemas_prepared(grammar)
+            node["grammar"] = _lark_schemas_prepared(grammar, patterns=patterns)
             changed |= node["grammar"] != grammar
         return changed
     return changed_tag(tag, change)
 
 
-def _lark_schemas_prepared(grammar: str) -> str:
+def _lark_schemas_prepared(grammar: str, *, patterns: bool = True) -> str:
     """The Lark ``grammar`` with each ``%json`` schema as
-    :func:`~capgraph.grammar.semantics.xgrammar_schema` writes it; unchanged where its text
-    cannot be read (the compile reports that)."""
+    :func:`~capgraph.grammar.semantics.xgrammar_schema` writes it (with ``patterns``);
+    unchanged where its text cannot be read (the compile reports that)."""
     try:
         values = lark_json_values(grammar)
     except LarkTextError:
@@ -419,7 +419,8 @@ def _lark_schemas_prepared(grammar: str) -> str:
     if not values:
         return grammar
     return replace_json_values(grammar, values,
-                               [xgrammar_schema(json.dumps(v.value)) for v in values])
+                               [xgrammar_schema(json.dumps(v.value), patterns=patterns)
+                                for v in values])
 
 
 def _refuse_ignored(guide_type: GuideType, warned: Sequence[str]) -> None:
@@ -1063,8 +1064,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                     compiled = run_lowered(lambda: self._compiler.compile_grammar(grammar))
             elif gt is GuideType.JSON_SCHEMA:
                 schema = xgrammar_schema(guide)  # what capgraph means, as xgrammar reads it
-                if refuse:
-                    self._refuse_unenforced(schema)
+                if refuse:  # (its patterns as written: the rewritten ones match JSON text)
+                    self._refuse_unenforced(xgrammar_schema(guide, patterns=False))
                 grammar, warned = _converted(lambda: _repaired(
                     xgr.Grammar.from_json_schema(schema, **self._json_options)))
                 if warned and refuse:
@@ -1084,11 +1085,11 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 _refuse_lookaheads(grammar, gt)
                 compiled = run_lowered(lambda: self._compiler.compile_grammar(grammar))
             elif gt is GuideType.STRUCTURAL_TAG:
-                guide = _tag_schemas_prepared(guide)  # its schemas as JSON_SCHEMA guides'
-                tag, placed = _resolve_tag_tokens(ecma_tag(guide), self._special_ids_by_name)
+                prepared = _tag_schemas_prepared(guide)  # its schemas as JSON_SCHEMA guides'
+                tag, placed = _resolve_tag_tokens(ecma_tag(prepared), self._special_ids_by_name)
                 self._refuse_ignored_in_tag(tag)
                 if refuse:  # the JSON schemas a tag embeds: as JSON-schema guides
-                    self._refuse_unenforced_in_tag(guide)
+                    self._refuse_unenforced_in_tag(_tag_schemas_prepared(guide, patterns=False))
                 grammar, warned = _converted(lambda: xgr.Grammar.from_structural_tag(
                     _tag_schemas_repaired(_tag_regexes_faster(tag))))
                 if warned and refuse:
@@ -1155,8 +1156,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         for node, at in tag_nodes(doc):
             kind, where = node.get("type"), f"the {node.get('type')} element at {at or '/'}"
             if kind == "regex" and isinstance(node.get("pattern"), str):
-                pattern = node["pattern"]
-                check(lambda: xgr.Grammar.from_regex(pattern), where, False)
+                pattern = node["pattern"]  # (converted as its compile will)
+                check(lambda: _regex_grammar(pattern), where, False)
             elif kind == "grammar" and isinstance(node.get("grammar"), str):
                 text = node["grammar"]
                 if node.get("syntax", "ebnf") == "lark":
