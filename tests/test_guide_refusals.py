@@ -140,6 +140,70 @@ def test_lark_text_that_spells_a_reference_is_text(llg):
         assert matcher.accept_token(token)
 
 
+@pytest.mark.parametrize("hidden", ["\x1c", "\x1d", "\x1e", "\x1f"])
+def test_text_python_reads_as_whitespace_hides_no_reference(llg, hidden):
+    """llguidance reads ``<q\x1c/>`` as one token reference (U+001C-U+001F are no Unicode
+    White_Space); read with Python's ``\\s`` it ended there, its ``/`` then opened a regex
+    literal that hid the next line's ``<[3]>`` (and any %json or %llguidance) from every
+    check, and [INST] went through. capgraph reads the text as llguidance's lexer does."""
+    grammar = f'start: "a" b\nunused: <q{hidden}/>\nb: <[3]> "/"\n'
+    with pytest.raises(RequestFailed, match="UnsupportedGuideError: .*token reference"):
+        drive(llg, P.ebnf(grammar), [1097, 3])
+
+
+def test_lark_text_llguidance_cannot_read_is_a_compile_error(llg):
+    """Text where no lexeme of llguidance's Lark lexer starts is refused with the place (a
+    reader that skipped it could be shown less than llguidance reads), in time linear in the
+    text: an unclosed regex of 40,000 escaped slashes read for 37 s, rescanned from every
+    slash."""
+    import time
+    from capgraph.errors import GrammarCompileError
+    from capgraph.grammar.lark_text import LarkTextError, lark_token_refs
+    for bad, where in (('start: "a" $', "line 1, column 12"), ('start: "a"\n  ^x', "line 2"),
+                       ('start: "a\\q"', "line 1")):
+        with pytest.raises(LarkTextError, match=where):
+            lark_token_refs(bad)
+        with pytest.raises(GrammarCompileError, match="cannot be read"):
+            llg.compile(P.ebnf(bad))
+    slashes = 'start: "a"\nx: /' + "\\/" * 40_000
+    start = time.perf_counter()
+    with pytest.raises(LarkTextError):
+        lark_token_refs(slashes)
+    assert time.perf_counter() - start < 5
+
+
+def test_lark_token_ranges_read_as_llguidance_reads_them():
+    """A range end may carry a '+' (Rust's u32 parse takes it); a digit that is not ASCII,
+    or a number past u32, is malformed (LarkTextError, not a ValueError)."""
+    from capgraph.grammar.lark_text import LarkTextError, lark_token_refs
+    refs = lark_token_refs("start: <[+1097]> <[5-+9,12]> <[7]>")
+    assert [r.ranges for r in refs] == [((1097, 1097),), ((5, 9), (12, 12)), ((7, 7),)]
+    for bad in ("<[\u00b2]>", "<[\u0663]>", "<[4294967296]>", "<[1-2-3]>"):
+        with pytest.raises(LarkTextError, match="malformed"):
+            lark_token_refs(f"start: {bad}")
+
+
+def test_lark_json_true_takes_the_whitespace_setting(llg):
+    """``%json true`` (any value) follows json_whitespace as ``%json {}`` does: compact refuses
+    a spaced value (``true`` was given to llguidance as is, which applies options to object
+    schemas only); a JSON_SCHEMA guide ``true`` compiles."""
+    compact = create_matcher_factory(dataclasses.replace(llg.config, json_whitespace="compact"))
+    for grammar in ("start: %json true", "start: %json {}"):
+        assert all(drive(compact, P.ebnf(grammar), text_ids(llg, '{"a":[1,2]}')))
+        assert not all(drive(compact, P.ebnf(grammar), text_ids(llg, '{ "a" : [1, 2] }')))
+    compact.compile(P.json_schema("true"))
+
+
+def test_tag_lark_grammar_capgraph_cannot_read_is_refused(xg):
+    """On xgrammar, a structural tag's Lark grammar element is read as llguidance's lexer
+    reads it to check its %json schemas and regexes; text that reader cannot read is refused
+    (it could hide a %json from the check), naming the element."""
+    grammar = 'start: "a" b\nb: %json {"type": "string"} $'
+    with pytest.raises(UnsupportedGuideError, match="cannot read the Lark grammar of the "
+                       "grammar element at /format .*line 2"):
+        xg.compile(tag({"type": "grammar", "syntax": "lark", "grammar": grammar}))
+
+
 # --- llguidance: %llguidance options -------------------------------------------------------
 
 def test_llguidance_allow_invalid_utf8_is_refused(llg, llg_ignore):
@@ -166,6 +230,8 @@ def test_llguidance_unknown_option_is_refused(llg):
         drive(llg, P.ebnf('%llguidance [1]\nstart: "ab"'), [])
     ok = '%llguidance {"no_forcing": true, "allow_initial_skip": true}\nstart: "ab" /%llguidance/'
     assert all(drive(llg, P.ebnf(ok), text_ids(llg, "ab%llguidance")))
+    once = '%llguidance {"ignore_once": true}\nstart: "a" "b"\n%ignore " "'
+    assert all(drive(llg, P.ebnf(once), text_ids(llg, "a b")))
 
 
 # --- xgrammar: EBNF lookaheads ---------------------------------------------------------------

@@ -87,15 +87,33 @@ def test_lark_forced_bytes_read_a_bounded_number_of_masks(factory_cache, tekken)
     assert schema.forced_bytes(64).startswith(b'{')
 
 
-@pytest.mark.parametrize("rule", ["r[lazy]: /[a-z]*/", "r[lazy]: /[a-z]?/",
-                                  "r[capture, lazy]: /x*/  // a comment"])
+@pytest.mark.parametrize("rule", [
+    "r[lazy]: /[a-z]*/", "r[lazy]: /[a-z]?/", "r[capture, lazy]: /x*/  // a comment",
+    # however the empty match is written (each of these was let through)
+    "r[lazy]: R\nR: /[a-z]*/", "r[lazy]: (/[a-z]*/)", "r[lazy]: /[a-z]*/ \"\"",
+    "r[lazy]: /\\p{Ll}*/", "r[lazy]:\n  | /[a-z]*/", "r[lazy]: \"a\" | [\"b\"]",
+    "r[lazy]: \"a\"~0..2", "r[lazy, max_tokens=4]: s s\ns: \"a\"?",
+])
 def test_lazy_rule_matching_the_empty_text_is_refused(factory_cache, rule):
     """llguidance documents a lazy lexeme as matching as few bytes as possible; for one that
     matches the empty text it takes one character (``"<" r ">"`` accepted ``<a>``): refused by
-    name, with the rule and its line."""
+    name, with the rule and its line, whether the empty match is the rule's one regex or comes
+    through a terminal, a group, an alternative, an optional part or a repeat."""
     with pytest.raises(UnsupportedGuideError, match=r"lazy rule 'r' at line 2 .* empty text"):
         factory_cache("tekken", "llguidance").compile(
             GuidedDecodingParams.ebnf(f'start: "<" r ">"\n{rule}'))
+    named = rule.replace("r[", "my-r[", 1)
+    with pytest.raises(UnsupportedGuideError, match=r"lazy rule 'my-r' at line 2 .* empty"):
+        factory_cache("tekken", "llguidance").compile(
+            GuidedDecodingParams.ebnf(f'start: "<" my-r ">"\n{named}'))
+
+
+def test_lazy_rule_capgraph_cannot_judge_is_refused(factory_cache):
+    """A lazy rule whose body capgraph cannot show is never empty (a %regex value) is
+    refused, saying so."""
+    with pytest.raises(UnsupportedGuideError, match=r"lazy rule 'r' .* cannot tell"):
+        factory_cache("tekken", "llguidance").compile(GuidedDecodingParams.ebnf(
+            'start: "<" r ">"\nr[lazy]: %regex {"substring_words": "a b"}'))
 
 
 def test_lazy_rule_matching_text_and_stop_rules_compile(factory_cache, tekken):
@@ -105,3 +123,8 @@ def test_lazy_rule_matching_text_and_stop_rules_compile(factory_cache, tekken):
     lazy = GuidedDecodingParams.ebnf('start: "<" r ">"\nr[lazy]: /[a-z]+/')
     assert accepts(factory, tekken, lazy, "<a>") and not accepts(factory, tekken, lazy, "<>")
     factory.compile(GuidedDecodingParams.ebnf('start: foo\nfoo[stop=""]: /.*/'))
+    factory.compile(GuidedDecodingParams.ebnf('start: foo "x"\nfoo[stop="x"]: /.*/'))
+    tools = GuidedDecodingParams.ebnf(  # (llguidance's own tool-calling example's shape)
+        'start: f* TEXT\nhead[lazy]: TEXT "<f>"\nf: head %json {"type": "integer"} "</f>"\n'
+        'TEXT: /(.|\\n)*/')
+    assert accepts(factory, tekken, tools, "hi <f>12</f> bye")

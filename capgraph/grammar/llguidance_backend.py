@@ -21,8 +21,8 @@ from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory, whole_utf8_prefix
 from .semantics import (JSON_CONTAINER_SCHEMA, JSON_WHITESPACE_CHARS, ecma_regex,
                         llguidance_schema)
-from .lark_text import (LarkJson, LarkTextError, LarkTokenRef, lark_json_values, lark_options,
-                        lark_token_refs, replace_json_values)
+from .lark_text import (LarkJson, LarkTextError, LarkTokenRef, lark_json_values, lark_lazy_rules,
+                        lark_options, lark_token_refs, replace_json_values)
 from .schema_policy import describe, unenforced_in_text
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def json_whitespace_options(config: GuidedDecodingConfig) -> JsonCompileOptions:
 
 #: The options a Lark grammar's ``%llguidance {...}`` may name (llguidance's
 #: ``LLGuidanceOptions``); capgraph refuses ``allow_invalid_utf8`` set to true.
-LLGUIDANCE_OPTIONS = ("allow_initial_skip", "allow_invalid_utf8", "no_forcing")
+LLGUIDANCE_OPTIONS = ("allow_initial_skip", "allow_invalid_utf8", "ignore_once", "no_forcing")
 
 
 def _refuse(what: str) -> None:
@@ -123,36 +123,31 @@ class LLGuidanceGuide:
     forcing: bool = True
 
 
-# A rule with attributes, and its body when that is one regex literal:
-# ``name[lazy]: /[a-z]*/``.
-_ATTRIBUTED_RULE = re.compile(
-    r"^[ \t]*[?!]?(?P<name>[A-Za-z_][A-Za-z_0-9]*)[ \t]*\[(?P<attrs>[^\]\n]*)\][^:\n]*:"
-    r"[ \t]*/(?P<regex>(?:\\.|[^/\\\n])+)/[imslux]*[ \t]*(?://[^\n]*|#[^\n]*)?$",
-    re.MULTILINE)
-
-
 def _refuse_empty_lazy(grammar: str) -> None:
-    """Refuse a ``lazy`` rule of the Lark ``grammar`` whose one regex matches the empty text
-    (``r[lazy]: /[a-z]*/``). llguidance documents a lazy lexeme as matching as few bytes as
-    possible, none here, but 1.9.1 takes one character (``"<" r ">"`` accepts ``<a>`` and
-    refuses ``<ab>``), and with byte forcing its first mask panicked. (Python's ``re`` decides
-    whether the regex matches the empty text; a regex it cannot read is left alone.)"""
-    for m in _ATTRIBUTED_RULE.finditer(grammar):
-        attrs = [a.strip().split("=")[0].strip() for a in m.group("attrs").split(",")]
-        if "lazy" not in attrs:
+    """Refuse a ``lazy`` rule or terminal of the Lark ``grammar`` that may match the empty
+    text, however it is written (``r[lazy]: /[a-z]*/``, ``r[lazy]: R`` with ``R: /[a-z]*/``,
+    ``r[lazy]: "a"? | "b"*``: :func:`~capgraph.grammar.lark_text.lark_lazy_rules`), and one
+    whose body capgraph cannot judge. llguidance documents a lazy lexeme as matching as few
+    bytes as possible, none here, but 1.9.1 takes one character (``"<" r ">"`` accepts
+    ``<a>`` and refuses ``<ab>``), and with byte forcing its first mask panicked. A lazy rule
+    with a ``stop`` or ``suffix`` ends with it and is never empty.
+
+    Raises:
+        LarkTextError: the grammar cannot be read.
+    """
+    for rule in lark_lazy_rules(grammar):
+        if rule.empty is False:
             continue
-        try:
-            empty = re.fullmatch(m.group("regex").replace("\\/", "/"), "") is not None
-        except (re.error, RecursionError, OverflowError):
-            continue
-        if empty:
-            line = grammar.count("\n", 0, m.start()) + 1
-            raise UnsupportedGuideError(
-                f"the lazy rule {m.group('name')!r} at line {line} of the grammar matches the "
-                f"empty text (/{m.group('regex')}/): llguidance documents a lazy lexeme as "
-                "matching as few bytes as possible, yet takes a character there; make it "
-                "match at least one character, or drop 'lazy'",
-                guide_type="EBNF_GRAMMAR", backend=BACKEND)
+        reason = ("matches the empty text" if rule.empty else
+                  "has a body capgraph cannot tell is never empty (a %regex or %lark value, "
+                  "a grammar reference, a template, an undefined name or a regex it cannot "
+                  "read)")
+        raise UnsupportedGuideError(
+            f"the lazy rule {rule.name!r} at line {rule.line} of the grammar {reason}: "
+            "llguidance documents a lazy lexeme as matching as few bytes as possible, yet "
+            "takes a character where its body may be empty; make it match at least one "
+            "character, give it a stop or suffix, or drop 'lazy'",
+            guide_type="EBNF_GRAMMAR", backend=BACKEND)
 
 
 #: The most masks :meth:`LLGuidanceMatcher.forced_bytes` reads for a guide llguidance does

@@ -744,7 +744,11 @@ def llguidance_schema(schema_text: str) -> str:
     ``oneOf`` branches and ``$defs`` / ``definitions`` entries. Conditions (``not``, ``if``,
     ``contains``, ``propertyNames``, ...) and ``allOf`` branches (which xgrammar merges with
     their parent before it reads them) are left as written. A bare ``{"type": "object"}`` or ``{"type": "array"}`` allows anything on
-    both. Text that is not JSON is returned unchanged."""
+    both. The schema ``true`` is given as ``{}`` (the same: any value; llguidance applies
+    its options, capgraph's whitespace among them, to an object schema only). Text that is
+    not JSON is returned unchanged."""
+    if schema_text.strip() == "true":
+        return "{}"
     return _rewrite(schema_text, unlisted_absent=True)
 
 

@@ -369,12 +369,16 @@ def _refuse_ignored_in_tag(warned: Sequence[str], where: str) -> None:
 def _refuse_wider_lark_regexes(grammar: str, where: str) -> None:
     """Refuse the Lark ``grammar`` of a structural tag's ``grammar`` element (``where``) if
     xgrammar would read one of its regex literals wider than Lark does
-    (:func:`~capgraph.grammar.semantics.xgrammar_wider`); a grammar whose text cannot be
-    read is left for the tag's compile to report."""
+    (:func:`~capgraph.grammar.semantics.xgrammar_wider`), or if capgraph cannot read it as
+    llguidance's Lark lexer does (:mod:`~capgraph.grammar.lark_text`): its ``%json`` schemas
+    and regexes are checked as read so, and text read otherwise could hide one."""
     try:
         regexes = lark_regexes(grammar)
-    except LarkTextError:
-        return
+    except LarkTextError as e:
+        raise UnsupportedGuideError(
+            f"capgraph cannot read the Lark grammar of {where} ({e}), so it cannot check its "
+            "%json schemas and regexes; write it as llguidance's Lark reads it",
+            guide_type=GuideType.STRUCTURAL_TAG.name, backend=BACKEND) from None
     for found in regexes:
         wider = xgrammar_wider(found.pattern, "i" in found.flags)
         if wider:
