@@ -256,6 +256,88 @@ def test_xgrammar_failure_or_timeout_keeps_llguidance(tok, sides):
     assert hand.served_by == "llguidance"
 
 
+class CountedHandOver(HeldHandOver):
+    """A held hand-over factory whose xgrammar handles say when they are given up: one held
+    compile per guide, each handle on it numbered; ``given_up`` lists the numbers."""
+
+    def __init__(self, config, xgrammar, llguidance) -> None:
+        super().__init__(config, xgrammar, llguidance)
+        self.futures: dict[str, Future] = {}
+        self.handles: list[CompileHandle] = []
+        self.given_up: list[int] = []
+
+    def _start_xgrammar(self, params) -> CompileHandle:
+        if params.guide not in self.futures:
+            self.futures[params.guide] = Future()
+            self.held.append((self.futures[params.guide], params))
+        number = len(self.handles)
+        handle = CompileHandle(self.futures[params.guide], params,
+                               lambda _: self.given_up.append(number))
+        self.handles.append(handle)
+        return handle
+
+
+def _given_up_settled() -> None:
+    from capgraph.grammar.handover import give_ups_pending
+    deadline = time.monotonic() + 10
+    while give_ups_pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # (the last one taken from the queue is being given up)
+
+
+def test_each_matcher_of_a_compiled_guide_waits_for_xgrammar_on_its_own(tok, sides):
+    """Matchers made from one compiled guide (an engine's copy of a request) each hold a
+    handle of their own on the xgrammar compile: the first request to end gives up only its
+    own, the other still hands over (one shared handle was given up for all of them: the
+    compile was then dropped as unwanted, or in a process pool never started)."""
+    params, tokens = REGEX_CASES[0][0], encode_continuation(tok, REGEX_CASES[0][1])
+    factory = CountedHandOver(GuidedDecodingConfig.from_tokenizer(tok, backend="auto"), *sides)
+    compiled = factory.compile(params)
+    first, second = (factory.create_from_compiled(compiled) for _ in range(2))
+    assert len(factory.handles) == 2 and first._pending is not second._pending
+    del first
+    _given_up_settled()
+    assert factory.given_up == [0]
+    factory.release()
+    assert second.accept_token(tokens[0])
+    Rows(factory.config.vocab_size_padded).of(second)
+    assert second.served_by == "xgrammar" and factory.given_up == [0]
+
+
+def test_a_matcher_dropped_under_the_factory_lock_gives_up_later(tok, sides):
+    """A hand-over matcher collected on a thread that holds the xgrammar factory's lock (the
+    garbage collector runs wherever an allocation triggers it) does not give its compile up
+    there (that takes the same lock: the thread deadlocked, and with it every compile); the
+    give-up comes once the lock is free."""
+    import threading
+    params = REGEX_CASES[0][0]
+    xgrammar = sides[0]
+    factory = CountedHandOver(GuidedDecodingConfig.from_tokenizer(tok, backend="auto"), *sides)
+    compiled = factory.compile(params)
+    taken: list[int] = []
+
+    def give_up_under_lock(_: Future) -> None:
+        with xgrammar._lock:  # (what the real give-up does: the factory's _timed_out)
+            taken.append(1)
+
+    factory.handles[0] = CompileHandle(factory.futures[params.guide], params,
+                                       give_up_under_lock)
+    object.__setattr__(compiled.payload, "xgrammar", factory.handles[0])
+
+    def drop_under_lock() -> None:
+        matcher = factory.create_from_compiled(compiled)
+        with xgrammar._lock:
+            del matcher  # (collected here: its finalizer runs on this thread, lock held)
+
+    thread = threading.Thread(target=drop_under_lock, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "dropping the matcher under the factory lock deadlocked"
+    _given_up_settled()
+    assert taken == [1]
+    factory.release()
+
+
 def test_routing(tok, sides):
     """Which guides get a hand-over: regex and JSON schema do; a guide xgrammar already has,
     an EBNF grammar and JSON go straight to xgrammar; a schema llguidance refuses is

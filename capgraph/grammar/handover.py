@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 import time
 import weakref
@@ -68,10 +69,31 @@ HANDOVER_GUIDES = frozenset({GuideType.REGEX, GuideType.JSON_SCHEMA})
 @dataclass(frozen=True, slots=True)
 class HandOverGuide:
     """The payload of a guide served by a hand-over: llguidance's compiled guide, and the
-    xgrammar compile still running (this request's own handle on it)."""
+    xgrammar compile still running (the handle the compile's request holds on it; the first
+    matcher made from the guide takes it over, each later one joins the compile with a
+    handle of its own: :meth:`handle`)."""
 
     llguidance: CompiledGuide
     xgrammar: CompileHandle
+    _taken: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False,
+                                                compare=False)
+
+    def handle(self, join: Callable[[], CompileHandle]) -> CompileHandle:
+        """A handle on the xgrammar compile for one more matcher: :attr:`xgrammar` the first
+        time; later, the same one where the compile is over, else a new one from ``join``
+        (the factory's ``compile_async``, which joins the compile in flight). Each matcher
+        gives its own up when its request ends, so the compile is stopped only when no
+        request waits for it (one handle shared by several requests was given up by the
+        first to end, for all of them)."""
+        with _TAKE_LOCK:
+            first = not self._taken.is_set()
+            self._taken.set()
+        if first or self.xgrammar.done():
+            return self.xgrammar
+        return join()
+
+
+_TAKE_LOCK = threading.Lock()
 
 
 class HandOverMatcher(GrammarMatcher):
@@ -106,6 +128,7 @@ class HandOverMatcher(GrammarMatcher):
         self.handover_position: int | None = None
         # a request that ends (its matcher dropped) before the compile lands stops waiting
         # for it, so a compile nobody needs is stopped where the backend can stop it
+        _start_give_ups()
         self._abandon = weakref.finalize(self, _abandon_pending, pending)
         self._watcher: Callable[[GrammarMatcher], None] | None = None
 
@@ -208,9 +231,45 @@ class HandOverMatcher(GrammarMatcher):
             watcher(self)
 
 
+# Compiles whose request ended before they landed (its matcher collected). The finalizer that
+# finds them runs wherever the garbage collector does: on a thread that holds the factory's
+# lock, or one another thread waits for while holding it (``Thread.start`` in a compile's
+# submit), so giving up there (which takes that lock) could deadlock the server. It only
+# queues the handle (``SimpleQueue.put`` is safe in a finalizer); a daemon thread gives
+# them up.
+_GIVE_UPS: "queue.SimpleQueue[CompileHandle]" = queue.SimpleQueue()
+_GIVE_UP_THREAD: list[threading.Thread] = []
+_GIVE_UP_START = threading.Lock()
+
+
+def _start_give_ups() -> None:
+    """Start the thread that gives up queued compiles, once per process."""
+    with _GIVE_UP_START:
+        if not _GIVE_UP_THREAD or not _GIVE_UP_THREAD[0].is_alive():
+            thread = threading.Thread(target=_give_ups, name="capgraph-give-ups", daemon=True)
+            thread.start()
+            _GIVE_UP_THREAD[:] = [thread]
+
+
+def _give_ups() -> None:
+    while True:
+        handle = _GIVE_UPS.get()
+        try:
+            if not handle.done():
+                handle.give_up()
+        except Exception:  # noqa: BLE001 - one failed give-up must not stop the others
+            _log.exception("capgraph: giving up an abandoned xgrammar compile failed")
+
+
+def give_ups_pending() -> int:
+    """How many abandoned compiles wait to be given up (for tests and diagnostics)."""
+    return _GIVE_UPS.qsize()
+
+
 def _abandon_pending(handle: CompileHandle) -> None:
-    if not handle.done():
-        handle.give_up()
+    """A matcher's finalizer: queue its compile handle for :func:`_give_ups` (only that:
+    see :data:`_GIVE_UPS`)."""
+    _GIVE_UPS.put(handle)
 
 
 class HandOverMatcherFactory(GrammarMatcherFactory):
@@ -316,8 +375,10 @@ class HandOverMatcherFactory(GrammarMatcherFactory):
     def create_from_compiled(self, compiled: CompiledGuide) -> GrammarMatcher:
         if compiled.backend == BACKEND:
             guide: HandOverGuide = compiled.payload
-            return HandOverMatcher(self.llguidance.create_from_compiled(guide.llguidance),
-                                   guide.xgrammar, self.xgrammar, self.config.compile_timeout_s)
+            return HandOverMatcher(
+                self.llguidance.create_from_compiled(guide.llguidance),
+                guide.handle(lambda: self._start_xgrammar(compiled.params)), self.xgrammar,
+                self.config.compile_timeout_s)
         return self._by_backend[compiled.backend].create_from_compiled(compiled)
 
     # -- per-step calls -----------------------------------------------------------------------
