@@ -42,6 +42,7 @@ import json
 import re
 from typing import Any, Callable, Iterator, Mapping
 
+from .formats import exact_format
 from .regex_classes import OutsideEscape, regex_parts
 from .schema_policy import subschemas
 
@@ -725,7 +726,7 @@ def ascii_schema_patterns(schema_text: str) -> str:
     """The JSON schema ``schema_text`` with every ``pattern`` and every ``patternProperties``
     key as llguidance must be given it (:func:`ecma_regex`); text that is not JSON is returned
     unchanged."""
-    return _rewrite(schema_text, unlisted_absent=False)
+    return _rewrite(schema_text, unlisted_absent=False, formats=False)
 
 
 def llguidance_schema(schema_text: str) -> str:
@@ -744,12 +745,13 @@ def llguidance_schema(schema_text: str) -> str:
     ``oneOf`` branches and ``$defs`` / ``definitions`` entries. Conditions (``not``, ``if``,
     ``contains``, ``propertyNames``, ...) and ``allOf`` branches (which xgrammar merges with
     their parent before it reads them) are left as written. A bare ``{"type": "object"}`` or ``{"type": "array"}`` allows anything on
-    both. The schema ``true`` is given as ``{}`` (the same: any value; llguidance applies
-    its options, capgraph's whitespace among them, to an object schema only). Text that is
-    not JSON is returned unchanged."""
+    both. A ``format`` llguidance reads wider than the format is given as its exact pattern
+    (:func:`~capgraph.grammar.formats.exact_format`), and the schema ``true`` as ``{}`` (the
+    same: any value; llguidance applies its options, capgraph's whitespace among them, to an
+    object schema only). Text that is not JSON is returned unchanged."""
     if schema_text.strip() == "true":
         return "{}"
-    return _rewrite(schema_text, unlisted_absent=True)
+    return _rewrite(schema_text, unlisted_absent=True, formats=True)
 
 
 # Where a subschema describes (part of) the instance itself, so the strict reading applies to
@@ -831,7 +833,7 @@ def _listed(node: dict[str, Any], name: Any) -> bool:
     return False
 
 
-def _rewrite(schema_text: str, unlisted_absent: bool) -> str:
+def _rewrite(schema_text: str, unlisted_absent: bool, formats: bool) -> str:
     try:
         schema = json.loads(schema_text)
     except ValueError:
@@ -861,6 +863,10 @@ def _rewrite(schema_text: str, unlisted_absent: bool) -> str:
                 result[key] = walk(value, inner)
         if unlisted_absent and describes:
             _strict_defaults(node, result)
+        if formats and exact_format(result, "llguidance"):
+            result["pattern"] = ecma_regex(result["pattern"], "llguidance", "JSON_SCHEMA",
+                                           f"the pattern of format {node['format']!r}",
+                                           json_string=True)
         return result
 
     return json.dumps(walk(schema, True))
@@ -897,8 +903,10 @@ def xgrammar_schema(schema_text: str, *, patterns: bool = True) -> str:
     schema without ``type`` (xgrammar reads ``{"maxItems": 5}`` as any value), ``enum`` /
     ``const`` schemas (their values win) and schemas next to ``$ref`` / ``allOf`` / ``anyOf`` /
     ``oneOf`` (read together with those). Text that is not a JSON object, and a schema with
-    nothing to add, are returned unchanged. Every ``pattern`` and ``patternProperties`` key
-    is written as :func:`ecma_regex` writes it for xgrammar, unless ``patterns`` is false: the keyword policy judges that form, whose
+    nothing to add, are returned unchanged. A ``format`` xgrammar reads wider than the format
+    becomes its exact ``pattern`` (:func:`~capgraph.grammar.formats.exact_format`), and every
+    ``pattern`` and ``patternProperties`` key is written as :func:`ecma_regex` writes it for
+    xgrammar, unless ``patterns`` is false: the keyword policy judges that form, whose
     keywords are the user's and whose patterns still mean what they say (the rewritten ones
     match JSON text, escapes included, not the string a validator sees)."""
     try:
@@ -916,6 +924,7 @@ def xgrammar_schema(schema_text: str, *, patterns: bool = True) -> str:
         stack.extend(sub for sub, _ in subschemas(node))
         changed |= _allow_unlisted(node)
         if patterns:
+            changed |= exact_format(node, "xgrammar")
             changed |= _xgrammar_patterns(node)
     return json.dumps(schema) if changed else schema_text
 
