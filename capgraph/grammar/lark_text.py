@@ -32,7 +32,12 @@ _WHITE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u30
 _SKIP = r"(?:#|//)[^\n]*|[ \t]+"
 _LITERALS = ("->", ":", ",", ".", "..", "%declare", "%llguidance", "%ignore", "%import",
              "%override", "%json", "%regex", "%lark", "%if", "(", ")", "{", "}", "[", "]", "~",
-             "|", "&", "=", "#", "_", "::")
+             "|", "&", "=", "#", "_", "::",
+             # xgrammar's Lark directive, with a JSON value as %llguidance has (llguidance's
+             # lexer fails on it, and so its compile: read so, nothing is hidden from either)
+             "%grammar_options")
+# The directives followed by a JSON value.
+_JSON_DIRECTIVES = ("%json", "%llguidance", "%regex", "%grammar_options")
 _REGEX_TOKENS = (
     ("op", r"[+*?]"),
     ("rule", r"!?[_?]?[a-z][_a-z0-9\-]*"),
@@ -131,8 +136,9 @@ def _lexemes(text: str) -> Iterator[tuple[str, int, int, Any]]:
     position (the first listed among equally long ones); ``kind`` is a literal token's text
     or one of ``rule``, ``token``, ``string``, ``regex``, ``op``, ``number``, ``hex``,
     ``newline``, ``ref``, ``grammar_ref``; ``value`` the lexeme's text. A ``%json``,
-    ``%llguidance`` or ``%regex`` keyword is followed by a lexeme of kind ``json`` whose value
-    is the JSON value after it (``text[start:end]`` its text).
+    ``%llguidance``, ``%regex`` or (xgrammar's) ``%grammar_options`` keyword is followed by a
+    lexeme of kind ``json`` whose value is the JSON value after it (``text[start:end]`` its
+    text).
 
     Raises:
         LarkTextError: a position where no lexeme starts (llguidance's lexer fails there
@@ -152,7 +158,7 @@ def _lexemes(text: str) -> Iterator[tuple[str, int, int, Any]]:
                                 f"{text[pos:pos + 20]!r}")
         if kind != "skip":
             yield kind, pos, best, text[pos:best]
-        if kind in ("%json", "%llguidance", "%regex"):
+        if kind in _JSON_DIRECTIVES:
             start = _JSON_SPACE.match(text, best).end()  # type: ignore[union-attr]
             try:
                 value, best = _DECODER.raw_decode(text, start)
@@ -383,7 +389,8 @@ class _Nullable:
 
     def alternatives(self, body: list[tuple[str, Any]], i: int, close: str
                      ) -> tuple[bool | None, int]:
-        options, items = [], []
+        options: list[bool | None] = []
+        items: list[bool | None] = []
         while i < len(body) and body[i][0] != close:
             kind = body[i][0]
             if kind == "|":
