@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -216,6 +217,74 @@ def test_entry_slower_to_load_than_to_compile_is_removed(tok, cache_root):
     factory.compile(params)  # compiled again, and not written
     assert factory.disk_cache.flush(30)
     assert factory.stats.compiled == 1 and not path.exists()
+
+
+def test_an_entry_naming_another_backend_is_rejected(tok, cache_root):
+    """An intact entry whose record names another backend than the factory's (a hand-made
+    file: the key already holds the backend) is rejected and the guide compiled again (it
+    was handed to that backend's matcher: a raw AttributeError, every time)."""
+    params = GuidedDecodingParams.json_schema(SCHEMA)
+    writer = _factory(tok)
+    _compile_and_write(writer, params)
+    key = writer._disk_key(params)
+    _, entry = writer.disk_cache.load(key)
+    assert writer.disk_cache.store(key, entry.text, {**entry.record, "backend": "llguidance"})
+    factory = _factory(tok)
+    compiled = factory.compile(params)
+    assert compiled.backend == "xgrammar"
+    assert (factory.stats.compiled, factory.stats.disk_rejected) == (1, 1)
+
+
+def test_what_is_no_entry_file_costs_only_that_entry(tmp_path):
+    """A folder or a FIFO at an entry's path is not read (a FIFO's open blocked the compile
+    thread) and stops only that entry's write, not every write for minutes; an entry that
+    inflates past MAX_INFLATED_BYTES or whose record nests past the recursion limit is
+    damaged, not an exception that fails the request every time."""
+    import zlib
+    cache = dc.DiskCompileCache(tmp_path, GIB)
+    blocked, other = dc.entry_key(["dir"]), dc.entry_key(["other"])
+    cache.path_of(blocked).mkdir(parents=True)
+    assert cache.load(blocked) == (dc.Lookup.MISS, None)
+    assert not cache.store(blocked, "text", {"backend": "t"})
+    assert cache.worth_storing(1.0) and cache.store(other, "text", {"backend": "t"})
+    if hasattr(os, "mkfifo"):
+        fifo = dc.entry_key(["fifo"])
+        os.mkfifo(cache.path_of(fifo))
+        assert cache.load(fifo) == (dc.Lookup.MISS, None)
+    bomb = zlib.compress(b"\0" * (dc.MAX_INFLATED_BYTES + 1), 9)
+    deep = "[" * 100_000 + "]" * 100_000
+    for meta, payload in ((b"{}", bomb), (deep.encode(), zlib.compress(b"x"))):
+        key = dc.entry_key([str(len(payload))])
+        digest = hashlib.sha256(meta)
+        digest.update(payload)
+        header = dc._HEADER.pack(dc._MAGIC, dc.FORMAT_VERSION, dc._ZLIB, bytes.fromhex(key),
+                                 len(meta), len(payload), digest.digest())
+        cache.path_of(key).write_bytes(header + meta + payload)
+        assert cache.load(key) == (dc.Lookup.REJECTED, None)
+        assert not cache.path_of(key).exists()
+
+
+def test_every_compile_module_is_in_the_code_digest_or_named_outside_it():
+    """Every capgraph.grammar module the xgrammar backend imports (directly or not) is in
+    the disk key's code digest or named as not deciding compiles, so an edit to one that
+    decides (formats, regex_classes were missing) cannot leave stale entries served."""
+    import ast
+    import pathlib
+    from capgraph.grammar import xgrammar_backend as xb
+    root = pathlib.Path(xb.__file__).parent
+    seen, stack = set(), ["xgrammar_backend"]
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for node in ast.walk(ast.parse((root / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                stack.append(node.module.split(".")[0])
+    imported = {f"capgraph.grammar.{name}" for name in seen}
+    assert imported <= set(xb._COMPILE_MODULES) | set(xb._NOT_COMPILE_MODULES), \
+        imported - set(xb._COMPILE_MODULES) - set(xb._NOT_COMPILE_MODULES)
+    assert not set(xb._COMPILE_MODULES) & set(xb._NOT_COMPILE_MODULES)
 
 
 def test_byte_bound_evicts_least_recently_used(tmp_path):

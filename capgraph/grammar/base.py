@@ -479,8 +479,10 @@ class GrammarMatcherFactory(ABC):
         found, entry = disk.load(disk_key)
         if entry is not None:
             try:
-                payload, nbytes = self._deserialize(params, entry.text)
                 backend = entry.record["backend"]
+                if backend != self.backend_name:  # (only a hand-made entry says otherwise)
+                    raise ValueError(f"the entry names the backend {backend!r}")
+                payload, nbytes = self._deserialize(params, entry.text)
                 reason = entry.record.get("fallback_reason")
                 compile_s = float(entry.record.get("compile_s", math.inf))
             except Exception as e:  # noqa: BLE001 - a backend that refuses the entry

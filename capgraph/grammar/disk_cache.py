@@ -46,6 +46,7 @@ import importlib.util
 import json
 import logging
 import os
+import stat
 import struct
 import threading
 import time
@@ -214,7 +215,13 @@ class DiskCompileCache:
         """The entry of ``key`` if it is there and intact; a damaged one is deleted."""
         path = self.path_of(key)
         try:
-            with open(path, "rb") as f:
+            # (non-blocking: a FIFO there must not hold the compile thread; only a regular
+            # file is read)
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            with open(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    _log.info("capgraph: %s is no compiled-grammar file; not read", path)
+                    return Lookup.MISS, None
                 data = f.read()
         except FileNotFoundError:
             return Lookup.MISS, None
@@ -334,8 +341,12 @@ class DiskCompileCache:
                 f.write(payload)
             os.replace(temp, path)
         except OSError as e:
-            self._paused_until = time.monotonic() + RETRY_WRITES_AFTER_S
-            self._warn_once("write", e)
+            if os.path.lexists(path) and not os.path.isfile(path):
+                # something else sits at this entry's path: skip this entry, not the folder
+                _log.info("capgraph: %s is no compiled-grammar file; entry not written", path)
+            else:
+                self._paused_until = time.monotonic() + RETRY_WRITES_AFTER_S
+                self._warn_once("write", e)
             try:
                 temp.unlink(missing_ok=True)
             except OSError:
@@ -433,6 +444,11 @@ class DiskCompileCache:
             _log.debug("capgraph: cannot %s %s: %s", what, self.directory, error)
 
 
+#: The most bytes an entry's grammar text may inflate to (a serialized grammar is a few MiB
+#: at most; a hand-made entry must not inflate into all of memory).
+MAX_INFLATED_BYTES = 1 << 28
+
+
 class _Damaged(Exception):
     """An entry that must not be used; the message says why."""
 
@@ -457,10 +473,16 @@ def _decode(key: str, data: bytes) -> tuple[dict[str, Any], str]:
     try:
         record = json.loads(bytes(body[:meta_len]))
         payload = bytes(body[meta_len:])
-        raw = zlib.decompress(payload) if flags & _ZLIB else payload
+        if flags & _ZLIB:
+            inflate = zlib.decompressobj()
+            raw = inflate.decompress(payload, MAX_INFLATED_BYTES)
+            if inflate.unconsumed_tail:
+                raise _Damaged(f"inflates past {MAX_INFLATED_BYTES} bytes")
+        else:
+            raw = payload
         text = raw.decode("utf-8", "surrogatepass")
-    except (ValueError, zlib.error) as e:  # (a checksum collision, or a buggy writer)
-        raise _Damaged(f"undecodable: {e}") from None
+    except (ValueError, zlib.error, RecursionError) as e:  # (a hand-made or buggy writer's)
+        raise _Damaged(f"undecodable: {type(e).__name__}: {e}") from None
     if not isinstance(record, dict):
         raise _Damaged("its record is not a JSON object")
     return record, text

@@ -919,7 +919,14 @@ def _delegate_handle(matcher: GrammarMatcher) -> Any:
 #: The modules whose code shapes an xgrammar compile (their source is in the disk-cache key).
 _COMPILE_MODULES = ("capgraph.grammar.xgrammar_backend", "capgraph.grammar.semantics",
                     "capgraph.grammar.schema_policy", "capgraph.grammar.guide_limits",
-                    "capgraph.grammar.converter_log", "capgraph.grammar.lark_text")
+                    "capgraph.grammar.converter_log", "capgraph.grammar.lark_text",
+                    "capgraph.grammar.formats", "capgraph.grammar.regex_classes")
+#: The modules this one imports (directly or not) whose code does not decide what a guide
+#: compiles to or whether it is refused (a test holds every import to one of the two lists).
+_NOT_COMPILE_MODULES = ("capgraph.grammar.base", "capgraph.grammar.cache",
+                        "capgraph.grammar.compile_cost", "capgraph.grammar.compile_pool",
+                        "capgraph.grammar.disk_cache", "capgraph.grammar.forced",
+                        "capgraph.grammar.process_pool")
 
 
 def _xgrammar_version() -> str:
