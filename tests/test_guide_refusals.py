@@ -172,6 +172,35 @@ def test_lark_text_llguidance_cannot_read_is_a_compile_error(llg):
     assert time.perf_counter() - start < 5
 
 
+def test_lark_reader_reads_what_llguidances_lexer_reads():
+    """On random text of Lark's pieces (comments, strings, regex literals, references,
+    directives, escapes, U+001C and U+00A0 among them), the reader fails exactly where
+    llguidance's lexer does (its 'lexer error'); where llguidance fails reading a
+    directive's JSON value (serde is stricter than Python's decoder), the grammar is refused
+    by llguidance itself, so only that way round may the reader read more."""
+    import random
+    import llguidance
+    from capgraph.grammar.lark_text import LarkTextError, lark_regexes
+    rng = random.Random(5)
+    pieces = ["start", ":", " ", "\n", '"a"', '"', "\\", "/", "x", "X", "<", ">", "[", "]",
+              "%json", "{}", "#", "//", "%llguidance", "\x1c", "\t", "\r", "-", "+", "1", ".",
+              "..", "|", "*", "?", "~", "@g", "_", "!", "%regex", "(", ")", ",", "=", "\u00a0",
+              "é", "&", "0x1f", '\\"', "\\/", ";", "$", "'"]
+    for _ in range(3000):
+        text = "start: " + "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 12)))
+        try:
+            lark_regexes(text)  # (reads every lexeme; a malformed <[...]> is the compile's)
+            read = True
+        except LarkTextError:
+            read = False
+        error = llguidance.LLMatcher.validate_grammar(
+            llguidance.LLMatcher.grammar_from_lark(text))
+        if "lexer error" in error:
+            assert not read, text
+        elif "failed to parse" not in error:
+            assert read, (text, error)
+
+
 def test_lark_token_ranges_read_as_llguidance_reads_them():
     """A range end may carry a '+' (Rust's u32 parse takes it); a digit that is not ASCII,
     or a number past u32, is malformed (LarkTextError, not a ValueError)."""

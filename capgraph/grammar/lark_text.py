@@ -51,9 +51,11 @@ _REGEX_TOKENS = (
     ("ref", f"<[^<>{_WHITE}]+>"),
     ("grammar_ref", r"@[a-zA-Z0-9_\-]+"),
 )
-_LEXEMES = (("skip", re.compile(_SKIP, re.DOTALL)),
+# (``.`` without DOTALL, as in llguidance's regexes: an escape in a regex literal is a
+# backslash and any character but a newline)
+_LEXEMES = (("skip", re.compile(_SKIP)),
             *((lit, re.compile(re.escape(lit))) for lit in _LITERALS),
-            *((kind, re.compile(pattern, re.DOTALL)) for kind, pattern in _REGEX_TOKENS))
+            *((kind, re.compile(pattern)) for kind, pattern in _REGEX_TOKENS))
 _BY_NAME = dict(_LEXEMES)
 _PERCENT = tuple(lit for lit in _LITERALS if lit.startswith("%"))
 # The lexemes that can start with each character (a letter or digit stands for its class:
