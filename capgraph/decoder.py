@@ -751,9 +751,13 @@ class GuidedDecoder:
         self._finish_build()
         if self.max_num_draft_tokens <= 0:
             return
+        handled: set[int] = set()
         for req in requests.valid_requests():
             slot = req.seq_slot
-            if not self.slots.slot_ok(slot) or self.num_advanced_tokens[slot] <= 0:  # type: ignore[index]
+            if not self.slots.slot_ok(slot) or slot in handled:
+                continue  # (a later request on a slot is the one the build refused: not its)
+            handled.add(slot)  # type: ignore[arg-type]
+            if self.num_advanced_tokens[slot] <= 0:  # type: ignore[index]
                 continue
             if req.is_context_init_state or req.is_generation_only_first_iteration:
                 continue  # a new request drafted nothing: the slot's advances were another's
@@ -846,6 +850,7 @@ class GuidedDecoder:
                         raise RequestError(f"seq_slot {req.seq_slot!r} is outside [0, "
                                            f"max_num_sequences={self.max_num_sequences})",
                                            request_id=req.request_id, seq_slot=req.seq_slot)
+                    self.slots.reset(req.seq_slot)  # type: ignore[arg-type]  # (a new request)
                     self.grammar_matchers[req.seq_slot] = self._create_matcher(req)  # type: ignore[index]
                 except Exception as e:
                     self._record_failed([self._fail(req, e)])

@@ -179,8 +179,8 @@ def _prepare(req: GuidedRequest, offset: int, draft_len: int, seen: set[int],
     if not (init or advance):
         return None
     drafts = _checked_drafts(req, draft_len, state)
-    if init:
-        state.matchers[slot] = None
+    if init:  # a new request: nothing of the slot's last one carries over
+        state.reset(slot)
         state.matchers[slot] = state.create_matcher(req)
     matcher = state.matchers[slot]
     if matcher is None or matcher.is_terminated():

@@ -1,0 +1,104 @@
+"""A slot belongs to one request at a time: a request the build refuses on a slot (the same
+slot twice in a batch) touches nothing there at rollback, and a new request's matcher starts
+with none of the slot's last request's draft state. Each host build (Python, and the C++
+ones where they build here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from capgraph import GuidedDecoder, GuidedDecodingConfig, GuidedDecodingParams, GuideType
+from capgraph.build import library as native
+from capgraph.grammar import create_matcher_factory
+from capgraph.requests import GuidedRequest
+
+native_reason = native.unavailable_reason()
+BUILDS = ["python", *([] if native_reason else ["native-loop", "native"])]
+VOCAB = ["a", "b", "c", "d", "x", "1", "2", "</s>"]
+A, B, C, D, X, ONE, TWO, EOS = range(8)
+V = 32
+PAIRS = GuidedDecodingParams(GuideType.REGEX, "(ab|cd)+x")
+DIGITS = GuidedDecodingParams(GuideType.REGEX, "[12]+")
+TWO_THEN_X = GuidedDecodingParams(GuideType.REGEX, "(1|2)(1|2)x")
+
+
+@pytest.fixture(scope="module")
+def factory():
+    made = create_matcher_factory(GuidedDecodingConfig(
+        encoded_vocab=VOCAB, stop_token_ids=[EOS], vocab_size_padded=V))
+    yield made
+    made.close()
+
+
+def _decoder(factory, build: str, seqs: int, drafts: int) -> GuidedDecoder:
+    return GuidedDecoder(factory.config, seqs, drafts, factory=factory, host_build=build)
+
+
+def _step(dec: GuidedDecoder, requests: list) -> tuple[list, torch.Tensor]:
+    dec.add_batch(requests)
+    logits = torch.zeros(dec.requests.num_bitmask_tokens, V)
+    return dec.execute(logits), logits
+
+
+def _draft(request_id: int, slot: int, params, token: int) -> GuidedRequest:
+    return GuidedRequest(params, request_id, slot, None, False, False, True, False, token, True,
+                         None, None)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("duplicate_accepted", [0, -1])
+def test_a_request_refused_on_a_slot_does_not_roll_back_its_owner(factory, build,
+                                                                   duplicate_accepted):
+    """Request 1 drafts b c d on slot 0 and all three are accepted; request 99 on the same
+    slot is refused by the build ("appears twice"). Its rollback count (0, or a bad -1) must
+    not touch slot 0: request 1 keeps its four tokens and its next token x passes (slot 0 was
+    rolled back to one token, or its matcher dropped and request 1 left unguided)."""
+    dec = _decoder(factory, build, 4, 3)
+    _step(dec, [GuidedRequest.context(1, 0, PAIRS)])
+    failed, _ = _step(dec, [GuidedRequest.generation(1, 0, PAIRS, A, draft_tokens=[B, C, D]),
+                            GuidedRequest.generation(99, 0, PAIRS, A, draft_tokens=[])])
+    assert [rid for rid, _ in failed] == [99]
+    dec.requests.requests[0].num_accepted_draft_tokens = 3
+    dec.requests.requests[1].num_accepted_draft_tokens = duplicate_accepted
+    dec.rollback_rejected_tokens()
+    assert dec.take_failed_requests() == []
+    assert dec.num_advanced_tokens[0] == 4 and dec.grammar_matchers[0] is not None
+    failed, logits = _step(dec, [GuidedRequest.generation(1, 0, PAIRS, X)])
+    assert failed == []
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [EOS]
+    dec.close()
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("aborted_draft", [B, X])
+def test_a_new_request_on_a_slot_starts_without_the_last_ones_drafts(factory, build,
+                                                                     aborted_draft):
+    """Request 1 is aborted inside a drafting loop on slot 0 after drafting ``b`` (accepted:
+    one advanced draft left counted) or ``x`` (refused: the slot marked draft-terminated);
+    request 3 then takes slot 0 with a context request, no release. Its own drafting loop
+    must roll back its own draft only (the stale count rolled back one token more and let
+    1 or 2 where only x may come), and its rows must be guided (the stale flag left them
+    all allowed)."""
+    dec = _decoder(factory, build, 2, 2)
+    _step(dec, [GuidedRequest.context(1, 0, PAIRS), GuidedRequest.context(2, 1, DIGITS)])
+    _step(dec, [GuidedRequest.generation(1, 0, PAIRS, A),
+                GuidedRequest.generation(2, 1, DIGITS, ONE)])
+    dec.rollback_rejected_tokens()
+    _step(dec, [_draft(1, 0, PAIRS, aborted_draft), _draft(2, 1, DIGITS, TWO)])
+    _step(dec, [_draft(2, 1, DIGITS, TWO)])  # (request 1 aborted: not in the loop's last step)
+    dec.rollback_draft_tokens()
+    _step(dec, [GuidedRequest.context(3, 0, TWO_THEN_X),
+                GuidedRequest.generation(2, 1, DIGITS, TWO)])
+    failed, logits = _step(dec, [GuidedRequest.generation(3, 0, TWO_THEN_X, ONE),
+                                 GuidedRequest.generation(2, 1, DIGITS, TWO)])
+    assert failed == []
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [ONE, TWO]
+    dec.rollback_rejected_tokens()
+    _step(dec, [_draft(3, 0, TWO_THEN_X, TWO), _draft(2, 1, DIGITS, TWO)])
+    dec.rollback_draft_tokens()
+    failed, logits = _step(dec, [GuidedRequest.generation(3, 0, TWO_THEN_X, TWO),
+                                 GuidedRequest.generation(2, 1, DIGITS, TWO)])
+    assert failed == []
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [X]
+    dec.close()
