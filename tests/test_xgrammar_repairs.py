@@ -495,6 +495,19 @@ def test_pattern_keys_written_alike_keep_both_schemas():
         "x": {"allOf": [1, 2, 3]}}
 
 
+@pytest.mark.parametrize("schema, at", [
+    ({"anyOf": []}, "'anyOf' at /"), ({"oneOf": []}, "'oneOf' at /"),
+    ({"type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]},
+     "'anyOf' at /properties/a"),
+    ({"$defs": {"e": {"anyOf": []}}, "$ref": "#/$defs/e"}, "'anyOf' at /\\$defs/e"),
+])
+def test_an_empty_anyof_is_refused(xg, tekken, schema, at):
+    """An empty anyOf admits no instance; xgrammar read it as the empty text (``{"a": }``
+    passed with the stop token): refused, naming it."""
+    with pytest.raises(UnsupportedGuideError, match=f"{at} .*empty"):
+        xg.compile(P.json_schema(schema))
+
+
 def test_a_minitems_array_compiles(xg):
     """{"type": "array", "minItems": 1} was a compile error (xgrammar read "only []")."""
     try:

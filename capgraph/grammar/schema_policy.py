@@ -601,6 +601,14 @@ def _known_type(node: _Node) -> str | None:
     return None
 
 
+def _some_branch(node: _Node) -> str | None:
+    """An ``anyOf`` / ``oneOf`` must list a schema: with none no instance is valid (and the
+    meta-schema requires one), and xgrammar reads an empty ``anyOf`` as the empty text."""
+    if isinstance(node.value, list) and not node.value:
+        return f"an empty {node.keyword} admits no instance"
+    return None
+
+
 #: xgrammar 0.2.9 (``compile_json_schema`` with ``any_order=False``, as capgraph calls it).
 XGRAMMAR: dict[str, Rule] = {
     "type": _known_type,
@@ -634,8 +642,8 @@ XGRAMMAR: dict[str, Rule] = {
     "maxProperties": _all(_needs_type, _without("patternProperties", "propertyNames")),
     "unevaluatedProperties": _all(_needs_type, _without(*_APPLICATORS)),
     "allOf": _all(_one_branch, _alone()),
-    "anyOf": _alone(),
-    "oneOf": _alone(),  # branches xgrammar cannot prove disjoint: its warning refuses them
+    "anyOf": _all(_some_branch, _alone()),
+    "oneOf": _all(_some_branch, _alone()),  # (branches it cannot prove disjoint: its warning)
     "$ref": _all(_local_ref, _alone()),
     "$id": _root_only, "id": _root_only,
     "$defs": _ok, "definitions": _ok,
