@@ -17,6 +17,7 @@ __all__ = [
     "CompileTimeoutError",
     "CompileResourceError",
     "CompileQueueFullError",
+    "TRANSIENT_COMPILE_ERRORS",
     "MatcherError",
     "DeadEndError",
     "RequestError",
@@ -88,6 +89,11 @@ class CompileResourceError(GrammarCompileError):
 class CompileQueueFullError(GrammarCompileError):
     """Too many compiles already wait for a compile worker; this one was refused at once
     rather than queued (``compile_isolation="process"``)."""
+
+
+#: Compile failures that say nothing about the guide (a later compile of it may succeed): a
+#: cache of outcomes must not keep them.
+TRANSIENT_COMPILE_ERRORS = (CompileTimeoutError, CompileQueueFullError, CompileResourceError)
 
 
 class MatcherError(CapgraphError, RuntimeError):

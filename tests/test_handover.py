@@ -338,6 +338,25 @@ def test_a_matcher_dropped_under_the_factory_lock_gives_up_later(tok, sides):
     factory.release()
 
 
+def test_a_transient_xgrammar_failure_keeps_its_class_when_both_fail():
+    """A guide llguidance refuses and xgrammar could not compile for a reason that says
+    nothing about the guide (its queue full, its worker gone, its time up) fails with that
+    transient class, so SGLang's cache (and any other) does not keep it; two refusals stay a
+    refusal."""
+    from capgraph.errors import (CompileQueueFullError, CompileResourceError,
+                                 CompileTimeoutError)
+    from capgraph.grammar.handover import _both_refused
+    params = GuidedDecodingParams.json_schema('{"type": "string"}')
+    refused = UnsupportedGuideError("no", guide_type="JSON_SCHEMA", backend="llguidance")
+    for cls in (CompileQueueFullError, CompileResourceError, CompileTimeoutError):
+        error = _both_refused(refused, cls("later", guide_type="JSON_SCHEMA",
+                                           backend="xgrammar"), params)
+        assert type(error) is cls and "llguidance: " in str(error) and "later" in str(error)
+    both = _both_refused(refused, UnsupportedGuideError("no", guide_type="JSON_SCHEMA",
+                                                        backend="xgrammar"), params)
+    assert type(both) is UnsupportedGuideError
+
+
 def test_routing(tok, sides):
     """Which guides get a hand-over: regex and JSON schema do; a guide xgrammar already has,
     an EBNF grammar and JSON go straight to xgrammar; a schema llguidance refuses is

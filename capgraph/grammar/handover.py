@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import GrammarCompileError, UnsupportedGuideError
+from ..errors import TRANSIENT_COMPILE_ERRORS, GrammarCompileError, UnsupportedGuideError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from .base import CompiledGuide, CompileHandle, GrammarMatcher, GrammarMatcherFactory
 from .fallback import _finding
@@ -434,7 +434,11 @@ def _both_refused(first: BaseException, second: BaseException,
     ``second``)."""
     both_unsupported = isinstance(first, UnsupportedGuideError) and \
         isinstance(second, UnsupportedGuideError)
-    error = UnsupportedGuideError if both_unsupported else GrammarCompileError
+    # a failure that says nothing about the guide (xgrammar's queue was full, its worker
+    # died) keeps its class: a later compile may succeed, so no cache may keep this one
+    transient = [type(e) for e in (second, first) if isinstance(e, TRANSIENT_COMPILE_ERRORS)]
+    error = transient[0] if transient else \
+        UnsupportedGuideError if both_unsupported else GrammarCompileError
 
     def finding(e: BaseException) -> str:
         return _finding(e) if isinstance(e, GrammarCompileError) else f"{type(e).__name__}: {e}"

@@ -36,8 +36,7 @@ from sglang.srt.constrained.base_grammar_backend import (BaseGrammarBackend,
                                                          BaseGrammarObject, GrammarRow,
                                                          GrammarStats, InvalidGrammarObject)
 
-from ..errors import (CapgraphError, CompileQueueFullError, CompileResourceError,
-                      CompileTimeoutError, ConfigError, RequestError)
+from ..errors import TRANSIENT_COMPILE_ERRORS, CapgraphError, ConfigError, RequestError
 from ..grammar import (CompiledGuide, CompileHandle, GrammarMatcher, GrammarMatcherFactory,
                        create_matcher_factory)
 from ..grammar.cache import ByteLRUCache
@@ -61,7 +60,7 @@ _SET_BY_SGLANG = ("tokenizer", "encoded_vocab", "stop_token_ids", "vocab_size_pa
                   "tokenizer_vocab_size")
 _ANY_JSON = "$$ANY$$"  # SGLang's key for "any JSON value"
 # failures that say nothing about the guide: SGLang must not cache them
-_TRANSIENT = (CompileTimeoutError, CompileQueueFullError, CompileResourceError)
+_TRANSIENT = TRANSIENT_COMPILE_ERRORS
 # bytes of guide text SGLang's grammar cache keeps (keys and parameters, no compiled grammars)
 _KEY_CACHE_BYTES = 64 << 20
 
