@@ -272,6 +272,19 @@ def test_length_limit_and_argument_errors(sp, model, factory):
         generate(["x"], model=model, tokenizer=sp, draft="beam")
     with pytest.raises(ConfigError, match="2 guides for 1 prompts"):
         generate(["x"], [None, None], model=model, tokenizer=sp)
+    # token-id prompts and counts are checked, not truncated or cast (a bare ValueError /
+    # TypeError before, and [1.9, 2.2] ran as [1, 2])
+    for prompts, where in (([["a", "b"]], r"prompts\[0\]\[0\] is 'a'"),
+                           ([[1.9, 2.2]], r"prompts\[0\]\[0\] is 1.9"),
+                           ([[None]], r"prompts\[0\]\[0\] is None"),
+                           ([[True, 5]], r"prompts\[0\]\[0\] is True"),
+                           ([[10**9]], r"expected a token id in \[0, "),
+                           ([7], r"prompts\[0\] is int")):
+        with pytest.raises(ConfigError, match=where):
+            generate(prompts, model=model, tokenizer=sp, max_new_tokens=2)
+    for field, value in (("max_new_tokens", "5"), ("max_batch_size", 2.5)):
+        with pytest.raises(ConfigError, match=f"{field}="):
+            generate(["x"], model=model, tokenizer=sp, **{field: value})
     if not HAS_CAPTURABLE:
         with pytest.raises(ConfigError, match="capturable"):
             run(sp, model, factory, ["x"], [DATE_G], decoder="capturable")

@@ -20,6 +20,7 @@ from ..capturable import CapturableGuidedDecoder
 from ..decoder import GuidedDecoder
 from ..errors import ConfigError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams
+from ..requests import as_int
 from ..tokenizers import decode_continuation
 from .drafter import Drafter, GrammarDrafter, ModelDrafter, NgramDrafter
 from .guide import GuideDriver, StageClock
@@ -98,15 +99,32 @@ def generate(prompts: Sequence[str | Sequence[int]],
         engine.close()
 
 
+def _token_ids(prompt: object, index: int, vocab_size: int) -> list[int]:
+    """A prompt given as token ids, checked: a sequence of integers in the vocabulary (a
+    float is not truncated, nor a bool read as 0 / 1)."""
+    try:
+        tokens = list(prompt)  # type: ignore[call-overload]
+    except TypeError:
+        raise ConfigError(f"prompts[{index}] is {type(prompt).__name__}: expected a string or "
+                          "a sequence of token ids") from None
+    ids = [as_int(t) for t in tokens]
+    for k, (t, value) in enumerate(zip(tokens, ids)):
+        if value is None or not 0 <= value < vocab_size:
+            raise ConfigError(f"prompts[{index}][{k}] is {t!r}: expected a token id in "
+                              f"[0, {vocab_size})")
+    return ids  # type: ignore[return-value]
+
+
 class _Engine:
     """The state of one ``generate`` call."""
 
     def __init__(self, prompts, guides, *, model, tokenizer, max_new_tokens, max_batch_size,
                  draft, num_draft_tokens, draft_model, decoder, cuda_graph, device, sampling,
                  progress, backend, factory, host_node=None) -> None:
-        if max_new_tokens < 1 or max_batch_size < 1:
-            raise ConfigError(f"max_new_tokens={max_new_tokens} and max_batch_size="
-                              f"{max_batch_size} must be >= 1")
+        for name, value in (("max_new_tokens", max_new_tokens),
+                            ("max_batch_size", max_batch_size)):
+            if as_int(value) is None or value < 1:
+                raise ConfigError(f"{name}={value!r}: expected an integer >= 1")
         if draft not in DRAFTS:
             raise ConfigError(f"draft={draft!r}: expected one of {', '.join(map(repr, DRAFTS))}")
         if decoder not in ("eager", "capturable"):
@@ -177,7 +195,7 @@ class _Engine:
             if g is not None and not isinstance(g, GuidedDecodingParams):
                 raise ConfigError(f"guides[{i}] is {type(g).__name__}, not GuidedDecodingParams")
             ids = self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) \
-                else [int(t) for t in p]
+                else _token_ids(p, i, len(self.tokenizer))
             if not ids:
                 bos = self.tokenizer.bos_token_id
                 if bos is None:
