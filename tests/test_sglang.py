@@ -413,6 +413,13 @@ def test_dead_end_row_allows_only_stop_tokens(tekken, capgraph_backend, caplog):
     assert allowed == [tekken.eos_token_id]
     assert (mask[1] == -1).all()
     assert "allows no token" in caplog.text and "[0-9]+" in caplog.text
+    # the single-row fill SGLang's speculative tree walk uses guards the same (it left the
+    # row all zero: every logit -inf)
+    single = torch.full_like(mask, -1)
+    g.fill_vocab_mask(single, 1)
+    assert [t for t in range(len(tekken)) if int(single[1, t // 32]) >> (t % 32) & 1] == \
+        [tekken.eos_token_id]
+    assert (single[0] == -1).all()
 
 
 def test_config_from_server_args(monkeypatch):

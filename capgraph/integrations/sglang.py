@@ -175,14 +175,18 @@ class CapgraphGrammar(BaseGrammarObject):
         return ring.allocate(batch_size)
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
-        """Write the tokens allowed next into row ``idx`` (1 = allowed); a matcher that fails
-        gets the stop tokens only (see :meth:`fill_vocab_mask_batched`)."""
+        """Write the tokens allowed next into row ``idx`` (1 = allowed); a matcher that fails,
+        or a row that allows no token (a dead end), gets the stop tokens only, as in
+        :meth:`fill_vocab_mask_batched` (SGLang's speculative tree walk fills row by row)."""
         if self._error is None:
             try:
                 self.matcher.fill_next_token_bitmask(vocab_mask, idx)
             except Exception as e:
                 self._on_fill_error(e)
             else:
+                if not bool(vocab_mask[idx].any()):
+                    self._on_dead_end(vocab_mask, idx)
+                    return
                 self.backend._mirror_stop(vocab_mask, [idx])
                 return
         self._stops_only(vocab_mask, idx)
