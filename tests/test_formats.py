@@ -154,13 +154,8 @@ def test_formats_are_enforced_exactly_on_each_backend(factory_cache, tekken, bac
 
 def test_the_format_bench_runs(capsys):
     """``tools/bench_formats.py`` prints a row per side for xgrammar's wider formats."""
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).parents[1] / "tools" / "bench_formats.py"
-    spec = importlib.util.spec_from_file_location("bench_formats", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main(["--backends", "xgrammar", "--repeat", "1"]) == 0
+    from conftest import load_tool
+    assert load_tool("bench_formats").main(["--backends", "xgrammar", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     for fmt in [*WIDER_FORMATS["xgrammar"], "leap"]:
         for side in (["capgraph", "every offset"] if fmt == "leap" else ["own", "capgraph"]):

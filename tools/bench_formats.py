@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="passes (compiles, masks)")
     args = parser.parse_args(argv)
 
-    from capgraph.bench.common import Column, describe_machine, machine_info, print_table
+    from capgraph.bench.common import (Column, describe_machine, machine_info, mask_cells,
+                                       mask_columns, print_table)
     from capgraph.grammar.formats import FORMAT_PATTERNS, WIDER_FORMATS
     from capgraph.tokenizers import load_tokenizer
 
@@ -128,13 +129,10 @@ def main(argv: list[str] | None = None) -> int:
                 compile_s, masks = timed_side(tokenizer, backend, schema, instance,
                                               args.repeat)
             rows.append({"backend": backend, "format": fmt, "side": side,
-                         "compile": compile_s * 1e3, "mean": sum(masks) / len(masks) * 1e3,
-                         "max": max(masks) * 1e3, "n": len(masks)})
+                         "compile": compile_s * 1e3, **mask_cells(masks)})
     print(f"tokenizer {args.tokenizer}, fastest of {args.repeat} passes")
     print_table([Column("backend", "backend"), Column("format", "format"),
-                 Column("side", "regex"), Column("compile", "compile ms", ".1f"),
-                 Column("n", "masks"), Column("mean", "mask mean ms", ".4f"),
-                 Column("max", "mask max ms", ".3f")], rows)
+                 Column("side", "regex"), *mask_columns()], rows)
     return 0
 
 

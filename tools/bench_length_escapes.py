@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import xgrammar as xgr
 
     from capgraph import GuidedDecodingConfig
-    from capgraph.bench.common import Column, print_table
+    from capgraph.bench.common import Column, mask_cells, mask_columns, print_table
     from capgraph.grammar.semantics import ebnf_escape
     from capgraph.grammar.xgrammar_backend import (_JSON_STRING_CHARS, _repaired, _reparsed,
                                                    build_tokenizer_info)
@@ -85,12 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                 if sum(times) > args.budget:
                     break
             rows.append({"limit": limit, "side": side, "escapes": side != "class",
-                         "compile": compile_ms, "masks": len(times),
-                         "mean": sum(times) / len(times) * 1e3, "max": max(times) * 1e3})
+                         "compile": compile_ms, **mask_cells(times)})
     print_table([Column("limit", "maxLength"), Column("side", "string as"),
-                 Column("escapes", "escapes"), Column("compile", "compile ms", ".0f"),
-                 Column("masks", "masks timed"), Column("mean", "mask mean ms", ".4f"),
-                 Column("max", "mask max ms", ".3f")], rows)
+                 Column("escapes", "escapes"), *mask_columns(".0f", "masks timed")], rows)
     return 0
 
 

@@ -213,6 +213,20 @@ def fastest_masks(compiled: dict[str, Any], tokens: Sequence[int], repeat: int,
     return best
 
 
+def mask_cells(seconds: Sequence[float]) -> dict[str, float]:
+    """The ``n``, ``mean`` and ``max`` (milliseconds) of per-token mask times in seconds, the
+    cells of :func:`mask_columns`."""
+    return {"n": len(seconds), "mean": sum(seconds) / len(seconds) * 1e3,
+            "max": max(seconds) * 1e3}
+
+
+def mask_columns(compile_fmt: str = ".1f", masks: str = "masks") -> list[Column]:
+    """The columns of a compile time (row key ``compile``, milliseconds) and
+    :func:`mask_cells`, headed ``masks`` for the count."""
+    return [Column("compile", "compile ms", compile_fmt), Column("n", masks),
+            Column("mean", "mask mean ms", ".4f"), Column("max", "mask max ms", ".3f")]
+
+
 def print_mask_summary(masks: dict[str, list[float]], label: str) -> str:
     """Print (and return) one row per side of ``masks`` (name -> mask times in seconds): the
     count, p50, p90, p99, max and mean in milliseconds; ``label`` heads the side column."""
