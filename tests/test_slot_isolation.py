@@ -102,3 +102,39 @@ def test_a_new_request_on_a_slot_starts_without_the_last_ones_drafts(factory, bu
     assert failed == []
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [X]
     dec.close()
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+@pytest.mark.parametrize("aborted_draft", [B, X])
+def test_capturable_new_request_starts_without_the_last_ones_drafts(factory, host_node,
+                                                                    aborted_draft):
+    """The same on CapturableGuidedDecoder, each host node: a drafting loop of three steps
+    left after two (request 1 aborted), then request 3 on slot 0 without release. Its row
+    is its own grammar's (after a refused draft the stale flag left every token allowed)."""
+    from capgraph.capturable import CapturableGuidedDecoder
+    from capgraph.errors import ConfigError
+    try:
+        capt = CapturableGuidedDecoder(factory.config, 2, 3, factory=factory,
+                                       host_node=host_node)
+    except ConfigError as e:
+        pytest.skip(f"host_node={host_node!r} is unavailable here: {e}")
+    rows = 4  # (the layout's rows: a request and its three drafts)
+
+    def run(requests: list) -> torch.Tensor:
+        capt.add_batch(requests)
+        logits = torch.zeros(rows, V)
+        capt.execute(logits)
+        return logits
+
+    run([GuidedRequest.context(1, 0, PAIRS)])
+    capt.add_batch([GuidedRequest.generation(1, 0, PAIRS, A, num_accepted_draft_tokens=0)])
+    for step, token in enumerate([A, aborted_draft]):
+        capt.add_draft_batch(torch.tensor([token]), torch.tensor([1]) if step == 0 else None,
+                             step)
+        capt.execute_draft_batch(torch.zeros(1, V), draft_step=step)
+    assert capt.is_draft_terminated[0] == (aborted_draft == X)
+    run([GuidedRequest.context(3, 0, TWO_THEN_X)])
+    logits = run([GuidedRequest.generation(3, 0, TWO_THEN_X, ONE)])
+    assert capt.take_failed_requests() == []
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [ONE, TWO]
+    capt.close()
