@@ -152,6 +152,23 @@ def test_formats_are_enforced_exactly_on_each_backend(factory_cache, tekken, bac
             assert accepts(factory, tekken, params, json.dumps({"v": good})), (fmt, good)
 
 
+def test_a_format_beside_a_pattern_holds_on_llguidance(factory_cache, tekken):
+    """Beside a pattern (a second one has no key), llguidance gets the format's exact pattern
+    as an allOf branch, which it intersects with the first: 2021-02-29 under ^20 is refused,
+    as it is alone (llguidance's own date took it)."""
+    pytest.importorskip("llguidance", reason="the llguidance extra is not installed")
+    from capgraph.grammar.semantics import llguidance_schema
+    schema = {"type": "string", "format": "date", "pattern": "^20", "allOf": [{"minLength": 3}]}
+    given = json.loads(llguidance_schema(json.dumps(schema)))
+    assert "format" not in given and given["pattern"] == "^20"
+    assert given["allOf"][0] == {"minLength": 3} and len(given["allOf"]) == 2
+    factory = factory_cache("tekken", "llguidance")
+    params = P.json_schema(json.dumps(schema))
+    assert accepts(factory, tekken, params, '"2024-02-29"')
+    for bad in ('"2021-02-29"', '"1999-01-01"'):
+        assert not accepts(factory, tekken, params, bad), bad
+
+
 def test_the_format_bench_runs(capsys):
     """``tools/bench_formats.py`` prints a row per side for xgrammar's wider formats."""
     from conftest import load_tool

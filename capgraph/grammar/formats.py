@@ -28,7 +28,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, Mapping
 
-__all__ = ["FORMAT_PATTERNS", "WIDER_FORMATS", "exact_format"]
+__all__ = ["FORMAT_PATTERNS", "WIDER_FORMATS", "exact_format", "exact_format_beside_pattern"]
 
 _D = "[0-9]"  # (ECMA-262's \d, written out: one way, whatever the backend's regex reader)
 
@@ -95,8 +95,9 @@ def exact_format(node: dict[str, Any], backend: str) -> bool:
     """Give the schema object ``node`` the exact pattern of its ``format`` in place of the
     ``format`` where ``backend`` reads that format wider (:data:`WIDER_FORMATS`); whether it
     did. Both keywords apply to strings alone, so the schema means the same. Left as written:
-    a schema with a ``pattern`` already (a second one has no key to go in) and one with
-    ``enum`` / ``const`` (the values are the language)."""
+    a schema with a ``pattern`` already (a second one has no key to go in: see
+    :func:`exact_format_beside_pattern`) and one with ``enum`` / ``const`` (the values are
+    the language)."""
     fmt = node.get("format")
     if not isinstance(fmt, str) or fmt not in WIDER_FORMATS.get(backend, ()) \
             or "pattern" in node or "enum" in node or "const" in node:
@@ -107,3 +108,15 @@ def exact_format(node: dict[str, Any], backend: str) -> bool:
     node.clear()
     node.update(rebuilt)
     return True
+
+
+def exact_format_beside_pattern(node: dict[str, Any], backend: str) -> str | None:
+    """For a schema object ``node`` with a ``pattern`` beside a ``format`` that ``backend``
+    reads wider (and no ``enum`` / ``const``), the format's exact pattern, to be given as a
+    pattern of its own (an ``allOf`` branch, for a backend that intersects those); else
+    None."""
+    fmt = node.get("format")
+    if not isinstance(fmt, str) or fmt not in WIDER_FORMATS.get(backend, ()) \
+            or "pattern" not in node or "enum" in node or "const" in node:
+        return None
+    return FORMAT_PATTERNS[fmt]

@@ -42,7 +42,7 @@ import json
 import re
 from typing import Any, Callable, Iterator, Mapping
 
-from .formats import exact_format
+from .formats import exact_format, exact_format_beside_pattern
 from .regex_classes import OutsideEscape, regex_parts
 from .schema_policy import subschemas
 
@@ -722,6 +722,23 @@ _SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchema
                           "dependencies"})
 
 
+def _exact_llguidance_format(result: dict[str, Any], node: dict[str, Any]) -> None:
+    """Give ``result`` (``node`` as llguidance gets it) the exact pattern of a ``format``
+    llguidance reads wider: in the format's place, or, beside a ``pattern``, as an ``allOf``
+    branch of its own (llguidance intersects them)."""
+    where = f"the pattern of format {node.get('format')!r}"
+    if exact_format(result, "llguidance"):
+        result["pattern"] = ecma_regex(result["pattern"], "llguidance", "JSON_SCHEMA", where,
+                                       json_string=True)
+        return
+    beside = exact_format_beside_pattern(result, "llguidance")
+    branches = result.get("allOf", [])
+    if beside is not None and isinstance(branches, list):
+        del result["format"]
+        result["allOf"] = [*branches, {"pattern": ecma_regex(
+            beside, "llguidance", "JSON_SCHEMA", where, json_string=True)}]
+
+
 def ascii_schema_patterns(schema_text: str) -> str:
     """The JSON schema ``schema_text`` with every ``pattern`` and every ``patternProperties``
     key as llguidance must be given it (:func:`ecma_regex`); text that is not JSON is returned
@@ -746,9 +763,10 @@ def llguidance_schema(schema_text: str) -> str:
     ``contains``, ``propertyNames``, ...) and ``allOf`` branches (which xgrammar merges with
     their parent before it reads them) are left as written. A bare ``{"type": "object"}`` or ``{"type": "array"}`` allows anything on
     both. A ``format`` llguidance reads wider than the format is given as its exact pattern
-    (:func:`~capgraph.grammar.formats.exact_format`), and the schema ``true`` as ``{}`` (the
-    same: any value; llguidance applies its options, capgraph's whitespace among them, to an
-    object schema only). Text that is not JSON is returned unchanged."""
+    (:func:`~capgraph.grammar.formats.exact_format`; beside a ``pattern``, in an ``allOf``
+    branch of its own), and the schema ``true`` as ``{}`` (the same: any value; llguidance
+    applies its options, capgraph's whitespace among them, to an object schema only). Text
+    that is not JSON is returned unchanged."""
     if schema_text.strip() == "true":
         return "{}"
     return _rewrite(schema_text, unlisted_absent=True, formats=True)
@@ -863,10 +881,8 @@ def _rewrite(schema_text: str, unlisted_absent: bool, formats: bool) -> str:
                 result[key] = walk(value, inner)
         if unlisted_absent and describes:
             _strict_defaults(node, result)
-        if formats and exact_format(result, "llguidance"):
-            result["pattern"] = ecma_regex(result["pattern"], "llguidance", "JSON_SCHEMA",
-                                           f"the pattern of format {node['format']!r}",
-                                           json_string=True)
+        if formats:
+            _exact_llguidance_format(result, node)
         return result
 
     return json.dumps(walk(schema, True))
