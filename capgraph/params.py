@@ -15,6 +15,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Mapping, Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -150,7 +151,10 @@ class GuidedDecodingParams:
         guide = self.guide
         if isinstance(guide, dict) and gt is GuideType.JSON_SCHEMA:
             try:
-                guide = json.dumps(guide)
+                # (no NaN / Infinity, which JSON has not; keys that print alike, 1 and "1",
+                # would be one key twice, the first lost to a parser)
+                guide = json.dumps(guide, allow_nan=False)
+                json.loads(guide, object_pairs_hook=_no_repeated_keys)
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"GuidedDecodingParams.guide: the schema dict is not JSON "
                                   f"({e})") from None
@@ -242,11 +246,19 @@ def _parse_bytes(text: str, env: str) -> int:
     except ValueError:
         raise ConfigError(f"{env}={text!r} is not a byte count "
                           "(examples: 1073741824, 512M, 1G)") from None
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{env}={text!r} must be a finite byte count >= 0")
+    if not math.isfinite(value) or value < 0 or value != int(value) or value > _MAX_BYTES:
+        raise ConfigError(f"{env}={text!r} must be a whole byte count in [0, {_MAX_BYTES}]")
     return int(value)
 
 
+#: The largest byte count a config field or variable takes (2**62: past it no cache or
+#: process limit means anything, and the OS's own limits overflow).
+_MAX_BYTES = 1 << 62
+
+
+#: The widest ``GuidedDecodingConfig.vocab_size_padded`` accepted: token ids are int32 on
+#: every path (xgrammar, the bitmask kernels), so 2**31 - 1 is the hard bound.
+MAX_VOCAB_SIZE = 2**31 - 1
 #: The longest ``GuidedDecodingConfig.compile_timeout_s`` accepted (one day): longer ones are
 #: mistakes, and beyond ``threading.TIMEOUT_MAX`` a wait raises OverflowError.
 MAX_COMPILE_TIMEOUT_S = 24 * 3600.0
@@ -258,6 +270,15 @@ DEFAULT_MAX_REPETITION_COUNT = 65_535
 DEFAULT_HOST_STEP_BUDGET_MS = 50.0
 #: The largest ``host_step_budget_ms`` accepted (one minute; beyond it, use None).
 MAX_HOST_STEP_BUDGET_MS = 60_000.0
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads`` hook: a JSON object, refusing a key written twice (ValueError)."""
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"the key {next(k for k in keys if keys.count(k) > 1)!r} comes "
+                         "twice in one object (keys that are not strings print as strings)")
+    return dict(pairs)
 
 
 def _field_error(name: str, value: Any, expected: str) -> ConfigError:
@@ -286,13 +307,34 @@ def _choice_field(name: str, value: Any, choices: Sequence[str]) -> str:
     return value
 
 
+def _check_eos_is_its_token(tokenizer: Any, eos: int) -> None:
+    """Refuse a tokenizer whose EOS id spells another token than its EOS token (an EOS
+    string missing from the vocabulary maps to the unknown token's id: that would end
+    outputs)."""
+    name = getattr(tokenizer, "eos_token", None)
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    if not isinstance(name, str) or convert is None:
+        return
+    try:
+        spelled = convert(eos)
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot say: nothing to compare
+        return
+    if isinstance(spelled, str) and spelled != name:
+        raise ConfigError(
+            f"GuidedDecodingConfig.stop_token_ids: the tokenizer's EOS token {name!r} is not "
+            f"in its vocabulary (eos_token_id={eos} is {spelled!r}); pass stop_token_ids=[...]")
+
+
 def _token_ids_field(name: str, value: Any) -> list[int]:
-    """A non-empty collection of integer token ids (a str or a bare int is refused)."""
-    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+    """A non-empty collection of integer token ids (a str, a bare int or a 0-d array is
+    refused, and so is a bool, however it is held)."""
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__") \
+            or getattr(value, "ndim", 1) == 0:
         raise _field_error(name, value, "a list of integer token ids")
     ids = []
     for t in value:
-        if isinstance(t, (bool, float, str, bytes)) or not hasattr(t, "__index__"):
+        if isinstance(t, (bool, float, str, bytes)) or not hasattr(t, "__index__") \
+                or "bool" in str(getattr(t, "dtype", "")):
             raise _field_error(name, value, f"a list of integer token ids ({t!r} is not one)")
         try:
             ids.append(t.__index__())
@@ -470,11 +512,19 @@ class GuidedDecodingConfig:
             check_decode_round_trips(self.tokenizer)  # (what decode() shows is what was guided)
         else:
             vocab = self.encoded_vocab
-            if isinstance(vocab, (str, bytes)) or not hasattr(vocab, "__iter__") or \
-                    not all(isinstance(t, (str, bytes)) for t in vocab):  # type: ignore[union-attr]
+            if isinstance(vocab, Mapping):
+                raise _field_error("encoded_vocab", type(vocab).__name__,
+                                   "a sequence of token strings indexed by token id (a "
+                                   "mapping is not one: for get_vocab()'s token -> id, pass "
+                                   "the tokens sorted by id)")
+            if isinstance(vocab, (str, bytes, AbstractSet)) or not hasattr(vocab, "__iter__"):
                 raise _field_error("encoded_vocab", type(vocab).__name__,
                                    "a sequence of token strings indexed by token id")
-            self.encoded_vocab = list(vocab)  # type: ignore[arg-type]
+            vocab = list(vocab)  # type: ignore[arg-type]  # (once: a generator is read here)
+            if not all(isinstance(t, (str, bytes)) for t in vocab):
+                raise _field_error("encoded_vocab", "a sequence with a non-string",
+                                   "a sequence of token strings indexed by token id")
+            self.encoded_vocab = vocab
             if not self.encoded_vocab:
                 raise ConfigError("GuidedDecodingConfig.encoded_vocab: empty vocabulary")
             self.tokenizer_vocab_size = len(self.encoded_vocab)
@@ -484,7 +534,7 @@ class GuidedDecodingConfig:
         if self.vocab_size_padded is None or (type(self.vocab_size_padded) is int
                                                and self.vocab_size_padded == 0):
             self.vocab_size_padded = self.tokenizer_vocab_size
-        _int_field("vocab_size_padded", self.vocab_size_padded, 0)
+        _int_field("vocab_size_padded", self.vocab_size_padded, 0, MAX_VOCAB_SIZE)
         if self.vocab_size_padded < self.tokenizer_vocab_size:
             raise ConfigError(
                 f"GuidedDecodingConfig.vocab_size_padded={self.vocab_size_padded} is smaller "
@@ -499,6 +549,8 @@ class GuidedDecodingConfig:
             # (an encoded_vocab without stop_token_ids has none: a guide that completes
             # then leaves no valid token and its request fails with DeadEndError)
             self.stop_token_ids = [eos] if type(eos) is int else []
+            if self.tokenizer is not None and type(eos) is int:
+                _check_eos_is_its_token(self.tokenizer, eos)
         else:
             self.stop_token_ids = _token_ids_field("stop_token_ids", self.stop_token_ids)
         for t in self.stop_token_ids:
@@ -511,13 +563,13 @@ class GuidedDecodingConfig:
             raise ConfigError(
                 f"GuidedDecodingConfig.stop_token_ids: the {self.backend.value} backend takes "
                 f"exactly one stop token, got {self.stop_token_ids}")
-        _int_field("compile_cache_bytes", self.compile_cache_bytes, 0)
-        _int_field("compile_disk_cache_bytes", self.compile_disk_cache_bytes, 0)
+        _int_field("compile_cache_bytes", self.compile_cache_bytes, 0, _MAX_BYTES)
+        _int_field("compile_disk_cache_bytes", self.compile_disk_cache_bytes, 0, _MAX_BYTES)
         self.compile_timeout_s = _seconds_field("compile_timeout_s", self.compile_timeout_s,
                                                 MAX_COMPILE_TIMEOUT_S)
         _int_field("compile_threads", self.compile_threads, 1, 1024)
         _choice_field("compile_isolation", self.compile_isolation, COMPILE_ISOLATION_MODES)
-        _int_field("compile_memory_limit_bytes", self.compile_memory_limit_bytes, 0)
+        _int_field("compile_memory_limit_bytes", self.compile_memory_limit_bytes, 0, _MAX_BYTES)
         _choice_field("json_unenforced_keywords", self.json_unenforced_keywords,
                       ("error", "fallback", "ignore"))
         if (self.backend is GuidedDecodingBackend.AUTO

@@ -60,6 +60,9 @@ class LogitsChecks:
             raise TensorArgError(f"logits have {shape[0]} rows, the batch layout has "
                                  f"{rows} (1 per context request, 1 + draft length per "
                                  "generation request)")
+        if logits.layout is not torch.strided:
+            raise TensorArgError(f"logits must be a dense (strided) tensor, got layout "
+                                 f"{logits.layout}: pass .to_dense() logits")
         if logits.dtype not in _FLOAT_DTYPES:
             raise TensorArgError(f"logits must be float32, float16 or bfloat16, got "
                                  f"{logits.dtype}")
@@ -72,6 +75,9 @@ class LogitsChecks:
                                  f"{width}, e.g. an expand()ed tensor): each row is masked "
                                  "for its own request, so rows need memory of their own")
         if d2t is not None:
+            if isinstance(d2t, torch.Tensor) and d2t.layout is not torch.strided:
+                raise TensorArgError(f"d2t must be a dense (strided) tensor, got layout "
+                                     f"{d2t.layout}")
             if not isinstance(d2t, torch.Tensor) or d2t.dim() != 1:
                 raise TensorArgError(f"d2t must be a 1-D tensor, got shape "
                                      f"{tuple(getattr(d2t, 'shape', ()))}")

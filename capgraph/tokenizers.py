@@ -213,13 +213,24 @@ def load_tokenizer(name_or_path: str | os.PathLike[str] = "tekken", *,
         TokenizerLoadError: unknown name (the message lists the known ones), missing directory,
             missing conversion dependency, or a converted tokenizer of the wrong size.
     """
-    text = os.fspath(name_or_path)
-    if text in BUNDLED_TOKENIZERS:
-        root = Path(cache_dir) if cache_dir is not None else _default_cache_root()
-        return _load_bundled(text, str(root.expanduser().resolve()))
-    path = Path(text).expanduser()
-    if path.exists() or os.sep in text or text.startswith((".", "~")):
-        return _load_directory(str(path.resolve()))
+    try:
+        text = os.fspath(name_or_path)
+    except TypeError:
+        text = None
+    if not isinstance(text, str):
+        raise TokenizerLoadError(f"load_tokenizer: expected a bundled name or a directory "
+                                 f"path (str or os.PathLike of str), got {name_or_path!r}")
+    try:
+        if text in BUNDLED_TOKENIZERS:
+            root = Path(cache_dir) if cache_dir is not None else _default_cache_root()
+            return _load_bundled(text, str(root.expanduser().resolve()))
+        path = Path(text).expanduser()
+        if path.exists() or os.sep in text or text.startswith((".", "~")):
+            return _load_directory(str(path.resolve()))
+    except (OSError, ValueError, TypeError) as e:  # (a NUL in a path, a file for a folder)
+        raise TokenizerLoadError(
+            f"load_tokenizer({text[:200]!r}, cache_dir={cache_dir!r}): {type(e).__name__}: "
+            f"{e}") from None
     raise TokenizerLoadError(
         f"unknown tokenizer {text!r}: not a bundled name ({', '.join(BUNDLED_TOKENIZERS)}) "
         f"and not an existing directory")

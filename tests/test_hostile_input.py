@@ -521,14 +521,15 @@ def test_token_and_count_tensors_of_other_dtypes_are_refused(dtype, make):
 CONFIG_FIELDS = {
     "compile_timeout_s": [float("inf"), 1e12, float("nan"), "5", True, 0],
     "compile_threads": ["2", 2.0, True, 0],
-    "compile_cache_bytes": ["1G", 1.5, -1],
+    "compile_cache_bytes": ["1G", 1.5, -1, 2**63],
     "fill_threads": ["1", 1.0, -1],
     "stop_token_ids": [5, "12", [], [1.0], [True], [EOS, "x"]],
     "json_whitespace": ["no", True],
     "json_unenforced_keywords": [["error"], "warn"],
     "native_build": [1, "maybe"],
-    "vocab_size_padded": ["64", 64.0, True, 10],
+    "vocab_size_padded": ["64", 64.0, True, 10, 2**31],
     "backend": [5, "vllm"],
+    "compile_memory_limit_bytes": [10**30],
 }
 
 
@@ -540,6 +541,88 @@ def test_config_field_of_wrong_type_or_value_names_the_field(field, value):
     iterated as token lists."""
     with pytest.raises(ConfigError, match=field):
         GuidedDecodingConfig(encoded_vocab=VOCAB, **{field: value})
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("stop_token_ids", np.array(3), "stop_token_ids"),
+    ("stop_token_ids", torch.tensor(3), "stop_token_ids"),
+    ("stop_token_ids", torch.tensor([True]), "stop_token_ids"),
+    ("encoded_vocab", {"b": 1, "a": 0, "</s>": 2}, "mapping"),
+    ("encoded_vocab", {"a", "b"}, "encoded_vocab"),
+    ("encoded_vocab", ["a", 5], "encoded_vocab"),
+])
+def test_config_values_held_otherwise_are_refused_not_read_another_way(field, value, said):
+    """A 0-d array or tensor of stop ids (iterating it raised a bare TypeError), a bool
+    tensor (read as id 1), a token -> id mapping (read in key order, ignoring the ids: masks
+    then allowed other tokens) or a set (no order) as the vocabulary: ConfigError."""
+    fields = {"encoded_vocab": VOCAB, "stop_token_ids": [EOS], field: value}
+    with pytest.raises(ConfigError, match=said):
+        GuidedDecodingConfig(**fields)
+    generated = GuidedDecodingConfig(encoded_vocab=(t for t in VOCAB), stop_token_ids=[EOS])
+    assert generated.encoded_vocab == VOCAB  # (a generator is read once, as a list)
+
+
+def test_byte_count_variables_take_whole_numbers_only(monkeypatch):
+    """CAPGRAPH_COMPILE_CACHE_BYTES=0.9 turned the cache off (truncated to 0); a fraction or a
+    count past 2**62 is refused naming the variable; 512M is 512 MiB."""
+    for text in ("0.9", "1.5", "1e30"):
+        monkeypatch.setenv("CAPGRAPH_COMPILE_CACHE_BYTES", text)
+        with pytest.raises(ConfigError, match="CAPGRAPH_COMPILE_CACHE_BYTES"):
+            GuidedDecodingConfig(encoded_vocab=VOCAB)
+    monkeypatch.setenv("CAPGRAPH_COMPILE_CACHE_BYTES", "512M")
+    assert GuidedDecodingConfig(encoded_vocab=VOCAB).compile_cache_bytes == 512 << 20
+
+
+@pytest.mark.parametrize("schema, said", [
+    ({"type": "number", "maximum": float("nan")}, "not JSON"),
+    ({"type": "number", "minimum": float("-inf")}, "not JSON"),
+    ({"properties": {1: {}, "1": {"type": "string"}}}, "'1' comes twice"),
+])
+def test_schema_dicts_that_json_cannot_hold_are_refused(schema, said):
+    """A schema dict with NaN / infinity (json.dumps wrote non-JSON that failed later with a
+    parse error) or keys that print alike (1 and "1": one key twice, one schema lost) is a
+    ConfigError at GuidedDecodingParams."""
+    with pytest.raises(ConfigError, match=said):
+        GuidedDecodingParams.json_schema(schema)
+
+
+def test_tokenizer_whose_eos_is_not_in_its_vocabulary_is_refused(tokenizer_cache):
+    """An EOS string missing from the vocabulary maps to the unknown token's id, which would
+    then end guided outputs: refused, naming the token; the bundled tokenizers pass."""
+    import copy
+    tok = copy.deepcopy(tokenizer_cache("mistral-sp32k"))
+    tok.eos_token = "<no_such_eos>"
+    with pytest.raises(ConfigError, match="'<no_such_eos>' is not in its vocabulary"):
+        GuidedDecodingConfig.from_tokenizer(tok)
+    assert GuidedDecodingConfig.from_tokenizer(tokenizer_cache("mistral-sp32k")).stop_token_ids
+
+
+@pytest.mark.parametrize("layout", ["csr", "coo"])
+def test_sparse_logits_and_d2t_are_refused(make, layout):
+    """Sparse logits (a bare RuntimeError: no strides) and a sparse d2t (a bare TypeError
+    inside the mask op) are TensorArgErrors before any matcher moves."""
+    dec = make("eager")
+    dec.add_batch([GuidedRequest.context(0, 0, ABC)])
+    dense = torch.zeros(1, V)
+    sparse = dense.to_sparse_csr() if layout == "csr" else dense.to_sparse()
+    with pytest.raises(TensorArgError, match="dense"):
+        dec.execute(sparse)
+    with pytest.raises(TensorArgError, match="d2t must be a dense"):
+        dec.execute(dense, torch.zeros(V, dtype=torch.int32).to_sparse())
+    assert dec.execute(dense) == []
+
+
+@pytest.mark.parametrize("args, cache_dir", [
+    ((None,), None), ((123,), None), ((b"tekken",), None), (("/tmp/\x00x",), None),
+    (("a" * 5000,), None), (("tekken",), "/tmp/\x00")], ids=lambda a: repr(a)[:20])
+def test_load_tokenizer_names_what_it_cannot_load(args, cache_dir):
+    """Odd names and paths (not a string, a NUL byte, a name too long for the file system, a
+    cache folder that cannot be one) are TokenizerLoadErrors, not TypeError / ValueError /
+    OSError."""
+    from capgraph.errors import TokenizerLoadError
+    from capgraph.tokenizers import load_tokenizer
+    with pytest.raises(TokenizerLoadError):
+        load_tokenizer(*args, **({} if cache_dir is None else {"cache_dir": cache_dir}))
 
 
 def test_tokenizer_without_eos_needs_stop_token_ids(tokenizer_cache):
