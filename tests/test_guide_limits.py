@@ -13,7 +13,8 @@ from capgraph import (ConfigError, GrammarCompileError, GuidedDecodingConfig,
 from capgraph.decoder import GuidedDecoder
 from capgraph.demo import KV_GRAMMAR
 from capgraph.grammar import create_matcher_factory
-from capgraph.grammar.guide_limits import ebnf_counts, regex_counts, schema_counts
+from capgraph.grammar.guide_limits import (check_guide_limits, ebnf_counts, regex_counts,
+                                           schema_counts)
 from capgraph.grammar.llguidance_backend import available as llguidance_available
 from capgraph.requests import GuidedRequest
 
@@ -103,6 +104,22 @@ def test_regex_scan_skips_escapes_and_classes():
     assert list(regex_counts(r"\p{L}\x{41}{ab")) == []
     assert [(v, w) for v, w, _ in regex_counts(r"[{]{3}\{x{2,7}")] == [
         (3, "regex offset 3"), (2, "regex offset 9"), (7, "regex offset 9")]
+
+
+@pytest.mark.parametrize("guide_type, guide", [
+    (GuideType.REGEX, "[[=](-{0,256}){0,256}"),
+    (GuideType.REGEX, "[[:](-{0,256}){0,256}:]"),
+    (GuideType.REGEX, "[]a{0,1000000}]"),
+    (GuideType.EBNF_GRAMMAR, 'root ::= [[=] ("-"{0,256}){0,256}'),
+    (GuideType.JSON_SCHEMA, '{"type": "string", "pattern": "[[=](-{0,256}){0,256}"}'),
+])
+def test_a_class_ends_where_the_backend_ends_it(guide_type, guide):
+    """A class ends at its first unescaped ']', as ECMA-262 and xgrammar's grammar reader end
+    it: a '[=' / '[:' inside is a member, not the start of a POSIX class running to a later
+    (or, unclosed, no) ':]', which hid the counts after it (a 40 s compile; a JSON-schema
+    accept that ran past 200 s)."""
+    with pytest.raises(UnsupportedGuideError, match="nested quantifiers|repetition count"):
+        check_guide_limits(GuidedDecodingParams(guide_type, guide), "xgrammar", 65535)
 
 
 def test_escaped_and_class_braces_still_compile(tiny):

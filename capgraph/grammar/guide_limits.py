@@ -305,20 +305,21 @@ def _regex_events(pattern: str, where: Any, chains: _Chains) -> Iterator[Nested]
 
 
 def _skip_class(text: str, i: int) -> int:
-    """The index just past the character class opening at ``text[i] == '['``."""
+    """The index just past the character class opening at ``text[i] == '['``: at its first
+    unescaped ``]``, the shortest reading any backend has. ECMA-262 (the guides' regexes)
+    and xgrammar's grammar classes end there: ``[]`` is an empty class, a ``[`` inside is a
+    member (``[[:alpha:]]`` is a class and a ``]``). A reader that takes a leading ``]`` as
+    a member, nests classes or reads POSIX ones (Rust's and Python's, in a Lark regex) ends
+    them later, never earlier, so what follows is at worst scanned as syntax and counted,
+    never skipped: skipping to a later ``:]`` hid the counts after an unclosed ``[[=``."""
     n = len(text)
     j = i + 1
     if j < n and text[j] == "^":
-        j += 1
-    if j < n and text[j] == "]":  # a leading ']' is a member
         j += 1
     while j < n:
         c = text[j]
         if c == "\\":
             j += 2
-        elif c == "[" and j + 1 < n and text[j + 1] in ":.=":  # [:alpha:], [.x.], [=x=]
-            end = text.find(text[j + 1] + "]", j + 2)
-            j = n if end < 0 else end + 2
         elif c == "]":
             return j + 1
         else:
