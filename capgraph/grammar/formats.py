@@ -98,11 +98,9 @@ def exact_format(node: dict[str, Any], backend: str) -> bool:
     a schema with a ``pattern`` already (a second one has no key to go in: see
     :func:`exact_format_beside_pattern`) and one with ``enum`` / ``const`` (the values are
     the language)."""
-    fmt = node.get("format")
-    if not isinstance(fmt, str) or fmt not in WIDER_FORMATS.get(backend, ()) \
-            or "pattern" in node or "enum" in node or "const" in node:
+    pattern = _exact_pattern(node, backend)
+    if pattern is None or "pattern" in node:
         return False
-    pattern = FORMAT_PATTERNS[fmt]
     rebuilt = {("pattern" if key == "format" else key): (pattern if key == "format" else value)
                for key, value in node.items()}
     node.clear()
@@ -115,8 +113,14 @@ def exact_format_beside_pattern(node: dict[str, Any], backend: str) -> str | Non
     reads wider (and no ``enum`` / ``const``), the format's exact pattern, to be given as a
     pattern of its own (an ``allOf`` branch, for a backend that intersects those); else
     None."""
+    return _exact_pattern(node, backend) if "pattern" in node else None
+
+
+def _exact_pattern(node: dict[str, Any], backend: str) -> str | None:
+    """The exact pattern of ``node``'s ``format`` where ``backend`` reads it wider and no
+    ``enum`` / ``const`` makes the values the language; else None."""
     fmt = node.get("format")
     if not isinstance(fmt, str) or fmt not in WIDER_FORMATS.get(backend, ()) \
-            or "pattern" not in node or "enum" in node or "const" in node:
+            or "enum" in node or "const" in node:
         return None
     return FORMAT_PATTERNS[fmt]

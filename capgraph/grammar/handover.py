@@ -75,8 +75,9 @@ class HandOverGuide:
 
     llguidance: CompiledGuide
     xgrammar: CompileHandle
-    _taken: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False,
-                                                compare=False)
+    # held once the first matcher took :attr:`xgrammar` (acquired, never released)
+    _taken: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False,
+                                               compare=False)
 
     def handle(self, join: Callable[[], CompileHandle]) -> CompileHandle:
         """A handle on the xgrammar compile for one more matcher: :attr:`xgrammar` the first
@@ -85,15 +86,9 @@ class HandOverGuide:
         gives its own up when its request ends, so the compile is stopped only when no
         request waits for it (one handle shared by several requests was given up by the
         first to end, for all of them)."""
-        with _TAKE_LOCK:
-            first = not self._taken.is_set()
-            self._taken.set()
-        if first or self.xgrammar.done():
+        if self._taken.acquire(blocking=False) or self.xgrammar.done():
             return self.xgrammar
         return join()
-
-
-_TAKE_LOCK = threading.Lock()
 
 
 class HandOverMatcher(GrammarMatcher):

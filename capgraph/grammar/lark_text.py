@@ -12,6 +12,7 @@ skipped unread: where llguidance's lexer would fail, so does this reader
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -171,6 +172,14 @@ def _lexemes(text: str) -> Iterator[tuple[str, int, int, Any]]:
         pos = best
 
 
+@functools.lru_cache(maxsize=4)
+def _read(text: str) -> tuple[tuple[str, int, int, Any], ...]:
+    """:func:`_lexemes` of ``text``, kept for the few texts read last: a compile asks for
+    the references, the ``%json`` values, the options and the lazy rules of one grammar,
+    and reads it once (an error is not kept: it is raised again)."""
+    return tuple(_lexemes(text))
+
+
 def _scan(text: str) -> Iterator[tuple[str, int, int, Any]]:
     """``(kind, start, end, value)`` for each ``%json`` value (kind ``json``), ``%llguidance``
     value (``options``), token reference (``ref``) and regex literal (``regex``, the literal's
@@ -180,7 +189,7 @@ def _scan(text: str) -> Iterator[tuple[str, int, int, Any]]:
         LarkTextError: as :func:`_lexemes`.
     """
     keyword = ""
-    for kind, start, end, value in _lexemes(text):
+    for kind, start, end, value in _read(text):
         if kind == "json":
             if keyword == "%json":
                 yield "json", start, end, value
@@ -469,7 +478,7 @@ def lark_lazy_rules(text: str) -> list[LarkLazyRule]:
     Raises:
         LarkTextError: as :func:`lark_token_refs`.
     """
-    definitions = _definitions(list(_lexemes(text)))
+    definitions = _definitions(list(_read(text)))
     nullable = _Nullable(definitions)
     return [LarkLazyRule(name, _line(text, start), nullable.name(name))
             for name, (start, attrs, _) in definitions.items() if _lazy(attrs)]
