@@ -311,7 +311,8 @@ def _skip_class(text: str, i: int) -> int:
     member (``[[:alpha:]]`` is a class and a ``]``). A reader that takes a leading ``]`` as
     a member, nests classes or reads POSIX ones (Rust's and Python's, in a Lark regex) ends
     them later, never earlier, so what follows is at worst scanned as syntax and counted,
-    never skipped: skipping to a later ``:]`` hid the counts after an unclosed ``[[=``."""
+    never skipped (skipping to a later ``:]`` would hide the counts after an unclosed
+    ``[[=``)."""
     n = len(text)
     j = i + 1
     if j < n and text[j] == "^":

@@ -84,8 +84,8 @@ class HandOverGuide:
         time; later, the same one where the compile is over, else a new one from ``join``
         (the factory's ``compile_async``, which joins the compile in flight). Each matcher
         gives its own up when its request ends, so the compile is stopped only when no
-        request waits for it (one handle shared by several requests was given up by the
-        first to end, for all of them)."""
+        request waits for it (one handle shared by several requests would be given up by
+        the first to end, for all of them)."""
         if self._taken.acquire(blocking=False) or self.xgrammar.done():
             return self.xgrammar
         return join()
