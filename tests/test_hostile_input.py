@@ -597,6 +597,7 @@ def test_tokenizer_whose_eos_is_not_in_its_vocabulary_is_refused(tokenizer_cache
     assert GuidedDecodingConfig.from_tokenizer(tokenizer_cache("mistral-sp32k")).stop_token_ids
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta:UserWarning")
 @pytest.mark.parametrize("layout", ["csr", "coo"])
 def test_sparse_logits_and_d2t_are_refused(make, layout):
     """Sparse logits (a bare RuntimeError: no strides) and a sparse d2t (a bare TypeError
