@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import time
 import uuid
 
@@ -145,6 +146,27 @@ def test_memory_limit_fails_the_request_with_a_named_error(tekken):
         assert len(factory.processes.stats.compile_s) == 1
     finally:
         factory.close()
+
+
+def test_a_crashed_worker_fails_its_request_naming_the_signal(procs):
+    """A worker that crashes while compiling (a backend fault: here a SIGSEGV sent to it)
+    fails that request with CompileResourceError naming the signal, not a memory limit; the
+    next compile gets a new worker."""
+    slow = _salted(_anyof(14))
+    handle = procs.compile_async(slow)
+    deadline, pid = time.monotonic() + 150, None
+    while pid is None and time.monotonic() < deadline:
+        pid = procs.processes.pid_compiling((slow.guide_type.value, slow.guide))
+        time.sleep(0.01)
+    assert pid is not None
+    died = procs.processes.stats.died
+    os.kill(pid, signal.SIGSEGV)
+    with pytest.raises(CompileResourceError, match=r"crashed \(SIGSEGV\)") as info:
+        handle.result(120, backend="xgrammar")
+    assert "memory limit" not in str(info.value)
+    assert procs.processes.stats.died == died + 1
+    after = _salted({"type": "object", "properties": {"t": {"type": "string"}}})
+    assert procs.compile_async(after).result(120, backend="xgrammar").nbytes > 0
 
 
 def test_compile_errors_keep_their_type_and_fields(procs):

@@ -564,3 +564,54 @@ def test_a_large_choice_list_serves_on_llguidance(tekken_factories, tekken):
     assert accepts(factory, tekken, params, "w2999")
     assert accepts(factory, tekken, params, "w17")
     assert not accepts(factory, tekken, params, "w3000")
+
+
+def _deep(n: int) -> str:
+    return "(" * n + "a" + ")" * n
+
+
+@pytest.mark.parametrize("params, backend", [
+    (GuidedDecodingParams.regex(_deep(251)), "xgrammar"),
+    (GuidedDecodingParams.json_schema({"type": "string", "pattern": _deep(251)}), "xgrammar"),
+    (GuidedDecodingParams.json_schema({"type": "object",
+                                       "patternProperties": {_deep(251): {}}}), "llguidance"),
+    (GuidedDecodingParams.ebnf(f'root ::= Regex("{_deep(251)}")'), "xgrammar"),
+    (GuidedDecodingParams.ebnf(f"start: /{_deep(251)}/"), "llguidance"),
+    (GuidedDecodingParams.structural_tag(json.dumps({
+        "type": "structural_tag", "format": {"type": "regex", "pattern": _deep(251)}})),
+     "xgrammar"),
+])
+def test_regex_groups_nested_too_deep_are_refused_everywhere(params, backend):
+    """A regex whose groups nest past MAX_GROUP_DEPTH is refused by name wherever a regex
+    can be (a guide, a pattern, a patternProperties key, GBNF Regex, a Lark terminal, a
+    structural tag), on the backend that would read it; one level less passes."""
+    with pytest.raises(UnsupportedGuideError, match="groups nest over 250 deep") as info:
+        check_guide_limits(params, backend, 65535)
+    assert info.value.guide_type == params.guide_type.name and info.value.backend == backend
+    shallower = dataclasses.replace(params, guide=params.guide.replace("(", "", 1)
+                                    .replace(")", "", 1))
+    check_guide_limits(shallower, backend, 65535)
+    # escaped parentheses and parentheses in a class are no groups
+    check_guide_limits(GuidedDecodingParams.regex("\\(" * 300 + "[(]" * 300), backend, 65535)
+
+
+def test_a_deep_regex_fails_its_request_instead_of_crashing_the_process():
+    """xgrammar's automaton builder recursed once per group level and overflowed the compile
+    thread's stack at about 20 000 levels, killing the whole process (SIGSEGV, no traceback).
+    Run in a child process so that a regression fails this test, not the test run."""
+    import subprocess
+    import sys
+    code = (
+        "import torch\n"
+        "from capgraph import GuidedDecodingConfig as C, GuidedDecodingParams as P\n"
+        "from capgraph.decoder import GuidedDecoder\n"
+        "from capgraph.requests import GuidedRequest as R\n"
+        "V = [chr(97 + i % 26) * (1 + i // 26) for i in range(200)] + ['</s>']\n"
+        "d = GuidedDecoder(C(encoded_vocab=V, stop_token_ids=[200]), 2)\n"
+        "bad = P.json_schema({'type': 'string', 'pattern': '(' * 30000 + 'a' + ')' * 30000})\n"
+        "d.add_batch([R.context(1, 0, P.regex('a+')), R.context(2, 1, bad)])\n"
+        "print('FAILED', d.execute(torch.zeros(2, 201)))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "FAILED" in done.stdout and "groups nest over 250 deep" in done.stdout, done.stdout

@@ -32,6 +32,11 @@ It reads:
 - structural tags: ``repeat``'s ``min``/``max``, ``max_chars``/``max_tokens``, and the
   schemas, regexes and grammars inside them.
 
+Reading the same regexes, it refuses groups nested deeper than :data:`MAX_GROUP_DEPTH`
+(:class:`GroupNestingError`): xgrammar builds a regex's automaton by recursion and a 60 kB
+regex of 30 000 nested groups overflows the compile thread's stack (the process dies with
+SIGSEGV).
+
 Counts each under the limit still multiply when nested: xgrammar's cost of one step grows
 with the product along a chain of nested quantifiers and with the token's length, and one
 call cannot be interrupted (figures below). :func:`nested_counts` finds every chain of nested
@@ -90,7 +95,7 @@ from .schema_policy import Pointer, _short, schema_nodes
 T = TypeVar("T")
 
 __all__ = ["BACKEND_MAX_COUNT", "DEFAULT_MAX_REPETITION_COUNT", "MAX_NESTED_PRODUCT",
-           "MAX_DEEP_NESTED_PRODUCT",
+           "MAX_DEEP_NESTED_PRODUCT", "MAX_GROUP_DEPTH", "GroupNestingError",
            "UNBOUNDED_FACTOR", "check_guide_limits", "regex_counts", "regex_nesting",
            "ebnf_counts", "schema_counts", "nested_counts"]
 
@@ -112,6 +117,10 @@ MAX_NESTED_PRODUCT = 1024
 #: The largest product along a chain of three or more nested quantifiers (at least one
 #: counted), such as ``((a{0,4}){0,4}){0,4}`` (64).
 MAX_DEEP_NESTED_PRODUCT = 64
+#: The deepest nesting of groups a regex may have. llguidance's regex reader refuses more
+#: than 250 itself; xgrammar's automaton builder recurses once per level and, past about
+#: 20 000 levels (60 kB of regex), overflows the compile thread's stack and kills the process.
+MAX_GROUP_DEPTH = 250
 #: What an unbounded quantifier (``*``, ``+``, ``{n,}``) nested with a counted one weighs in
 #: the product (about the longest token's characters it can absorb in one step).
 UNBOUNDED_FACTOR = 64
@@ -138,14 +147,23 @@ def _at(where: Any, tail: str) -> Any:
     return where + tail if isinstance(where, str) else _At(where, tail)
 
 
+class GroupNestingError(UnsupportedGuideError):
+    """A regex nests its groups deeper than :data:`MAX_GROUP_DEPTH` (raised by
+    :func:`regex_counts`; :func:`check_guide_limits` adds the guide type and backend)."""
+
+
 def regex_counts(pattern: str, where: Any = "regex") -> Iterator[Found]:
     """Every repetition count of ``pattern``: ``(count, location, description)``.
 
     Escapes (``\\{``, ``\\x{41}``, ``\\p{L}``) and character classes (``[{]``, ``[[:digit:]]``)
     hold no repetition; a ``{`` that does not open ``{n}``, ``{n,}`` or ``{n,m}`` is a literal.
+
+    Raises:
+        GroupNestingError: where groups nest deeper than :data:`MAX_GROUP_DEPTH`.
     """
     i, n = 0, len(pattern)
     prev_atom = False  # whether a quantifier here would apply to something
+    depth = 0
     while i < n:
         c = pattern[i]
         if c == "\\":
@@ -170,6 +188,17 @@ def regex_counts(pattern: str, where: Any = "regex") -> Iterator[Found]:
                 yield int(hi), _at(where, f" offset {i}"), m.group(0)
             i = m.end()
         else:
+            if c == "(":
+                depth += 1
+                if depth > MAX_GROUP_DEPTH:
+                    raise GroupNestingError(
+                        f"groups nest over {MAX_GROUP_DEPTH} deep at "
+                        f"{_short(str(_at(where, f' offset {i}')))} (capgraph.grammar."
+                        "guide_limits.MAX_GROUP_DEPTH: llguidance refuses deeper regexes, and "
+                        "xgrammar builds them by a recursion that can exhaust its thread's "
+                        "stack)")
+            elif c == ")":
+                depth = max(depth - 1, 0)
             prev_atom = c not in "(|"
             i += 1
 
@@ -1249,23 +1278,28 @@ def check_guide_limits(params: GuidedDecodingParams, backend: str, max_count: in
     """Refuse a guide asking for a repetition count above ``max_count`` (itself at most
     :data:`BACKEND_MAX_COUNT`), or nesting quantifiers whose counts multiply past
     :data:`MAX_NESTED_PRODUCT` (two nested) or :data:`MAX_DEEP_NESTED_PRODUCT` (three or
-    more), or past ``max_count`` where that is lower (:func:`nested_counts`).
+    more), or past ``max_count`` where that is lower (:func:`nested_counts`), or nesting
+    a regex's groups deeper than :data:`MAX_GROUP_DEPTH`.
 
     Raises:
         UnsupportedGuideError: naming the first such count or chain, where it is, and the
             limit.
     """
     limit = min(max_count, BACKEND_MAX_COUNT)
-    for value, where, what in guide_counts(params, backend):
-        if value > limit:
-            beyond = ("beyond what the backends represent (2**31 - 1; xgrammar would wrap "
-                      "it modulo 2**32)" if value > BACKEND_MAX_COUNT else
-                      f"above GuidedDecodingConfig.max_repetition_count={limit} (match time "
-                      "grows with the count; raise the limit to allow it)")
-            raise UnsupportedGuideError(f"repetition count {value} ({what}) at "
-                                        f"{_short(str(where))} is "
-                                        f"{beyond}", guide_type=params.guide_type.name,
-                                        backend=backend)
+    try:
+        for value, where, what in guide_counts(params, backend):
+            if value > limit:
+                beyond = ("beyond what the backends represent (2**31 - 1; xgrammar would "
+                          "wrap it modulo 2**32)" if value > BACKEND_MAX_COUNT else
+                          f"above GuidedDecodingConfig.max_repetition_count={limit} (match "
+                          "time grows with the count; raise the limit to allow it)")
+                raise UnsupportedGuideError(f"repetition count {value} ({what}) at "
+                                            f"{_short(str(where))} is "
+                                            f"{beyond}", guide_type=params.guide_type.name,
+                                            backend=backend)
+    except GroupNestingError as e:
+        raise GroupNestingError(e.detail, guide_type=params.guide_type.name,
+                                backend=backend) from None
     for product, depth, where, what in nested_counts(params, backend):
         name, most = (("MAX_NESTED_PRODUCT", MAX_NESTED_PRODUCT) if depth == 2 else
                       ("MAX_DEEP_NESTED_PRODUCT", MAX_DEEP_NESTED_PRODUCT))

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -299,10 +300,8 @@ class ProcessCompilePool:
             with self._cv:
                 self.stats.died += 1
             raise CompileResourceError(
-                f"the compile worker died (exit code {worker.process.exitcode}) under a "
-                f"memory limit of {self._limit_text()} "
-                "(GuidedDecodingConfig.compile_memory_limit_bytes)",
-                guide_type=params.guide_type.name, backend=_BACKEND) from None
+                self._death_text(worker.process.exitcode), guide_type=params.guide_type.name,
+                backend=_BACKEND) from None
         kind = reply[0]
         if kind == "memory":  # (its C++ state after the failed allocation is not trusted)
             self._discard(worker)
@@ -467,6 +466,21 @@ class ProcessCompilePool:
                 self._cv.notify_all()
                 return
         self._reap(worker)
+
+    def _death_text(self, exitcode: int | None) -> str:
+        """Why a worker that died while compiling did: a crash (a signal other than
+        SIGKILL: the backend faulted on this guide), or its memory (SIGKILL, what the
+        kernel's out-of-memory killer sends, or an exit under the address-space limit)."""
+        if exitcode is not None and exitcode < 0 and -exitcode != signal.SIGKILL:
+            try:
+                name = signal.Signals(-exitcode).name
+            except ValueError:
+                name = f"signal {-exitcode}"
+            return (f"the compile worker crashed ({name}) while compiling this guide: the "
+                    "backend faults on it; the worker is replaced and other guides compile "
+                    "as before")
+        return (f"the compile worker died (exit code {exitcode}) under a memory limit of "
+                f"{self._limit_text()} (GuidedDecodingConfig.compile_memory_limit_bytes)")
 
     def _discard(self, worker: _Worker) -> None:
         with self._cv:
