@@ -277,6 +277,8 @@ class GuidedDecoder:
         requests = self._require_batch()
         self._check_logits(logits, d2t, requests.num_bitmask_tokens)
         self._take_unbuilt_batch("execute")
+        if requests.disagg_pending:  # (init_disagg_gen_requests was not called)
+            self._init_disagg_gen_requests(requests)
         if self.device.type == "cuda":
             # the previous step's copy may still read the pinned buffer we are about to fill
             self.bitmask_event.synchronize()
@@ -313,6 +315,8 @@ class GuidedDecoder:
         """
         requests = self._require_batch()
         self._take_unbuilt_batch("build")
+        if requests.disagg_pending:  # (init_disagg_gen_requests was not called)
+            self._init_disagg_gen_requests(requests)
         return self._build(requests)
 
     @nvtx_range("GuidedDecoder.copy_bitmask")
@@ -420,7 +424,8 @@ class GuidedDecoder:
     def init_disagg_gen_requests(self) -> None:
         """Create matchers for requests whose prefill ran elsewhere (first generation step).
 
-        Call before the drafting loop and the forward of that step.
+        Call before the drafting loop and the forward of that step; ``execute`` and ``build``
+        create those this was not called for (a second call creates nothing).
 
         Raises:
             DecoderClosedError: the decoder was closed.
@@ -702,7 +707,9 @@ class GuidedDecoder:
         else:
             reqs, dropped, fresh, failed = self._admission.admit(reqs, tokens_elsewhere, start)
             self._record_failed(failed)
-            self.requests = batch = GuidedRequests(reqs, draft_len, dropped)
+            pending = any(r.is_generation_only_first_iteration is True and not r.is_draft
+                          for r in fresh)
+            self.requests = batch = GuidedRequests(reqs, draft_len, dropped, pending)
             if fresh:
                 self._start_compiles(fresh)
         self._batch_built = False
@@ -843,6 +850,9 @@ class GuidedDecoder:
 
     def _init_disagg_gen_requests(self, requests: GuidedRequests) -> None:
         self._finish_build()
+        if not requests.disagg_pending:
+            return  # none in the batch, or created already (a second call creates nothing)
+        requests.disagg_pending = False
         for req in requests.valid_requests():
             if req.is_generation_only_first_iteration and not req.is_draft:
                 try:

@@ -365,11 +365,14 @@ class GuidedRequests:
             request minus one); drafts beyond it are not guided.
         dropped_slots: slots whose matcher this step drops before it builds (their request
             failed the decoder's checks at ``add_batch``; see ``GuidedDecoder.add_batch``).
+        disagg_pending: the batch holds a disaggregated first generation step whose matcher
+            ``init_disagg_gen_requests`` has not created yet (the build creates it then).
     """
 
     requests: list[GuidedRequest]
     max_num_draft_tokens: int = 0
     dropped_slots: Sequence[int] = ()
+    disagg_pending: bool = False
     offsets: list[int] = field(init=False, repr=False)
     num_bitmask_tokens: int = field(init=False)
 

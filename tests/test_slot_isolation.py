@@ -138,3 +138,41 @@ def test_capturable_new_request_starts_without_the_last_ones_drafts(factory, hos
     assert capt.take_failed_requests() == []
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [ONE, TWO]
     capt.close()
+
+
+def _disagg(request_id: int, slot: int, params, token: int) -> GuidedRequest:
+    """A first generation step whose prefill ran elsewhere."""
+    return GuidedRequest(params, request_id, slot, None, False, False, True, True, token, False,
+                         None, None)
+
+
+AB = GuidedDecodingParams(GuideType.REGEX, "[ab]+")
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("released", [False, True])
+@pytest.mark.parametrize("init_called", [False, True])
+def test_a_disaggregated_first_step_gets_its_own_matcher(factory, build, released,
+                                                        init_called):
+    """Request 2 (``[ab]+``, first token ``b`` sampled elsewhere) takes slot 0 after request
+    1 (``(ab|cd)+x``, one token in). Whether or not the engine called
+    init_disagg_gen_requests, execute masks it with its own new matcher (a, b or the stop
+    token), never with request 1's (which allowed c and x, refused b, or after a release left
+    the row unguided); a second init call creates nothing more."""
+    dec = _decoder(factory, build, 2, 0)
+    _step(dec, [GuidedRequest.context(1, 0, PAIRS)])
+    _step(dec, [GuidedRequest.generation(1, 0, PAIRS, A)])
+    if released:
+        dec.release(0)
+    dec.add_batch([_disagg(2, 0, AB, B)])
+    if init_called:
+        dec.init_disagg_gen_requests()
+        created = dec.grammar_matchers[0]
+        dec.init_disagg_gen_requests()
+        assert dec.grammar_matchers[0] is created
+    logits = torch.zeros(1, V)
+    assert dec.execute(logits) == []
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [A, B, EOS]
+    failed, logits = _step(dec, [GuidedRequest.generation(2, 0, AB, A)])
+    assert failed == [] and torch.isfinite(logits[0]).nonzero().flatten().tolist() == [A, B, EOS]
+    dec.close()
