@@ -347,13 +347,16 @@ def _token_ids_field(name: str, value: Any) -> list[int]:
     return ids
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class GuidedDecodingConfig:
     """How guides are compiled and matched, shared by every request of a decoder.
 
     Every field is checked at construction: a wrong type (a bool or float where an int
     belongs, a string where a list or bool belongs) or value raises
     :class:`~capgraph.errors.ConfigError` naming the field, the value and what is allowed.
+    The config is frozen (assigning a field raises ``dataclasses.FrozenInstanceError``):
+    factories, decoders and the caches' keys read it once; ``dataclasses.replace(config,
+    field=value)`` makes a changed, checked copy.
 
     Args:
         backend: grammar engine (:class:`GuidedDecodingBackend` or ``"xgrammar"`` /
@@ -486,11 +489,12 @@ class GuidedDecodingConfig:
     tokenizer_vocab_size: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
+        _set = object.__setattr__  # (frozen: the checked values are set once, here)
         # every field is checked here, each by one line or helper (_int_field, _seconds_field,
         # _choice_field, _token_ids_field), naming the field, the value and what is allowed
         if isinstance(self.backend, str):
             try:
-                self.backend = GuidedDecodingBackend(self.backend.lower())
+                _set(self, "backend", GuidedDecodingBackend(self.backend.lower()))
             except ValueError:
                 raise ConfigError(
                     f"GuidedDecodingConfig.backend: unknown backend {self.backend!r}; expected "
@@ -502,7 +506,7 @@ class GuidedDecodingConfig:
             raise ConfigError("GuidedDecodingConfig: give a tokenizer or an encoded_vocab")
         if self.tokenizer is not None:
             try:
-                self.tokenizer_vocab_size = len(self.tokenizer)
+                _set(self, "tokenizer_vocab_size", len(self.tokenizer))
                 if not hasattr(self.tokenizer, "get_vocab") or self.tokenizer_vocab_size < 1:
                     raise TypeError
             except TypeError:
@@ -524,16 +528,16 @@ class GuidedDecodingConfig:
             if not all(isinstance(t, (str, bytes)) for t in vocab):
                 raise _field_error("encoded_vocab", "a sequence with a non-string",
                                    "a sequence of token strings indexed by token id")
-            self.encoded_vocab = vocab
+            _set(self, "encoded_vocab", vocab)
             if not self.encoded_vocab:
                 raise ConfigError("GuidedDecodingConfig.encoded_vocab: empty vocabulary")
-            self.tokenizer_vocab_size = len(self.encoded_vocab)
+            _set(self, "tokenizer_vocab_size", len(self.encoded_vocab))
             if self.backend is not GuidedDecodingBackend.XGRAMMAR:
                 raise ConfigError(f"GuidedDecodingConfig: the {self.backend.value} backend "
                                   "needs a tokenizer, not only an encoded_vocab")
         if self.vocab_size_padded is None or (type(self.vocab_size_padded) is int
                                                and self.vocab_size_padded == 0):
-            self.vocab_size_padded = self.tokenizer_vocab_size
+            _set(self, "vocab_size_padded", self.tokenizer_vocab_size)
         _int_field("vocab_size_padded", self.vocab_size_padded, 0, MAX_VOCAB_SIZE)
         if self.vocab_size_padded < self.tokenizer_vocab_size:
             raise ConfigError(
@@ -548,11 +552,12 @@ class GuidedDecodingConfig:
                     "guided output")
             # (an encoded_vocab without stop_token_ids has none: a guide that completes
             # then leaves no valid token and its request fails with DeadEndError)
-            self.stop_token_ids = [eos] if type(eos) is int else []
+            _set(self, "stop_token_ids", [eos] if type(eos) is int else [])
             if self.tokenizer is not None and type(eos) is int:
                 _check_eos_is_its_token(self.tokenizer, eos)
         else:
-            self.stop_token_ids = _token_ids_field("stop_token_ids", self.stop_token_ids)
+            _set(self, "stop_token_ids", _token_ids_field("stop_token_ids",
+                                                          self.stop_token_ids))
         for t in self.stop_token_ids:
             if not 0 <= t < self.tokenizer_vocab_size:
                 raise ConfigError(
@@ -565,8 +570,9 @@ class GuidedDecodingConfig:
                 f"exactly one stop token, got {self.stop_token_ids}")
         _int_field("compile_cache_bytes", self.compile_cache_bytes, 0, _MAX_BYTES)
         _int_field("compile_disk_cache_bytes", self.compile_disk_cache_bytes, 0, _MAX_BYTES)
-        self.compile_timeout_s = _seconds_field("compile_timeout_s", self.compile_timeout_s,
-                                                MAX_COMPILE_TIMEOUT_S)
+        _set(self, "compile_timeout_s", _seconds_field("compile_timeout_s",
+                                                       self.compile_timeout_s,
+                                                       MAX_COMPILE_TIMEOUT_S))
         _int_field("compile_threads", self.compile_threads, 1, 1024)
         _choice_field("compile_isolation", self.compile_isolation, COMPILE_ISOLATION_MODES)
         _int_field("compile_memory_limit_bytes", self.compile_memory_limit_bytes, 0, _MAX_BYTES)

@@ -562,6 +562,27 @@ def test_config_values_held_otherwise_are_refused_not_read_another_way(field, va
     assert generated.encoded_vocab == VOCAB  # (a generator is read once, as a list)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("json_unenforced_keywords", "ignore"), ("compile_timeout_s", "5"),
+    ("max_repetition_count", 2**40), ("stop_token_ids", [0]), ("backend", "llguidance"),
+    ("host_step_budget_ms", None), ("vocab_size_padded", 1)])
+def test_a_config_cannot_change_after_construction(field, value):
+    """Factories, decoders and the disk cache's key read a config once: a field changed after
+    construction (json_unenforced_keywords='ignore' compiled schemas with unenforced keywords
+    into the shared disk cache under the key of 'error', and a string timeout failed every
+    later request with a bare TypeError) is refused; replace() makes a checked copy."""
+    config = GuidedDecodingConfig(encoded_vocab=VOCAB, stop_token_ids=[EOS])
+    before = getattr(config, field)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(config, field, value)
+    assert getattr(config, field) == before
+    if field in ("compile_timeout_s", "max_repetition_count", "vocab_size_padded"):
+        with pytest.raises(ConfigError, match=field):
+            dataclasses.replace(config, **{field: value})
+    copy = dataclasses.replace(config, compile_timeout_s=5)
+    assert copy.compile_timeout_s == 5.0 and config.compile_timeout_s == 30.0
+
+
 def test_byte_count_variables_take_whole_numbers_only(monkeypatch):
     """CAPGRAPH_COMPILE_CACHE_BYTES=0.9 turned the cache off (truncated to 0); a fraction or a
     count past 2**62 is refused naming the variable; 512M is 512 MiB."""
