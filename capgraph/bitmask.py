@@ -6,7 +6,9 @@ layout xgrammar and llguidance fill). A set bit means the token is allowed. ``to
 one int32 per row; a row whose entry is 0 is left unmasked.
 
 Bits at and above ``V`` in the last partial word are padding. Backends do not promise to clear
-them, so nothing here or in :func:`capgraph.ops.logits_bitmask` ever reads them as tokens.
+them (xgrammar sets them where most tokens are allowed), so nothing here reads them as
+tokens, and the decoders clear them in every row they fill: a d2t target among them, which
+:func:`capgraph.ops.logits_bitmask` reads as it reads any bit of the row, is then masked.
 """
 
 from __future__ import annotations

@@ -403,3 +403,27 @@ def test_reference_design_agrees_where_coordinates_coincide():
         ours = shard.clone()
         logits_bitmask(ours, bitmask, col_offset=rank * 64)
         assert torch.equal(ours, reference_design_apply(shard, bitmask, None, rank, tp))
+
+
+def _padding_builds() -> list[str]:
+    from capgraph.build import library
+    return ["python", *([] if library.unavailable_reason() else ["native-loop", "native"])]
+
+
+@pytest.mark.parametrize("host_build", _padding_builds())
+@pytest.mark.parametrize("guide", [".*", "[^\\x00]*"])
+def test_bits_past_the_vocabulary_are_cleared_so_no_d2t_target_reads_them(host_build, guide):
+    """V = 33 (the tokenizer's own size, not a multiple of 32): where most tokens are allowed
+    xgrammar fills whole words, setting bits 33..63 of the last word. The decoder clears them
+    in every row, so a draft id mapped to target 40 (no such token) is masked, as one mapped
+    to 64 is refused."""
+    vocab = [chr(97 + i % 26) * (1 + i // 26) for i in range(32)] + ["</s>"]
+    config = GuidedDecodingConfig(encoded_vocab=vocab, stop_token_ids=[32])
+    dec = GuidedDecoder(config, 1, 0, host_build=host_build)
+    dec.add_batch([GuidedRequest.context(0, 0, GuidedDecodingParams.regex(guide))])
+    assert dec.execute(torch.zeros(1, 33)) == []
+    assert int(dec.bitmask_host[0, 1]) == 1  # id 32 only
+    draft_logits = torch.zeros(1, 2)
+    logits_bitmask(draft_logits, dec.bitmask[:1], None, torch.tensor([40, -1], dtype=torch.int32))
+    assert draft_logits.tolist() == [[float("-inf"), 0.0]]  # (draft 1 -> target 0: allowed)
+    dec.close()

@@ -211,10 +211,13 @@ class SlotState:
         self.tail_mask = tail_mask
         self._tail_word_mask = np.int32(tail_mask) if tail_mask else None
         self._zero_words = bytes(4 * self.full_words)
-        #: ``(word, bits)`` of the tokenizer's vocabulary where it is smaller than V, else None
+        #: ``(word, bits)`` of the tokenizer's vocabulary where it is smaller than the row's
+        #: ``32 * words`` bits, else None: from there on every filled row is cleared, the
+        #: padding ids below V and the bits past V in the last word alike (xgrammar sets those
+        #: where most tokens are allowed, and a d2t target among them would read one)
         self.tail: tuple[int, int] | None = \
             (tokenizer_vocab_size // 32, tokenizer_vocab_size % 32) \
-            if tokenizer_vocab_size < V else None
+            if tokenizer_vocab_size < 32 * self.words else None
         # the dead-end guard's first look: the 16-word window holding most likely-allowed ids
         self._probe = probe_window(likely_allowed_ids, self.full_words)
 
@@ -297,8 +300,8 @@ class SlotState:
                 and (tail is None or not bm[rows[k], full] & tail)]
 
     def clear_tail(self, rows: list[int]) -> None:
-        """Clear the bits of ids >= the tokenizer's vocabulary in ``rows`` (padding ids are
-        never allowed)."""
+        """Clear the bits of ids >= the tokenizer's vocabulary in ``rows``, to the end of the
+        row (padding ids are never allowed, and no bit past V reads as one)."""
         if self.tail is None:
             return
         word, bits = self.tail

@@ -113,7 +113,7 @@ class MaskRing:
         full_words, tail_mask = split_last_word(self.vocab_size)
         tokenizer_vocab = config.tokenizer_vocab_size
         tail = (tokenizer_vocab // 32, tokenizer_vocab % 32) \
-            if tokenizer_vocab < self.vocab_size else None
+            if tokenizer_vocab < 32 * words_per_row(self.vocab_size) else None
         stops = list(config.stop_token_ids or ())
 
         threads = config.native_fill_threads or library.automatic_fill_threads()
