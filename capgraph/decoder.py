@@ -73,6 +73,31 @@ def _open_only(method: _Method) -> _Method:
     return cast(_Method, guarded)
 
 
+#: The config fields that decide what a factory's matchers allow: a shared factory must agree
+#: with the decoder's config on each (the others: how compiles run, how the decoder builds).
+FACTORY_MASK_FIELDS = ("tokenizer", "encoded_vocab", "tokenizer_vocab_size",
+                       "vocab_size_padded", "stop_token_ids", "backend", "json_whitespace",
+                       "json_max_whitespace", "json_unenforced_keywords",
+                       "max_repetition_count")
+
+
+def _check_factory_config(config: GuidedDecodingConfig, theirs: GuidedDecodingConfig) -> None:
+    """Refuse a shared factory whose config reads guides or tokens otherwise than
+    ``config`` (the masks would be another vocabulary's, or another policy's)."""
+    if theirs is config:
+        return
+    for name in FACTORY_MASK_FIELDS:
+        mine, other = getattr(config, name), getattr(theirs, name)
+        same = mine is other if name == "tokenizer" else mine == other
+        if not same:
+            shown = (lambda v: f"<{type(v).__name__} at {id(v):#x}>") if name == "tokenizer" \
+                else (lambda v: repr(v) if len(repr(v)) < 80 else repr(v)[:77] + "...")
+            raise ConfigError(
+                f"factory's config differs from the decoder's config in {name} "
+                f"({shown(other)} vs {shown(mine)}): its masks would not be this config's; "
+                "build the decoder from factory.config, or pass no factory")
+
+
 class GuidedDecoder:
     """Advances one grammar matcher per sequence slot and masks logits in place.
 
@@ -129,6 +154,8 @@ class GuidedDecoder:
         if factory is not None and not isinstance(factory, GrammarMatcherFactory):
             raise ConfigError(f"factory must be a GrammarMatcherFactory or None, got "
                               f"{type(factory).__name__}")
+        if factory is not None:
+            _check_factory_config(config, factory.config)
         self.config = config
         self.max_num_sequences = max_num_sequences
         self.max_num_draft_tokens = max_num_draft_tokens
@@ -810,9 +837,17 @@ class GuidedDecoder:
                 request_id=req.request_id, seq_slot=slot))])
             return
         path = []
-        while index >= 0:
-            path.append(tokens[index])
-            index = parents[index]
+        at = index
+        while at >= 0:
+            path.append(tokens[at])
+            at = parents[at]
+        count = as_int(accepted) if accepted is not None else None
+        if node is not None and accepted is not None and count != len(path):
+            self._record_failed([self._fail(req, RequestError(
+                f"accepted_draft_node={node!r} lies at depth {len(path)} of the draft tree "
+                f"but num_accepted_draft_tokens={accepted!r}: the two must name the same "
+                "accepted path", request_id=req.request_id, seq_slot=slot))])
+            return
         matcher = self.grammar_matchers[slot]
         kept = 0
         try:

@@ -597,6 +597,41 @@ def test_rollback_without_accepted_node_is_a_named_error(factory, tekken):
     assert dec.token_mask_host[:3].tolist() == [0, 0, 1]
 
 
+@pytest.mark.parametrize("capturable", [False, True])
+def test_accepted_node_and_count_that_disagree_are_refused(factory, tekken, capturable):
+    """A node at depth 3 named with num_accepted_draft_tokens=1 (the engine holds one draft,
+    the decoder would keep three: its matcher two tokens ahead of the text, which later let
+    the stop token through where the guide cannot end) fails its request alone before the
+    matcher is fed; a node and a count that agree keep the path, here and on the capturable
+    decoder (whose count comes from the verification's tensor)."""
+    case = next(c for c in TREE_CASES if c.name == "json_schema_tool")
+    text = encode_continuation(tekken, case.valid)
+    V = factory.config.vocab_size_padded
+    cls = CapturableGuidedDecoder if capturable else GuidedDecoder
+    dec = cls(factory.config, 2, 3, factory=factory)
+    dec.add_batch([GuidedRequest.context(i, i, case.params) for i in range(2)])
+    dec.execute(torch.zeros(2, V))
+    dec.add_batch([GuidedRequest.generation(i, i, case.params, text[0], draft_tokens=text[1:4],
+                                            draft_parents=[-1, 0, 1]) for i in range(2)])
+    dec.execute(torch.zeros(8, V))
+    assert dec.take_failed_requests() == []
+    dec.add_batch([GuidedRequest.generation(0, 0, case.params, text[2],
+                                            num_accepted_draft_tokens=1, accepted_draft_node=2),
+                   GuidedRequest.generation(1, 1, case.params, text[4],
+                                            num_accepted_draft_tokens=3, accepted_draft_node=2)],
+                  runtime_draft_len=0)
+    dec.rollback_rejected_tokens()
+    failed = dec.take_failed_requests()
+    assert [rid for rid, _ in failed] == [0] and "depth 3" in failed[0][1]
+    assert dec.grammar_matchers[0] is None
+    assert dec.num_advanced_tokens[1] == 4  # the new token and its three accepted drafts
+    fresh = factory.create(case.params)
+    for t in text[:4]:
+        assert fresh.accept_token(t)
+    assert dec.grammar_matchers[1].accept_token(text[4]) == fresh.accept_token(text[4])
+    dec.close()
+
+
 def test_draft_tree_batches_agree_across_strategies(factory, tekken):
     """Mixed batches of trees, chains and unguided requests leave the same failures, rows,
     counters and matchers under the Python and the native strategies."""

@@ -583,6 +583,37 @@ def test_a_config_cannot_change_after_construction(field, value):
     assert copy.compile_timeout_s == 5.0 and config.compile_timeout_s == 30.0
 
 
+@pytest.mark.parametrize("differs", [
+    {"encoded_vocab": ["b", "a", *VOCAB[2:]]}, {"stop_token_ids": [0]},
+    {"vocab_size_padded": 96}, {"json_unenforced_keywords": "ignore"},
+    {"max_repetition_count": 10}])
+def test_a_shared_factory_must_read_guides_as_the_decoders_config(differs):
+    """A factory built for another vocabulary (a decoder's masks then allowed the other
+    vocabulary's tokens: 'b' for the regex a+), other stop ids, another padded width (a raw
+    xgrammar shape error on every request) or another schema policy is refused at
+    construction, naming the field; an equal config built apart, or one that differs only in
+    how the decoder builds, is accepted."""
+    config = GuidedDecodingConfig(encoded_vocab=VOCAB, stop_token_ids=[EOS], vocab_size_padded=V)
+    other = create_matcher_factory(dataclasses.replace(config, **differs))
+    try:
+        with pytest.raises(ConfigError, match=next(iter(differs))):
+            GuidedDecoder(config, 1, factory=other)
+    finally:
+        other.close()
+    same = create_matcher_factory(GuidedDecodingConfig(encoded_vocab=list(VOCAB),
+                                                       stop_token_ids=[EOS],
+                                                       vocab_size_padded=V, fill_threads=2))
+    try:
+        dec = GuidedDecoder(config, 1, factory=same)
+        dec.add_batch([GuidedRequest.context(1, 0, GuidedDecodingParams.regex("a+"))])
+        logits = torch.zeros(1, V)
+        assert dec.execute(logits) == []
+        assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [0]
+        dec.close()
+    finally:
+        same.close()
+
+
 def test_byte_count_variables_take_whole_numbers_only(monkeypatch):
     """CAPGRAPH_COMPILE_CACHE_BYTES=0.9 turned the cache off (truncated to 0); a fraction or a
     count past 2**62 is refused naming the variable; 512M is 512 MiB."""
