@@ -33,6 +33,7 @@ import functools
 import json
 import threading
 import time
+import urllib.parse
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
@@ -488,6 +489,85 @@ def _number_bound(node: _Node) -> str | None:
     return None
 
 
+def _numbers_in(value: Any) -> Iterator[int | float]:
+    """Every number in a JSON value (``const`` / ``enum`` values hold objects and arrays)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, bool):
+            continue
+        if isinstance(item, (int, float)):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+#: The largest integer a double holds exactly (llguidance reads every schema number as one).
+_EXACT_DOUBLE_INT = 2**53
+
+
+def _llg_exact_numbers(node: _Node) -> str | None:
+    """llguidance reads a schema's numbers as doubles and writes them back with 16
+    significant digits: an integer past 2**53 is rounded (``minimum`` 2**53 + 1 lets 2**53
+    through; ``const`` 2**53 + 1 produces 2**53), and a double that needs 17 digits becomes
+    another number (``const`` 123456789.12345679 produces 123456789.1234568)."""
+    for number in _numbers_in(node.value):
+        if isinstance(number, int):
+            if abs(number) > _EXACT_DOUBLE_INT:
+                return (f"llguidance reads {number} as a double, rounded (integers past "
+                        "2**53 are not exact)")
+        elif number == number and abs(number) != float("inf") \
+                and float(f"{number:.16g}") != number:
+            return (f"llguidance writes {number!r} with 16 significant digits, another "
+                    "number")
+    return None
+
+
+def _xgrammar_int64(node: _Node) -> str | None:
+    """xgrammar writes a ``const`` / ``enum`` integer outside the signed 64-bit range as a
+    double (``const`` 2**64 + 1 produces 1.8446744073709552e+19)."""
+    for number in _numbers_in(node.value):
+        if isinstance(number, int) and not -2**63 <= number < 2**63:
+            return f"xgrammar writes {number} as a double (outside the 64-bit integers)"
+    return None
+
+
+def _xgrammar_values(node: _Node) -> str | None:
+    """xgrammar's ``enum`` / ``const``: written exactly (:func:`_xgrammar_int64`) and
+    deciding alone where every value satisfies the siblings (:func:`_enum_covers_siblings`)."""
+    return _xgrammar_int64(node) or _enum_covers_siblings(node)
+
+
+def _numeric(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and value == value and abs(value) != float("inf")
+
+
+def _llg_narrow_exclusive(node: _Node) -> str | None:
+    """llguidance lets an excluded whole-number bound ``k`` through where the other bound lies
+    strictly between ``k`` and the next whole number (``exclusiveMinimum`` 0 with
+    ``maximum`` 0.5 accepts ``0``; ``exclusiveMaximum`` 0 with ``minimum`` -0.5 accepts
+    ``-0``), in the draft-06 form and in draft-04's (``exclusiveMinimum: true`` next to
+    ``minimum``)."""
+    s, lower = node.schema, node.keyword == "exclusiveMinimum"
+    bound, own = node.value, "minimum" if lower else "maximum"
+    if bound is True:
+        bound = s.get(own)
+    if not _numeric(bound) or not float(bound).is_integer():
+        return None
+    other = ("maximum", "exclusiveMaximum") if lower else ("minimum", "exclusiveMinimum")
+    for key in other:
+        value = s.get(key)
+        if value is True:
+            value = s.get(other[0])
+        if _numeric(value) and 0 < (value - bound if lower else bound - value) < 1:
+            return (f"llguidance lets the excluded bound {bound} through when '{key}' "
+                    f"{value} lies less than 1 from it")
+    return None
+
+
 def _all_properties_required(node: _Node) -> str | None:
     props = node.schema.get("properties")
     required = node.schema.get("required")
@@ -612,8 +692,8 @@ def _some_branch(node: _Node) -> str | None:
 #: xgrammar 0.2.9 (``compile_json_schema`` with ``any_order=False``, as capgraph calls it).
 XGRAMMAR: dict[str, Rule] = {
     "type": _known_type,
-    "enum": _enum_covers_siblings,
-    "const": _enum_covers_siblings,
+    "enum": _xgrammar_values,
+    "const": _xgrammar_values,
     "minimum": _all(_needs_type, _number_bound), "maximum": _all(_needs_type, _number_bound),
     "exclusiveMinimum": _all(_needs_type, _number_bound),
     "exclusiveMaximum": _all(_needs_type, _number_bound),
@@ -653,9 +733,11 @@ XGRAMMAR: dict[str, Rule] = {
 #: refuses to compile the vocabulary keywords it does not implement, naming them.
 LLGUIDANCE: dict[str, Rule] = {
     "type": _known_type,
-    "enum": _ok, "const": _ok,
-    "minimum": _ok, "maximum": _ok, "exclusiveMinimum": _ok, "exclusiveMaximum": _ok,
-    "multipleOf": _ok,
+    "enum": _llg_exact_numbers, "const": _llg_exact_numbers,
+    "minimum": _llg_exact_numbers, "maximum": _llg_exact_numbers,
+    "exclusiveMinimum": _all(_llg_exact_numbers, _llg_narrow_exclusive),
+    "exclusiveMaximum": _all(_llg_exact_numbers, _llg_narrow_exclusive),
+    "multipleOf": _llg_exact_numbers,
     "minLength": _ok, "maxLength": _ok, "pattern": _ok,
     "format": _formats(LLGUIDANCE_FORMATS, "llguidance"),
     "items": _ok, "prefixItems": _ok, "additionalItems": _ok,
@@ -846,7 +928,7 @@ def _judge(schema: dict[str, Any], pointer: Pointer, root: Any, rules: Mapping[s
     node_of = {k: _Node(schema, k, root, pointer.is_root, described) for k in schema}
     # xgrammar: an enum/const whose every value satisfies the siblings decides the node alone
     # (its subschemas are still judged: a '$ref' elsewhere may point into them)
-    covered = any(rules.get(k) is _enum_covers_siblings and _enum_covers_siblings(node_of[k])
+    covered = any(rules.get(k) is _xgrammar_values and _xgrammar_values(node_of[k])
                   is None for k in ("enum", "const") if k in schema)
     for keyword, node in node_of.items():
         if keyword in special:
@@ -940,9 +1022,14 @@ _MISSING = object()
 
 
 def _resolve(root: Any, ref: str) -> Any:
-    """The value a local ``#/...`` reference points at, or ``_MISSING``."""
+    """The value a local ``#/...`` reference points at, or ``_MISSING``. The fragment is
+    percent-decoded before it is read as a JSON pointer (RFC 6901, section 6), as both
+    backends read it: ``#/$defs/a%20b`` is the entry ``a b``."""
     node = root
-    for part in ref[2:].split("/") if ref != "#" else ():
+    pointer = urllib.parse.unquote(ref[1:])
+    if pointer and not pointer.startswith("/"):
+        return _MISSING
+    for part in pointer[1:].split("/") if pointer else ():
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
