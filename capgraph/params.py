@@ -552,22 +552,22 @@ class GuidedDecodingConfig:
                     "guided output")
             # (an encoded_vocab without stop_token_ids has none: a guide that completes
             # then leaves no valid token and its request fails with DeadEndError)
-            _set(self, "stop_token_ids", [eos] if type(eos) is int else [])
+            stops: list[int] = [eos] if type(eos) is int else []
             if self.tokenizer is not None and type(eos) is int:
                 _check_eos_is_its_token(self.tokenizer, eos)
         else:
-            _set(self, "stop_token_ids", _token_ids_field("stop_token_ids",
-                                                          self.stop_token_ids))
-        for t in self.stop_token_ids:
+            stops = _token_ids_field("stop_token_ids", self.stop_token_ids)
+        _set(self, "stop_token_ids", stops)
+        for t in stops:
             if not 0 <= t < self.tokenizer_vocab_size:
                 raise ConfigError(
                     f"GuidedDecodingConfig.stop_token_ids: {t} is outside the vocabulary "
                     f"[0, {self.tokenizer_vocab_size})")
         if (self.backend is not GuidedDecodingBackend.XGRAMMAR
-                and len(self.stop_token_ids) != 1):
+                and len(stops) != 1):
             raise ConfigError(
                 f"GuidedDecodingConfig.stop_token_ids: the {self.backend.value} backend takes "
-                f"exactly one stop token, got {self.stop_token_ids}")
+                f"exactly one stop token, got {stops}")
         _int_field("compile_cache_bytes", self.compile_cache_bytes, 0, _MAX_BYTES)
         _int_field("compile_disk_cache_bytes", self.compile_disk_cache_bytes, 0, _MAX_BYTES)
         _set(self, "compile_timeout_s", _seconds_field("compile_timeout_s",
