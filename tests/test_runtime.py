@@ -290,6 +290,30 @@ def test_length_limit_and_argument_errors(sp, model, factory):
             run(sp, model, factory, ["x"], [DATE_G], decoder="capturable")
 
 
+def test_draft_count_seed_and_prompt_containers_are_checked(sp, model):
+    """num_draft_tokens (with a drafter) and seed must be integers in range, and prompts and
+    guides sequences with a length: anything else is a ConfigError naming the argument (not a
+    TypeError from torch.zeros or len(), a ValueError from int(), or the model runner's
+    message); NumPy integers are taken as integers."""
+    import numpy as np
+
+    from capgraph import ConfigError
+    for value in (2.5, "2", -1, 0, True, None):
+        with pytest.raises(ConfigError, match=re.escape(f"num_draft_tokens={value!r}: expected "
+                                                        "an integer >= 1")):
+            generate(["x"], model=model, tokenizer=sp, draft="ngram", num_draft_tokens=value)
+    for value in ("x", 1.5, True, 2**64, -2**63 - 1):
+        with pytest.raises(ConfigError, match=re.escape(f"seed={value!r}: expected an integer")):
+            generate(["x"], model=model, tokenizer=sp, seed=value)
+    with pytest.raises(ConfigError, match="prompts is a generator"):
+        generate((p for p in ["x"]), model=model, tokenizer=sp)
+    with pytest.raises(ConfigError, match="guides is a generator"):
+        generate(["x"], (g for g in [None]), model=model, tokenizer=sp)
+    out = generate(["x"], model=model, tokenizer=sp, max_new_tokens=2, draft="ngram",
+                   num_draft_tokens=np.int64(2), seed=np.int32(3))
+    assert len(out[0].tokens) == 2 and out[0].num_draft_tokens == 2  # (one step of 2 drafts)
+
+
 @pytest.mark.parametrize("decoder", ["eager", pytest.param("capturable", marks=needs_capturable)])
 @pytest.mark.parametrize("draft", ["none", "ngram"])
 def test_graph_path_on_cpu_equals_eager(sp, model, factory, greedy_run, decoder, draft):

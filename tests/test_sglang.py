@@ -15,6 +15,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,7 +32,7 @@ except ImportError as e:  # (SGLang absent, or one of the small packages it impo
                 f"--no-deps to run these tests", allow_module_level=True)
 
 from capgraph.errors import (CompileQueueFullError, ConfigError,  # noqa: E402
-                             MatcherError)
+                             LayoutError, MatcherError, RequestError)
 from capgraph.integrations.sglang import (BACKEND_NAME, CONFIG_ENV,  # noqa: E402
                                           CapgraphGrammar, CapgraphGrammarBackend,
                                           config_from_server_args, create_backend)
@@ -734,3 +735,66 @@ def test_several_eos_ids_on_a_one_stop_backend(tekken):
             assert not g.is_terminated()
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("config", [{}, {"backend": "llguidance"}, {"backend": "auto"},
+                                    {"json_unenforced_keywords": "fallback"}],
+                         ids=["xgrammar", "llguidance", "auto", "fallback"])
+@pytest.mark.parametrize("bad", ["negative", "past_vocab", "float", "bool", "str"])
+def test_bad_eos_ids_are_a_config_error_on_every_backend(tekken, config, bad):
+    """Every EOS id SGLang passes is checked before one is chosen as the matchers' stop token,
+    on the backends that take one stop token as on xgrammar: an id that is not an exact int in
+    [0, vocab_size) is a ConfigError naming it (never a text token opened by a -1, nor an
+    IndexError at every fill)."""
+    if config.get("backend") in ("llguidance", "auto") or config.get("json_unenforced_keywords"):
+        pytest.importorskip("llguidance", reason="the llguidance extra is not installed")
+    value = {"negative": -1, "past_vocab": len(tekken) + 5, "float": 11.0, "bool": True,
+             "str": "11"}[bad]
+    with pytest.raises(ConfigError, match=re.escape(f"eos_token_ids holds {value!r}")):
+        CapgraphGrammarBackend(tekken, len(tekken), [tekken.eos_token_id, value],
+                               config=config)
+
+
+def test_bad_mask_row_is_refused_without_blaming_a_request(tekken, capgraph_backend):
+    """A row index outside the vocab mask (or not an integer), in a single or a batched fill,
+    is a LayoutError naming the row and the mask's rows: no row is written (a -1 does not
+    reach the last row, another request's) and the grammar keeps no error (its request is not
+    aborted for the engine's mistake); a NumPy integer row is a row."""
+    grammar = _dispatch(capgraph_backend, "regex", "ab+c")
+    other = _dispatch(capgraph_backend, "regex", "ab+c")
+    mask = grammar.allocate_vocab_mask(len(tekken), 2, "cpu")
+    grammar.fill_vocab_mask_batched([GrammarRow(0, grammar), GrammarRow(1, other)], mask)
+    before = mask.clone()
+    for row in (-1, 2, 100, 1.0, True, None):
+        with pytest.raises(LayoutError, match=re.escape(f"row {row!r} is outside the mask's 2 "
+                                                        f"rows [0, 2)")):
+            grammar.fill_vocab_mask_batched([GrammarRow(0, other), GrammarRow(row, grammar)],
+                                            mask)
+        with pytest.raises(LayoutError, match=re.escape(f"row {row!r}")):
+            grammar.fill_vocab_mask(mask, row)
+        assert torch.equal(mask, before)
+        assert grammar._error is None and other._error is None
+    single = torch.full_like(mask, -1)
+    grammar.fill_vocab_mask(single, np.int64(1))
+    grammar.fill_vocab_mask_batched([GrammarRow(np.int32(0), grammar)], single)
+    assert torch.equal(single[0], before[0]) and torch.equal(single[1], before[0])
+    grammar.accept_token(tekken.encode("a", add_special_tokens=False)[0])
+
+
+def test_rollback_past_the_accepted_tokens_is_a_request_error(tekken, capgraph_backend):
+    """rollback(k) with k outside [0, tokens accepted] (or not an integer) is a RequestError
+    naming k and the limit, not xgrammar's RuntimeError into SGLang's scheduler; nothing is
+    undone, and a rollback within the limit still works."""
+    grammar = _dispatch(capgraph_backend, "regex", "ab+c")
+    a, b = (tekken.encode(t, add_special_tokens=False)[0] for t in "ab")
+    grammar.accept_token(a)
+    grammar.accept_token(b)
+    for k in (3, -1, 1.5, True, "1", None):
+        with pytest.raises(RequestError, match=re.escape(f"rollback({k!r})") + r".*\[0, 2\]"):
+            grammar.rollback(k)
+        assert grammar.num_accepted == 2
+    grammar.rollback(2)
+    assert grammar.num_accepted == 0
+    grammar.accept_token(a)
+    with pytest.raises(RequestError, match=r"\[0, 1\]"):
+        grammar.rollback(2)

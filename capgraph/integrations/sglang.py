@@ -36,13 +36,15 @@ from sglang.srt.constrained.base_grammar_backend import (BaseGrammarBackend,
                                                          BaseGrammarObject, GrammarRow,
                                                          GrammarStats, InvalidGrammarObject)
 
-from ..errors import TRANSIENT_COMPILE_ERRORS, CapgraphError, ConfigError, RequestError
+from ..errors import (TRANSIENT_COMPILE_ERRORS, CapgraphError, ConfigError, LayoutError,
+                      RequestError)
 from ..grammar import (CompiledGuide, CompileHandle, GrammarMatcher, GrammarMatcherFactory,
                        create_matcher_factory)
 from ..grammar.cache import ByteLRUCache
 from ..grammar.forced import MAX_FORCED_SEQUENCE_BYTES
 from ..ops import logits_bitmask
 from ..params import GuidedDecodingBackend, GuidedDecodingConfig, GuidedDecodingParams, GuideType
+from ..requests import as_int
 from .sglang_masks import DEFAULT_RING_DEPTH, MaskRing
 
 __all__ = ["BACKEND_NAME", "CONFIG_ENV", "CapgraphGrammar", "CapgraphGrammarBackend",
@@ -146,11 +148,20 @@ class CapgraphGrammar(BaseGrammarObject):
 
     def rollback(self, k: int) -> None:
         """Undo the last ``k`` accepted tokens (a stop token counts as one; nothing once a
-        mask fill has failed: the request ends at its next token)."""
+        mask fill has failed: the request ends at its next token).
+
+        Raises:
+            RequestError: ``k`` is not an integer in ``[0, num_accepted]`` (nothing undone).
+        """
         if self._error is not None:
             return
-        self.matcher.rollback(k)
-        self.num_accepted = max(0, self.num_accepted - k)
+        count = as_int(k)
+        if count is None or not 0 <= count <= self.num_accepted:
+            raise RequestError(f"capgraph: rollback({k!r}) of the "
+                               f"{self.compiled.params.guide_type.name} grammar: expected an "
+                               f"integer in [0, {self.num_accepted}] (its accepted tokens)")
+        self.matcher.rollback(count)
+        self.num_accepted -= count
 
     def is_terminated(self) -> bool:
         """True once the matcher has reached a stop (SGLang's question)."""
@@ -177,7 +188,12 @@ class CapgraphGrammar(BaseGrammarObject):
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         """Write the tokens allowed next into row ``idx`` (1 = allowed); a matcher that fails,
         or a row that allows no token (a dead end), gets the stop tokens only, as in
-        :meth:`fill_vocab_mask_batched` (SGLang's speculative tree walk fills row by row)."""
+        :meth:`fill_vocab_mask_batched` (SGLang's speculative tree walk fills row by row).
+
+        Raises:
+            LayoutError: ``idx`` is not a row of ``vocab_mask`` (nothing written).
+        """
+        idx = _mask_row(idx, vocab_mask)
         if self._error is None:
             try:
                 self.matcher.fill_next_token_bitmask(vocab_mask, idx)
@@ -201,12 +217,16 @@ class CapgraphGrammar(BaseGrammarObject):
         matcher whose fill fails (llguidance's error state, for example) gets the same row,
         the error is logged, and its next ``accept_token`` raises it as a ``RequestError``,
         which SGLang turns into that request's abort; the other rows fill as usual.
+
+        Raises:
+            LayoutError: an entry's row is not a row of ``vocab_mask`` (nothing written).
         """
+        checked = [_mask_row(row, vocab_mask) for row, _ in entries]
         ours: list[CapgraphGrammar] = []
         rows: list[int] = []
         handles: list | None = []
         backend = self.backend
-        for row, grammar in entries:
+        for row, (_, grammar) in zip(checked, entries):
             if type(grammar) is CapgraphGrammar and grammar.backend is backend:
                 if grammar._error is not None:
                     grammar._stops_only(vocab_mask, row)
@@ -340,7 +360,8 @@ class CapgraphGrammarBackend(BaseGrammarBackend):
         mask_ring_depth: host mask buffers cycled through (:mod:`.sglang_masks`).
 
     Raises:
-        ConfigError: a config field is unknown or invalid (it names the field and the value).
+        ConfigError: a config field is unknown or invalid (it names the field and the value),
+            or an EOS id is not an integer in ``[0, vocab_size)`` (it names the id).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int,
@@ -354,7 +375,8 @@ class CapgraphGrammarBackend(BaseGrammarBackend):
                 raise ConfigError(f"capgraph SGLang backend: {name!r} is set from SGLang's own "
                                   f"arguments, not from the backend config")
         _check_field_names(fields, "capgraph SGLang backend config")
-        stops = sorted({int(t) for t in eos_token_ids}) if eos_token_ids else None
+        stops = sorted({_eos_id(t, vocab_size) for t in eos_token_ids}) if eos_token_ids \
+            else None
         primary = None
         if stops:
             eos = getattr(tokenizer, "eos_token_id", None)
@@ -580,6 +602,26 @@ def _native_handle(matcher: GrammarMatcher) -> Any:
     from ..grammar.xgrammar_backend import XGrammarMatcher
 
     return matcher._handle if type(matcher) is XGrammarMatcher else None
+
+
+def _mask_row(row: Any, vocab_mask: torch.Tensor) -> int:
+    """``row`` as an int when it is a row of ``vocab_mask`` (an engine's bad index is refused
+    before any row is written or any request is blamed for it)."""
+    index = as_int(row)
+    rows = vocab_mask.shape[0]
+    if index is None or not 0 <= index < rows:
+        raise LayoutError(f"capgraph: vocab mask row {row!r} is outside the mask's {rows} "
+                          f"rows [0, {rows})")
+    return index
+
+
+def _eos_id(token: Any, vocab_size: int) -> int:
+    """``token`` as an int when it is a token id of the ``vocab_size``-wide logits rows."""
+    value = as_int(token)
+    if value is None or not 0 <= value < vocab_size:
+        raise ConfigError(f"capgraph SGLang backend: eos_token_ids holds {token!r}, not a "
+                          f"token id in [0, {vocab_size})")
+    return value
 
 
 def _clip(text: str, limit: int = 200) -> str:

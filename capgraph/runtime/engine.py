@@ -10,6 +10,7 @@ drafts while each equals the target's greedy pick. Sequences leave at a stop tok
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -63,7 +64,8 @@ def generate(prompts: Sequence[str | Sequence[int]],
             ``"grammar+ngram"`` / ``"grammar+model"`` (the forced tokens first, the other
             drafter after them). Needs greedy decoding; the output equals non-speculative
             greedy output token for token.
-        num_draft_tokens: drafts per sequence per step.
+        num_draft_tokens: drafts per sequence per step (an integer >= 1; unused with
+            ``draft="none"``).
         decoder: ``"eager"`` (:class:`~capgraph.decoder.GuidedDecoder`) or ``"capturable"``
             (``capgraph.capturable.CapturableGuidedDecoder``, host work as stream callbacks).
         cuda_graph: capture the decode step in CUDA graphs (one per batch size); default on
@@ -133,7 +135,21 @@ class _Engine:
             raise ConfigError(f"host_node={host_node!r} needs decoder='capturable' (the eager "
                               f"decoder runs no host node), got decoder={decoder!r}")
         self._decoder_options = {} if host_node is None else {"host_node": host_node}
-        self.K = K = num_draft_tokens if draft != "none" else 0
+        K = 0
+        if draft != "none":
+            drafts = as_int(num_draft_tokens)
+            if drafts is None or drafts < 1:
+                raise ConfigError(f"num_draft_tokens={num_draft_tokens!r}: expected an integer "
+                                  f">= 1 (drafts per sequence with draft={draft!r})")
+            K = drafts
+        self.K = K
+        seed = as_int(sampling.seed)
+        # (torch seeds are 64-bit; the default draft model takes seed + 1)
+        if seed is None or not -(1 << 63) <= seed < (1 << 64) - 1:
+            raise ConfigError(f"seed={sampling.seed!r}: expected an integer in "
+                              f"[-2**63, 2**64 - 1)")
+        if type(sampling.seed) is not int:
+            sampling = dataclasses.replace(sampling, seed=seed)
         if K and not sampling.greedy:
             raise ConfigError("speculative decoding verifies greedily: use temperature=0")
         self.device = torch.device(device)
@@ -183,11 +199,17 @@ class _Engine:
 
     # -- setup -------------------------------------------------------------------------------
     def _sequences(self, prompts, guides, max_new_tokens) -> list[Seq]:
+        if not hasattr(prompts, "__len__"):
+            raise ConfigError(f"prompts is a {type(prompts).__name__}: expected a list (a "
+                              f"sequence with a length) of texts or token-id lists")
         if isinstance(prompts, (str, bytes)) or not len(prompts):
             raise ConfigError("prompts must be a non-empty list of texts or token-id lists")
         n = len(prompts)
         if guides is None or isinstance(guides, GuidedDecodingParams):
             guides = [guides] * n
+        if not hasattr(guides, "__len__"):
+            raise ConfigError(f"guides is a {type(guides).__name__}: expected one "
+                              f"GuidedDecodingParams or None, or a list of them, one per prompt")
         if len(guides) != n:
             raise ConfigError(f"{len(guides)} guides for {n} prompts")
         seqs = []
