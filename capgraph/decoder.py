@@ -841,8 +841,10 @@ class GuidedDecoder:
         while at >= 0:
             path.append(tokens[at])
             at = parents[at]
+        # (a count of 0 is also GuidedRequest.generation's default: only a count given
+        # otherwise can contradict the node)
         count = as_int(accepted) if accepted is not None else None
-        if node is not None and accepted is not None and count != len(path):
+        if node is not None and count != 0 and accepted is not None and count != len(path):
             self._record_failed([self._fail(req, RequestError(
                 f"accepted_draft_node={node!r} lies at depth {len(path)} of the draft tree "
                 f"but num_accepted_draft_tokens={accepted!r}: the two must name the same "

@@ -15,7 +15,7 @@ import torch
 
 import hostfunc
 
-from capgraph import GuideType
+from capgraph import GuidedDecodingParams, GuideType
 from capgraph.bitmask import allocate_host_bitmask
 from capgraph.capturable import CapturableGuidedDecoder
 from capgraph.decoder import GuidedDecoder
@@ -684,3 +684,26 @@ def test_llguidance_tree_rows_equal_brute_force(factory_cache):
     factory = factory_cache("tekken", "llguidance")
     dec = GuidedDecoder(factory.config, 2, K, factory=factory)
     run(factory, 5, ["json_schema_tool", "regex_phone"], [dec], check_brute_force=True)
+
+
+@pytest.mark.parametrize("pad", [0, -1, 2**31 - 1])
+def test_tree_tokens_past_its_nodes_are_not_read(factory, tekken, pad):
+    """The capturable decoder takes a tree's tokens from its new_tokens tensor: only the
+    tree's nodes are read, so positions past them may hold any padding (-1, as engines
+    write for unused draft slots, failed the whole request as a draft outside the
+    vocabulary)."""
+    params = GuidedDecodingParams.regex("(ab|cd)+")
+    ab, cd = encode_continuation(tekken, "ab")[0], encode_continuation(tekken, "cd")[0]
+    V = factory.config.vocab_size_padded
+    dec = CapturableGuidedDecoder(factory.config, 1, K, factory=factory, host_node="python")
+    dec.add_batch([GuidedRequest.context(7, 0, params)])
+    dec.execute(torch.zeros(1, V))
+    tokens = torch.full((K + 1, 1), pad, dtype=torch.int32)
+    tokens[0, 0], tokens[1, 0], tokens[2, 0] = ab, cd, ab
+    dec.add_batch([GuidedRequest.generation(7, 0, params, None, draft_parents=[-1, -1],
+                                            prev_seq_slot=0)], tokens, runtime_draft_len=K)
+    dec.execute(torch.zeros(1 + K, V))
+    assert dec.take_failed_requests() == []
+    assert dec.token_mask_host[:1 + K].tolist() == [1, 1, 1, 0, 0, 0, 0]
+    assert dec.grammar_matchers[0] is not None
+    dec.close()

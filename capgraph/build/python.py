@@ -211,8 +211,11 @@ def _checked_drafts(req: GuidedRequest, draft_len: int, state: SlotState) -> lis
         raise RequestError(f"{len(drafts)} draft tokens exceed max_num_draft_tokens="
                            f"{state.max_num_draft_tokens}", request_id=req.request_id,
                            seq_slot=req.seq_slot)
-    # only this step's runtime draft length has rows reserved
-    return [checked_token(req, t, "draft token", state) for t in drafts[:draft_len]]
+    # only this step's runtime draft length has rows reserved, and a tree reads its nodes
+    # only (positions past them, in a tokens tensor, may hold any padding, -1 among them)
+    parents = getattr(req, "draft_parents", None)
+    n = draft_len if type(parents) is not list else min(draft_len, len(parents))
+    return [checked_token(req, t, "draft token", state) for t in drafts[:n]]
 
 
 class _Anchor(threading.local):
