@@ -390,8 +390,11 @@ class GuidedDecodingConfig:
             wins over the variable.
         compile_timeout_s: a compile that takes longer fails its request alone; a finite
             number of seconds up to ``MAX_COMPILE_TIMEOUT_S`` (one day).
-        compile_threads: worker threads that compile grammars off the decode path (and,
-            with ``compile_isolation="process"``, the most compile worker processes).
+        compile_threads: compiles that run at once off the decode path for requests that
+            wait for them (with ``compile_isolation="process"``: compile worker processes);
+            as many again may run for background compiles (``backend="auto"``'s xgrammar
+            compiles behind llguidance), at the lowest CPU priority, so that those never
+            hold a compile a request waits for.
         compile_isolation: where xgrammar compiles run. ``"thread"`` (default): on threads of
             the decoder's process; a compile past its timeout fails its request but runs on.
             ``"process"``: in spawned worker processes (:mod:`capgraph.grammar.process_pool`);

@@ -47,6 +47,53 @@ def test_pool_lowers_only_the_heavy_part_of_a_background_job():
         pool.submit(lambda: run_lowered(lambda: 1 // 0), nice=BACKGROUND_NICE).result(10)
 
 
+def test_a_compile_never_waits_for_background_slots():
+    """Background jobs hold background slots of their own: with every one of them taken (and
+    more background jobs waiting), a plain job starts at once and a background job waits for
+    a background slot, not for the plain ones."""
+    pool = CompilePool(1)  # (one background slot: as many as plain ones)
+    release = threading.Event()
+    started = threading.Event()
+
+    def held():
+        started.set()
+        release.wait(30)
+        return "background"
+
+    try:
+        first = pool.submit(held, nice=BACKGROUND_NICE)
+        assert started.wait(10)
+        queued = pool.submit(lambda: "queued", nice=BACKGROUND_NICE)
+        assert pool.submit(lambda: "foreground").result(5) == "foreground"
+        assert (pool.running_background, queued.done()) == (1, False)
+        release.set()
+        assert (first.result(10), queued.result(10)) == ("background", "queued")
+    finally:
+        release.set()
+    assert pool.wait_idle(10)
+
+
+def test_each_kind_has_its_own_waiting_bound():
+    """``max_waiting`` bounds each kind apart: background compiles waiting in full do not
+    refuse a plain one."""
+    from capgraph.errors import CompileQueueFullError
+    pool = CompilePool(1, max_waiting=1)
+    release = threading.Event()
+    held = []
+    try:
+        held.append(pool.submit(lambda: release.wait(30), nice=BACKGROUND_NICE))
+        deadline = time.monotonic() + 10
+        while pool.running < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held.append(pool.submit(lambda: release.wait(30), nice=BACKGROUND_NICE))
+        with pytest.raises(CompileQueueFullError, match="background"):
+            pool.submit(lambda: None, nice=BACKGROUND_NICE)
+        assert pool.submit(lambda: "foreground").result(5) == "foreground"
+    finally:
+        release.set()
+    assert all(f.result(10) for f in held)
+
+
 class _RecordingCompiler:
     """xgrammar's GrammarCompiler, recording the nice value of the thread of each compile."""
 

@@ -470,3 +470,79 @@ def test_a_grammar_too_large_to_send_back_and_slow_fails_with_a_named_error(proc
     monkeypatch.setattr(process_pool, "COMPILE_HERE_SHARE", 0.0)
     with pytest.raises(CompileResourceError, match="would serialize to about"):
         procs.compile(_rule_chain(3000))
+
+
+def test_a_config_without_stop_tokens_compiles_in_a_worker():
+    """A config from an encoded vocabulary with no stop token (its ``stop_token_ids`` read
+    back as ``[]``) builds a process-isolated factory, and a guide compiled in its worker
+    serves a matcher."""
+    vocab = [chr(97 + i % 26) * (1 + i // 26) for i in range(52)]
+    config = GuidedDecodingConfig(encoded_vocab=vocab, compile_isolation="process",
+                                  compile_threads=1)
+    assert config.stop_token_ids == []
+    factory = create_matcher_factory(config)
+    try:
+        params = GuidedDecodingParams.ebnf('root ::= "a" "bb"')  # (EBNF: always in a worker)
+        matcher = factory.create(params)
+        assert len(factory.processes.stats.compile_s) == 1
+        assert matcher.accept_token(0) and matcher.accept_token(27)
+    finally:
+        factory.close()
+
+
+def test_a_compile_never_waits_for_a_background_compiles_worker(tekken):
+    """With one worker per kind, a background compile (a hand-over's xgrammar compile) that
+    holds its worker for minutes does not hold back a compile a request waits for: that one
+    gets a worker of its own, and the background one's runs at BACKGROUND_NICE."""
+    from capgraph.grammar.compile_pool import BACKGROUND_NICE, CompilePool
+    from capgraph.grammar.process_pool import ProcessCompilePool
+    config = GuidedDecodingConfig.from_tokenizer(tekken)
+    pool = ProcessCompilePool(config, workers=1, memory_limit_bytes=0)
+    threads = CompilePool(1)
+    try:
+        busy = threads.submit(lambda: pool.compile("busy", _salted(_anyof(14))),
+                              nice=BACKGROUND_NICE)
+        deadline = time.monotonic() + 120
+        while pool.pid_compiling("busy") is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pid = pool.pid_compiling("busy")
+        assert pid is not None
+        with open(f"/proc/{pid}/stat") as f:
+            assert int(f.read().rsplit(")", 1)[1].split()[16]) >= BACKGROUND_NICE
+        small = _salted({"anyOf": [{"type": "integer"}, {"type": "string"}]})
+        text, nbytes, _ = threads.submit(lambda: pool.compile("small", small)).result(120)
+        assert text and nbytes > 0 and not busy.done()
+        assert pool.stats.spawned == 2
+        assert pool.stop("busy")
+        with pytest.raises(CompileTimeoutError):
+            busy.result(30)
+    finally:
+        pool.stop("busy")
+        pool.close()
+
+
+def test_cost_estimate_counts_spelled_out_wide_atoms_and_sums_a_schemas_patterns(tekken):
+    """A wide atom ('.', a negated class, \\W, \\S, \\D) spelled out n times costs what its
+    count {n} does (``"." * 64`` took 1.2 s), and a schema's patterns add up (20 properties
+    of ``^.{62}$`` spelled out, 2012 characters, took 35 s): both go to a worker. Narrow atoms
+    spelled out, and wide ones under ``*`` or ``+``, stay cheap."""
+    from capgraph.grammar.compile_cost import MAX_REGEX_COUNTS, why_not_cheap
+    config = GuidedDecodingConfig.from_tokenizer(tekken)
+    regex = GuidedDecodingParams.regex
+    for wide in (".", "[^x]", "\\W", "\\S", "\\D", ".?"):
+        assert why_not_cheap(regex(wide * (MAX_REGEX_COUNTS + 1)), config), wide
+        assert why_not_cheap(regex(wide * MAX_REGEX_COUNTS), config) is None, wide
+    assert "wide atoms" in why_not_cheap(regex("." * 64), config)
+    assert why_not_cheap(regex("a.b.c.d.e.f.g.h.i.j"), config)
+    for cheap in ("[a-z]" * 12, "\\w\\d\\s" * 4, ".*a.+b[^c]*\\S+", "x{4}.{4}"):
+        assert why_not_cheap(regex(cheap), config) is None, cheap
+
+    def schema(n: int, pattern: str) -> GuidedDecodingParams:
+        props = {f"p{i}": {"type": "string", "pattern": pattern} for i in range(n)}
+        return GuidedDecodingParams.json_schema(
+            json.dumps({"type": "object", "properties": props}, separators=(",", ":")))
+
+    assert why_not_cheap(schema(20, "^" + "." * 62 + "$"), config)
+    assert "patterns repeat" in why_not_cheap(schema(4, "^.{8}$"), config)
+    assert why_not_cheap(schema(2, "^.{8}$"), config) is None
+    assert why_not_cheap(schema(8, "^[a-z]+$"), config) is None

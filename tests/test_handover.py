@@ -427,6 +427,38 @@ def test_auto_config_validation(tok):
         GuidedDecodingConfig(backend="auto", encoded_vocab=["a", "b"])
 
 
+def test_a_compile_a_request_waits_for_never_queues_behind_background_ones(tok,
+                                                                           monkeypatch):
+    """With one compile thread, a hand-over guide's xgrammar compile (background: llguidance
+    serves its request) that runs on does not hold back an xgrammar-only guide's compile."""
+    import threading
+    import uuid
+    factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
+        tok, backend="auto", compile_threads=1, compile_disk_cache_bytes=0))
+    xgr = factory.xgrammar
+    held = GuidedDecodingParams.regex(f"id-{uuid.uuid4().hex}-[0-9]{{1,4}}")
+    release, started = threading.Event(), threading.Event()
+
+    def compile_(params, _compile=xgr._compile):
+        if params == held:  # (a compile that takes long)
+            started.set()
+            release.wait(60)
+        return _compile(params)
+
+    monkeypatch.setattr(xgr, "_compile", compile_)
+    try:
+        compiled = factory.compile_async(held).result(10, backend="auto")
+        assert compiled.backend == "auto" and started.wait(10)
+        ebnf = GuidedDecodingParams.ebnf(f'root ::= "{uuid.uuid4().hex}" | "no"')
+        assert factory.compile_async(ebnf).result(5, backend="auto").backend == "xgrammar"
+        assert not compiled.payload.xgrammar.done()
+        release.set()
+        assert compiled.payload.xgrammar.result(30, backend="xgrammar").backend == "xgrammar"
+    finally:
+        release.set()
+        factory.close()
+
+
 def test_create_matcher_factory_builds_the_hand_over(tok):
     factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(tok, backend="auto"))
     try:

@@ -1,4 +1,5 @@
-"""Compiles off the decode path: one thread per compile, at most ``slots`` compiling at once.
+"""Compiles off the decode path: one thread per compile, at most ``slots`` compiling at once,
+and beside them at most ``background_slots`` background compiles.
 
 A plain thread pool starves when a compile times out: the C++ compile cannot be cancelled, so
 its worker stays busy and every compile queued behind it times out too. Here a compile whose
@@ -8,12 +9,19 @@ background (its result is kept only if a request asks for it again meanwhile: se
 past their slot, so hostile guides cannot pile up threads without bound (past that, an
 abandoned compile keeps its slot until it ends).
 
-A compile submitted with a ``nice`` value runs its heavy, GIL-free part at that lower CPU
-priority (:func:`run_lowered`: Linux, a thread's own nice value, which the backend's compile
-threads started from it inherit), so a compile nobody waits for right now cannot take CPU time
-from the decode loop or from a compile a request waits for. Its Python part (keyword checks,
-conversion) stays at normal priority: a starved thread must never hold the GIL, or a lock,
-that a request's thread waits for.
+A compile submitted with a ``nice`` value > 0 is a background compile (nobody waits for it
+right now: a hand-over's xgrammar compile, :mod:`capgraph.grammar.handover`). It takes one of
+the ``background_slots``, never one of the ``slots``, so a compile a request waits for never
+queues behind background ones; and it runs its heavy, GIL-free part at that lower CPU priority
+(:func:`run_lowered`: Linux, a thread's own nice value, which the backend's compile threads
+started from it inherit), so it cannot take CPU time from the decode loop or from a compile a
+request waits for. Its Python part (keyword checks, conversion) stays at normal priority: a
+starved thread must never hold the GIL, or a lock, that a request's thread waits for.
+
+Threads: at most ``slots + background_slots + max_abandoned`` compiles run at once (a matcher
+factory's pool: ``2 * compile_threads`` plus the abandoned ones), each on its own thread plus
+the backend's compile threads it starts; with ``max_waiting`` set, at most that many of each
+kind wait for a slot.
 
 At interpreter exit, compiles that have not started are cancelled and those still running are
 waited for, up to the longest ``exit_wait_s`` of the pools (``compile_timeout_s``): a compile
@@ -34,7 +42,7 @@ from typing import Any, Callable, TypeVar
 
 from ..errors import CompileQueueFullError, GrammarCompileError
 
-__all__ = ["CompilePool", "BACKGROUND_NICE", "run_lowered"]
+__all__ = ["CompilePool", "BACKGROUND_NICE", "run_lowered", "in_background_job"]
 
 logger = logging.getLogger("capgraph")
 
@@ -45,35 +53,48 @@ BACKGROUND_NICE = 19
 
 
 class CompilePool:
-    """Runs compile jobs on threads of their own, ``slots`` at a time.
+    """Runs compile jobs on threads of their own, ``slots`` at a time, and background jobs
+    ``background_slots`` at a time beside them.
 
     Args:
         slots: compiles that may run at once (``GuidedDecodingConfig.compile_threads``).
         max_abandoned: abandoned compiles allowed to run beyond the slots.
-        max_waiting: compiles allowed to wait for a slot; past it :meth:`submit` raises
-            :class:`~capgraph.errors.CompileQueueFullError` (None: no bound).
+        max_waiting: compiles of each kind (background or not) allowed to wait for a slot;
+            past it :meth:`submit` raises :class:`~capgraph.errors.CompileQueueFullError`
+            (None: no bound).
         exit_wait_s: at interpreter exit, how long this pool's running compiles are waited
             for (the factory passes ``compile_timeout_s``).
+        background_slots: background compiles (submitted with ``nice`` > 0) that may run at
+            once, apart from ``slots`` (None: as many as ``slots``).
     """
 
     def __init__(self, slots: int, max_abandoned: int | None = None,
-                 max_waiting: int | None = None, exit_wait_s: float = 30.0) -> None:
+                 max_waiting: int | None = None, exit_wait_s: float = 30.0,
+                 background_slots: int | None = None) -> None:
         self.slots = slots
+        self.background_slots = slots if background_slots is None else background_slots
         self.exit_wait_s = exit_wait_s
         self.max_abandoned = 4 * slots if max_abandoned is None else max_abandoned
         self.max_waiting = max_waiting
-        self._waiting = 0  # submitted jobs without a slot yet
         self._cv = threading.Condition()
-        self._holding: set[Future] = set()  # futures whose compile holds a slot
+        # per kind (background: True): jobs without a slot yet, futures holding one
+        self._waiting = {False: 0, True: 0}
+        self._holding: dict[bool, set[Future]] = {False: set(), True: set()}
         self._abandoned: set[Future] = set()  # running past their slot
         self._generation = 0  # bumped by close(): waiting jobs of older generations cancel
         _POOLS.add(self)
 
     @property
     def running(self) -> int:
-        """Compiles holding a slot now."""
+        """Compiles holding a slot now (background ones included)."""
         with self._cv:
-            return len(self._holding)
+            return len(self._holding[False]) + len(self._holding[True])
+
+    @property
+    def running_background(self) -> int:
+        """Background compiles holding a background slot now."""
+        with self._cv:
+            return len(self._holding[True])
 
     @property
     def abandoned(self) -> int:
@@ -86,15 +107,21 @@ class CompilePool:
         """Run ``job`` on a new daemon thread once a slot is free; its result or exception
         completes the returned future. Raises CompileQueueFullError past ``max_waiting``.
 
-        ``nice`` > 0 lowers that thread's CPU priority by as much (where the platform lets a
-        thread do so; elsewhere the job runs at normal priority)."""
+        ``nice`` > 0 makes it a background compile: it waits for one of the
+        ``background_slots`` (never one of ``slots``), and its :func:`run_lowered` part runs
+        at a CPU priority lowered by as much (where the platform lets a thread do so;
+        elsewhere at normal priority)."""
         future: Future = Future()
+        background = nice > 0
         with self._cv:
-            if self.max_waiting is not None and self._waiting >= self.max_waiting:
+            waiting = self._waiting[background]
+            if self.max_waiting is not None and waiting >= self.max_waiting:
+                kind, slots = (("background ", self.background_slots) if background
+                               else ("", self.slots))
                 raise CompileQueueFullError(
-                    f"{self._waiting} compiles already wait for one of {self.slots} compile "
+                    f"{waiting} {kind}compiles already wait for one of {slots} {kind}compile "
                     "slots; retry later")
-            self._waiting += 1
+            self._waiting[background] += 1
             generation = self._generation
         threading.Thread(target=self._run, args=(job, future, generation, nice), name=name,
                          daemon=True).start()
@@ -103,10 +130,11 @@ class CompilePool:
     def abandon(self, future: Future) -> None:
         """The waiter of ``future`` gave up: give its slot to the next compile (bounded)."""
         with self._cv:
-            if future in self._holding and len(self._abandoned) < self.max_abandoned:
-                self._holding.discard(future)
+            holding = next((h for h in self._holding.values() if future in h), None)
+            if holding is not None and len(self._abandoned) < self.max_abandoned:
+                holding.discard(future)
                 self._abandoned.add(future)
-                self._cv.notify()
+                self._cv.notify_all()  # (the waiters of both kinds share the condition)
 
     def close(self) -> None:
         """Cancel the compiles still waiting for a slot (their futures fail with a
@@ -121,7 +149,7 @@ class CompilePool:
         a slot are not waited for (:meth:`close` cancels them)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._holding or self._abandoned:
+            while self._holding[False] or self._holding[True] or self._abandoned:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -131,15 +159,18 @@ class CompilePool:
     def _run(self, job: Callable[[], object], future: Future, generation: int,
              nice: int) -> None:
         _job.nice = nice  # (what run_lowered() reads on this thread)
+        background = nice > 0
+        holding = self._holding[background]
+        slots = self.background_slots if background else self.slots
         with self._cv:
-            while len(self._holding) >= self.slots and generation == self._generation:
+            while len(holding) >= slots and generation == self._generation:
                 self._cv.wait()
-            self._waiting -= 1
+            self._waiting[background] -= 1
             if generation != self._generation:
                 future.set_exception(GrammarCompileError(
                     "compile cancelled: the matcher factory was closed before it started"))
                 return
-            self._holding.add(future)
+            holding.add(future)
         try:
             result = job()
         except BaseException as e:  # noqa: BLE001 - handed to the waiter
@@ -148,7 +179,7 @@ class CompilePool:
             future.set_result(result)
         finally:
             with self._cv:
-                self._holding.discard(future)
+                holding.discard(future)
                 self._abandoned.discard(future)
                 self._cv.notify_all()  # (a slot's waiter and wait_idle())
 
@@ -182,6 +213,12 @@ def _end_compiles_at_exit() -> None:
 
 
 _job = threading.local()  # .nice: the priority the compile job on this thread asked for
+
+
+def in_background_job() -> bool:
+    """Whether the calling thread runs a background compile job (submitted with ``nice`` > 0):
+    what lets a worker pool under it keep workers of its own for them."""
+    return getattr(_job, "nice", 0) > 0
 
 
 def run_lowered(fn: Callable[[], T]) -> T:

@@ -8,8 +8,10 @@ mask several times faster once compiled. So:
 - A regex or JSON-schema guide that xgrammar has not compiled yet (its memory cache; a disk
   entry loads in the background like a compile) is compiled by llguidance, and the compile
   handle completes as soon as llguidance has it; xgrammar's compile starts then, in the
-  background, its C++ part at the lowest CPU priority (so it takes no CPU time from
-  llguidance's compiles and first masks, or from the decode loop).
+  background: on compile slots (and, with ``compile_isolation="process"``, worker processes)
+  of its own, so no compile a request waits for queues behind it
+  (:mod:`capgraph.grammar.compile_pool`), and its C++ part at the lowest CPU priority (so it
+  takes no CPU time from llguidance's compiles and first masks, or from the decode loop).
   Its matcher is a :class:`HandOverMatcher`.
 - Every other guide goes to xgrammar alone: one xgrammar already compiled, a JSON guide
   (xgrammar's builtin grammar compiles at once), and the guide types whose text the two
@@ -307,8 +309,9 @@ class HandOverMatcherFactory(GrammarMatcherFactory):
             return x.cache.get((params.guide_type.value, params.guide)) is not None
 
     def _start_xgrammar(self, params: GuidedDecodingParams) -> CompileHandle:
-        """Start xgrammar's compile of ``params`` in the background (lowest CPU priority: the
-        request is served by llguidance meanwhile); a hook tests hold back."""
+        """Start xgrammar's compile of ``params`` in the background (its own compile slots,
+        lowest CPU priority: the request is served by llguidance meanwhile); a hook tests
+        hold back."""
         return self.xgrammar.compile_async(params, background=True)
 
     def compile_async(self, params: GuidedDecodingParams, *,

@@ -4,7 +4,10 @@ A compile thread of :class:`~capgraph.grammar.base.GrammarMatcherFactory` hands 
 an idle worker process and blocks until the worker sends back the compiled grammar as
 ``CompiledGrammar.serialize_json()`` text, or the error it raised. Workers are started with
 the ``spawn`` context (never forked from a process that holds threads and locks), lazily, at
-most ``workers`` of them; each builds its own
+most ``workers`` of them for the compiles requests wait for and as many more for background
+compiles (:func:`~capgraph.grammar.compile_pool.in_background_job`: a hand-over's xgrammar
+compile), so a compile a request waits for never waits for a worker a background compile holds;
+each builds its own
 :class:`~capgraph.grammar.xgrammar_backend.XGrammarMatcherFactory` once and compiles with its
 ``_compile`` (keyword policy, converter warnings, repairs and limits all apply). A compile that
 nobody waits for any more (:meth:`ProcessCompilePool.stop`) is killed: SIGTERM, then SIGKILL
@@ -14,7 +17,9 @@ for it finishes starting and serves the next compile, so a compile timeout short
 worker's start (a few seconds: spawn, import, vocabulary) still lets later compiles through.
 Each worker runs under ``RLIMIT_AS`` = its size once started + ``memory_limit_bytes``; a
 compile over it fails with :class:`~capgraph.errors.CompileResourceError`; and at nice
-:data:`WORKER_NICE`, so that its compile takes CPU time only where the decode loop leaves some.
+:data:`WORKER_NICE` (a background compile's worker at
+:data:`~capgraph.grammar.compile_pool.BACKGROUND_NICE`), so that its compile takes CPU time
+only where the decode loop leaves some.
 
 Guides :func:`~capgraph.grammar.compile_cost.why_not_cheap` calls cheap compile in the
 decoder's process instead (:meth:`ProcessCompilePool.compiles_here`): a worker's round trip
@@ -45,6 +50,7 @@ from .. import errors
 from ..errors import CompileResourceError, CompileTimeoutError, GrammarCompileError
 from ..params import GuidedDecodingConfig, GuidedDecodingParams
 from .compile_cost import why_not_cheap
+from .compile_pool import BACKGROUND_NICE, in_background_job
 from .disk_cache import MAX_SERIALIZED_BYTES, serialized_bytes_estimate
 
 __all__ = ["ProcessCompilePool", "ProcessPoolStats", "CompileHere", "KILL_GRACE_S",
@@ -199,14 +205,16 @@ class ProcessPoolStats:
 
 
 class _Worker:
-    __slots__ = ("process", "conn", "key", "stopped", "generation")
+    __slots__ = ("process", "conn", "key", "stopped", "generation", "background")
 
-    def __init__(self, process: Any, conn: Connection, generation: int) -> None:
+    def __init__(self, process: Any, conn: Connection, generation: int,
+                 background: bool) -> None:
         self.process = process
         self.conn = conn
         self.key: Any = None  # the guide it compiles now (None: idle)
         self.stopped = False
         self.generation = generation  # the pool's close count when it started
+        self.background = background  # it serves background compiles only
 
 
 class _Waiting:
@@ -220,14 +228,16 @@ class _Waiting:
 
 
 class ProcessCompilePool:
-    """At most ``workers`` spawned processes compiling xgrammar guides, one guide at a time.
+    """At most ``workers`` spawned processes compiling xgrammar guides, one guide at a time,
+    and ``workers`` more for background compiles (module docstring).
 
     Args:
         config: the decoder's config; workers get a copy with the disk cache, the memory
             cache and process isolation off (it must pickle: a Hugging Face tokenizer does).
-        workers: the most processes alive at once (``compile_threads``).
+        workers: the most processes alive at once of each kind (``compile_threads``).
         memory_limit_bytes: address space a worker may add once started; 0: no limit.
-        nice: how much each worker lowers its CPU priority (default :data:`WORKER_NICE`).
+        nice: how much each worker lowers its CPU priority (default :data:`WORKER_NICE`); a
+            background compile's worker, at least :data:`BACKGROUND_NICE`.
         wanted: ``wanted(key)``: whether a request still waits for the compile of ``key``,
             asked once :meth:`stop` can find the compile and before it waits for a worker;
             where it says False, the compile never runs. Called without this pool's lock
@@ -242,14 +252,17 @@ class ProcessCompilePool:
         self.nice = nice
         self._wanted = wanted
         self.stats = ProcessPoolStats()
+        # (replace() validates every field again: a config without stop tokens holds [],
+        # which validation refuses; None, what it was given, means the same there)
         self._config = dataclasses.replace(config, compile_isolation="thread",
-                                           compile_disk_cache_bytes=0, compile_cache_bytes=0)
+                                           compile_disk_cache_bytes=0, compile_cache_bytes=0,
+                                           stop_token_ids=config.stop_token_ids or None)
         self._context = multiprocessing.get_context("spawn")
         self._cv = threading.Condition()
-        self._idle: list[_Worker] = []
+        self._idle: dict[bool, list[_Worker]] = {False: [], True: []}  # by kind (background)
         self._busy: list[_Worker] = []
         self._waiting: list[_Waiting] = []  # compiles in compile() without a worker yet
-        self._starting = 0  # slots reserved by workers being started
+        self._starting = {False: 0, True: 0}  # slots reserved by workers being started
         self._closed_generation = 0  # close() calls so far: older workers retire when idle
 
     @property
@@ -257,7 +270,8 @@ class ProcessCompilePool:
         """Process ids of the workers in service (not one being killed, which its compile
         thread reaps when it sees the pipe close)."""
         with self._cv:
-            return [w.process.pid for w in (*self._idle, *self._busy) if not w.stopped]
+            return [w.process.pid for w in (*self._idle[False], *self._idle[True], *self._busy)
+                    if not w.stopped]
 
     def pid_compiling(self, key: Any) -> int | None:
         """The pid of the worker compiling ``key`` now, or None."""
@@ -364,7 +378,9 @@ class ProcessCompilePool:
         starts new ones (the pool stays usable, as the factory does)."""
         with self._cv:
             self._closed_generation += 1
-            idle, self._idle = self._idle, []
+            idle = [*self._idle[False], *self._idle[True]]
+            for kind in self._idle.values():
+                kind.clear()
         for w in idle:
             try:
                 w.conn.send(None)
@@ -379,8 +395,11 @@ class ProcessCompilePool:
         return f"{self.memory_limit_bytes / (1 << 20):g} MiB"
 
     def _acquire(self, key: Any, params: GuidedDecodingParams) -> _Worker:
-        """An idle worker, or a new one, for the compile of ``key``; raises
-        :class:`CompileTimeoutError` where :meth:`stop` stopped it first."""
+        """An idle worker, or a new one, of the calling compile's kind (background or not)
+        for the compile of ``key``; raises :class:`CompileTimeoutError` where :meth:`stop`
+        stopped it first."""
+        background = in_background_job()
+        idle = self._idle[background]
         waiting = _Waiting(key)
         with self._cv:
             self._waiting.append(waiting)
@@ -388,26 +407,25 @@ class ProcessCompilePool:
         gave_up = self._wanted is not None and not self._wanted(key)
         with self._cv:
             waiting.stopped = waiting.stopped or gave_up
-            while not waiting.stopped and not self._idle and \
-                    len(self._busy) + len(self._idle) + self._starting >= self.workers:
+            while not waiting.stopped and not idle and self._alive(background) >= self.workers:
                 self._cv.wait()
-            if waiting.stopped or self._idle:
+            if waiting.stopped or idle:
                 self._waiting.remove(waiting)
                 if waiting.stopped:
                     self.stats.not_started += 1
                     raise self._not_started(params)
-                return self._assign(self._idle.pop(), key)
-            self._starting += 1
+                return self._assign(idle.pop(), key)
+            self._starting[background] += 1
         try:
-            worker = self._start()
+            worker = self._start(background)
         except BaseException:
             with self._cv:
-                self._starting -= 1
+                self._starting[background] -= 1
                 self._waiting.remove(waiting)
                 self._cv.notify_all()
             raise
         with self._cv:  # (one step from waiting to busy: stop() always finds the compile)
-            self._starting -= 1
+            self._starting[background] -= 1
             self._waiting.remove(waiting)
             if not waiting.stopped:
                 return self._assign(worker, key)
@@ -415,11 +433,16 @@ class ProcessCompilePool:
             self.stats.not_started += 1
             keep = worker.generation == self._closed_generation
             if keep:
-                self._idle.append(worker)
+                idle.append(worker)
             self._cv.notify_all()
         if not keep:
             self._reap(worker)
         raise self._not_started(params)
+
+    def _alive(self, background: bool) -> int:
+        """Workers of one kind alive or starting (under the lock)."""
+        busy = sum(1 for w in self._busy if w.background is background)
+        return busy + len(self._idle[background]) + self._starting[background]
 
     def _assign(self, worker: _Worker, key: Any) -> _Worker:
         worker.key = key  # (under the lock)
@@ -432,15 +455,16 @@ class ProcessCompilePool:
                                    "out before a compile worker was free",
                                    guide_type=params.guide_type.name, backend=_BACKEND)
 
-    def _start(self) -> _Worker:
+    def _start(self, background: bool) -> _Worker:
         parent, child = self._context.Pipe()
+        nice = max(self.nice, BACKGROUND_NICE) if background else self.nice
         process = self._context.Process(
             target=_worker_main,
-            args=(child, self._config, self.memory_limit_bytes, self.nice),
+            args=(child, self._config, self.memory_limit_bytes, nice),
             name="capgraph-compile-worker", daemon=True)
         process.start()
         child.close()
-        worker = _Worker(process, parent, self._closed_generation)
+        worker = _Worker(process, parent, self._closed_generation, background)
         try:
             if not parent.poll(START_TIMEOUT_S):
                 raise TimeoutError(f"not ready after {START_TIMEOUT_S:g} s")
@@ -462,7 +486,7 @@ class ProcessCompilePool:
                 # killed just after its result came in, or the pool was closed meanwhile
                 self._cv.notify_all()
             else:
-                self._idle.append(worker)
+                self._idle[worker.background].append(worker)
                 self._cv.notify_all()
                 return
         self._reap(worker)
