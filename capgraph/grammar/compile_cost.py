@@ -18,15 +18,20 @@ took 1.1 s but ``[^x]{0,64}x`` 12 ms, and ``(a+)+b`` 0.2 ms. So cheap means:
   :data:`MAX_WHITESPACE` characters (the grammar grows with it: 0.17 s at 256);
 - a regex of at most :data:`MAX_REGEX_CHARS` characters whose counted repetitions
   (``{n}``, ``{n,m}``) apply to single characters, classes or escapes, never to groups, and sum
-  to at most :data:`MAX_REGEX_COUNTS`; ``*``, ``+`` and ``?`` are free (xgrammar compiles
-  them to an automaton: nesting them costs little at compile time);
+  to at most :data:`MAX_REGEX_COUNTS`, where each wide atom (``.``, a negated class, ``\\W``,
+  ``\\S``, ``\\D``) without a quantifier counts 1: spelled out, ``........`` costs what
+  ``.{8}`` does (27 ms; 64 dots took 1.2 s), while ``[0-9]{8}`` compiles in under
+  1 ms. ``*`` and ``+`` are free (xgrammar compiles them to an automaton: nesting them costs
+  little at compile time), and so is ``?`` on a narrow atom;
 - a JSON schema of at most :data:`MAX_SCHEMA_CHARS` characters, :data:`MAX_SCHEMA_NODES`
   subschemas nested at most :data:`MAX_SCHEMA_DEPTH` deep, without combinators, references,
   conditionals or pattern-keyed properties (:data:`COSTLY_KEYWORDS`), no object that allows
   ``additionalProperties``, no tuple ``items``, counts (``maxLength``, ``minItems``, ...) of at
   most :data:`MAX_SCHEMA_COUNT`, enums of at most :data:`MAX_ENUM` values, and patterns cheap
-  as regexes above, none next to ``enum`` or ``const`` (the policy check matches the
-  values against it: :data:`~capgraph.grammar.schema_policy.REGEX_CHECK_SECONDS`);
+  as regexes above whose counts sum to at most :data:`MAX_SCHEMA_REGEX_COUNTS` over the
+  whole schema (their compile times add up: 20 properties of pattern ``^.{62}$`` took 35 s),
+  none next to ``enum`` or ``const`` (the policy check matches the values against it:
+  :data:`~capgraph.grammar.schema_policy.REGEX_CHECK_SECONDS`);
 - EBNF grammars and structural tags: never (their cost is not estimated here).
 
 ``python -m capgraph.grammar.compile_cost`` (:func:`main`) measures the estimate over the
@@ -47,7 +52,7 @@ from .schema_policy import subschemas
 
 __all__ = ["why_not_cheap", "COSTLY_KEYWORDS", "MAX_SCHEMA_CHARS", "MAX_SCHEMA_NODES",
            "MAX_SCHEMA_DEPTH", "MAX_SCHEMA_COUNT", "MAX_ENUM", "MAX_REGEX_CHARS",
-           "MAX_REGEX_COUNTS", "MAX_WHITESPACE", "main"]
+           "MAX_REGEX_COUNTS", "MAX_SCHEMA_REGEX_COUNTS", "MAX_WHITESPACE", "main"]
 
 #: The longest JSON-schema text compiled in the decoder's process.
 MAX_SCHEMA_CHARS = 2048
@@ -61,8 +66,11 @@ MAX_SCHEMA_COUNT = 256
 MAX_ENUM = 64
 #: The longest cheap regex (a REGEX guide or a schema ``pattern``).
 MAX_REGEX_CHARS = 64
-#: The largest sum of a cheap regex's repetition counts (``[a-z]{2}-[0-9]{4}``: 6).
+#: The largest sum of a cheap regex's repetition counts, a wide atom without a quantifier
+#: counting 1 (``[a-z]{2}-[0-9]{4}``: 6; ``a.b.c``: 2).
 MAX_REGEX_COUNTS = 8
+#: The largest sum of those counts over all the patterns of a cheap schema.
+MAX_SCHEMA_REGEX_COUNTS = 16
 #: The most whitespace ``json_whitespace="bounded"`` may allow for a JSON guide to be cheap.
 MAX_WHITESPACE = 16
 #: Schema keywords whose compile cost is not bounded by the schema's size (or that this
@@ -73,6 +81,8 @@ COSTLY_KEYWORDS = frozenset({
     "dependentSchemas", "dependentRequired", "unevaluatedProperties", "unevaluatedItems",
     "additionalItems", "prefixItems", "contains", "minProperties", "maxProperties"})
 _COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems")
+#: Escapes of wide atoms: each matches all but a few characters, as ``.`` does.
+_WIDE_ESCAPES = ("W", "S", "D")
 
 
 def why_not_cheap(params: GuidedDecodingParams, config: GuidedDecodingConfig) -> str | None:
@@ -101,7 +111,7 @@ def why_not_cheap(params: GuidedDecodingParams, config: GuidedDecodingConfig) ->
 
 def _schema_cost(root: Any) -> str | None:
     """Why the parsed schema ``root`` is not cheap, or None."""
-    nodes = 0
+    nodes, counts = 0, 0
     stack: list[tuple[Any, str, int]] = [(root, "", 0)]
     while stack:
         node, where, depth = stack.pop()
@@ -141,9 +151,13 @@ def _schema_cost(root: Any) -> str | None:
                 # the policy check matches the values against the pattern (bounded, but up to
                 # schema_policy.REGEX_CHECK_SECONDS): not in the decoder's process
                 return f"pattern next to enum/const at {here}"
-            reason = _regex_cost(pattern, f"pattern at {here}")
+            reason, n = _regex_counts(pattern, f"pattern at {here}")
             if reason is not None:
                 return reason
+            counts += n
+            if counts > MAX_SCHEMA_REGEX_COUNTS:
+                return (f"the schema's patterns repeat {counts} times in counts, up to the "
+                        f"one at {here} (over {MAX_SCHEMA_REGEX_COUNTS})")
         stack.extend((sub, path, depth + 1) for sub, path in subschemas(node, where))
     return None
 
@@ -151,37 +165,49 @@ def _schema_cost(root: Any) -> str | None:
 def _regex_cost(pattern: str, what: str) -> str | None:
     """Why the regex ``pattern`` is not cheap (:data:`MAX_REGEX_CHARS`,
     :data:`MAX_REGEX_COUNTS`, no count on a group), or None."""
+    return _regex_counts(pattern, what)[0]
+
+
+def _regex_counts(pattern: str, what: str) -> tuple[str | None, int]:
+    """``(why the regex is not cheap or None, the sum of its counts)``: the counts of its
+    ``{n}``/``{n,m}`` (the larger bound) plus 1 per wide atom without a ``*``, ``+`` or count
+    on it (a spelled-out repeat of one compiles like its counted form)."""
     if len(pattern) > MAX_REGEX_CHARS:
-        return f"{what} has {len(pattern)} characters (over {MAX_REGEX_CHARS})"
+        return f"{what} has {len(pattern)} characters (over {MAX_REGEX_CHARS})", 0
     total, i, n = 0, 0, len(pattern)
     after_group = False  # whether the last atom was a group, a count on which multiplies
     while i < n:
         c = pattern[i]
-        if c == "\\":
-            i += 2
-            after_group = False
-            continue
-        if c == "[":
-            i = _class_end(pattern, i)
-            after_group = False
-            continue
         if c == "{" and i + 1 < n and pattern[i + 1].isdigit():
             end = pattern.find("}", i)
             if end < 0:
-                return f"{what} has an unclosed count at offset {i}"
+                return f"{what} has an unclosed count at offset {i}", total
             if after_group:
-                return f"{what} repeats a group a counted number of times (offset {i})"
+                return f"{what} repeats a group a counted number of times (offset {i})", total
             try:
                 total += max(int(v) for v in pattern[i + 1:end].split(",") if v.strip())
             except ValueError:
-                return f"{what} has a count it cannot read at offset {i}"
-            if total > MAX_REGEX_COUNTS:
-                return f"{what} repeats {total} times in counts (over {MAX_REGEX_COUNTS})"
+                return f"{what} has a count it cannot read at offset {i}", total
             i = end + 1
-            continue
-        after_group = c == ")"
-        i += 1
-    return None
+        else:
+            if c == "\\":
+                wide = pattern[i + 1:i + 2] in _WIDE_ESCAPES
+                i += 2
+            elif c == "[":
+                wide = pattern[i + 1:i + 2] == "^"
+                i = _class_end(pattern, i)
+            else:
+                wide = c == "."
+                i += 1
+            after_group = c == ")"
+            quantified = i < n and (pattern[i] in "*+" or (
+                pattern[i] == "{" and pattern[i + 1:i + 2].isdigit()))
+            if wide and not quantified:
+                total += 1
+        if total > MAX_REGEX_COUNTS:
+            return (f"{what} repeats {total} times in counts and wide atoms (over "
+                    f"{MAX_REGEX_COUNTS})"), total
+    return None, total
 
 
 def _class_end(pattern: str, i: int) -> int:
