@@ -180,6 +180,94 @@ def test_a_placed_special_token_is_the_only_one_a_tags_free_text_can_reach(facto
         assert reached <= ({start} if head else set()), tok.convert_ids_to_tokens(sorted(reached))
 
 
+def _qwen_xml_tag(schema: dict, *head: dict) -> GuidedDecodingParams:
+    element = {"type": "tag", "begin": "<tool_call>\n<function=f>\n",
+               "content": {"type": "json_schema", "json_schema": schema, "style": "qwen_xml"},
+               "end": "\n</function>\n</tool_call>"}
+    return GuidedDecodingParams.structural_tag(json.dumps({
+        "type": "structural_tag", "format": {"type": "sequence",
+                                             "elements": [*head, element]}}))
+
+
+@pytest.mark.parametrize("keyword, value", [
+    ("pattern", '^a"b$'), ("format", "date"), ("patternProperties", {"^a": {}})])
+def test_xml_style_schemas_refuse_patterns_written_for_json_text(factory_cache, keyword,
+                                                                 value):
+    """An XML-style element writes string values as raw text, while capgraph writes patterns
+    and formats for xgrammar to match JSON string text: ``^a"b$`` accepted ``a\\"b`` and
+    refused ``a"b``. Such schemas are refused by name; without them they compile."""
+    factory = factory_cache("qwen")
+    schema = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+    if keyword == "patternProperties":
+        schema[keyword] = value
+    else:
+        schema["properties"]["q"][keyword] = value
+    with pytest.raises(UnsupportedGuideError, match=f"'{keyword}'.*XML-style"):
+        factory.compile(_qwen_xml_tag(schema))
+    factory.compile(_qwen_xml_tag({"type": "object", "properties": {"q": {"type": "string"}},
+                                   "required": ["q"]}))
+
+
+def test_xml_style_patterns_compiled_anyway_are_read_as_raw_text(tokenizer_cache):
+    """With json_unenforced_keywords='ignore' such a pattern is compiled as xgrammar reads it,
+    on the raw text: ``a"b`` passes, its JSON escape does not."""
+    from capgraph import GuidedDecodingConfig
+    from capgraph.grammar import create_matcher_factory
+    tok = tokenizer_cache("tekken")
+    factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
+        tok, json_unenforced_keywords="ignore"))
+    try:
+        params = _qwen_xml_tag({"type": "object", "properties": {
+            "q": {"type": "string", "pattern": '^a"b$'}}, "required": ["q"]})
+        head = '<tool_call>\n<function=f>\n<parameter=q>\n'
+        for value, ok in (('a"b', True), ('a\\"b', False)):
+            matcher = factory.create(params)
+            text = encode_continuation(tok, head + value + "\n</parameter>\n</function>\n"
+                                       "</tool_call>")
+            fed = all(matcher.accept_token(t) for t in text)
+            assert (fed and matcher.is_terminated() or fed and matcher.accept_token(
+                factory.config.stop_token_ids[0])) == ok, value
+    finally:
+        factory.close()
+
+
+@pytest.mark.parametrize("head, needle", [
+    ([{"type": "token", "token": "<|endoftext|>"}, {"type": "const_string", "value": "x"}],
+     "places stop token"),
+    ([{"type": "token", "token": "hello"}], "names token 'hello' by text"),
+    ([{"type": "token", "token": "<|im_start|>"}], "XML-style element"),
+])
+def test_tags_whose_tokens_xgrammar_would_not_match_are_refused(factory_cache, head, needle):
+    """A stop token placed by a token element (xgrammar allows it only where the output ends:
+    the tag dead-ended after 'a' and before its text), an ordinary token named by text (no
+    vocabulary to look it up in), and special tokens placed beside an XML-style element
+    (whose raw-text values took the placed token as text) are refused at compile, before any
+    matcher moves."""
+    factory = factory_cache("qwen")
+    schema = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+    with pytest.raises(UnsupportedGuideError, match=needle):
+        factory.compile(_qwen_xml_tag(schema, *head))
+
+
+def test_a_schema_inside_a_tag_keeps_values_that_spell_tag_tokens(factory_cache,
+                                                                  tokenizer_cache):
+    """A const that spells a token element ({"type": "token", "token": "<|im_end|>"}) is
+    schema data: it is produced as written inside a tag (the token name was replaced by its
+    id, 151645, and the tag counted as placing it)."""
+    tok = tokenizer_cache("qwen")
+    factory = factory_cache("qwen")
+    value = {"type": "token", "token": "<|im_end|>"}
+    schema = {"type": "object", "properties": {"fmt": {"const": value}}, "required": ["fmt"]}
+    params = GuidedDecodingParams.structural_tag(json.dumps({
+        "type": "structural_tag", "format": {"type": "json_schema", "json_schema": schema}}))
+    matcher = factory.create(params)
+    # (the text spelled out in ordinary tokens: the special token is never JSON text)
+    text = tok(json.dumps({"fmt": value}, separators=(",", ":")), add_special_tokens=False,
+               split_special_tokens=True)["input_ids"]
+    assert 151645 not in text and all(matcher.accept_token(t) for t in text)
+    assert matcher.accept_token(factory.config.stop_token_ids[0])
+
+
 # --- JSON whitespace modes ---------------------------------------------------------------------
 
 _WS_SCHEMA = {"type": "object", "properties": {

@@ -45,7 +45,7 @@ from .lark_text import LarkTextError, lark_json_values
 __all__ = ["Unenforced", "Pointer", "unenforced", "unenforced_in_tag", "plain_tag_schema",
            "describe",
            "schema_positions", "schema_nodes", "subschemas", "ANNOTATIONS", "VOCABULARY",
-           "XGRAMMAR", "XGRAMMAR_TAG", "LLGUIDANCE",
+           "XGRAMMAR", "XGRAMMAR_TAG", "XGRAMMAR_XML", "LLGUIDANCE", "xml_style",
            "XGRAMMAR_FORMATS", "LLGUIDANCE_FORMATS"]
 
 
@@ -769,7 +769,21 @@ XGRAMMAR_TAG: dict[str, Rule] = {
     "properties": _tag_names_spelled_once,
     "patternProperties": _all(XGRAMMAR["patternProperties"], _tag_names_spelled_once)}
 
-_RULES = {"xgrammar": XGRAMMAR, "llguidance": LLGUIDANCE, "xgrammar-tag": XGRAMMAR_TAG}
+def _xml_raw_text(node: _Node) -> str | None:
+    return ("an XML-style element writes names and string values as raw text, and capgraph "
+            "writes patterns and formats for xgrammar to match JSON string text (escapes "
+            "included): they would not mean what they say there")
+
+
+#: xgrammar on a JSON schema in an XML-style element (``qwen_xml_parameter``, a ``style``
+#: other than ``"json"``): as :data:`XGRAMMAR_TAG`, and ``pattern``, ``patternProperties``
+#: and ``format``, which capgraph writes for JSON string text, are refused.
+XGRAMMAR_XML: dict[str, Rule] = {
+    **XGRAMMAR_TAG, "pattern": _xml_raw_text, "patternProperties": _xml_raw_text,
+    "format": _xml_raw_text}
+
+_RULES = {"xgrammar": XGRAMMAR, "llguidance": LLGUIDANCE, "xgrammar-tag": XGRAMMAR_TAG,
+          "xgrammar-xml": XGRAMMAR_XML}
 
 # draft-00 to draft-03 meta-schemas (schema and hyper-schema), http or https
 _OLD_DRAFT = regex.compile(r"^https?://json-schema\.org/draft-0[0-3]/")
@@ -791,13 +805,14 @@ def _readable_draft(node: _Node) -> str | None:
 # every backend, and per backend.
 _DRAFT_KEYS: dict[str, Rule] = {"$schema": _readable_draft}
 _BACKEND_KEYS: dict[str, dict[str, Rule]] = {
-    "xgrammar": _DRAFT_KEYS, "xgrammar-tag": _DRAFT_KEYS,
+    "xgrammar": _DRAFT_KEYS, "xgrammar-tag": _DRAFT_KEYS, "xgrammar-xml": _DRAFT_KEYS,
     "llguidance": {**_DRAFT_KEYS, "x-guidance": _no_guidance_options}}
 
 
 def unenforced(schema: Any, backend: str) -> list[Unenforced]:
     """Every keyword of ``schema`` that ``backend`` (``"xgrammar"``, ``"llguidance"``, or
-    ``"xgrammar-tag"`` for a schema inside a structural tag) is not known to enforce, in
+    ``"xgrammar-tag"`` / ``"xgrammar-xml"`` for a schema inside a structural tag) is not
+    known to enforce, in
     document order (then the places only a ``$ref`` reaches); an empty list means every
     assertion is enforced.
 
@@ -854,6 +869,13 @@ def plain_tag_schema(node: Mapping[str, Any]) -> bool:
             and node.get("excludes", []) == [])
 
 
+def xml_style(node: Mapping[str, Any]) -> bool:
+    """Whether the structural-tag object ``node`` writes its JSON schema's instance XML-style
+    (``qwen_xml_parameter``, or a ``style`` other than ``"json"``): names and string values
+    as raw text between tags."""
+    return node.get("type") == "qwen_xml_parameter" or node.get("style", "json") != "json"
+
+
 # The keys of a json_schema element :func:`plain_tag_schema` knows what to do with.
 _PLAIN_TAG_SCHEMA_KEYS = frozenset({"type", "json_schema", "style", "any_order",
                                     "max_whitespace_cnt", "excludes"})
@@ -886,7 +908,8 @@ def _tag_members(node: dict[str, Any], pointer: Pointer,
                 "xgrammar checks neither which properties are present nor that each "
                 "appears once when they may come in any order")))
         elif key == "json_schema" and isinstance(value, dict):
-            rules = "xgrammar" if plain_tag_schema(node) else "xgrammar-tag"
+            rules = "xgrammar" if plain_tag_schema(node) else \
+                "xgrammar-xml" if xml_style(node) else "xgrammar-tag"
             found.extend(Unenforced(f.keyword, _Joined(where, f.where), f.reason)
                          for f in unenforced(value, rules))
         elif key == "grammar" and node.get("syntax") == "lark" and isinstance(value, str):

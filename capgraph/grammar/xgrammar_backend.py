@@ -9,7 +9,7 @@ import re
 import threading
 import time
 import weakref
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, NoReturn, Sequence
 
 import torch
 import xgrammar as xgr
@@ -22,7 +22,8 @@ from .converter_log import captured, exclusive
 from .disk_cache import serialized_bytes_estimate, source_digest
 from .forced import MAX_FORCED_SEQUENCE_BYTES, forced_run_bound
 from .process_pool import CompileHere, ProcessCompilePool
-from .schema_policy import describe, plain_tag_schema, unenforced_in_tag, unenforced_in_text
+from .schema_policy import (describe, plain_tag_schema, unenforced_in_tag, unenforced_in_text,
+                            xml_style)
 from .lark_text import LarkTextError, lark_json_values, lark_regexes, replace_json_values
 from .semantics import (JSON_CONTAINER_SCHEMA, changed_tag, ebnf_escape, ebnf_unescape,
                         ecma_ebnf, ecma_regex, ecma_tag, tag_nodes, xgrammar_schema,
@@ -111,9 +112,10 @@ def _resolve_tag_tokens(tag: str, ids_by_name: Mapping[str, int]) -> tuple[str, 
     nothing).
 
     :func:`build_tokenizer_info` empties the text of special tokens, which hides them from
-    xgrammar's lookup by string, so they are resolved here. Ordinary tokens named by string are
-    left for xgrammar to resolve. Text that is not JSON is returned unchanged, placing nothing
-    (xgrammar's error names what is wrong).
+    xgrammar's lookup by string, so they are resolved here; the JSON schemas the tag embeds are
+    data, left as written. Ordinary tokens named by string are left as they are (the compile
+    refuses them: :func:`_tokens_named_by_text`). Text that is not JSON is returned unchanged,
+    placing nothing (xgrammar's error names what is wrong).
     """
     if not ids_by_name:
         return tag, frozenset()
@@ -143,13 +145,7 @@ def _resolve_tag_tokens(tag: str, ids_by_name: Mapping[str, int]) -> tuple[str, 
             placed.add(token)
         return f"<[{token}]>"
 
-    def walk(node: Any) -> None:
-        if isinstance(node, list):
-            for item in node:
-                walk(item)
-            return
-        if not isinstance(node, dict):
-            return
+    for node, _ in tag_nodes(doc):  # (the JSON schemas a tag embeds are not tag nodes)
         kind = node.get("type")
         if kind == "token" and "token" in node:
             node["token"] = by_id(node["token"], True)
@@ -164,11 +160,28 @@ def _resolve_tag_tokens(tag: str, ids_by_name: Mapping[str, int]) -> tuple[str, 
         if kind == "grammar" and node.get("syntax") == "lark" \
                 and isinstance(node.get("grammar"), str):
             node["grammar"] = _LARK_TOKEN_REF.sub(lark_ref, node["grammar"])
-        for value in node.values():
-            walk(value)
-
-    walk(doc)
     return json.dumps(doc), frozenset(placed)
+
+
+def _tokens_named_by_text(tag: str) -> list[str]:
+    """The token names a structural tag (as :func:`_resolve_tag_tokens` left it) still gives
+    as text: ``token`` elements, ``trigger_tokens``, ``exclude_tokens`` and token-dispatch
+    rules naming something that is not a special token of the vocabulary."""
+    try:
+        doc = json.loads(tag)
+    except ValueError:
+        return []
+    named: list[str] = []
+    for node, _ in tag_nodes(doc):
+        if node.get("type") == "token" and isinstance(node.get("token"), str):
+            named.append(node["token"])
+        for key in ("trigger_tokens", "exclude_tokens"):
+            if isinstance(node.get(key), list):
+                named.extend(t for t in node[key] if isinstance(t, str))
+        if node.get("type") == "token_dispatch" and isinstance(node.get("rules"), list):
+            named.extend(r[0] for r in node["rules"]
+                         if isinstance(r, list) and r and isinstance(r[0], str))
+    return named
 
 
 def _converted(convert: Callable[[], xgr.Grammar]) -> tuple[xgr.Grammar, list[str]]:
@@ -401,7 +414,9 @@ def _tag_schemas_prepared(tag: str, *, patterns: bool = True) -> str:
         schema = node.get("json_schema")
         if isinstance(schema, dict):
             text = json.dumps(schema)
-            prepared = xgrammar_schema(text, patterns=patterns)
+            # (an XML-style element's patterns and formats are refused by the policy; where
+            # they are compiled anyway, xgrammar reads them as written: the raw text's)
+            prepared = xgrammar_schema(text, patterns=patterns and not xml_style(node))
             if prepared != text:
                 node["json_schema"], changed = json.loads(prepared), True
         grammar = node.get("grammar")
@@ -1098,6 +1113,7 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
             elif gt is GuideType.STRUCTURAL_TAG:
                 prepared = _tag_schemas_prepared(guide)  # its schemas as JSON_SCHEMA guides'
                 tag, placed = _resolve_tag_tokens(ecma_tag(prepared), self._special_ids_by_name)
+                self._refuse_placing(tag, placed)
                 self._refuse_ignored_in_tag(tag)
                 if refuse:  # the JSON schemas a tag embeds: as JSON-schema guides
                     self._refuse_unenforced_in_tag(_tag_schemas_prepared(guide, patterns=False))
@@ -1119,6 +1135,36 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                            "'root ::= ...' rule, the llguidance backend takes Lark)")
             raise GrammarCompileError(detail, guide_type=gt.name, backend=BACKEND) from e
         return compiled, int(compiled.memory_size_bytes)
+
+    def _refuse_placing(self, tag: str, placed: frozenset[int]) -> None:
+        """Refuse a structural tag whose tokens xgrammar would not match as written: one named
+        by text that is no special token (xgrammar's structural tags hold no vocabulary to
+        look it up in: give its id), a stop token it places (xgrammar allows a stop token only
+        where the output ends, so a tag with text after it dead-ends there), or special tokens
+        placed next to an XML-style element (whose raw-text values would take a placed token's
+        spelling as text)."""
+        def refuse(detail: str) -> NoReturn:
+            raise UnsupportedGuideError(detail, guide_type=GuideType.STRUCTURAL_TAG.name,
+                                        backend=BACKEND)
+        named = _tokens_named_by_text(tag)
+        if named:
+            refuse(f"the tag names token {named[0]!r} by text, and it is no special token of "
+                    "this vocabulary: name an ordinary token by its id")
+        stops = sorted(placed & set(self.config.stop_token_ids or ()))
+        if stops:
+            refuse(f"the tag places stop token {stops[0]} by a token element: xgrammar allows "
+                    "a stop token only where the output ends, so a tag that places one is "
+                    "never completed; leave it out (the output ends with it)")
+        if placed:
+            try:
+                doc = json.loads(tag)
+            except ValueError:
+                return
+            for node, at in tag_nodes(doc):
+                if "json_schema" in node and xml_style(node):
+                    refuse(f"the tag places special tokens and has an XML-style element at "
+                            f"{at or '/'}, whose raw-text values would take a placed token "
+                            "as text")
 
     @staticmethod
     def _compile_grammar(compiler: xgr.GrammarCompiler, grammar: xgr.Grammar,
