@@ -317,6 +317,11 @@ BAD_ARGS = {
     "token_mask_device": (_args(token_mask=torch.ones(2, dtype=torch.int32, device="meta")),
                           "token_mask"),
     "d2t_device": (_args(d2t=torch.zeros(100, dtype=torch.int32, device="meta")), "d2t"),
+    "float_offset": (_args(col_offset=1.5), "col_offset"),
+    "bool_offset": (_args(col_offset=True), "col_offset"),
+    "none_offset": (_args(col_offset=None), "col_offset"),
+    "list_token_mask": (_args(token_mask=[1, 1]), "token_mask"),
+    "list_d2t": (_args(d2t=[0] * 100), "d2t"),
 }
 
 

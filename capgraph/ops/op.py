@@ -88,6 +88,15 @@ def logits_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     Raises:
         TensorArgError: naming the argument and the values received.
     """
+    for name, value in (("logits", logits), ("bitmask", bitmask)):
+        if not isinstance(value, torch.Tensor):
+            raise _fail(name, f"must be a tensor, got {type(value).__name__}")
+    for name, value in (("token_mask", token_mask), ("d2t", d2t)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise _fail(name, f"must be a tensor or None, got {type(value).__name__}")
+    if isinstance(col_offset, bool) or not isinstance(col_offset, (int, np.integer)):
+        raise _fail("col_offset", f"must be an int, got {col_offset!r}")
+    col_offset = int(col_offset)
     if indices is not None and not isinstance(indices, torch.Tensor):
         indices = _indices_tensor(indices, logits.device)
     if logits.dim() == 1:
