@@ -230,6 +230,14 @@ PROBES: list[Probe] = [
        -1, 1),
     _p("$ref", "next to a sibling", {"$ref": "#/$defs/a", "$defs": {"a": _INT}, "minimum": 0},
        -1, 1),
+    _p("allOf", "of two $refs to objects listing other properties",
+       {"allOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}], "$defs": {
+           "A": {"type": "object", "properties": {"a": _INT}},
+           "B": {"type": "object", "properties": {"b": {"type": "string"}}}}},
+       {"a": "x"}, {"a": 1, "b": "x"}),
+    _p("anyOf", "branch listing fewer properties than its parent",
+       {"type": "object", "properties": {"a": _INT, "b": {"type": "string"}},
+        "anyOf": [{"properties": {"a": {"minimum": 0}}}]}, {"a": -1}, {"a": 1, "b": "x"}),
     _p("$ref", "percent-encoded", {"$ref": "#/x/a%20b", "x": {
         "a b": {"type": "array", "items": _INT, "uniqueItems": True}, "a%20b": {}}},
        [1, 1], [1, 2]),

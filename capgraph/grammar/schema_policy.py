@@ -644,6 +644,52 @@ def _names_spelled_once(node: _Node) -> str | None:
     return None
 
 
+def _closed_beside_listed(node: _Node) -> str | None:
+    """llguidance intersects a schema with its ``allOf`` branches, each ``anyOf`` /
+    ``oneOf`` branch and a ``$ref``'s target, and :func:`~capgraph.grammar.semantics.
+    llguidance_schema` closes every object schema that describes the instance (its
+    ``additionalProperties: false``): where one closed schema of such a combination does not
+    list a property another one lists, that property can never be written (``allOf`` of two
+    ``$ref``s to closed objects with ``a`` and ``b`` allowed only ``{}``). Reported rather
+    than served narrower than written."""
+    from .semantics import llguidance_closes_properties
+    described = node.described
+    if described is None:
+        return None
+    value = node.value
+    if node.keyword == "$ref":
+        others = [_resolve(node.root, value)] if isinstance(value, str) else []
+    else:
+        others = list(value) if isinstance(value, list) else []
+    resolved = []
+    for branch in others:
+        seen: set[int] = set()
+        while isinstance(branch, dict) and isinstance(branch.get("$ref"), str) \
+                and id(branch) not in seen and len(branch) == 1:
+            seen.add(id(branch))
+            branch = _resolve(node.root, branch["$ref"])
+        if isinstance(branch, dict):
+            resolved.append(branch)
+    groups = [[node.schema, *resolved]] if node.keyword in ("allOf", "$ref") else \
+        [[node.schema, b] for b in resolved]
+    for group in groups:
+        for closed in group:
+            if not (isinstance(closed, dict) and llguidance_closes_properties(closed, described)
+                    and "patternProperties" not in closed):
+                continue
+            listed = closed.get("properties", {})
+            for other in group:
+                names = other.get("properties") if other is not closed else None
+                if isinstance(names, dict) and isinstance(listed, dict):
+                    missing = sorted(set(names) - set(listed))
+                    if missing:
+                        return (f"llguidance closes a schema combined here (its unlisted "
+                                f"properties absent) that does not list {missing[0]!r}, "
+                                "which another schema of the combination lists: it could "
+                                "never be written")
+    return None
+
+
 def _patterns_without_additional(node: _Node) -> str | None:
     """xgrammar writes an additional name next to pattern-matched ones as any string: it
     neither leaves out the listed names nor the names the patterns match."""
@@ -746,9 +792,10 @@ LLGUIDANCE: dict[str, Rule] = {
     "patternProperties": _names_spelled_once,
     "minProperties": _all(_all_properties_required, _counts_names_once),
     "maxProperties": _all_properties_required,
-    "allOf": _ok, "anyOf": _ok,
-    "oneOf": _ok,  # llguidance refuses branches it cannot prove disjoint
-    "$ref": _local_ref,
+    "allOf": _closed_beside_listed, "anyOf": _closed_beside_listed,
+    # (llguidance refuses oneOf branches it cannot prove disjoint)
+    "oneOf": _closed_beside_listed,
+    "$ref": _all(_local_ref, _closed_beside_listed),
     "$id": _root_only, "id": _root_only,
     "$defs": _ok, "definitions": _ok,
 }
