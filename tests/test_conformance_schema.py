@@ -269,6 +269,16 @@ def test_policy_findings_xgrammar(schema, expected):
     ({"type": "object", "properties": {"a": {}}, "additionalProperties": False}, []),
     ({"type": "object", "properties": {"a": {}}}, []),
     ({"type": "object", "additionalProperties": {"type": "integer"}}, []),
+    # a closed schema combined with one listing a property it does not: never written
+    ({"allOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}], "$defs": {
+        "A": {"type": "object", "properties": {"a": {"type": "integer"}}},
+        "B": {"type": "object", "properties": {"b": {"type": "string"}}}}}, [("allOf", "")]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+      "anyOf": [{"properties": {"a": {"minimum": 0}}}]}, [("anyOf", "")]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "anyOf": [{"required": ["a"]}, {"properties": {"a": {"minimum": 0}}}]}, []),
+    ({"anyOf": [{"type": "object", "properties": {"a": {"const": 1}, "x": {}}},
+                {"type": "object", "properties": {"a": {"const": 2}, "y": {}}}]}, []),
 ])
 def test_policy_findings_llguidance(schema, expected):
     """The llguidance allow-list: listed names next to additional ones (a listed name spelled
