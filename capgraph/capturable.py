@@ -294,6 +294,14 @@ class CapturableGuidedDecoder(GuidedDecoder):
         """
         if new_tokens is not None:
             self._check_new_tokens(new_tokens)
+            draft_len = self.max_num_draft_tokens if runtime_draft_len is None else \
+                self._checked_draft_len(runtime_draft_len)
+            rows = (new_tokens.squeeze(-1) if new_tokens.dim() == 3 else new_tokens).shape[0]
+            if rows < 1 + draft_len:
+                raise TensorArgError(
+                    f"new_tokens has {rows} position rows; this step reads 1 + "
+                    f"runtime_draft_len = {1 + draft_len} (the new token and each draft), and "
+                    "rows it does not give would hold an earlier step's tokens")
         if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
             raise LayoutError(f"requests must be a sequence of GuidedRequest, got "
                               f"{type(requests).__name__}")

@@ -498,3 +498,21 @@ def test_prepare_records_the_tokens_event_inside_a_capture_once(factory_cache, c
     finally:
         capt._streams = original
         capt.close()
+
+
+@pytest.mark.parametrize("rows, draft_len", [(0, 0), (1, 2), (2, 3)])
+def test_new_tokens_short_of_the_steps_positions_are_refused(factory, tekken, rows, draft_len):
+    """new_tokens with fewer position rows than 1 + runtime_draft_len (zero rows included)
+    was accepted, and the step read the earlier step's tokens left in the buffer; it is a
+    TensorArgError at add_batch, before anything is queued."""
+    from capgraph.errors import TensorArgError
+    params = GuidedDecodingParams.regex("[a-c]{3}x")
+    dec = CapturableGuidedDecoder(factory.config, 1, 3, factory=factory)
+    dec.add_batch([GuidedRequest.context(1, 0, params)], runtime_draft_len=0)
+    dec.execute(torch.zeros(1, factory.config.vocab_size_padded))
+    a = encode_continuation(tekken, "a")[0]
+    with pytest.raises(TensorArgError, match="position rows"):
+        dec.add_batch([GuidedRequest.generation(1, 0, params, None, prev_seq_slot=0)],
+                      torch.full((rows, 1), a, dtype=torch.int32), runtime_draft_len=draft_len)
+    assert dec.num_advanced_tokens[0] == 0 and len(dec._queue) == 0
+    dec.close()
