@@ -23,9 +23,10 @@
   with ``"syntax": "lark"`` on xgrammar) means what llguidance reads: its regex literals in
   Rust's syntax, with Unicode ``\\d`` / ``\\w`` / ``\\s`` and Unicode case folding under the
   ``i`` flag (Python's ``re``, which the ``lark`` package uses, agrees on these). xgrammar reads
-  the shorthands as ASCII and folds ASCII letters only, which is narrower except where a
-  negation turns it wider: a regex literal in which it would be (:func:`xgrammar_wider`) is
-  refused on xgrammar.
+  ``\\d`` and ``\\w`` as ASCII, ``\\s`` as ECMA's (which takes U+FEFF), classes and
+  escapes as ECMA's, and folds ASCII letters only: a regex literal it would read wider or
+  otherwise (a negated shorthand, a positive ``\\s``, a nested or POSIX class, a set
+  operation, a surrogate escape: :func:`xgrammar_wider`) is refused on xgrammar.
 - Properties and items a JSON schema does not list are absent where it lists some (xgrammar's
   strict reading); llguidance is given those defaults written out (:func:`llguidance_schema`).
   Where an array or object schema lists none, any are allowed, as JSON Schema has it; xgrammar
@@ -669,6 +670,10 @@ def _case_sensitive_in(lo: str, hi: str) -> str | None:
     return chr(points[k]) if k < len(points) and points[k] <= ord(hi) else None
 
 
+_SURROGATE_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*(\\u[dD][89a-fA-F][0-9a-fA-F]{2})")
+_ESCAPED_PAIR = re.compile(r"\\.", re.DOTALL)
+
+
 def xgrammar_wider(pattern: str, nocase: bool) -> str | None:
     """Where xgrammar would read the Lark regex ``pattern`` (``nocase``: with the ``i`` flag)
     wider than Lark does (llguidance's Rust ``regex``, and Python's ``re`` alike), a
@@ -679,15 +684,35 @@ def xgrammar_wider(pattern: str, nocase: bool) -> str | None:
     ``\\s``, take non-ASCII digits, letters or spaces the Lark grammar excludes. It folds case
     for ASCII letters only, so with ``i`` a negated class holding a character with a non-ASCII
     case variant lets the variant through (``[^kσ]``: ``Σ``, ``ς``, U+212A KELVIN SIGN).
-    Positive classes and shorthands are only narrower. An escape this reader does not know
-    (``\\p{..}``) inside a negated class counts as such a construct."""
+    Positive ``\\d`` and ``\\w`` are only narrower; a positive ``\\s`` is ECMA's, which
+    takes U+FEFF (no White_Space character). An escape this reader does not know
+    (``\\p{..}``) inside a negated class counts as such a construct. Beyond width: a class
+    that nests a class or a POSIX class (``[[:digit:]]``) or uses Rust's set operations
+    (``&&``, ``--``, ``~~``) means another set on xgrammar's ECMA reading (``[[:digit:]]+``
+    took ``d]``), and a surrogate escape (``\\ud83d``), which Rust does not read, compiles
+    on xgrammar to bytes that are not UTF-8."""
+    surrogate = _SURROGATE_ESCAPE.search(pattern)
+    if surrogate:
+        return (f"the surrogate escape {surrogate.group(1)!r} at position {surrogate.start(1)} "
+                "(Lark's regexes read no surrogates; xgrammar would write bytes that are not "
+                "UTF-8): write the character itself or \\u{...}")
     for part in regex_parts(pattern):
         if isinstance(part, OutsideEscape):
             if part.letter in ("D", "W", "S"):
                 return (f"'\\{part.letter}' at position {part.position} (xgrammar's \\d, \\w "
                         "and \\s are ASCII, so it would take the non-ASCII ones)")
+            if part.letter == "s":
+                return (f"'\\s' at position {part.position} (xgrammar's \\s is ECMA's, which "
+                        "takes U+FEFF; write the whitespace out, e.g. [ \\t\\n\\r])")
             continue
         where = f"the {'negated ' if part.negated else ''}class {part.text!r}"
+        inner = _ESCAPED_PAIR.sub("", part.text[2 if part.negated else 1:-1])
+        if "[" in inner or any(op in inner for op in ("&&", "--", "~~")):
+            return (f"{where} nests a class or uses a set operation, which Lark's regexes "
+                    "(Rust's) read and xgrammar's (ECMA's) read as other characters")
+        if not part.negated and "s" in part.escapes:
+            return (f"{where} holds '\\s' (xgrammar's \\s is ECMA's, which takes U+FEFF; "
+                    "write the whitespace out)")
         shorthand = next((e for e in part.escapes
                           if e in _CLASS_SHORTHANDS and e.isupper() != part.negated), None)
         if shorthand:
