@@ -301,6 +301,7 @@ void Builder::RunOne(const ObjectRef& m, int64_t token, int64_t offset, int64_t 
   int32_t status = kOk;
   int32_t accepted = 0, guided = 0;
   bool terminated = false;
+  bool ended = false;  // its new token ended the grammar: done, never over budget (as Python)
   try {
     bool go = true;
     if (token >= 0) {
@@ -310,6 +311,7 @@ void Builder::RunOne(const ObjectRef& m, int64_t token, int64_t offset, int64_t 
       } else {
         ++accepted;
         go = !terminated;
+        ended = terminated;
       }
     }
     for (int64_t i = 0; go; ++i) {
@@ -339,7 +341,7 @@ void Builder::RunOne(const ObjectRef& m, int64_t token, int64_t offset, int64_t 
     *error = std::string("RuntimeError: ") + e.what();
   }
   double ms = 0;
-  if (clock != nullptr && OverBudget(clock, &ms) && status == kOk) {
+  if (clock != nullptr && OverBudget(clock, &ms) && status == kOk && !ended) {
     for (int64_t r = offset; r < offset + guided; ++r) mask[r] = 0;  // (the guided rows)
     status = kOverBudget;
     accepted = guided = 0;
@@ -367,6 +369,7 @@ int32_t* Builder::BeginStep(int64_t clear_rows) {
 
 void Builder::RunEntries(int64_t n, const int32_t* out3, bool parallel,
                          const void* context, EntryFn entry) {
+  std::lock_guard<std::mutex> hold(pool_mu_);
   last_start_ns = NowNs();
   if (static_cast<int64_t>(entry_errors_.size()) < n) entry_errors_.resize(n);
   std::string* step_errors = entry_errors_.data();
@@ -426,14 +429,20 @@ void Builder::SetFill(int64_t threads, int64_t min_requests, bool adaptive) {
                               << kMaxFillThreads << ") or pool_min_requests " << min_requests
                               << " (expected >= 1)";
   }
+  std::lock_guard<std::mutex> hold(pool_mu_);
   fill_threads = threads;
   pool_min_requests = min_requests;
   choice = FillChoice();
   choice.adaptive = adaptive;
-  if (pool_ != nullptr && pool_->size() > threads - 1) ClosePool();
+  if (pool_ != nullptr && pool_->size() > threads - 1) ClosePoolLocked();
 }
 
 void Builder::ClosePool() {
+  std::lock_guard<std::mutex> hold(pool_mu_);
+  ClosePoolLocked();
+}
+
+void Builder::ClosePoolLocked() {
   if (pool_ == nullptr) return;
   if (pool_->pid() != getpid()) {
     (void)pool_.release();  // a forked child: the parent's threads are not here to join

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -231,6 +232,10 @@ struct Builder {
 
  private:
   std::unique_ptr<FillPool> pool_;  // started by the first parallel step
+  // held by a step for its run and by ClosePool / SetFill: the pool is never ended under a
+  // step that runs on it (a caller's close waits for the step)
+  std::mutex pool_mu_;
+  void ClosePoolLocked();
   std::vector<std::string> entry_errors_;  // per request of the step being run
   std::vector<int64_t> draft_starts_;  // Step: where request k's drafts start
 

@@ -340,3 +340,37 @@ def test_a_fault_after_a_filled_row_leaves_all_its_rows_unmasked(tiny, build, ki
     assert all(_allowed(logits[r]) == [0, 1, 2] for r in range(3))
     assert all(_allowed(logits[r]) == list(range(V)) for r in range(3, 6))
     dec.close()
+
+
+@pytest.mark.skipif(bool(native_reason), reason=f"the native build: {native_reason}")
+@pytest.mark.parametrize("budget_ms", [1e-7, 1e-4])
+def test_native_budget_outcomes_equal_the_python_builds(budget_ms):
+    """A request whose new token is the stop token that ends its grammar is done, never over
+    the budget (the native build failed it, dropping a finished matcher, where its last
+    accept was slow); and a budget under a nanosecond is still a budget (the native build
+    rounded it to none): each build fails exactly the request that takes 'b' and fills."""
+    guide = GuidedDecodingParams.ebnf('root ::= "a" "b"?')
+    factory = create_matcher_factory(GuidedDecodingConfig(
+        encoded_vocab=["a", "b", "</s>"], stop_token_ids=[2], vocab_size_padded=64,
+        native_build="on", host_step_budget_ms=None))
+    try:
+        for build in ("python", "native"):
+            dec = GuidedDecoder(factory.config, 2, 0, factory=factory, host_build=build)
+            dec.add_batch([GuidedRequest.context(1, 0, guide), GuidedRequest.context(2, 1, guide)])
+            dec.build()
+            dec.add_batch([GuidedRequest.generation(1, 0, guide, 0),
+                           GuidedRequest.generation(2, 1, guide, 0)])
+            dec.build()
+            # the budget from this step on (host_step_budget_ms would time the context step's
+            # matcher creation too)
+            dec.host_build.budget_ms, dec.host_build._budget_s = budget_ms, budget_ms / 1e3
+            if build == "native":
+                dec.host_build.builder.set_budget_ms(budget_ms)
+            dec.add_batch([GuidedRequest.generation(1, 0, guide, 2),
+                           GuidedRequest.generation(2, 1, guide, 1)])
+            failed = dec.build()
+            assert [rid for rid, _ in failed] == [2], (build, failed)
+            assert "BudgetExceededError" in failed[0][1]
+            dec.close()
+    finally:
+        factory.close()

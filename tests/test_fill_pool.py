@@ -659,3 +659,48 @@ def test_bench_fill_threads_tool_measures_and_writes_json(tmp_path, capsys):
             assert 0 <= row[f"{name}_pool_share"] <= 1
         assert row["t1_pool_share"] == 0
     assert data["rows"][0]["t2_pool_share"] == 0  # (one request: nothing to split)
+
+
+def test_closing_the_pool_while_a_step_runs_on_it_waits_for_the_step():
+    """NativeBuilder.close() (and a change of its fill threads) from another thread while
+    steps run on the pool ended the pool's threads and freed it under the running step,
+    which then hung (or read freed memory); the close now waits for the step, and the
+    steps go on, starting a new pool."""
+    factory = create_matcher_factory(GuidedDecodingConfig(
+        encoded_vocab=["a", "b", "</s>"], stop_token_ids=[2], vocab_size_padded=64,
+        native_build="on", native_fill_threads=4))
+    guide = GuidedDecodingParams(GuideType.EBNF_GRAMMAR, 'root ::= ("a" | "b")+')
+    slots = 128
+    dec = GuidedDecoder(factory.config, slots, 0, factory=factory, host_build="native")
+    builder = dec.host_build.builder
+    builder.set_fill_threads(4, 1, adaptive=False)
+    dec.add_batch([GuidedRequest.context(s, s, guide) for s in range(slots)])
+    dec.build()
+    stop, steps, errors = threading.Event(), [0], []
+
+    def engine() -> None:
+        try:
+            while not stop.is_set():
+                dec.add_batch([GuidedRequest.generation(s, s, guide, 0) for s in range(slots)])
+                assert dec.build() == []
+                steps[0] += 1
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=engine, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 1.5
+    k = 0
+    while time.monotonic() < deadline:
+        if k % 2:
+            builder.close()
+        else:
+            builder.set_fill_threads(2 + k % 3, 1, adaptive=False)
+        k += 1
+        time.sleep(0.0005)
+    stop.set()
+    thread.join(20)
+    assert not thread.is_alive(), "a step hung after its pool was closed under it"
+    assert errors == [] and steps[0] > 0
+    dec.close()
+    factory.close()

@@ -251,6 +251,9 @@ class NativeBuilder:
         # the fill threads run the matcher methods, which a test may hand in as Python
         # callables: they need the GIL, so the step must not hold it (tvm-ffi's default)
         self.step.release_gil = True
+        # closing the pool or changing its threads waits for a step that runs on them (whose
+        # fill threads may need the GIL): neither holds it while it waits
+        self._close_pool.release_gil = self._set_fill.release_gil = True
         self._keep = (bitmask, token_mask)  # the C++ side views their memory
         self.fill_threads, self.pool_min_requests, self.adaptive = 1, 1, True
 
@@ -293,8 +296,8 @@ class NativeBuilder:
         return StepThreads(threads, pooled, start_ns, end_ns)
 
     def close(self) -> None:
-        """End the fill threads (parked between steps: at once); a later step that uses the
-        pool starts new ones."""
+        """End the fill threads (parked between steps: at once; a step running on them is
+        waited for); a later step that uses the pool starts new ones."""
         self._close_pool()
 
     def errors(self) -> list[str]:
@@ -308,7 +311,7 @@ class NativeBuilder:
         (from the end of the previous request on the same thread to its own), ends with
         :data:`STATUS_OVER_BUDGET` where the thread's CPU time agrees (a thread preempted, at
         nice 19 behind busier ones, or waiting for the GIL spends wall time, not the budget)."""
-        self._set_budget(int(round((budget_ms or 0) * 1e6)))
+        self._set_budget(max(1, round(budget_ms * 1e6)) if budget_ms else 0)
 
     def bind_fast(self, handles: list, draft_terminated: list, advanced: list, guided: list,
                   vocab_size: int, max_num_draft_tokens: int) -> FastPath | None:
