@@ -88,12 +88,12 @@ def logits_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     Raises:
         TensorArgError: naming the argument and the values received.
     """
-    for name, value in (("logits", logits), ("bitmask", bitmask)):
-        if not isinstance(value, torch.Tensor):
-            raise _fail(name, f"must be a tensor, got {type(value).__name__}")
-    for name, value in (("token_mask", token_mask), ("d2t", d2t)):
-        if value is not None and not isinstance(value, torch.Tensor):
-            raise _fail(name, f"must be a tensor or None, got {type(value).__name__}")
+    for name, given in (("logits", logits), ("bitmask", bitmask)):
+        if not isinstance(given, torch.Tensor):
+            raise _fail(name, f"must be a tensor, got {type(given).__name__}")
+    for name, optional in (("token_mask", token_mask), ("d2t", d2t)):
+        if optional is not None and not isinstance(optional, torch.Tensor):
+            raise _fail(name, f"must be a tensor or None, got {type(optional).__name__}")
     if isinstance(col_offset, bool) or not isinstance(col_offset, (int, np.integer)):
         raise _fail("col_offset", f"must be an int, got {col_offset!r}")
     col_offset = int(col_offset)
