@@ -172,6 +172,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
     returns None. It is built on the base class's protected interface only.
     """
 
+    #: hostfunc keeps the errors of this decoder's callbacks as its own: its execute and
+    #: rollbacks raise those (and ownerless ones), never another decoder's
+    __hostfunc_owner__ = True
+
     def __init__(self, *args, host_node: HostNodeChoice = "auto", **kwargs) -> None:
         super().__init__(*args, **kwargs)
         S, D = self.max_num_sequences, self.max_num_draft_tokens
@@ -592,14 +596,14 @@ class CapturableGuidedDecoder(GuidedDecoder):
             # and apply here, rather than hand the apply to another worker thread and drain it
             self._sync_side()
             self.apply_bitmask(logits, d2t, rows)
-            hostfunc.check_errors()
+            hostfunc.check_errors(owner=self)
             return
         streams.wait_bitmask()
         if self.device.type == "cuda":
             self.apply_bitmask(logits, d2t, rows)
         else:  # recorded into the HostGraph, so every replay applies
             self.apply_hostfunc(logits, d2t, rows)
-        streams.drain()
+        streams.drain(self)
 
     def _sync_side(self) -> None:
         self._streams.bitmask_event.synchronize()  # type: ignore[attr-defined]
@@ -834,10 +838,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._streams.record_bitmask()  # capture needs every fork joined
         if self.device.type == "cpu" and not self._streams.is_capturing():
             self._sync_side()
-            hostfunc.check_errors()
+            hostfunc.check_errors(owner=self)
             return
         self._streams.wait_bitmask()
-        self._streams.drain()
+        self._streams.drain(self)
 
     # -- callbacks (run on the side stream) --------------------------------------------------
     # Each stage below is a host callback of its own; a step enqueues them fused (one hand-off
@@ -1230,12 +1234,13 @@ class CapturableGuidedDecoder(GuidedDecoder):
                     self._drop_slots(put.batch)
             self.requests_hostfunc = None
             self._fetched_epoch = max(self._fetched_epoch, epoch)
-            hostfunc.record_error("CapturableGuidedDecoder.host_node", QueueEpochError(error))
+            hostfunc.record_error("CapturableGuidedDecoder.host_node", QueueEpochError(error),
+                                  owner=self)
             return
         if not queue or queue[0].epoch != epoch:
             hostfunc.record_error("CapturableGuidedDecoder.host_node", QueueEpochError(
                 f"the host node ran epoch {epoch}, which is not the oldest batch queued "
-                f"({[p.epoch for p in queue]})"))
+                f"({[p.epoch for p in queue]})"), owner=self)
             return
         put = queue.popleft()
         batch = put.batch
@@ -1326,7 +1331,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             if batch is None:  # (a rollback is always read before its batch is forgotten)
                 hostfunc.record_error("CapturableGuidedDecoder.host_rollback", QueueEpochError(
                     f"a rollback of epoch {epoch} failed a request ({text}) whose batch is "
-                    "no longer known"))
+                    "no longer known"), owner=self)
                 continue
             req, drop = batch.requests[index], index not in stale
             if kind == 1:
@@ -1363,7 +1368,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             with self._inside_node():
                 CapturableGuidedDecoder.host_step.__wrapped__(self, False)
         except BaseException as e:  # noqa: BLE001 - nothing may escape into the node
-            hostfunc.record_error("CapturableGuidedDecoder.host_step", e)
+            hostfunc.record_error("CapturableGuidedDecoder.host_step", e, owner=self)
 
     def _run_python_draft(self, first: bool, last: bool) -> None:
         """A Python draft step of the native node (under the GIL, on the node's thread; the
@@ -1373,7 +1378,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 CapturableGuidedDecoder.draft_host_step.__wrapped__(self, 0 if first else 1,
                                                                     first, last)
         except BaseException as e:  # noqa: BLE001 - nothing may escape into the node
-            hostfunc.record_error("CapturableGuidedDecoder.draft_host_step", e)
+            hostfunc.record_error("CapturableGuidedDecoder.draft_host_step", e, owner=self)
 
     def _run_python_rollback(self) -> None:
         """The node's Python rollback (under the GIL, on the node's thread): the Python
@@ -1381,7 +1386,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         try:
             CapturableGuidedDecoder.accepted_host_step.__wrapped__(self, False)
         except BaseException as e:  # noqa: BLE001 - nothing may escape into the node
-            hostfunc.record_error("CapturableGuidedDecoder.accepted_host_step", e)
+            hostfunc.record_error("CapturableGuidedDecoder.accepted_host_step", e, owner=self)
 
 
 def _python_draft(decoder: CapturableGuidedDecoder) -> Callable[[bool, bool], None]:

@@ -42,10 +42,11 @@ class StepStreams:
         """True while hostfunc records into a graph on the calling thread's stream."""
         return hostfunc.is_capturing()
 
-    def drain(self) -> None:
+    def drain(self, owner: object = None) -> None:
         """Wait (GIL released) until every host callback enqueued so far has run, then re-raise
-        a callback error; a no-op wait while capturing."""
-        hostfunc.drain()
+        a callback error (``owner``: only its own and those of no owner); a no-op wait while
+        capturing."""
+        hostfunc.drain(owner=owner)
 
 
 class CudaStepStreams(StepStreams):
@@ -74,13 +75,13 @@ class CudaStepStreams(StepStreams):
         """True while torch captures a CUDA graph on the current stream."""
         return torch.cuda.is_current_stream_capturing()
 
-    def drain(self) -> None:
+    def drain(self, owner: object = None) -> None:
         # bitmask_event is recorded after every callback the decoder enqueues; waiting on it
         # releases the GIL, so a pending callback can take it (else: the host node waits for
         # the GIL this thread holds while it waits for the host node).
         if not self.is_capturing():
             self.bitmask_event.synchronize()
-        hostfunc.check_errors()
+        hostfunc.check_errors(owner=owner)
 
 
 class HostStepStreams(StepStreams):

@@ -88,7 +88,7 @@ def launch_native(fn: int, user_data: int, *, retain: int | None = None,
     launch_call(call)
 
 
-def drain(timeout: float | None = None) -> None:
+def drain(timeout: float | None = None, owner: object = None) -> None:
     """Wait until every callback enqueued so far has run, then re-raise the first callback error.
 
     On CUDA this synchronizes the current stream and every stream launched on since the last
@@ -98,6 +98,7 @@ def drain(timeout: float | None = None) -> None:
 
     Args:
         timeout: seconds to wait at most; ``None`` waits as long as it takes.
+        owner: raise only the errors of this owner and of none (see :func:`check_errors`).
 
     Raises:
         HostFuncError: a callback raised (``.fn_name``, ``.traceback``, ``__cause__``).
@@ -107,22 +108,27 @@ def drain(timeout: float | None = None) -> None:
     active_backend().wait_all(timeout)
     _run_drain_hooks()
     REGISTRY.collect()
-    REGISTRY.raise_pending()
+    REGISTRY.raise_pending(owner)
 
 
 synchronize = drain
 """Alias of :func:`drain`, spelled like ``torch.cuda.synchronize``."""
 
 
-def check_errors() -> None:
+def check_errors(owner: object = None) -> None:
     """Re-raise the first callback error seen so far without waiting for anything.
+
+    Args:
+        owner: only the errors of this owner's callbacks (a method of a class that sets
+            ``__hostfunc_owner__ = True``, or recorded with this ``owner``) and those of no
+            owner; other owners' errors stay kept for their own check or the next drain.
 
     Raises:
         HostFuncError: a callback raised since the last drain or check.
     """
     _run_drain_hooks()
     REGISTRY.collect()
-    REGISTRY.raise_pending()
+    REGISTRY.raise_pending(owner)
 
 
 #: what add_drain_hook registered, in order
@@ -146,11 +152,11 @@ def remove_drain_hook(hook: Callable[[], None]) -> None:
         pass
 
 
-def record_error(fn_name: str, error: BaseException) -> None:
+def record_error(fn_name: str, error: BaseException, owner: object = None) -> None:
     """Keep ``error`` for the next :func:`drain` / :func:`check_errors`, as if the callback
     ``fn_name`` had raised it (re-raised as :class:`HostFuncError` with ``error`` as its
     cause)."""
-    REGISTRY.record_error(fn_name, error)
+    REGISTRY.record_error(fn_name, error, owner)
 
 
 def _run_drain_hooks() -> None:

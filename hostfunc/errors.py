@@ -35,8 +35,11 @@ class HostFuncError(HostFuncBaseError):
     been taken, so that a kept error does not keep the callback's arguments (tensors) alive.
     """
 
-    def __init__(self, fn_name: str, cause: BaseException) -> None:
+    def __init__(self, fn_name: str, cause: BaseException, owner: object = None) -> None:
         self.fn_name = fn_name
+        #: the object whose callback raised (a class that sets ``__hostfunc_owner__``, as
+        #: the first argument of its method), or None; see :func:`hostfunc.check_errors`
+        self.owner = owner
         self.traceback = "".join(
             _traceback.format_exception(type(cause), cause, cause.__traceback__))
         self.later_errors: tuple[HostFuncError, ...] = ()

@@ -95,7 +95,9 @@ class Registry:
         except BaseException as exc:  # noqa: BLE001 — a callback must never let one escape
             if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
                 exc = exc.with_traceback(exc.__traceback__.tb_next)  # start at the callback
-            self.record_error(name or callable_name(fn), exc)
+            owner = args[0] if args and getattr(type(args[0]), "__hostfunc_owner__", False) \
+                else None
+            self.record_error(name or callable_name(fn), exc, owner)
 
     def defer_release(self, key: int) -> None:
         """Queue ``key`` for release by the next :meth:`collect`; safe from any thread."""
@@ -129,18 +131,24 @@ class Registry:
         with self._lock:
             return len(self._entries)
 
-    def record_error(self, fn_name: str, exc: BaseException) -> None:
+    def record_error(self, fn_name: str, exc: BaseException, owner: object = None) -> None:
         """Keep a callback's exception for the next drain; safe from any thread."""
-        error = HostFuncError(fn_name, exc)
+        error = HostFuncError(fn_name, exc, owner)
         with self._lock:
             self._errors.append(error)
 
-    def raise_pending(self) -> None:
-        """Raise the oldest kept callback error (the others ride along in ``later_errors``)."""
+    def raise_pending(self, owner: object = None) -> None:
+        """Raise the oldest kept callback error (the others ride along in ``later_errors``);
+        with ``owner``, only those of that owner or of none (another owner's stay kept)."""
         if not self._errors:  # (every check comes here; an error appended meanwhile waits)
             return
         with self._lock:
-            errors, self._errors = self._errors, []
+            if owner is None:
+                errors, self._errors = self._errors, []
+            else:
+                errors = [e for e in self._errors if e.owner is None or e.owner is owner]
+                self._errors = [e for e in self._errors
+                                if not (e.owner is None or e.owner is owner)]
         if errors:
             first = errors[0]
             first.later_errors = tuple(errors[1:])

@@ -4,6 +4,7 @@ step, eagerly and under HostGraph capture/replay; epochs, failures and callback 
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -560,3 +561,35 @@ def test_batches_no_captured_graph_serves_are_refused(factory, tekken, host_node
         dec.add_batch([GuidedRequest.generation(1, 0, params, a)], runtime_draft_len=1)
     dec.add_batch([GuidedRequest.generation(1, 0, params, a)], runtime_draft_len=0)
     dec.close()
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+def test_a_decoders_callback_error_is_raised_by_it_not_by_another(factory, host_node):
+    """Decoder A's replay without its add_batch (a QueueEpochError in A's callback) was raised
+    by decoder B's execute, which had masked its own row fine, and A never saw it. B's
+    execute now raises only B's errors; A's error waits for A (or a global drain)."""
+    from capgraph.build import library
+    if host_node == "native" and library.unavailable_reason():
+        pytest.skip(f"the native host node does not build here: {library.unavailable_reason()}")
+    params = GuidedDecodingParams.regex("[a-c]{3}x")
+    V = factory.config.vocab_size_padded
+    a = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node=host_node)
+    b = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node=host_node)
+    a.add_batch([GuidedRequest.context(1, 0, params)])
+    graph, static = hostfunc.HostGraph(), torch.zeros(1, V)
+    with hostfunc.capture(graph):
+        a.execute(static)
+    a.add_batch([GuidedRequest.context(1, 0, params)])
+    graph.replay()
+    graph.replay()  # without its add_batch: A's callback raises
+    b.add_batch([GuidedRequest.context(7, 0, params)])
+    logits = torch.zeros(1, V)
+    a._sync_side()  # (A's replayed steps have run: its error is kept, or its node holds it)
+    b.execute(logits)
+    assert torch.isneginf(logits).any() and b.take_failed_requests() == []
+    from hostfunc.registry import REGISTRY
+    assert REGISTRY.pending_errors() == 1  # A's, kept
+    with pytest.raises(hostfunc.HostFuncError, match="QueueEpochError"):
+        hostfunc.drain()
+    a.close()
+    b.close()

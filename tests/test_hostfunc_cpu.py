@@ -521,3 +521,30 @@ def test_import_is_clean() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, cwd="/")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_check_errors_with_an_owner_leaves_other_owners_errors_kept():
+    """A method of a class marked __hostfunc_owner__ records its error under its object:
+    check_errors(owner=x) raises x's and ownerless errors only; another owner's stays kept
+    for its own check, and a plain drain raises everything."""
+    from hostfunc.registry import REGISTRY
+
+    class Owned:
+        __hostfunc_owner__ = True
+
+        @hostfunc.hostfunc
+        def fail(self, what: str) -> None:
+            raise ValueError(what)
+
+    a, b = Owned(), Owned()
+    a.fail("a's")
+    hostfunc.drain(owner=b)  # waits for the launch; its error is a's, not raised to b
+    assert REGISTRY.pending_errors() == 1
+    hostfunc.check_errors(owner=b)
+    with pytest.raises(hostfunc.HostFuncError, match="a's"):
+        hostfunc.check_errors(owner=a)
+    b.fail("b's")
+    hostfunc.record_error("ownerless", RuntimeError("nobody's"))
+    with pytest.raises(hostfunc.HostFuncError, match="b's|nobody's") as info:
+        hostfunc.drain()
+    assert len(info.value.later_errors) == 1
