@@ -4,7 +4,6 @@ step, eagerly and under HostGraph capture/replay; epochs, failures and callback 
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
