@@ -192,6 +192,17 @@ class RequestFields {
     return v;
   }
 
+  // As Read; where the read raised, *absent says whether it was an AttributeError (the
+  // object has no such field) rather than another error.
+  PyObject* Read(RecordField k, bool* absent) const {
+    const descrgetfunc get = exact_ ? st_->getters[k] : nullptr;
+    PyObject* v = get != nullptr ? get(st_->descriptors[k], request_, st_->request_type)
+                                 : PyObject_GetAttr(request_, st_->names[k]);
+    *absent = v == nullptr && PyErr_ExceptionMatches(PyExc_AttributeError);
+    if (v == nullptr) PyErr_Clear();
+    return v;
+  }
+
  private:
   const FastState* st_;
   PyObject* request_;
@@ -242,8 +253,11 @@ int BoolValue(PyObject* v) { return v == Py_True ? 1 : v == Py_False ? 0 : -1; }
 // Whether `request` carries a chain of drafts: draft_parents None, or no such attribute (an
 // object without the tree fields). A draft tree is built by the Python build.
 bool ChainRequest(const RequestFields& request) {
-  Ref parents(request.Read(RecordField::kDraftParents));
-  return !parents || parents.get() == Py_None;
+  // (no such field: a chain, as Python's getattr(req, "draft_parents", None); a read that
+  // raised otherwise is not the plain case: Python's checks name it)
+  bool absent = false;
+  Ref parents(request.Read(RecordField::kDraftParents, &absent));
+  return parents ? parents.get() == Py_None : absent;
 }
 
 // Read the batch into st->entries; false where some guided request is not the plain case.

@@ -336,3 +336,33 @@ def test_closing_the_native_strategy_finishes_a_build_in_flight(tiny):
         assert dec.num_advanced_tokens[0] == 1 and dec.num_guided_tokens[0] == 1
     finally:
         dec.close()
+
+
+class _TreeUnreadable(GuidedRequest):
+    """An engine's request type whose draft-tree field raises when read."""
+    __slots__ = ()
+
+    @property  # type: ignore[override]
+    def draft_parents(self):
+        raise RuntimeError("draft tree unavailable")
+
+    @draft_parents.setter
+    def draft_parents(self, value) -> None:
+        pass
+
+
+@needs_native
+@pytest.mark.parametrize("build", ["python", "native-loop", "native"])
+def test_a_request_whose_tree_field_raises_is_refused_by_every_build(tiny, build):
+    """A draft_parents that raises when read (not one that is absent) is refused at add_batch
+    by every build, as Python's getattr(req, "draft_parents", None) lets it through only when
+    the field is missing; the native admission read it as absent and advanced the matcher
+    three tokens as a chain."""
+    from capgraph.errors import LayoutError
+    dec = GuidedDecoder(tiny.config, 1, 2, factory=tiny, host_build=build)
+    dec.add_batch([GuidedRequest.context(1, 0, ALIVE)])
+    dec.build()
+    with pytest.raises(LayoutError, match="draft tree unavailable"):
+        dec.add_batch([_TreeUnreadable.generation(1, 0, ALIVE, A, draft_tokens=[B, A])])
+    assert dec.num_advanced_tokens[0] == 0
+    dec.close()
