@@ -207,10 +207,6 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._warmup = 0
         self._prepared = False
         self._tokens_recorded_in_capture = False  # record_tokens_ready() ran in this capture
-        # what captured graphs baked in: the most logits rows a captured step masks (0: none
-        # captured), and the draft lengths a captured drafting loop ends at
-        self._captured_rows = 0
-        self._captured_draft_lens: set[int] = set()
         self.active = False
         if self.device.type == "cpu":  # on CUDA the base class made the torch streams
             # with the C++ build's own thread, no Python thread runs beside a CPU forward
@@ -294,16 +290,13 @@ class CapturableGuidedDecoder(GuidedDecoder):
         its failure), a ``draft_tokens`` tuple, tensor or array becomes a list of ints.
 
         Raises:
-            LayoutError: as for :meth:`GuidedDecoder.add_batch`, or a batch no captured
-                graph serves as captured (more bitmask rows than any captured step's
-                logits, a draft length no captured drafting loop ends at); nothing is queued.
+            LayoutError: as for :meth:`GuidedDecoder.add_batch`; nothing is queued.
             TensorArgError: ``new_tokens`` is not an integer tensor of the shape above, or
                 has fewer position rows than ``1 + runtime_draft_len``.
             QueueEpochError: :data:`MAX_QUEUED_BATCHES` batches are queued already that no
                 step has fetched (each ``add_batch`` without its replay); nothing is queued.
             DecoderClosedError: the decoder was closed; nothing is read or changed.
         """
-        self._check_against_captures(requests, runtime_draft_len)
         if new_tokens is not None:
             self._check_new_tokens(new_tokens)
             draft_len = self.max_num_draft_tokens if runtime_draft_len is None else \
@@ -343,34 +336,6 @@ class CapturableGuidedDecoder(GuidedDecoder):
             next(batch.valid_requests(), None) is not None  # type: ignore[union-attr]
         if not self._streams.is_capturing():
             self._streams.record_tokens()  # orders the callbacks after the token copy
-
-    def _check_against_captures(self, requests: object, runtime_draft_len: object) -> None:
-        """Refuse a batch no captured graph can serve as it was captured: more bitmask rows
-        than the logits of every captured step (a replay masked only the captured rows while
-        every row's matcher advanced), or, where drafting loops were captured, a runtime
-        draft length none of them ends at (a loop's last step rolls its draft advances back
-        at the length it was captured with)."""
-        if not (self._captured_rows or self._captured_draft_lens) \
-                or isinstance(requests, (str, bytes)) or not hasattr(requests, "__iter__"):
-            return
-        draft_len = self.max_num_draft_tokens if runtime_draft_len is None else \
-            self._checked_draft_len(runtime_draft_len)
-        if self._captured_draft_lens and draft_len and \
-                draft_len not in self._captured_draft_lens:
-            raise LayoutError(
-                f"runtime_draft_len={draft_len}: the captured drafting loops end at "
-                f"{sorted(self._captured_draft_lens)} (a loop's last step, which rolls the "
-                "drafts back, is fixed when it is captured); capture a loop at this length")
-        try:
-            rows = sum(1 if r.is_draft or r.is_context_init_state else 1 + draft_len
-                       for r in requests)  # type: ignore[attr-defined]
-        except Exception:  # a request without the fields: checked_request names it
-            return
-        if self._captured_rows and rows > self._captured_rows:
-            raise LayoutError(
-                f"the batch takes {rows} bitmask rows, more than the {self._captured_rows} "
-                "logits rows of any captured step: a replay would mask only the captured "
-                "rows; capture a step with logits of at least this many rows")
 
     def _check_new_tokens(self, new_tokens: object) -> None:
         if not isinstance(new_tokens, torch.Tensor):
@@ -570,7 +535,6 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if capturing:
             # the batch queued before capture only gave the shapes: no replay will fetch it
             self._consume_put()
-            self._captured_rows = max(self._captured_rows, logits.shape[0])
         elif self.requests is not None and \
                 logits.shape[0] < self.requests.num_bitmask_tokens:
             raise TensorArgError(
@@ -763,8 +727,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         At ``draft_step`` 0 the batch of the latest ``add_batch`` is fetched and the tokens the
         target rejected are rolled back; at the last step of the runtime draft length every
         draft advance is rolled back. A captured step keeps the end it was captured with:
-        once drafting loops are captured, ``add_batch`` refuses a nonzero runtime draft length
-        none of them was captured at (``LayoutError``). With the
+        replay a drafting loop only for batches of the runtime draft length it was captured
+        at. With the
         native host node active, each step is the node's C function (a loop it cannot run is
         Python's from its first step to its last).
         """
@@ -772,8 +736,6 @@ class CapturableGuidedDecoder(GuidedDecoder):
         requests = self._require_batch()
         self._check_logits(logits, d2t, None, len(requests))  # (one row per request)
         last = requests.max_num_draft_tokens - 1
-        if self._streams.is_capturing():
-            self._captured_draft_lens.add(requests.max_num_draft_tokens)
         if draft_step == 0 and self._streams.is_capturing():
             self._consume_put()
         capturing = self._streams.is_capturing()

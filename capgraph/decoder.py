@@ -88,7 +88,7 @@ def _check_factory_config(config: GuidedDecodingConfig, theirs: GuidedDecodingCo
         return
     for name in FACTORY_MASK_FIELDS:
         mine, other = getattr(config, name), getattr(theirs, name)
-        same = mine is other if name == "tokenizer" else mine == other
+        same = _same_tokenizer(mine, other) if name == "tokenizer" else mine == other
         if not same:
             shown = (lambda v: f"<{type(v).__name__} at {id(v):#x}>") if name == "tokenizer" \
                 else (lambda v: repr(v) if len(repr(v)) < 80 else repr(v)[:77] + "...")
@@ -96,6 +96,18 @@ def _check_factory_config(config: GuidedDecodingConfig, theirs: GuidedDecodingCo
                 f"factory's config differs from the decoder's config in {name} "
                 f"({shown(other)} vs {shown(mine)}): its masks would not be this config's; "
                 "build the decoder from factory.config, or pass no factory")
+
+
+def _same_tokenizer(mine: Any, other: Any) -> bool:
+    """The same tokenizer object, or one with the same vocabulary (a copy, an unpickled one)."""
+    if mine is other:
+        return True
+    if mine is None or other is None:
+        return False
+    try:
+        return len(mine) == len(other) and mine.get_vocab() == other.get_vocab()
+    except Exception:  # noqa: BLE001 - what cannot be compared is not the same
+        return False
 
 
 class GuidedDecoder:

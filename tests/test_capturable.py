@@ -519,46 +519,39 @@ def test_new_tokens_short_of_the_steps_positions_are_refused(factory, tekken, ro
 
 
 @pytest.mark.parametrize("host_node", ["python", "native"])
-def test_batches_no_captured_graph_serves_are_refused(factory, tekken, host_node):
-    """A batch taking more bitmask rows than any captured step's logits (a replay masked the
-    captured rows only while every row's matcher advanced), or a runtime draft length no
-    captured drafting loop ends at (its last step, which rolls the drafts back, is fixed at
-    capture: the target step was then masked after stale drafts), is a LayoutError at
-    add_batch; a batch that fits is served, and eager execute refuses logits with fewer rows
-    than the layout."""
+def test_graphs_of_several_sizes_and_eager_steps_beside_them(factory, tekken, host_node):
+    """An engine captures batch sizes smallest first, runs batches larger than any captured
+    graph eagerly, and captures drafting loops at several lengths: each is served (eager
+    execute refuses only logits with fewer rows than the batch layout)."""
     from capgraph.build import library
-    from capgraph.errors import LayoutError, TensorArgError
+    from capgraph.errors import TensorArgError
     if host_node == "native" and library.unavailable_reason():
         pytest.skip(f"the native host node does not build here: {library.unavailable_reason()}")
     params = GuidedDecodingParams.regex("[a-c]{3}x")
     V = factory.config.vocab_size_padded
     a = encode_continuation(tekken, "a")[0]
-    dec = CapturableGuidedDecoder(factory.config, 2, 3, factory=factory, host_node=host_node)
-    dec.add_batch([GuidedRequest.context(1, 0, params), GuidedRequest.context(2, 1, params)],
-                  runtime_draft_len=0)
+    dec = CapturableGuidedDecoder(factory.config, 4, 3, factory=factory, host_node=host_node)
+    graphs = {}
+    for size in (1, 2):
+        dec.add_batch([GuidedRequest.context(i, i, params) for i in range(size)],
+                      runtime_draft_len=0)
+        graphs[size] = (hostfunc.HostGraph(), torch.zeros(size, V))
+        with hostfunc.capture(graphs[size][0]):
+            dec.execute(graphs[size][1])
+    dec.add_batch([GuidedRequest.context(i, i, params) for i in range(4)], runtime_draft_len=0)
     with pytest.raises(TensorArgError, match="fewer than the batch layout"):
-        dec.execute(torch.zeros(1, V))
-    graph, static = hostfunc.HostGraph(), torch.zeros(3, V)
-    with hostfunc.capture(graph):
-        dec.execute(static)
-    with pytest.raises(LayoutError, match="more than the 3 logits rows"):
-        dec.add_batch([GuidedRequest.generation(1, 0, params, a, draft_tokens=[a, a, a])],
-                      runtime_draft_len=3)
-    dec.add_batch([GuidedRequest.context(1, 0, params)], runtime_draft_len=0)
-    graph.replay()
-    hostfunc.drain()
-    assert dec.take_failed_requests() == []
-    # a drafting loop captured at length 2 ends there: length 1 is refused, 2 and 0 are not
-    dec.add_batch([GuidedRequest.generation(1, 0, params, a)], runtime_draft_len=2)
-    tokens = torch.full((2,), a, dtype=torch.int32)
-    loop = hostfunc.HostGraph()
-    with hostfunc.capture(loop):
-        for k in range(2):
-            dec.add_draft_batch(tokens, torch.ones(2, dtype=torch.int32) if k == 0 else None, k)
-            dec.execute_draft_batch(torch.zeros(1, V), draft_step=k)
-    with pytest.raises(LayoutError, match="end at \\[2\\]"):
-        dec.add_batch([GuidedRequest.generation(1, 0, params, a)], runtime_draft_len=1)
-    dec.add_batch([GuidedRequest.generation(1, 0, params, a)], runtime_draft_len=0)
+        dec.execute(torch.zeros(2, V))
+    logits = torch.zeros(4, V)
+    dec.execute(logits)  # eager: larger than any captured graph
+    assert dec.take_failed_requests() == [] and torch.isneginf(logits).all(dim=1).logical_not().all()
+    for length in (2, 3):  # a drafting loop captured at each length
+        dec.add_batch([GuidedRequest.generation(0, 0, params, a)], runtime_draft_len=length)
+        tokens = torch.full((1,), a, dtype=torch.int32)
+        with hostfunc.capture(hostfunc.HostGraph()):
+            for k in range(length):
+                dec.add_draft_batch(tokens, torch.ones(1, dtype=torch.int32) if k == 0 else None,
+                                    k)
+                dec.execute_draft_batch(torch.zeros(1, V), draft_step=k)
     dec.close()
 
 

@@ -279,6 +279,14 @@ def test_policy_findings_xgrammar(schema, expected):
       "anyOf": [{"required": ["a"]}, {"properties": {"a": {"minimum": 0}}}]}, []),
     ({"anyOf": [{"type": "object", "properties": {"a": {"const": 1}, "x": {}}},
                 {"type": "object", "properties": {"a": {"const": 2}, "y": {}}}]}, []),
+    # another branch lists (or leaves open) the parent's property: it can be written
+    ({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+      "anyOf": [{"properties": {"a": {"minLength": 1}}, "required": ["a"]},
+                {"required": ["b"]}]}, []),
+    # only an excluded bound at or nearer zero than the other leaks on llguidance
+    ({"type": "number", "minimum": 0.5, "exclusiveMaximum": 1}, []),
+    ({"type": "number", "exclusiveMinimum": -1, "maximum": -0.5}, []),
+    ({"type": "number", "exclusiveMinimum": 0, "maximum": 0.5}, [("exclusiveMinimum", "")]),
 ])
 def test_policy_findings_llguidance(schema, expected):
     """The llguidance allow-list: listed names next to additional ones (a listed name spelled

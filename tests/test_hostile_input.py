@@ -1120,3 +1120,12 @@ def test_garbage_guide_params_are_a_config_error_or_a_text_guide(guide_type, gui
     except ConfigError:
         return
     assert isinstance(params.guide_type, GuideType) and type(params.guide) is str
+
+
+def test_a_shared_factory_accepts_a_copy_of_its_config(factory_cache):
+    """A config copied (deepcopy, or unpickled) holds an equal,
+    not the same, tokenizer: the factory still reads guides as it does, so it is accepted."""
+    import copy
+    factory = factory_cache("tekken")
+    dec = GuidedDecoder(copy.deepcopy(factory.config), 1, factory=factory)
+    dec.close()

@@ -547,16 +547,17 @@ def _numeric(value: Any) -> bool:
 
 def _llg_narrow_exclusive(node: _Node) -> str | None:
     """llguidance lets an excluded whole-number bound ``k`` through where the other bound lies
-    strictly between ``k`` and the next whole number (``exclusiveMinimum`` 0 with
-    ``maximum`` 0.5 accepts ``0``; ``exclusiveMaximum`` 0 with ``minimum`` -0.5 accepts
-    ``-0``), in the draft-06 form and in draft-04's (``exclusiveMinimum: true`` next to
-    ``minimum``)."""
+    strictly between ``k`` and the next whole number away from zero (``exclusiveMinimum`` 0
+    with ``maximum`` 0.5 accepts ``0``; ``exclusiveMaximum`` 0 with ``minimum`` -0.5 accepts
+    ``-0``; ``exclusiveMaximum`` 1 with ``minimum`` 0.5 refuses ``1``, as it should), in the
+    draft-06 form and in draft-04's (``exclusiveMinimum: true`` next to ``minimum``)."""
     s, lower = node.schema, node.keyword == "exclusiveMinimum"
     bound, own = node.value, "minimum" if lower else "maximum"
     if bound is True:
         bound = s.get(own)
-    if not _numeric(bound) or not float(bound).is_integer():
-        return None
+    if not _numeric(bound) or not float(bound).is_integer() or \
+            (bound < 0 if lower else bound > 0):
+        return None  # (only an excluded bound at or nearer zero than the other leaks)
     other = ("maximum", "exclusiveMaximum") if lower else ("minimum", "exclusiveMinimum")
     for key in other:
         value = s.get(key)
@@ -670,9 +671,29 @@ def _closed_beside_listed(node: _Node) -> str | None:
             branch = _resolve(node.root, branch["$ref"])
         if isinstance(branch, dict):
             resolved.append(branch)
-    groups = [[node.schema, *resolved]] if node.keyword in ("allOf", "$ref") else \
-        [[node.schema, b] for b in resolved]
-    for group in groups:
+    def closes(schema: Any) -> bool:
+        return isinstance(schema, dict) and "patternProperties" not in schema and \
+            llguidance_closes_properties(schema, described)
+
+    if node.keyword in ("anyOf", "oneOf"):
+        # a branch is one way to be valid: a property of the parent is lost only where every
+        # branch closes without it; a closed parent loses what a branch lists beyond it
+        listed = node.schema.get("properties")
+        if isinstance(listed, dict) and resolved and all(closes(b) for b in resolved):
+            for name in listed:
+                if not any(name in (b.get("properties") or {}) for b in resolved):
+                    return (f"llguidance closes every '{node.keyword}' branch (their unlisted "
+                            f"properties absent) and none lists {name!r}, which the schema "
+                            "lists beside them: it could never be written")
+        if closes(node.schema) and isinstance(listed, dict):
+            for branch in resolved:
+                extra = sorted(set(branch.get("properties") or {}) - set(listed))
+                if extra:
+                    return (f"llguidance closes this schema (its unlisted properties absent) "
+                            f"and a '{node.keyword}' branch lists {extra[0]!r} beyond it: it "
+                            "could never be written")
+        return None
+    for group in [[node.schema, *resolved]]:
         for closed in group:
             if not (isinstance(closed, dict) and llguidance_closes_properties(closed, described)
                     and "patternProperties" not in closed):

@@ -23,10 +23,11 @@
   with ``"syntax": "lark"`` on xgrammar) means what llguidance reads: its regex literals in
   Rust's syntax, with Unicode ``\\d`` / ``\\w`` / ``\\s`` and Unicode case folding under the
   ``i`` flag (Python's ``re``, which the ``lark`` package uses, agrees on these). xgrammar reads
-  ``\\d`` and ``\\w`` as ASCII, ``\\s`` as ECMA's (which takes U+FEFF), classes and
-  escapes as ECMA's, and folds ASCII letters only: a regex literal it would read wider or
-  otherwise (a negated shorthand, a positive ``\\s``, a nested or POSIX class, a set
-  operation, a surrogate escape: :func:`xgrammar_wider`) is refused on xgrammar.
+  ``\\d`` and ``\\w`` as ASCII, ``\\s`` as ECMA's (which also takes U+FEFF: the one
+  character a positive ``\\s`` lets through there), classes and escapes as ECMA's, and folds
+  ASCII letters only: a regex literal it would read wider otherwise (a negated shorthand, a
+  nested or POSIX class, a set operation, a surrogate escape: :func:`xgrammar_wider`) is
+  refused on xgrammar.
 - Properties and items a JSON schema does not list are absent where it lists some (xgrammar's
   strict reading); llguidance is given those defaults written out (:func:`llguidance_schema`).
   Where an array or object schema lists none, any are allowed, as JSON Schema has it; xgrammar
@@ -684,8 +685,10 @@ def xgrammar_wider(pattern: str, nocase: bool) -> str | None:
     ``\\s``, take non-ASCII digits, letters or spaces the Lark grammar excludes. It folds case
     for ASCII letters only, so with ``i`` a negated class holding a character with a non-ASCII
     case variant lets the variant through (``[^kσ]``: ``Σ``, ``ς``, U+212A KELVIN SIGN).
-    Positive ``\\d`` and ``\\w`` are only narrower; a positive ``\\s`` is ECMA's, which
-    takes U+FEFF (no White_Space character). An escape this reader does not know
+    Positive ``\\d`` and ``\\w`` are only narrower. A positive ``\\s`` is ECMA's there,
+    which also takes U+FEFF (no White_Space character): the one character a Lark
+    whitespace terminal lets through on xgrammar, left so that ``/\\s+/`` is served. An
+    escape this reader does not know
     (``\\p{..}``) inside a negated class counts as such a construct. Beyond width: a class
     that nests a class or a POSIX class (``[[:digit:]]``) or uses Rust's set operations
     (``&&``, ``--``, ``~~``) means another set on xgrammar's ECMA reading (``[[:digit:]]+``
@@ -701,18 +704,13 @@ def xgrammar_wider(pattern: str, nocase: bool) -> str | None:
             if part.letter in ("D", "W", "S"):
                 return (f"'\\{part.letter}' at position {part.position} (xgrammar's \\d, \\w "
                         "and \\s are ASCII, so it would take the non-ASCII ones)")
-            if part.letter == "s":
-                return (f"'\\s' at position {part.position} (xgrammar's \\s is ECMA's, which "
-                        "takes U+FEFF; write the whitespace out, e.g. [ \\t\\n\\r])")
             continue
         where = f"the {'negated ' if part.negated else ''}class {part.text!r}"
         inner = _ESCAPED_PAIR.sub("", part.text[2 if part.negated else 1:-1])
         if "[" in inner or any(op in inner for op in ("&&", "--", "~~")):
             return (f"{where} nests a class or uses a set operation, which Lark's regexes "
                     "(Rust's) read and xgrammar's (ECMA's) read as other characters")
-        if not part.negated and "s" in part.escapes:
-            return (f"{where} holds '\\s' (xgrammar's \\s is ECMA's, which takes U+FEFF; "
-                    "write the whitespace out)")
+
         shorthand = next((e for e in part.escapes
                           if e in _CLASS_SHORTHANDS and e.isupper() != part.negated), None)
         if shorthand:
