@@ -182,6 +182,17 @@ def build_threads() -> set[str]:
     return threads_named("capgraph-build")
 
 
+def request_type_whose_field_raises(field: str, message: str) -> type:
+    """A GuidedRequest subclass (an engine's request type) whose ``field`` raises
+    ``RuntimeError(message)`` when read; setting it does nothing."""
+    from capgraph.requests import GuidedRequest
+
+    def read(self):
+        raise RuntimeError(message)
+    return type(f"Raising_{field}", (GuidedRequest,),
+                {"__slots__": (), field: property(read, lambda self, value: None)})
+
+
 def load_tool(name: str):
     """The module ``tools/<name>.py`` (tools are scripts, not a package), loaded once."""
     import importlib.util

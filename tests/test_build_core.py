@@ -15,6 +15,7 @@ from capgraph.decoder import GuidedDecoder
 from capgraph.build import library as native
 from capgraph.grammar import create_matcher_factory
 from capgraph.requests import GuidedRequest, GuidedRequests
+from conftest import request_type_whose_field_raises
 
 VOCAB = ["a", "b", "</s>", "ab", "c", "d"]
 V = 64
@@ -338,17 +339,7 @@ def test_closing_the_native_strategy_finishes_a_build_in_flight(tiny):
         dec.close()
 
 
-class _TreeUnreadable(GuidedRequest):
-    """An engine's request type whose draft-tree field raises when read."""
-    __slots__ = ()
-
-    @property  # type: ignore[override]
-    def draft_parents(self):
-        raise RuntimeError("draft tree unavailable")
-
-    @draft_parents.setter
-    def draft_parents(self, value) -> None:
-        pass
+_TreeUnreadable = request_type_whose_field_raises("draft_parents", "draft tree unavailable")
 
 
 @needs_native

@@ -24,7 +24,8 @@ from capgraph.build import library as native
 from capgraph.build.library import NativeBuildError, NativeBuilder
 from capgraph.requests import REQUEST_FIELDS, GuidedRequest
 from capgraph.tokenizers import encode_continuation
-from conftest import AimedMethods, assert_steps_agree, build_threads
+from conftest import (AimedMethods, assert_steps_agree, build_threads,
+                      request_type_whose_field_raises)
 
 pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
                                 reason=f"C++ host build unavailable: "
@@ -332,18 +333,7 @@ class _LookAlike:
             setattr(self, name, getattr(request, name))
 
 
-class _RaisingDrafts(GuidedRequest):
-    """A request subclass whose ``draft_tokens`` raises when read."""
-
-    __slots__ = ()
-
-    @property  # type: ignore[override]
-    def draft_tokens(self):
-        raise RuntimeError("draft_tokens read fails")
-
-    @draft_tokens.setter
-    def draft_tokens(self, value):
-        pass
+_RaisingDrafts = request_type_whose_field_raises("draft_tokens", "draft_tokens read fails")
 
 
 def test_cpython_entry_reads_request_subclasses_and_look_alikes(tiny):

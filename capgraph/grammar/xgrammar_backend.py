@@ -114,7 +114,7 @@ def _resolve_tag_tokens(tag: str, ids_by_name: Mapping[str, int]) -> tuple[str, 
     :func:`build_tokenizer_info` empties the text of special tokens, which hides them from
     xgrammar's lookup by string, so they are resolved here; the JSON schemas the tag embeds are
     data, left as written. Ordinary tokens named by string are left as they are (the compile
-    refuses them: :func:`_tokens_named_by_text`). Text that is not JSON is returned unchanged,
+    refuses them). Text that is not JSON is returned unchanged,
     placing nothing (xgrammar's error names what is wrong).
     """
     if not ids_by_name:
@@ -161,27 +161,6 @@ def _resolve_tag_tokens(tag: str, ids_by_name: Mapping[str, int]) -> tuple[str, 
                 and isinstance(node.get("grammar"), str):
             node["grammar"] = _LARK_TOKEN_REF.sub(lark_ref, node["grammar"])
     return json.dumps(doc), frozenset(placed)
-
-
-def _tokens_named_by_text(tag: str) -> list[str]:
-    """The token names a structural tag (as :func:`_resolve_tag_tokens` left it) still gives
-    as text: ``token`` elements, ``trigger_tokens``, ``exclude_tokens`` and token-dispatch
-    rules naming something that is not a special token of the vocabulary."""
-    try:
-        doc = json.loads(tag)
-    except ValueError:
-        return []
-    named: list[str] = []
-    for node, _ in tag_nodes(doc):
-        if node.get("type") == "token" and isinstance(node.get("token"), str):
-            named.append(node["token"])
-        for key in ("trigger_tokens", "exclude_tokens"):
-            if isinstance(node.get(key), list):
-                named.extend(t for t in node[key] if isinstance(t, str))
-        if node.get("type") == "token_dispatch" and isinstance(node.get("rules"), list):
-            named.extend(r[0] for r in node["rules"]
-                         if isinstance(r, list) and r and isinstance(r[0], str))
-    return named
 
 
 def _converted(convert: Callable[[], xgr.Grammar]) -> tuple[xgr.Grammar, list[str]]:
@@ -1137,34 +1116,40 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         return compiled, int(compiled.memory_size_bytes)
 
     def _refuse_placing(self, tag: str, placed: frozenset[int]) -> None:
-        """Refuse a structural tag whose tokens xgrammar would not match as written: one named
-        by text that is no special token (xgrammar's structural tags hold no vocabulary to
-        look it up in: give its id), a stop token it places (xgrammar allows a stop token only
-        where the output ends, so a tag with text after it dead-ends there), or special tokens
-        placed next to an XML-style element (whose raw-text values would take a placed token's
-        spelling as text)."""
+        """Refuse a structural tag (as :func:`_resolve_tag_tokens` left it) whose tokens
+        xgrammar would not match as written: a ``token`` element, ``trigger_tokens``,
+        ``exclude_tokens`` or token-dispatch rule naming by text a token that is no special
+        token (xgrammar's structural tags hold no vocabulary to look it up in: give its id),
+        a stop token it places (xgrammar allows a stop token only where the output ends, so a
+        tag with text after it dead-ends there), or special tokens placed next to an
+        XML-style element (whose raw-text values would take a placed token's spelling as
+        text)."""
         def refuse(detail: str) -> NoReturn:
             raise UnsupportedGuideError(detail, guide_type=GuideType.STRUCTURAL_TAG.name,
                                         backend=BACKEND)
-        named = _tokens_named_by_text(tag)
-        if named:
-            refuse(f"the tag names token {named[0]!r} by text, and it is no special token of "
-                    "this vocabulary: name an ordinary token by its id")
         stops = sorted(placed & set(self.config.stop_token_ids or ()))
         if stops:
             refuse(f"the tag places stop token {stops[0]} by a token element: xgrammar allows "
-                    "a stop token only where the output ends, so a tag that places one is "
-                    "never completed; leave it out (the output ends with it)")
-        if placed:
-            try:
-                doc = json.loads(tag)
-            except ValueError:
-                return
-            for node, at in tag_nodes(doc):
-                if "json_schema" in node and xml_style(node):
-                    refuse(f"the tag places special tokens and has an XML-style element at "
-                            f"{at or '/'}, whose raw-text values would take a placed token "
-                            "as text")
+                   "a stop token only where the output ends, so a tag that places one is "
+                   "never completed; leave it out (the output ends with it)")
+        try:
+            doc = json.loads(tag)
+        except ValueError:
+            return
+        for node, at in tag_nodes(doc):
+            named = [node["token"]] if node.get("type") == "token" else []
+            named += [t for key in ("trigger_tokens", "exclude_tokens")
+                      if isinstance(node.get(key), list) for t in node[key]]
+            if node.get("type") == "token_dispatch" and isinstance(node.get("rules"), list):
+                named += [r[0] for r in node["rules"] if isinstance(r, list) and r]
+            text = next((t for t in named if isinstance(t, str)), None)
+            if text is not None:
+                refuse(f"the tag names token {text!r} by text, and it is no special token of "
+                       "this vocabulary: name an ordinary token by its id")
+            if placed and "json_schema" in node and xml_style(node):
+                refuse(f"the tag places special tokens and has an XML-style element at "
+                       f"{at or '/'}, whose raw-text values would take a placed token as "
+                       "text")
 
     @staticmethod
     def _compile_grammar(compiler: xgr.GrammarCompiler, grammar: xgr.Grammar,
