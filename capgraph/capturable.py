@@ -128,6 +128,14 @@ def _callback(name: str) -> Callable:
     return wrap
 
 
+def _past_rows(first: int, end: int, rows: int) -> str:
+    """The failure of a request whose bitmask rows ``[first, end)`` lie past the ``rows``
+    logits rows its step masks (the native node's text is the same: ``PastRows``)."""
+    return (f"LayoutError: the request's bitmask rows [{first}, {end}) lie past the {rows} "
+            "logits rows this step masks (a graph captured for a smaller batch, or "
+            "prepare(num_rows) below the batch layout): they would be sampled unmasked")
+
+
 def _check_draft_step(draft_step: object) -> None:
     if type(draft_step) is not int or draft_step < 0:
         raise LayoutError(f"draft_step={draft_step!r} must be an int >= 0")
@@ -206,6 +214,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._fetched_epoch = 0  # callback side
         self._warmup = 0
         self._prepared = False
+        self._prepared_rows = 0  # the bitmask rows the step prepared copies (and masks)
+        # the index of the current drafting loop's last step (its batch's runtime draft
+        # length - 1, 0 for none; read when its first step runs)
+        self._draft_last = 0
         self._tokens_recorded_in_capture = False  # record_tokens_ready() ran in this capture
         self.active = False
         if self.device.type == "cpu":  # on CUDA the base class made the torch streams
@@ -493,17 +505,18 @@ class CapturableGuidedDecoder(GuidedDecoder):
         # Python (docs/BENCHMARKS.md, "loop"). A captured step builds synchronously: its
         # replays run the apply right after it.
         node = self._node
+        rows = self._prepared_rows = num_rows or self.bitmask_host.shape[0]
         if capturing:
             self._activate_node()
         with self._streams.side():
             self._streams.wait_tokens()
             if node is not None and self._node_active and (capturing or not self._warmup):
                 # the C++ host node (a warm-up run outside capture takes the Python step)
-                hostfunc.launch_native(node.run, node.address, retain=node.retain,
+                hostfunc.launch_native(node.run, node.launch(rows), retain=node.retain,
                                        release=node.release)
-            else:
-                self.host_step(self._async_build and not capturing)  # fetch, init, build
-            self.copy_bitmask(num_rows or self.bitmask_host.shape[0])
+            else:  # fetch, init, build
+                self.host_step(self._async_build and not capturing, rows)
+            self.copy_bitmask(rows)
             self._streams.record_bitmask()
         self._prepared = True
 
@@ -549,11 +562,12 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if not self._prepared:
             self._enqueue_step(logits.shape[0], capturing)
         self._prepared = False
-        self._join_and_apply(logits, d2t, capturing)
+        # (rows past those prepare copied hold another step's mask: left untouched)
+        self._join_and_apply(logits, d2t, capturing, min(logits.shape[0], self._prepared_rows))
 
     def _join_and_apply(self, logits: torch.Tensor, d2t: torch.Tensor | None,
-                        capturing: bool) -> None:
-        rows = logits.shape[0]
+                        capturing: bool, rows: int | None = None) -> None:
+        rows = logits.shape[0] if rows is None else rows
         streams = self._streams
         if not capturing and self.device.type == "cpu":
             # CPU stand-in, not capturing: wait for the side stream on the host (GIL released)
@@ -725,31 +739,32 @@ class CapturableGuidedDecoder(GuidedDecoder):
         """Mask a draft-model step's logits (one row per request); graph-safe.
 
         At ``draft_step`` 0 the batch of the latest ``add_batch`` is fetched and the tokens the
-        target rejected are rolled back; at the last step of the runtime draft length every
-        draft advance is rolled back. A captured step keeps the end it was captured with:
-        replay a drafting loop only for batches of the runtime draft length it was captured
-        at. With the
-        native host node active, each step is the node's C function (a loop it cannot run is
-        Python's from its first step to its last).
+        target rejected are rolled back; at the last step of that batch's runtime draft length
+        every draft advance is rolled back, and a step past it masks and advances nothing. The
+        batch decides when each step runs, so one captured loop serves batches of any runtime
+        draft length up to its own number of steps (replay every step up to the batch's
+        runtime draft length: the last rolls back). A request whose row lies past the step's
+        logits rows (a graph captured for fewer requests) fails. With the native host node
+        active, each step is the node's C function (a loop it cannot run is Python's from its
+        first step to its last).
         """
         _check_draft_step(draft_step)
         requests = self._require_batch()
         self._check_logits(logits, d2t, None, len(requests))  # (one row per request)
-        last = requests.max_num_draft_tokens - 1
         if draft_step == 0 and self._streams.is_capturing():
             self._consume_put()
         capturing = self._streams.is_capturing()
         if capturing:
             self._activate_node()
-        node, first, end = self._node, draft_step == 0, draft_step >= last
+        node, rows = self._node, logits.shape[0]
         with self._streams.side():
             self._streams.wait_tokens()
             if node is not None and self._node_active and (capturing or not self._warmup):
-                hostfunc.launch_native(node.draft_run(first, end), node.address,
+                hostfunc.launch_native(node.run_draft, node.launch(rows, draft_step),
                                        retain=node.retain, release=node.release)
             else:
-                self.draft_host_step(draft_step, first, end)
-            self.copy_bitmask(logits.shape[0])
+                self.draft_host_step(draft_step, rows)
+            self.copy_bitmask(rows)
             self._streams.record_bitmask()
         self._join_and_apply(logits, d2t, self._streams.is_capturing())
 
@@ -793,7 +808,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         with self._streams.side():
             self._streams.wait_tokens()
             if node is not None and self._node_active and not with_nodes:
-                hostfunc.launch_native(node.run_rollback, node.address, retain=node.retain,
+                hostfunc.launch_native(node.run_rollback, node.launch(0), retain=node.retain,
                                        release=node.release)
             else:
                 self.accepted_host_step(with_nodes)
@@ -824,20 +839,22 @@ class CapturableGuidedDecoder(GuidedDecoder):
             raise first
 
     @hostfunc.hostfunc
-    def host_step(self, asynchronous: bool = False) -> None:
-        """fetch_batch, init_disagg_gen_requests, build (``asynchronous``: see ``_build``)."""
+    def host_step(self, asynchronous: bool = False, rows: int | None = None) -> None:
+        """fetch_batch, init_disagg_gen_requests, build (``asynchronous``: see ``_build``;
+        ``rows``: the logits rows the step masks, default all)."""
         cls = CapturableGuidedDecoder
-        self._stages((cls.fetch_batch,), (cls.init_disagg_gen_requests_hostfunc,),
+        self._stages((cls.fetch_batch, rows), (cls.init_disagg_gen_requests_hostfunc,),
                      (cls.build_hostfunc, asynchronous))
 
     @hostfunc.hostfunc
-    def draft_host_step(self, draft_step: int, first: bool, last: bool) -> None:
-        """fetch_draft_batch, [rollback_rejected_tokens], build_draft, [rollback_draft_tokens]."""
+    def draft_host_step(self, draft_step: int, rows: int | None = None) -> None:
+        """fetch_draft_batch, [rollback_rejected_tokens at step 0], build_draft,
+        rollback_draft_tokens (at the loop's last step)."""
         cls = CapturableGuidedDecoder
-        self._stages((cls.fetch_draft_batch, draft_step),
-                     *([(cls.rollback_rejected_tokens_hostfunc,)] if first else []),
+        self._stages((cls.fetch_draft_batch, draft_step, rows),
+                     *([(cls.rollback_rejected_tokens_hostfunc,)] if draft_step == 0 else []),
                      (cls.build_draft_hostfunc,),
-                     *([(cls.rollback_draft_tokens_hostfunc,)] if last else []))
+                     (cls.rollback_draft_tokens_hostfunc, draft_step))
 
     @hostfunc.hostfunc
     def accepted_host_step(self, with_nodes: bool = False) -> None:
@@ -931,10 +948,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 self._drop_slots(put.batch)
 
     @_callback("fetch_batch")
-    def fetch_batch(self) -> None:
+    def fetch_batch(self, rows: int | None = None) -> None:
         before = self.requests_hostfunc
         try:
             self._pop()
+            self._fail_past_rows(self.requests_hostfunc, rows)
         except QueueEpochError:
             raise
         except Exception as e:
@@ -955,12 +973,14 @@ class CapturableGuidedDecoder(GuidedDecoder):
                                 request_ids=ids) from e
 
     @_callback("fetch_draft_batch")
-    def fetch_draft_batch(self, draft_step: int) -> None:
+    def fetch_draft_batch(self, draft_step: int, rows: int | None = None) -> None:
         if draft_step == 0:
             self._pop()
             self._take_accepted(self.requests_hostfunc)
+            batch = self.requests_hostfunc
+            self._draft_last = 0 if batch is None else max(batch.max_num_draft_tokens, 1) - 1
         target = self.requests_hostfunc
-        if target is None:
+        if target is None or draft_step > self._draft_last:  # (past the loop's last step)
             self._draft_requests = None
             return
         tokens = self.draft_new_tokens.tolist()
@@ -968,7 +988,33 @@ class CapturableGuidedDecoder(GuidedDecoder):
                                 r.is_context_init_state, r.is_last_context_chunk,
                                 r.is_generation_in_progress_state, False, tokens[i], True)
                   for i, r in enumerate(target.requests)]
-        self._draft_requests = GuidedRequests(drafts, 0)
+        self._draft_requests = batch = GuidedRequests(drafts, 0)
+        self._fail_past_rows(batch, rows, draft=True)
+
+    def _fail_past_rows(self, batch: GuidedRequests | None, rows: int | None,
+                        draft: bool = False) -> None:
+        """Fail the guided requests of ``batch`` whose bitmask rows lie past the ``rows``
+        logits rows their step masks (a graph captured for a smaller batch replayed for a
+        larger one): an unguided stand-in takes their rows and their matchers are dropped,
+        since the tokens sampled for them would be unmasked. ``draft``: a draft step's batch,
+        whose requests are failed once (a slot without a matcher is left alone)."""
+        if batch is None or rows is None or batch.num_bitmask_tokens <= rows:
+            return
+        failed = []
+        reqs, matchers = batch.requests, self.grammar_matchers
+        for i, (req, offset) in enumerate(zip(reqs, batch.offsets)):
+            end = offset + req.num_rows(batch.max_num_draft_tokens)
+            if req.guided_decoding_params is None or end <= rows:
+                continue
+            slot = req.seq_slot
+            if draft and (not self.slots.slot_ok(slot)
+                          or matchers[slot] is None):  # type: ignore[index]
+                continue
+            failed.append(self._fail_message(req, _past_rows(offset, end, rows)))
+            reqs[i] = GuidedRequest(None, req.request_id, None, None, req.is_context_init_state,
+                                    False, req.is_generation_in_progress_state, False, None,
+                                    req.is_draft)
+        self._record_failed(failed)
 
     @_callback("fetch_accepted_batch")
     def fetch_accepted_batch(self, with_nodes: bool = False) -> None:
@@ -1034,8 +1080,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._rollback_rejected_tokens(batch)
 
     @_callback("rollback_draft_tokens")
-    def rollback_draft_tokens_hostfunc(self) -> None:
-        if self.requests_hostfunc is not None:
+    def rollback_draft_tokens_hostfunc(self, draft_step: int) -> None:
+        """At the loop's last step (:attr:`_draft_last`), roll every draft advance back."""
+        if draft_step == self._draft_last and self.requests_hostfunc is not None:
             self._rollback_draft_tokens(self.requests_hostfunc)
 
     @_callback("apply")
@@ -1322,23 +1369,22 @@ class CapturableGuidedDecoder(GuidedDecoder):
         finally:
             self._in_node = False
 
-    def _run_python_step(self, epoch: int) -> None:
+    def _run_python_step(self, epoch: int, rows: int) -> None:
         """A Python step of the native node (the node holds no GIL; this runs under it): the
-        Python host step (its fetch reads the node's steps before it first); its errors go to
-        the next drain."""
+        Python host step (its fetch reads the node's steps before it first) for a step that
+        masks ``rows`` logits rows; its errors go to the next drain."""
         try:
             with self._inside_node():
-                CapturableGuidedDecoder.host_step.__wrapped__(self, False)
+                CapturableGuidedDecoder.host_step.__wrapped__(self, False, rows)
         except BaseException as e:  # noqa: BLE001 - nothing may escape into the node
             hostfunc.record_error("CapturableGuidedDecoder.host_step", e, owner=self)
 
-    def _run_python_draft(self, first: bool, last: bool) -> None:
+    def _run_python_draft(self, draft_step: int, rows: int) -> None:
         """A Python draft step of the native node (under the GIL, on the node's thread; the
         node took the loop's batch off its queue itself); its errors go to the next drain."""
         try:
             with self._inside_node():
-                CapturableGuidedDecoder.draft_host_step.__wrapped__(self, 0 if first else 1,
-                                                                    first, last)
+                CapturableGuidedDecoder.draft_host_step.__wrapped__(self, draft_step, rows)
         except BaseException as e:  # noqa: BLE001 - nothing may escape into the node
             hostfunc.record_error("CapturableGuidedDecoder.draft_host_step", e, owner=self)
 
@@ -1351,14 +1397,14 @@ class CapturableGuidedDecoder(GuidedDecoder):
             hostfunc.record_error("CapturableGuidedDecoder.accepted_host_step", e, owner=self)
 
 
-def _python_draft(decoder: CapturableGuidedDecoder) -> Callable[[bool, bool], None]:
+def _python_draft(decoder: CapturableGuidedDecoder) -> Callable[[int, int], None]:
     """The node's Python draft step, holding the decoder weakly."""
     ref = weakref.ref(decoder)
 
-    def draft(first: bool, last: bool) -> None:
+    def draft(draft_step: int, rows: int) -> None:
         d = ref()
         if d is not None:
-            d._run_python_draft(first, last)
+            d._run_python_draft(draft_step, rows)
     return draft
 
 
@@ -1373,14 +1419,14 @@ def _python_rollback(decoder: CapturableGuidedDecoder) -> Callable[[], None]:
     return rollback
 
 
-def _python_step(decoder: CapturableGuidedDecoder) -> Callable[[int], None]:
+def _python_step(decoder: CapturableGuidedDecoder) -> Callable[[int, int], None]:
     """The node's fallback, holding the decoder weakly (the node lives in the decoder)."""
     ref = weakref.ref(decoder)
 
-    def step(epoch: int) -> None:
+    def step(epoch: int, rows: int) -> None:
         d = ref()
         if d is not None:
-            d._run_python_step(epoch)
+            d._run_python_step(epoch, rows)
     return step
 
 

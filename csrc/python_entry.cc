@@ -32,6 +32,7 @@
 #include <deque>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -828,27 +829,36 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //
 // A drafting loop's steps (execute_draft_batch) are C functions too (RunDraft): the first
 // takes the loop's batch off the queue and rolls its rejected drafts back (as RunRollback),
-// each builds one row per request from the draft-token buffer, the last rolls the loop's
-// draft advances back; the slots' draft advances and drafting-stopped flags are the node's
-// (copied from Python's after a Python stage, and to Python's by node_take). A loop the node
-// cannot run (the cases of the rollback, or a batch with context requests) is Python's
-// (`draft_fallback(first, last)`, under the GIL) from its first step to its last.
+// each builds one row per request from the draft-token buffer, the last (by the batch's
+// runtime draft length) rolls the loop's draft advances back; the slots' draft advances and
+// drafting-stopped flags are the node's (copied from Python's after a Python stage, and to
+// Python's by node_take). A loop the node cannot run (the cases of the rollback, or a batch
+// with context requests) is Python's (`draft_fallback(draft_step, rows)`, under the GIL) from
+// its first step to its last.
+//
+// Each launch carries its shape (NodeLaunch, made by node_launch): the logits rows its step
+// masks and a draft step's index. A captured graph replays the shape it was captured with,
+// whatever the batch its replay takes: a request whose bitmask rows lie past those rows fails
+// (its tokens would be sampled unmasked), and which step of a drafting loop is its last is
+// read from the loop's batch when the step runs.
 //
 // node_create(fast, new_tokens, address, positions, fallback, counts, counts_address,
 //             rollback, rollback_address, rollback_fallback, drafts, drafts_address,
 //             draft_fallback, ticket, ticket_address, ticket_ring)
-//   -> (capsule, run, retain, release, address, run_rollback,
-//       (draft_middle, draft_first, draft_last, draft_only))
+//   -> (capsule, run, retain, release, run_rollback, run_draft)
 //   fast: make_fast's state (its Builder and request field descriptors); new_tokens: the
 //   decoder's [positions, num_slots] int32 token buffer (a DLPack-capable CPU tensor) at
-//   `address`; fallback(epoch): the Python host step of a Python step; counts: the decoder's
+//   `address`; fallback(epoch, rows): the Python host step of a Python step; counts: the decoder's
 //   [num_slots] int32 accepted-count buffer at `counts_address`; rollback: xgrammar's matcher
 //   `rollback` tvm-ffi Function (held), whose FFI object is at `rollback_address`;
 //   rollback_fallback(): the Python rollback; drafts: the decoder's [num_slots] int32
-//   draft-token buffer at `drafts_address`; draft_fallback(first, last): the Python draft
+//   draft-token buffer at `drafts_address`; draft_fallback(draft_step, rows): the Python draft
 //   step; ticket: the decoder's one-element int32 step ticket at `ticket_address`, holding
-//   epochs modulo ticket_ring. run/retain/release/run_rollback/draft_*: addresses of the C functions
-//   `void f(void*)` to launch with `address`.
+//   epochs modulo ticket_ring. run/retain/release/run_rollback/run_draft: addresses of the C
+//   functions `void f(void*)` to launch with a launch's address (node_launch).
+// node_launch(node, rows, draft_step) -> address: a launch shape (rows >= 0; draft_step: the
+//   index of a drafting loop's step, -1 for a step or a rollback); it lives as long as the
+//   node.
 // node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer,
 //           ticketed)
 //   -> False | (context, disaggregated): read the step's native job and return the batch
@@ -935,8 +945,22 @@ struct NodeDone {
   std::vector<int64_t> installed;  // the slots whose matchers the job installed
 };
 
+struct HostNode;
+
+// One launch shape of the node's C functions (node_launch): the node, the logits rows the
+// launching step masks (its bitmask copy and apply; a captured launch keeps the rows it was
+// captured with) and, for a drafting loop's step, its index in the loop (-1 otherwise). The
+// launch is the user data of hostfunc's launch; it lives as long as its node, which each
+// launch retains (LaunchRetain / LaunchRelease).
+struct NodeLaunch {
+  HostNode* node;
+  int64_t rows, draft_step;
+};
+
 struct HostNode {
   std::atomic<int64_t> refs{1};
+  // (made by node_launch under the GIL; read by the runs through their user data only)
+  std::vector<std::unique_ptr<NodeLaunch>> launches;
   Builder* builder = nullptr;
   PyObject* keep = nullptr;  // make_fast's `keep` (the Builder's step Function): its owner
   PyObject* buffer = nullptr;  // the token buffer's tensor, which owns `tokens`
@@ -976,10 +1000,13 @@ struct HostNode {
   // advances per slot, and the loop in progress (under mu)
   PyObject* draft_buffer = nullptr;  // owns `draft_tokens`
   const int32_t* draft_tokens = nullptr;  // [num_slots] int32, by batch position
-  PyObject* draft_fallback = nullptr;  // draft_fallback(first, last)
+  PyObject* draft_fallback = nullptr;  // draft_fallback(draft_step, rows)
   std::vector<int32_t> slot_drafted;  // tokens the drafting loop advanced the slot's matcher
   bool draft_python = true;  // the loop in progress runs in Python (or none began)
   int64_t draft_epoch = 0;
+  // the index of the loop's last step: its batch's runtime draft length - 1 (0 for none); a
+  // step past it guides nothing
+  int64_t draft_last = 0;
   std::vector<NodeEntry> draft_entries;
   std::mutex run_mu;  // one step or rollback at a time
   std::atomic<int64_t> runs{0}, python_runs{0}, last_start{0}, last_end{0}, busy_ns{0},
@@ -1005,6 +1032,10 @@ void NodeRelease(void* p) {
     g_grave.push_back(n);
   }
 }
+
+// A launch's retain / release: its node's.
+void LaunchRetain(void* p) { NodeRetain(static_cast<NodeLaunch*>(p)->node); }
+void LaunchRelease(void* p) { NodeRelease(static_cast<NodeLaunch*>(p)->node); }
 
 // Free the released nodes (with the GIL: they hold Python and tvm-ffi objects).
 void BuryNodes() {
@@ -1037,27 +1068,29 @@ void DestroyNode(PyObject* capsule) {
 }
 
 // A Python draft step: the decoder's Python draft step under the GIL (it reports its own
-// errors).
-void RunPythonDraft(HostNode* n, bool first, bool last) {
+// errors), with the step's index in its loop and its logits rows.
+void RunPythonDraft(HostNode* n, int64_t draft_step, int64_t rows) {
   if (g_node_shutdown.load()) return;
   n->python_draft_runs.fetch_add(1);
   PyGILState_STATE gil = PyGILState_Ensure();
-  PyObject* r = PyObject_CallFunction(n->draft_fallback, "OO", first ? Py_True : Py_False,
-                                      last ? Py_True : Py_False);
+  PyObject* r = PyObject_CallFunction(n->draft_fallback, "LL",
+                                      static_cast<long long>(draft_step),
+                                      static_cast<long long>(rows));
   if (r == nullptr) PyErr_WriteUnraisable(n->draft_fallback);
   Py_XDECREF(r);
   PyGILState_Release(gil);
 }
 
-// A Python step: the decoder's Python host step under the GIL (it reports its own errors);
-// epoch < 0: the Python rollback.
-void RunPython(HostNode* n, int64_t epoch) {
+// A Python step: the decoder's Python host step under the GIL (it reports its own errors),
+// with the step's epoch and logits rows; epoch < 0: the Python rollback.
+void RunPython(HostNode* n, int64_t epoch, int64_t rows = 0) {
   if (g_node_shutdown.load()) return;  // (the interpreter is exiting: no thread may enter it)
   (epoch < 0 ? n->python_rollback_runs : n->python_runs).fetch_add(1);
   PyGILState_STATE gil = PyGILState_Ensure();
   PyObject* fn = epoch < 0 ? n->rollback_fallback : n->fallback;
   PyObject* r = epoch < 0 ? PyObject_CallNoArgs(fn)
-                          : PyObject_CallFunction(fn, "L", static_cast<long long>(epoch));
+                          : PyObject_CallFunction(fn, "LL", static_cast<long long>(epoch),
+                                                  static_cast<long long>(rows));
   if (r == nullptr) PyErr_WriteUnraisable(fn);  // (the fallbacks catch their own)
   Py_XDECREF(r);
   PyGILState_Release(gil);
@@ -1076,8 +1109,18 @@ void TakeOutcome(HostNode* n, const int32_t* run_o3, int32_t* o3, std::string* m
   n->rows.fetch_add(o3[2]);
 }
 
-// One native job: the Builder's loop over the entries whose slot has a native matcher.
-void RunNative(HostNode* n, const NodeJob& job, NodeDone* d) {
+// The failure of a request whose rows [first, end) lie past the `rows` logits rows its step
+// masks (a graph captured for a smaller batch): its tokens would be sampled unmasked.
+std::string PastRows(int64_t first, int64_t end, int64_t rows) {
+  return "LayoutError: the request's bitmask rows [" + std::to_string(first) + ", " +
+         std::to_string(end) + ") lie past the " + std::to_string(rows) + " logits rows this " +
+         "step masks (a graph captured for a smaller batch, or prepare(num_rows) below the " +
+         "batch layout): they would be sampled unmasked";
+}
+
+// One native job: the Builder's loop over the entries whose slot has a native matcher;
+// `launch_rows`: the logits rows the step masks (a request past them fails, PastRows).
+void RunNative(HostNode* n, const NodeJob& job, NodeDone* d, int64_t launch_rows) {
   Builder* b = n->builder;
   const int64_t k = static_cast<int64_t>(job.entries.size());
   std::vector<ObjectRef> refs(static_cast<size_t>(k));
@@ -1129,6 +1172,8 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d) {
     } catch (const std::exception& ex) {
       message = std::string("RuntimeError: is_terminated: ") + ex.what();
     }
+    const int64_t end = e.offset + (e.fill_only ? 1 : 1 + job.draft_len);
+    if (message.empty() && end > launch_rows) message = PastRows(e.offset, end, launch_rows);
     if (message.empty() && !e.fill_only && (token < 0 || token >= n->vocab_size)) {
       message = "RequestError: new_token " + std::to_string(token) + " from the token buffer "
                 "is outside the vocabulary [0, " + std::to_string(n->vocab_size) + ")";
@@ -1366,9 +1411,9 @@ void Install(HostNode* n, NodeJob* job, NodeDone* d) {
   }
 }
 
-// The host node: take the next job and run it (see the section's comment). Never throws.
-void RunNode(void* p) {
-  auto* n = static_cast<HostNode*>(p);
+// The host node: take the next job and run it (see the section's comment), masking `rows`
+// logits rows. Never throws.
+void RunStep(HostNode* n, int64_t rows) {
   std::lock_guard<std::mutex> serial(n->run_mu);
   const NodeRange range;
   const int64_t t0 = NowNs();
@@ -1403,11 +1448,11 @@ void RunNode(void* p) {
     else n->last_entries = job.entries;
   }
   if (python) {
-    RunPython(n, job.epoch);  // (it takes its batch and reports itself: no done record)
+    RunPython(n, job.epoch, rows);  // (it takes its batch and reports itself: no record)
   } else {
     try {
       if (d.error.empty()) {
-        RunNative(n, job, &d);
+        RunNative(n, job, &d, rows);
       } else {
         n->builder->BeginStep(n->builder->bitmask.size(0));  // a step out of step masks nothing
       }
@@ -1418,6 +1463,11 @@ void RunNode(void* p) {
     n->done.push_back(std::move(d));
   }
   EndRun(n, t0, &n->runs);
+}
+
+void RunNode(void* p) {
+  const auto* l = static_cast<NodeLaunch*>(p);
+  RunStep(l->node, l->rows);
 }
 
 // Roll m back by `count` tokens through xgrammar's FFI rollback: true, or false with what it
@@ -1525,7 +1575,7 @@ void RollbackEntries(HostNode* n, const std::vector<NodeEntry>& entries, NodeDon
 // after a Python step, for a Python step's batch, and where a slot's matcher only Python can
 // run. A warm-up run does nothing. Never throws.
 void RunRollback(void* p) {
-  auto* n = static_cast<HostNode*>(p);
+  HostNode* n = static_cast<NodeLaunch*>(p)->node;
   std::lock_guard<std::mutex> serial(n->run_mu);
   if (n->warmup.load()) return;
   const NodeRange range(1);
@@ -1569,7 +1619,8 @@ void RunRollback(void* p) {
 // slot for the rest of the loop (not a failure); a fault or a budget overrun fails the
 // request (rows unmasked, matcher dropped); a slot already stopped, or whose matcher has
 // terminated, is skipped. The advances count toward the slot's draft advances.
-void DraftBuild(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d) {
+void DraftBuild(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d,
+                int64_t launch_rows) {
   Builder* b = n->builder;
   const int64_t k = static_cast<int64_t>(entries.size());
   std::vector<ObjectRef> refs(static_cast<size_t>(k));
@@ -1600,7 +1651,9 @@ void DraftBuild(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d)
       message = std::string("RuntimeError: is_terminated: ") + ex.what();
     }
     const int64_t token = e.index < n->num_slots ? n->draft_tokens[e.index] : -1;
-    if (message.empty() && (token < 0 || token >= n->vocab_size)) {
+    if (message.empty() && e.index >= launch_rows) {
+      message = PastRows(e.index, e.index + 1, launch_rows);
+    } else if (message.empty() && (token < 0 || token >= n->vocab_size)) {
       message = "RequestError: draft step token " + std::to_string(token) + " from the "
                 "draft token buffer is outside the vocabulary [0, " +
                 std::to_string(n->vocab_size) + ")";
@@ -1685,14 +1738,16 @@ void DraftEnd(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d) {
   }
 }
 
-// One step of a drafting loop (execute_draft_batch): at the first, the loop's batch is taken
-// off the queue (as a step takes it) and its rejected drafts are rolled back (as
-// RunRollback); then the draft step's build (DraftBuild); at the last, the loop's draft
-// advances are rolled back (DraftEnd). Each part is a record of its own. The loop is
-// Python's (the decoder's draft step under the GIL, from its first step to its last) where
+// One step of a drafting loop (execute_draft_batch), the loop's step `draft_step`, masking
+// `rows` logits rows (a request past them fails, PastRows): at the first, the loop's batch is
+// taken off the queue (as a step takes it) and its rejected drafts are rolled back (as
+// RunRollback); then the draft step's build (DraftBuild); at the last (the batch's runtime
+// draft length decides which, not the launch), the loop's draft advances are rolled back
+// (DraftEnd); a step past the last guides nothing. Each part is a record of its own. The loop
+// is Python's (the decoder's draft step under the GIL, from its first step to its last) where
 // its batch is a Python step's, after a Python step, or where a slot's matcher only Python
 // can run. A warm-up run masks nothing and takes nothing. Never throws.
-void RunDraft(HostNode* n, bool first, bool last) {
+void RunDraft(HostNode* n, int64_t draft_step, int64_t rows) {
   std::lock_guard<std::mutex> serial(n->run_mu);
   if (n->warmup.load()) {
     ClearAll(n);
@@ -1701,8 +1756,10 @@ void RunDraft(HostNode* n, bool first, bool last) {
   const NodeRange range(2);
   const int64_t t0 = NowNs();
   n->last_start.store(t0);
+  const bool first = draft_step == 0;
   std::vector<NodeEntry> entries;
   bool python = false;
+  int64_t last = 0;
   if (first) {
     NodeDone pop;
     pop.kind = kDoneDraftPop;
@@ -1718,18 +1775,23 @@ void RunDraft(HostNode* n, bool first, bool last) {
                 }));
       n->draft_python = python;
       n->draft_epoch = job.epoch;
+      n->draft_last = std::max<int64_t>(job.draft_len, 1) - 1;
       n->draft_entries.clear();
       if (have && pop.error.empty() && !python) n->draft_entries = job.entries;
       entries = n->draft_entries;
+      last = n->draft_last;
       if (!python) n->done.push_back(std::move(pop));  // (Python's loop pops its own)
     }
   } else {
     std::lock_guard<std::mutex> lock(n->mu);
     python = n->draft_python;
     entries = n->draft_entries;
+    last = n->draft_last;
   }
   if (python) {
-    RunPythonDraft(n, first, last);
+    RunPythonDraft(n, draft_step, rows);
+  } else if (draft_step > last) {
+    ClearAll(n);  // (past the batch's draft length: the loop ended at its last step)
   } else {
     try {
       NodeDone back, build, end;
@@ -1738,12 +1800,12 @@ void RunDraft(HostNode* n, bool first, bool last) {
       end.kind = kDoneDraftEnd;
       back.epoch = build.epoch = end.epoch = n->draft_epoch;
       if (first) RollbackEntries(n, entries, &back);
-      DraftBuild(n, entries, &build);
-      if (last) DraftEnd(n, entries, &end);
+      DraftBuild(n, entries, &build, rows);
+      if (draft_step == last) DraftEnd(n, entries, &end);
       std::lock_guard<std::mutex> lock(n->mu);
       if (first) n->done.push_back(std::move(back));
       n->done.push_back(std::move(build));
-      if (last) n->done.push_back(std::move(end));
+      if (draft_step == last) n->done.push_back(std::move(end));
     } catch (const std::exception& ex) {  // (BeginStep's bounds: a bug, reported as such)
       NodeDone bug;
       bug.kind = kDoneDraftPop;
@@ -1756,10 +1818,10 @@ void RunDraft(HostNode* n, bool first, bool last) {
   EndRun(n, t0, &n->draft_runs);
 }
 
-void RunDraftFirst(void* p) { RunDraft(static_cast<HostNode*>(p), true, false); }
-void RunDraftMiddle(void* p) { RunDraft(static_cast<HostNode*>(p), false, false); }
-void RunDraftLast(void* p) { RunDraft(static_cast<HostNode*>(p), false, true); }
-void RunDraftOnly(void* p) { RunDraft(static_cast<HostNode*>(p), true, true); }
+void RunDraftStep(void* p) {
+  const auto* l = static_cast<NodeLaunch*>(p);
+  RunDraft(l->node, l->draft_step, l->rows);
+}
 
 HostNode* NodeArg(PyObject* capsule) {
   return static_cast<HostNode*>(PyCapsule_GetPointer(capsule, kNodeCapsule));
@@ -1852,11 +1914,27 @@ PyObject* NodeCreate(PyObject*, PyObject* args) {
   auto addr = [](void (*f)(void*)) {
     return static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(f));
   };
-  return Py_BuildValue("(NKKKKK(KKKK))", capsule, addr(&RunNode), addr(&NodeRetain),
-                       addr(&NodeRelease),
-                       static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(n)),
-                       addr(&RunRollback), addr(&RunDraftMiddle), addr(&RunDraftFirst),
-                       addr(&RunDraftLast), addr(&RunDraftOnly));
+  return Py_BuildValue("(NKKKKK)", capsule, addr(&RunNode), addr(&LaunchRetain),
+                       addr(&LaunchRelease), addr(&RunRollback), addr(&RunDraftStep));
+}
+
+// node_launch(node, rows, draft_step) -> address: a new launch shape of the node (NodeLaunch),
+// the user data to launch its C functions with.
+PyObject* NodeLaunchNew(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HostNode* n = NodeCall(args, nargs, 3, "node_launch(node, rows, draft_step)");
+  if (n == nullptr) return nullptr;
+  const long long rows = PyLong_AsLongLong(args[1]);
+  if (rows == -1 && PyErr_Occurred()) return nullptr;
+  const long long draft_step = PyLong_AsLongLong(args[2]);
+  if (draft_step == -1 && PyErr_Occurred()) return nullptr;
+  if (rows < 0 || draft_step < -1) {
+    PyErr_Format(PyExc_ValueError, "node_launch: rows %lld must be >= 0 and draft_step %lld "
+                 ">= -1", rows, draft_step);
+    return nullptr;
+  }
+  n->launches.push_back(std::make_unique<NodeLaunch>(NodeLaunch{n, rows, draft_step}));
+  return PyLong_FromUnsignedLongLong(
+      static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(n->launches.back().get())));
 }
 
 // What a node job asks of its caller: the batch indices of the requests whose matchers it
@@ -2406,6 +2484,9 @@ PyMethodDef g_methods[] = {
      METH_FASTCALL, "End the state's build thread (fast_begin starts it again)."},
     {"node_create", reinterpret_cast<PyCFunction>(NodeCreate), METH_VARARGS,
      "Create a native host node bound to a fast state and a token buffer."},
+    {"node_launch",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeLaunchNew)), METH_FASTCALL,
+     "A launch shape of the node (its logits rows, a draft step's index): its address."},
     {"node_push", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodePush)),
      METH_FASTCALL, "Queue a step's native job, or return False (a Python step)."},
     {"node_commit", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeCommit)),

@@ -585,3 +585,140 @@ def test_a_decoders_callback_error_is_raised_by_it_not_by_another(factory, host_
         hostfunc.drain()
     a.close()
     b.close()
+
+
+def _native_or_skip(host_node: str) -> None:
+    from capgraph.build import library
+    if host_node == "native" and library.unavailable_reason():
+        pytest.skip(f"the native host node does not build here: {library.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+def test_a_replay_for_more_rows_than_its_capture_fails_the_requests_past_them(
+        factory, tekken, host_node):
+    """A graph captured for 2 logits rows, replayed for a batch whose layout needs 4 (two
+    requests of 1 + 1 draft rows): the first request's rows are masked and its matcher
+    advances; the second's rows lie past the captured ones, so its tokens would be sampled
+    unmasked: it fails with a LayoutError naming its rows and its matcher moves no further."""
+    _native_or_skip(host_node)
+    params = GuidedDecodingParams.regex("[a-c]{3}x")
+    V = factory.config.vocab_size_padded
+    a = encode_continuation(tekken, "a")[0]
+    x = encode_continuation(tekken, "x")[0]
+    dec = CapturableGuidedDecoder(factory.config, 2, 1, factory=factory, host_node=host_node)
+    contexts = [GuidedRequest.context(1, 0, params), GuidedRequest.context(2, 1, params)]
+    graph, static = hostfunc.HostGraph(), torch.zeros(2, V)
+    dec.add_batch(contexts, runtime_draft_len=0)
+    with hostfunc.capture(graph):
+        dec.execute(static)
+    dec.add_batch(contexts, runtime_draft_len=0)
+    graph.replay()
+    hostfunc.drain()
+    assert dec.take_failed_requests() == []
+    dec.add_batch([GuidedRequest.generation(1, 0, params, a, draft_tokens=[a]),
+                   GuidedRequest.generation(2, 1, params, a, draft_tokens=[a])],
+                  runtime_draft_len=1)
+    static.zero_()
+    graph.replay()
+    hostfunc.drain()
+    failed = dec.take_failed_requests()
+    assert [rid for rid, _ in failed] == [2], failed
+    assert failed[0][1].startswith("LayoutError") and "[2, 4)" in failed[0][1] \
+        and "2 logits rows" in failed[0][1]
+    assert dec.num_advanced_tokens[0] == 2 and dec.num_advanced_tokens[1] == 0
+    assert dec.grammar_matchers[1] is None and dec.grammar_matchers[0] is not None
+    for row in range(2):  # the first request's rows: after "a", then "aa": no "x" yet
+        assert torch.isfinite(static[row, a]) and torch.isneginf(static[row, x])
+    graph.reset()
+    dec.close()
+
+
+def test_prepare_below_the_batch_layout_fails_the_requests_past_its_rows(factory, tekken):
+    """``prepare(num_rows)`` copies that many bitmask rows: a request past them fails (its
+    rows are not masked), and execute masks only the prepared rows."""
+    params = GuidedDecodingParams.regex("[a-c]{3}x")
+    V = factory.config.vocab_size_padded
+    dec = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="python")
+    dec.add_batch([GuidedRequest.context(1, 0, params), GuidedRequest.context(2, 1, params)])
+    dec.prepare(1)
+    logits = torch.zeros(2, V)
+    dec.execute(logits)
+    failed = dec.take_failed_requests()
+    assert [rid for rid, _ in failed] == [2] and "[1, 2)" in failed[0][1]
+    assert torch.isneginf(logits[0]).any() and not torch.isneginf(logits[1]).any()
+    assert dec.grammar_matchers[0] is not None and dec.grammar_matchers[1] is None
+    dec.close()
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+@pytest.mark.parametrize("captured_len, runtime_len, one_graph", [
+    (3, 1, False),  # a graph per draft step, captured at 3; a step drafting 1 replays one
+    (1, 3, True),  # one graph of 3 steps captured while the batch drafted 1; replayed for 3
+    (3, 2, True),  # one graph of 3 steps replayed for a batch drafting 2: the third is idle
+])
+def test_a_drafting_loop_ends_where_its_replayed_batch_ends(factory, tekken, host_node,
+                                                            captured_len, runtime_len,
+                                                            one_graph):
+    """Which step of a captured drafting loop is its last is read from the batch a replay
+    takes, not from the capture: the draft masks, and the target step after the loop, equal
+    the eager decoder's for that batch (a loop ended at the captured length left the draft
+    advances in the matcher, and the target step masked after the wrong prefix)."""
+    _native_or_skip(host_node)
+    K = 3
+    params = GuidedDecodingParams.regex("a{3}b")
+    V = factory.config.vocab_size_padded
+    a = encode_continuation(tekken, "a")[0]
+    eager = GuidedDecoder(factory.config, 1, K, factory=factory)
+    dec = CapturableGuidedDecoder(factory.config, 1, K, factory=factory, host_node=host_node)
+    context = [GuidedRequest.context(1, 0, params)]
+    eager.add_batch(context)
+    eager.execute(torch.zeros(1, V))
+    dec.add_batch(context, runtime_draft_len=0)
+    dec.execute(torch.zeros(1, V))
+    statics = [torch.zeros(1, V) for _ in range(K)]
+    tokens, accepted = torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    dec.add_batch([GuidedRequest.generation(1, 0, params, a)], runtime_draft_len=captured_len)
+    graphs = [hostfunc.HostGraph() for _ in range(1 if one_graph else K)]
+
+    def draft_step(k: int) -> None:
+        dec.add_draft_batch(tokens, accepted if k == 0 else None, k)
+        dec.execute_draft_batch(statics[k], draft_step=k)
+    if one_graph:
+        with hostfunc.capture(graphs[0]):
+            for k in range(K):
+                draft_step(k)
+    else:
+        for k in range(K):
+            with hostfunc.capture(graphs[k]):
+                draft_step(k)
+    target = GuidedRequest.generation(1, 0, params, a)
+    eager.add_batch([target], runtime_len)
+    eager.rollback_rejected_tokens()
+    expected = []
+    for _ in range(runtime_len):
+        eager.add_batch([GuidedRequest(params, 1, 0, is_draft=True, new_token=a,
+                                       is_generation_in_progress_state=True)], runtime_len)
+        row = torch.zeros(1, V)
+        eager.execute(row)
+        expected.append(row)
+    eager.rollback_draft_tokens()
+    dec.add_batch([target], runtime_draft_len=runtime_len)
+    tokens[0] = a
+    for graph in (graphs if one_graph else graphs[:runtime_len]):
+        graph.replay()
+    hostfunc.drain()
+    assert dec.take_failed_requests() == []
+    for k in range(runtime_len):
+        assert same(statics[k], expected[k]), k
+    for k in range(runtime_len, K if one_graph else runtime_len):
+        assert not torch.isneginf(statics[k]).any(), k  # past the batch's last step: idle
+    verify = GuidedRequest.generation(1, 0, params, a, draft_tokens=[a] * runtime_len)
+    eager.add_batch([verify], runtime_len)
+    dec.add_batch([verify], runtime_draft_len=runtime_len)
+    want, got = torch.zeros(1 + runtime_len, V), torch.zeros(1 + runtime_len, V)
+    assert eager.execute(want) == []
+    dec.execute(got)
+    assert dec.take_failed_requests() == [] and same(want, got)
+    for graph in graphs:
+        graph.reset()
+    dec.close()

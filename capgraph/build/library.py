@@ -416,16 +416,20 @@ class NodeStats(NamedTuple):
 class HostNode:
     """A capturable decoder's step as a native host function (``csrc/python_entry.cc``, "the
     native host node"), which a captured graph calls as its host node through
-    :func:`hostfunc.launch_native` (``run(address)``; ``retain`` / ``release`` tie the node's
-    life to the graph) and which never takes the GIL for a steady-state batch.
+    :func:`hostfunc.launch_native` (``run(launch)``, ``launch`` from :meth:`launch`; ``retain``
+    / ``release`` tie the node's life to the graph) and which never takes the GIL for a
+    steady-state batch.
 
     Per step: :meth:`push` (at ``add_batch``) reads the batch's requests into a native job, or
     declines a batch that is not the plain case, which :meth:`push_python` then queues as a
-    Python step (the node takes the GIL and calls ``fallback(epoch)``); the node runs the job
-    when the stream reaches it; :meth:`take` (after the step's sync) returns what it did.
+    Python step (the node takes the GIL and calls ``fallback(epoch, rows)``); the node runs
+    the job when the stream reaches it; :meth:`take` (after the step's sync) returns what it
+    did. Each launch carries the logits rows its step masks (:meth:`launch`): a captured graph
+    keeps those of its capture, and a request of a replayed batch whose bitmask rows lie past
+    them fails (a ``LayoutError``: its tokens would be sampled unmasked).
     :meth:`set_slot` keeps the node's per-slot table in step with the decoder's matchers.
 
-    The rollback of rejected drafts is a second C function, ``run_rollback(address)``: it rolls
+    The rollback of rejected drafts is a second C function, ``run_rollback(launch)``: it rolls
     the requests of the batch the next step runs back to the accepted counts in ``counts``
     (by batch position), from the tokens each slot's matcher advanced in its last step, which
     the node keeps itself (:meth:`sync_counts` hands it Python's after a Python stage). After
@@ -433,18 +437,21 @@ class HostNode:
     for a slot whose matcher only Python can run, it calls ``rollback_fallback()`` under the
     GIL instead.
 
-    A drafting loop's steps are C functions too (:meth:`draft_run`): the first takes the loop's
-    batch off the queue and rolls its rejected drafts back, each builds the draft rows from the
-    draft-token buffer ``drafts`` (by batch position), the last rolls the loop's draft advances
-    back; a loop the node cannot run (as for a rollback, or a batch with context requests) is
-    ``draft_fallback(first, last)`` under the GIL, from its first step to its last.
+    A drafting loop's steps are C functions too (``run_draft(launch)``, the launch naming the
+    step's index in the loop): the first takes the loop's batch off the queue and rolls its
+    rejected drafts back, each builds the draft rows from the draft-token buffer ``drafts``
+    (by batch position), the last rolls the loop's draft advances back; which step is the
+    last is read from the loop's batch (its runtime draft length) when the step runs, and a
+    step past it guides nothing. A loop the node cannot run (as for a rollback, or a batch
+    with context requests) is ``draft_fallback(draft_step, rows)`` under the GIL, from its
+    first step to its last.
 
     Args:
         fast: the decoder's :class:`FastPath` (its Builder and request fields).
         buffer: the decoder's pinned ``[positions, max_num_sequences]`` int32 token buffer,
             read by the node for requests whose tokens come from it.
-        fallback: ``fallback(epoch)``, the decoder's Python host step (called under the GIL
-            on the node's thread; it must not raise).
+        fallback: ``fallback(epoch, rows)``, the decoder's Python host step (called under the
+            GIL on the node's thread; it must not raise).
         counts: the decoder's pinned ``[max_num_sequences]`` int32 accepted-count buffer.
         rollback: xgrammar's matcher rollback (:func:`matcher_rollback`).
         rollback_fallback: the decoder's Python rollback (as ``fallback``).
@@ -456,9 +463,10 @@ class HostNode:
         ticket_ring: the ticket's modulus.
     """
 
-    def __init__(self, fast: FastPath, buffer: torch.Tensor, fallback: Callable[[int], None],
-                 counts: torch.Tensor, rollback: Any, rollback_fallback: Callable[[], None],
-                 drafts: torch.Tensor, draft_fallback: Callable[[bool, bool], None],
+    def __init__(self, fast: FastPath, buffer: torch.Tensor,
+                 fallback: Callable[[int, int], None], counts: torch.Tensor, rollback: Any,
+                 rollback_fallback: Callable[[], None], drafts: torch.Tensor,
+                 draft_fallback: Callable[[int, int], None],
                  ticket: torch.Tensor, ticket_ring: int) -> None:
         module = python_module()
         if module is None or not hasattr(module, "node_create"):
@@ -482,8 +490,15 @@ class HostNode:
                                    f"{type(rollback).__name__}")
         self._module = module
         self._fast = fast
-        (self._capsule, self.run, self.retain, self.release, self.address, self.run_rollback,
-         self._drafts) = module.node_create(fast.state, buffer, buffer.data_ptr(),
+        #: the C functions ``f(launch)``: a step, a rollback, a drafting loop's step; and the
+        #: launch's retain / release for :func:`hostfunc.launch_native`
+        self.run: int
+        self.run_rollback: int
+        self.run_draft: int
+        self.retain: int
+        self.release: int
+        (self._capsule, self.run, self.retain, self.release, self.run_rollback,
+         self.run_draft) = module.node_create(fast.state, buffer, buffer.data_ptr(),
                                             buffer.shape[0], fallback, counts,
                                             counts.data_ptr(), rollback, chandle(),
                                             rollback_fallback, drafts, drafts.data_ptr(),
@@ -494,7 +509,19 @@ class HostNode:
         self._drop, self._set_slot, self._take = (module.node_drop, module.node_set_slot,
                                                   module.node_take)
         self._sync = module.node_sync_counts
+        self._launches: dict[tuple[int, int], int] = {}
         _shutdown_at_exit(module)
+
+    def launch(self, rows: int, draft_step: int = -1) -> int:
+        """The address to launch the node's C functions with for a step that masks ``rows``
+        logits rows (``draft_step``: the index of a drafting loop's step; -1 for a step or a
+        rollback). Made once per shape; it lives as long as the node."""
+        key = (rows, draft_step)
+        address = self._launches.get(key)
+        if address is None:
+            address = self._launches[key] = self._module.node_launch(self._capsule, rows,
+                                                                     draft_step)
+        return address
 
     def push(self, requests: list, offsets: list, draft_len: int, clear_rows: int, epoch: int,
              from_buffer: bool, ticketed: bool) -> tuple[list[int], list[int]] | None:
@@ -539,11 +566,6 @@ class HostNode:
         matcher only Python can run, which makes a step holding the slot a Python step);
         ``stopped``: the slot's drafting loop stopped guiding it (skipped)."""
         self._set_slot(self._capsule, slot, handle, stopped)
-
-    def draft_run(self, first: bool, last: bool) -> int:
-        """The C function (launched with :attr:`address`) of a drafting loop's step: its first
-        (``first``), its last (``last``), both, or one between."""
-        return self._drafts[int(first) + 2 * int(last)]
 
     def take(self, advanced: list, guided: list, drafted: list) -> list[tuple]:
         """What the node did since the last call, in order, as ``(kind, epoch, queue error or
