@@ -840,7 +840,9 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 // masks and a draft step's index. A captured graph replays the shape it was captured with,
 // whatever the batch its replay takes: a request whose bitmask rows lie past those rows fails
 // (its tokens would be sampled unmasked), and which step of a drafting loop is its last is
-// read from the loop's batch when the step runs.
+// read from the loop's batch when the step runs. A loop replayed short of its last step stays
+// open (draft_open) until the next run that takes a batch, which is then a Python step whose
+// fetch ends the loop first.
 //
 // node_create(fast, new_tokens, address, positions, fallback, counts, counts_address,
 //             rollback, rollback_address, rollback_fallback, drafts, drafts_address,
@@ -1007,6 +1009,11 @@ struct HostNode {
   // the index of the loop's last step: its batch's runtime draft length - 1 (0 for none); a
   // step past it guides nothing
   int64_t draft_last = 0;
+  // a loop took its batch and its last step has not run: the next run taking a batch (a step,
+  // a rollback, a loop's first step) is a Python step, whose fetch ends the loop first (its
+  // draft advances rolled back: a replay that ran fewer steps than the batch's runtime draft
+  // length leaves no draft prefix in the matchers, and no slot unguided)
+  bool draft_open = false;
   std::vector<NodeEntry> draft_entries;
   std::mutex run_mu;  // one step or rollback at a time
   std::atomic<int64_t> runs{0}, python_runs{0}, last_start{0}, last_end{0}, busy_ns{0},
@@ -1438,6 +1445,7 @@ void RunStep(HostNode* n, int64_t rows) {
         python = true;
       }
     }
+    if (n->draft_open) python = true;  // (its fetch ends the open loop first)
     if (!python) Install(n, &job, &d);
   }
   if (have && d.error.empty()) {  // what a rollback before the next step's job rolls back
@@ -1449,6 +1457,8 @@ void RunStep(HostNode* n, int64_t rows) {
   }
   if (python) {
     RunPython(n, job.epoch, rows);  // (it takes its batch and reports itself: no record)
+    std::lock_guard<std::mutex> lock(n->mu);
+    n->draft_open = false;
   } else {
     try {
       if (d.error.empty()) {
@@ -1600,9 +1610,12 @@ void RunRollback(void* p) {
     for (const NodeEntry& e : entries) {  // (a slot's draft tree: Python keeps its path)
       if (n->slot_kind[e.slot] == 2 || n->slot_tree[e.slot]) python = true;
     }
+    if (n->draft_open) python = true;  // (its fetch ends the open loop first)
   }
   if (python) {
     RunPython(n, -1);
+    std::lock_guard<std::mutex> lock(n->mu);
+    n->draft_open = false;
   } else {
     RollbackEntries(n, entries, &d);
   }
@@ -1768,7 +1781,7 @@ void RunDraft(HostNode* n, int64_t draft_step, int64_t rows) {
     {
       std::lock_guard<std::mutex> lock(n->mu);
       python = have && pop.error.empty() &&
-               (job.python || n->last_python || !job.installs.empty() ||
+               (job.python || n->last_python || n->draft_open || !job.installs.empty() ||
                 std::any_of(job.entries.begin(), job.entries.end(), [&](const NodeEntry& e) {
                   return n->slot_kind[e.slot] == 2 || n->slot_tree[e.slot] ||
                          e.fill_only || e.skip;
@@ -1776,6 +1789,7 @@ void RunDraft(HostNode* n, int64_t draft_step, int64_t rows) {
       n->draft_python = python;
       n->draft_epoch = job.epoch;
       n->draft_last = std::max<int64_t>(job.draft_len, 1) - 1;
+      if (have && pop.error.empty()) n->draft_open = true;
       n->draft_entries.clear();
       if (have && pop.error.empty() && !python) n->draft_entries = job.entries;
       entries = n->draft_entries;
@@ -1790,6 +1804,10 @@ void RunDraft(HostNode* n, int64_t draft_step, int64_t rows) {
   }
   if (python) {
     RunPythonDraft(n, draft_step, rows);
+    if (draft_step >= last) {
+      std::lock_guard<std::mutex> lock(n->mu);
+      n->draft_open = false;
+    }
   } else if (draft_step > last) {
     ClearAll(n);  // (past the batch's draft length: the loop ended at its last step)
   } else {
@@ -1805,7 +1823,10 @@ void RunDraft(HostNode* n, int64_t draft_step, int64_t rows) {
       std::lock_guard<std::mutex> lock(n->mu);
       if (first) n->done.push_back(std::move(back));
       n->done.push_back(std::move(build));
-      if (draft_step == last) n->done.push_back(std::move(end));
+      if (draft_step == last) {
+        n->done.push_back(std::move(end));
+        n->draft_open = false;
+      }
     } catch (const std::exception& ex) {  // (BeginStep's bounds: a bug, reported as such)
       NodeDone bug;
       bug.kind = kDoneDraftPop;

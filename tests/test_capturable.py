@@ -671,6 +671,10 @@ def test_a_drafting_loop_ends_where_its_replayed_batch_ends(factory, tekken, hos
     eager = GuidedDecoder(factory.config, 1, K, factory=factory)
     dec = CapturableGuidedDecoder(factory.config, 1, K, factory=factory, host_node=host_node)
     context = [GuidedRequest.context(1, 0, params)]
+    step_graph = hostfunc.HostGraph()  # (with it the native node serves every step)
+    dec.add_batch(context, runtime_draft_len=0)
+    with hostfunc.capture(step_graph):
+        dec.execute(torch.zeros(1, V))
     eager.add_batch(context)
     eager.execute(torch.zeros(1, V))
     dec.add_batch(context, runtime_draft_len=0)
@@ -719,6 +723,87 @@ def test_a_drafting_loop_ends_where_its_replayed_batch_ends(factory, tekken, hos
     assert eager.execute(want) == []
     dec.execute(got)
     assert dec.take_failed_requests() == [] and same(want, got)
-    for graph in graphs:
+    if host_node == "native":  # (the loops ran in the node, not in its Python step)
+        assert dec.host_node_stats.python_draft_runs == 0, dec.host_node_stats
+    for graph in graphs + [step_graph]:
+        graph.reset()
+    dec.close()
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+@pytest.mark.parametrize("draft_text", ["a", "x"])  # accepted; refused (drafting stops)
+@pytest.mark.parametrize("next_step", ["target", "loop"])
+def test_a_drafting_loop_cut_short_is_ended_by_the_next_step(factory, tekken, host_node,
+                                                             draft_text, next_step):
+    """A replay that runs two of its batch's three draft steps never reaches the loop's
+    last step: the next step taking a batch (a target step, or the next loop's first step)
+    ends the loop first. Before, the draft advances stayed in the matcher (the target step
+    masked after the draft prefix) and a slot whose draft token was refused stayed
+    unguided."""
+    _native_or_skip(host_node)
+    K = 3
+    params = GuidedDecodingParams.regex("a{3}b")
+    V = factory.config.vocab_size_padded
+    a = encode_continuation(tekken, "a")[0]
+    d_tok = encode_continuation(tekken, draft_text)[0]
+    eager = GuidedDecoder(factory.config, 1, K, factory=factory)
+    dec = CapturableGuidedDecoder(factory.config, 1, K, factory=factory, host_node=host_node)
+    context = [GuidedRequest.context(1, 0, params)]
+    step_graph = hostfunc.HostGraph()  # (with it the native node serves every step)
+    dec.add_batch(context, runtime_draft_len=0)
+    with hostfunc.capture(step_graph):
+        dec.execute(torch.zeros(1, V))
+    eager.add_batch(context)
+    eager.execute(torch.zeros(1, V))
+    dec.add_batch(context, runtime_draft_len=0)
+    dec.execute(torch.zeros(1, V))
+    statics = [torch.zeros(1, V) for _ in range(K)]
+    tokens, accepted = torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    dec.add_batch([GuidedRequest.generation(1, 0, params, a)], runtime_draft_len=K)
+    graphs = [hostfunc.HostGraph() for _ in range(K)]
+    for k in range(K):
+        with hostfunc.capture(graphs[k]):
+            dec.add_draft_batch(tokens, accepted if k == 0 else None, k)
+            dec.execute_draft_batch(statics[k], draft_step=k)
+    target = GuidedRequest.generation(1, 0, params, a)
+    eager.add_batch([target], K)
+    eager.rollback_rejected_tokens()
+    for token in (a, d_tok):
+        eager.add_batch([GuidedRequest(params, 1, 0, is_draft=True, new_token=token,
+                                       is_generation_in_progress_state=True)], K)
+        eager.execute(torch.zeros(1, V))
+    eager.rollback_draft_tokens()
+    dec.add_batch([target], runtime_draft_len=K)
+    for k, token in enumerate((a, d_tok)):  # steps 0 and 1 only: the loop is cut short
+        tokens[0] = token
+        graphs[k].replay()
+    hostfunc.drain()
+    if next_step == "target":
+        verify = GuidedRequest.generation(1, 0, params, a, draft_tokens=[a])
+        eager.add_batch([verify], 1)
+        dec.add_batch([verify], runtime_draft_len=1)
+        want, got = torch.zeros(2, V), torch.zeros(2, V)
+        assert eager.execute(want) == []
+        dec.execute(got)
+    else:  # the next loop's first step, for a target that took "a" again
+        again = GuidedRequest.generation(1, 0, params, a)
+        eager.add_batch([again], K)
+        eager.rollback_rejected_tokens()
+        eager.add_batch([GuidedRequest(params, 1, 0, is_draft=True, new_token=a,
+                                       is_generation_in_progress_state=True)], K)
+        want = torch.zeros(1, V)
+        assert eager.execute(want) == []
+        dec.add_batch([again], runtime_draft_len=K)
+        tokens[0] = a
+        graphs[0].replay()
+        hostfunc.drain()
+        got = statics[0]
+    assert dec.take_failed_requests() == []
+    assert torch.isneginf(got).any() and same(want, got)
+    if host_node == "native":  # the cut loop ran in the node; the next loop's first step,
+        # which ended it, is a Python step of the node (as the Python step after it)
+        stats = dec.host_node_stats
+        assert stats.draft_runs - stats.python_draft_runs == 2, stats
+    for graph in graphs + [step_graph]:
         graph.reset()
     dec.close()
