@@ -229,6 +229,9 @@ class GuidedDecoder:
             host_build, slots, self.grammar_matcher_factory,
             float(config.host_step_budget_ms or 0.0), config.native_build)
         self._inflight: GuidedRequests | None = None  # the batch host_build.begin() took
+        # the draft batch of a drafting loop whose advances no rollback_draft_tokens has undone
+        # yet: the next target build or rollback of rejected tokens undoes them first
+        self._open_draft: GuidedRequests | None = None
         # the one-pass C++ CPU mask, called without the custom op's dispatch (see apply_bitmask)
         self._cpu_apply = cpu_apply() if self.device.type == "cpu" else None
 
@@ -453,6 +456,11 @@ class GuidedDecoder:
     def rollback_draft_tokens(self) -> None:
         """Undo every advance made by a drafting loop (call after it, before the target build).
 
+        A loop left without it is undone by the next target build (``execute`` / ``build`` of
+        a batch that is not a draft step) or ``rollback_rejected_tokens``, before they read
+        the matchers: no target row is masked after a draft prefix, and no slot whose
+        drafting stopped is left unguided.
+
         Raises:
             DecoderClosedError: the decoder was closed.
         """
@@ -646,6 +654,10 @@ class GuidedDecoder:
         """
         if self._inflight is not None:
             self._finish_build()
+        if requests.is_draft_step:
+            self._open_draft = requests
+        elif self._open_draft is not None:  # (a loop without its rollback_draft_tokens)
+            self._rollback_draft_tokens(self._open_draft)
         clear = requests.num_bitmask_tokens if clear_rows is None else clear_rows
         # (the trees of the slots built now are no longer current; another slot's stays its
         # own while its request sits out this step)
@@ -795,6 +807,8 @@ class GuidedDecoder:
 
     def _rollback_rejected_tokens(self, requests: GuidedRequests) -> None:
         self._finish_build()
+        if self._open_draft is not None:  # (a loop without its rollback_draft_tokens)
+            self._rollback_draft_tokens(self._open_draft)
         if self.max_num_draft_tokens <= 0:
             return
         handled: set[int] = set()
@@ -881,6 +895,7 @@ class GuidedDecoder:
 
     def _rollback_draft_tokens(self, requests: GuidedRequests) -> None:
         self._finish_build()
+        self._open_draft = None
         if self.max_num_draft_tokens <= 0:
             return
         for req in requests.valid_requests():

@@ -723,3 +723,39 @@ def test_cpu_apply_calls_the_native_pass_directly_with_the_ops_result(dtype):
         assert torch.equal(logits[:rows], expect[:rows]), (rows, width)
     assert calls == [(torch.Size([4, V]), False), (torch.Size([3, V]), False),
                      (torch.Size([4, V // 2]), True)]
+
+
+@pytest.mark.parametrize("draft_text", ["a", "x"])  # accepted; refused (drafting stops)
+@pytest.mark.parametrize("after", ["execute", "rollback_rejected_tokens"])
+def test_a_drafting_loop_left_without_its_rollback_is_undone_by_the_next_target_step(
+        factory, tekken, draft_text, after):
+    """A drafting loop whose rollback_draft_tokens was never called: the next target build
+    (or rollback of rejected tokens) undoes its advances first, so the target rows equal
+    those of a decoder whose loop was rolled back. Before, the target masked after the
+    draft prefix, and a slot whose draft token was refused stayed unguided."""
+    params = GuidedDecodingParams.regex("a{3}b")
+    V = factory.config.vocab_size_padded
+    a, d_tok = (encode_continuation(tekken, t)[0] for t in ("a", draft_text))
+    decoders = [make_decoder(factory, seqs=1, drafts=2) for _ in range(2)]
+    draft = dict(is_draft=True, is_generation_in_progress_state=True)
+    rows = []
+    for k, dec in enumerate(decoders):
+        dec.add_batch([GuidedRequest.context(1, 0, params)])
+        dec.execute(torch.zeros(1, V))
+        for token in (a, d_tok):
+            dec.add_batch([GuidedRequest(params, 1, 0, new_token=token, **draft)])
+            assert dec.execute(torch.zeros(1, V)) == []
+        if k == 0:
+            dec.rollback_draft_tokens()  # the reference; the other decoder forgets it
+        if after == "rollback_rejected_tokens":
+            dec.add_batch([GuidedRequest.generation(1, 0, params, a,
+                                                    num_accepted_draft_tokens=0)], 0)
+            dec.rollback_rejected_tokens()
+        dec.add_batch([GuidedRequest.generation(1, 0, params, a, draft_tokens=[a])], 1)
+        logits = torch.zeros(2, V)
+        assert dec.execute(logits) == []
+        rows.append(logits)
+    assert torch.isneginf(rows[0]).any(dim=1).all()
+    assert torch.equal(rows[0], rows[1])
+    assert not decoders[1].is_draft_terminated[0]
+    assert decoders[1].num_advanced_draft_tokens[0] == 0
