@@ -579,6 +579,29 @@ def test_lark_regex_literals_mean_the_same_on_both_backends(factory_cache, token
     assert got == LARK_TABLE
 
 
+# (grammar, text, accepted): a Lark regex's positive \s is Unicode White_Space on both backends
+LARK_WHITE_SPACE = [
+    ("start: /\\s+/", " \t\u3000", True), ("start: /\\s+/", "\u0085", True),
+    ("start: /\\s+/", "\ufeff", False),  # (no White_Space character; ECMA's \s takes it)
+    ("start: /[a\\s]+/", "a\u2028a", True), ("start: /[a\\s]+/", "a\ufeff", False),
+    ("start: /x\\s?y/", "x\u00a0y", True), ("start: /x\\s?y/", "x\ufeffy", False),
+    ("start: /[\\d\\s-]+/", "1-\u0085", True), ("start: /[\\d\\s-]+/", "1\ufeff", False),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_lark_regex_white_space_is_unicode_white_space(factory_cache, tokenizer_cache,
+                                                         backend):
+    """A positive ``\\s`` in a Lark regex is Unicode White_Space on both backends:
+    xgrammar, whose ECMA ``\\s`` takes U+FEFF and not U+0085, is given the characters
+    written out."""
+    tok = tokenizer_cache("tekken")
+    factory = factory_cache("tekken", backend)
+    got = [(g, t, accepts(factory, tok, lark_guide(backend, g), t))
+           for g, t, _ in LARK_WHITE_SPACE]
+    assert got == LARK_WHITE_SPACE
+
+
 @pytest.mark.parametrize("grammar, text", LARK_WIDER_ON_XGRAMMAR)
 def test_lark_regex_xgrammar_reads_wider_is_refused_on_xgrammar(factory_cache, tokenizer_cache,
                                                                 grammar, text):
@@ -602,7 +625,7 @@ def test_lark_regex_xgrammar_reads_wider_is_refused_on_xgrammar(factory_cache, t
     ("[^\\d]", False, "'\\d'"), ("[^\\D]", False, None), ("[\\w]", False, None),
     ("[^0-9_-]", True, None), ("[^\\x41-\\x43]", True, None), ("[^\\x{212a}]", True, "U+212A"),
     # Rust's nested, POSIX and set-operation classes and surrogate escapes mean other text on
-    # xgrammar; a positive \s is served (its one gap, U+FEFF, is documented)
+    # xgrammar; a positive \s is served (written out as White_Space: lark_spaces)
     ("\\s+", False, None), ("[\\d\\s]", False, None), ("[[:digit:]]+", False, "nests"),
     ("[a-z&&[^x]]", False, "nests"), ("[a-c--b]", False, "set operation"),
     ("\\ud83d\\ude00", False, "surrogate"), ("\\\\ud83d", False, None), ("[\\[]", False, None),

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 __all__ = ["CharClass", "OutsideEscape", "regex_parts"]
@@ -18,12 +18,13 @@ _CONTROLS = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B, "0": 0x00, "
 class CharClass:
     """A character class: ``text`` as written (brackets included); the code point ranges it
     lists (one character is ``(c, c)``); the letters of the escapes it holds that are not one
-    character (``d``, ``W``, ``p``, an unknown letter)."""
+    character (``d``, ``W``, ``p``, an unknown letter); where it starts in the pattern."""
 
     text: str
     negated: bool
     ranges: tuple[tuple[int, int], ...]
     escapes: tuple[str, ...]
+    start: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,4 +101,4 @@ def regex_parts(pattern: str) -> Iterator[CharClass | OutsideEscape]:
                 i = after
             ranges.append((low, high))
         i += 1
-        yield CharClass(pattern[start:i], negated, tuple(ranges), tuple(escapes))
+        yield CharClass(pattern[start:i], negated, tuple(ranges), tuple(escapes), start)

@@ -23,11 +23,12 @@
   with ``"syntax": "lark"`` on xgrammar) means what llguidance reads: its regex literals in
   Rust's syntax, with Unicode ``\\d`` / ``\\w`` / ``\\s`` and Unicode case folding under the
   ``i`` flag (Python's ``re``, which the ``lark`` package uses, agrees on these). xgrammar reads
-  ``\\d`` and ``\\w`` as ASCII, ``\\s`` as ECMA's (which also takes U+FEFF: the one
-  character a positive ``\\s`` lets through there), classes and escapes as ECMA's, and folds
-  ASCII letters only: a regex literal it would read wider otherwise (a negated shorthand, a
-  nested or POSIX class, a set operation, a surrogate escape: :func:`xgrammar_wider`) is
-  refused on xgrammar.
+  ``\\d`` and ``\\w`` as ASCII, ``\\s`` as ECMA's (which takes U+FEFF and not U+0085), so
+  :func:`ecma_tag` writes each positive ``\\s`` out as Unicode White_Space for it
+  (:func:`lark_spaces`); it reads classes and escapes as ECMA's and folds ASCII letters only:
+  a regex literal it would read wider otherwise (a negated shorthand, a nested or POSIX
+  class, a set operation, a surrogate escape: :func:`xgrammar_wider`) is refused on
+  xgrammar.
 - Properties and items a JSON schema does not list are absent where it lists some (xgrammar's
   strict reading); llguidance is given those defaults written out (:func:`llguidance_schema`).
   Where an array or object schema lists none, any are allowed, as JSON Schema has it; xgrammar
@@ -45,11 +46,13 @@ import re
 from typing import Any, Callable, Iterator, Mapping
 
 from .formats import exact_format, exact_format_beside_pattern
+from .lark_text import LarkTextError, lark_regexes
 from .regex_classes import OutsideEscape, regex_parts
 from .schema_policy import subschemas
 
 __all__ = ["ECMA_DOT", "JSON_CONTAINER_SCHEMA", "JSON_WHITESPACE_CHARS", "ascii_classes",
-           "ascii_schema_patterns", "ecma_ebnf", "ecma_regex", "ecma_tag", "llguidance_schema",
+           "ascii_schema_patterns", "ecma_ebnf", "ecma_regex", "ecma_tag", "lark_spaces",
+           "llguidance_schema",
            "xgrammar_schema", "xgrammar_wider"]
 
 #: ``GuideType.JSON`` on every backend: a JSON object or array (the "JSON mode" of serving
@@ -637,11 +640,62 @@ def ecma_tag(tag: str) -> str:
         if kind == "regex" and isinstance(node.get("pattern"), str):
             node["pattern"] = ecma_regex(node["pattern"], "xgrammar", "STRUCTURAL_TAG",
                                          f"the regex element at {at or '/'}")
-        if kind == "grammar" and node.get("syntax", "ebnf") != "lark" \
-                and isinstance(node.get("grammar"), str):
-            node["grammar"] = ecma_ebnf(node["grammar"], "STRUCTURAL_TAG")
+        if kind == "grammar" and isinstance(node.get("grammar"), str):
+            if node.get("syntax", "ebnf") == "lark":
+                node["grammar"] = lark_spaces(node["grammar"])
+            else:
+                node["grammar"] = ecma_ebnf(node["grammar"], "STRUCTURAL_TAG")
         return node != before
     return changed_tag(tag, change)
+
+
+# Unicode White_Space: what a Lark regex's \s is (Rust's, and Python's but for U+001C-U+001F)
+_WHITE_SPACE_SET: Intervals = [(0x09, 0x0D), (0x20, 0x20), (0x85, 0x85), (0xA0, 0xA0),
+                               (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+                               (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000)]
+
+
+def lark_spaces(grammar: str) -> str:
+    """The Lark ``grammar`` with every positive ``\\s`` of its regex literals written out as
+    the Unicode White_Space characters for xgrammar, whose ECMA ``\\s`` takes U+FEFF (no
+    White_Space character) and not U+0085: outside a class as a class of them, inside a
+    class as its members (last, where no hex digit follows them). A ``\\s`` in a negated
+    class is left (:func:`xgrammar_wider` refuses it); text that cannot be read is returned
+    unchanged (the compile's check reports it)."""
+    try:
+        regexes = lark_regexes(grammar)
+    except LarkTextError:
+        return grammar
+    out, pos = [], 0
+    for found in regexes:
+        pattern = _spaces_written(found.pattern)
+        if pattern != found.pattern:
+            out += [grammar[pos:found.start], f"/{pattern}/{found.flags}"]
+            pos = found.end
+    return "".join(out) + grammar[pos:] if out else grammar
+
+
+def _spaces_written(pattern: str) -> str:
+    """``pattern`` with each positive ``\\s`` written out (:func:`lark_spaces`): outside a
+    class as a class of White_Space; a class holding it (and no escape but ``\\d``, ``\\w``,
+    read as xgrammar reads them, ASCII) rewritten whole from its characters, so that no
+    neighbour of the inserted ones changes what they mean."""
+    edits: list[tuple[int, int, str]] = []
+    for part in regex_parts(pattern):
+        if isinstance(part, OutsideEscape):
+            if part.letter == "s":
+                edits.append((part.position, part.position + 2, _xg_class(_WHITE_SPACE_SET)))
+            continue
+        if part.negated or "s" not in part.escapes or not set(part.escapes) <= {"s", "d", "w"}:
+            continue
+        sets = [list(part.ranges)] + [_WHITE_SPACE_SET if e == "s" else _SHORTHAND_SETS[e]
+                                      for e in part.escapes]
+        edits.append((part.start, part.start + len(part.text), _xg_class(_union(sets))))
+    out, pos = [], 0
+    for start, end, text in edits:
+        out += [pattern[pos:start], text]
+        pos = end
+    return "".join(out) + pattern[pos:]
 
 
 # ASCII letters a case-insensitive match takes non-ASCII characters for (Python's ``re``,
@@ -685,10 +739,9 @@ def xgrammar_wider(pattern: str, nocase: bool) -> str | None:
     ``\\s``, take non-ASCII digits, letters or spaces the Lark grammar excludes. It folds case
     for ASCII letters only, so with ``i`` a negated class holding a character with a non-ASCII
     case variant lets the variant through (``[^kσ]``: ``Σ``, ``ς``, U+212A KELVIN SIGN).
-    Positive ``\\d`` and ``\\w`` are only narrower. A positive ``\\s`` is ECMA's there,
-    which also takes U+FEFF (no White_Space character): the one character a Lark
-    whitespace terminal lets through on xgrammar, left so that ``/\\s+/`` is served. An
-    escape this reader does not know
+    Positive ``\\d`` and ``\\w`` are only narrower. A positive ``\\s`` is ECMA's there
+    (U+FEFF in, U+0085 out): :func:`lark_spaces` writes it out as Unicode White_Space for
+    xgrammar, so it is served. An escape this reader does not know
     (``\\p{..}``) inside a negated class counts as such a construct. Beyond width: a class
     that nests a class or a POSIX class (``[[:digit:]]``) or uses Rust's set operations
     (``&&``, ``--``, ``~~``) means another set on xgrammar's ECMA reading (``[[:digit:]]+``
