@@ -331,3 +331,25 @@ def test_text_stop_token_is_allowed_only_where_the_output_may_end(tekken, backen
     assert stop not in ids
     assert drive(factory, schema, ids) == [True] * (len(ids) + 1)
     factory.close()
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_text_stop_token_never_completes_a_guide_as_text(tekken, backend):
+    """A stop token that is ordinary text ('a') whose text would complete the guide ('ba')
+    is never taken as that text: the output ends before the stop token, so 'b' + stop would
+    leave 'b', outside the guide. llguidance refuses 'b' (no other token spells the 'a');
+    xgrammar allows 'b' and then fails the request at the dead end. Before, xgrammar allowed
+    the stop token after 'b' and the matcher ended there."""
+    if backend == "llguidance":
+        pytest.importorskip("llguidance", reason="the llguidance extra is not installed")
+    stop = tekken.convert_tokens_to_ids("a")
+    b, ba = tekken.convert_tokens_to_ids("b"), tekken.convert_tokens_to_ids("ba")
+    config = GuidedDecodingConfig.from_tokenizer(tekken, backend=backend, stop_token_ids=[stop])
+    factory = create_matcher_factory(config)
+    regex = P.regex("ba")
+    try:
+        assert drive(factory, regex, [b, stop]) == [False]
+    except RequestFailed as e:
+        assert backend == "xgrammar" and "DeadEndError" in str(e)
+    assert drive(factory, regex, [ba]) == [True, True]
+    factory.close()

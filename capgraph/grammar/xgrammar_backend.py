@@ -67,21 +67,31 @@ def build_tokenizer_info(config: GuidedDecodingConfig, placeable: Collection[int
     """
     stop_ids = list(config.stop_token_ids or [])
     if config.tokenizer is None:
-        return xgr.TokenizerInfo(list(config.encoded_vocab or []), vocab_type=xgr.VocabType.RAW,
+        encoded = list(config.encoded_vocab or [])
+        for i in stop_ids:  # (a stop token is never text: see above)
+            if 0 <= i < len(encoded):
+                encoded[i] = b"" if isinstance(encoded[i], bytes) else ""
+        return xgr.TokenizerInfo(encoded, vocab_type=xgr.VocabType.RAW,
                                  vocab_size=config.vocab_size_padded, stop_token_ids=stop_ids)
     from ..tokenizers import special_token_ids
 
     detected = xgr.TokenizerInfo.from_huggingface(
         config.tokenizer, vocab_size=config.vocab_size_padded, stop_token_ids=stop_ids)
     specials = special_token_ids(config.tokenizer)
-    if not specials:
-        return detected
     # decoded_vocab is the text of every id (byte-level / byte-fallback spelling undone), so
     # the rebuilt vocabulary is RAW; add_prefix_space is carried over as detected.
     vocab = detected.decoded_vocab
+    # a stop token that is ordinary text too ("a", '"'): with its text xgrammar would allow
+    # it as the text that completes a guide ("b" + stop under "ba"), and the output, which
+    # ends before the stop token, would fall short of the guide
+    texts = [i for i in stop_ids if i not in specials and 0 <= i < len(vocab) and vocab[i]]
+    if not specials and not texts:
+        return detected
     for i in specials:
         if i < len(vocab):
             vocab[i] = SPECIAL_SPELLING_PREFIX + vocab[i] if i in placeable else b""
+    for i in texts:
+        vocab[i] = b""
     return xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW,
                              vocab_size=config.vocab_size_padded, stop_token_ids=stop_ids,
                              add_prefix_space=detected.add_prefix_space)
