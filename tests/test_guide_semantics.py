@@ -682,3 +682,55 @@ def test_lark_json_means_the_same_on_both_backends(factory_cache, tokenizer_cach
     assert not accepts(factory, tok, params, 'o={"a": 1, "b": 2} a=[]')
     assert not accepts(factory, tok, params, 'o={"a": "1"} a=[]')
     assert not accepts(factory, tok, params, 'o={} a=[1, 2, 3]')
+
+
+# --- UTF-8 -------------------------------------------------------------------------------------
+
+def _byte_token_ids(tok) -> dict[int, int]:
+    """The id of the token whose text is the one byte ``b``, for every byte that has one."""
+    import xgrammar as xgr
+    vocab = xgr.TokenizerInfo.from_huggingface(tok).decoded_vocab
+    return {v[0]: i for i, v in enumerate(vocab) if len(v) == 1}
+
+
+UTF8_CASES = [  # (guide, bytes that are not UTF-8, each of them a token)
+    (GuidedDecodingParams.regex("."), b"\xed\xa0\x80"),  # a surrogate's encoding
+    (GuidedDecodingParams.regex("."), b"\xe0\x80\x80"),  # an overlong form
+    (GuidedDecodingParams.json_schema({"type": "string", "maxLength": 1}), b'"\xed\xa0\x80"'),
+]
+UTF8_BACKENDS = [pytest.param("xgrammar", marks=pytest.mark.xfail(strict=True, reason=(
+    "BUG (upstream, xgrammar 0.2.9): its masks take byte sequences that are not UTF-8: the "
+    "encoding of a surrogate (ED A0 80) where a negated class, '.', or a JSON string is "
+    "allowed, and overlong forms (E0 80 80, F0 80 80 80) in what it builds as one automaton "
+    "(REGEX guides, schema patterns, Regex(...), tag regexes); a sampler can spell U+FFFD "
+    "text outside the guide. Needs a UTF-8 guard on every row (per matcher, the pending "
+    "sequence's state; rows ANDed with the tokens valid from it) in the Python and C++ "
+    "builds, or an upstream fix"))),
+    pytest.param("llguidance", marks=needs_llg)]
+
+
+@pytest.mark.parametrize("backend", UTF8_BACKENDS)
+@pytest.mark.parametrize("params, data", UTF8_CASES)
+def test_masks_never_spell_bytes_that_are_not_utf8(factory_cache, tokenizer_cache, backend,
+                                                   params, data):
+    """Fed one byte token a step, a guide allowing any character never lets the bytes of a
+    sequence that is not UTF-8 through: some byte of it is masked."""
+    from capgraph.decoder import GuidedDecoder
+    from capgraph.requests import GuidedRequest
+    import torch
+    tok = tokenizer_cache("tekken")
+    factory = factory_cache("tekken", backend)
+    ids = [_byte_token_ids(tok)[b] for b in data]
+    decoder = GuidedDecoder(factory.config, 1, factory=factory)
+    request = GuidedRequest.context(1, 0, params)
+    allowed = []
+    for token in ids:
+        decoder.add_batch([request])
+        logits = torch.zeros(1, factory.config.vocab_size_padded)
+        assert decoder.execute(logits) == []
+        allowed.append(bool(torch.isfinite(logits[0, token])))
+        if not allowed[-1]:
+            break
+        request = GuidedRequest.generation(1, 0, params, token)
+    decoder.close()
+    assert not all(allowed), f"every byte of {data!r} was allowed"
