@@ -1001,25 +1001,43 @@ class CapturableGuidedDecoder(GuidedDecoder):
         """Fail the guided requests of ``batch`` whose bitmask rows lie past the ``rows``
         logits rows their step masks (a graph captured for a smaller batch replayed for a
         larger one): an unguided stand-in takes their rows and their matchers are dropped,
-        since the tokens sampled for them would be unmasked. ``draft``: a draft step's batch,
-        whose requests are failed once (a slot without a matcher is left alone)."""
+        since the tokens sampled for them would be unmasked. As the native node does, a
+        request with nothing to guide this step (an earlier prompt chunk; no matcher, or one
+        that has terminated or stopped drafting) is left alone, and so is a second request on
+        a slot (the build refuses it without touching the slot's matcher, which is the first
+        one's). ``draft``: a draft step's batch (its requests are the loop's target's)."""
         if batch is None or rows is None or batch.num_bitmask_tokens <= rows:
             return
         failed = []
-        reqs, matchers = batch.requests, self.grammar_matchers
+        seen: set[int | None] = set()
+        reqs = batch.requests
         for i, (req, offset) in enumerate(zip(reqs, batch.offsets)):
-            end = offset + req.num_rows(batch.max_num_draft_tokens)
-            if req.guided_decoding_params is None or end <= rows:
+            if req.guided_decoding_params is None:
                 continue
             slot = req.seq_slot
-            if draft and (not self.slots.slot_ok(slot)
-                          or matchers[slot] is None):  # type: ignore[index]
+            duplicate = slot in seen
+            seen.add(slot)
+            end = offset + req.num_rows(batch.max_num_draft_tokens)
+            if end <= rows or duplicate or not self._guides_now(req):
                 continue
             failed.append(self._fail_message(req, _past_rows(offset, end, rows)))
             reqs[i] = GuidedRequest(None, req.request_id, None, None, req.is_context_init_state,
                                     False, req.is_generation_in_progress_state, False, None,
                                     req.is_draft)
         self._record_failed(failed)
+
+    def _guides_now(self, req: GuidedRequest) -> bool:
+        """Whether the build guides ``req`` this step: it creates its slot's matcher, or the
+        slot's matcher runs (there, not terminated, its drafting not stopped)."""
+        if not req.is_draft and (req.is_context_init_state
+                                 or req.is_generation_only_first_iteration):
+            return bool(req.is_generation_only_first_iteration or req.is_last_context_chunk)
+        slot = req.seq_slot
+        if not self.slots.slot_ok(slot):
+            return False
+        matcher = self.grammar_matchers[slot]  # type: ignore[index]
+        return matcher is not None and not matcher.is_terminated() \
+            and not self.is_draft_terminated[slot]  # type: ignore[index]
 
     @_callback("fetch_accepted_batch")
     def fetch_accepted_batch(self, with_nodes: bool = False) -> None:

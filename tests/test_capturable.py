@@ -807,3 +807,43 @@ def test_a_drafting_loop_cut_short_is_ended_by_the_next_step(factory, tekken, ho
     for graph in graphs + [step_graph]:
         graph.reset()
     dec.close()
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+def test_a_second_request_on_a_slot_past_the_captured_rows_leaves_the_first_guided(
+        factory, tekken, host_node):
+    """A replayed batch of two requests on one slot whose second lies past the one captured
+    row: the second fails as the eager decoder fails it ("appears twice"), and the first
+    keeps the slot's matcher and its masked row, then and at the next step. Before, the
+    second's failure dropped the slot's matcher: the first went unguided with no failure."""
+    _native_or_skip(host_node)
+    params = GuidedDecodingParams.regex("[a-c]{3}x")
+    V = factory.config.vocab_size_padded
+    a, b = (encode_continuation(tekken, t)[0] for t in ("a", "b"))
+    eager = GuidedDecoder(factory.config, 2, 0, factory=factory)
+    dec = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node=host_node)
+    context = [GuidedRequest.context(1, 0, params)]
+    eager.add_batch(context)
+    eager.execute(torch.zeros(1, V))
+    dec.add_batch(context, runtime_draft_len=0)
+    dec.execute(torch.zeros(1, V))
+    graph, static = hostfunc.HostGraph(), torch.zeros(1, V)
+    dec.add_batch([GuidedRequest.placeholder(99)], runtime_draft_len=0)
+    with hostfunc.capture(graph):
+        dec.execute(static)
+    for batch in ([GuidedRequest.generation(1, 0, params, a),
+                   GuidedRequest.generation(2, 0, params, a)],
+                  [GuidedRequest.generation(1, 0, params, b)]):
+        eager.add_batch(batch)
+        want = torch.zeros(len(batch), V)
+        expected = eager.execute(want)
+        dec.add_batch(batch, runtime_draft_len=0)
+        static.zero_()
+        graph.replay()
+        hostfunc.drain()
+        assert dec.take_failed_requests() == expected
+        assert torch.isneginf(static[0]).any() and same(static[0], want[0])
+        assert dec.grammar_matchers[0] is not None
+    graph.reset()
+    dec.close()
+    eager.close()
