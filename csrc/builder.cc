@@ -41,6 +41,7 @@
 #include <string>
 #include <system_error>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 
 namespace capgraph {
@@ -238,11 +239,85 @@ bool Builder::HasValidToken(int64_t row) const {
   return tail_mask && (static_cast<uint32_t>(r[full_words]) & tail_mask);
 }
 
-// Accept one token; sets *terminated when it was a stop token that ended the grammar.
-bool Builder::Accept(const ObjectRef& m, int64_t token, bool* terminated) const {
+// Accept one token; sets *terminated when it was a stop token that ended the grammar. With a
+// guard, a token whose bytes are not UTF-8 after the text so far is refused first.
+bool Builder::Accept(const ObjectRef& m, int64_t token, bool* terminated,
+                     Utf8Guard* guard) const {
+  uint8_t next = 0;
+  if (guard != nullptr) {
+    next = Utf8Next(*guard, token);
+    if (next == kUtf8Invalid) return false;
+  }
   bool ok = accept(m, token, false).cast<bool>();
+  if (ok && guard != nullptr) guard->Push(next);
   if (ok && IsStop(token)) *terminated = is_terminated(m).cast<bool>();
   return ok;
+}
+
+uint8_t Builder::Utf8Next(const Utf8Guard& guard, int64_t token) const {
+  if (token < 0 || token >= utf8_vocab) return kUtf8Invalid;
+  const uint8_t* trans = static_cast<const uint8_t*>(utf8_trans.data_ptr());
+  return trans[static_cast<int64_t>(guard.State()) * utf8_vocab + token];
+}
+
+void Builder::Utf8Mask(int64_t row, const Utf8Guard& guard) const {
+  int32_t* r = Row(row);
+  const uint8_t state = guard.State();
+  if (state == 0) {
+    const size_t n = utf8_start_words.size();
+    for (size_t k = 0; k < n; ++k) r[utf8_start_words[k]] &= utf8_start_masks[k];
+    return;
+  }
+  const int32_t* allowed = static_cast<const int32_t*>(utf8_allowed.data_ptr()) + state * words;
+  for (int64_t w = 0; w < words; ++w) r[w] &= allowed[w];
+}
+
+// The guards by the FFI object of their matcher (utf8_guard_new / utf8_guard_drop): the
+// registry holds one count of each, Python's wrapper one, and each GuardRef one while it
+// lives; the last release frees it.
+namespace {
+std::mutex g_guards_mu;
+std::unordered_map<const void*, Utf8Guard*>& Guards() {
+  static auto* guards = new std::unordered_map<const void*, Utf8Guard*>();  // (never freed:
+  return *guards;  // a pool thread may look one up while the process exits)
+}
+void ReleaseGuard(Utf8Guard* g) {
+  if (g != nullptr && g->refs.fetch_sub(1) == 1) delete g;
+}
+}  // namespace
+
+GuardRef::GuardRef(const void* object) {
+  if (object == nullptr) return;
+  std::lock_guard<std::mutex> lock(g_guards_mu);
+  auto it = Guards().find(object);
+  if (it != Guards().end()) {
+    guard_ = it->second;
+    guard_->refs.fetch_add(1);
+  }
+}
+
+GuardRef::~GuardRef() { ReleaseGuard(guard_); }
+
+Utf8Guard* NewGuard(const void* object) {
+  auto* g = new Utf8Guard();
+  g->refs.store(2);  // (the registry's and the caller's)
+  std::lock_guard<std::mutex> lock(g_guards_mu);
+  Utf8Guard*& slot = Guards()[object];
+  ReleaseGuard(slot);  // (a dead object's guard whose address the new object took)
+  slot = g;
+  return g;
+}
+
+void DropGuard(const void* object, Utf8Guard* g) {
+  {
+    std::lock_guard<std::mutex> lock(g_guards_mu);
+    auto it = Guards().find(object);
+    if (it != Guards().end() && it->second == g) {
+      Guards().erase(it);
+      ReleaseGuard(g);  // (the registry's)
+    }
+  }
+  ReleaseGuard(g);  // (the caller's)
 }
 
 // This thread's clock for a step, or nullptr without a budget.
@@ -302,10 +377,12 @@ void Builder::RunOne(const ObjectRef& m, int64_t token, int64_t offset, int64_t 
   int32_t accepted = 0, guided = 0;
   bool terminated = false;
   bool ended = false;  // its new token ended the grammar: done, never over budget (as Python)
+  const GuardRef guard_ref(utf8_trans.defined() ? m.get() : nullptr);
+  Utf8Guard* guard = guard_ref.get();
   try {
     bool go = true;
     if (token >= 0) {
-      if (!Accept(m, token, &terminated)) {
+      if (!Accept(m, token, &terminated, guard)) {
         status = kRejected;
         go = false;
       } else {
@@ -321,6 +398,7 @@ void Builder::RunOne(const ObjectRef& m, int64_t token, int64_t offset, int64_t 
                                   << "-row bitmask";
       }
       fill(m, bitmask, row, false);
+      if (guard != nullptr) Utf8Mask(row, *guard);
       ClearTail(row);
       if (!HasValidToken(row)) {
         if (i == 0) status = kDeadEnd;
@@ -329,7 +407,7 @@ void Builder::RunOne(const ObjectRef& m, int64_t token, int64_t offset, int64_t 
       ++guided;
       mask[row] = 1;
       if (i >= draft_len || i >= nd) break;
-      if (!Accept(m, drafts[i], &terminated)) break;  // the draft left the grammar
+      if (!Accept(m, drafts[i], &terminated, guard)) break;  // the draft left the grammar
       ++accepted;
       if (terminated) break;
     }
@@ -541,7 +619,7 @@ void CheckInt32(const Tensor& t, int ndim, const char* what) {
 
 // make_builder(accept, fill, is_terminated, bitmask, token_mask, out, stop_ids, full_words,
 //              tail_mask, clear_word, clear_keep)
-//   -> [step, errors, address, set_budget, set_fill, close_pool, last_step]
+//   -> [step, errors, address, set_budget, set_fill, close_pool, last_step, set_utf8]
 //   step(matchers, tokens, offsets, num_drafts, drafts, draft_len, clear_rows)
 //     -> how many requests are not plainly OK; token_mask[:clear_rows] is zeroed first
 //   errors() -> the messages of the last step's faults and the milliseconds measured for its
@@ -552,6 +630,10 @@ void CheckInt32(const Tensor& t, int ndim, const char* what) {
 //     thread only), the fewest requests a step needs to use more than one, and whether the
 //     pool runs only where it has been faster (FillChoice; Builder::SetFill)
 //   close_pool(): end the fill threads (a later step of min_requests starts them again)
+//   set_utf8(trans, allowed): the UTF-8 guard's tables (Builder::utf8_trans); from then on a
+//     matcher with a registered guard (utf8_guard_new) is guarded: a token whose bytes are
+//     not UTF-8 after its text is refused, and each row it fills is ANDed with the tokens
+//     that are
 //   last_step() -> [threads, pool requests, start ns, end ns] of the last step's requests
 //     (how many threads ran them, the caller included; how many the pool's threads ran;
 //     the monotonic clock of std::chrono::steady_clock, CLOCK_MONOTONIC on Linux)
@@ -609,14 +691,59 @@ Array<Any> MakeBuilder(Function accept, Function fill, Function is_terminated, T
         b->SetFill(threads, min_requests, adaptive);
       });
   Function close_pool = Function::FromTyped([b]() -> void { b->ClosePool(); });
+  Function set_utf8 = Function::FromTyped([b](Tensor trans, Tensor allowed) -> void {
+    if (trans.ndim() != 2 || trans.size(0) != capgraph::kUtf8States ||
+        trans.dtype().code != kDLUInt || trans.dtype().bits != 8 || !trans.IsContiguous() ||
+        trans.device().device_type != kDLCPU) {
+      TVM_FFI_THROW(ValueError) << "host build: the UTF-8 transitions must be a contiguous CPU "
+                                << "uint8 [" << capgraph::kUtf8States << ", vocab] tensor";
+    }
+    CheckInt32(allowed, 2, "utf8 allowed");
+    if (allowed.size(0) != capgraph::kUtf8States + 1 || allowed.size(1) != b->words) {
+      TVM_FFI_THROW(ValueError) << "host build: the UTF-8 allowed masks must be ["
+                                << capgraph::kUtf8States + 1 << ", " << b->words << "]";
+    }
+    b->utf8_vocab = trans.size(1);
+    b->utf8_start_words.clear();
+    b->utf8_start_masks.clear();
+    const int32_t* start = static_cast<const int32_t*>(allowed.data_ptr());
+    for (int64_t w = 0; w < b->words; ++w) {
+      if (start[w] != -1) {
+        b->utf8_start_words.push_back(w);
+        b->utf8_start_masks.push_back(start[w]);
+      }
+    }
+    b->utf8_allowed = std::move(allowed);
+    b->utf8_trans = std::move(trans);
+  });
   Function last_step = Function::FromTyped([b]() -> Array<int64_t> {
     return Array<int64_t>{b->last_threads, b->last_pool_requests, b->last_start_ns,
                           b->last_end_ns};
   });
   const int64_t address = static_cast<int64_t>(reinterpret_cast<intptr_t>(b.get()));
-  return Array<Any>{step, errors, address, set_budget, set_fill, close_pool, last_step};
+  return Array<Any>{step, errors, address, set_budget, set_fill, close_pool, last_step,
+                    set_utf8};
+}
+
+// utf8_guard_new(object) -> [guard, data]: a UTF-8 guard registered for the matcher FFI object
+// at `object` (replacing any earlier one there), counted once for the registry and once for
+// the caller; `data` is its GUARD_BYTES of state (capgraph/grammar/utf8.py's layout).
+Array<int64_t> Utf8GuardNew(int64_t object) {
+  if (object == 0) TVM_FFI_THROW(ValueError) << "utf8_guard_new: null object";
+  capgraph::Utf8Guard* g = capgraph::NewGuard(reinterpret_cast<const void*>(object));
+  return Array<int64_t>{static_cast<int64_t>(reinterpret_cast<intptr_t>(g)),
+                        static_cast<int64_t>(reinterpret_cast<intptr_t>(g->data))};
+}
+
+// utf8_guard_drop(object, guard): the caller's count of `guard` released, and the registry's
+// where it still holds it for `object`.
+void Utf8GuardDrop(int64_t object, int64_t guard) {
+  capgraph::DropGuard(reinterpret_cast<const void*>(object),
+                      reinterpret_cast<capgraph::Utf8Guard*>(guard));
 }
 
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(make_builder, MakeBuilder);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(utf8_guard_new, Utf8GuardNew);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(utf8_guard_drop, Utf8GuardDrop);

@@ -15,8 +15,10 @@
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/function.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -56,6 +58,61 @@ constexpr int32_t kDeadEnd = 2;   // the first row allows no token
 constexpr int32_t kFault = 3;     // a matcher call raised; see errors()
 constexpr int32_t kOverBudget = 4;  // over the host-step budget; errors() holds the ms measured
 constexpr int32_t kTerminated = 8;
+
+// A matcher's UTF-8 guard (capgraph/grammar/utf8.py, whose layout `data` is): an int64 count
+// of the tokens accepted, then a ring of kUtf8Ring states, the state after each of the last
+// ones (0: at a character boundary; 1..7: inside a character). Python's matcher wrapper and
+// the builds below share it: utf8_guard_new registers one for a matcher's FFI object, and a
+// build looks it up by that object (GuardRef), counted so that it outlives every use.
+constexpr int64_t kUtf8Ring = 248;
+constexpr int64_t kUtf8States = 8;
+constexpr uint8_t kUtf8Invalid = 8;  // a token whose bytes are not UTF-8 from the state
+
+struct Utf8Guard {
+  std::atomic<int64_t> refs{0};
+  alignas(8) uint8_t data[8 + kUtf8Ring] = {};
+
+  int64_t Count() const {
+    int64_t c;
+    std::memcpy(&c, data, sizeof(c));
+    return c;
+  }
+  void SetCount(int64_t c) { std::memcpy(data, &c, sizeof(c)); }
+  uint8_t State() const {
+    const int64_t c = Count();
+    return c <= 0 ? 0 : data[8 + (c - 1) % kUtf8Ring];
+  }
+  void Push(uint8_t state) {
+    const int64_t c = Count();
+    data[8 + c % kUtf8Ring] = state;
+    SetCount(c + 1);
+  }
+  // Forget the last n tokens; false (nothing changed) where the ring does not reach back.
+  bool Pop(int64_t n) {
+    const int64_t c = Count();
+    if (n > c || n > kUtf8Ring - 1) return false;
+    SetCount(c - n);
+    return true;
+  }
+};
+
+// A counted reference to the guard registered for a matcher's FFI object, or none.
+class GuardRef {
+ public:
+  explicit GuardRef(const void* object);
+  ~GuardRef();
+  GuardRef(const GuardRef&) = delete;
+  GuardRef& operator=(const GuardRef&) = delete;
+  Utf8Guard* get() const { return guard_; }
+
+ private:
+  Utf8Guard* guard_ = nullptr;
+};
+
+// A new guard registered for `object` (counted for the registry and the caller), and the
+// caller's count released (with the registry's, where it still holds this guard for it).
+Utf8Guard* NewGuard(const void* object);
+void DropGuard(const void* object, Utf8Guard* guard);
 
 // The request fields the CPython entry (python_entry.cc) reads, by position: make_fast is
 // handed their names in this order (capgraph/requests.py, NATIVE_RECORD_FIELDS, which the
@@ -121,6 +178,15 @@ struct FillChoice {
 struct Builder {
   Function accept, fill, is_terminated;
   Tensor bitmask, token_mask, out;
+  // the UTF-8 guard's tables (set_utf8; undefined: no guard): per state and token the state
+  // after the token (uint8 [kUtf8States, utf8_vocab]), and per state (and kUtf8Invalid) the
+  // tokens allowed from it (int32 [kUtf8States + 1, words])
+  Tensor utf8_trans, utf8_allowed;
+  int64_t utf8_vocab = 0;
+  // the words of the start state's row (at a character boundary) that refuse some token,
+  // and their masks: there only these are ANDed (a few hundred of a row's thousands)
+  std::vector<int64_t> utf8_start_words;
+  std::vector<int32_t> utf8_start_masks;
   std::vector<int64_t> stop_ids;
   int64_t words = 0;        // int32 words per bitmask row
   int64_t full_words = 0;   // words wholly below vocab_size_padded
@@ -243,7 +309,13 @@ struct Builder {
   int32_t* Row(int64_t row) const;
   void ClearTail(int64_t row) const;
   bool HasValidToken(int64_t row) const;
-  bool Accept(const ObjectRef& m, int64_t token, bool* terminated) const;
+  bool Accept(const ObjectRef& m, int64_t token, bool* terminated, Utf8Guard* guard) const;
+
+ public:
+  // The state after `token` from the guard's (kUtf8Invalid: refused).
+  uint8_t Utf8Next(const Utf8Guard& guard, int64_t token) const;
+  // AND the row with the tokens allowed from the guard's state.
+  void Utf8Mask(int64_t row, const Utf8Guard& guard) const;
 };
 
 }  // namespace capgraph

@@ -72,6 +72,9 @@ namespace {
 
 using capgraph::Builder;
 using capgraph::Drafts;
+using capgraph::GuardRef;
+using capgraph::kUtf8Ring;
+using capgraph::Utf8Guard;
 using capgraph::kDeadEnd;
 using capgraph::kFault;
 using capgraph::kOk;
@@ -1483,6 +1486,16 @@ void RunNode(void* p) {
 // Roll m back by `count` tokens through xgrammar's FFI rollback: true, or false with what it
 // raised ("Kind: message") in *message.
 bool CallRollback(HostNode* n, const ObjectRef& m, int64_t count, std::string* message) {
+  // (the matcher's UTF-8 guard, if the builds guard: rolled back with it, and first, so that
+  // a rollback past its history moves nothing)
+  const GuardRef guard_ref(n->builder->utf8_trans.defined() ? m.get() : nullptr);
+  Utf8Guard* guard = guard_ref.get();
+  if (guard != nullptr && !guard->Pop(count)) {
+    *message = "MatcherError: a rollback of " + std::to_string(count) + " tokens goes past " +
+               "the UTF-8 guard's history (" +
+               std::to_string(std::min<int64_t>(guard->Count(), kUtf8Ring - 1)) + " tokens)";
+    return false;
+  }
   try {
     n->rollback(m, count);
     return true;
@@ -1491,6 +1504,7 @@ bool CallRollback(HostNode* n, const ObjectRef& m, int64_t count, std::string* m
   } catch (const std::exception& ex) {
     *message = std::string("RuntimeError: ") + ex.what();
   }
+  if (guard != nullptr) guard->SetCount(guard->Count() + count);  // (the matcher did not move)
   return false;
 }
 

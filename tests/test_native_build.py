@@ -664,9 +664,9 @@ def test_native_library_is_cached_on_disk(monkeypatch, tmp_path):
     real = jit._compile_and_link
     monkeypatch.setattr(jit, "_compile_and_link", lambda *a: (calls.append(a), real(*a)))
     monkeypatch.setenv("CAPGRAPH_CACHE_DIR", str(tmp_path))
-    for _ in range(2):
-        monkeypatch.setattr(native, "_module", None)
-        monkeypatch.setattr(native, "_error", None)
+    for _ in range(2):  # (_python_module too: restored after, it stays the process's copy)
+        for name in ("_module", "_error", "_python_module"):
+            monkeypatch.setattr(native, name, None)
         assert native.load() is not None
     assert len(calls) == 1
     files = [p.name for p in (tmp_path / "native").iterdir() if p.suffix == ".so"]

@@ -99,14 +99,17 @@ def _tokens(tok, text: str) -> list[int]:
 
 def _assert_same_mask(capgraph_grammar, sglang_grammar, keep, what: str) -> bool:
     """One row each, filled by each backend's own methods: capgraph's row is SGLang's with the
-    non-stop special tokens cleared, bit for bit. Returns whether SGLang's row allowed a
+    non-stop special tokens cleared and, by capgraph's UTF-8 guard, the tokens whose bytes
+    are not UTF-8 after the text so far, bit for bit. Returns whether SGLang's row allowed a
     special token there."""
     vocab = capgraph_grammar.backend.vocab_size
     ours = capgraph_grammar.allocate_vocab_mask(vocab, 1, "cpu")
     capgraph_grammar.fill_vocab_mask_batched([GrammarRow(0, capgraph_grammar)], ours)
     theirs = sglang_grammar.allocate_vocab_mask(vocab, 1, "cpu")
     sglang_grammar.fill_vocab_mask(theirs, 0)
-    expected = theirs[0] & keep
+    guard = capgraph_grammar.matcher.utf8_guard
+    utf8 = torch.from_numpy(guard.tables.allowed[guard.state()][:theirs.shape[1]].copy())
+    expected = theirs[0] & keep & utf8
     differ = (ours[0] != expected).nonzero().flatten().tolist()
     assert not differ, f"{what}: words {differ[:5]} differ"
     return not torch.equal(theirs[0], expected)

@@ -170,6 +170,11 @@ def load() -> Any:
         return _module
 
 
+def loaded() -> Any:
+    """The tvm-ffi module if :func:`load` has loaded it, else None (nothing is built)."""
+    return _module
+
+
 def python_module() -> Any:
     """The CPython side of the library (``make_fast`` / ``fast_step``), or None where the
     library was built without Python's headers or cannot be built."""
@@ -240,7 +245,7 @@ class NativeBuilder:
         accept, fill, is_terminated = methods
         try:
             (self.step, self._errors, self._address, self._set_budget, self._set_fill,
-             self._close_pool, self._last_step) = module.make_builder(
+             self._close_pool, self._last_step, self._set_utf8) = module.make_builder(
                 accept, fill, is_terminated, tvm_ffi.from_dlpack(bitmask),
                 tvm_ffi.from_dlpack(token_mask), tvm_ffi.from_dlpack(self._out),
                 [int(t) for t in stop_ids], int(full_words), int(tail_mask) & 0xFFFFFFFF,
@@ -289,6 +294,18 @@ class NativeBuilder:
         self._set_fill(threads, min_requests, adaptive)
         self.fill_threads, self.pool_min_requests, self.adaptive = threads, min_requests, \
             adaptive
+
+    def set_utf8(self, tables: Any) -> None:
+        """Guard the masks with ``tables`` (:class:`~capgraph.grammar.utf8.Utf8Tables`) from
+        now on: a matcher whose guard the C++ side holds (:func:`register_utf8_guard`) refuses
+        a token whose bytes are not UTF-8 after its text, and each row it fills is ANDed with
+        the tokens that are."""
+        import tvm_ffi
+
+        trans = torch.from_numpy(tables.trans)
+        allowed = torch.from_numpy(tables.allowed)
+        self._set_utf8(tvm_ffi.from_dlpack(trans), tvm_ffi.from_dlpack(allowed))
+        self._utf8 = (trans, allowed)  # (the C++ side views their memory)
 
     def last_step(self) -> StepThreads:
         """How the last step's requests ran (:class:`StepThreads`)."""

@@ -265,6 +265,9 @@ def make_native_build(slots: SlotState, factory: GrammarMatcherFactory, budget_m
     builder = NativeBuilder(methods, slots.bitmask, slots.token_mask, slots.max_num_sequences,
                             sorted(slots.stop_ids), slots.full_words, slots.tail_mask,
                             slots.tail)
+    tables = getattr(xgr_factory, "utf8", None)
+    if tables is not None:  # (the matchers' UTF-8 guards: capgraph.grammar.utf8)
+        builder.set_utf8(tables)
     threads = factory.config.native_fill_threads or automatic_fill_threads()
     builder.set_fill_threads(threads, POOL_MIN_REQUESTS)
     fast = None

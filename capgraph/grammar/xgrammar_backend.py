@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.metadata
 import json
@@ -22,6 +23,7 @@ from .converter_log import captured, exclusive
 from .disk_cache import serialized_bytes_estimate, source_digest
 from .forced import MAX_FORCED_SEQUENCE_BYTES, forced_run_bound
 from .process_pool import CompileHere, ProcessCompilePool
+from .utf8 import GUARD_BYTES, INVALID, Utf8Guard, Utf8Tables, utf8_tables
 from .schema_policy import (describe, plain_tag_schema, unenforced_in_tag, unenforced_in_text,
                             xml_style)
 from .lark_text import LarkTextError, lark_json_values, lark_regexes, replace_json_values
@@ -70,7 +72,7 @@ def build_tokenizer_info(config: GuidedDecodingConfig, placeable: Collection[int
         encoded = list(config.encoded_vocab or [])
         for i in stop_ids:  # (a stop token is never text: see above)
             if 0 <= i < len(encoded):
-                encoded[i] = b"" if isinstance(encoded[i], bytes) else ""
+                encoded[i] = ""
         return xgr.TokenizerInfo(encoded, vocab_type=xgr.VocabType.RAW,
                                  vocab_size=config.vocab_size_padded, stop_token_ids=stop_ids)
     from ..tokenizers import special_token_ids
@@ -790,14 +792,23 @@ class XGrammarMatcher(GrammarMatcher):
     ``is_terminated`` is answered from a flag kept in step with ``accept_token`` and
     ``rollback``: only an accepted stop token can terminate, only a rollback can undo it, and
     asking xgrammar costs a foreign call (~1.5 us) on every request of every step otherwise.
+
+    With ``utf8`` tables (the factory's), the matcher carries a
+    :class:`~capgraph.grammar.utf8.Utf8Guard`: a token whose bytes are not UTF-8 after the
+    text so far is refused before xgrammar sees it, and every mask it fills is ANDed with the
+    tokens that are (xgrammar's own masks take some byte sequences that are not UTF-8).
+    A rollback deeper than the guard keeps (:data:`~capgraph.grammar.utf8.RING` - 1 tokens)
+    raises ``MatcherError``.
     """
 
     __slots__ = ("_matcher", "_stop_ids", "_terminated", "_handle", "_chandle", "_accept",
-                 "_fill", "_jump", "_compiled", "_jump_ok")
+                 "_fill", "_jump", "_compiled", "_jump_ok", "_guard")
 
     def __init__(self, matcher: xgr.GrammarMatcher, stop_ids: frozenset[int] = frozenset(),
-                 compiled: xgr.CompiledGrammar | None = None) -> None:
+                 compiled: xgr.CompiledGrammar | None = None,
+                 utf8: Utf8Tables | None = None) -> None:
         self._matcher = matcher
+        self._guard = None if utf8 is None else Utf8Guard(utf8)
         # the grammar, read once (on the first forced_bytes) for whether xgrammar's
         # jump-forward walk is bounded on it (_jump_forward_ok); None: not known, no forced text
         self._compiled = compiled
@@ -827,7 +838,14 @@ class XGrammarMatcher(GrammarMatcher):
         return self._matcher
 
     def accept_token(self, token_id: int) -> bool:
-        ok = self._accept(token_id, False)
+        guard = self._guard
+        if guard is None:
+            ok = self._accept(token_id, False)
+        else:
+            state = guard.next_state(token_id)
+            ok = state != INVALID and self._accept(token_id, False)
+            if ok:
+                guard.push(state)
         if ok and token_id in self._stop_ids:
             self._terminated = self._matcher.is_terminated()
         return ok
@@ -836,11 +854,26 @@ class XGrammarMatcher(GrammarMatcher):
         if num_tokens < 0:
             raise ValueError(f"rollback needs num_tokens >= 0, got {num_tokens}")
         if num_tokens:
-            self._matcher.rollback(num_tokens)
+            guard = self._guard
+            if guard is not None:
+                guard.pop(num_tokens)  # (first: a rollback past its history moves nothing)
+            try:
+                self._matcher.rollback(num_tokens)
+            except BaseException:
+                if guard is not None:
+                    guard.count += num_tokens
+                raise
             self._terminated = False  # termination is always the last step
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         self._fill(bitmask, index, False)
+        if self._guard is not None:
+            self._guard.mask_row(bitmask.numpy()[index])
+
+    @property
+    def utf8_guard(self) -> Utf8Guard | None:
+        """The matcher's UTF-8 guard (None: built without the factory's tables)."""
+        return self._guard
 
     def is_terminated(self) -> bool:
         return self._terminated
@@ -870,11 +903,39 @@ class XGrammarMatcher(GrammarMatcher):
         native host build, :mod:`capgraph.build.native`)."""
         self._terminated = self._matcher.is_terminated()
 
+    def native_handle(self) -> Any:
+        """The FFI object a C++ build or xgrammar's batch matcher runs for this matcher (None
+        where this xgrammar exposes none), its UTF-8 guard handed to the C++ side first
+        (:func:`_native_guard`)."""
+        _native_guard(self)
+        return self._handle
+
     @property
     def ffi_address(self) -> int:
         """The address of the xgrammar FFI object this matcher drives (0 where this xgrammar
-        exposes none): what the native host build runs."""
+        exposes none): what the native host build runs (its UTF-8 guard is handed to the C++
+        side first: :func:`_native_guard`)."""
+        _native_guard(self)
         return self._chandle
+
+
+def _native_guard(matcher: XGrammarMatcher) -> None:
+    """Hand ``matcher``'s UTF-8 guard to the C++ builds, once, where the host build library
+    is loaded: its state moves into a C++ allocation registered for the matcher's FFI object
+    (``utf8_guard_new``), which the builds look up by that object and count while they use
+    it; the matcher's collection releases it (``utf8_guard_drop``)."""
+    guard = matcher._guard
+    if guard is None or guard.native or not matcher._chandle:
+        return
+    from ..build import library
+
+    module = library.loaded()
+    if module is None:
+        return
+    block, data = (int(x) for x in module.utf8_guard_new(matcher._chandle))
+    guard.rebind((ctypes.c_uint8 * GUARD_BYTES).from_address(data))
+    guard.native = True
+    weakref.finalize(matcher, module.utf8_guard_drop, matcher._chandle, block)
 
 
 # id(compiled grammar) -> (a weak reference to it, verdict); an entry leaves with its grammar
@@ -917,7 +978,7 @@ def _delegate_handle(matcher: GrammarMatcher) -> Any:
     """The FFI object of the ``XGrammarMatcher`` ``matcher`` forwards every call to (its
     ``delegate``, see capgraph.build.slots.Delegating), or None."""
     delegate = getattr(matcher, "delegate", None)
-    return delegate._handle if type(delegate) is XGrammarMatcher else None
+    return delegate.native_handle() if type(delegate) is XGrammarMatcher else None
 
 
 #: The modules whose code shapes an xgrammar compile (their source is in the disk-cache key).
@@ -930,7 +991,7 @@ _COMPILE_MODULES = ("capgraph.grammar.xgrammar_backend", "capgraph.grammar.seman
 _NOT_COMPILE_MODULES = ("capgraph.grammar.base", "capgraph.grammar.cache",
                         "capgraph.grammar.compile_cost", "capgraph.grammar.compile_pool",
                         "capgraph.grammar.disk_cache", "capgraph.grammar.forced",
-                        "capgraph.grammar.process_pool")
+                        "capgraph.grammar.process_pool", "capgraph.grammar.utf8")
 
 
 def _xgrammar_version() -> str:
@@ -963,6 +1024,9 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         self._batch_fill_ffi = None if batch_ffi is None else \
             batch_ffi.batch_fill_next_token_bitmask  # (handles, bitmask, indices, debug)
         self._stop_ids = frozenset(config.stop_token_ids or ())
+        #: the UTF-8 guard's tables over this vocabulary (special and stop tokens textless:
+        #: their text is emptied in ``tokenizer_info``), which every matcher carries
+        self.utf8 = utf8_tables(self.tokenizer_info.decoded_vocab, config.vocab_size_padded)
         self._json_options = json_whitespace_options(config)
         # special tokens by name, which a structural tag's token elements may name
         self._special_ids_by_name: dict[str, int] = {}
@@ -1235,7 +1299,7 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
 
     def create_from_compiled(self, compiled: CompiledGuide) -> XGrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled.payload), self._stop_ids,
-                               compiled.payload)
+                               compiled.payload, self.utf8)
 
     def _likely_allowed_ids(self) -> Sequence[int]:
         single_byte = [i for i, b in enumerate(self.tokenizer_info.decoded_vocab) if len(b) == 1]
@@ -1255,7 +1319,14 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         for m, t in zip(matchers, tokens):
             try:
                 if type(m) is XGrammarMatcher:  # not a subclass or wrapper: its own methods
-                    ok = m._accept(t, False)
+                    guard = m._guard
+                    if guard is None:
+                        ok = m._accept(t, False)
+                    else:  # (XGrammarMatcher.accept_token, inline)
+                        state = guard.next_state(t)
+                        ok = state != INVALID and m._accept(t, False)
+                        if ok:
+                            guard.push(state)
                     if ok and t in stops:
                         m._terminated = m._matcher.is_terminated()
                 else:
@@ -1288,7 +1359,7 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         """The FFI object of every plain ``XGrammarMatcher`` (or of the one a matcher forwards
         to, its ``delegate``); None if one of ``matchers`` is a subclass or wrapper that must
         run its own methods, or xgrammar exposes no FFI object."""
-        handles = [m._handle if type(m) is XGrammarMatcher  # type: ignore[attr-defined]
+        handles = [m.native_handle() if type(m) is XGrammarMatcher  # type: ignore[attr-defined]
                    else _delegate_handle(m) for m in matchers]
         return None if None in handles else handles
 
@@ -1308,3 +1379,6 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         else:  # an xgrammar without the FFI objects: its Python batch call, threads all the same
             self._batch.batch_fill_next_token_bitmask(
                 [m._matcher for m in matchers], bitmask, list(indices))  # type: ignore[attr-defined]
+        if self.utf8 is not None:
+            self.utf8.mask_rows(bitmask.numpy(), indices,
+                                [m._guard for m in matchers])  # type: ignore[attr-defined]

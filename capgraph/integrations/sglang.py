@@ -601,7 +601,7 @@ def _native_handle(matcher: GrammarMatcher) -> Any:
     None (an llguidance, hand-over or wrapped matcher: its own methods must run)."""
     from ..grammar.xgrammar_backend import XGrammarMatcher
 
-    return matcher._handle if type(matcher) is XGrammarMatcher else None
+    return matcher.native_handle() if type(matcher) is XGrammarMatcher else None
 
 
 def _mask_row(row: Any, vocab_mask: torch.Tensor) -> int:

@@ -121,6 +121,8 @@ class MaskRing:
         def bind(slot: _Slot) -> Any:
             builder = NativeBuilder(methods, slot.bitmask, slot.token_mask,
                                     slot.bitmask.shape[0], stops, full_words, tail_mask, tail)
+            if xgr_factory.utf8 is not None:  # (the matchers' UTF-8 guards)
+                builder.set_utf8(xgr_factory.utf8)
             # a large batch's rows on the fill pool, as the decoders' native build fills them
             builder.set_fill_threads(threads, library.POOL_MIN_REQUESTS)
             return builder
@@ -164,8 +166,9 @@ class MaskRing:
         raised (its row is left in an unspecified state for the caller to overwrite). A
         failing matcher never stops the other rows from filling.
 
-        ``handles``: the xgrammar FFI object of every matcher (``XGrammarMatcher._handle``),
-        or None where some matcher has none; with them a ring mask fills in the C++ build.
+        ``handles``: the xgrammar FFI object of every matcher
+        (``XGrammarMatcher.native_handle()``), or None where some matcher has none; with them
+        a ring mask fills in the C++ build.
         """
         if not matchers:
             return [], []
