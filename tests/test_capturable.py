@@ -650,6 +650,25 @@ def test_prepare_below_the_batch_layout_fails_the_requests_past_its_rows(factory
     dec.close()
 
 
+def _loop_decoders(factory, host_node: str, params, K: int):
+    """An eager decoder and a capturable one past one context step of ``params`` on slot 0,
+    the capturable one's step captured first (so that a native node serves every step), and
+    that step's graph."""
+    V = factory.config.vocab_size_padded
+    eager = GuidedDecoder(factory.config, 1, K, factory=factory)
+    dec = CapturableGuidedDecoder(factory.config, 1, K, factory=factory, host_node=host_node)
+    context = [GuidedRequest.context(1, 0, params)]
+    step_graph = hostfunc.HostGraph()
+    dec.add_batch(context, runtime_draft_len=0)
+    with hostfunc.capture(step_graph):
+        dec.execute(torch.zeros(1, V))
+    eager.add_batch(context)
+    eager.execute(torch.zeros(1, V))
+    dec.add_batch(context, runtime_draft_len=0)
+    dec.execute(torch.zeros(1, V))
+    return eager, dec, step_graph
+
+
 @pytest.mark.parametrize("host_node", ["python", "native"])
 @pytest.mark.parametrize("captured_len, runtime_len, one_graph", [
     (3, 1, False),  # a graph per draft step, captured at 3; a step drafting 1 replays one
@@ -668,17 +687,7 @@ def test_a_drafting_loop_ends_where_its_replayed_batch_ends(factory, tekken, hos
     params = GuidedDecodingParams.regex("a{3}b")
     V = factory.config.vocab_size_padded
     a = encode_continuation(tekken, "a")[0]
-    eager = GuidedDecoder(factory.config, 1, K, factory=factory)
-    dec = CapturableGuidedDecoder(factory.config, 1, K, factory=factory, host_node=host_node)
-    context = [GuidedRequest.context(1, 0, params)]
-    step_graph = hostfunc.HostGraph()  # (with it the native node serves every step)
-    dec.add_batch(context, runtime_draft_len=0)
-    with hostfunc.capture(step_graph):
-        dec.execute(torch.zeros(1, V))
-    eager.add_batch(context)
-    eager.execute(torch.zeros(1, V))
-    dec.add_batch(context, runtime_draft_len=0)
-    dec.execute(torch.zeros(1, V))
+    eager, dec, step_graph = _loop_decoders(factory, host_node, params, K)
     statics = [torch.zeros(1, V) for _ in range(K)]
     tokens, accepted = torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     dec.add_batch([GuidedRequest.generation(1, 0, params, a)], runtime_draft_len=captured_len)
@@ -746,17 +755,7 @@ def test_a_drafting_loop_cut_short_is_ended_by_the_next_step(factory, tekken, ho
     V = factory.config.vocab_size_padded
     a = encode_continuation(tekken, "a")[0]
     d_tok = encode_continuation(tekken, draft_text)[0]
-    eager = GuidedDecoder(factory.config, 1, K, factory=factory)
-    dec = CapturableGuidedDecoder(factory.config, 1, K, factory=factory, host_node=host_node)
-    context = [GuidedRequest.context(1, 0, params)]
-    step_graph = hostfunc.HostGraph()  # (with it the native node serves every step)
-    dec.add_batch(context, runtime_draft_len=0)
-    with hostfunc.capture(step_graph):
-        dec.execute(torch.zeros(1, V))
-    eager.add_batch(context)
-    eager.execute(torch.zeros(1, V))
-    dec.add_batch(context, runtime_draft_len=0)
-    dec.execute(torch.zeros(1, V))
+    eager, dec, step_graph = _loop_decoders(factory, host_node, params, K)
     statics = [torch.zeros(1, V) for _ in range(K)]
     tokens, accepted = torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     dec.add_batch([GuidedRequest.generation(1, 0, params, a)], runtime_draft_len=K)

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     config = GuidedDecodingConfig.from_tokenizer(tok)
     guarded = create_matcher_factory(config)
     unguarded = create_matcher_factory(config)
-    unguarded.utf8 = None  # type: ignore[attr-defined]  # (before any matcher is made)
+    unguarded.utf8 = None  # type: ignore[attr-defined]  # (before any matcher exists)
     params = GuidedDecodingParams.json_schema(SCHEMA)
     V = config.vocab_size_padded
     print(f"{'build':8s} {'batch':>5s} {'draft':>5s} {'steps':>5s} {'guarded ms':>11s} "

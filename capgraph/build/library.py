@@ -297,9 +297,9 @@ class NativeBuilder:
 
     def set_utf8(self, tables: Any) -> None:
         """Guard the masks with ``tables`` (:class:`~capgraph.grammar.utf8.Utf8Tables`) from
-        now on: a matcher whose guard the C++ side holds (:func:`register_utf8_guard`) refuses
-        a token whose bytes are not UTF-8 after its text, and each row it fills is ANDed with
-        the tokens that are."""
+        now on: a matcher whose guard was handed to the C++ side (``utf8_guard_new``, which
+        ``XGrammarMatcher.native_handle`` calls) refuses a token whose bytes are not UTF-8
+        after its text, and each row it fills is ANDed with the tokens that are."""
         import tvm_ffi
 
         trans = torch.from_numpy(tables.trans)

@@ -1026,7 +1026,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         self._stop_ids = frozenset(config.stop_token_ids or ())
         #: the UTF-8 guard's tables over this vocabulary (special and stop tokens textless:
         #: their text is emptied in ``tokenizer_info``), which every matcher carries
-        self.utf8 = utf8_tables(self.tokenizer_info.decoded_vocab, config.vocab_size_padded)
+        self.utf8: Utf8Tables | None = utf8_tables(self.tokenizer_info.decoded_vocab,
+                                                   config.vocab_size_padded)
         self._json_options = json_whitespace_options(config)
         # special tokens by name, which a structural tag's token elements may name
         self._special_ids_by_name: dict[str, int] = {}
