@@ -34,6 +34,7 @@ from .build.slots import SlotMatchers
 from .build import make_host_build
 from .errors import (BudgetExceededError, ConfigError, DeadEndError, DecoderClosedError,
                      LayoutError, QueueEpochError, RequestError)
+from .grammar.utf8 import RING
 from .grammar import (CompileHandle, ForcedTokenEncoder, GrammarMatcher, GrammarMatcherFactory,
                       create_matcher_factory)
 from .ops import logits_bitmask
@@ -44,7 +45,11 @@ from .requests import GuidedRequest, GuidedRequests, as_int
 from .streams import CudaStepStreams, StepStreams
 from .tensor_checks import LogitsChecks
 
-__all__ = ["GuidedDecoder", "FailedRequest"]
+__all__ = ["GuidedDecoder", "FailedRequest", "MAX_DRAFT_TOKENS"]
+
+#: The largest ``max_num_draft_tokens``: a step rolls back at most its drafts and one token
+#: more, which an xgrammar matcher's UTF-8 guard must still hold (capgraph.grammar.utf8.RING).
+MAX_DRAFT_TOKENS = RING - 2
 
 FailedRequest = tuple[int, str]  # (request_id, message)
 
@@ -116,7 +121,8 @@ class GuidedDecoder:
     Args:
         config: grammar backend, vocabulary, stop tokens, compile cache and timeout.
         max_num_sequences: number of sequence slots (the largest batch).
-        max_num_draft_tokens: the largest draft length (0 without speculative decoding).
+        max_num_draft_tokens: the largest draft length (0 without speculative decoding), at
+            most :data:`MAX_DRAFT_TOKENS` (1014).
         vocab_size_padded: width of full logits rows; defaults to ``config.vocab_size_padded``
             and must equal it.
         device: where logits live. On CUDA, masks are copied on a side stream ordered by two
@@ -158,6 +164,11 @@ class GuidedDecoder:
             raise ConfigError(f"config must be a GuidedDecodingConfig, got {type(config).__name__}")
         _constructor_int("max_num_sequences", max_num_sequences, 1)
         _constructor_int("max_num_draft_tokens", max_num_draft_tokens, 0)
+        if max_num_draft_tokens > MAX_DRAFT_TOKENS:
+            raise ConfigError(f"max_num_draft_tokens={max_num_draft_tokens} exceeds "
+                              f"{MAX_DRAFT_TOKENS}: a rollback of a step's drafts would go past "
+                              "the history an xgrammar matcher's UTF-8 guard keeps "
+                              "(capgraph.grammar.utf8.RING)")
         V = config.vocab_size_padded if vocab_size_padded is None else vocab_size_padded
         if type(V) is not int or V != config.vocab_size_padded:
             raise ConfigError(f"vocab_size_padded={V!r} differs from the config's "

@@ -64,7 +64,7 @@ constexpr int32_t kTerminated = 8;
 // ones (0: at a character boundary; 1..7: inside a character). Python's matcher wrapper and
 // the builds below share it: utf8_guard_new registers one for a matcher's FFI object, and a
 // build looks it up by that object (GuardRef), counted so that it outlives every use.
-constexpr int64_t kUtf8Ring = 248;
+constexpr int64_t kUtf8Ring = 1016;
 constexpr int64_t kUtf8States = 8;
 constexpr uint8_t kUtf8Invalid = 8;  // a token whose bytes are not UTF-8 from the state
 

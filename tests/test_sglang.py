@@ -801,3 +801,20 @@ def test_rollback_past_the_accepted_tokens_is_a_request_error(tekken, capgraph_b
     grammar.accept_token(a)
     with pytest.raises(RequestError, match=r"\[0, 1\]"):
         grammar.rollback(2)
+
+
+def test_a_rollback_past_the_utf8_guards_history_is_a_request_error(tekken, capgraph_backend):
+    """A rollback deeper than an xgrammar matcher's UTF-8 guard keeps (jump_and_retokenize
+    over a long output) is a RequestError, the contract's error for a rollback it cannot
+    make, and undoes nothing; one within it undoes its tokens."""
+    from capgraph.grammar.utf8 import RING
+
+    grammar = _dispatch(capgraph_backend, "regex", "a*")
+    a = tekken.convert_tokens_to_ids("a")
+    for _ in range(RING + 4):
+        grammar.accept_token(a)
+    with pytest.raises(RequestError, match="UTF-8 guard's history"):
+        grammar.rollback(RING + 2)
+    assert grammar.num_accepted == RING + 4
+    grammar.rollback(RING - 1)
+    assert grammar.num_accepted == 5

@@ -235,3 +235,53 @@ def test_factories_build_the_tables_once_per_vocabulary(factory):
     eos = factory.config.stop_token_ids[0]
     assert tables.trans[START, eos] == START and tables.trans[1, eos] == INVALID
     assert np.count_nonzero(tables.trans[START] == INVALID) > 64
+
+
+@pytest.mark.parametrize("build", ["auto", "off"])
+def test_a_rollback_of_hundreds_of_drafts_keeps_the_guard(factory, tekken, build):
+    """A step of 300 drafts, none accepted: the rollback of 300 tokens stays within the
+    guard's history (the decoder refuses more drafts than it keeps), and the next mask is a
+    fresh matcher's."""
+    from capgraph import ConfigError
+    from capgraph.decoder import MAX_DRAFT_TOKENS
+    from capgraph.tokenizers import encode_continuation
+
+    with pytest.raises(ConfigError, match="max_num_draft_tokens=1015 exceeds 1014"):
+        decoder_for(factory, build, drafts=MAX_DRAFT_TOKENS + 1)
+    params = GuidedDecodingParams.regex("a*b")
+    V = factory.config.vocab_size_padded
+    a, b = (encode_continuation(tekken, t)[0] for t in ("a", "b"))
+    dec = decoder_for(factory, build, drafts=300)
+    dec.add_batch([GuidedRequest.context(1, 0, params)])
+    dec.execute(torch.zeros(1, V))
+    dec.add_batch([GuidedRequest.generation(1, 0, params, a, draft_tokens=[a] * 300)])
+    assert dec.execute(torch.zeros(301, V)) == [] and dec.num_advanced_tokens[0] == 301
+    dec.add_batch([GuidedRequest.generation(1, 0, params, b, num_accepted_draft_tokens=0)], 0)
+    dec.rollback_rejected_tokens()
+    got = torch.zeros(1, V)
+    assert dec.execute(got) == []
+    assert dec.grammar_matchers[0].is_terminated() is False
+    assert dec.grammar_matchers[0].utf8_guard.count == 2  # ("a", then "b")
+    dec.close()
+
+
+def test_a_guard_held_past_its_matcher_keeps_its_state(factory, native_ok):
+    """The guard a matcher hands out (utf8_guard) keeps its C++ memory while it is held:
+    after the matcher is collected and other matchers take C++ guards, it reads what it
+    read before."""
+    import gc
+
+    params = GuidedDecodingParams.regex(".+")
+    matcher = factory.create(params)
+    matcher.native_handle()
+    assert matcher.utf8_guard.native
+    c3 = [i for i, v in enumerate(factory.tokenizer_info.decoded_vocab) if v == b"\xc3"][0]
+    assert matcher.accept_token(c3)
+    guard = matcher.utf8_guard
+    del matcher
+    gc.collect()
+    others = [factory.create(params) for _ in range(50)]
+    for m in others:
+        m.native_handle()
+        m.accept_token(factory.config.stop_token_ids[0] + 1000)
+    assert (guard.count, guard.state()) == (1, 1)

@@ -13,7 +13,7 @@ before the backend sees it. A token without text (a special or stop token) keeps
 a character boundary and is refused inside a character.
 
 The state after each accepted token is kept in a ring of :data:`RING` entries, so a rollback of
-up to ``RING - 1`` tokens restores it. The C++ builds (``csrc/builder.cc``) read and write the
+up to ``RING - 1`` tokens restores it (a guard is 1 KiB). The C++ builds (``csrc/builder.cc``) read and write the
 same memory (:mod:`capgraph.build.library`): a guard lives in a C++ allocation once a
 matcher is handed to them, else in a NumPy buffer of the same layout.
 """
@@ -34,8 +34,9 @@ START = 0
 #: the states (START and seven pending ones); a transition to INVALID refuses the token
 NUM_STATES = 8
 INVALID = NUM_STATES
-#: states kept per guard (the deepest rollback is RING - 1 tokens)
-RING = 248
+#: states kept per guard (the deepest rollback is RING - 1 tokens; a decoder's drafts are at
+#: most RING - 2, GuidedDecoder checks)
+RING = 1016
 #: a guard's bytes: an int64 count of tokens accepted, then the ring of states
 GUARD_BYTES = 8 + RING
 
@@ -143,7 +144,7 @@ class Utf8Guard:
     :data:`GUARD_BYTES` bytes laid out as the C++ builds read them (an int64 count, then the
     ring): its own ``bytearray``, or a C++ allocation once :meth:`rebind` moves it there."""
 
-    __slots__ = ("tables", "native", "_count", "_ring", "_buffer")
+    __slots__ = ("tables", "native", "_count", "_ring", "_buffer", "__weakref__")
 
     def __init__(self, tables: Utf8Tables) -> None:
         self.tables = tables

@@ -923,7 +923,8 @@ def _native_guard(matcher: XGrammarMatcher) -> None:
     """Hand ``matcher``'s UTF-8 guard to the C++ builds, once, where the host build library
     is loaded: its state moves into a C++ allocation registered for the matcher's FFI object
     (``utf8_guard_new``), which the builds look up by that object and count while they use
-    it; the matcher's collection releases it (``utf8_guard_drop``)."""
+    it; the guard's collection releases it (``utf8_guard_drop``: the guard, which
+    :attr:`XGrammarMatcher.utf8_guard` hands out, may outlive its matcher)."""
     guard = matcher._guard
     if guard is None or guard.native or not matcher._chandle:
         return
@@ -935,7 +936,7 @@ def _native_guard(matcher: XGrammarMatcher) -> None:
     block, data = (int(x) for x in module.utf8_guard_new(matcher._chandle))
     guard.rebind((ctypes.c_uint8 * GUARD_BYTES).from_address(data))
     guard.native = True
-    weakref.finalize(matcher, module.utf8_guard_drop, matcher._chandle, block)
+    weakref.finalize(guard, module.utf8_guard_drop, matcher._chandle, block)
 
 
 # id(compiled grammar) -> (a weak reference to it, verdict); an entry leaves with its grammar

@@ -37,7 +37,7 @@ from sglang.srt.constrained.base_grammar_backend import (BaseGrammarBackend,
                                                          GrammarStats, InvalidGrammarObject)
 
 from ..errors import (TRANSIENT_COMPILE_ERRORS, CapgraphError, ConfigError, LayoutError,
-                      RequestError)
+                      MatcherError, RequestError)
 from ..grammar import (CompiledGuide, CompileHandle, GrammarMatcher, GrammarMatcherFactory,
                        create_matcher_factory)
 from ..grammar.cache import ByteLRUCache
@@ -160,7 +160,11 @@ class CapgraphGrammar(BaseGrammarObject):
             raise RequestError(f"capgraph: rollback({k!r}) of the "
                                f"{self.compiled.params.guide_type.name} grammar: expected an "
                                f"integer in [0, {self.num_accepted}] (its accepted tokens)")
-        self.matcher.rollback(count)
+        try:
+            self.matcher.rollback(count)
+        except MatcherError as e:  # (deeper than the UTF-8 guard's history: nothing undone)
+            raise RequestError(f"capgraph: rollback({count}) of the "
+                               f"{self.compiled.params.guide_type.name} grammar: {e}") from e
         self.num_accepted -= count
 
     def is_terminated(self) -> bool:
