@@ -50,31 +50,25 @@ _PENDING = {1: (1, 0x80, 0xBF), 2: (2, 0x80, 0xBF), 3: (3, 0x80, 0xBF),
 _DUE = {0: START, 1: 1, 2: 2}
 
 
-def _lead(byte: int) -> int:
-    """The state after ``byte`` at a character boundary."""
-    if byte < 0x80:
-        return START
-    if 0xC2 <= byte <= 0xDF:
-        return 1
-    if byte == 0xE0:
-        return 4
-    if byte == 0xED:
-        return 5
-    if 0xE1 <= byte <= 0xEF:
-        return 2
-    if byte == 0xF0:
-        return 6
-    if byte == 0xF4:
-        return 7
-    if 0xF1 <= byte <= 0xF3:
-        return 3
-    return INVALID  # a continuation byte, C0, C1, F5-FF
+def _lead_states() -> bytes:
+    """Per byte, the state after it at a character boundary (INVALID: a continuation byte,
+    C0, C1, F5-FF)."""
+    table = bytearray([INVALID]) * 256
+    table[0x00:0x80] = bytes([START]) * 0x80
+    table[0xC2:0xE0] = bytes([1]) * (0xE0 - 0xC2)
+    table[0xE1:0xF0] = bytes([2]) * (0xF0 - 0xE1)
+    table[0xF1:0xF4] = bytes([3]) * 3
+    table[0xE0], table[0xED], table[0xF0], table[0xF4] = 4, 5, 6, 7  # (the pending states'
+    return bytes(table)  # table above names what each one allows next)
+
+
+_LEAD = _lead_states()
 
 
 def _run(state: int, data: bytes) -> int:
     for byte in data:
         if state == START:
-            state = _lead(byte)
+            state = _LEAD[byte]
         else:
             due, low, high = _PENDING[state]
             state = _DUE[due - 1] if low <= byte <= high else INVALID
