@@ -13,9 +13,9 @@ before the backend sees it. A token without text (a special or stop token) keeps
 a character boundary and is refused inside a character.
 
 The state after each accepted token is kept in a ring of :data:`RING` entries, so a rollback of
-up to ``RING - 1`` tokens restores it (a guard is 1 KiB). The C++ builds (``csrc/builder.cc``) read and write the
-same memory (:mod:`capgraph.build.library`): a guard lives in a C++ allocation once a
-matcher is handed to them, else in a NumPy buffer of the same layout.
+up to ``RING - 1`` tokens restores it (a guard is 1 KiB). The C++ builds (``csrc/builder.cc``)
+read and write the same memory (:mod:`capgraph.build.library`): a guard lives in a C++
+allocation once its matcher is handed to them, else in a ``bytearray`` of the same layout.
 """
 
 from __future__ import annotations
