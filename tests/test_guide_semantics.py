@@ -625,8 +625,10 @@ def test_lark_regex_xgrammar_reads_wider_is_refused_on_xgrammar(factory_cache, t
     ("[^\\d]", False, "'\\d'"), ("[^\\D]", False, None), ("[\\w]", False, None),
     ("[^0-9_-]", True, None), ("[^\\x41-\\x43]", True, None), ("[^\\x{212a}]", True, "U+212A"),
     # Rust's nested, POSIX and set-operation classes and surrogate escapes mean other text on
-    # xgrammar; a positive \s is served (written out as White_Space: lark_spaces)
-    ("\\s+", False, None), ("[\\d\\s]", False, None), ("[[:digit:]]+", False, "nests"),
+    # xgrammar; a positive \s is reported (U+FEFF), which lark_spaces writes out before the
+    # compile's check sees it, but for a class it cannot write out
+    ("\\s+", False, "'\\s' at position 0"), ("[\\d\\s]", False, "holds '\\s'"),
+    ("[[:digit:]]+", False, "nests"),
     ("[a-z&&[^x]]", False, "nests"), ("[a-c--b]", False, "set operation"),
     ("\\ud83d\\ude00", False, "surrogate"), ("\\\\ud83d", False, None), ("[\\[]", False, None),
     ("[+\\-]", False, None),

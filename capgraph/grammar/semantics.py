@@ -740,8 +740,11 @@ def xgrammar_wider(pattern: str, nocase: bool) -> str | None:
     for ASCII letters only, so with ``i`` a negated class holding a character with a non-ASCII
     case variant lets the variant through (``[^kσ]``: ``Σ``, ``ς``, U+212A KELVIN SIGN).
     Positive ``\\d`` and ``\\w`` are only narrower. A positive ``\\s`` is ECMA's there
-    (U+FEFF in, U+0085 out): :func:`lark_spaces` writes it out as Unicode White_Space for
-    xgrammar, so it is served. An escape this reader does not know
+    (U+FEFF in, U+0085 out): reported here, it is what :func:`lark_spaces` writes out as
+    Unicode White_Space for xgrammar first, so a grammar checked after that rewrite (as
+    compiles check it) would be refused only for a class it could not write out (one that
+    also holds an escape such as ``\\p{L}``, which xgrammar refuses already).
+    An escape this reader does not know
     (``\\p{..}``) inside a negated class counts as such a construct. Beyond width: a class
     that nests a class or a POSIX class (``[[:digit:]]``) or uses Rust's set operations
     (``&&``, ``--``, ``~~``) means another set on xgrammar's ECMA reading (``[[:digit:]]+``
@@ -757,6 +760,9 @@ def xgrammar_wider(pattern: str, nocase: bool) -> str | None:
             if part.letter in ("D", "W", "S"):
                 return (f"'\\{part.letter}' at position {part.position} (xgrammar's \\d, \\w "
                         "and \\s are ASCII, so it would take the non-ASCII ones)")
+            if part.letter == "s":
+                return (f"'\\s' at position {part.position} (xgrammar's \\s takes U+FEFF, "
+                        "which is no White_Space character)")
             continue
         where = f"the {'negated ' if part.negated else ''}class {part.text!r}"
         inner = _ESCAPED_PAIR.sub("", part.text[2 if part.negated else 1:-1])
@@ -769,6 +775,10 @@ def xgrammar_wider(pattern: str, nocase: bool) -> str | None:
         if shorthand:
             return (f"{where} holds '\\{shorthand}' (xgrammar's \\d, \\w and \\s are ASCII, "
                     "so the class would take the non-ASCII ones)")
+        if "s" in part.escapes:  # (positive: what lark_spaces could not write out)
+            return (f"{where} holds '\\s' (xgrammar's \\s takes U+FEFF, which is no "
+                    "White_Space character) beside an escape capgraph cannot write out for "
+                    "it")
         if not (part.negated and nocase):
             continue
         cased: str | None = None
