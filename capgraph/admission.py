@@ -131,8 +131,7 @@ class Admission:
         req = requests[i]
         is_draft, is_context = bool(req.is_draft), bool(req.is_context_init_state)
         rid = as_int(req.request_id)
-        requests[i] = GuidedRequest(None, rid, None, None, is_context, False, not is_context,
-                                    False, None, is_draft, None, None)
+        requests[i] = GuidedRequest.stand_in(rid, is_context, is_draft)
         failed.append((-1 if rid is None else rid, f"{type(error).__name__}: {error}"))
         slot, params = as_int(req.seq_slot), req.guided_decoding_params
         if slot is None or not 0 <= slot < self.max_num_sequences or \

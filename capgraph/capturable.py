@@ -218,9 +218,6 @@ class CapturableGuidedDecoder(GuidedDecoder):
         # the index of the current drafting loop's last step (its batch's runtime draft
         # length - 1, 0 for none; read when its first step runs)
         self._draft_last = 0
-        # a drafting loop took its batch and its last step has not run: the next step that
-        # takes a batch ends it first (its draft advances roll back: _end_open_loop)
-        self._draft_open = False
         self._tokens_recorded_in_capture = False  # record_tokens_ready() ran in this capture
         self.active = False
         if self.device.type == "cpu":  # on CUDA the base class made the torch streams
@@ -875,7 +872,6 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self.requests_hostfunc = None
             return
         self._node_collect()  # (the batches the native node has run leave the queue first)
-        self._end_open_loop()
         taken, error = self._take_put()
         if self._node_active and not self._in_node:
             for _ in taken:  # (Python takes them: their jobs go)
@@ -983,7 +979,6 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._take_accepted(self.requests_hostfunc)
             batch = self.requests_hostfunc
             self._draft_last = 0 if batch is None else max(batch.max_num_draft_tokens, 1) - 1
-            self._draft_open = batch is not None
         target = self.requests_hostfunc
         if target is None or draft_step > self._draft_last:  # (past the loop's last step)
             self._draft_requests = None
@@ -1021,9 +1016,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
             if end <= rows or duplicate or not self._guides_now(req):
                 continue
             failed.append(self._fail_message(req, _past_rows(offset, end, rows)))
-            reqs[i] = GuidedRequest(None, req.request_id, None, None, req.is_context_init_state,
-                                    False, req.is_generation_in_progress_state, False, None,
-                                    req.is_draft)
+            reqs[i] = GuidedRequest.stand_in(req.request_id, req.is_context_init_state,
+                                             req.is_draft)
         self._record_failed(failed)
 
     def _guides_now(self, req: GuidedRequest) -> bool:
@@ -1042,7 +1036,6 @@ class CapturableGuidedDecoder(GuidedDecoder):
     @_callback("fetch_accepted_batch")
     def fetch_accepted_batch(self, with_nodes: bool = False) -> None:
         self._node_collect()  # (the native node's steps run so far leave the queue first)
-        self._end_open_loop()
         # the batch whose verification counts these are: queued (not yet fetched) or current
         batch = self._queue[0].batch if self._queue else self.requests_hostfunc
         self._take_accepted(batch, with_nodes)
@@ -1105,20 +1098,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     @_callback("rollback_draft_tokens")
     def rollback_draft_tokens_hostfunc(self, draft_step: int) -> None:
-        """At the loop's last step (:attr:`_draft_last`), roll every draft advance back."""
-        if draft_step == self._draft_last:
-            self._end_open_loop()
-
-    def _end_open_loop(self) -> None:
-        """End the drafting loop whose batch is :attr:`requests_hostfunc` where its last step
-        has not run (the loop's last step; or the next step taking a batch, where a replay
-        ran fewer steps than the batch's runtime draft length): every draft advance rolls
-        back and every slot is guided again, so no later step masks after a draft prefix
-        or skips a slot whose drafting stopped."""
-        if self._draft_open:
-            self._draft_open = False
-            if self.requests_hostfunc is not None:
-                self._rollback_draft_tokens(self.requests_hostfunc)
+        """At the loop's last step (:attr:`_draft_last`), roll every draft advance back (a
+        loop replayed short of it is ended by the next build or rollback of rejected tokens:
+        ``GuidedDecoder._open_draft``)."""
+        if draft_step == self._draft_last and self.requests_hostfunc is not None:
+            self._rollback_draft_tokens(self.requests_hostfunc)
 
     @_callback("apply")
     def apply_hostfunc(self, logits: torch.Tensor, d2t: torch.Tensor | None, rows: int) -> None:
@@ -1290,8 +1274,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         batch = put.batch
         self._fetched_epoch = epoch
         self.requests_hostfunc = batch
-        if kind == _DRAFT_START:  # (a drafting loop took the batch: its builds follow)
-            self._draft_open = True
+        if kind == _DRAFT_START:  # (a drafting loop took the batch: its builds follow, and a
+            self._open_draft = batch  # later build or rollback ends it if its end never runs)
             return
         matchers = self.grammar_matchers
         for slot, matcher in put.installs:  # (installed by the node before the step ran)
@@ -1347,7 +1331,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         """The end of a native drafting loop: its slots are guided again, a matcher that had
         terminated and rolled back re-reads its state, a rollback that raised fails its
         request."""
-        self._draft_open = False
+        self._open_draft = None
         matchers = self.grammar_matchers
         for slot in rolled:
             self.is_draft_terminated[slot] = False  # (the node's is cleared)

@@ -240,8 +240,10 @@ class GuidedDecoder:
             host_build, slots, self.grammar_matcher_factory,
             float(config.host_step_budget_ms or 0.0), config.native_build)
         self._inflight: GuidedRequests | None = None  # the batch host_build.begin() took
-        # the draft batch of a drafting loop whose advances no rollback_draft_tokens has undone
-        # yet: the next target build or rollback of rejected tokens undoes them first
+        # the batch of a drafting loop (its draft batch; for the capturable decoder's native
+        # loops, the loop's target batch: the same slots) whose advances no rollback of draft
+        # tokens has undone yet: the next target build or rollback of rejected tokens undoes
+        # them first
         self._open_draft: GuidedRequests | None = None
         # the one-pass C++ CPU mask, called without the custom op's dispatch (see apply_bitmask)
         self._cpu_apply = cpu_apply() if self.device.type == "cpu" else None

@@ -128,6 +128,14 @@ class GuidedRequest:
                    [0] * num_draft_tokens if num_draft_tokens else None, 0)
 
     @classmethod
+    def stand_in(cls, request_id: int | None, is_context: bool, is_draft: bool
+                 ) -> "GuidedRequest":
+        """An unguided request with the rows of a failed one (a context or draft request: one
+        row, else ``1 + draft length``): it takes them and masks nothing."""
+        return cls(None, request_id, None, None, is_context, False, not is_context, False,
+                   None, is_draft)
+
+    @classmethod
     def context(cls, request_id: int, seq_slot: int, params: GuidedDecodingParams | None,
                 *, last_chunk: bool = True, new_token: int | None = None) -> "GuidedRequest":
         """A request in its prefill step (convenience for engines and tests)."""

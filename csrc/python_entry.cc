@@ -844,8 +844,8 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 // whatever the batch its replay takes: a request whose bitmask rows lie past those rows fails
 // (its tokens would be sampled unmasked), and which step of a drafting loop is its last is
 // read from the loop's batch when the step runs. A loop replayed short of its last step stays
-// open (draft_open) until the next run that takes a batch, which is then a Python step whose
-// fetch ends the loop first.
+// open (draft_open) until the next run that takes a batch, which is then a Python step: its
+// build, or its rollback of rejected tokens, ends the loop first (GuidedDecoder._open_draft).
 //
 // node_create(fast, new_tokens, address, positions, fallback, counts, counts_address,
 //             rollback, rollback_address, rollback_fallback, drafts, drafts_address,
@@ -1013,7 +1013,7 @@ struct HostNode {
   // step past it guides nothing
   int64_t draft_last = 0;
   // a loop took its batch and its last step has not run: the next run taking a batch (a step,
-  // a rollback, a loop's first step) is a Python step, whose fetch ends the loop first (its
+  // a rollback, a loop's first step) is a Python step, which ends the loop first (its
   // draft advances rolled back: a replay that ran fewer steps than the batch's runtime draft
   // length leaves no draft prefix in the matchers, and no slot unguided)
   bool draft_open = false;
@@ -1448,7 +1448,7 @@ void RunStep(HostNode* n, int64_t rows) {
         python = true;
       }
     }
-    if (n->draft_open) python = true;  // (its fetch ends the open loop first)
+    if (n->draft_open) python = true;  // (it ends the open loop first)
     if (!python) Install(n, &job, &d);
   }
   if (have && d.error.empty()) {  // what a rollback before the next step's job rolls back
@@ -1624,7 +1624,7 @@ void RunRollback(void* p) {
     for (const NodeEntry& e : entries) {  // (a slot's draft tree: Python keeps its path)
       if (n->slot_kind[e.slot] == 2 || n->slot_tree[e.slot]) python = true;
     }
-    if (n->draft_open) python = true;  // (its fetch ends the open loop first)
+    if (n->draft_open) python = true;  // (it ends the open loop first)
   }
   if (python) {
     RunPython(n, -1);

@@ -195,10 +195,6 @@ class Utf8Guard:
                                f"history ({min(count, RING - 1)} tokens)")
         self._count[0] = count - num_tokens
 
-    def reset(self) -> None:
-        """Back to the start of the text (nothing accepted)."""
-        self._count[0] = 0
-
     def mask_row(self, row: np.ndarray) -> None:
         """AND the int32 mask ``row`` with the tokens allowed after the text so far."""
         self.tables.mask_row(row, self.state())

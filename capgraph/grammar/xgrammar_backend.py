@@ -906,8 +906,9 @@ class XGrammarMatcher(GrammarMatcher):
     def native_handle(self) -> Any:
         """The FFI object a C++ build or xgrammar's batch matcher runs for this matcher (None
         where this xgrammar exposes none), its UTF-8 guard handed to the C++ side first
-        (:func:`_native_guard`)."""
-        _native_guard(self)
+        (:func:`_native_guard`; a build calls this every step: once handed over, nothing)."""
+        if self._guard is not None and not self._guard.native:
+            _native_guard(self)
         return self._handle
 
     @property
@@ -915,7 +916,8 @@ class XGrammarMatcher(GrammarMatcher):
         """The address of the xgrammar FFI object this matcher drives (0 where this xgrammar
         exposes none): what the native host build runs (its UTF-8 guard is handed to the C++
         side first: :func:`_native_guard`)."""
-        _native_guard(self)
+        if self._guard is not None and not self._guard.native:
+            _native_guard(self)
         return self._chandle
 
 
