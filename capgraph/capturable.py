@@ -486,8 +486,18 @@ class CapturableGuidedDecoder(GuidedDecoder):
         after the forward then only waits and applies.
 
         Args:
-            num_rows: bitmask rows to copy to the device (the logits' rows); default all.
+            num_rows: bitmask rows to copy to the device (the logits' rows); default all. A
+                request whose rows lie past them fails (a ``LayoutError`` from
+                :meth:`take_failed_requests`), and ``execute`` masks only these rows.
+
+        Raises:
+            LayoutError: ``num_rows`` is not an int in ``[1, bitmask rows]``; nothing is
+                enqueued.
         """
+        rows = self.bitmask_host.shape[0]
+        if num_rows is not None and (type(num_rows) is not int or not 1 <= num_rows <= rows):
+            raise LayoutError(f"prepare: num_rows={num_rows!r} must be None or an int in "
+                              f"[1, {rows}] (the bitmask's rows)")
         if not self._prepared:
             self._enqueue_step(num_rows, self._streams.is_capturing())
 

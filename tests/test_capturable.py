@@ -846,3 +846,20 @@ def test_a_second_request_on_a_slot_past_the_captured_rows_leaves_the_first_guid
     graph.reset()
     dec.close()
     eager.close()
+
+
+@pytest.mark.parametrize("num_rows", [0, -1, 3, 2.0, "2", True])
+def test_prepare_names_a_bad_num_rows_before_any_work(factory, num_rows):
+    """``prepare(num_rows)`` outside ``[1, bitmask rows]``, or not an int, is a LayoutError
+    naming it, and nothing is enqueued: the step then runs whole."""
+    from capgraph.errors import LayoutError
+    params = GuidedDecodingParams.regex("[a-c]{3}x")
+    V = factory.config.vocab_size_padded
+    dec = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="python")
+    dec.add_batch([GuidedRequest.context(1, 0, params), GuidedRequest.context(2, 1, params)])
+    with pytest.raises(LayoutError, match=r"num_rows=.* must be None or an int in \[1, 2\]"):
+        dec.prepare(num_rows)
+    logits = torch.zeros(2, V)
+    dec.execute(logits)
+    assert dec.take_failed_requests() == [] and torch.isneginf(logits).any(dim=1).all()
+    dec.close()
