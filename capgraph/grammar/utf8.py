@@ -138,10 +138,11 @@ class Utf8Guard:
     :data:`GUARD_BYTES` bytes laid out as the C++ builds read them (an int64 count, then the
     ring): its own ``bytearray``, or a C++ allocation once :meth:`rebind` moves it there."""
 
-    __slots__ = ("tables", "native", "_count", "_ring", "_buffer", "__weakref__")
+    __slots__ = ("tables", "native", "_count", "_ring", "_buffer", "_trans_rows", "__weakref__")
 
     def __init__(self, tables: Utf8Tables) -> None:
         self.tables = tables
+        self._trans_rows = tables._trans_rows
         #: the state lives in a C++ allocation the C++ builds look up (:meth:`rebind`)
         self.native = False
         self._bind(bytearray(GUARD_BYTES))
@@ -173,8 +174,11 @@ class Utf8Guard:
         return START if count == 0 else self._ring[(count - 1) % RING]
 
     def next_state(self, token: int) -> int:
-        """The state after ``token`` (:data:`INVALID`: its bytes are not UTF-8 from here)."""
-        return self.tables.next_state(self.state(), token)
+        """The state after ``token`` (:data:`INVALID`: its bytes are not UTF-8 from here, or
+        an id outside the tables)."""
+        count = self._count[0]  # (state() and Utf8Tables.next_state inline: once a token)
+        row = self._trans_rows[START if count == 0 else self._ring[(count - 1) % RING]]
+        return row[token] if 0 <= token < len(row) else INVALID
 
     def push(self, state: int) -> None:
         """Record one accepted token that left the text in ``state``."""

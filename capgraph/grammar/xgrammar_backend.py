@@ -1377,8 +1377,10 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
             # wrappers: their own methods must run
             super().batch_fill(matchers, bitmask, indices)
             return
-        handles = self.native_handles(matchers)
-        if handles is not None and self._batch_fill_ffi is not None:
+        # the FFI objects as they are: xgrammar's batch fill never reads a UTF-8 guard (the
+        # rows are guarded below), so no guard is handed to the C++ builds here
+        handles = [m._handle for m in matchers]  # type: ignore[attr-defined]
+        if None not in handles and self._batch_fill_ffi is not None:
             self._batch_fill_ffi(handles, bitmask, list(indices), False)
         else:  # an xgrammar without the FFI objects: its Python batch call, threads all the same
             self._batch.batch_fill_next_token_bitmask(
