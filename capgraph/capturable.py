@@ -344,6 +344,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._queue.append(put)
         if self._node_active:
             self._node_push(put)
+        # a step prepare() enqueued that no execute applied (refused: bad logits) is over:
+        # its host work ran, its mask is never applied, and this batch's step enqueues its own
+        self._prepared = False
         self.active = \
             next(batch.valid_requests(), None) is not None  # type: ignore[union-attr]
         if not self._streams.is_capturing():
@@ -483,7 +486,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
         Optional: ``execute`` does it when not done. On the CPU stand-in, call it before the
         forward so that mask building overlaps the (synchronous) CPU forward; ``execute``
-        after the forward then only waits and applies.
+        after the forward then only waits and applies. A prepared step whose ``execute`` is
+        refused (bad logits) stays prepared for an ``execute`` with proper logits; the next
+        ``add_batch`` instead leaves it (its host work ran, its mask is never applied) and
+        that batch's step runs its own.
 
         Args:
             num_rows: bitmask rows to copy to the device (the logits' rows); default all. A
@@ -491,8 +497,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 :meth:`take_failed_requests`), and ``execute`` masks only these rows.
 
         Raises:
-            LayoutError: ``num_rows`` is not an int in ``[1, bitmask rows]``; nothing is
-                enqueued.
+            LayoutError: ``num_rows`` is not an int in ``[1, bitmask rows]``, or the step is
+                prepared already for another number of rows; nothing is enqueued.
         """
         rows = self.bitmask_host.shape[0]
         if num_rows is not None and (type(num_rows) is not int or not 1 <= num_rows <= rows):
@@ -500,6 +506,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
                               f"[1, {rows}] (the bitmask's rows)")
         if not self._prepared:
             self._enqueue_step(num_rows, self._streams.is_capturing())
+        elif num_rows is not None and num_rows != self._prepared_rows:
+            raise LayoutError(f"prepare: num_rows={num_rows} for a step prepared already for "
+                              f"{self._prepared_rows} rows (its host work is enqueued; its "
+                              "execute masks those rows)")
 
     def _enqueue_step(self, num_rows: int | None, capturing: bool) -> None:
         if capturing and not self._tokens_recorded_in_capture:
@@ -858,12 +868,13 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     @hostfunc.hostfunc
     def draft_host_step(self, draft_step: int, rows: int | None = None) -> None:
-        """fetch_draft_batch, [rollback_rejected_tokens at step 0], build_draft,
-        rollback_draft_tokens (at the loop's last step)."""
+        """fetch_draft_batch, [rollback_rejected_tokens at step 0], build_draft (its requests
+        past ``rows`` failed first, once the rollback has set the matchers as the build reads
+        them), rollback_draft_tokens (at the loop's last step)."""
         cls = CapturableGuidedDecoder
-        self._stages((cls.fetch_draft_batch, draft_step, rows),
+        self._stages((cls.fetch_draft_batch, draft_step),
                      *([(cls.rollback_rejected_tokens_hostfunc,)] if draft_step == 0 else []),
-                     (cls.build_draft_hostfunc,),
+                     (cls.build_draft_hostfunc, rows),
                      (cls.rollback_draft_tokens_hostfunc, draft_step))
 
     @hostfunc.hostfunc
@@ -962,7 +973,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
         before = self.requests_hostfunc
         try:
             self._pop()
-            self._fail_past_rows(self.requests_hostfunc, rows)
+            batch = self.requests_hostfunc
+            if batch is not None and not batch.is_draft_step:
+                self._end_open_draft()  # (first: the check below reads the slots' matchers)
+            self._fail_past_rows(batch, rows)
         except QueueEpochError:
             raise
         except Exception as e:
@@ -983,7 +997,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                                 request_ids=ids) from e
 
     @_callback("fetch_draft_batch")
-    def fetch_draft_batch(self, draft_step: int, rows: int | None = None) -> None:
+    def fetch_draft_batch(self, draft_step: int) -> None:
         if draft_step == 0:
             self._pop()
             self._take_accepted(self.requests_hostfunc)
@@ -998,11 +1012,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
                                 r.is_context_init_state, r.is_last_context_chunk,
                                 r.is_generation_in_progress_state, False, tokens[i], True)
                   for i, r in enumerate(target.requests)]
-        self._draft_requests = batch = GuidedRequests(drafts, 0)
-        self._fail_past_rows(batch, rows, draft=True)
+        self._draft_requests = GuidedRequests(drafts, 0)
 
-    def _fail_past_rows(self, batch: GuidedRequests | None, rows: int | None,
-                        draft: bool = False) -> None:
+    def _fail_past_rows(self, batch: GuidedRequests | None, rows: int | None) -> None:
         """Fail the guided requests of ``batch`` whose bitmask rows lie past the ``rows``
         logits rows their step masks (a graph captured for a smaller batch replayed for a
         larger one): an unguided stand-in takes their rows and their matchers are dropped,
@@ -1010,11 +1022,13 @@ class CapturableGuidedDecoder(GuidedDecoder):
         request with nothing to guide this step (an earlier prompt chunk; no matcher, or one
         that has terminated or stopped drafting) is left alone, and so is a second request on
         a slot (the build refuses it without touching the slot's matcher, which is the first
-        one's). ``draft``: a draft step's batch (its requests are the loop's target's)."""
+        one's); a second request on the slot of a first one failed here fails too, as the
+        build would fail it ("appears twice"), since its stand-in no longer holds the slot."""
         if batch is None or rows is None or batch.num_bitmask_tokens <= rows:
             return
         failed = []
         seen: set[int | None] = set()
+        gone: set[int | None] = set()  # the slots of the requests failed here
         reqs = batch.requests
         for i, (req, offset) in enumerate(zip(reqs, batch.offsets)):
             if req.guided_decoding_params is None:
@@ -1023,9 +1037,15 @@ class CapturableGuidedDecoder(GuidedDecoder):
             duplicate = slot in seen
             seen.add(slot)
             end = offset + req.num_rows(batch.max_num_draft_tokens)
-            if end <= rows or duplicate or not self._guides_now(req):
+            if duplicate and slot in gone:
+                failed.append(self._fail(req, RequestError(
+                    f"seq_slot {slot} appears twice in one batch", request_id=req.request_id,
+                    seq_slot=slot), drop=False))
+            elif end <= rows or duplicate or not self._guides_now(req):
                 continue
-            failed.append(self._fail_message(req, _past_rows(offset, end, rows)))
+            else:
+                failed.append(self._fail_message(req, _past_rows(offset, end, rows)))
+                gone.add(slot)
             reqs[i] = GuidedRequest.stand_in(req.request_id, req.is_context_init_state,
                                              req.is_draft)
         self._record_failed(failed)
@@ -1082,7 +1102,12 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._build_and_record(self.requests_hostfunc, asynchronous)
 
     @_callback("build_draft")
-    def build_draft_hostfunc(self) -> None:
+    def build_draft_hostfunc(self, rows: int | None = None) -> None:
+        try:
+            self._fail_past_rows(self._draft_requests, rows)
+        except BaseException:
+            self._build_and_record(None)  # (masks nothing)
+            raise
         self._build_and_record(self._draft_requests)
 
     def _build_and_record(self, batch: GuidedRequests | None, asynchronous: bool = False

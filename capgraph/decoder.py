@@ -669,8 +669,8 @@ class GuidedDecoder:
             self._finish_build()
         if requests.is_draft_step:
             self._open_draft = requests
-        elif self._open_draft is not None:  # (a loop without its rollback_draft_tokens)
-            self._rollback_draft_tokens(self._open_draft)
+        else:
+            self._end_open_draft()
         clear = requests.num_bitmask_tokens if clear_rows is None else clear_rows
         # (the trees of the slots built now are no longer current; another slot's stays its
         # own while its request sits out this step)
@@ -818,10 +818,16 @@ class GuidedDecoder:
             self.grammar_matchers[slot] = None
             self._forget_compile(slot)
 
+    def _end_open_draft(self) -> None:
+        """End a drafting loop left without its ``rollback_draft_tokens`` (its draft advances
+        rolled back, its slots guided again), before anything reads the matchers for a step
+        that is not one of its drafts; nothing if no loop is open."""
+        if self._open_draft is not None:
+            self._rollback_draft_tokens(self._open_draft)
+
     def _rollback_rejected_tokens(self, requests: GuidedRequests) -> None:
         self._finish_build()
-        if self._open_draft is not None:  # (a loop without its rollback_draft_tokens)
-            self._rollback_draft_tokens(self._open_draft)
+        self._end_open_draft()
         if self.max_num_draft_tokens <= 0:
             return
         handled: set[int] = set()

@@ -400,8 +400,9 @@ class GuidedRequests:
 
     @property
     def is_draft_step(self) -> bool:
-        """True when the batch is a draft model's step (its requests are drafts)."""
-        return bool(self.requests) and self.requests[0].is_draft
+        """True when the batch is a draft model's step: some request of it is a draft (padding,
+        such as a :meth:`GuidedRequest.placeholder`, may sit anywhere in it)."""
+        return any(r.is_draft for r in self.requests)
 
     def valid_requests(self) -> Iterator[GuidedRequest]:
         """The guided requests, in order."""

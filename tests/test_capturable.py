@@ -848,6 +848,175 @@ def test_a_second_request_on_a_slot_past_the_captured_rows_leaves_the_first_guid
     eager.close()
 
 
+@pytest.mark.parametrize("host_node", ["python", "native"])
+@pytest.mark.parametrize("ending", ["refused", "eos"])  # drafting stopped; matcher terminated
+@pytest.mark.parametrize("next_step", ["target", "loop"])
+def test_a_request_past_the_captured_rows_fails_after_a_loop_cut_short(
+        factory, tekken, host_node, ending, next_step):
+    """A drafting loop cut short after a draft that stopped the slot's drafting (a refused
+    token) or terminated its matcher (EOS), then a step replayed from a graph captured for one
+    row, with the request at row 1: the cut loop is ended before the rows are checked, so the
+    request, guided again, fails with a LayoutError and its row is not built. Before, the
+    check read the slot as having nothing to guide and the build then guided a row the graph
+    never masks, with no failure."""
+    _native_or_skip(host_node)
+    eos = factory.config.stop_token_ids[0]
+    params = GuidedDecodingParams.regex("a{3}b" if ending == "refused" else "a{1,5}")
+    V = factory.config.vocab_size_padded
+    a = encode_continuation(tekken, "a")[0]
+    d_tok = encode_continuation(tekken, "x")[0] if ending == "refused" else eos
+    dec = CapturableGuidedDecoder(factory.config, 2, 3, factory=factory, host_node=host_node)
+    tokens, accepted = torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    graph, static = hostfunc.HostGraph(), torch.zeros(1, V)  # one row
+    if next_step == "target":
+        dec.add_batch([GuidedRequest.placeholder(99)], runtime_draft_len=0)
+        with hostfunc.capture(graph):
+            dec.execute(static)
+    else:  # a one-step drafting loop
+        dec.add_batch([GuidedRequest.placeholder(99, 1)], runtime_draft_len=1)
+        with hostfunc.capture(graph):
+            dec.add_draft_batch(tokens, accepted, 0)
+            dec.execute_draft_batch(static, draft_step=0)
+    dec.add_batch([GuidedRequest.context(11, 1, params)], runtime_draft_len=0)
+    dec.execute(torch.zeros(1, V))
+    dec.add_batch([GuidedRequest.generation(11, 1, params, a)], runtime_draft_len=3)
+    for k, token in enumerate((a, d_tok)):  # steps 0 and 1 of 3
+        tokens[0] = token
+        dec.add_draft_batch(tokens, accepted if k == 0 else None, k)
+        dec.execute_draft_batch(torch.zeros(1, V), draft_step=k)
+    hostfunc.drain()
+    assert dec.take_failed_requests() == []
+    assert dec.is_draft_terminated[1] or dec.grammar_matchers[1].is_terminated()
+    dec.add_batch([GuidedRequest.placeholder(98, 0 if next_step == "target" else 1),
+                   GuidedRequest.generation(11, 1, params, a)],
+                  runtime_draft_len=0 if next_step == "target" else 1)
+    tokens[:] = torch.tensor([0, a])
+    static.zero_()
+    graph.replay()
+    hostfunc.drain()
+    failed = dec.take_failed_requests()
+    assert [rid for rid, _ in failed] == [11] and failed[0][1].startswith("LayoutError"), failed
+    assert dec.grammar_matchers[1] is None and int(dec.token_mask_host[1]) == 0
+    graph.reset()
+    dec.close()
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+def test_a_drafting_loop_checks_its_rows_after_the_rollback_of_rejected_tokens(
+        factory, tekken, host_node):
+    """A loop captured for one request, replayed with the request at row 1, whose matcher a
+    draft EOS terminated at verification and the target rejected: the loop's first step rolls
+    the EOS back (the matcher guides again) and only then checks the rows, so the request
+    fails with a LayoutError on both host nodes. Before, the Python step checked first, read
+    the matcher as terminated, and then built a row the graph never masks."""
+    _native_or_skip(host_node)
+    eos = factory.config.stop_token_ids[0]
+    params = GuidedDecodingParams.regex("a{1,5}")
+    V = factory.config.vocab_size_padded
+    a = encode_continuation(tekken, "a")[0]
+    dec = CapturableGuidedDecoder(factory.config, 2, 1, factory=factory, host_node=host_node)
+    dec.add_batch([GuidedRequest.placeholder(99), GuidedRequest.context(11, 1, params)],
+                  runtime_draft_len=0)
+    dec.execute(torch.zeros(2, V))
+    tokens, accepted = torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    graph, static = hostfunc.HostGraph(), torch.zeros(1, V)
+    dec.add_batch([GuidedRequest.placeholder(98, 1)], runtime_draft_len=1)
+    with hostfunc.capture(graph):
+        dec.add_draft_batch(tokens, accepted, 0)
+        dec.execute_draft_batch(static, draft_step=0)
+    dec.add_batch([GuidedRequest.placeholder(97, 1),
+                   GuidedRequest.generation(11, 1, params, a, draft_tokens=[eos])],
+                  runtime_draft_len=1)
+    dec.execute(torch.zeros(4, V))
+    hostfunc.drain()
+    assert dec.take_failed_requests() == [] and dec.grammar_matchers[1].is_terminated()
+    dec.add_batch([GuidedRequest.placeholder(96, 1), GuidedRequest.generation(11, 1, params, a)],
+                  runtime_draft_len=1)
+    tokens[:] = torch.tensor([0, a])  # (accepted: 1 each, the EOS draft rejected)
+    graph.replay()
+    hostfunc.drain()
+    failed = dec.take_failed_requests()
+    assert [rid for rid, _ in failed] == [11] and failed[0][1].startswith("LayoutError"), failed
+    assert dec.grammar_matchers[1] is None and int(dec.token_mask_host[1]) == 0
+    graph.reset()
+    dec.close()
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+@pytest.mark.parametrize("kind", ["context", "generation"])
+def test_a_second_request_on_the_slot_of_one_past_the_captured_rows_fails_as_twice(
+        factory, tekken, host_node, kind):
+    """Two requests on one slot, the first past the one captured row: the first fails with a
+    LayoutError and the second as the eager decoder fails it ("appears twice"), its row not
+    built and the slot left without a matcher. Before, the second took the slot unreported
+    (a context request built a row the graph never masks; a generation request went
+    unguided)."""
+    _native_or_skip(host_node)
+    params = GuidedDecodingParams.regex("[a-c]{3}x")
+    V = factory.config.vocab_size_padded
+    a = encode_continuation(tekken, "a")[0]
+    dec = CapturableGuidedDecoder(factory.config, 3, 0, factory=factory, host_node=host_node)
+    eager = GuidedDecoder(factory.config, 3, 0, factory=factory)
+    for d in (dec, eager):
+        d.add_batch([GuidedRequest.context(1, 0, params)])
+        d.execute(torch.zeros(1, V))
+    graph, static = hostfunc.HostGraph(), torch.zeros(1, V)
+    dec.add_batch([GuidedRequest.placeholder(99)], runtime_draft_len=0)
+    with hostfunc.capture(graph):
+        dec.execute(static)
+    make = (lambda rid: GuidedRequest.context(rid, 0, params)) if kind == "context" else \
+        (lambda rid: GuidedRequest.generation(rid, 0, params, a))
+    batch = [GuidedRequest.placeholder(98), make(1), make(2)]
+    eager.add_batch(batch)
+    twice = [f for f in eager.execute(torch.zeros(3, V)) if f[0] == 2]
+    assert twice and "appears twice" in twice[0][1]
+    dec.add_batch(batch, runtime_draft_len=0)
+    graph.replay()
+    hostfunc.drain()
+    failed = dec.take_failed_requests()
+    assert [rid for rid, _ in failed] == [1, 2], failed
+    assert failed[0][1].startswith("LayoutError") and failed[1] == twice[0]
+    assert dec.grammar_matchers[0] is None and dec.token_mask_host[:3].tolist() == [0, 0, 0]
+    graph.reset()
+    dec.close()
+    eager.close()
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+def test_an_add_batch_after_a_refused_execute_of_a_prepared_step_runs_its_own_step(
+        factory, tekken, host_node):
+    """``prepare()`` ran a step's host work and its ``execute`` was refused (logits of the
+    wrong width); the engine moves on with the next ``add_batch``: that step runs its own host
+    work and masks as the eager decoder does. Before, the next execute applied the prepared
+    step's mask and left its own batch queued, every later step one behind."""
+    from capgraph.errors import TensorArgError
+    _native_or_skip(host_node)
+    params = GuidedDecodingParams.regex("[a-c]{5}x")
+    V = factory.config.vocab_size_padded
+    a = encode_continuation(tekken, "a")[0]
+    dec = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node=host_node)
+    eager = GuidedDecoder(factory.config, 1, 0, factory=factory)
+    context = [GuidedRequest.context(1, 0, params)]
+    dec.add_batch(context)
+    eager.add_batch(context)
+    eager.execute(torch.zeros(1, V))
+    dec.prepare()
+    with pytest.raises(TensorArgError):
+        dec.execute(torch.zeros(1, V + 7))
+    for _ in range(3):
+        step = [GuidedRequest.generation(1, 0, params, a)]
+        dec.add_batch(step)
+        eager.add_batch(step)
+        got, want = torch.zeros(1, V), torch.zeros(1, V)
+        dec.execute(got)
+        hostfunc.drain()
+        assert eager.execute(want) == [] and dec.take_failed_requests() == []
+        assert torch.isneginf(got).any() and same(got, want)
+    assert dec.num_advanced_tokens[0] == 1
+    dec.close()
+    eager.close()
+
+
 @pytest.mark.parametrize("num_rows", [0, -1, 3, 2.0, "2", True])
 def test_prepare_names_a_bad_num_rows_before_any_work(factory, num_rows):
     """``prepare(num_rows)`` outside ``[1, bitmask rows]``, or not an int, is a LayoutError
@@ -862,4 +1031,25 @@ def test_prepare_names_a_bad_num_rows_before_any_work(factory, num_rows):
     logits = torch.zeros(2, V)
     dec.execute(logits)
     assert dec.take_failed_requests() == [] and torch.isneginf(logits).any(dim=1).all()
+    dec.close()
+
+
+def test_a_second_prepare_for_other_rows_is_named(factory):
+    """A step prepared for one row, prepared again for two: a LayoutError naming both (the
+    host work is enqueued for the first); again for one row, or with no count, is a no-op,
+    and the step masks the one prepared row."""
+    from capgraph.errors import LayoutError
+    params = GuidedDecodingParams.regex("[a-c]{3}x")
+    V = factory.config.vocab_size_padded
+    dec = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="python")
+    dec.add_batch([GuidedRequest.context(1, 0, params)])
+    dec.prepare(1)
+    with pytest.raises(LayoutError, match=r"num_rows=2 for a step prepared already for 1 rows"):
+        dec.prepare(2)
+    dec.prepare(1)
+    dec.prepare()
+    logits = torch.zeros(2, V)
+    dec.execute(logits)
+    assert dec.take_failed_requests() == []
+    assert torch.isneginf(logits[0]).any() and not torch.isneginf(logits[1]).any()
     dec.close()

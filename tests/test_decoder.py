@@ -759,3 +759,32 @@ def test_a_drafting_loop_left_without_its_rollback_is_undone_by_the_next_target_
     assert torch.equal(rows[0], rows[1])
     assert not decoders[1].is_draft_terminated[0]
     assert decoders[1].num_advanced_draft_tokens[0] == 0
+
+
+@pytest.mark.parametrize("pad_at", [None, 0, 1])
+def test_a_draft_batch_with_padding_first_stays_a_draft_step(factory, tekken, pad_at):
+    """A drafting loop whose batch at step ``pad_at`` starts with an unguided placeholder
+    (padding): the batch is still a draft step, so the loop goes on from its advances and the
+    last row allows only what the draft prefix leaves ("b" after "aaa"). Before, a batch was a
+    draft step only when its first request was a draft: the placeholder made the build end
+    the loop mid-way and mask after the wrong prefix."""
+    params = GuidedDecodingParams.regex("a{3}b")
+    V = factory.config.vocab_size_padded
+    a, b = (encode_continuation(tekken, t)[0] for t in ("a", "b"))
+    dec = make_decoder(factory, seqs=2, drafts=3)
+    dec.add_batch([GuidedRequest.context(1, 0, params)])
+    dec.execute(torch.zeros(1, V))
+    dec.add_batch([GuidedRequest.generation(1, 0, params, a)], 3)
+    dec.rollback_rejected_tokens()
+    for k in range(3):
+        reqs = [GuidedRequest(params, 1, 0, new_token=a, is_draft=True,
+                              is_generation_in_progress_state=True)]
+        if k == pad_at:
+            reqs.insert(0, GuidedRequest.placeholder(99))
+        dec.add_batch(reqs, 3)
+        logits = torch.zeros(dec.requests.num_bitmask_tokens, V)
+        assert dec.execute(logits) == []
+        assert dec.num_advanced_draft_tokens[0] == k + 1
+    assert torch.isneginf(logits[-1, a]) and torch.isfinite(logits[-1, b])
+    dec.rollback_draft_tokens()
+    assert dec.num_advanced_draft_tokens[0] == 0
