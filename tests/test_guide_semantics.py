@@ -565,6 +565,9 @@ LARK_WIDER_ON_XGRAMMAR = [
     ("start: /[\\S]+/", "\u0085"),
     ("start: A\nA: /[^\\w]/", "ж"),
     ("start: /[[:digit:]]+/", "d]"), ("start: /[a-c--b]/", "b"),  # Rust's class syntax
+    # ... beside a \s, which lark_spaces leaves for this refusal (Rust: White_Space but "\n")
+    ("start: /[\\s--\\n]+/", "-"), ("start: /[\\s&&[^\\n]]+/", "&]"),
+    ("start: /[[\\s]]/", "[]"), ("start: /[\\s~~a]/", "~"),
 ]
 
 
@@ -586,6 +589,11 @@ LARK_WHITE_SPACE = [
     ("start: /[a\\s]+/", "a\u2028a", True), ("start: /[a\\s]+/", "a\ufeff", False),
     ("start: /x\\s?y/", "x\u00a0y", True), ("start: /x\\s?y/", "x\ufeffy", False),
     ("start: /[\\d\\s-]+/", "1-\u0085", True), ("start: /[\\d\\s-]+/", "1\ufeff", False),
+    # a negated class of \S: the spaces it leaves
+    ("start: /[^\\S\\n]+/", " \u0085\t", True), ("start: /[^\\S\\n]+/", " \ufeff", False),
+    ("start: /[^\\S\\n]+/", " \n", False), ("start: /[^\\S]+/", "\ufeff", False),
+    # a "/" beside a \s in a class (the class written out keeps it escaped in the literal)
+    ("start: /[\\s\\/]+/", "/ \u3000/", True), ("start: /[\\s\\/]+/", "/\ufeff", False),
 ]
 
 
@@ -632,6 +640,7 @@ def test_lark_regex_xgrammar_reads_wider_is_refused_on_xgrammar(factory_cache, t
     ("[a-z&&[^x]]", False, "nests"), ("[a-c--b]", False, "set operation"),
     ("\\ud83d\\ude00", False, "surrogate"), ("\\\\ud83d", False, None), ("[\\[]", False, None),
     ("[+\\-]", False, None),
+    ("[^\\S\\n]", False, "holds '\\S'"),  # (spaces: reported as a positive \s is)
 ])
 def test_xgrammar_wider_names_the_construct(pattern, nocase, wider):
     """:func:`xgrammar_wider` finds negated shorthands, shorthands a negated class holds, and

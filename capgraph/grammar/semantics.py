@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from .formats import exact_format, exact_format_beside_pattern
 from .lark_text import LarkTextError, lark_regexes
-from .regex_classes import OutsideEscape, regex_parts
+from .regex_classes import CharClass, OutsideEscape, regex_parts
 from .schema_policy import subschemas
 
 __all__ = ["ECMA_DOT", "JSON_CONTAINER_SCHEMA", "JSON_WHITESPACE_CHARS", "ascii_classes",
@@ -679,23 +679,44 @@ def _spaces_written(pattern: str) -> str:
     """``pattern`` with each positive ``\\s`` written out (:func:`lark_spaces`): outside a
     class as a class of White_Space; a class holding it (and no escape but ``\\d``, ``\\w``,
     read as xgrammar reads them, ASCII) rewritten whole from its characters, so that no
-    neighbour of the inserted ones changes what they mean."""
+    neighbour of the inserted ones changes what they mean; a negated class holding ``\\S``
+    and no other escape (``[^\\S\\n]``: the spaces but a line feed) as the positive class of
+    the White_Space characters it leaves. A class that nests a class or uses a set
+    operation is left as written, for :func:`xgrammar_wider` to refuse. A ``/`` in a class
+    written out is escaped (the class goes into a Lark regex literal)."""
     edits: list[tuple[int, int, str]] = []
     for part in regex_parts(pattern):
         if isinstance(part, OutsideEscape):
             if part.letter == "s":
                 edits.append((part.position, part.position + 2, _xg_class(_WHITE_SPACE_SET)))
             continue
-        if part.negated or "s" not in part.escapes or not set(part.escapes) <= {"s", "d", "w"}:
+        if _nests_or_sets(part):
             continue
-        sets = [list(part.ranges)] + [_WHITE_SPACE_SET if e == "s" else _SHORTHAND_SETS[e]
-                                      for e in part.escapes]
-        edits.append((part.start, part.start + len(part.text), _xg_class(_union(sets))))
+        if part.negated:
+            if set(part.escapes) != {"S"}:
+                continue
+            chars = _subtract(_WHITE_SPACE_SET, list(part.ranges))
+            if not chars:  # (matches nothing: left, for xgrammar_wider to name)
+                continue
+        elif "s" in part.escapes and set(part.escapes) <= {"s", "d", "w"}:
+            chars = _union([list(part.ranges)] + [
+                _WHITE_SPACE_SET if e == "s" else _SHORTHAND_SETS[e] for e in part.escapes])
+        else:
+            continue
+        edits.append((part.start, part.start + len(part.text),
+                      _xg_class(chars).replace("/", "\\/")))
     out, pos = [], 0
     for start, end, text in edits:
         out += [pattern[pos:start], text]
         pos = end
     return "".join(out) + pattern[pos:]
+
+
+def _nests_or_sets(part: CharClass) -> bool:
+    """Whether the class ``part`` nests a class or a POSIX class, or uses one of Rust's set
+    operations (``&&``, ``--``, ``~~``), which xgrammar's ECMA reading takes for characters."""
+    inner = _ESCAPED_PAIR.sub("", part.text[2 if part.negated else 1:-1])
+    return "[" in inner or any(op in inner for op in ("&&", "--", "~~"))
 
 
 # ASCII letters a case-insensitive match takes non-ASCII characters for (Python's ``re``,
@@ -765,8 +786,7 @@ def xgrammar_wider(pattern: str, nocase: bool) -> str | None:
                         "which is no White_Space character)")
             continue
         where = f"the {'negated ' if part.negated else ''}class {part.text!r}"
-        inner = _ESCAPED_PAIR.sub("", part.text[2 if part.negated else 1:-1])
-        if "[" in inner or any(op in inner for op in ("&&", "--", "~~")):
+        if _nests_or_sets(part):
             return (f"{where} nests a class or uses a set operation, which Lark's regexes "
                     "(Rust's) read and xgrammar's (ECMA's) read as other characters")
 
@@ -775,10 +795,11 @@ def xgrammar_wider(pattern: str, nocase: bool) -> str | None:
         if shorthand:
             return (f"{where} holds '\\{shorthand}' (xgrammar's \\d, \\w and \\s are ASCII, "
                     "so the class would take the non-ASCII ones)")
-        if "s" in part.escapes:  # (positive: what lark_spaces could not write out)
-            return (f"{where} holds '\\s' (xgrammar's \\s takes U+FEFF, which is no "
+        spaces = "S" if part.negated else "s"  # (a class of spaces lark_spaces left)
+        if spaces in part.escapes:
+            return (f"{where} holds '\\{spaces}' (xgrammar's \\s takes U+FEFF, which is no "
                     "White_Space character) beside an escape capgraph cannot write out for "
-                    "it")
+                    "it, or matching nothing")
         if not (part.negated and nocase):
             continue
         cased: str | None = None
