@@ -60,40 +60,51 @@ constexpr int32_t kOverBudget = 4;  // over the host-step budget; errors() holds
 constexpr int32_t kTerminated = 8;
 
 // A matcher's UTF-8 guard (capgraph/grammar/utf8.py, whose layout `data` is): an int64 count
-// of the tokens accepted, then a ring of kUtf8Ring states, the state after each of the last
-// ones (0: at a character boundary; 1..7: inside a character). Python's matcher wrapper and
-// the builds below share it: utf8_guard_new registers one for a matcher's FFI object, and a
-// build looks it up by that object (GuardRef), counted so that it outlives every use.
+// of the tokens accepted, an int64 floor (the lowest count whose state the ring still holds),
+// then a ring of kUtf8Ring states, the state after each of the last ones (0: at a character
+// boundary; 1..7: inside a character). Python's matcher wrapper and the builds below share
+// it: utf8_guard_new registers one for a matcher's FFI object, and a build looks it up by
+// that object (GuardRef), counted so that it outlives every use.
 constexpr int64_t kUtf8Ring = 1016;
+constexpr int64_t kUtf8Head = 16;  // the count and the floor
 constexpr int64_t kUtf8States = 8;
 constexpr uint8_t kUtf8Invalid = 8;  // a token whose bytes are not UTF-8 from the state
 
 struct Utf8Guard {
   std::atomic<int64_t> refs{0};
-  alignas(8) uint8_t data[8 + kUtf8Ring] = {};
+  alignas(8) uint8_t data[kUtf8Head + kUtf8Ring] = {};
 
-  int64_t Count() const {
-    int64_t c;
-    std::memcpy(&c, data, sizeof(c));
-    return c;
-  }
-  void SetCount(int64_t c) { std::memcpy(data, &c, sizeof(c)); }
+  int64_t Count() const { return Head(0); }
+  int64_t Floor() const { return Head(1); }
   uint8_t State() const {
     const int64_t c = Count();
-    return c <= 0 ? 0 : data[8 + (c - 1) % kUtf8Ring];
+    return c <= 0 ? 0 : data[kUtf8Head + (c - 1) % kUtf8Ring];
   }
   void Push(uint8_t state) {
-    const int64_t c = Count();
-    data[8 + c % kUtf8Ring] = state;
-    SetCount(c + 1);
+    const int64_t c = Count() + 1;
+    data[kUtf8Head + (c - 1) % kUtf8Ring] = state;
+    SetHead(0, c);
+    // (the state of count c - kUtf8Ring sat where this one went)
+    if (c - (kUtf8Ring - 1) > Floor()) SetHead(1, c - (kUtf8Ring - 1));
   }
-  // Forget the last n tokens; false (nothing changed) where the ring does not reach back.
+  // Forget the last n tokens; false (nothing changed) where that goes back past the oldest
+  // state the ring holds (in one rollback or several) or past the first token.
   bool Pop(int64_t n) {
     const int64_t c = Count();
-    if (n > c || n > kUtf8Ring - 1) return false;
-    SetCount(c - n);
+    if (n < 0 || c - n < Floor()) return false;
+    SetHead(0, c - n);
     return true;
   }
+  // Undo a Pop(n) (the matcher's own rollback failed: it did not move).
+  void Unpop(int64_t n) { SetHead(0, Count() + n); }
+
+ private:
+  int64_t Head(int i) const {
+    int64_t v;
+    std::memcpy(&v, data + 8 * i, sizeof(v));
+    return v;
+  }
+  void SetHead(int i, int64_t v) { std::memcpy(data + 8 * i, &v, sizeof(v)); }
 };
 
 // A counted reference to the guard registered for a matcher's FFI object, or none.

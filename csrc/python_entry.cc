@@ -73,7 +73,6 @@ namespace {
 using capgraph::Builder;
 using capgraph::Drafts;
 using capgraph::GuardRef;
-using capgraph::kUtf8Ring;
 using capgraph::Utf8Guard;
 using capgraph::kDeadEnd;
 using capgraph::kFault;
@@ -1493,7 +1492,7 @@ bool CallRollback(HostNode* n, const ObjectRef& m, int64_t count, std::string* m
   if (guard != nullptr && !guard->Pop(count)) {
     *message = "MatcherError: a rollback of " + std::to_string(count) + " tokens goes past " +
                "the UTF-8 guard's history (" +
-               std::to_string(std::min<int64_t>(guard->Count(), kUtf8Ring - 1)) + " tokens)";
+               std::to_string(guard->Count() - guard->Floor()) + " tokens)";
     return false;
   }
   try {
@@ -1504,7 +1503,7 @@ bool CallRollback(HostNode* n, const ObjectRef& m, int64_t count, std::string* m
   } catch (const std::exception& ex) {
     *message = std::string("RuntimeError: ") + ex.what();
   }
-  if (guard != nullptr) guard->SetCount(guard->Count() + count);  // (the matcher did not move)
+  if (guard != nullptr) guard->Unpop(count);  // (the matcher did not move)
   return false;
 }
 

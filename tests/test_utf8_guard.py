@@ -79,9 +79,31 @@ def test_guard_ring_and_rollback_past_its_history():
     assert guard.state() == 1  # inside "é"
     assert guard.next_state(0) == INVALID and guard.next_state(2) == START
     with pytest.raises(MatcherError, match="past the UTF-8 guard's history"):
-        guard.pop(RING)
-    guard.pop(RING - 1)
-    assert guard.count == 2 * (RING // 2 + 3) - RING
+        guard.pop(RING - 1)  # (with the one above: RING tokens back)
+    guard.pop(RING - 2)
+    assert guard.count == 2 * (RING // 2 + 3) - (RING - 1)
+
+
+def test_rollbacks_in_a_row_reach_no_further_than_the_ring():
+    """After more tokens than the ring holds, two rollbacks each within ``RING - 1`` tokens
+    but together past the oldest state the ring still holds: the second raises and changes
+    nothing; one back to that state restores it, and pushes after it move the floor on."""
+    tables = utf8_tables([b"a", b"\xc3", b"\xa9"], 3)
+    guard = Utf8Guard(tables)
+    n = 2 * RING + 68  # "é" again and again: the state after k tokens is 1 for odd k
+    for k in range(n):
+        guard.push(guard.next_state(1 + k % 2))
+    guard.pop(1000)
+    with pytest.raises(MatcherError, match=rf"history \({RING - 1 - 1000} tokens\)"):
+        guard.pop(500)
+    assert guard.count == n - 1000
+    guard.pop(RING - 1 - 1000)
+    assert guard.count == n - (RING - 1) and guard.state() == (guard.count % 2)
+    with pytest.raises(MatcherError, match=r"history \(0 tokens\)"):
+        guard.pop(1)
+    guard.push(guard.next_state(1 + guard.count % 2))
+    guard.pop(1)  # (the state it pushed over is still the floor's)
+    assert guard.count == n - (RING - 1) and guard.state() == (guard.count % 2)
 
 
 @pytest.fixture(scope="module")
@@ -285,3 +307,42 @@ def test_a_guard_held_past_its_matcher_keeps_its_state(factory, native_ok):
         m.native_handle()
         m.accept_token(factory.config.stop_token_ids[0] + 1000)
     assert (guard.count, guard.state()) == (1, 1)
+
+
+@pytest.mark.parametrize("build", ["auto", "off"])
+def test_rollbacks_in_a_row_past_the_ring_fail_on_a_long_output(factory, byte_ids, build):
+    """A 2100-token output spelled one byte token at a time (the C++ build's guard in C++
+    memory, the Python build's in its own), then two rollbacks of the matcher, 1000 and
+    500 tokens: the second goes past the oldest state the ring holds and raises
+    ``MatcherError`` with nothing moved; rolled back to that state instead, the matcher's
+    row equals that of a fresh matcher fed the same tokens. Before, the second rollback left
+    the guard on a later token's state: a valid lead byte was refused, or after a text ending
+    in E0 an overlong continuation allowed."""
+    params = GuidedDecodingParams.regex("€+")
+    V = factory.config.vocab_size_padded
+    euro = [byte_ids[b] for b in "€".encode()]
+    dec = decoder_for(factory, build)
+    dec.add_batch([GuidedRequest.context(1, 0, params)])
+    dec.execute(torch.zeros(1, V))
+    n = 2100
+    logits = torch.zeros(1, V)
+    for k in range(n):
+        dec.add_batch([GuidedRequest.generation(1, 0, params, euro[k % 3])])
+        assert dec.execute(logits) == []
+    matcher = dec.grammar_matchers[0]
+    guard = matcher.utf8_guard
+    assert guard.native == (dec.host_build.name != "python")
+    matcher.rollback(1000)
+    with pytest.raises(MatcherError, match=rf"history \({RING - 1 - 1000} tokens\)"):
+        matcher.rollback(500)
+    matcher.rollback(RING - 1 - 1000)
+    assert guard.count == n - (RING - 1)  # (the oldest state the ring holds)
+    fresh = factory.create(params)
+    for k in range(guard.count):
+        assert fresh.accept_token(euro[k % 3])
+    got = torch.zeros(1, (V + 31) // 32, dtype=torch.int32)
+    want = torch.zeros_like(got)
+    matcher.fill_next_token_bitmask(got, 0)
+    fresh.fill_next_token_bitmask(want, 0)
+    assert torch.equal(got, want) and guard.state() == fresh.utf8_guard.state()
+    dec.close()

@@ -13,7 +13,8 @@ before the backend sees it. A token without text (a special or stop token) keeps
 a character boundary and is refused inside a character.
 
 The state after each accepted token is kept in a ring of :data:`RING` entries, so a rollback of
-up to ``RING - 1`` tokens restores it (a guard is 1 KiB). The C++ builds (``csrc/builder.cc``)
+up to ``RING - 1`` tokens restores it, and several rollbacks in a row reach no further back than
+the oldest state the ring still holds (a guard is about 1 KiB). The C++ builds (``csrc/builder.cc``)
 read and write the same memory (:mod:`capgraph.build.library`): a guard lives in a C++
 allocation once its matcher is handed to them, else in a ``bytearray`` of the same layout.
 """
@@ -37,8 +38,9 @@ INVALID = NUM_STATES
 #: states kept per guard (the deepest rollback is RING - 1 tokens; a decoder's drafts are at
 #: most RING - 2, GuidedDecoder checks)
 RING = 1016
-#: a guard's bytes: an int64 count of tokens accepted, then the ring of states
-GUARD_BYTES = 8 + RING
+#: a guard's bytes: an int64 count of tokens accepted, an int64 floor (the lowest count whose
+#: state the ring still holds), then the ring of states
+GUARD_BYTES = 16 + RING
 
 # pending state -> (continuation bytes due, lowest and highest next byte)
 _PENDING = {1: (1, 0x80, 0xBF), 2: (2, 0x80, 0xBF), 3: (3, 0x80, 0xBF),
@@ -135,10 +137,10 @@ def utf8_tables(vocab: Sequence[bytes], vocab_size_padded: int) -> Utf8Tables:
 
 class Utf8Guard:
     """One matcher's UTF-8 state (see the module docstring), over a buffer of
-    :data:`GUARD_BYTES` bytes laid out as the C++ builds read them (an int64 count, then the
-    ring): its own ``bytearray``, or a C++ allocation once :meth:`rebind` moves it there."""
+    :data:`GUARD_BYTES` bytes laid out as the C++ builds read them (an int64 count and floor,
+    then the ring): its own ``bytearray``, or a C++ allocation once :meth:`rebind` moves it there."""
 
-    __slots__ = ("tables", "native", "_count", "_ring", "_buffer", "_trans_rows", "__weakref__")
+    __slots__ = ("tables", "native", "_head", "_ring", "_buffer", "_trans_rows", "__weakref__")
 
     def __init__(self, tables: Utf8Tables) -> None:
         self.tables = tables
@@ -150,8 +152,8 @@ class Utf8Guard:
     def _bind(self, buffer: Any) -> None:
         self._buffer = buffer  # (kept: the views below do not own it)
         view = memoryview(buffer).cast("B")
-        self._count = view[:8].cast("q")
-        self._ring = view[8:]
+        self._head = view[:16].cast("q")  # [count, floor]
+        self._ring = view[16:]
 
     def rebind(self, buffer: Any) -> None:
         """Move the guard's state into ``buffer`` (a C++ allocation of GUARD_BYTES bytes, any
@@ -162,42 +164,46 @@ class Utf8Guard:
     @property
     def count(self) -> int:
         """Tokens accepted so far (less those rolled back)."""
-        return self._count[0]
+        return self._head[0]
 
     @count.setter
     def count(self, value: int) -> None:
-        self._count[0] = value
+        self._head[0] = value
 
     def state(self) -> int:
         """The state after the tokens accepted so far."""
-        count = self._count[0]
+        count = self._head[0]
         return START if count == 0 else self._ring[(count - 1) % RING]
 
     def next_state(self, token: int) -> int:
         """The state after ``token`` (:data:`INVALID`: its bytes are not UTF-8 from here, or
         an id outside the tables)."""
-        count = self._count[0]  # (state() and Utf8Tables.next_state inline: once a token)
+        count = self._head[0]  # (state() and Utf8Tables.next_state inline: once a token)
         row = self._trans_rows[START if count == 0 else self._ring[(count - 1) % RING]]
         return row[token] if 0 <= token < len(row) else INVALID
 
     def push(self, state: int) -> None:
         """Record one accepted token that left the text in ``state``."""
-        count = self._count[0]
-        self._ring[count % RING] = state
-        self._count[0] = count + 1
+        head = self._head
+        count = head[0] + 1
+        self._ring[(count - 1) % RING] = state
+        head[0] = count
+        if count - (RING - 1) > head[1]:  # (the state of count - RING was overwritten)
+            head[1] = count - (RING - 1)
 
     def pop(self, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` accepted tokens.
 
         Raises:
-            MatcherError: more than ``RING - 1`` tokens, or more than were accepted: the
-                state before them is not kept.
+            MatcherError: back past the oldest state the ring holds (more than ``RING - 1``
+                tokens before the latest push, in one rollback or several), or more tokens
+                than were accepted: the state before them is not kept.
         """
-        count = self._count[0]
-        if num_tokens > min(count, RING - 1):
+        count, floor = self._head
+        if count - num_tokens < floor:
             raise MatcherError(f"a rollback of {num_tokens} tokens goes past the UTF-8 guard's "
-                               f"history ({min(count, RING - 1)} tokens)")
-        self._count[0] = count - num_tokens
+                               f"history ({count - floor} tokens)")
+        self._head[0] = count - num_tokens
 
     def mask_row(self, row: np.ndarray) -> None:
         """AND the int32 mask ``row`` with the tokens allowed after the text so far."""
