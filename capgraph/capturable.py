@@ -214,6 +214,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._fetched_epoch = 0  # callback side
         self._warmup = 0
         self._prepared = False
+        #: the prepared step's execute was refused (its logits): the next add_batch leaves it
+        self._prepared_refused = False
         self._prepared_rows = 0  # the bitmask rows the step prepared copies (and masks)
         # the index of the current drafting loop's last step (its batch's runtime draft
         # length - 1, 0 for none; read when its first step runs)
@@ -344,9 +346,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._queue.append(put)
         if self._node_active:
             self._node_push(put)
-        # a step prepare() enqueued that no execute applied (refused: bad logits) is over:
-        # its host work ran, its mask is never applied, and this batch's step enqueues its own
-        self._prepared = False
+        if self._prepared_refused:  # a step prepare() enqueued whose execute was refused (bad
+            # logits) is over: its host work ran, its mask is never applied, and this batch's
+            # step enqueues its own
+            self._prepared = self._prepared_refused = False
         self.active = \
             next(batch.valid_requests(), None) is not None  # type: ignore[union-attr]
         if not self._streams.is_capturing():
@@ -489,7 +492,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         after the forward then only waits and applies. A prepared step whose ``execute`` is
         refused (bad logits) stays prepared for an ``execute`` with proper logits; the next
         ``add_batch`` instead leaves it (its host work ran, its mask is never applied) and
-        that batch's step runs its own.
+        that batch's step runs its own. Without a refusal, the next step's ``add_batch`` may
+        come before this step's ``execute``.
 
         Args:
             num_rows: bitmask rows to copy to the device (the logits' rows); default all. A
@@ -564,15 +568,17 @@ class CapturableGuidedDecoder(GuidedDecoder):
         re-raises a callback exception as ``hostfunc.HostFuncError``.
         """
         capturing = self._streams.is_capturing()
+        self._prepared_refused = self._prepared  # (until the logits pass: see add_batch)
         self._check_logits(logits, d2t, None)
-        if capturing:
-            # the batch queued before capture only gave the shapes: no replay will fetch it
-            self._consume_put()
-        elif self.requests is not None and \
+        if not capturing and self.requests is not None and \
                 logits.shape[0] < self.requests.num_bitmask_tokens:
             raise TensorArgError(
                 f"logits have {logits.shape[0]} rows, fewer than the batch layout's "
                 f"{self.requests.num_bitmask_tokens}")
+        self._prepared_refused = False
+        if capturing:
+            # the batch queued before capture only gave the shapes: no replay will fetch it
+            self._consume_put()
         elif not self.active and not self._prepared and self._stream_idle():
             # nothing guided and nothing queued that reads the token mask or the slots (an
             # earlier step the host ran ahead of): enqueue nothing at all, consume here
@@ -974,8 +980,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         try:
             self._pop()
             batch = self.requests_hostfunc
-            if batch is not None and not batch.is_draft_step:
-                self._end_open_draft()  # (first: the check below reads the slots' matchers)
+            if batch is not None:
+                self._end_open_draft(batch)  # (first: the check below reads the matchers)
             self._fail_past_rows(batch, rows)
         except QueueEpochError:
             raise

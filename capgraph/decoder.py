@@ -667,10 +667,9 @@ class GuidedDecoder:
         """
         if self._inflight is not None:
             self._finish_build()
+        self._end_open_draft(requests)
         if requests.is_draft_step:
             self._open_draft = requests
-        else:
-            self._end_open_draft()
         clear = requests.num_bitmask_tokens if clear_rows is None else clear_rows
         # (the trees of the slots built now are no longer current; another slot's stays its
         # own while its request sits out this step)
@@ -818,12 +817,22 @@ class GuidedDecoder:
             self.grammar_matchers[slot] = None
             self._forget_compile(slot)
 
-    def _end_open_draft(self) -> None:
+    def _end_open_draft(self, requests: GuidedRequests | None = None) -> None:
         """End a drafting loop left without its ``rollback_draft_tokens`` (its draft advances
-        rolled back, its slots guided again), before anything reads the matchers for a step
-        that is not one of its drafts; nothing if no loop is open."""
-        if self._open_draft is not None:
-            self._rollback_draft_tokens(self._open_draft)
+        rolled back, its slots guided again) before anything reads the matchers for a step
+        that is not one of its drafts: ``requests``, that step's batch (None: a rollback of
+        rejected tokens, which ends it too). A draft step goes on with the loop, but for the
+        slots of the target requests it holds beside its drafts, whose loop ends. Nothing if
+        no loop is open."""
+        open_draft = self._open_draft
+        if open_draft is None:
+            return
+        if requests is None or not requests.is_draft_step:
+            self._rollback_draft_tokens(open_draft)
+            return
+        targets = {r.seq_slot for r in requests.valid_requests() if not r.is_draft}
+        if targets:
+            self._rollback_draft_tokens(open_draft, targets)
 
     def _rollback_rejected_tokens(self, requests: GuidedRequests) -> None:
         self._finish_build()
@@ -912,14 +921,18 @@ class GuidedDecoder:
         self.num_advanced_tokens[slot] += kept
         self.slots.record_tree(slot, None, parents)
 
-    def _rollback_draft_tokens(self, requests: GuidedRequests) -> None:
+    def _rollback_draft_tokens(self, requests: GuidedRequests,
+                               slots: Collection[int | None] | None = None) -> None:
+        """Roll back the draft advances of ``requests``' slots and guide them again, ending
+        their drafting loop (``slots``: only these, and the loop stays open for the rest)."""
         self._finish_build()
-        self._open_draft = None
+        if slots is None:
+            self._open_draft = None
         if self.max_num_draft_tokens <= 0:
             return
         for req in requests.valid_requests():
             slot = req.seq_slot
-            if not self.slots.slot_ok(slot):
+            if not self.slots.slot_ok(slot) or (slots is not None and slot not in slots):
                 continue
             n = self.num_advanced_draft_tokens[slot]  # type: ignore[index]
             matcher = self.grammar_matchers[slot]  # type: ignore[index]

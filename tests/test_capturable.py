@@ -1053,3 +1053,36 @@ def test_a_second_prepare_for_other_rows_is_named(factory):
     assert dec.take_failed_requests() == []
     assert torch.isneginf(logits[0]).any() and not torch.isneginf(logits[1]).any()
     dec.close()
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+def test_a_prepared_step_survives_the_next_steps_add_batch(factory, tekken, host_node):
+    """``add_batch(N); prepare(); add_batch(N + 1); execute(N)``: the next step's batch is
+    queued before the prepared step's execute, which applies the prepared step; every step
+    masks as the eager decoder does."""
+    _native_or_skip(host_node)
+    params = GuidedDecodingParams.regex("abab")
+    V = factory.config.vocab_size_padded
+    a, b = (encode_continuation(tekken, t)[0] for t in ("a", "b"))
+    dec = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node=host_node)
+    eager = GuidedDecoder(factory.config, 1, 0, factory=factory)
+    steps = [[GuidedRequest.context(1, 0, params)]] + [
+        [GuidedRequest.generation(1, 0, params, t)] for t in (a, b, a)]
+    wants = []
+    for step in steps:
+        eager.add_batch(step)
+        wants.append(torch.zeros(1, V))
+        assert eager.execute(wants[-1]) == []
+    dec.add_batch(steps[0])
+    dec.prepare()
+    for n, want in enumerate(wants):
+        if n + 1 < len(steps):
+            dec.add_batch(steps[n + 1])
+        got = torch.zeros(1, V)
+        dec.execute(got)
+        hostfunc.drain()
+        assert dec.take_failed_requests() == [] and same(got, want), n
+        if n + 1 < len(steps):
+            dec.prepare()
+    dec.close()
+    eager.close()

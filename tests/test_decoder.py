@@ -788,3 +788,38 @@ def test_a_draft_batch_with_padding_first_stays_a_draft_step(factory, tekken, pa
     assert torch.isneginf(logits[-1, a]) and torch.isfinite(logits[-1, b])
     dec.rollback_draft_tokens()
     assert dec.num_advanced_draft_tokens[0] == 0
+
+
+def test_a_target_request_beside_drafts_ends_its_slots_open_loop(factory, tekken):
+    """A drafting loop on slot 0 left without its rollback, then a batch holding a target
+    request for slot 0 beside a draft request for slot 1: slot 0's loop ends before the
+    build (its target row equals that of a decoder whose loop was rolled back), while the
+    batch's drafts go on as a loop of their own. Before, a batch with any draft was taken
+    for a draft step whole and slot 0's target row was masked after the draft prefix."""
+    params = GuidedDecodingParams.regex("a{3}b")
+    V = factory.config.vocab_size_padded
+    a, b = (encode_continuation(tekken, t)[0] for t in ("a", "b"))
+    draft = dict(is_draft=True, is_generation_in_progress_state=True)
+    rows = []
+    for explicit in (True, False):
+        dec = make_decoder(factory, seqs=2, drafts=3)
+        dec.add_batch([GuidedRequest.context(1, 0, params), GuidedRequest.context(2, 1, params)])
+        dec.execute(torch.zeros(2, V))
+        dec.add_batch([GuidedRequest.generation(1, 0, params, a),
+                       GuidedRequest.generation(2, 1, params, a)], 0)
+        assert dec.execute(torch.zeros(2, V)) == []
+        dec.add_batch([GuidedRequest(params, 1, 0, new_token=a, **draft)], 3)
+        assert dec.execute(torch.zeros(1, V)) == []
+        if explicit:
+            dec.rollback_draft_tokens()
+        dec.add_batch([GuidedRequest.generation(1, 0, params, a),
+                       GuidedRequest(params, 2, 1, new_token=a, **draft)], 0)
+        logits = torch.zeros(2, V)
+        assert dec.execute(logits) == []
+        assert torch.isfinite(logits[0, a]) and torch.isneginf(logits[0, b])  # ("aa" so far)
+        assert dec.num_advanced_draft_tokens[0] == 0 and dec.num_advanced_draft_tokens[1] == 1
+        rows.append(logits)
+        dec.rollback_draft_tokens()
+        assert dec.num_advanced_draft_tokens[1] == 0
+        dec.close()
+    assert torch.equal(rows[0], rows[1])
