@@ -848,6 +848,19 @@ def test_a_second_request_on_a_slot_past_the_captured_rows_leaves_the_first_guid
     eager.close()
 
 
+def _replay_fails_request_11_on_row_1(dec, graph) -> None:
+    """Replay ``graph`` (captured for one row) for a batch with request 11 on slot 1 at row
+    1: it fails alone with a LayoutError, its matcher dropped and its row not built; then
+    the graph and the decoder are released."""
+    graph.replay()
+    hostfunc.drain()
+    failed = dec.take_failed_requests()
+    assert [rid for rid, _ in failed] == [11] and failed[0][1].startswith("LayoutError"), failed
+    assert dec.grammar_matchers[1] is None and int(dec.token_mask_host[1]) == 0
+    graph.reset()
+    dec.close()
+
+
 @pytest.mark.parametrize("host_node", ["python", "native"])
 @pytest.mark.parametrize("ending", ["refused", "eos"])  # drafting stopped; matcher terminated
 @pytest.mark.parametrize("next_step", ["target", "loop"])
@@ -891,14 +904,7 @@ def test_a_request_past_the_captured_rows_fails_after_a_loop_cut_short(
                    GuidedRequest.generation(11, 1, params, a)],
                   runtime_draft_len=0 if next_step == "target" else 1)
     tokens[:] = torch.tensor([0, a])
-    static.zero_()
-    graph.replay()
-    hostfunc.drain()
-    failed = dec.take_failed_requests()
-    assert [rid for rid, _ in failed] == [11] and failed[0][1].startswith("LayoutError"), failed
-    assert dec.grammar_matchers[1] is None and int(dec.token_mask_host[1]) == 0
-    graph.reset()
-    dec.close()
+    _replay_fails_request_11_on_row_1(dec, graph)
 
 
 @pytest.mark.parametrize("host_node", ["python", "native"])
@@ -933,13 +939,7 @@ def test_a_drafting_loop_checks_its_rows_after_the_rollback_of_rejected_tokens(
     dec.add_batch([GuidedRequest.placeholder(96, 1), GuidedRequest.generation(11, 1, params, a)],
                   runtime_draft_len=1)
     tokens[:] = torch.tensor([0, a])  # (accepted: 1 each, the EOS draft rejected)
-    graph.replay()
-    hostfunc.drain()
-    failed = dec.take_failed_requests()
-    assert [rid for rid, _ in failed] == [11] and failed[0][1].startswith("LayoutError"), failed
-    assert dec.grammar_matchers[1] is None and int(dec.token_mask_host[1]) == 0
-    graph.reset()
-    dec.close()
+    _replay_fails_request_11_on_row_1(dec, graph)
 
 
 @pytest.mark.parametrize("host_node", ["python", "native"])
