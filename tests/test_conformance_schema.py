@@ -51,6 +51,14 @@ ISSUE_EXAMPLES = {
                                "minimum": 5}, 3),
     "format_with_length": ({"type": "string", "format": "email", "maxLength": 8},
                            "abcdefgh@example.com"),
+    # a closed branch must not take an instance both branches as written match
+    "oneOf_closed_branch": ({"oneOf": [
+        {"type": "object", "properties": {"k": {"const": "x"}}, "required": ["k"]},
+        {"type": "object", "properties": {"m": {"type": "integer"}}}]}, {"k": "x"}),
+    # before 2020-12, prefixItems is no keyword: items applies to every item
+    "prefixItems_under_draft_07": ({"$schema": "http://json-schema.org/draft-07/schema#",
+                                    "type": "array", "prefixItems": [{"type": "integer"}],
+                                    "items": {"type": "string"}}, [1]),
 }
 
 
@@ -235,6 +243,11 @@ def test_converter_warnings_restores_stderr_when_the_body_raises(capfd):
      [("minProperties", "")]),
     ({"type": "object", "minProperties": 1}, [("minProperties", "")]),
     ({"type": "object", "properties": {"a": {}, "b": {}}, "minProperties": 1}, []),
+    # prefixItems is a 2020-12 keyword; xgrammar reads no $schema
+    ({"$schema": "https://json-schema.org/draft/2019-09/schema", "type": "array",
+      "prefixItems": [{"type": "integer"}]}, [("prefixItems", "")]),
+    ({"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "array",
+      "prefixItems": [{"type": "integer"}]}, []),
 ])
 def test_policy_findings_xgrammar(schema, expected):
     """The xgrammar allow-list: names and annotations are not keywords, no-op values constrain
@@ -287,6 +300,21 @@ def test_policy_findings_xgrammar(schema, expected):
     ({"type": "number", "minimum": 0.5, "exclusiveMaximum": 1}, []),
     ({"type": "number", "exclusiveMinimum": -1, "maximum": -0.5}, []),
     ({"type": "number", "exclusiveMinimum": 0, "maximum": 0.5}, [("exclusiveMinimum", "")]),
+    # closed oneOf branches keep "one" only where the branches as written are disjoint: by a
+    # type, or by a property both require with values they do not share
+    ({"oneOf": [{"type": "object", "properties": {"k": {"const": "x"}}, "required": ["k"]},
+                {"type": "object", "properties": {"m": {"type": "integer"}}}]},
+     [("oneOf", "")]),
+    ({"oneOf": [{"type": "object", "properties": {"t": {"const": "a"}, "x": {}},
+                 "required": ["t"]},
+                {"type": "object", "properties": {"t": {"enum": ["b", "c"]}, "y": {}},
+                 "required": ["t"]}]}, []),
+    ({"oneOf": [{"type": "object", "properties": {"t": {"const": 1}}, "required": ["t"]},
+                {"type": "object", "properties": {"t": {"enum": [1.0, 2]}},
+                 "required": ["t"]}]}, [("oneOf", "")]),
+    ({"oneOf": [{"type": "object", "properties": {"a": {}}},
+                {"type": "array", "prefixItems": [{}]}]}, []),
+    ({"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}, []),
 ])
 def test_policy_findings_llguidance(schema, expected):
     """The llguidance allow-list: listed names next to additional ones (a listed name spelled

@@ -676,6 +676,17 @@ def _closed_beside_listed(node: _Node) -> str | None:
             llguidance_closes_properties(schema, described)
 
     if node.keyword in ("anyOf", "oneOf"):
+        if node.keyword == "oneOf" and any(closes(b) for b in resolved):
+            # a closed branch takes fewer instances, so an instance the branches as written
+            # share may match it alone: only branches disjoint as written keep oneOf's "one"
+            for i, a in enumerate(resolved):
+                for b in resolved[i + 1:]:
+                    if not _disjoint_as_written(a, b):
+                        return ("llguidance closes 'oneOf' branches (their unlisted "
+                                "properties absent), which lets through an instance two "
+                                "branches as written both match, unless a branch's 'type' or "
+                                "a property both require with 'const' / 'enum' values tells "
+                                "them apart; none does here")
         # a branch is one way to be valid: a property of the parent is lost only where every
         # branch closes without it; a closed parent loses what a branch lists beyond it
         listed = node.schema.get("properties")
@@ -709,6 +720,72 @@ def _closed_beside_listed(node: _Node) -> str | None:
                                 "which another schema of the combination lists: it could "
                                 "never be written")
     return None
+
+
+# the meta-schemas of the drafts before 2020-12 that capgraph reads, http or https
+_BEFORE_2020_12 = regex.compile(
+    r"^https?://json-schema\.org/(?:draft-0[4-7]/|draft/2019-09/)")
+
+
+def _prefix_items_draft(node: _Node) -> str | None:
+    """``prefixItems`` is a keyword of 2020-12 only: under an earlier draft's ``$schema`` it is
+    none (that draft's ``items`` applies to every item), and xgrammar, which reads no
+    ``$schema``, would apply it."""
+    root = node.root
+    draft = root.get("$schema") if isinstance(root, Mapping) else None
+    if isinstance(draft, str) and _BEFORE_2020_12.match(draft):
+        return (f"'prefixItems' is no keyword of {draft!r} (its 'items' applies to every "
+                "item), and xgrammar reads it as 2020-12 does")
+    return None
+
+
+def _disjoint_as_written(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether no instance matches both schemas, shown by their ``type``s alone or by a
+    property both require whose ``const`` / ``enum`` values share none (a tag field). False
+    where neither shows it (they may still be disjoint)."""
+    def types(schema: Mapping[str, Any]) -> frozenset[str] | None:
+        t = schema.get("type")
+        if isinstance(t, str):
+            t = [t]
+        if not (isinstance(t, list) and all(isinstance(x, str) for x in t)):
+            return None
+        return frozenset(t) | ({"integer"} if "number" in t else set())  # (integers are numbers)
+
+    ta, tb = types(a), types(b)
+    if ta is not None and tb is not None and not ta & tb:
+        return True
+
+    def values(schema: Mapping[str, Any], name: str) -> list[Any] | None:
+        required, props = schema.get("required"), schema.get("properties")
+        if not (isinstance(required, list) and name in required and isinstance(props, dict)):
+            return None
+        prop = props.get(name)
+        if not isinstance(prop, dict):
+            return None
+        if "const" in prop:
+            return [prop["const"]]
+        enum = prop.get("enum")
+        return enum if isinstance(enum, list) else None
+
+    for name in (a.get("properties") or {}) if isinstance(a.get("properties"), dict) else ():
+        va, vb = values(a, name), values(b, name)
+        if va is not None and vb is not None and not any(
+                _same_json(x, y) for x in va for y in vb):
+            return True
+    return False
+
+
+def _same_json(x: Any, y: Any) -> bool:
+    """JSON equality (1 == 1.0, True is no number, key order ignored)."""
+    if isinstance(x, bool) or isinstance(y, bool):
+        return type(x) is type(y) and x == y
+    if isinstance(x, (int, float)) and isinstance(y, (int, float)):
+        return x == y
+    if isinstance(x, list) and isinstance(y, list):
+        return len(x) == len(y) and all(_same_json(p, q) for p, q in zip(x, y))
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(_same_json(x[k], y[k]) for k in x)
+    return type(x) is type(y) and x == y
 
 
 def _patterns_without_additional(node: _Node) -> str | None:
@@ -774,7 +851,7 @@ XGRAMMAR: dict[str, Rule] = {
     "format": _all(_needs_type, _formats(XGRAMMAR_FORMATS, "xgrammar"),
                    _without("minLength", "maxLength", "pattern")),
     "items": _items_schema,  # xgrammar reads items/prefixItems as "an array" without a type
-    "prefixItems": _ok,
+    "prefixItems": _prefix_items_draft,
     "additionalItems": _additional_items,
     "minItems": _needs_type, "maxItems": _needs_type,
     "unevaluatedItems": _all(_needs_type, _without(*_APPLICATORS)),
