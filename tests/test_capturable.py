@@ -869,9 +869,9 @@ def test_a_request_past_the_captured_rows_fails_after_a_loop_cut_short(
     """A drafting loop cut short after a draft that stopped the slot's drafting (a refused
     token) or terminated its matcher (EOS), then a step replayed from a graph captured for one
     row, with the request at row 1: the cut loop is ended before the rows are checked, so the
-    request, guided again, fails with a LayoutError and its row is not built. Before, the
-    check read the slot as having nothing to guide and the build then guided a row the graph
-    never masks, with no failure."""
+    request, guided again, fails with a LayoutError and its row is not built (a check made
+    first would read the slot as having nothing to guide, and the build would then guide a
+    row the graph never masks, unreported)."""
     _native_or_skip(host_node)
     eos = factory.config.stop_token_ids[0]
     params = GuidedDecodingParams.regex("a{3}b" if ending == "refused" else "a{1,5}")
@@ -913,8 +913,8 @@ def test_a_drafting_loop_checks_its_rows_after_the_rollback_of_rejected_tokens(
     """A loop captured for one request, replayed with the request at row 1, whose matcher a
     draft EOS terminated at verification and the target rejected: the loop's first step rolls
     the EOS back (the matcher guides again) and only then checks the rows, so the request
-    fails with a LayoutError on both host nodes. Before, the Python step checked first, read
-    the matcher as terminated, and then built a row the graph never masks."""
+    fails with a LayoutError on both host nodes (a check made first would read the matcher
+    as terminated, and the build would then fill a row the graph never masks)."""
     _native_or_skip(host_node)
     eos = factory.config.stop_token_ids[0]
     params = GuidedDecodingParams.regex("a{1,5}")
@@ -948,9 +948,8 @@ def test_a_second_request_on_the_slot_of_one_past_the_captured_rows_fails_as_twi
         factory, tekken, host_node, kind):
     """Two requests on one slot, the first past the one captured row: the first fails with a
     LayoutError and the second as the eager decoder fails it ("appears twice"), its row not
-    built and the slot left without a matcher. Before, the second took the slot unreported
-    (a context request built a row the graph never masks; a generation request went
-    unguided)."""
+    built and the slot left without a matcher (the first one's stand-in holds no slot, so
+    the build alone would let the second take it unreported)."""
     _native_or_skip(host_node)
     params = GuidedDecodingParams.regex("[a-c]{3}x")
     V = factory.config.vocab_size_padded
@@ -987,8 +986,8 @@ def test_an_add_batch_after_a_refused_execute_of_a_prepared_step_runs_its_own_st
         factory, tekken, host_node):
     """``prepare()`` ran a step's host work and its ``execute`` was refused (logits of the
     wrong width); the engine moves on with the next ``add_batch``: that step runs its own host
-    work and masks as the eager decoder does. Before, the next execute applied the prepared
-    step's mask and left its own batch queued, every later step one behind."""
+    work and masks as the eager decoder does, rather than apply the prepared step's mask and
+    leave every later step one batch behind."""
     from capgraph.errors import TensorArgError
     _native_or_skip(host_node)
     params = GuidedDecodingParams.regex("[a-c]{5}x")

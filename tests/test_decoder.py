@@ -765,9 +765,8 @@ def test_a_drafting_loop_left_without_its_rollback_is_undone_by_the_next_target_
 def test_a_draft_batch_with_padding_first_stays_a_draft_step(factory, tekken, pad_at):
     """A drafting loop whose batch at step ``pad_at`` starts with an unguided placeholder
     (padding): the batch is still a draft step, so the loop goes on from its advances and the
-    last row allows only what the draft prefix leaves ("b" after "aaa"). Before, a batch was a
-    draft step only when its first request was a draft: the placeholder made the build end
-    the loop mid-way and mask after the wrong prefix."""
+    last row allows only what the draft prefix leaves ("b" after "aaa"); the placeholder
+    does not make the build end the loop mid-way."""
     params = GuidedDecodingParams.regex("a{3}b")
     V = factory.config.vocab_size_padded
     a, b = (encode_continuation(tekken, t)[0] for t in ("a", "b"))
@@ -794,8 +793,8 @@ def test_a_target_request_beside_drafts_ends_its_slots_open_loop(factory, tekken
     """A drafting loop on slot 0 left without its rollback, then a batch holding a target
     request for slot 0 beside a draft request for slot 1: slot 0's loop ends before the
     build (its target row equals that of a decoder whose loop was rolled back), while the
-    batch's drafts go on as a loop of their own. Before, a batch with any draft was taken
-    for a draft step whole and slot 0's target row was masked after the draft prefix."""
+    batch's drafts go on as a loop of their own (slot 0's target row is not masked after
+    the draft prefix)."""
     params = GuidedDecodingParams.regex("a{3}b")
     V = factory.config.vocab_size_padded
     a, b = (encode_continuation(tekken, t)[0] for t in ("a", "b"))

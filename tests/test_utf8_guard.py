@@ -315,9 +315,9 @@ def test_rollbacks_in_a_row_past_the_ring_fail_on_a_long_output(factory, byte_id
     memory, the Python build's in its own), then two rollbacks of the matcher, 1000 and
     500 tokens: the second goes past the oldest state the ring holds and raises
     ``MatcherError`` with nothing moved; rolled back to that state instead, the matcher's
-    row equals that of a fresh matcher fed the same tokens. Before, the second rollback left
-    the guard on a later token's state: a valid lead byte was refused, or after a text ending
-    in E0 an overlong continuation allowed."""
+    row equals that of a fresh matcher fed the same tokens (a guard left on a later token's
+    state would refuse a valid lead byte, or after text ending in E0 allow an overlong
+    continuation)."""
     params = GuidedDecodingParams.regex("€+")
     V = factory.config.vocab_size_padded
     euro = [byte_ids[b] for b in "€".encode()]
