@@ -59,6 +59,12 @@ ISSUE_EXAMPLES = {
     "prefixItems_under_draft_07": ({"$schema": "http://json-schema.org/draft-07/schema#",
                                     "type": "array", "prefixItems": [{"type": "integer"}],
                                     "items": {"type": "string"}}, [1]),
+    # each draft's form of an exclusive bound (draft-04: a boolean; later: a number)
+    "exclusiveMinimum_number_under_draft_04": (
+        {"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer",
+         "minimum": 5, "exclusiveMinimum": 3}, 5),
+    "exclusiveMinimum_boolean_under_2020_12": (
+        {"type": "number", "exclusiveMinimum": True}, 0.5),
 }
 
 
@@ -248,6 +254,9 @@ def test_converter_warnings_restores_stderr_when_the_body_raises(capfd):
       "prefixItems": [{"type": "integer"}]}, [("prefixItems", "")]),
     ({"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "array",
       "prefixItems": [{"type": "integer"}]}, []),
+    # draft-04's exclusiveMinimum is a boolean modifier: a number there is no bound of its own
+    ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer", "minimum": 5,
+      "exclusiveMinimum": 3}, [("exclusiveMinimum", "")]),
 ])
 def test_policy_findings_xgrammar(schema, expected):
     """The xgrammar allow-list: names and annotations are not keywords, no-op values constrain
@@ -315,6 +324,15 @@ def test_policy_findings_xgrammar(schema, expected):
     ({"oneOf": [{"type": "object", "properties": {"a": {}}},
                 {"type": "array", "prefixItems": [{}]}]}, []),
     ({"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}, []),
+    # each draft's form of an exclusive bound: draft-04 a boolean beside its bound (served),
+    # later drafts a number
+    ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer", "minimum": 5,
+      "exclusiveMinimum": True}, []),
+    ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer", "minimum": 5,
+      "exclusiveMinimum": 3}, [("exclusiveMinimum", "")]),
+    ({"type": "number", "exclusiveMinimum": True}, [("exclusiveMinimum", "")]),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "number",
+      "maximum": 1, "exclusiveMaximum": True}, [("exclusiveMaximum", "")]),
 ])
 def test_policy_findings_llguidance(schema, expected):
     """The llguidance allow-list: listed names next to additional ones (a listed name spelled

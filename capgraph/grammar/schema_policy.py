@@ -489,6 +489,36 @@ def _number_bound(node: _Node) -> str | None:
     return None
 
 
+_DRAFT_04 = regex.compile(r"^https?://json-schema\.org/draft-04/")
+
+
+def _declared_draft(node: _Node) -> str | None:
+    draft = node.root.get("$schema") if isinstance(node.root, Mapping) else None
+    return draft if isinstance(draft, str) else None
+
+
+def _exclusive_form(node: _Node) -> str | None:
+    """``exclusiveMinimum`` / ``exclusiveMaximum`` in a form the schema's draft defines: a
+    number, or draft-04's boolean modifier beside its ``minimum`` / ``maximum`` (read so
+    where no ``$schema`` names a later draft). A number under a draft-04 ``$schema`` (which
+    the backends would read as a bound of its own) and a boolean alone or under a later
+    draft (which llguidance drops; a validator of that draft reads ``true`` as 1) are
+    refused."""
+    draft = _declared_draft(node)
+    draft_04 = draft is not None and bool(_DRAFT_04.match(draft))
+    if isinstance(node.value, bool):
+        bound = "minimum" if node.keyword == "exclusiveMinimum" else "maximum"
+        if draft_04 or (draft is None and bound in node.schema):
+            return None
+        return (f"a boolean is draft-04's form of it, a modifier of '{bound}'"
+                + (f", and {draft!r} wants a number" if draft is not None
+                   else f", and no '{bound}' is beside it"))
+    if draft_04 and isinstance(node.value, (int, float)):
+        return ("draft-04 reads it as a boolean modifier of 'minimum' / 'maximum', and the "
+                "backends would read the number as a bound of its own")
+    return None
+
+
 def _numbers_in(value: Any) -> Iterator[int | float]:
     """Every number in a JSON value (``const`` / ``enum`` values hold objects and arrays)."""
     stack = [value]
@@ -839,8 +869,8 @@ XGRAMMAR: dict[str, Rule] = {
     "enum": _xgrammar_values,
     "const": _xgrammar_values,
     "minimum": _all(_needs_type, _number_bound), "maximum": _all(_needs_type, _number_bound),
-    "exclusiveMinimum": _all(_needs_type, _number_bound),
-    "exclusiveMaximum": _all(_needs_type, _number_bound),
+    "exclusiveMinimum": _all(_needs_type, _number_bound, _exclusive_form),
+    "exclusiveMaximum": _all(_needs_type, _number_bound, _exclusive_form),
     "multipleOf": _all(_needs_type, _integer_multiple,
                        _without("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")),
     # enforced once the backend repairs the character class of length-limited strings
@@ -879,8 +909,8 @@ LLGUIDANCE: dict[str, Rule] = {
     "type": _known_type,
     "enum": _llg_exact_numbers, "const": _llg_exact_numbers,
     "minimum": _llg_exact_numbers, "maximum": _llg_exact_numbers,
-    "exclusiveMinimum": _all(_llg_exact_numbers, _llg_narrow_exclusive),
-    "exclusiveMaximum": _all(_llg_exact_numbers, _llg_narrow_exclusive),
+    "exclusiveMinimum": _all(_exclusive_form, _llg_exact_numbers, _llg_narrow_exclusive),
+    "exclusiveMaximum": _all(_exclusive_form, _llg_exact_numbers, _llg_narrow_exclusive),
     "multipleOf": _llg_exact_numbers,
     "minLength": _ok, "maxLength": _ok, "pattern": _ok,
     "format": _formats(LLGUIDANCE_FORMATS, "llguidance"),
