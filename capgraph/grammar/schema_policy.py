@@ -761,9 +761,8 @@ def _prefix_items_draft(node: _Node) -> str | None:
     """``prefixItems`` is a keyword of 2020-12 only: under an earlier draft's ``$schema`` it is
     none (that draft's ``items`` applies to every item), and xgrammar, which reads no
     ``$schema``, would apply it."""
-    root = node.root
-    draft = root.get("$schema") if isinstance(root, Mapping) else None
-    if isinstance(draft, str) and _BEFORE_2020_12.match(draft):
+    draft = _declared_draft(node)
+    if draft is not None and _BEFORE_2020_12.match(draft):
         return (f"'prefixItems' is no keyword of {draft!r} (its 'items' applies to every "
                 "item), and xgrammar reads it as 2020-12 does")
     return None
