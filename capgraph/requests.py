@@ -383,26 +383,28 @@ class GuidedRequests:
     disagg_pending: bool = False
     offsets: list[int] = field(init=False, repr=False)
     num_bitmask_tokens: int = field(init=False)
+    #: the batch is a draft model's step: some request of it is a draft (padding, such as a
+    #: :meth:`GuidedRequest.placeholder`, may sit anywhere in it)
+    is_draft_step: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if self.max_num_draft_tokens < 0:
             raise LayoutError(f"runtime draft length must be >= 0, got {self.max_num_draft_tokens}")
         offsets: list[int] = []
         append, row, generation_rows = offsets.append, 0, 1 + self.max_num_draft_tokens
+        drafts = False
         for req in self.requests:  # GuidedRequest.num_rows, inline: this runs every step
             append(row)
-            row += 1 if req.is_draft or req.is_context_init_state else generation_rows
+            if req.is_draft:
+                drafts, row = True, row + 1
+            else:
+                row += 1 if req.is_context_init_state else generation_rows
         self.offsets = offsets
         self.num_bitmask_tokens = row
+        self.is_draft_step = drafts
 
     def __len__(self) -> int:
         return len(self.requests)
-
-    @property
-    def is_draft_step(self) -> bool:
-        """True when the batch is a draft model's step: some request of it is a draft (padding,
-        such as a :meth:`GuidedRequest.placeholder`, may sit anywhere in it)."""
-        return any(r.is_draft for r in self.requests)
 
     def valid_requests(self) -> Iterator[GuidedRequest]:
         """The guided requests, in order."""

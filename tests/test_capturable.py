@@ -848,6 +848,13 @@ def test_a_second_request_on_a_slot_past_the_captured_rows_leaves_the_first_guid
     eager.close()
 
 
+def _capturable_and_eager(factory, host_node: str, seqs: int):
+    """A capturable decoder on ``host_node`` and an eager one, ``seqs`` slots, no drafts."""
+    return (CapturableGuidedDecoder(factory.config, seqs, 0, factory=factory,
+                                    host_node=host_node),
+            GuidedDecoder(factory.config, seqs, 0, factory=factory))
+
+
 def _replay_fails_request_11_on_row_1(dec, graph) -> None:
     """Replay ``graph`` (captured for one row) for a batch with request 11 on slot 1 at row
     1: it fails alone with a LayoutError, its matcher dropped and its row not built; then
@@ -954,8 +961,7 @@ def test_a_second_request_on_the_slot_of_one_past_the_captured_rows_fails_as_twi
     params = GuidedDecodingParams.regex("[a-c]{3}x")
     V = factory.config.vocab_size_padded
     a = encode_continuation(tekken, "a")[0]
-    dec = CapturableGuidedDecoder(factory.config, 3, 0, factory=factory, host_node=host_node)
-    eager = GuidedDecoder(factory.config, 3, 0, factory=factory)
+    dec, eager = _capturable_and_eager(factory, host_node, 3)
     for d in (dec, eager):
         d.add_batch([GuidedRequest.context(1, 0, params)])
         d.execute(torch.zeros(1, V))
@@ -993,8 +999,7 @@ def test_an_add_batch_after_a_refused_execute_of_a_prepared_step_runs_its_own_st
     params = GuidedDecodingParams.regex("[a-c]{5}x")
     V = factory.config.vocab_size_padded
     a = encode_continuation(tekken, "a")[0]
-    dec = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node=host_node)
-    eager = GuidedDecoder(factory.config, 1, 0, factory=factory)
+    dec, eager = _capturable_and_eager(factory, host_node, 1)
     context = [GuidedRequest.context(1, 0, params)]
     dec.add_batch(context)
     eager.add_batch(context)
@@ -1063,8 +1068,7 @@ def test_a_prepared_step_survives_the_next_steps_add_batch(factory, tekken, host
     params = GuidedDecodingParams.regex("abab")
     V = factory.config.vocab_size_padded
     a, b = (encode_continuation(tekken, t)[0] for t in ("a", "b"))
-    dec = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node=host_node)
-    eager = GuidedDecoder(factory.config, 1, 0, factory=factory)
+    dec, eager = _capturable_and_eager(factory, host_node, 1)
     steps = [[GuidedRequest.context(1, 0, params)]] + [
         [GuidedRequest.generation(1, 0, params, t)] for t in (a, b, a)]
     wants = []

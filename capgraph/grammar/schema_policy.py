@@ -796,7 +796,8 @@ def _disjoint_as_written(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
         enum = prop.get("enum")
         return enum if isinstance(enum, list) else None
 
-    for name in (a.get("properties") or {}) if isinstance(a.get("properties"), dict) else ():
+    listed = a.get("properties")
+    for name in listed if isinstance(listed, dict) else ():
         va, vb = values(a, name), values(b, name)
         if va is not None and vb is not None and not any(
                 _same_json(x, y) for x in va for y in vb):
