@@ -97,9 +97,11 @@ def bits(t):
     return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
-def random_d2t(g, draft_vocab: int, target_vocab: int, device: str = "cpu"):
-    """Full d2t table: draft id i -> a distinct random (non-monotone) target id, as offsets."""
+def random_d2t(g, draft_vocab: int, target_vocab: int, device=None):
+    """Full d2t table: draft id i -> a distinct random (non-monotone) target id, as offsets, on
+    ``device`` (by default the generator's own: torch draws only on the generator's device)."""
     import torch
+    device = g.device if device is None else device
     targets = torch.randperm(target_vocab, generator=g, device=device)[:draft_vocab]
     return (targets - torch.arange(draft_vocab, device=device)).to(torch.int32)
 
