@@ -454,13 +454,16 @@ void Builder::RunEntries(int64_t n, const int32_t* out3, bool parallel,
   const int64_t workers = std::min(fill_threads, n) - 1;
   const bool eligible = parallel && workers > 0 && n >= pool_min_requests;
   const bool pooled = eligible && choice.UsePool();
+  bool started = false;  // this step started pool threads
   if (pooled) {
     if (pool_ != nullptr && pool_->pid() != getpid()) {
       (void)pool_.release();  // a forked child: the parent's threads are not here
     }
     if (pool_ == nullptr) pool_ = std::make_unique<FillPool>();
+    const int64_t had = pool_->size();
     pool_->Run(FillPool::Section{this, context, entry, step_errors, n}, workers, &last_threads,
                &last_pool_requests);
+    started = pool_->size() > had;
   } else {
     StepClock clock_state;
     StepClock* clock = StartClock(&clock_state);
@@ -469,7 +472,9 @@ void Builder::RunEntries(int64_t n, const int32_t* out3, bool parallel,
     last_pool_requests = 0;
   }
   last_end_ns = NowNs();
-  if (eligible) choice.Record(pooled, n, last_end_ns - last_start_ns);
+  // (a step that started threads paid for their start, once: not the pool's time per request,
+  // which would keep the pool from the steps it wins until the next probe)
+  if (eligible && !started) choice.Record(pooled, n, last_end_ns - last_start_ns);
   for (int64_t k = 0; k < n; ++k) {  // (a request writes a message only with these statuses)
     const int32_t kind = out3[k * 3] & ~kTerminated;
     if (kind == kFault || kind == kOverBudget) {
@@ -481,8 +486,8 @@ void Builder::RunEntries(int64_t n, const int32_t* out3, bool parallel,
 
 bool FillChoice::UsePool() {
   probing = false;
-  if (!adaptive || pool_ns == 0) return true;
-  if (alone_ns == 0) return false;
+  if (!adaptive || pool_steps < kWarmSteps) return true;
+  if (alone_steps < kWarmSteps) return false;
   const bool pool_wins = pool_ns <= alone_ns;
   if (++since_probe < probe_every) return pool_wins;
   since_probe = 0;
@@ -493,8 +498,11 @@ bool FillChoice::UsePool() {
 void FillChoice::Record(bool pooled, int64_t n, int64_t ns) {
   const double x = static_cast<double>(ns) / static_cast<double>(n);
   double& average = pooled ? pool_ns : alone_ns;
-  // (a probe's side has not run for a while: its time replaces the average)
-  average = average == 0 || probing ? x : average + kWeight * (x - average);
+  int64_t& steps = pooled ? pool_steps : alone_steps;
+  // (a warm-up step, or a probe's side, which has not run for a while: its time replaces the
+  // average)
+  average = steps < kWarmSteps || probing ? x : average + kWeight * (x - average);
+  ++steps;
   if (probing) {
     probe_every = pool_ns <= alone_ns ? kProbeMin : std::min(probe_every * 2, kProbeMax);
     probing = false;

@@ -160,16 +160,21 @@ class FillPool;
 
 // Whether a step that may use the fill pool does: the pool and the calling thread alone each
 // keep an average of their time per request over such steps, and the faster one runs the
-// step. Now and then the other one runs a step instead (a probe, whose time replaces that
-// one's average): every kProbeMin-th step while the pool wins; while it loses, the interval
-// doubles with each lost probe, up to kProbeMax. Where other work keeps the cores busy, a
-// pool thread waits to be scheduled and the pool loses: it then costs one probe step in
-// kProbeMax. `adaptive` false: the pool runs every such step (to measure it).
+// step. Each side first runs kWarmSteps steps in a row (the pool's first), whose times only
+// seed its average, each replacing the one before: a side's first steps on a thread pay
+// one-time costs (the thread's first allocations and cache misses), and one such step would
+// otherwise decide the choice until the next probe. A step that starts pool threads is not
+// recorded at all. Then now and then the other side runs a step instead (a probe, whose time
+// replaces that side's average): every kProbeMin-th step while the pool wins; while it loses,
+// the interval doubles with each lost probe, up to kProbeMax. Where other work keeps the
+// cores busy, a pool thread waits to be scheduled and the pool loses: it then costs one probe
+// step in kProbeMax. `adaptive` false: the pool runs every such step (to measure it).
 struct FillChoice {
-  static constexpr int64_t kProbeMin = 16, kProbeMax = 256;
+  static constexpr int64_t kProbeMin = 16, kProbeMax = 256, kWarmSteps = 2;
   static constexpr double kWeight = 0.25;  // of a step in its side's average
   bool adaptive = true;
-  double pool_ns = 0, alone_ns = 0;  // per request; 0: not measured yet
+  double pool_ns = 0, alone_ns = 0;  // per request (meaningful once the side has a step)
+  int64_t pool_steps = 0, alone_steps = 0;  // recorded steps per side
   int64_t since_probe = 0, probe_every = kProbeMin;
   bool probing = false;  // the step being run is a probe
 

@@ -574,8 +574,8 @@ class _SleepyOn:
 def test_adaptive_choice_runs_the_faster_side(tiny, slow):
     """By default a step that may use the pool runs where it has been faster per request:
     when the pool's threads are slow (their fills sleep 1 ms, the calling thread's do not),
-    40 steps of 24 requests run on the calling thread alone but for the first and a probe or
-    two; when the calling thread is slow, all but a few probes run on the pool (asserted as
+    40 steps of 24 requests run on the calling thread alone but for the pool's first three (the
+    one that starts its threads, two that seed its average) and a probe or two; when the calling thread is slow, all but a few probes run on the pool (asserted as
     fewer / more than half, which a stalled first measurement still meets)."""
     batch, steps = 24, 40
     config = dataclasses.replace(tiny.config, host_step_budget_ms=None)
@@ -599,6 +599,32 @@ def test_adaptive_choice_runs_the_faster_side(tiny, slow):
         assert pooled < steps // 2, f"{pooled} of {steps} steps on a slow pool"
     else:
         assert pooled > steps // 2, f"{pooled} of {steps} steps on a fast pool"
+
+
+def test_each_side_warms_up_before_the_choice_and_the_pool_start_is_not_counted(tiny):
+    """Starting the pool's threads is paid once, by the first step that uses the pool, and
+    each side's first steps pay one-time costs: the step that starts the threads is not
+    recorded, and each side then runs two steps in a row (the pool's first) whose times only
+    seed its average, before the faster side takes the steps (here the pool: the calling
+    thread's fills sleep 1 ms, so the pool's threads join every pooled step)."""
+    batch = 24
+    config = dataclasses.replace(tiny.config, host_step_budget_ms=None)
+    dec = GuidedDecoder(config, batch, 0, factory=tiny,
+                        host_build=_SleepyOn("caller").host_build(THREADS))
+    builder = dec.host_build.builder
+    on_pool = []
+    try:
+        dec.add_batch([GuidedRequest.context(i, i, ALIVE) for i in range(batch)])
+        assert dec.build() == []
+        on_pool.append(builder.last_step().threads > 1)
+        for n in range(7):
+            dec.add_batch([GuidedRequest.generation(i, i, ALIVE, n % 2) for i in range(batch)])
+            assert dec.build() == []
+            on_pool.append(builder.last_step().threads > 1)
+    finally:
+        dec.close()
+    # the start (not recorded), two pool warm-up steps, two alone, then the faster side
+    assert on_pool == [True, True, True, False, False, True, True, True], on_pool
 
 
 def test_automatic_fill_threads():

@@ -275,8 +275,11 @@ class NativeBuilder:
         faster per request than the calling thread alone (each side's recent average; the
         other side runs a step now and then to stay measured: every 16th while the pool
         wins, from every 16th to every 256th while it loses), so a machine whose cores are
-        busy with other work pays next to nothing for the pool. False: the pool runs every
-        such step (``tools/bench_fill_threads.py`` measures it so).
+        busy with other work pays next to nothing for the pool. The step that starts the
+        pool's threads is not measured, and each side first runs two steps whose times only
+        seed its average (the pool's first), so one-time costs of a thread's first work do
+        not decide the choice. False: the pool runs every such step
+        (``tools/bench_fill_threads.py`` measures it so).
 
         Raises:
             ConfigError: ``threads`` outside ``[1, MAX_FILL_THREADS]``, ``min_requests``
