@@ -442,17 +442,20 @@ def test_generate_host_node_option(monkeypatch):
 
 
 def test_gpu_check_time_boxes():
-    """tools/gpu_check.sh: the steps' boxes add up to 415 s (the device call's timeout is
-    480 s), the open issues' GPU tests keep 120 s and the other GPU tests 60 s of their own,
-    the header lists every box with its seconds, and the fill-threads step runs only where
-    its tool exists."""
+    """tools/gpu_check.sh: the header lists every box with its seconds, and the sum it states
+    is theirs; the device call's timeout it names leaves at least 45 s beyond the boxes (the
+    wheel install, version lines and report) and stays within one call's 600 s; the open
+    issues' GPU tests keep at least 120 s and the other GPU tests 60 s of their own; the
+    fill-threads step runs only where its tool exists."""
     import re
     text = (ROOT / "tools" / "gpu_check.sh").read_text()
     boxes = dict(re.findall(r"\brun ([a-z-]+) (\d+) ", text))
     header = dict(re.findall(r"^#   ([a-z-]+) +(\d+)  ", text, flags=re.M))
     assert boxes == header
-    assert sum(map(int, boxes.values())) == 415
+    total = sum(map(int, boxes.values()))
+    assert re.findall(r"add up to (\d+) s", text) == [str(total)] * 2
+    timeout = int(re.search(r"timeout_s=(\d+)", text).group(1))
+    assert total + 45 <= timeout <= 600
     assert int(boxes["gpu-tests"]) >= 120 and int(boxes["gpu-tests-rest"]) >= 60
     assert boxes["fill-threads"] == "25"
     assert "[ -f tools/bench_fill_threads.py ] && run fill-threads" in text
-    assert "timeout_s=480" in text

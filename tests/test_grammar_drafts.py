@@ -260,6 +260,25 @@ def test_grammar_drafts_on_the_graph_path_equal_greedy(tekken, model, factory, g
     assert [r.tokens for r in out] == [r.tokens for r in greedy]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("draft", ["grammar", "grammar+ngram"])
+@pytest.mark.parametrize("decoder", ["eager", "capturable"])
+def test_grammar_drafts_in_cuda_graphs_equal_greedy_on_gpu(tekken, factory, draft, decoder):
+    """On CUDA, generation replaying captured decode-step graphs with the grammar drafter
+    (alone and combined with n-grams; fixed draft length) equals CUDA greedy generation
+    without speculation token for token, over the demo's schema, regex and grammar, with
+    the eager decoder (the graph holds the forward) and the capturable one (forward, mask
+    and the drafts' verification), and drafted tokens are accepted."""
+    model = tiny_llama(len(tekken), seed=0, eos_token_id=tekken.eos_token_id, device="cuda")
+    kw = dict(device="cuda", cuda_graph=True, decoder=decoder)
+    base = run(tekken, model, factory, *demo_batch(), **kw)
+    out = run(tekken, model, factory, *demo_batch(), draft=draft, num_draft_tokens=3, **kw)
+    assert [r.tokens for r in out] == [r.tokens for r in base]
+    assert [r.finish_reason for r in out] == [r.finish_reason for r in base]
+    assert sum(r.num_accepted_draft_tokens for r in out) > 0
+
+
 def test_grammar_drafts_with_unguided_and_one_draft(tekken, model, factory):
     """A batch mixing guided and unguided requests, with one draft per step, gives greedy
     output; the unguided request drafts nothing from the grammar."""
