@@ -26,7 +26,8 @@
 #   bench-loop      45  capgraph bench loop on CUDA, batch 8 first and last (importing
 #                       transformers' Llama alone takes over 15 s on the GPU image)
 #   fill-threads    25  tools/bench_fill_threads.py: the native fill pool's crossover, 1-16
-#                       threads at batch 1-256
+#                       threads at batch 8-256, 30 steps (the automatic choice spends its
+#                       first five steps starting and measuring both sides)
 #   profile         25  tools/profile_nsys.sh: nsys, else the CUPTI trace of replayed steps
 #   xgr-cuda        20  bench_kernel.py with xgrammar's CUDA kernel (if its build finished),
 #                       the three variants again, without a token mask (like for like)
@@ -121,7 +122,7 @@ run bench-loop 45 "$PY" -m capgraph.bench loop --device cuda --batches 8 1 8 --s
     --json "$OUT/bench_loop.json"
 # the native fill's crossover on this machine's cores (the 2-core figures are in BENCHMARKS)
 [ -f tools/bench_fill_threads.py ] && run fill-threads 25 "$PY" tools/bench_fill_threads.py \
-    --batches 1 8 32 64 128 256 --threads 1 2 4 8 16 --steps 12 \
+    --batches 8 32 64 256 --threads 1 2 4 8 16 --steps 30 \
     --json "$OUT/bench_fill_threads.json"
 # nsys where the image has a working one, else CUPTI (profile_cupti.json, profile_cupti.txt)
 run profile 25 env PYTHON="$PY" OUT="$OUT" bash tools/profile_nsys.sh --model tiny --batch 64 \
