@@ -1,11 +1,12 @@
 """Admission: every request of a batch is checked before any matcher moves.
 
-:class:`Admission` holds, per slot, the guide its matcher is (being) created for, in
-``add_batch`` order (the matcher itself may be created later, by a host callback). A request
-passes when its fields have the exact types the build reads and, where it advances a matcher,
-it carries its slot's guide; a draft tree's parents must form a tree (each parent an earlier
+:class:`Admission` holds, per slot, the guide its matcher is (being) created for and the
+request that creates it (its owner), in ``add_batch`` order (the matcher itself may be created
+later, by a host callback). A request passes when its fields have the exact types the build
+reads and, where it advances a matcher, it is its slot's owner and carries its slot's guide; a draft tree's parents must form a tree (each parent an earlier
 node or -1), and the number of its nodes must match its draft tokens. A request that fails is replaced by an unguided stand-in with the
-same rows and reported; a matcher it owned is dropped (by the decoder, before the build).
+same rows and reported; a matcher it owned is dropped (by the decoder, before the build), and
+no other request's.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class Admission:
         self.max_num_draft_tokens = max_num_draft_tokens
         #: per slot, the guide its matcher is (being) created for, or None
         self.slot_guides: list[GuidedDecodingParams | None] = [None] * max_num_sequences
+        #: per slot, the request_id of the request that created its matcher (the slot's
+        #: owner: only it advances that matcher), or None
+        self.slot_owners: list[int | None] = [None] * max_num_sequences
 
     def admit(self, requests: list, tokens_elsewhere: bool, start: int = 0) -> AdmissionResult:
         """Check ``requests[start:]`` (in place: a failed one becomes an unguided stand-in,
@@ -44,10 +48,12 @@ class Admission:
         ``start``: the requests before it passed the same test natively
         (:meth:`capgraph.build.HostBuild.admit`).
         """
-        nseq, V, maxd, guides = (self.max_num_sequences, self.vocab_size_padded,
-                                 self.max_num_draft_tokens, self.slot_guides)
+        nseq, V, maxd, guides, owners = (self.max_num_sequences, self.vocab_size_padded,
+                                         self.max_num_draft_tokens, self.slot_guides,
+                                         self.slot_owners)
         # (no request is read past this loop before the build: a failure here changes nothing)
-        updates: list[tuple[int, int, GuidedDecodingParams]] = []  # (index, slot, guide)
+        # (index, slot, guide, owner)
+        updates: list[tuple[int, int, GuidedDecodingParams, int | None]] = []
         dropped: list[int] = []
         failed: list[tuple[int, str]] = []
         fresh: list[GuidedRequest] = []
@@ -63,6 +69,7 @@ class Admission:
                         and req.is_generation_only_first_iteration is False
                         and type(slot := req.seq_slot) is int and 0 <= slot < nseq
                         and guides[slot] is params and type(req.request_id) is int
+                        and owners[slot] == req.request_id
                         and ((d := req.draft_tokens) is None or type(d) is list)
                         and getattr(req, "draft_parents", None) is None):  # (a tree: checked)
                     # (the values read per token, new_token and each draft token, are checked
@@ -87,47 +94,55 @@ class Admission:
             # any later one, "appears twice", before it touches the slot): a later request's
             # guide is not recorded, nor its compile started
             slots = [_field(r, "seq_slot") for r in requests]
-            for i, slot, params in updates:
+            for i, slot, params, owner in updates:
                 if _first_on_slot(requests, slots, i, slot):
-                    guides[slot] = params
+                    guides[slot], owners[slot] = params, owner
                 else:
                     fresh = [r for r in fresh if r is not requests[i]]
         return requests, dropped, fresh, failed
 
     def _check_guide(self, req: GuidedRequest, index: int,
-                     updates: list[tuple[int, int, GuidedDecodingParams]]) -> None:
+                     updates: list[tuple[int, int, GuidedDecodingParams, int | None]]) -> None:
         """A request (at ``index`` of its batch) that creates its slot's matcher records its
-        guide (in ``updates``); one that advances it must carry that guide (the same object, or
-        an equal one)."""
+        guide and itself as the slot's owner (in ``updates``); one that advances it must be
+        that owner (the same ``request_id``) and carry that guide (the same object, or an
+        equal one)."""
         slot = cast(int, req.seq_slot)  # (both checked by checked_request)
         params = cast(GuidedDecodingParams, req.guided_decoding_params)
+        rid = cast(int, req.request_id)
         if not req.is_draft and (req.is_generation_only_first_iteration
                                  or (req.is_context_init_state and req.is_last_context_chunk)):
-            updates.append((index, slot, params))
+            updates.append((index, slot, params, rid))
             return
         if not req.require_matcher_advance():
             return
-        held = self.slot_guides[slot]
-        if held is params:
-            return
+        held, owner = self.slot_guides[slot], self.slot_owners[slot]
         if held is None:
             raise RequestError(f"seq_slot {slot} has no matcher for this request: no context "
                                "request (or disaggregated first generation step) created "
-                               "one, or the slot was released", request_id=req.request_id,
-                               seq_slot=slot)
+                               "one, or the slot was released", request_id=rid, seq_slot=slot)
+        if owner != rid:
+            raise RequestError(f"seq_slot {slot} holds the matcher of request {owner}, not of "
+                               f"request {rid}: a request advances only the matcher its own "
+                               "context request (or disaggregated first generation step) "
+                               "created; a new request on the slot needs the slot released "
+                               "and a context request", request_id=rid, seq_slot=slot)
+        if held is params:
+            return
         if held != params:
             raise RequestError(f"guided_decoding_params ({_guide_text(params)}) differ from "
                                f"the guide slot {slot}'s matcher was created for "
                                f"({_guide_text(held)}); a new guide needs a context request",
-                               request_id=req.request_id, seq_slot=slot)
-        updates.append((index, slot, params))  # equal: later steps match by identity
+                               request_id=rid, seq_slot=slot)
+        updates.append((index, slot, params, rid))  # equal: later steps match by identity
 
     def _refuse(self, requests: list, i: int, error: RequestError,
-                updates: list[tuple[int, int, GuidedDecodingParams]], dropped: list[int],
-                failed: list[tuple[int, str]]) -> None:
+                updates: list[tuple[int, int, GuidedDecodingParams, int | None]],
+                dropped: list[int], failed: list[tuple[int, str]]) -> None:
         """Replace ``requests[i]`` by an unguided stand-in with its rows and record ``error``.
-        The slot's matcher is dropped when it was this request's (its slot, its guide, no
-        other request of the batch on that slot) or when this request was to replace it."""
+        The slot's matcher is dropped when it was this request's (its slot, its guide, the
+        slot's owner its ``request_id``, no other request of the batch on that slot) or when
+        this request was to replace it; another request's matcher is never dropped."""
         req = requests[i]
         is_draft, is_context = bool(req.is_draft), bool(req.is_context_init_state)
         rid = as_int(req.request_id)
@@ -142,10 +157,12 @@ class Admission:
         held = self.slot_guides[slot]
         creates = not is_draft and (req.is_generation_only_first_iteration is True
                                     or (is_context and req.is_last_context_chunk is True))
-        if creates or held is params or (held is not None and held == params):
+        owns = rid is not None and self.slot_owners[slot] == rid and \
+            (held is params or (held is not None and held == params))
+        if creates or owns:
             dropped.append(slot)
             if creates:
-                updates.append((i, slot, params))
+                updates.append((i, slot, params, rid))
 
 
 def _first_on_slot(requests: list, slots: list, i: int, slot: int) -> bool:

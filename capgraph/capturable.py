@@ -210,6 +210,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._draft_requests: GuidedRequests | None = None
         self._rollback_batch: GuidedRequests | None = None  # fetch_accepted_batch's batch
         self._queue: deque[_Put] = deque()
+        # requests of the latest add_batch: the per-request tensors of the calls after it
+        # (add_draft_batch, rollback_rejected_batch) must give at least that many entries
+        self._batch_len = 0
         self._put_epoch = 0  # host side
         self._fetched_epoch = 0  # callback side
         self._warmup = 0
@@ -339,6 +342,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         # checked as GuidedDecoder.add_batch checks them; the slots a failed request drops
         # are dropped by the callback that fetches this batch (_pop), in step order
         batch = self._add_batch(snapshots, runtime_draft_len, new_tokens is not None)
+        self._batch_len = len(batch.requests)  # type: ignore[union-attr]
         self._tokens_recorded_in_capture = False
         self._put_epoch += 1
         ticketed = self._write_step(self._put_epoch, new_tokens)
@@ -621,8 +625,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         Args:
             new_tokens: int ``[batch]`` in batch order: at step 0 the golden (bonus) token, then
                 the token drafted at the previous step.
-            num_accepted_tokens: int ``[batch]`` (step 0): tokens the last verification
-                accepted per request, bonus included; min-clamped to the matcher's advances.
+            num_accepted_tokens: int ``[batch]``, required at step 0 (later steps do not read
+                it): tokens the last verification accepted per request, bonus included;
+                min-clamped to the matcher's advances.
             draft_step: index of this step in the drafting loop.
 
         Both tensors are copied in the current stream's order. On CUDA a device tensor is read
@@ -630,14 +635,21 @@ class CapturableGuidedDecoder(GuidedDecoder):
         the call and cannot be captured.
 
         Raises:
-            TensorArgError: a tensor that is not integer or has more entries than slots; a
-                CPU tensor while a CUDA graph is being captured.
+            TensorArgError: a tensor that is not integer, has more entries than slots or fewer
+                than the latest ``add_batch`` has requests; ``num_accepted_tokens`` None at
+                ``draft_step`` 0 (these before any copy); a CPU tensor while a CUDA graph is
+                being captured.
             DecoderClosedError: the decoder was closed; nothing is read or changed.
         """
         _check_draft_step(draft_step)
         tokens = self._per_request("new_tokens", new_tokens)
         counts = None
-        if draft_step == 0 and num_accepted_tokens is not None:
+        if draft_step == 0:
+            if num_accepted_tokens is None:
+                raise TensorArgError(
+                    "num_accepted_tokens is None at draft_step 0: the drafting loop's first "
+                    "step rolls back by the last verification's counts (one per request, the "
+                    "bonus token included), and without them it would read an earlier loop's")
             counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
         self._copy_in_stream_order(self.draft_new_tokens[:tokens.shape[0]], tokens,
                                    "new_tokens")
@@ -748,7 +760,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         graph.add_step(step)
 
     def _per_request(self, name: str, values: torch.Tensor) -> torch.Tensor:
-        """A ``[batch]`` integer tensor of at most ``max_num_sequences`` entries, flattened."""
+        """A ``[batch]`` integer tensor, flattened: at least one entry per request of the
+        latest ``add_batch`` (the callbacks read one per request, and an entry not given would
+        be an earlier call's value left in the buffer) and at most ``max_num_sequences``."""
         if not isinstance(values, torch.Tensor) or values.dtype not in _INDEX_DTYPES:
             raise TensorArgError(f"{name} must be an integer tensor (int8 to int64, uint8, "
                                  f"uint16), got {getattr(values, 'dtype', type(values))}")
@@ -756,6 +770,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if flat.shape[0] > self.max_num_sequences:
             raise TensorArgError(f"{name} has {flat.shape[0]} entries, more than "
                                  f"max_num_sequences={self.max_num_sequences}")
+        if flat.shape[0] < self._batch_len:
+            raise TensorArgError(
+                f"{name} has {flat.shape[0]} entries for the {self._batch_len} requests of the "
+                "latest add_batch: the step reads one per request, and the entries not given "
+                "would hold an earlier call's values")
         return flat
 
     @nvtx_range("CapturableGuidedDecoder.execute_draft_batch")
@@ -817,6 +836,12 @@ class CapturableGuidedDecoder(GuidedDecoder):
         ``accepted_draft_nodes``, the rollback is the node's C function, which takes no GIL
         where the last step was native; otherwise a Python callback, which needs the GIL:
         call it then after the drafting kernels have been enqueued.
+
+        Raises:
+            TensorArgError: a tensor that is not integer, has more entries than slots or fewer
+                than the latest ``add_batch`` has requests (these before any copy); a CPU
+                tensor while a CUDA graph is being captured.
+            DecoderClosedError: the decoder was closed; nothing is read or changed.
         """
         counts = self._per_request("num_accepted_tokens", num_accepted_tokens)
         with_nodes = accepted_draft_nodes is not None

@@ -509,7 +509,7 @@ class GuidedDecoder:
         if slot is None or not self.slots.slot_ok(slot):
             raise RequestError(f"release: seq_slot {seq_slot!r} is not a slot index in [0, "
                                f"max_num_sequences={self.max_num_sequences})", seq_slot=slot)
-        self._admission.slot_guides[slot] = None
+        self._admission.slot_guides[slot] = self._admission.slot_owners[slot] = None
         return slot
 
     def _release_now(self, slot: int) -> None:
@@ -764,7 +764,8 @@ class GuidedDecoder:
             raise LayoutError(f"{len(requests)} requests exceed max_num_sequences="
                               f"{self.max_num_sequences}")
         reqs = list(requests)
-        start = self.host_build.admit(reqs, self._admission.slot_guides)
+        start = self.host_build.admit(reqs, self._admission.slot_guides,
+                                      self._admission.slot_owners)
         if start == len(reqs):  # every request is the common one
             self.requests = batch = GuidedRequests(reqs, draft_len)
         else:

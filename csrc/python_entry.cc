@@ -57,7 +57,7 @@
 //   outlives the state) to a decoder's per-slot lists, which the decoder mutates in place;
 //   field_names: a tuple of kRecordFields str, the request fields in RecordField's order
 //   (TypeError otherwise).
-// fast_admit(state, requests, slot_guides) -> int
+// fast_admit(state, requests, slot_guides, slot_owners) -> int
 //   how many leading requests pass the decoder's inline admission test (see FastAdmit).
 // fast_step(state, requests, offsets, draft_len, clear_rows) -> None | (masked, unusual)
 //   None: some guided request is not the plain case (a target request generating with a
@@ -519,10 +519,12 @@ int BeginCall(PyObject* const* args, Py_ssize_t nargs, const char* name, FastSta
 // is_context_init_state are exact bools; or a guided one that is generating
 // (is_generation_in_progress_state True, is_context_init_state and
 // is_generation_only_first_iteration False, is_draft an exact bool) with an exact-int seq_slot
-// in range whose slot_guides entry is its guide object, an exact-int request_id,
+// in range whose slot_guides entry is its guide object, an exact-int request_id equal to the
+// slot's slot_owners entry (an exact int: the request that created the slot's matcher),
 // draft_tokens None or an exact list, and no draft tree (ChainRequest). A field whose read
 // raises fails it, except draft_parents (an object without it carries chains).
-bool Admitted(const RequestFields& request, int64_t num_slots, PyObject* guides) {
+bool Admitted(const RequestFields& request, int64_t num_slots, PyObject* guides,
+              PyObject* owners) {
   Ref params(request.Read(RecordField::kParams));
   if (!params) return false;
   {
@@ -542,10 +544,8 @@ bool Admitted(const RequestFields& request, int64_t num_slots, PyObject* guides)
     Ref first_iteration(request.Read(RecordField::kFirstIteration));
     if (first_iteration.get() != Py_False) return false;
   }
-  {
-    Ref request_id(request.Read(RecordField::kRequestId));
-    if (!request_id || !PyLong_CheckExact(request_id.get())) return false;
-  }
+  Ref request_id(request.Read(RecordField::kRequestId));
+  if (!request_id || !PyLong_CheckExact(request_id.get())) return false;
   {
     Ref drafts(request.Read(RecordField::kDrafts));
     if (!drafts || (drafts.get() != Py_None && !PyList_CheckExact(drafts.get()))) return false;
@@ -553,17 +553,24 @@ bool Admitted(const RequestFields& request, int64_t num_slots, PyObject* guides)
   if (!ChainRequest(request)) return false;
   Ref slot_value(request.Read(RecordField::kSlot));
   // (last: no Python code runs between this bound and the guide read)
-  const int64_t slot = IndexValue(slot_value.get(),
-                                  std::min<int64_t>(num_slots, PyList_GET_SIZE(guides)));
-  return slot >= 0 && PyList_GET_ITEM(guides, slot) == params.get();
+  const int64_t slot = IndexValue(
+      slot_value.get(), std::min<int64_t>(num_slots, std::min(PyList_GET_SIZE(guides),
+                                                             PyList_GET_SIZE(owners))));
+  if (slot < 0 || PyList_GET_ITEM(guides, slot) != params.get()) return false;
+  // (two exact ints: comparing them runs no Python code and cannot fail)
+  PyObject* owner = PyList_GET_ITEM(owners, slot);
+  return PyLong_CheckExact(owner) &&
+         PyObject_RichCompareBool(owner, request_id.get(), Py_EQ) == 1;
 }
 
-// fast_admit(state, requests, slot_guides) -> int: how many leading requests of the list pass
-// the decoder's inline admission test (Admitted). Reads only (a field's read may run Python
-// code); never leaves an exception set.
+// fast_admit(state, requests, slot_guides, slot_owners) -> int: how many leading requests of
+// the list pass the decoder's inline admission test (Admitted). Reads only (a field's read may
+// run Python code); never leaves an exception set.
 PyObject* FastAdmit(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3 || !PyList_CheckExact(args[1]) || !PyList_CheckExact(args[2])) {
-    PyErr_SetString(PyExc_TypeError, "fast_admit(state, requests: list, slot_guides: list)");
+  if (nargs != 4 || !PyList_CheckExact(args[1]) || !PyList_CheckExact(args[2]) ||
+      !PyList_CheckExact(args[3])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "fast_admit(state, requests: list, slot_guides: list, slot_owners: list)");
     return nullptr;
   }
   auto* st = static_cast<FastState*>(PyCapsule_GetPointer(args[0], kCapsule));
@@ -571,7 +578,8 @@ PyObject* FastAdmit(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* requests = args[1];
   Py_ssize_t i = 0;
   for (; i < PyList_GET_SIZE(requests); ++i) {  // (re-read: a field's read may change it)
-    if (!Admitted(RequestFields(st, PyList_GET_ITEM(requests, i)), st->num_slots, args[2])) {
+    if (!Admitted(RequestFields(st, PyList_GET_ITEM(requests, i)), st->num_slots, args[2],
+                  args[3])) {
       break;
     }
   }

@@ -340,7 +340,9 @@ def test_bad_request_field_fails_alone_naming_field_and_value(kind, case, make):
     """A request field of the wrong type or value fails that request alone with a RequestError
     naming the field and the value (eager: execute's list; capturable: take_failed_requests),
     decided at add_batch so neither build sees it; the other requests' rows are bit-identical
-    to a run without the bad request, and its slot's matcher is dropped."""
+    to a run without the bad request, and its slot's matcher is dropped (kept where the bad
+    field is the request_id: an id that is not an int shows no owner, and another request's
+    matcher is never dropped)."""
     fields, fragment = BAD_FIELDS[case]
     dec, clean = make(kind), make(kind)
     assert step(dec, contexts((0, ABC), (1, ABC), (2, ABC)), torch.zeros(3, V), 1) == []
@@ -356,7 +358,9 @@ def test_bad_request_field_fails_alone_naming_field_and_value(kind, case, make):
     assert "RequestError" in failed[0][1] and fragment in failed[0][1], failed
     assert same(got[0:2], want[0:2]) and same(got[4:6], want[2:4])
     assert same(got[2:4], logits[2:4]), "the bad request's rows must stay unmasked"
-    if not case.startswith(("seq_slot", "params")):  # its own matcher: dropped
+    if case.startswith("request_id"):  # (an id that is no int names no owner: kept)
+        assert dec.grammar_matchers[1] is not None
+    elif not case.startswith(("seq_slot", "params")):  # its own matcher: dropped
         assert dec.grammar_matchers[1] is None
 
 
@@ -499,6 +503,61 @@ def test_int64_draft_token_past_int32_is_refused_not_wrapped(make):
     failed = dec.take_failed_requests()
     assert [f[0] for f in failed] == [10] and "outside the vocabulary" in failed[0][1], failed
     assert bool(torch.isfinite(logits[0]).all()) and int(torch.isfinite(logits[1]).sum()) == 4
+
+
+@pytest.mark.parametrize("call", ["rollback", "draft tokens", "draft counts", "draft counts None"])
+def test_per_request_tensors_shorter_than_the_batch_are_refused(call, make):
+    """rollback_rejected_batch and add_draft_batch read one entry per request of the latest
+    add_batch: a tensor with fewer entries than the batch has requests (the rest would be an
+    earlier call's values left in the buffer, here the count 3 of a request released from
+    the slot before), or no counts at draft step 0, is a TensorArgError naming the argument,
+    raised before anything is copied; the step then runs with full tensors exactly as on a
+    decoder that never saw the short one."""
+    decs = [make("capturable", 4, 2), make("capturable", 4, 2)]
+    for dec in decs:
+        # request 11 on slot 1 accepts two drafts (count 3 in the buffer's entry 1), then ends
+        assert step(dec, contexts((0, ABC), (1, ABC)), torch.zeros(2, V), 2) == []
+        assert step(dec, [gen(0, A), gen(1, A, draft_tokens=[B, C])], torch.zeros(6, V),
+                    2) == []
+        dec.add_batch([gen(0, A), gen(1, C)], runtime_draft_len=0)
+        dec.rollback_rejected_batch(torch.tensor([1, 3]))
+        dec.execute(torch.zeros(2, V))
+        assert dec.take_failed_requests() == []
+        dec.release(1)
+        assert step(dec, [GuidedRequest.context(21, 1, ABC)], torch.zeros(1, V), 2) == []
+        assert step(dec, [gen(0, B), GuidedRequest.generation(21, 1, ABC, A,
+                                                              draft_tokens=[B, C])],
+                    torch.zeros(6, V), 2) == []
+    bad, good = decs
+    for dec, short in ((bad, True), (good, False)):
+        dec.add_batch([gen(0, C), GuidedRequest.generation(21, 1, ABC, A)],
+                      runtime_draft_len=1 if call.startswith("draft") else 0)
+        if call == "rollback":
+            if short:
+                with pytest.raises(TensorArgError, match="num_accepted_tokens has 1 entries "
+                                                         "for the 2 requests"):
+                    dec.rollback_rejected_batch(torch.tensor([1]))
+            dec.rollback_rejected_batch(torch.tensor([1, 1]))
+            logits = rows(2, 3)
+            dec.execute(logits)
+        else:
+            tokens, counts = torch.tensor([A, B]), torch.tensor([1, 1])
+            if short:
+                with pytest.raises(TensorArgError, match="new_tokens has 1 entries" if
+                                   call == "draft tokens" else "num_accepted_tokens"):
+                    dec.add_draft_batch(
+                        tokens[:1] if call == "draft tokens" else tokens,
+                        None if call == "draft counts None" else
+                        counts[:1] if call == "draft counts" else counts, 0)
+            dec.add_draft_batch(tokens, counts, 0)
+            logits = rows(2, 3)
+            dec.execute_draft_batch(logits, draft_step=0)
+        assert dec.take_failed_requests() == []
+        if short:
+            refused = logits
+        else:
+            assert same(refused, logits)
+            assert bad.num_advanced_tokens == good.num_advanced_tokens
 
 
 @pytest.mark.parametrize("dtype", [getattr(torch, "uint32", None), getattr(torch, "uint64", None),
@@ -874,6 +933,50 @@ def test_second_request_on_a_slot_leaves_the_slot_to_its_first(kind, build, fact
             got, want = rows(1, 30 + k), rows(1, 30 + k)
             assert run([gen(0, token)], got) == []
             assert clean([gen(0, token)], want) == []
+            assert same(got, want) and int(torch.isfinite(got).sum()) == 4  # a, b, c, EOS
+    finally:
+        for d in made:
+            d.close()
+
+
+@pytest.mark.parametrize("kind,build", [(k, b) for k in KINDS
+                                        for b in ("python", "native-loop", "native")]
+                         + [("captured", "native")])
+@pytest.mark.parametrize("token", [C, 99], ids=["allowed-token", "bad-token"])
+def test_a_request_on_a_slot_another_request_owns_is_refused_and_the_owner_kept(kind, build,
+                                                                               token, factory):
+    """A slot's matcher belongs to the request whose context request created it: a
+    generation request of another request_id on that slot, with the very same guide object
+    (request 20 on request 10's slot, which the engine never released), is refused by name
+    ("holds the matcher of request 10"; a token out of the vocabulary is named first); its
+    rows stay unmasked, the owner's matcher is neither advanced nor dropped,
+    and the owner's next steps are masked as in a run that never saw request 20 (on every
+    build, and through the captured native node)."""
+    if build != "python" and (reason := _native_unavailable()) is not None:
+        pytest.skip(f"the C++ host build is unavailable: {reason}")
+    cls = GuidedDecoder if kind == "eager" else CapturableGuidedDecoder
+    kw = {"host_node": "native"} if kind == "captured" else {}
+    made = [cls(factory.config, 4, 0, factory=factory, host_build=build, **kw)
+            for _ in range(2)]
+    try:
+        if kind == "captured":
+            runs = [_Captured(d, contexts((0, ABC))).step for d in made]  # type: ignore[arg-type]
+        else:
+            runs = [lambda r, l, d=d: step(d, r, l, 0) for d in made]
+        run, clean = runs
+        for go in runs:
+            assert go(contexts((0, ABC)), torch.zeros(1, V)) == []
+            assert go([gen(0, A)], torch.zeros(1, V)) == []
+        got = rows(1, 40)
+        failed = run([GuidedRequest.generation(20, 0, ABC, token)], got)
+        assert [f[0] for f in failed] == [20], failed
+        assert ("holds the matcher of request 10" if token == C else
+                "outside the vocabulary") in failed[0][1], failed
+        assert same(got, rows(1, 40))  # unmasked
+        for k, next_token in enumerate((B, C)):  # the owner's next steps
+            got, want = rows(1, 50 + k), rows(1, 50 + k)
+            assert run([gen(0, next_token)], got) == []
+            assert clean([gen(0, next_token)], want) == []
             assert same(got, want) and int(torch.isfinite(got).sum()) == 4  # a, b, c, EOS
     finally:
         for d in made:

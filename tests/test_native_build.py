@@ -243,7 +243,7 @@ def test_cpython_entry_takes_plain_batches_and_declines_the_rest(tiny):
                                   [0], 0)])
     declined = [
         [gen(0, 0, ALIVE, 0), GuidedRequest.context(1, 1, ALIVE)],
-        [gen(0, 0, ALIVE, 0), gen(1, 0, ALIVE, 1)],
+        [gen(0, 0, ALIVE, 0), gen(0, 0, ALIVE, 1)],  # (the slot's owner twice)
         [gen(0, 0, ALIVE, np.int64(1))],
         [gen(0, 0, ALIVE, True)],
         [gen(0, 0, ALIVE, 64)],
@@ -379,7 +379,7 @@ def test_cpython_entry_declines_a_field_read_that_raises(tiny, monkeypatch):
     dec.add_batch([GuidedRequest.context(1, 0, ALIVE), GuidedRequest.context(2, 1, ALIVE)])
     assert dec.build() == []
     fast = dec.host_build.entry
-    guides = [ALIVE, ALIVE]
+    guides, owners = [ALIVE, ALIVE], [1, 2]
     first = gen(1, 0, ALIVE, 0)
     missing = _LookAlike(gen(2, 1, ALIVE, 0))
     del missing.draft_tokens
@@ -388,14 +388,15 @@ def test_cpython_entry_declines_a_field_read_that_raises(tiny, monkeypatch):
         batch = [first, bad]
         for call in (fast.step, fast.begin):
             assert call(fast.state, batch, [0, 1], 0, 2) is None, bad
-        assert fast.admit(fast.state, batch, guides) == 1
-        assert fast.admit(fast.state, batch[::-1], guides) == 0
+        assert fast.admit(fast.state, batch, guides, owners) == 1
+        assert fast.admit(fast.state, batch[::-1], guides, owners) == 0
         assert dec.num_advanced_tokens == [0, 0]  # (nothing touched)
     second = gen(2, 1, ALIVE, 1)
     failing["on"] = True
     for call in (fast.step, fast.begin):
         assert call(fast.state, [first, second], [0, 1], 0, 2) is None
-    assert fast.admit(fast.state, [first, second], guides) == 2  # (admission reads no token)
+    # (admission reads no token)
+    assert fast.admit(fast.state, [first, second], guides, owners) == 2
     assert dec.num_advanced_tokens == [0, 0]
     failing["on"] = False
     assert fast.step(fast.state, [first, second], [0, 1], 0, 2) == (True, None)
@@ -741,10 +742,10 @@ def test_native_clears_padding_ids_a_backend_sets(tiny):
 
 
 # Values that the admission's inline test must tell apart from the common request's fields
-# (exact ints, exact bools, the slot's own guide object, a list of drafts).
+# (exact ints, exact bools, the slot's own guide object and owner, a list of drafts).
 _ADMISSION_MUTATIONS = [
     ("seq_slot", 1.0), ("seq_slot", True), ("seq_slot", "1"), ("seq_slot", -1), ("seq_slot", 9),
-    ("request_id", 11.0), ("request_id", True), ("request_id", None),
+    ("request_id", 11.0), ("request_id", True), ("request_id", None), ("request_id", 99),
     ("is_draft", 1), ("is_draft", None), ("is_context_init_state", 0),
     ("is_generation_in_progress_state", 1), ("is_generation_only_first_iteration", None),
     ("draft_tokens", (1,)), ("draft_tokens", "ab"), ("draft_tokens", torch.tensor([1])),

@@ -93,7 +93,7 @@ class HostBuild(ABC):
         """Wait for the build :meth:`begin` started; what :meth:`run` would have returned."""
         raise RuntimeError(f"{type(self).__name__}: no build in flight")
 
-    def admit(self, requests: list, slot_guides: list) -> int:
+    def admit(self, requests: list, slot_guides: list, slot_owners: list) -> int:
         """How many leading ``requests`` pass the decoder's inline admission test
         (:meth:`capgraph.admission.Admission.admit`), checked natively; 0 where this strategy
         has no such check."""
