@@ -519,6 +519,18 @@ def test_llguidance_schema_writes_out_only_describing_defaults():
         {"properties": props, "unevaluatedProperties": True}
     assert rewrite({"items": [{}]}) == {"items": [{}], "additionalItems": False}
     assert rewrite({"prefixItems": [{}], "items": {}}) == {"prefixItems": [{}], "items": {}}
+    assert rewrite({"prefixItems": [{}]}) == {"prefixItems": [{}], "items": False}
+    # prefixItems is no keyword before 2020-12: it lists nothing there, so nothing is closed
+    # (draft-07's list-form items still is)
+    for draft in ("http://json-schema.org/draft-07/schema#",
+                  "https://json-schema.org/draft/2019-09/schema"):
+        assert rewrite({"$schema": draft, "prefixItems": [{}]}) == \
+            {"$schema": draft, "prefixItems": [{}]}
+        assert rewrite({"$schema": draft, "prefixItems": [{}], "items": [{}]}) == \
+            {"$schema": draft, "prefixItems": [{}], "items": [{}], "additionalItems": False}
+    draft = "https://json-schema.org/draft/2020-12/schema"
+    assert rewrite({"$schema": draft, "prefixItems": [{}]}) == \
+        {"$schema": draft, "prefixItems": [{}], "items": False}
     for condition in ("not", "if", "contains", "propertyNames"):
         assert rewrite({condition: {"properties": props}}) == {condition: {"properties": props}}
     both = {"allOf": [{"properties": props}, {"properties": {"b": {}}}]}

@@ -757,6 +757,13 @@ _BEFORE_2020_12 = regex.compile(
     r"^https?://json-schema\.org/(?:draft-0[4-7]/|draft/2019-09/)")
 
 
+def declares_draft_before_2020_12(schema: object) -> bool:
+    """Whether the root schema ``schema`` names, in its ``$schema``, a draft before 2020-12
+    (draft-04 to draft-07, 2019-09): one where ``prefixItems`` is no keyword."""
+    draft = schema.get("$schema") if isinstance(schema, Mapping) else None
+    return isinstance(draft, str) and bool(_BEFORE_2020_12.match(draft))
+
+
 def _prefix_items_draft(node: _Node) -> str | None:
     """``prefixItems`` is a keyword of 2020-12 only: under an earlier draft's ``$schema`` it is
     none (that draft's ``items`` applies to every item), and xgrammar, which reads no

@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator, Mapping
 from .formats import exact_format, exact_format_beside_pattern
 from .lark_text import LarkTextError, lark_regexes
 from .regex_classes import CharClass, OutsideEscape, regex_parts
-from .schema_policy import subschemas
+from .schema_policy import declares_draft_before_2020_12, subschemas
 
 __all__ = ["ECMA_DOT", "JSON_CONTAINER_SCHEMA", "JSON_WHITESPACE_CHARS", "ascii_classes",
            "ascii_schema_patterns", "ecma_ebnf", "ecma_regex", "ecma_tag", "lark_spaces",
@@ -864,7 +864,9 @@ def llguidance_schema(schema_text: str) -> str:
     list-form ``items``) without ``items`` / ``additionalItems`` / ``unevaluatedItems`` as
     allowing no further item; llguidance reads JSON Schema's default (allowed). (A schema
     that ``required`` a property it does not list means the default, and keeps it.) So those
-    defaults are written out as ``false`` for llguidance, on every schema that describes the
+    defaults are written out as ``false`` for llguidance (a ``prefixItems`` only where the
+    schema's ``$schema`` names no draft before 2020-12, which has no such keyword and leaves
+    any array item allowed), on every schema that describes the
     instance itself or one of its parts: the root, property and item schemas, ``anyOf`` /
     ``oneOf`` branches and ``$defs`` / ``definitions`` entries. Conditions (``not``, ``if``,
     ``contains``, ``propertyNames``, ...) and ``allOf`` branches (which xgrammar merges with
@@ -926,15 +928,18 @@ def llguidance_closes_properties(node: dict[str, Any], described: set[int]) -> b
     return written.get("additionalProperties") is False
 
 
-def _strict_defaults(node: dict[str, Any], result: dict[str, Any]) -> None:
-    """Write out xgrammar's reading of unlisted properties and items into ``result``."""
+def _strict_defaults(node: dict[str, Any], result: dict[str, Any],
+                     prefix_items: bool = True) -> None:
+    """Write out xgrammar's reading of unlisted properties and items into ``result``.
+    ``prefix_items`` False: the schema's draft has no ``prefixItems`` keyword (one before
+    2020-12), so a ``prefixItems`` lists no items and closes nothing."""
     required = node.get("required")
     requires_unlisted = isinstance(required, list) and any(
         not _listed(node, name) for name in required)
     if (("properties" in node or "patternProperties" in node) and not requires_unlisted
             and "additionalProperties" not in node and "unevaluatedProperties" not in node):
         result["additionalProperties"] = False
-    if "prefixItems" in node:
+    if prefix_items and "prefixItems" in node:
         if "items" not in node and "unevaluatedItems" not in node:
             result["items"] = False
     elif isinstance(node.get("items"), list):  # draft-07's tuple form
@@ -963,6 +968,7 @@ def _rewrite(schema_text: str, unlisted_absent: bool, formats: bool) -> str:
         schema = json.loads(schema_text)
     except ValueError:
         return schema_text
+    prefix_items = not declares_draft_before_2020_12(schema)
 
     def walk(node: Any, describes: bool) -> Any:
         if isinstance(node, list):
@@ -987,7 +993,7 @@ def _rewrite(schema_text: str, unlisted_absent: bool, formats: bool) -> str:
             else:
                 result[key] = walk(value, inner)
         if unlisted_absent and describes:
-            _strict_defaults(node, result)
+            _strict_defaults(node, result, prefix_items)
         if formats:
             _exact_llguidance_format(result, node)
         return result
