@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -900,6 +901,27 @@ class _Captured:
         return self.dec.take_failed_requests()
 
 
+def _decoder_pair(kind: str, build: str, factory) -> tuple[list, Any, Any]:
+    """Two decoders of ``kind`` ("eager", "capturable", or "captured": capturable with its
+    steps replayed through one captured HostGraph on the native host node) on the host build
+    ``build`` (skipped where the C++ build is unavailable), each set up with a context
+    request on slot 0 (ABC): the decoders (to close) and a step function for each."""
+    if build != "python" and (reason := _native_unavailable()) is not None:
+        pytest.skip(f"the C++ host build is unavailable: {reason}")
+    cls = GuidedDecoder if kind == "eager" else CapturableGuidedDecoder
+    kw = {"host_node": "native"} if kind == "captured" else {}
+    made = [cls(factory.config, 4, 0, factory=factory, host_build=build, **kw)
+            for _ in range(2)]
+    if kind == "captured":
+        runs = [_Captured(d, contexts((0, ABC))).step for d in made]  # type: ignore[arg-type]
+        assert made[0].host_node == "native"  # type: ignore[attr-defined]
+    else:
+        runs = [lambda r, l, d=d: step(d, r, l, 0) for d in made]
+    for go in runs:
+        assert go(contexts((0, ABC)), torch.zeros(1, V)) == []
+    return made, runs[0], runs[1]
+
+
 @pytest.mark.parametrize("kind,build", [(k, b) for k in KINDS
                                         for b in ("python", "native-loop", "native")]
                          + [("captured", "native")])
@@ -908,21 +930,8 @@ def test_second_request_on_a_slot_leaves_the_slot_to_its_first(kind, build, fact
     guide]``: the second fails alone ("appears twice") and changes nothing of the slot, whose
     guide stays the first request's, so that request's next step is served and masked as in a
     run without the duplicate (on every build, and through the captured native node)."""
-    if build != "python" and (reason := _native_unavailable()) is not None:
-        pytest.skip(f"the C++ host build is unavailable: {reason}")
-    cls = GuidedDecoder if kind == "eager" else CapturableGuidedDecoder
-    kw = {"host_node": "native"} if kind == "captured" else {}
-    made = [cls(factory.config, 4, 0, factory=factory, host_build=build, **kw)
-            for _ in range(2)]
+    made, run, clean = _decoder_pair(kind, build, factory)
     try:
-        if kind == "captured":
-            runs = [_Captured(d, contexts((0, ABC))).step for d in made]  # type: ignore[arg-type]
-            assert made[0].host_node == "native"  # type: ignore[attr-defined]
-        else:
-            runs = [lambda r, l, d=d: step(d, r, l, 0) for d in made]
-        run, clean = runs
-        for go in runs:
-            assert go(contexts((0, ABC)), torch.zeros(1, V)) == []
         got, want = rows(2, 21), rows(1, 21)
         twin = GuidedRequest.context(20, 0, XYZ)
         failed = run([gen(0, A), twin], got)
@@ -952,20 +961,9 @@ def test_a_request_on_a_slot_another_request_owns_is_refused_and_the_owner_kept(
     rows stay unmasked, the owner's matcher is neither advanced nor dropped,
     and the owner's next steps are masked as in a run that never saw request 20 (on every
     build, and through the captured native node)."""
-    if build != "python" and (reason := _native_unavailable()) is not None:
-        pytest.skip(f"the C++ host build is unavailable: {reason}")
-    cls = GuidedDecoder if kind == "eager" else CapturableGuidedDecoder
-    kw = {"host_node": "native"} if kind == "captured" else {}
-    made = [cls(factory.config, 4, 0, factory=factory, host_build=build, **kw)
-            for _ in range(2)]
+    made, run, clean = _decoder_pair(kind, build, factory)
     try:
-        if kind == "captured":
-            runs = [_Captured(d, contexts((0, ABC))).step for d in made]  # type: ignore[arg-type]
-        else:
-            runs = [lambda r, l, d=d: step(d, r, l, 0) for d in made]
-        run, clean = runs
-        for go in runs:
-            assert go(contexts((0, ABC)), torch.zeros(1, V)) == []
+        for go in (run, clean):
             assert go([gen(0, A)], torch.zeros(1, V)) == []
         got = rows(1, 40)
         failed = run([GuidedRequest.generation(20, 0, ABC, token)], got)
