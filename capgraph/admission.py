@@ -141,28 +141,52 @@ class Admission:
                 dropped: list[int], failed: list[tuple[int, str]]) -> None:
         """Replace ``requests[i]`` by an unguided stand-in with its rows and record ``error``.
         The slot's matcher is dropped when it was this request's (its slot, its guide, the
-        slot's owner its ``request_id``, no other request of the batch on that slot) or when
-        this request was to replace it; another request's matcher is never dropped."""
+        slot's owner its ``request_id``) or when this request was to replace it, unless
+        another guided request of the batch keeps the slot (the owner again, or a request
+        creating the slot's matcher); another request's matcher is never dropped, and a
+        request that does not own the slot keeps nothing from being dropped."""
         req = requests[i]
         is_draft, is_context = bool(req.is_draft), bool(req.is_context_init_state)
-        rid = as_int(req.request_id)
+        raw_id = _field(req, "request_id")
+        rid = as_int(raw_id)
         requests[i] = GuidedRequest.stand_in(rid, is_context, is_draft)
         failed.append((-1 if rid is None else rid, f"{type(error).__name__}: {error}"))
         slot, params = as_int(req.seq_slot), req.guided_decoding_params
         if slot is None or not 0 <= slot < self.max_num_sequences or \
-                not isinstance(params, GuidedDecodingParams) or \
-                any(as_int(_field(r, "seq_slot")) == slot for k, r in enumerate(requests)
-                    if k != i):
+                not isinstance(params, GuidedDecodingParams):
+            return
+        owner = self.slot_owners[slot]
+        if any(_keeps_slot(r, slot, owner) for k, r in enumerate(requests) if k != i):
             return
         held = self.slot_guides[slot]
         creates = not is_draft and (req.is_generation_only_first_iteration is True
                                     or (is_context and req.is_last_context_chunk is True))
-        owns = rid is not None and self.slot_owners[slot] == rid and \
+        # (an id that is not an int names no owner; None is an owner's id as any int is)
+        owns = (rid is not None or raw_id is None) and owner == rid and \
             (held is params or (held is not None and held == params))
         if creates or owns:
             dropped.append(slot)
             if creates:
                 updates.append((i, slot, params, rid))
+
+
+def _keeps_slot(request: object, slot: int, owner: int | None) -> bool:
+    """Whether ``request``, another of the batch, keeps ``slot``'s matcher from being dropped
+    for a refused request: a guided request on the slot that creates its matcher (a context
+    request's last chunk, a disaggregated first generation step) or carries the owner's
+    ``request_id``. A refused one (an unguided stand-in by now) or another request's does
+    not."""
+    if as_int(_field(request, "seq_slot")) != slot or \
+            _field(request, "guided_decoding_params") is None:
+        return False
+    if _field(request, "is_draft") is not True and (
+            _field(request, "is_generation_only_first_iteration") is True
+            or (_field(request, "is_context_init_state") is True
+                and _field(request, "is_last_context_chunk") is True)):
+        return True
+    raw_id = _field(request, "request_id")
+    rid = as_int(raw_id)
+    return (rid is not None or raw_id is None) and rid == owner
 
 
 def _first_on_slot(requests: list, slots: list, i: int, slot: int) -> bool:

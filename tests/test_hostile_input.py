@@ -981,6 +981,32 @@ def test_a_request_on_a_slot_another_request_owns_is_refused_and_the_owner_kept(
             d.close()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", ["owner alone", "owner, then intruder", "intruder, then owner",
+                                  "owner id None"])
+def test_a_refused_owner_drops_its_matcher_whatever_else_is_on_the_slot(kind, case, make):
+    """The slot's owner refused at admission (draft_tokens given as a string) drops its own
+    matcher, which never took the refused step, so its later rows go unmasked rather than
+    masked from a stale state: alone, beside a refused generation request of another
+    request_id on the same slot (in either order: a refused request keeps nothing), and for
+    an owner whose request_id is None (its id as any int is)."""
+    rid = None if case == "owner id None" else 10
+    dec = make(kind)
+    assert step(dec, [GuidedRequest.context(rid, 0, ABC)], torch.zeros(1, V), 0) == []
+    assert step(dec, [GuidedRequest.generation(rid, 0, ABC, A)], torch.zeros(1, V), 0) == []
+    bad = GuidedRequest.generation(rid, 0, ABC, B, draft_tokens="ab")
+    intruder = GuidedRequest.generation(20, 0, ABC, B)
+    batch = {"owner, then intruder": [bad, intruder],
+             "intruder, then owner": [intruder, bad]}.get(case, [bad])
+    failed = step(dec, batch, torch.zeros(len(batch), V), 0)
+    assert sorted(f[0] for f in failed) == sorted([-1 if rid is None else rid] +
+                                                  ([20] if len(batch) == 2 else [])), failed
+    assert dec.grammar_matchers[0] is None
+    logits = rows(1, 60)
+    step(dec, [GuidedRequest.generation(rid, 0, ABC, B)], logits, 0)
+    assert same(logits, rows(1, 60))  # unmasked, not masked from the stale matcher
+
+
 # -- property: garbage in every public argument --------------------------------------------------
 
 GARBAGE = st.one_of(
