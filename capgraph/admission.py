@@ -3,10 +3,11 @@
 :class:`Admission` holds, per slot, the guide its matcher is (being) created for and the
 request that creates it (its owner), in ``add_batch`` order (the matcher itself may be created
 later, by a host callback). A request passes when its fields have the exact types the build
-reads and, where it advances a matcher, it is its slot's owner and carries its slot's guide; a draft tree's parents must form a tree (each parent an earlier
-node or -1), and the number of its nodes must match its draft tokens. A request that fails is replaced by an unguided stand-in with the
-same rows and reported; a matcher it owned is dropped (by the decoder, before the build), and
-no other request's.
+reads and, where it advances a matcher, it is its slot's owner and carries its slot's guide; a
+draft tree's parents must form a tree (each parent an earlier node or -1), and the number of
+its nodes must match its draft tokens. A request that fails is replaced by an unguided stand-in
+with the same rows and reported; a matcher it owned is dropped (by the decoder, before the
+build), and no other request's.
 """
 
 from __future__ import annotations
@@ -161,8 +162,7 @@ class Admission:
         held = self.slot_guides[slot]
         creates = not is_draft and (req.is_generation_only_first_iteration is True
                                     or (is_context and req.is_last_context_chunk is True))
-        # (an id that is not an int names no owner; None is an owner's id as any int is)
-        owns = (rid is not None or raw_id is None) and owner == rid and \
+        owns = _owner_id(raw_id, owner) and \
             (held is params or (held is not None and held == params))
         if creates or owns:
             dropped.append(slot)
@@ -184,9 +184,15 @@ def _keeps_slot(request: object, slot: int, owner: int | None) -> bool:
             or (_field(request, "is_context_init_state") is True
                 and _field(request, "is_last_context_chunk") is True)):
         return True
-    raw_id = _field(request, "request_id")
-    rid = as_int(raw_id)
-    return (rid is not None or raw_id is None) and rid == owner
+    return _owner_id(_field(request, "request_id"), owner)
+
+
+def _owner_id(request_id: object, owner: int | None) -> bool:
+    """Whether ``request_id`` (as a request carries it) is the slot owner's id ``owner``: an
+    int equal to it, or None where the owner's was None; an id that is not an int names no
+    owner."""
+    rid = as_int(request_id)
+    return (rid is not None or request_id is None) and rid == owner
 
 
 def _first_on_slot(requests: list, slots: list, i: int, slot: int) -> bool:

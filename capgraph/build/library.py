@@ -397,8 +397,8 @@ class FastPath(NamedTuple):
     That thread runs at the lowest priority (nice 19) so that it never preempts the caller's
     threads; ``close(state)`` ends it (``GuidedDecoder.close``), and a later ``begin`` would
     start another. ``admit(state, requests, slot_guides, slot_owners)`` counts the leading
-    requests that pass the inline admission test (:meth:`capgraph.admission.Admission.admit`; it only reads
-    them).
+    requests that pass the inline admission test
+    (:meth:`capgraph.admission.Admission.admit`; it only reads them).
     """
 
     step: Callable[..., Any]
