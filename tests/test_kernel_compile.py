@@ -186,16 +186,17 @@ def _small_and_large_plans(**kw):
 
 
 def test_mask_kernel_variant_follows_the_environment(monkeypatch):
-    """Unset or empty CAPGRAPH_MASK_KERNEL plans the rmw entry points; "ahead" and "store"
-    plan the suffixed ones where the launch takes 4 or 8 columns per thread, rmw where it
-    takes 16 (no variant there) and the d2t entry for a d2t launch; an explicit variant
-    argument wins over the variable."""
+    """Unset or empty CAPGRAPH_MASK_KERNEL is "auto" (test below); "rmw", "ahead" and
+    "store" plan that variant's entry points where the launch takes 4 or 8 columns per thread,
+    rmw where it takes 16 (no variant there) and the d2t entry for a d2t launch; an explicit
+    variant argument wins over the variable."""
     monkeypatch.delenv("CAPGRAPH_MASK_KERNEL", raising=False)
-    assert cuda_backend.mask_kernel_variant() == "rmw"
+    assert cuda_backend.mask_kernel_variant() == "auto"
+    monkeypatch.setenv("CAPGRAPH_MASK_KERNEL", "")
+    assert cuda_backend.mask_kernel_variant() == "auto"
+    monkeypatch.setenv("CAPGRAPH_MASK_KERNEL", "rmw")
     assert _small_and_large_plans() == ("capgraph_logits_bitmask_f32_b4_p4",
                                         "capgraph_logits_bitmask_f32_b16_p4")
-    monkeypatch.setenv("CAPGRAPH_MASK_KERNEL", "")
-    assert _small_and_large_plans()[0] == "capgraph_logits_bitmask_f32_b4_p4"
     for variant in ("ahead", "store"):
         monkeypatch.setenv("CAPGRAPH_MASK_KERNEL", variant)
         assert cuda_backend.mask_kernel_variant() == variant
@@ -208,15 +209,44 @@ def test_mask_kernel_variant_follows_the_environment(monkeypatch):
     monkeypatch.setenv("CAPGRAPH_MASK_KERNEL", "ahead")
     assert _small_and_large_plans(variant="store")[0] == "capgraph_logits_bitmask_f32_b4_p4_store"
     assert _small_and_large_plans(variant="rmw")[0] == "capgraph_logits_bitmask_f32_b4_p4"
+    assert _small_and_large_plans(variant="auto")[0] == "capgraph_logits_bitmask_f32_b4_p4_store"
     half = plan_launch(torch.empty(1, dtype=torch.bfloat16).expand(16, 128000),
                        torch.empty(1, dtype=torch.int32).expand(16, 4000), None, None, 0, 132)
     assert half.kernel == "capgraph_logits_bitmask_bf16_b8_p8_ahead"
     assert half.kernel in entry_points()
 
 
+@pytest.mark.parametrize("dtype, rows, expected", [
+    (torch.float32, 1, "f32_b4_p4_store"),      # batch 1-4 on 132 SMs: 4 columns per thread
+    (torch.float32, 4, "f32_b4_p4_store"),
+    (torch.float32, 16, "f32_b8_p4_store"),     # batch 16: 8 columns per thread
+    (torch.float32, 64, "f32_b16_p4"),          # 16 columns per thread: rmw, the only one
+    (torch.bfloat16, 1, "bf16_b8_p8_ahead"),    # 2-byte logits: 8-wide packs, 8 columns
+    (torch.bfloat16, 16, "bf16_b8_p8_ahead"),
+    (torch.float16, 4, "f16_b8_p8_ahead"),
+    (torch.bfloat16, 256, "bf16_b16_p8"),
+])
+def test_auto_variant_is_chosen_per_element_size_and_launch_width(monkeypatch, dtype, rows,
+                                                                  expected):
+    """With CAPGRAPH_MASK_KERNEL unset, a launch runs AUTO_VARIANTS' variant for its logits'
+    element size and columns per thread (from the H200 kernel table: store for fp32, ahead for
+    2-byte logits), and rmw at 16 columns per thread; a d2t launch runs the d2t entry."""
+    monkeypatch.delenv("CAPGRAPH_MASK_KERNEL", raising=False)
+    logits = torch.empty(1, dtype=dtype).expand(rows, 128000)
+    bitmask = torch.empty(1, dtype=torch.int32).expand(rows, 4000)
+    plan = plan_launch(logits, bitmask, None, None, 0, 132)
+    assert plan.kernel == f"capgraph_logits_bitmask_{expected}"
+    assert plan.kernel in entry_points()
+    bits = int(re.search(r"_b(\d+)_", plan.kernel).group(1))
+    assert cuda_backend.auto_variant(dtype, bits) == (expected.split("_")[-1]
+                                                      if bits < 16 else "rmw")
+    d2t = torch.zeros(128000, dtype=torch.int32)
+    assert plan_launch(logits, bitmask, None, d2t, 0, 132).kernel.endswith("_d2t")
+
+
 @pytest.mark.parametrize("value", ["fast", "RMW", "ahead "])
 def test_bad_mask_kernel_variable_is_a_config_error(monkeypatch, value):
-    """A CAPGRAPH_MASK_KERNEL value outside rmw/ahead/store raises ConfigError at plan time,
+    """A CAPGRAPH_MASK_KERNEL value outside auto/rmw/ahead/store raises ConfigError at plan time,
     naming the variable, the value and the allowed values."""
     from capgraph.errors import ConfigError
     monkeypatch.setenv("CAPGRAPH_MASK_KERNEL", value)
@@ -224,7 +254,7 @@ def test_bad_mask_kernel_variable_is_a_config_error(monkeypatch, value):
         with pytest.raises(ConfigError) as info:
             call()
         assert "CAPGRAPH_MASK_KERNEL" in str(info.value) and repr(value) in str(info.value)
-        assert "rmw, ahead, store" in str(info.value)
+        assert "auto, rmw, ahead, store" in str(info.value)
 
 
 def test_variant_arguments_are_checked(monkeypatch):

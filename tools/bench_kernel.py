@@ -3,8 +3,8 @@
 For each batch B (V = 128000 by default) and bitmask pattern, times one masking of logits [B, V]
 and reports:
 
-* time per call of each of the kernel's mixed-group variants (``rmw``, the default, ``ahead``
-  and ``store``: capgraph/ops/cuda.py, csrc/logits_bitmask.cu), launched on the same inputs
+* time per call of each of the kernel's mixed-group variants (``rmw``, ``ahead`` and
+  ``store``: capgraph/ops/cuda.py, csrc/logits_bitmask.cu), launched on the same inputs
   and timed in turn within each repetition (median of CUDA-event timings, L2 flushed before
   each call); a variant with no entry point at the launch's columns per thread (16: large
   batches) is not timed, the JSON says which entry point each one launched;
@@ -16,7 +16,9 @@ and reports:
   run, as the ceiling to compare with;
 * xgrammar's CUDA and Triton kernels (``xgrammar.apply_token_bitmask_inplace(...,
   backend="cuda" | "triton")``) on the same inputs, after checking they give our result;
-* the fastest of our variants over the fastest xgrammar kernel, and which variant that was.
+* the fastest of our variants over the fastest xgrammar kernel, and which variant that was;
+  which variant the library runs by default at that launch (``default_variant``: ``auto``,
+  :data:`capgraph.ops.cuda.AUTO_VARIANTS`).
 
 Every variant is first checked bit for bit against the pure-torch kernel on the same inputs.
 With ``--token-mask`` our kernels also get a token mask of ones (every row active), as
@@ -249,6 +251,8 @@ def _bench_one(batch, vocab, dtype, density, gen, flush, xgr, repeat, kernel, va
             continue
         timed[variant] = (lambda v, t: lambda: kernel(t, bitmask, token_mask, None, 0,
                                                       variant=v))(variant, ours)
+    auto = plan_launch(original, bitmask, token_mask, None, 0, sm_count, variant="auto").kernel
+    row["default_variant"] = next((v for v in variants if row[f"{v}_kernel"] == auto), None)
     for variant, seconds in _time_in_turn(timed, flush, repeat).items():
         row[f"{variant}_s"] = seconds
         row[f"{variant}_GBps"] = moved / seconds / 1e9

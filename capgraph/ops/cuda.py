@@ -14,10 +14,12 @@ torch's current stream: no host synchronisation, no device allocation, no host-d
 it is recorded by ``torch.cuda.graph`` capture like any torch kernel.
 
 The kernel has three ways to handle a packed group with both allowed and masked lanes
-(:data:`MASK_KERNELS`, described in the source): ``rmw``, the default everywhere, and the
-``ahead`` and ``store`` variants, which exist for 4 and 8 columns per thread (small launches) and
-are used only where ``$CAPGRAPH_MASK_KERNEL`` names them (:func:`mask_kernel_variant`) or a
-caller of :func:`plan_launch` asks; ``tools/bench_kernel.py`` measures all three.
+(:data:`MASK_KERNELS`, described in the source): ``rmw``, and the ``ahead`` and ``store``
+variants, which exist for 4 and 8 columns per thread (small launches). By default (``auto``) a
+launch takes the variant :data:`AUTO_VARIANTS` names for its logits' element size and columns
+per thread (``store`` for fp32, ``ahead`` for 2-byte logits, ``rmw`` at 16 columns per thread);
+``$CAPGRAPH_MASK_KERNEL`` (:func:`mask_kernel_variant`) or a caller of :func:`plan_launch`
+names one for every launch; ``tools/bench_kernel.py`` measures all three.
 
 Verification status: the source compiles with ``nvcc -c -arch=sm_90`` and with NVRTC (checked
 on CPU-only CI by tests/test_kernel_compile.py, which also runs the kernel's arithmetic on the
@@ -46,9 +48,12 @@ __all__ = [
     "BITS_PER_THREAD",
     "MASK_KERNELS",
     "MASK_KERNEL_ENV",
+    "MASK_KERNEL_CHOICES",
+    "AUTO_VARIANTS",
     "VARIANT_BITS_PER_THREAD",
     "LaunchPlan",
     "mask_kernel_variant",
+    "auto_variant",
     "entry_points",
     "kernel_name",
     "kernel_source",
@@ -66,13 +71,24 @@ BITS_PER_THREAD = (4, 8, 16)
 #: How the kernel handles a mixed group (csrc/logits_bitmask.cu): ``rmw`` reads it after its
 #: bitmask word and writes it back; ``ahead`` loads every group's logits together with its
 #: bitmask word and the row's token-mask entry; ``store`` writes only its masked lanes, reading
-#: no logits. The first is the default.
+#: no logits.
 MASK_KERNELS = ("rmw", "ahead", "store")
-#: The environment variable that chooses among :data:`MASK_KERNELS` (unset or empty: ``rmw``).
+#: What a launch may be asked to run: ``auto`` (the default: :data:`AUTO_VARIANTS`) or one of
+#: :data:`MASK_KERNELS` for every launch.
+MASK_KERNEL_CHOICES = ("auto",) + MASK_KERNELS
+#: The environment variable that chooses among :data:`MASK_KERNEL_CHOICES` (unset or empty:
+#: ``auto``).
 MASK_KERNEL_ENV = "CAPGRAPH_MASK_KERNEL"
 #: Columns per thread that have ``ahead`` and ``store`` entry points; a launch that needs more
 #: (a large batch: bandwidth-bound, where the variants have nothing to win) runs ``rmw``.
 VARIANT_BITS_PER_THREAD = (4, 8)
+#: ``auto``'s variant per (bytes per logit, columns per thread); any other launch runs ``rmw``.
+#: From the H200 kernel table in docs/BENCHMARKS.md (``tools/bench_kernel.py``, V = 128000,
+#: random, 2%- and 98%-allowed rows, batch 1-16): fp32 launches of 4 columns per thread (batch
+#: 1-4) ran fastest with ``store`` in all six cells, and of 8 (batch 16) in the 2%- and
+#: 98%-allowed ones; bf16 launches (8 columns per thread at batch 1-16) ran ``ahead`` no slower
+#: than ``rmw`` in any cell, and ``store`` up to 1.9x ``ahead`` on random rows.
+AUTO_VARIANTS = {(4, 4): "store", (4, 8): "store", (2, 4): "ahead", (2, 8): "ahead"}
 # Target residency of the launch heuristic: 2048 threads (8 blocks of 256) per SM.
 _THREADS_PER_SM = 2048
 _MAX_GRID_Y = 65535  # rows past it are covered by the kernel's grid-stride loop
@@ -86,23 +102,30 @@ _NVRTC_OPTIONS = {"std": "c++17"}  # part of the cache key
 
 def mask_kernel_variant() -> str:
     """The mixed-group variant a launch uses unless its caller names one: the value of
-    ``$CAPGRAPH_MASK_KERNEL``, read at each call, or ``"rmw"`` where it is unset or empty.
+    ``$CAPGRAPH_MASK_KERNEL``, read at each call, or ``"auto"`` where it is unset or empty.
 
     Raises:
-        ConfigError: the variable holds anything other than one of :data:`MASK_KERNELS`.
+        ConfigError: the variable holds anything other than one of
+            :data:`MASK_KERNEL_CHOICES`.
     """
     value = os.environ.get(MASK_KERNEL_ENV)
     if not value:
-        return "rmw"
-    if value not in MASK_KERNELS:
+        return "auto"
+    if value not in MASK_KERNEL_CHOICES:
         raise ConfigError(f"{MASK_KERNEL_ENV}={value!r} is not a mask kernel variant; allowed "
-                          f"values: {', '.join(MASK_KERNELS)} (unset: rmw)")
+                          f"values: {', '.join(MASK_KERNEL_CHOICES)} (unset: auto)")
     return value
 
 
-def _check_variant(variant: str) -> None:
-    if variant not in MASK_KERNELS:
-        raise ValueError(f"variant={variant!r}: expected one of {', '.join(MASK_KERNELS)}")
+def auto_variant(dtype: torch.dtype, bits_per_thread: int) -> str:
+    """``auto``'s variant for a launch of ``dtype`` logits at ``bits_per_thread`` columns per
+    thread (:data:`AUTO_VARIANTS`; ``rmw`` where it names none)."""
+    return AUTO_VARIANTS.get((dtype.itemsize, bits_per_thread), "rmw")
+
+
+def _check_variant(variant: str, choices: tuple[str, ...] = MASK_KERNELS) -> None:
+    if variant not in choices:
+        raise ValueError(f"variant={variant!r}: expected one of {', '.join(choices)}")
 
 
 def kernel_name(dtype: torch.dtype, bits_per_thread: int, pack: int, d2t: bool = False,
@@ -189,9 +212,10 @@ def plan_launch(logits: torch.Tensor, bitmask: torch.Tensor, token_mask: torch.T
                 ) -> LaunchPlan:
     """The launch for these (already checked) arguments; reads metadata only, never data.
 
-    ``variant`` is one of :data:`MASK_KERNELS`, or None for :func:`mask_kernel_variant` (the
-    environment's choice, ``rmw`` by default); a d2t launch, or one that needs more columns
-    per thread than :data:`VARIANT_BITS_PER_THREAD`, runs ``rmw`` whatever the variant.
+    ``variant`` is one of :data:`MASK_KERNEL_CHOICES`, or None for :func:`mask_kernel_variant`
+    (the environment's choice, ``auto`` by default: :func:`auto_variant`); a d2t launch, or one
+    that needs more columns per thread than :data:`VARIANT_BITS_PER_THREAD`, runs ``rmw``
+    whatever the variant.
 
     Preconditions (``kernel_fits``): ``rows >= 1`` (mask rows: ``len(indices)`` where given),
     ``width >= 1``, ``col_offset + width`` in int32; ``token_mask``, ``d2t`` and ``indices``
@@ -200,11 +224,13 @@ def plan_launch(logits: torch.Tensor, bitmask: torch.Tensor, token_mask: torch.T
     if variant is None:
         variant = mask_kernel_variant()
     else:
-        _check_variant(variant)
+        _check_variant(variant, MASK_KERNEL_CHOICES)
     logits_rows, width = logits.shape
     rows = logits_rows if indices is None else indices.size(0)
     pack = _pack_width(logits)
     bits = _bits_per_thread(rows, width, pack, sm_count)
+    if variant == "auto":
+        variant = auto_variant(logits.dtype, bits)
     if d2t is not None:
         kind = "d2t"
     elif variant != "rmw" and bits in VARIANT_BITS_PER_THREAD:
