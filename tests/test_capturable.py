@@ -1092,3 +1092,66 @@ def test_a_prepared_step_survives_the_next_steps_add_batch(factory, tekken, host
             dec.prepare()
     dec.close()
     eager.close()
+
+
+class _LookAlike:
+    """A request object that is not a GuidedRequest (an engine's own type with the fields)."""
+
+    def __init__(self, request: GuidedRequest) -> None:
+        for name in GuidedRequest.__slots__:
+            setattr(self, name, getattr(request, name))
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+def test_handed_over_requests_are_queued_as_they_are_and_mask_as_copies(factory, tekken,
+                                                                        host_node):
+    """add_batch(copy=False) queues exact GuidedRequest instances themselves (the caller hands
+    them over) and still copies any other request object; the replayed steps mask exactly as
+    those of a decoder that copies every request, on either host node."""
+    from capgraph.build import library
+    if host_node == "native" and library.unavailable_reason():
+        pytest.skip(f"the native host node does not build here: {library.unavailable_reason()}")
+    V = factory.config.vocab_size_padded
+    cases = GUIDED[:3]
+    texts = [encode_continuation(tekken, c.valid) for c in cases]
+    steps = min(len(t) for t in texts)
+    decoders = [CapturableGuidedDecoder(factory.config, 3, 0, factory=factory,
+                                        host_node=host_node) for _ in range(2)]
+    statics = [torch.zeros(3, V) for _ in decoders]
+
+    def requests(step):
+        if step == 0:
+            return [GuidedRequest.context(i, i, c.params) for i, c in enumerate(cases)]
+        return [GuidedRequest.generation(i, i, c.params, texts[i][step - 1])
+                for i, c in enumerate(cases)]
+
+    graphs = []
+    for dec, static in zip(decoders, statics):
+        dec.add_batch(requests(0))  # shapes for the capture
+        graph = hostfunc.HostGraph()
+        with hostfunc.capture(graph):
+            dec.execute(static)
+        graphs.append(graph)
+    copying, taking = decoders
+    for step in range(steps):
+        logits = torch.randn(3, V, generator=torch.Generator().manual_seed(step))
+        copied = requests(step)
+        handed = requests(step)
+        handed[1] = _LookAlike(handed[1])  # (not an exact instance: copied all the same)
+        copying.add_batch(copied)
+        taking.add_batch(handed, copy=False)
+        queued = taking.requests.requests
+        if step:  # (a context step's requests are rewritten by admission's checks anyway)
+            assert queued[0] is handed[0] and queued[2] is handed[2]
+        assert queued[1] is not handed[1] and type(queued[1]) is GuidedRequest
+        assert all(q is not r for q, r in zip(copying.requests.requests, copied))
+        for dec, static, graph in zip(decoders, statics, graphs):
+            static.copy_(logits)
+            graph.replay()
+            hostfunc.drain()
+            assert dec.take_failed_requests() == []
+        assert same(statics[0], statics[1]), f"step {step}"
+        assert torch.isneginf(statics[1]).any()
+    for dec, graph in zip(decoders, graphs):
+        graph.reset()
+        dec.close()

@@ -410,6 +410,57 @@ def test_take_failed_reraises_a_callback_error_of_the_step(factory):
         eager.close()
 
 
+@needs_capturable
+@pytest.mark.parametrize("drafts", [0, 2])
+def test_the_guide_drivers_decode_requests_are_generation_requests_handed_over(factory, drafts):
+    """GuideDriver.begin_decode makes each sequence's request with GuidedRequest.generation's
+    fields (its newest token, drafts, accepted count; placeholders padding the batch) and hands
+    them to the capturable decoder with copy=False (tests/test_capturable.py: queued uncopied);
+    the eager decoder, which takes no copy argument, gets the same fields. The draft
+    lists are the driver's own copies: a drafter changing its list later changes no request."""
+    from types import SimpleNamespace
+
+    from capgraph.capturable import CapturableGuidedDecoder
+    from capgraph.decoder import GuidedDecoder
+    from capgraph.requests import GuidedRequest
+    from capgraph.runtime.guide import GuideDriver
+
+    params = GuidedDecodingParams.regex("[ab]+")
+    seqs = [SimpleNamespace(index=7 + i, seq_slot=i, guide=params, output=[3, 4 + i],
+                            accepted_prev=i) for i in range(2)]
+    proposed = [[5, 6][:drafts], [8, 9][:drafts]] if drafts else None
+    expected = [GuidedRequest.generation(
+        s.index, s.seq_slot, params, s.output[-1],
+        draft_tokens=proposed[i] if proposed else None, num_accepted_draft_tokens=i)
+        for i, s in enumerate(seqs)]
+    for make in (CapturableGuidedDecoder, GuidedDecoder):
+        decoder = make(factory.config, 3, drafts, factory=factory)
+        driver = GuideDriver(decoder, drafts)
+        taken: list = []
+        original = decoder.add_batch
+
+        def add_batch(requests, *args, _original=original, **kwargs):
+            taken.append((list(requests), kwargs))
+            return _original(requests, *args, **kwargs)
+
+        decoder.add_batch = add_batch  # type: ignore[method-assign]
+        try:
+            driver.begin_decode(seqs, proposed, pad_to=3)
+        except Exception:
+            pass  # (the slots have no matchers: only what add_batch was given matters here)
+        finally:
+            driver.close()
+        (requests, kwargs), = taken
+        assert requests[:2] == expected
+        assert requests[2].guided_decoding_params is None and requests[2].seq_slot is None
+        assert kwargs.get("copy", True) is (make is GuidedDecoder)
+        if proposed:
+            assert requests[0].draft_tokens is not proposed[0]
+            proposed[0].append(99)
+            assert requests[0].draft_tokens == [5, 6]
+            proposed[0].pop()
+
+
 def test_the_runner_passes_the_cache_under_the_models_own_keyword():
     """transformers 5.24 renamed the KV-cache argument (``past_key_values`` -> ``cache``) and a
     wrong name is silently ignored (the model then runs without the cache): the runner reads

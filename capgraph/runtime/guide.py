@@ -118,11 +118,15 @@ class GuideDriver:
         drafts the previous verification accepted. ``pad_to`` adds unguided placeholder
         requests so the layout matches a padded (graph) batch."""
         K = self.num_draft_tokens
-        reqs = [GuidedRequest.generation(
-            s.index, s.seq_slot, s.guide, s.output[-1],
-            draft_tokens=drafts[i] if K and drafts is not None else None,
-            num_accepted_draft_tokens=s.accepted_prev)
-            for i, s in enumerate(seqs)]
+        make = GuidedRequest  # (positional: GuidedRequest.generation's fields, without its
+        # keyword handling; the lists are new, and the decoder takes the requests over)
+        if K and drafts is not None:
+            reqs = [make(s.guide, s.index, s.seq_slot, None, False, False, True, False,
+                         s.output[-1], False, list(drafts[i]), s.accepted_prev)
+                    for i, s in enumerate(seqs)]
+        else:
+            reqs = [make(s.guide, s.index, s.seq_slot, None, False, False, True, False,
+                         s.output[-1], False, [], s.accepted_prev) for s in seqs]
         reqs += self._placeholders(len(seqs), pad_to or 0)
         self._begin(reqs, K, speculative=K > 0, graphed=pad_to is not None)
 
@@ -139,7 +143,10 @@ class GuideDriver:
     def _begin(self, reqs: list[GuidedRequest], draft_len: int, speculative: bool,
                graphed: bool = False) -> None:
         dec = self.decoder
-        dec.add_batch(reqs, runtime_draft_len=draft_len)
+        if self._capt is not None:  # (the requests are this driver's own, made for this call)
+            self._capt.add_batch(reqs, runtime_draft_len=draft_len, copy=False)
+        else:
+            dec.add_batch(reqs, runtime_draft_len=draft_len)
         if speculative:
             # settle the previous verification before this step's build advances the matchers
             if self._capt is not None:
