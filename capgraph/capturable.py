@@ -239,9 +239,72 @@ class CapturableGuidedDecoder(GuidedDecoder):
         # one reader of the node's results at a time (the host thread and a Python step
         # inside the node may both read; results are applied in step order)
         self._collect_lock = threading.RLock()
+        # the batch after launch (set_batch_after_launch): the node's wait in seconds, or None
+        self._after_launch: float | None = None
         #: which host step the step's callback runs: ``"native"`` (the C++ host node,
         #: :class:`~capgraph.build.library.HostNode`) or ``"python"``
         self.host_node: str = self._make_host_node(host_node)
+
+    @property
+    def batch_after_launch(self) -> float | None:
+        """How long a replayed step's native node waits for its batch when ``add_batch``
+        follows the step's launch (:meth:`set_batch_after_launch`), in seconds; None: each
+        step's ``add_batch`` comes before its replay."""
+        return self._after_launch
+
+    def set_batch_after_launch(self, timeout_s: float | None = 10.0) -> None:
+        """Let each replayed step's ``add_batch`` come after the step's launch, so that the
+        host work of making and queueing the batch runs while the GPU runs the forward.
+
+        In a loop that synchronises every step the GPU is idle while the host prepares the
+        next replay: a guided step's requests and ``add_batch`` then lengthen every step. With
+        this set, a loop replays first and calls ``add_batch`` next, before its sync; the
+        replay's native node, which the driver may start before that, waits (on its own
+        thread, without the GIL) up to ``timeout_s`` for the batch, then runs it as usual::
+
+            decoder.set_batch_after_launch()
+            for requests in batches:
+                graph.replay()                  # forward, host node (waits for its batch)
+                decoder.add_batch(requests)     # on the host while the forward runs
+                torch.cuda.synchronize()
+                failed = decoder.take_failed_requests()
+
+        In this mode (from the first capture on, outside a capture) ``add_batch`` writes no
+        step ticket, so the host cannot queue a step ahead of the stream, and takes no
+        ``new_tokens`` (the requests carry their tokens); an ``add_batch`` that raises before
+        it queues its batch lets the waiting step go at once (it masks nothing and reports a
+        ``QueueEpochError`` at the next drain), and a replay with no ``add_batch`` reports one
+        after ``timeout_s``. Eager steps (``add_batch`` then ``execute``) work as before.
+        ``generate()`` sets it where it replays CUDA graphs without speculation.
+
+        Args:
+            timeout_s: the node's wait in seconds, > 0 and at most 3600; None: back to
+                ``add_batch`` before each replay.
+
+        Raises:
+            ConfigError: the native host node does not serve this decoder (the Python host
+                callback runs under the GIL, which the waiting thread would need), or a bad
+                ``timeout_s``.
+        """
+        if timeout_s is not None:
+            if self._node is None:
+                raise ConfigError(
+                    "set_batch_after_launch needs the native host node (host_node='native' or "
+                    f"'auto' where it builds); this decoder's host node is {self.host_node!r}")
+            if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+                    or not 0 < timeout_s <= 3600:
+                raise ConfigError(f"set_batch_after_launch: timeout_s={timeout_s!r} must be a "
+                                  "number of seconds in (0, 3600]")
+        self._after_launch = None if timeout_s is None else float(timeout_s)
+        if self._node is not None:
+            self._node.set_batch_wait(0 if timeout_s is None
+                                      else max(1, round(timeout_s * 1000)))
+
+    def _after_launch_now(self) -> bool:
+        """Whether this ``add_batch`` follows its step's launch (see
+        :meth:`set_batch_after_launch`): the mode is set, the node serves steps, no capture."""
+        return self._after_launch is not None and self._node_active \
+            and not self._streams.is_capturing()
 
     @property
     def queued_batches(self) -> int:
@@ -318,11 +381,31 @@ class CapturableGuidedDecoder(GuidedDecoder):
         Raises:
             LayoutError: as for :meth:`GuidedDecoder.add_batch`; nothing is queued.
             TensorArgError: ``new_tokens`` is not an integer tensor of the shape above, or
-                has fewer position rows than ``1 + runtime_draft_len``.
+                has fewer position rows than ``1 + runtime_draft_len``, or is given with the
+                batch after launch (:meth:`set_batch_after_launch`).
             QueueEpochError: :data:`MAX_QUEUED_BATCHES` batches are queued already that no
                 step has fetched (each ``add_batch`` without its replay); nothing is queued.
             DecoderClosedError: the decoder was closed; nothing is read or changed.
         """
+        if not self._after_launch_now():
+            self._queue_batch(requests, new_tokens, runtime_draft_len, copy, False)
+            return
+        epoch = self._put_epoch
+        try:
+            if new_tokens is not None:
+                raise TensorArgError(
+                    "new_tokens with the batch after launch (set_batch_after_launch): the "
+                    "tokens would be copied in stream order after the step that reads them; "
+                    "the requests carry their new_token and draft_tokens instead")
+            self._queue_batch(requests, None, runtime_draft_len, copy, True)
+        except BaseException:
+            if self._put_epoch == epoch:  # nothing queued: the launched step must not wait
+                self._node.abandon()  # type: ignore[union-attr]
+            raise
+
+    def _queue_batch(self, requests: Sequence[GuidedRequest], new_tokens: torch.Tensor | None,
+                     runtime_draft_len: int | None, copy: bool, after_launch: bool) -> None:
+        """add_batch's work; ``after_launch``: the step was launched already (no ticket)."""
         if new_tokens is not None:
             self._check_new_tokens(new_tokens)
             draft_len = self.max_num_draft_tokens if runtime_draft_len is None else \
@@ -357,7 +440,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._batch_len = len(batch.requests)  # type: ignore[union-attr]
         self._tokens_recorded_in_capture = False
         self._put_epoch += 1
-        ticketed = self._write_step(self._put_epoch, new_tokens)
+        ticketed = False if after_launch else self._write_step(self._put_epoch, new_tokens)
         put = _Put(self._put_epoch, batch, new_tokens is not None, ticketed)
         self._queue.append(put)
         if self._node_active:
@@ -1190,6 +1273,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         """close()'s work (see :meth:`GuidedDecoder.close`): the side stream first (its queued
         work runs, then its worker ends): a host step still queued on it may start a build,
         which the base close then ends before it stops the C++ build's thread."""
+        if self._node is not None:
+            self._node.set_batch_wait(0)  # (a step waiting for its batch goes now)
         close = getattr(self._streams, "close", None)
         if close is not None:
             close()

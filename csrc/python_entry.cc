@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <cstdint>
@@ -819,6 +820,14 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 // it still runs the slots' previous matchers; Python installs its own copies when it reads
 // that step (node_take's records, in order).
 //
+// The batch after launch (node_set_batch_wait): a loop may replay a step first and call
+// add_batch after, while the GPU runs the forward; a step that finds no job queued then waits
+// (WaitForJob: on its own thread, under no lock but mu's condition variable, without the GIL)
+// until a job is queued, an add_batch after launch that raised abandons the wait
+// (node_abandon: the step masks nothing and reports a queue error), the wait is switched off
+// (close) or its time runs out (a queue error). Such a batch carries no ticket: the step takes
+// the one job queued, the epoch after the last.
+//
 // Lifetime: a HostNode is counted (the decoder's capsule holds one reference, each captured
 // graph one more through hostfunc's retain/release); the last release may come on a driver
 // thread, so it only moves the node to a list that the next Python call into this module
@@ -904,6 +913,10 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //                      rollback_runs, python_rollback_runs, draft_runs, python_draft_runs)
 // node_set_warmup(node, on): runs from now on are warm-up runs (no job taken, nothing masked).
 // node_set_epoch(node, epoch): the latest batch consumed before the node serves steps.
+// node_set_batch_wait(node, ms): the batch after launch: a step that finds no job queued waits
+//   up to `ms` milliseconds for add_batch to queue it (0: no wait; it wakes a waiting step).
+// node_abandon(node): an add_batch made after its step's launch raised before it queued
+//   anything: the next step that waits (or is waiting) masks nothing and reports a queue error.
 // node_shutdown(): Python steps are refused from now on (interpreter exit).
 
 constexpr const char* kNodeCapsule = "capgraph_host_build.HostNode";
@@ -1030,6 +1043,14 @@ struct HostNode {
       rows{0}, rollback_runs{0}, python_rollback_runs{0}, draft_runs{0}, python_draft_runs{0};
   std::atomic<bool> warmup{false};  // steps take no job and mask nothing (graph warm-up)
   int64_t last_epoch = 0;  // (under mu) the epoch of the latest job taken or dropped
+  // The batch after launch (node_set_batch_wait): a step that finds no job queued waits up to
+  // batch_wait_ms for add_batch to queue it (0: it does not wait); `abandoned` counts the
+  // add_batch calls made after their step's launch that raised, each of which the next
+  // waiting step takes as its own (it masks nothing). job_cv is notified, under mu, whenever
+  // a job is queued, a wait is abandoned or the wait is switched off.
+  std::condition_variable job_cv;
+  int64_t batch_wait_ms = 0;
+  int64_t abandoned = 0;
   // (under mu) the last step run: Python's (or none yet), else its epoch and entries
   bool last_python = true;
   int64_t last_run_epoch = 0;
@@ -1428,12 +1449,38 @@ void Install(HostNode* n, NodeJob* job, NodeDone* d) {
   }
 }
 
+// The batch after launch: with batch_wait_ms > 0, wait (on the running thread, no GIL) until a
+// job is queued, an add_batch after launch has raised, the wait is switched off or the time
+// is up. Returns the queue error of a step that takes an abandoned wait or whose wait timed
+// out with nothing queued ("": take the queued job as usual); *epoch: the latest epoch consumed.
+std::string WaitForJob(HostNode* n, int64_t* epoch) {
+  std::unique_lock<std::mutex> lock(n->mu);
+  *epoch = n->last_epoch;
+  if (n->batch_wait_ms <= 0 || n->abandoned > 0 || !n->jobs.empty()) {
+    if (n->abandoned == 0) return "";
+  } else {
+    const int64_t wait_ms = n->batch_wait_ms;
+    const bool woken = n->job_cv.wait_for(lock, std::chrono::milliseconds(wait_ms), [n] {
+      return !n->jobs.empty() || n->abandoned > 0 || n->batch_wait_ms <= 0;
+    });
+    if (!woken) {
+      return "no batch queued for this step within " + std::to_string(wait_ms) +
+             " ms of its start (the batch after launch: each replay's add_batch follows it; "
+             "expected epoch " + std::to_string(n->last_epoch + 1) + ")";
+    }
+    if (n->abandoned == 0) return "";
+  }
+  --n->abandoned;  // (the add_batch raised before it queued anything: no epoch is consumed)
+  return "this step's add_batch, made after its launch, raised before it queued a batch "
+         "(expected epoch " + std::to_string(n->last_epoch + 1) + "): the step masks nothing";
+}
+
 // The host node: take the next job and run it (see the section's comment), masking `rows`
 // logits rows. Never throws.
 void RunStep(HostNode* n, int64_t rows) {
   std::lock_guard<std::mutex> serial(n->run_mu);
   const NodeRange range;
-  const int64_t t0 = NowNs();
+  int64_t t0 = NowNs();
   n->last_start.store(t0);
   NodeDone d;
   NodeJob job;
@@ -1442,7 +1489,9 @@ void RunStep(HostNode* n, int64_t rows) {
     n->last_end.store(NowNs());
     return;
   }
-  const bool have = TakeJob(n, &job, &d);
+  d.error = WaitForJob(n, &d.epoch);
+  t0 = NowNs();  // (busy_ns counts the step's work, not its wait for the batch after launch)
+  const bool have = d.error.empty() && TakeJob(n, &job, &d);
   bool python = have && d.error.empty() && job.python;
   if (have && d.error.empty() && !python) {
     std::lock_guard<std::mutex> lock(n->mu);
@@ -2135,6 +2184,7 @@ PyObject* NodePush(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   std::lock_guard<std::mutex> lock(n->mu);
   if (slots.empty()) {
     n->jobs.push_back(std::move(job));
+    n->job_cv.notify_all();
   } else {  // (node_commit queues it with the matchers the caller creates)
     n->pending = std::move(job);
     n->pending_slots = std::move(slots);
@@ -2198,6 +2248,7 @@ PyObject* NodeCommit(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     job.installs.clear();
   }
   n->jobs.push_back(std::move(job));
+  n->job_cv.notify_all();
   n->pending = NodeJob();
   n->pending_slots.clear();
   n->has_pending = false;
@@ -2231,6 +2282,7 @@ PyObject* NodePushPython(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   std::lock_guard<std::mutex> lock(n->mu);
   n->jobs.push_back(std::move(job));
+  n->job_cv.notify_all();
   Py_RETURN_NONE;
 }
 
@@ -2505,6 +2557,32 @@ PyObject* NodeSetEpoch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+// node_set_batch_wait(node, ms): see the section's comment.
+PyObject* NodeSetBatchWait(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HostNode* n = NodeCall(args, nargs, 2, "node_set_batch_wait(node, ms)");
+  if (n == nullptr) return nullptr;
+  const long long ms = PyLong_AsLongLong(args[1]);
+  if (ms == -1 && PyErr_Occurred()) return nullptr;
+  if (ms < 0) {
+    PyErr_Format(PyExc_ValueError, "node_set_batch_wait: %lld ms is negative", ms);
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(n->mu);
+  n->batch_wait_ms = ms;
+  n->job_cv.notify_all();
+  Py_RETURN_NONE;
+}
+
+// node_abandon(node): see the section's comment.
+PyObject* NodeAbandon(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HostNode* n = NodeCall(args, nargs, 1, "node_abandon(node)");
+  if (n == nullptr) return nullptr;
+  std::lock_guard<std::mutex> lock(n->mu);
+  ++n->abandoned;
+  n->job_cv.notify_all();
+  Py_RETURN_NONE;
+}
+
 // node_shutdown(): refuse Python steps from now on (registered at interpreter exit).
 PyObject* NodeShutdown(PyObject*, PyObject* const*, Py_ssize_t) {
   g_node_shutdown.store(true);
@@ -2553,6 +2631,11 @@ PyMethodDef g_methods[] = {
     {"node_set_epoch",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeSetEpoch)), METH_FASTCALL,
      "Set the epoch of the latest batch consumed."},
+    {"node_set_batch_wait",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeSetBatchWait)),
+     METH_FASTCALL, "How long a step that finds no batch waits for add_batch (ms; 0: not)."},
+    {"node_abandon", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeAbandon)),
+     METH_FASTCALL, "An add_batch after its step's launch raised: that step masks nothing."},
     {"node_shutdown",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeShutdown)), METH_FASTCALL,
      "Refuse Python steps from now on (interpreter exit)."},

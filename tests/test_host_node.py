@@ -1001,3 +1001,130 @@ def test_draft_token_outside_the_vocabulary_fails_its_request_alone(factory, tek
     assert "draft token buffer" in failed[0][1]
     assert [i for i, _ in results["python"][0]] == [2] and results["python"][3]
     assert results["python"][2] == mask and same(results["python"][1], logits)
+
+
+def test_batch_after_launch_equals_the_batch_before_it(factory, tekken, native_ok):
+    """With set_batch_after_launch the loop replays first and calls add_batch after: the
+    replayed node, already started behind a 50 ms native spin (the forward's stand-in), waits
+    for its batch and every step masks as a decoder whose add_batch comes first; the waits are
+    not counted in the node's busy time. None switches back to add_batch before the replay."""
+    from hostfunc.native import test_functions
+
+    spin = test_functions().spin_ns
+    V = factory.config.vocab_size_padded
+    cases = GUIDED[:3]
+    texts = texts_of(tekken, cases)
+    steps = min(len(t) for t in texts)
+    before, after = (CapturableGuidedDecoder(factory.config, 3, 0, factory=factory,
+                                             host_node="native") for _ in range(2))
+    statics = [torch.zeros(3, V) for _ in range(2)]
+    context = [GuidedRequest.context(i, i, c.params) for i, c in enumerate(cases)]
+    graphs = []
+    for dec, static in zip((before, after), statics):
+        dec.add_batch(context)
+        graph = hostfunc.HostGraph()
+        with hostfunc.capture(graph):
+            hostfunc.launch_native(spin, 50 * MS)
+            dec.execute(static)
+        graphs.append(graph)
+    assert after.batch_after_launch is None
+    after.set_batch_after_launch(5.0)
+    assert after.batch_after_launch == 5.0
+
+    def requests(step):
+        if step == 0:
+            return [GuidedRequest.context(i, i, c.params) for i, c in enumerate(cases)]
+        return [GuidedRequest.generation(i, i, c.params, texts[i][step - 1])
+                for i, c in enumerate(cases)]
+
+    for step in range(steps):
+        logits = torch.randn(3, V, generator=torch.Generator().manual_seed(step))
+        statics[0].copy_(logits)
+        before.add_batch(requests(step))
+        graphs[0].replay()
+        hostfunc.drain()
+        statics[1].copy_(logits)
+        graphs[1].replay()
+        time.sleep(0.06)  # (the node has started and waits for its batch)
+        after.add_batch(requests(step))
+        hostfunc.drain()
+        assert before.take_failed_requests() == [] and after.take_failed_requests() == []
+        assert same(statics[0], statics[1]), f"step {step}"
+        assert torch.isneginf(statics[1]).any()
+    stats = after.host_node_stats
+    assert stats.runs == steps and stats.python_runs == 0
+    # (each run waited about 10 ms for its batch: the busy time counts the work alone)
+    assert stats.busy_ns < before.host_node_stats.busy_ns + steps * 5 * MS
+    after.set_batch_after_launch(None)
+    assert after.batch_after_launch is None
+    after.add_batch(requests(0))  # (new requests in the slots: a batch before its replay)
+    graphs[1].replay()
+    hostfunc.drain()
+    assert after.take_failed_requests() == []
+    assert after.host_node_stats.runs == steps + 1
+    for dec, graph in zip((before, after), graphs):
+        graph.reset()
+        dec.close()
+
+
+def test_batch_after_launch_misuse_is_named_and_never_hangs(factory, tekken, native_ok):
+    """A replay whose add_batch never comes reports a QueueEpochError after the node's wait;
+    an add_batch after the launch that raises before queueing lets the waiting node go at
+    once (the step masks nothing, the error is reported), and the next step works; closing a
+    decoder whose node waits lets the node go; the mode needs the native node and a sane
+    timeout, and refuses new_tokens."""
+    from capgraph.errors import TensorArgError
+
+    case = GUIDED[0]
+    text = texts_of(tekken, [case])[0]
+    capt, graph, static, _ = one_request_after_context(factory, tekken, case)
+    capt.set_batch_after_launch(0.3)
+    t0 = time.monotonic()
+    graph.replay()  # no add_batch follows
+    with pytest.raises(hostfunc.HostFuncError) as info:
+        hostfunc.drain()
+    assert isinstance(info.value.__cause__, QueueEpochError)
+    assert "within 300 ms" in str(info.value.__cause__)
+    assert 0.25 < time.monotonic() - t0 < 5
+    capt.take_failed_requests()
+    # an add_batch that raises: the node goes at once (well inside its 60 s wait)
+    capt.set_batch_after_launch(60)
+    static.fill_(0)
+    graph.replay()
+    t0 = time.monotonic()
+    with pytest.raises(TensorArgError, match="new_tokens with the batch after launch"):
+        capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[0], prev_seq_slot=0)],
+                       torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(hostfunc.HostFuncError) as info:
+        hostfunc.drain()
+    assert "raised before it queued a batch" in str(info.value.__cause__)
+    assert time.monotonic() - t0 < 30
+    assert torch.isfinite(static).all()  # (it masked nothing)
+    capt.take_failed_requests()
+    # the next step is served (the matcher never moved: it takes the first token again)
+    graph.replay()
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[0])])
+    hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    assert capt.num_advanced_tokens[0] == 1
+    # closed while its node waits (60 s): the node goes at once (what the closed decoder's
+    # step reports is nobody's to read)
+    graph.replay()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    capt.close()
+    try:
+        hostfunc.drain()
+    except hostfunc.HostFuncError:
+        pass
+    assert time.monotonic() - t0 < 30
+    graph.reset()
+    native = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="native")
+    for bad in (0, -1, True, "1", 3601):
+        with pytest.raises(ConfigError, match="timeout_s"):
+            native.set_batch_after_launch(bad)
+    native.close()
+    python = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="python")
+    with pytest.raises(ConfigError, match="native host node"):
+        python.set_batch_after_launch()
+    python.close()

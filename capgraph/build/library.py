@@ -416,8 +416,9 @@ NODE_RECORDS = ("step", "rollback", "draft_start", "draft_build", "draft_end")
 class NodeStats(NamedTuple):
     """Counters of a :class:`HostNode`: steps run (``python_runs`` of them Python steps), the
     monotonic-clock nanoseconds (``time.monotonic_ns``'s clock) at which its latest run (a
-    step, a rollback or a draft step) began and ended, the nanoseconds spent in all of them,
-    the rows the steps and draft steps guided, and
+    step, a rollback or a draft step) began and ended, the nanoseconds spent in all of them
+    (a step's wait for its batch after launch not counted), the rows the steps and draft steps
+    guided, and
     the rollbacks of rejected drafts run (``python_rollback_runs`` of them Python's) and the
     draft steps of drafting loops run (``python_draft_runs`` of them Python's)."""
 
@@ -619,6 +620,18 @@ class HostNode:
         """The epoch of the latest batch consumed (the next unticketed job's must be one
         more)."""
         self._module.node_set_epoch(self._capsule, epoch)
+
+    def set_batch_wait(self, milliseconds: int) -> None:
+        """The batch after launch: from now on a step that finds no job queued waits up to
+        ``milliseconds`` (on its own thread, no GIL) for :meth:`push` / :meth:`commit` /
+        :meth:`push_python` to queue one; 0: it does not wait (and a waiting step is woken)."""
+        self._module.node_set_batch_wait(self._capsule, int(milliseconds))
+
+    def abandon(self) -> None:
+        """An ``add_batch`` made after its step's launch raised before it queued anything:
+        the next step that waits for a batch (or the one waiting now) masks nothing and
+        reports a queue error instead of waiting out its time."""
+        self._module.node_abandon(self._capsule)
 
     def stats(self) -> NodeStats:
         """The node's counters and latest timestamps."""
