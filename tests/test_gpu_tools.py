@@ -401,6 +401,34 @@ def test_bench_graph_replay_failed_guided_run_is_reported(bench, tmp_path, monke
     assert data["errors"] == ["tiny batch 2, python host node: RuntimeError: host node died"]
 
 
+def test_bench_graph_replay_runs_the_batch_before_launch_at_its_points(bench, tmp_path,
+                                                                          monkeypatch,
+                                                                          one_torch_thread):
+    """At --before-points the native node also runs with the batch made before the launch
+    (kind native-before, generate(batch_after_launch=False)); the other kinds leave generate
+    its default (None) and other points run no such kind."""
+    import capgraph
+    real = capgraph.generate
+    calls = []
+
+    def recording(prompts, guides, *, batch_after_launch=None, **kw):
+        if guides is not None and kw["max_new_tokens"] == 3:  # the measured guided runs
+            calls.append((len(prompts), kw["host_node"], batch_after_launch))
+        return real(prompts, guides, batch_after_launch=batch_after_launch, **kw)
+
+    monkeypatch.setattr(capgraph, "generate", recording)
+    monkeypatch.setattr(bench, "native_host_node_support", lambda: None)
+    out = tmp_path / "replay.json"
+    assert bench.main(["--device", "cpu", "--points", "tiny:2,tiny:3", "--steps", "3",
+                       "--warmup-steps", "1", "--tokenizer", "mistral-sp32k",
+                       "--before-points", "tiny:3", "--json", str(out)]) == 0
+    assert calls == [(2, "python", None), (2, "native", None), (3, "python", None),
+                     (3, "native", None), (3, "native", False)]
+    data = json.loads(out.read_text())
+    assert [(r["batch"], r["host_node"]) for r in data["rows"]] == [
+        (2, "python"), (2, "native"), (3, "python"), (3, "native"), (3, "native-before")]
+
+
 def test_generate_host_node_option(monkeypatch):
     """generate(host_node=...) reaches the capturable decoder's constructor as given, and is
     refused with the eager decoder (which runs no host node); the native node's own time (its

@@ -461,6 +461,29 @@ def test_the_guide_drivers_decode_requests_are_generation_requests_handed_over(f
             proposed[0].pop()
 
 
+def test_batch_after_launch_is_refused_where_the_loop_cannot_make_it(factory, sp):
+    """generate(batch_after_launch=True) needs CUDA graphs on a CUDA device with the capturable
+    decoder's native node and no speculation; where it cannot, a ConfigError names what is
+    missing (on CPU: the graphs, or the CUDA device the stand-in lacks), before any step.
+    False and the default None run as before."""
+    from capgraph import ConfigError
+
+    guide = GuidedDecodingParams.regex("[ab]{3}")
+    with pytest.raises(ConfigError, match="needs CUDA graphs"):
+        generate(["x"], guide, decoder="capturable", tokenizer=sp, factory=factory, max_new_tokens=2,
+                 batch_after_launch=True)
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        generate(["x"], guide, decoder="capturable", cuda_graph=True, tokenizer=sp, factory=factory,
+                 max_new_tokens=2, batch_after_launch=True)
+    with pytest.raises(ConfigError, match="needs the capturable decoder"):
+        generate(["x"], guide, cuda_graph=True, tokenizer=sp, factory=factory, max_new_tokens=2,
+                 batch_after_launch=True)
+    for order in (None, False):
+        results = generate(["x"], guide, decoder="capturable", cuda_graph=True,
+                           tokenizer=sp, factory=factory, max_new_tokens=4, batch_after_launch=order)
+        assert re.fullmatch("[ab]{3}", results[0].text), results[0].text
+
+
 def test_the_runner_passes_the_cache_under_the_models_own_keyword():
     """transformers 5.24 renamed the KV-cache argument (``past_key_values`` -> ``cache``) and a
     wrong name is silently ignored (the model then runs without the cache): the runner reads

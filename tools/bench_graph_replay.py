@@ -27,6 +27,12 @@ where generate() timed no Python build (a native node's steady-state steps run n
 ``host_node_stats``, which generate() reports as its "host_node" stage), empty for the
 Python callback.
 
+generate() makes a replayed step's guided batch after the graph's launch where it can (the
+native node without speculation: ``batch_after_launch``), so that the host work of making and
+queueing it runs while the GPU runs the forward. At the ``--before-points`` (default the tiny
+model's two) a third kind, ``native-before``, runs the native node with the batch made before
+the launch (``batch_after_launch=False``), to measure what that order costs in the same run.
+
 Prints a table; --json writes every figure (rewritten after each row, so a time-boxed run
 keeps what it measured). A guided run that raises is reported (in its row, the JSON's
 "errors" and exit status 1) and the other runs go on. Exits 0 with a message where no CUDA
@@ -143,12 +149,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--warmup-steps", type=int, default=4,
                     help="decode steps of each model's guided warm-up run")
     ap.add_argument("--host-node", default="both", choices=HOST_NODE_CHOICES)
+    ap.add_argument("--before-points", default="tiny:64,tiny:256",
+                    help="points that also run the native node with the batch made before the "
+                         "launch (kind native-before; empty: none)")
     ap.add_argument("--tokenizer", default="tekken")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     try:
         points = parse_points(args.points)
+        before_points = set(parse_points(args.before_points)) if args.before_points else set()
     except ValueError as e:
         ap.error(str(e))
     if args.steps < 1 or args.warmup_steps < 1:
@@ -176,15 +186,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "host_nodes": {**{k: "measured" for k, _ in runs}, **missing}, "rows": []}
 
-    def run(model, prompts, guides, max_new_tokens, host_node):
+    # (a tree whose generate() has no batch_after_launch makes every batch before the launch)
+    has_order = "batch_after_launch" in inspect.signature(generate).parameters
+
+    def run(model, prompts, guides, max_new_tokens, host_node, after_launch=None):
         if args.device == "cuda":
             torch.cuda.synchronize()
+        order = {"batch_after_launch": after_launch} if has_order else {}
         return generate(prompts, guides, model=model, tokenizer=tok,
                         max_new_tokens=max_new_tokens, max_batch_size=len(prompts),
                         decoder="capturable", cuda_graph=True, device=args.device,
-                        factory=factory, host_node=host_node)
+                        factory=factory, host_node=host_node, **order)
 
-    print(f"{'model':>6}{'batch':>6}{'host node':>10}{'steps u/g':>11}{'unguided ms/step':>18}"
+    print(f"{'model':>6}{'batch':>6}{'host node':>14}{'steps u/g':>11}{'unguided ms/step':>18}"
           f"{'guided ms/step':>16}{'ratio':>8}{'host build ms/step':>20}"
           f"{'host build us/row':>19}{'native node ms/step':>21}{'native node us/row':>20}")
     model_name, model = None, None
@@ -215,10 +229,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                             lambda: run(model, prompts, [guide] * batch, args.warmup_steps + 1,
                                         host_node))
             unguided = step_figures(run(model, prompts, None, args.steps, None))
-            for kind, host_node in runs:
+            kinds = [(kind, host_node, None) for kind, host_node in runs]
+            if has_order and (name, batch) in before_points and ("native", "native") in runs:
+                kinds.append(("native-before", "native", False))
+            for kind, host_node, after_launch in kinds:
                 results, error = guarded(
                     f"{name} batch {batch}, {kind} host node",
-                    lambda: run(model, prompts, [guide] * batch, args.steps, host_node))
+                    lambda: run(model, prompts, [guide] * batch, args.steps, host_node,
+                                after_launch))
                 if error is not None:
                     out["rows"].append({"model": name, "batch": batch, "host_node": kind,
                                         "error": error})
@@ -234,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 out["rows"].append(row)
                 write()
                 counts = f"{unguided['steps']}/{guided['steps']}"
-                print(f"{name:>6}{batch:>6}{kind:>10}{counts:>11}"
+                print(f"{name:>6}{batch:>6}{kind:>14}{counts:>11}"
                       f"{unguided['ms_per_step']:>18.3f}{guided['ms_per_step']:>16.3f}"
                       f"{ratio:>8.3f}{_cell(row['host_build_ms_per_step'], 20)}"
                       f"{_cell(row['host_build_us_per_row'], 19, '.2f')}"

@@ -4,7 +4,7 @@
 #
 # Here first:   PYTHON=.venv/bin/python bash tools/prepare_gpu_run.sh
 # Then, once:   device run  command="bash tools/gpu_check.sh"  carry=[".whl", ".gpu-cache"]
-#               timeout_s=540 (the steps' time boxes add up to 485 s; the rest is the wheel
+#               timeout_s=540 (the steps' time boxes add up to 495 s; the rest is the wheel
 #               install, the version lines and the report)
 # Logs and JSON land in $OUT (the device tool brings them back) or ./gpu-check-out; the
 # Markdown tables and target verdicts (tools/gpu_report.py) are printed and kept in report.md.
@@ -19,10 +19,14 @@
 #   bench-kernel    25  tools/bench_kernel.py: the mask kernel's rmw, ahead and store variants
 #                       (timed in turn on the same inputs) against xgrammar's Triton kernel,
 #                       ours given a token mask as the decoder always gives one
-#   bench-apply     20  capgraph bench apply on CUDA
-#   bench-hostfunc  15  tools/bench_hostfunc.py: eager and replayed host nodes
-#   bench-replay    60  tools/bench_graph_replay.py: guided/unguided replayed step at tiny 64,
-#                       256 and small 8, 64, 256, per host-node kind (python, native)
+#   bench-apply     15  capgraph bench apply on CUDA
+#   bench-hostfunc  10  tools/bench_hostfunc.py: eager and replayed host nodes
+#   guided-host     10  tools/bench_guided_host.py: the host time generate()'s guide driver adds
+#                       to a replayed step, on CUDA (batch 8, 64, 256)
+#   bench-replay    70  tools/bench_graph_replay.py: guided/unguided replayed step at tiny 64,
+#                       256 and small 8, 64, 256, per host-node kind (python, native), and at
+#                       tiny 64 and 256 the native node with its batch made before the launch
+#                       (native-before)
 #   bench-loop      45  capgraph bench loop on CUDA, batch 8 first and last (importing
 #                       transformers' Llama alone takes over 15 s on the GPU image)
 #   fill-threads    25  tools/bench_fill_threads.py: the native fill pool's crossover, 1-16
@@ -85,7 +89,7 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c \
   echo "xgrammar CUDA build rc=$?" ) > "$XGR_BUILD_LOG" 2>&1 &
 XGR_BUILD=$!
 
-# Time boxes add up to 485 s (the header lists them). Each step writes its results as it goes.
+# Time boxes add up to 495 s (the header lists them). Each step writes its results as it goes.
 run kernel 30 "$PY" -c "
 from capgraph.ops.cuda import load_kernel
 k = load_kernel(); assert k is not None, 'no kernel'; print('kernel compiled and loaded')
@@ -111,11 +115,13 @@ run gpu-tests-rest 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs \
 # (the decoder's call: with a token mask, which rmw reads before its bitmask and logits)
 [ -f tools/bench_kernel.py ] && run bench-kernel 25 "$PY" tools/bench_kernel.py \
     --no-xgrammar-cuda --token-mask --repeat 20 --json "$OUT/bench_kernel.json"
-run bench-apply 20 "$PY" -m capgraph.bench apply --no-cpu --no-xgrammar-cuda \
+run bench-apply 15 "$PY" -m capgraph.bench apply --no-cpu --no-xgrammar-cuda \
     --json "$OUT/bench_apply.json"
-run bench-hostfunc 15 "$PY" tools/bench_hostfunc.py
+run bench-hostfunc 10 "$PY" tools/bench_hostfunc.py
+[ -f tools/bench_guided_host.py ] && run guided-host 10 "$PY" tools/bench_guided_host.py \
+    --device cuda --batches 8 64 256 --blocks 4 --json "$OUT/guided_host.json"
 # the host-bound points first, so a run cut by its box keeps the ones the issue is about
-run bench-replay 60 "$PY" tools/bench_graph_replay.py --host-node both \
+run bench-replay 70 "$PY" tools/bench_graph_replay.py --host-node both \
     --points tiny:64,tiny:256,small:8,small:64,small:256 --json "$OUT/bench_replay.json"
 # batch 8 measured first and again last: the two must agree (the warm-up defect check)
 run bench-loop 45 "$PY" -m capgraph.bench loop --device cuda --batches 8 1 8 --steps 30 \

@@ -133,7 +133,6 @@ def kernel_section(data: dict | None, title: str) -> tuple[str, dict]:
     wins: dict[str, int] = {}
     for r in data.get("rows", []):
         times = _variant_seconds(r)
-        rmw = times.get("rmw")
         # the variant the library runs by default at this launch (bench_kernel's
         # default_variant; rows written before the choice per width ran rmw)
         default = r.get("default_variant") or "rmw"

@@ -47,7 +47,8 @@ def generate(prompts: Sequence[str | Sequence[int]],
              device: torch.device | str = "cpu", temperature: float = 0.0, top_k: int = 0,
              seed: int = 0, progress: bool | Callable[[int, int], None] = False,
              backend: str = "xgrammar", factory: Any = None,
-             host_node: str | None = None) -> GenerationResults:
+             host_node: str | None = None,
+             batch_after_launch: bool | None = None) -> GenerationResults:
     """Generate a continuation of each prompt, each following its own guide.
 
     Args:
@@ -82,6 +83,11 @@ def generate(prompts: Sequence[str | Sequence[int]],
         host_node: the capturable decoder's ``host_node`` argument (which host function its
             step runs, passed through unchecked); None leaves the decoder's default. Needs
             ``decoder="capturable"``.
+        batch_after_launch: replay each decode step's CUDA graph first and make its guided
+            batch after the launch, while the GPU runs the forward
+            (``CapturableGuidedDecoder.set_batch_after_launch``). None (default): where it can
+            (the capturable decoder on its native host node, CUDA graphs on a CUDA device, no
+            speculation); False: never; True: required (a ``ConfigError`` where it cannot).
 
     Returns:
         :class:`GenerationResults`: one :class:`GenerationResult` per prompt, in order, with
@@ -93,7 +99,8 @@ def generate(prompts: Sequence[str | Sequence[int]],
                      num_draft_tokens=num_draft_tokens, draft_model=draft_model,
                      decoder=decoder, cuda_graph=cuda_graph, device=device,
                      sampling=SamplingParams(temperature, top_k, seed), progress=progress,
-                     backend=backend, factory=factory, host_node=host_node)
+                     backend=backend, factory=factory, host_node=host_node,
+                     batch_after_launch=batch_after_launch)
     try:
         with torch.no_grad():
             return engine.run()
@@ -122,7 +129,8 @@ class _Engine:
 
     def __init__(self, prompts, guides, *, model, tokenizer, max_new_tokens, max_batch_size,
                  draft, num_draft_tokens, draft_model, decoder, cuda_graph, device, sampling,
-                 progress, backend, factory, host_node=None) -> None:
+                 progress, backend, factory, host_node=None,
+                 batch_after_launch=None) -> None:
         for name, value in (("max_new_tokens", max_new_tokens),
                             ("max_batch_size", max_batch_size)):
             if as_int(value) is None or value < 1:
@@ -190,12 +198,23 @@ class _Engine:
         self.guide_in_graph = self.use_graphs and self.guide is not None and self.guide.capturable
         # sampling joins the graph unless an eager decoder must mask the logits first
         self.sample_in_graph = self.use_graphs and (self.guide is None or self.guide_in_graph)
+        # the batch after launch (CapturableGuidedDecoder.set_batch_after_launch): a replayed
+        # decode step's guided host work (its requests, add_batch) runs after the launch,
+        # while the GPU runs the forward, rather than before it with the GPU idle; on the
+        # native node, without speculation (whose rollback must precede the step)
+        self.batch_after_launch = False
         if self.use_graphs:
             try:
                 self._capture()
+                if batch_after_launch is not False:
+                    self._set_batch_after_launch(batch_after_launch is True)
             except BaseException:
                 self.close()
                 raise
+        elif batch_after_launch is True:
+            self.close()
+            raise ConfigError("batch_after_launch=True needs CUDA graphs (cuda_graph and a "
+                              "CUDA device)")
 
     # -- setup -------------------------------------------------------------------------------
     def _sequences(self, prompts, guides, max_new_tokens) -> list[Seq]:
@@ -298,6 +317,25 @@ class _Engine:
         runner.capture_cudagraphs(step, graph_batch_sizes(runner.max_num_sequences),
                                   warmup=warmup, before_capture=before_capture)
 
+    def _set_batch_after_launch(self, required: bool) -> None:
+        """Make decode steps' guided batches after their launch where the loop can (see
+        ``generate``'s ``batch_after_launch``); ``required``: a ConfigError saying why not."""
+        decoder = self.guide.decoder if self.guide is not None else None
+        reason = None
+        if not self.guide_in_graph:
+            reason = "the capturable decoder with its step in the CUDA graph"
+        elif self.device.type != "cuda":
+            reason = "a CUDA device (the CPU stand-in runs the graph's step eagerly)"
+        elif self.K:
+            reason = "no speculation (a step's rollback must come before its replay)"
+        elif getattr(decoder, "host_node", None) != "native":
+            reason = "the native host node"
+        if reason is None:
+            decoder.set_batch_after_launch()  # type: ignore[union-attr]
+            self.batch_after_launch = True
+        elif required:
+            raise ConfigError(f"batch_after_launch=True needs {reason}")
+
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> GenerationResults:
         self.t0 = time.perf_counter()
@@ -358,11 +396,14 @@ class _Engine:
         inputs = [[s.output[-1]] + d for s, d in zip(seqs, drafts)]
         runner.load_step(slots, inputs, [s.num_cached for s in seqs], bs)
         rows = B * (1 + K)
-        if self.guide is not None:
+        late = self.batch_after_launch
+        if self.guide is not None and not late:
             self.guide.begin_decode(seqs, drafts, pad_to=bs if self.guide_in_graph else None)
         if self.use_graphs:
             with self.clock.time("forward"):
                 logits, sampled = runner.replay(bs)
+                if late:  # (the replay's host node waits for this batch)
+                    self.guide.begin_decode(seqs, drafts, pad_to=bs)  # type: ignore[union-attr]
             logits = logits[:rows]
         else:
             with self.clock.time("forward"):
