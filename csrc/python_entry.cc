@@ -910,7 +910,8 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //   draft-advance counts from Python's lists, and which slots hold a draft tree (trees[slot]
 //   not None: their rollback is Python's until the node builds the slot).
 // node_stats(node) -> (runs, python_runs, last_start_ns, last_end_ns, busy_ns, rows,
-//                      rollback_runs, python_rollback_runs, draft_runs, python_draft_runs)
+//                      rollback_runs, python_rollback_runs, draft_runs, python_draft_runs,
+//                      last_job_ns)
 // node_set_warmup(node, on): runs from now on are warm-up runs (no job taken, nothing masked).
 // node_set_epoch(node, epoch): the latest batch consumed before the node serves steps.
 // node_set_batch_wait(node, ms): the batch after launch: a step that finds no job queued waits
@@ -1039,8 +1040,10 @@ struct HostNode {
   bool draft_open = false;
   std::vector<NodeEntry> draft_entries;
   std::mutex run_mu;  // one step or rollback at a time
-  std::atomic<int64_t> runs{0}, python_runs{0}, last_start{0}, last_end{0}, busy_ns{0},
-      rows{0}, rollback_runs{0}, python_rollback_runs{0}, draft_runs{0}, python_draft_runs{0};
+  // last_job: when the latest run had its job (after a step's wait for its batch after
+  // launch; a run that waits for nothing: its start)
+  std::atomic<int64_t> runs{0}, python_runs{0}, last_start{0}, last_job{0}, last_end{0},
+      busy_ns{0}, rows{0}, rollback_runs{0}, python_rollback_runs{0}, draft_runs{0}, python_draft_runs{0};
   std::atomic<bool> warmup{false};  // steps take no job and mask nothing (graph warm-up)
   int64_t last_epoch = 0;  // (under mu) the epoch of the latest job taken or dropped
   // The batch after launch (node_set_batch_wait): a step that finds no job queued waits up to
@@ -1482,6 +1485,7 @@ void RunStep(HostNode* n, int64_t rows) {
   const NodeRange range;
   int64_t t0 = NowNs();
   n->last_start.store(t0);
+  n->last_job.store(t0);
   NodeDone d;
   NodeJob job;
   if (n->warmup.load()) {  // a warm-up run: no job taken, nothing masked, nothing reported
@@ -1491,6 +1495,7 @@ void RunStep(HostNode* n, int64_t rows) {
   }
   d.error = WaitForJob(n, &d.epoch);
   t0 = NowNs();  // (busy_ns counts the step's work, not its wait for the batch after launch)
+  n->last_job.store(t0);
   const bool have = d.error.empty() && TakeJob(n, &job, &d);
   bool python = have && d.error.empty() && job.python;
   if (have && d.error.empty() && !python) {
@@ -1661,6 +1666,7 @@ void RunRollback(void* p) {
   const NodeRange range(1);
   const int64_t t0 = NowNs();
   n->last_start.store(t0);
+  n->last_job.store(t0);
   NodeDone d;
   d.kind = kDoneRollback;
   std::vector<NodeEntry> entries;
@@ -1839,6 +1845,7 @@ void RunDraft(HostNode* n, int64_t draft_step, int64_t rows) {
   const NodeRange range(2);
   const int64_t t0 = NowNs();
   n->last_start.store(t0);
+  n->last_job.store(t0);
   const bool first = draft_step == 0;
   std::vector<NodeEntry> entries;
   bool python = false;
@@ -2478,11 +2485,12 @@ PyObject* NodeTake(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // node_stats(node) -> (runs, python_runs, last_start_ns, last_end_ns, busy_ns, rows,
-//                      rollback_runs, python_rollback_runs, draft_runs, python_draft_runs)
+//                      rollback_runs, python_rollback_runs, draft_runs, python_draft_runs,
+//                      last_job_ns)
 PyObject* NodeStats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HostNode* n = NodeCall(args, nargs, 1, "node_stats(node)");
   if (n == nullptr) return nullptr;
-  return Py_BuildValue("(LLLLLLLLLL)", static_cast<long long>(n->runs.load()),
+  return Py_BuildValue("(LLLLLLLLLLL)", static_cast<long long>(n->runs.load()),
                        static_cast<long long>(n->python_runs.load()),
                        static_cast<long long>(n->last_start.load()),
                        static_cast<long long>(n->last_end.load()),
@@ -2491,7 +2499,8 @@ PyObject* NodeStats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                        static_cast<long long>(n->rollback_runs.load()),
                        static_cast<long long>(n->python_rollback_runs.load()),
                        static_cast<long long>(n->draft_runs.load()),
-                       static_cast<long long>(n->python_draft_runs.load()));
+                       static_cast<long long>(n->python_draft_runs.load()),
+                       static_cast<long long>(n->last_job.load()));
 }
 
 // The ints of a list of num_slots counts, clamped to [0, INT32_MAX]; false with an error set.

@@ -182,6 +182,13 @@ def test_native_node_record_on_cuptis_clock(prof):
                                                              "native node")
     assert prof.node_record(SimpleNamespace(runs=0), offset) is None
     assert prof.node_record(None, offset) is None
+    # a run that waited for its batch after launch: that wait is a record of its own
+    assert prof.node_wait_record(stats, offset) is None  # (no last_job_ns)
+    assert prof.node_wait_record(SimpleNamespace(**vars(stats), last_job_ns=1_500),
+                                 offset) is None  # (waited 500 ns)
+    wait = prof.node_wait_record(SimpleNamespace(**vars(stats), last_job_ns=9_000), offset)
+    assert (wait.start, wait.end, wait.track) == (5_890, 13_890, "native node")
+    assert "waiting for its batch" in wait.name
     last = [r for r in _trace(prof) if r.track != "thread 77"] + [node]
     marks = prof.landmarks(last, MAIN)
     assert marks["host_node_ranges"] == ["native host node (its last run)"]

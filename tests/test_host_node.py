@@ -1006,8 +1006,10 @@ def test_draft_token_outside_the_vocabulary_fails_its_request_alone(factory, tek
 def test_batch_after_launch_equals_the_batch_before_it(factory, tekken, native_ok):
     """With set_batch_after_launch the loop replays first and calls add_batch after: the
     replayed node, already started behind a 50 ms native spin (the forward's stand-in), waits
-    for its batch and every step masks as a decoder whose add_batch comes first; the waits are
-    not counted in the node's busy time. None switches back to add_batch before the replay."""
+    for its batch and every step masks as a decoder whose add_batch comes first; an eager
+    step (add_batch, then execute: generate()'s context step) is served as before; the waits
+    are not counted in the node's busy time. None switches back to add_batch before the
+    replay."""
     from hostfunc.native import test_functions
 
     spin = test_functions().spin_ns
@@ -1044,15 +1046,21 @@ def test_batch_after_launch_equals_the_batch_before_it(factory, tekken, native_o
         graphs[0].replay()
         hostfunc.drain()
         statics[1].copy_(logits)
-        graphs[1].replay()
-        time.sleep(0.06)  # (the node has started and waits for its batch)
-        after.add_batch(requests(step))
+        if step == 0:  # generate()'s context step: eager, add_batch then execute, as ever
+            after.add_batch(requests(step))
+            after.execute(statics[1])
+        else:
+            graphs[1].replay()
+            time.sleep(0.06)  # (the node has started and waits for its batch)
+            after.add_batch(requests(step))
         hostfunc.drain()
         assert before.take_failed_requests() == [] and after.take_failed_requests() == []
         assert same(statics[0], statics[1]), f"step {step}"
         assert torch.isneginf(statics[1]).any()
     stats = after.host_node_stats
     assert stats.runs == steps and stats.python_runs == 0
+    # (its last run waited from its start for the batch: about 10 ms)
+    assert stats.last_start_ns + 2 * MS < stats.last_job_ns <= stats.last_end_ns
     # (each run waited about 10 ms for its batch: the busy time counts the work alone)
     assert stats.busy_ns < before.host_node_stats.busy_ns + steps * 5 * MS
     after.set_batch_after_launch(None)

@@ -9,7 +9,9 @@ creates its NVTX domain (so the "capgraph" ranges reach CUPTI), runs one short g
 ``capgraph.generate`` to warm up (kernel compile, grammar cache), then traces a second one:
 CUPTI activity for kernels, memcpy, memset, CUDA runtime and driver API calls and NVTX markers.
 A replayed step runs from the capgraph range that starts it on the host (``--step-marker``,
-default the decoder's ``add_batch``) through its graph launch to the next step's marker. The
+default the decoder's ``add_batch``) through its graph launch to the next step's marker; where
+generate() made each step's batch after its launch (``batch_after_launch``, its default on
+CUDA graphs), from the graph launch to the next one, the step's ``add_batch`` inside it. The
 native host node marks each run as the range ``CapturableGuidedDecoder.host_node`` on the
 driver's callback thread where capgraph's C++ library was built with NVTX's headers
 (``capgraph.build.library.nvtx_include``); its last run is also added, from its own
@@ -260,6 +262,18 @@ def node_record(stats: Any, clock_offset_ns: int) -> Record | None:
                   stats.last_end_ns + clock_offset_ns, "native node")
 
 
+def node_wait_record(stats: Any, clock_offset_ns: int) -> Record | None:
+    """Where the native node's last run waited for its batch (queued after the step's launch:
+    ``CapturableGuidedDecoder.set_batch_after_launch``), from its start to its
+    ``last_job_ns``, on CUPTI's clock; None where it waited under a microsecond, ran no step,
+    or its stats have no such field."""
+    job = getattr(stats, "last_job_ns", None)
+    if stats is None or not stats.runs or job is None or job - stats.last_start_ns < 1_000:
+        return None
+    return Record("node", "native host node waiting for its batch (its last run)",
+                  stats.last_start_ns + clock_offset_ns, job + clock_offset_ns, "native node")
+
+
 def clock_offset_ns(cupti_now: Callable[[], int], monotonic_now: Callable[[], int],
                     samples: int = 9) -> int:
     """CUPTI's clock minus the monotonic clock, from the tightest of ``samples`` bracketed
@@ -450,6 +464,7 @@ def _workload(args: argparse.Namespace) -> Callable[[int], tuple[Any, str, Any]]
         def close(self) -> None:
             seen.append((getattr(self, "host_node", "python"),
                          getattr(self, "host_node_stats", None)))
+            run.batch_after_launch = getattr(self, "batch_after_launch", None)  # type: ignore[attr-defined]
             super().close()
 
     seen: list[tuple[str, Any]] = []
@@ -463,7 +478,9 @@ def _workload(args: argparse.Namespace) -> Callable[[int], tuple[Any, str, Any]]
     prompts = [f"Call {i}:" for i in range(args.batch)]
 
     def run(steps: int) -> tuple[Any, str, Any]:
-        """generate()'s results, the host-node kind that served it and the node's stats."""
+        """generate()'s results, the host-node kind that served it and the node's stats
+        (``run.batch_after_launch``: the decoder's wait for a batch made after the launch, or
+        None)."""
         seen.clear()
         results = generate(prompts, [guide] * args.batch, model=model, tokenizer=tok,
                            max_new_tokens=steps + 1, max_batch_size=args.batch,
@@ -472,6 +489,7 @@ def _workload(args: argparse.Namespace) -> Callable[[int], tuple[Any, str, Any]]
         torch.cuda.synchronize()
         kind, stats = seen[-1] if seen else ("?", None)
         return results, kind, stats
+    run.batch_after_launch = None  # type: ignore[attr-defined]
     return run
 
 
@@ -509,9 +527,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         results, kind, stats = run(args.steps)
     finally:
         records = drop_nested_driver(trace.stop())
-    node = node_record(stats, clock_offset_ns(cupti.get_timestamp, time.monotonic_ns))
-    if node is not None:
-        records.append(node)
+    offset = clock_offset_ns(cupti.get_timestamp, time.monotonic_ns)
+    for node in (node_record(stats, offset), node_wait_record(stats, offset)):
+        if node is not None:
+            records.append(node)
     main_thread = threading.get_native_id()
     print(f"profile_cupti: {torch.cuda.get_device_name()}, libcupti {libcupti}, NVTX "
           f"{'live' if _nvtx.ACTIVE else 'inactive (no injection: no ranges recorded)'}, "
@@ -521,8 +540,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  activity {name}: not enabled ({why})")
     for error in trace.errors:
         print(f"  record conversion error: {error}")
-    text, analysis = analyse(records, main_thread, args.step_marker, args.max_lines,
-                             args.summary_rows)
+    marker = args.step_marker
+    if getattr(run, "batch_after_launch", None) is not None and marker == STEP_MARKER:
+        marker = ""  # (no range has this name: each step starts at its graph launch)
+        print("  each step's batch was made after its launch: steps start at their graph launch")
+    text, analysis = analyse(records, main_thread, marker, args.max_lines, args.summary_rows)
     print(text)
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name(), "libcupti": libcupti,

@@ -419,8 +419,10 @@ class NodeStats(NamedTuple):
     step, a rollback or a draft step) began and ended, the nanoseconds spent in all of them
     (a step's wait for its batch after launch not counted), the rows the steps and draft steps
     guided, and
-    the rollbacks of rejected drafts run (``python_rollback_runs`` of them Python's) and the
-    draft steps of drafting loops run (``python_draft_runs`` of them Python's)."""
+    the rollbacks of rejected drafts run (``python_rollback_runs`` of them Python's), the
+    draft steps of drafting loops run (``python_draft_runs`` of them Python's), and when the
+    latest run had its job (``last_job_ns``: after a step's wait for its batch after launch,
+    else its start)."""
 
     runs: int
     python_runs: int
@@ -432,6 +434,7 @@ class NodeStats(NamedTuple):
     python_rollback_runs: int
     draft_runs: int
     python_draft_runs: int
+    last_job_ns: int
 
 
 class HostNode:
