@@ -271,11 +271,17 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
         In this mode (from the first capture on, outside a capture) ``add_batch`` writes no
         step ticket, so the host cannot queue a step ahead of the stream, and takes no
-        ``new_tokens`` (the requests carry their tokens); an ``add_batch`` that raises before
-        it queues its batch lets the waiting step go at once (it masks nothing and reports a
-        ``QueueEpochError`` at the next drain), and a replay with no ``add_batch`` reports one
-        after ``timeout_s``. Eager steps (``add_batch`` then ``execute``) work as before.
-        ``generate()`` sets it where it replays CUDA graphs without speculation.
+        ``new_tokens`` (the requests carry their tokens). A step's batch is the one put after
+        the previous step's; eager steps (``add_batch``, then ``execute``) work as before.
+
+        Where a replay's ``add_batch`` fails (it raised), switching the mode off
+        (``set_batch_after_launch(None)``) lets the waiting step go at once: it masks nothing
+        and reports a ``QueueEpochError`` at the next drain; switch it on again for the next
+        step. A replay with no batch within ``timeout_s`` reports one too, and stops the mode:
+        every later step masks nothing and reports one (a batch that came after its step gave
+        up is dropped, never masked for another step) until ``set_batch_after_launch`` or
+        ``discard_queued_batches`` resumes it. ``generate()`` sets this mode where it replays
+        CUDA graphs with the native node and without speculation.
 
         Args:
             timeout_s: the node's wait in seconds, > 0 and at most 3600; None: back to
@@ -283,22 +289,43 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
         Raises:
             ConfigError: the native host node does not serve this decoder (the Python host
-                callback runs under the GIL, which the waiting thread would need), or a bad
-                ``timeout_s``.
+                callback runs under the GIL, which the waiting thread would need), the decoder
+                takes drafts (a step's rollback of rejected drafts must come before its
+                replay), or a bad ``timeout_s``.
         """
         if timeout_s is not None:
             if self._node is None:
                 raise ConfigError(
                     "set_batch_after_launch needs the native host node (host_node='native' or "
                     f"'auto' where it builds); this decoder's host node is {self.host_node!r}")
+            if self.max_num_draft_tokens:
+                raise ConfigError(
+                    "set_batch_after_launch needs a decoder without drafts "
+                    f"(max_num_draft_tokens={self.max_num_draft_tokens}): a step's rollback of "
+                    "rejected drafts and its drafting loop must come before its replay")
             if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
                     or not 0 < timeout_s <= 3600:
                 raise ConfigError(f"set_batch_after_launch: timeout_s={timeout_s!r} must be a "
                                   "number of seconds in (0, 3600]")
         self._after_launch = None if timeout_s is None else float(timeout_s)
         if self._node is not None:
-            self._node.set_batch_wait(0 if timeout_s is None
-                                      else max(1, round(timeout_s * 1000)))
+            self._node.set_batch_wait(self._batch_wait_ms())
+            self._resume_after_launch()
+
+    def _batch_wait_ms(self) -> int:
+        return 0 if self._after_launch is None else max(1, round(self._after_launch * 1000))
+
+    def _resume_after_launch(self) -> None:
+        """Where a step's wait for its batch ran out (the mode stopped), drop the batches
+        queued since and resynchronise the node's epochs with the host's."""
+        node = self._node
+        if node is None or not node.batch_wait_stopped():
+            return
+        self._node_collect()
+        while self._queue:
+            self._consume_put(newest=False)
+        self._fetched_epoch = self._put_epoch
+        node.set_batch_wait(self._batch_wait_ms(), self._put_epoch)
 
     def _after_launch_now(self) -> bool:
         """Whether this ``add_batch`` follows its step's launch (see
@@ -323,6 +350,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         n = len(self._queue)
         while self._queue:
             self._consume_put(newest=False)
+        self._resume_after_launch()
         return n
 
     @property
@@ -361,9 +389,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
             copy: ``False`` hands the requests that are exact :class:`GuidedRequest` instances
                 over instead of copying them: the caller makes them for this call and never
                 changes them, nor their ``draft_tokens`` / ``draft_parents`` lists, afterwards
-                (the step's callbacks and the failure reports after it read them, and a
-                request whose tokens come from ``new_tokens`` gets them written into its
-                ``new_token`` and ``draft_tokens``). Any other object is still copied. It saves
+                (the step's callbacks and the failure reports after it read them; the decoder
+                writes into them: a request whose tokens come from ``new_tokens`` gets them in
+                its ``new_token`` and ``draft_tokens``, and ``rollback_rejected_batch`` its
+                accepted count and node in ``num_accepted_draft_tokens`` and
+                ``accepted_draft_node``). Any other object is still copied. It saves
                 the copy, about a third of ``add_batch``'s time per request
                 (``tools/bench_guided_host.py``); ``generate()``'s guide driver hands its
                 fresh requests over this way.
@@ -387,21 +417,13 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 step has fetched (each ``add_batch`` without its replay); nothing is queued.
             DecoderClosedError: the decoder was closed; nothing is read or changed.
         """
-        if not self._after_launch_now():
-            self._queue_batch(requests, new_tokens, runtime_draft_len, copy, False)
-            return
-        epoch = self._put_epoch
-        try:
-            if new_tokens is not None:
-                raise TensorArgError(
-                    "new_tokens with the batch after launch (set_batch_after_launch): the "
-                    "tokens would be copied in stream order after the step that reads them; "
-                    "the requests carry their new_token and draft_tokens instead")
-            self._queue_batch(requests, None, runtime_draft_len, copy, True)
-        except BaseException:
-            if self._put_epoch == epoch:  # nothing queued: the launched step must not wait
-                self._node.abandon()  # type: ignore[union-attr]
-            raise
+        after_launch = self._after_launch_now()
+        if after_launch and new_tokens is not None:
+            raise TensorArgError(
+                "new_tokens with the batch after launch (set_batch_after_launch): the tokens "
+                "would be copied in stream order after the step that reads them; the requests "
+                "carry their new_token and draft_tokens instead")
+        self._queue_batch(requests, new_tokens, runtime_draft_len, copy, after_launch)
 
     def _queue_batch(self, requests: Sequence[GuidedRequest], new_tokens: torch.Tensor | None,
                      runtime_draft_len: int | None, copy: bool, after_launch: bool) -> None:

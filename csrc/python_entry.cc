@@ -821,12 +821,15 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 // that step (node_take's records, in order).
 //
 // The batch after launch (node_set_batch_wait): a loop may replay a step first and call
-// add_batch after, while the GPU runs the forward; a step that finds no job queued then waits
-// (WaitForJob: on its own thread, under no lock but mu's condition variable, without the GIL)
-// until a job is queued, an add_batch after launch that raised abandons the wait
-// (node_abandon: the step masks nothing and reports a queue error), the wait is switched off
-// (close) or its time runs out (a queue error). Such a batch carries no ticket: the step takes
-// the one job queued, the epoch after the last.
+// add_batch after, while the GPU runs the forward. Such a batch carries no ticket: a step's
+// batch is the epoch after the last one consumed (TakeLateJob). A step that finds none queued
+// waits for it (on its own thread, on mu's condition variable, without the GIL) until a job is
+// queued, the wait is switched off (set_batch_after_launch(None), close: the step masks
+// nothing, consumes no epoch and reports a queue error) or its time runs out. A step whose
+// wait ran out consumes its epoch and stops the mode: every later step masks nothing and
+// reports a queue error, dropping what is queued (a batch that came after its step gave up
+// is never masked for another step), until node_set_batch_wait resynchronises the epochs.
+// Any other queue (a job of another epoch, two jobs) is consumed whole, as an error.
 //
 // Lifetime: a HostNode is counted (the decoder's capsule holds one reference, each captured
 // graph one more through hostfunc's retain/release); the last release may come on a driver
@@ -914,10 +917,11 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //                      last_job_ns)
 // node_set_warmup(node, on): runs from now on are warm-up runs (no job taken, nothing masked).
 // node_set_epoch(node, epoch): the latest batch consumed before the node serves steps.
-// node_set_batch_wait(node, ms): the batch after launch: a step that finds no job queued waits
-//   up to `ms` milliseconds for add_batch to queue it (0: no wait; it wakes a waiting step).
-// node_abandon(node): an add_batch made after its step's launch raised before it queued
-//   anything: the next step that waits (or is waiting) masks nothing and reports a queue error.
+// node_set_batch_wait(node, ms, epoch): the batch after launch: a step that finds no job
+//   queued waits up to `ms` milliseconds for add_batch to queue it (0: the mode is off; it
+//   wakes a waiting step). epoch: None, or the latest epoch Python has put with every job
+//   dropped: the epochs resynchronised and a stopped mode resumed.
+// node_batch_wait_stopped(node) -> bool: a step's wait ran out, and the mode stopped.
 // node_shutdown(): Python steps are refused from now on (interpreter exit).
 
 constexpr const char* kNodeCapsule = "capgraph_host_build.HostNode";
@@ -1046,14 +1050,14 @@ struct HostNode {
       busy_ns{0}, rows{0}, rollback_runs{0}, python_rollback_runs{0}, draft_runs{0}, python_draft_runs{0};
   std::atomic<bool> warmup{false};  // steps take no job and mask nothing (graph warm-up)
   int64_t last_epoch = 0;  // (under mu) the epoch of the latest job taken or dropped
-  // The batch after launch (node_set_batch_wait): a step that finds no job queued waits up to
-  // batch_wait_ms for add_batch to queue it (0: it does not wait); `abandoned` counts the
-  // add_batch calls made after their step's launch that raised, each of which the next
-  // waiting step takes as its own (it masks nothing). job_cv is notified, under mu, whenever
-  // a job is queued, a wait is abandoned or the wait is switched off.
+  // The batch after launch (node_set_batch_wait, TakeLateJob): a step that finds no job queued
+  // waits up to batch_wait_ms for add_batch to queue it (0: the mode is off); `wait_stopped`:
+  // a step's wait ran out (the epoch it stopped at) and every step masks nothing until the
+  // epochs are resynchronised (-1: running). job_cv is notified, under mu, whenever a job is
+  // queued or the wait is switched off.
   std::condition_variable job_cv;
   int64_t batch_wait_ms = 0;
-  int64_t abandoned = 0;
+  int64_t wait_stopped = -1;
   // (under mu) the last step run: Python's (or none yet), else its epoch and entries
   bool last_python = true;
   int64_t last_run_epoch = 0;
@@ -1452,30 +1456,60 @@ void Install(HostNode* n, NodeJob* job, NodeDone* d) {
   }
 }
 
-// The batch after launch: with batch_wait_ms > 0, wait (on the running thread, no GIL) until a
-// job is queued, an add_batch after launch has raised, the wait is switched off or the time
-// is up. Returns the queue error of a step that takes an abandoned wait or whose wait timed
-// out with nothing queued ("": take the queued job as usual); *epoch: the latest epoch consumed.
-std::string WaitForJob(HostNode* n, int64_t* epoch) {
+// TakeJob for the batch after launch (batch_wait_ms > 0; see the section's comment): this
+// step's job, the epoch after the last consumed, waited for where none is queued. False with
+// d->error set: the step masks nothing.
+bool TakeLateJob(HostNode* n, NodeJob* job, NodeDone* d) {
   std::unique_lock<std::mutex> lock(n->mu);
-  *epoch = n->last_epoch;
-  if (n->batch_wait_ms <= 0 || n->abandoned > 0 || !n->jobs.empty()) {
-    if (n->abandoned == 0) return "";
-  } else {
-    const int64_t wait_ms = n->batch_wait_ms;
-    const bool woken = n->job_cv.wait_for(lock, std::chrono::milliseconds(wait_ms), [n] {
-      return !n->jobs.empty() || n->abandoned > 0 || n->batch_wait_ms <= 0;
-    });
-    if (!woken) {
-      return "no batch queued for this step within " + std::to_string(wait_ms) +
-             " ms of its start (the batch after launch: each replay's add_batch follows it; "
-             "expected epoch " + std::to_string(n->last_epoch + 1) + ")";
+  const int64_t own = n->last_epoch + 1;
+  d->epoch = n->last_epoch;
+  auto consume_all = [n, job, d](const std::string& why) {  // (an error: nothing runs)
+    std::vector<int64_t> drops;
+    const std::string queued = EpochList(n->jobs);
+    for (const NodeJob& j : n->jobs) {
+      drops.insert(drops.end(), j.drops.begin(), j.drops.end());
+      n->last_epoch = std::max(n->last_epoch, j.epoch);
     }
-    if (n->abandoned == 0) return "";
+    n->jobs.clear();
+    DropConsumed(n, drops, job);
+    d->epoch = n->last_epoch;
+    d->error = why + (queued == "[]" ? "" : "; dropped the batches of epochs " + queued);
+  };
+  if (n->wait_stopped >= 0) {
+    consume_all("the batch after launch stopped at epoch " + std::to_string(n->wait_stopped) +
+                ", whose batch did not come in time: every step masks nothing until "
+                "set_batch_after_launch() or discard_queued_batches() resumes it");
+    return false;
   }
-  --n->abandoned;  // (the add_batch raised before it queued anything: no epoch is consumed)
-  return "this step's add_batch, made after its launch, raised before it queued a batch "
-         "(expected epoch " + std::to_string(n->last_epoch + 1) + "): the step masks nothing";
+  if (n->jobs.empty()) {
+    const int64_t wait_ms = n->batch_wait_ms;
+    const bool ready = n->job_cv.wait_for(lock, std::chrono::milliseconds(wait_ms), [n] {
+      return !n->jobs.empty() || n->batch_wait_ms <= 0;
+    });
+    if (!ready) {
+      n->last_epoch = n->wait_stopped = own;
+      d->epoch = own;
+      d->error = "no batch queued for this step (epoch " + std::to_string(own) + ") within " +
+                 std::to_string(wait_ms) + " ms of its start (the batch after launch: each "
+                 "replay's add_batch follows it); the steps after it mask nothing until "
+                 "set_batch_after_launch() or discard_queued_batches() resumes";
+      return false;
+    }
+    if (n->jobs.empty()) {
+      d->error = "no batch queued for this step (epoch " + std::to_string(own) + ") when the "
+                 "wait for it was switched off (set_batch_after_launch(None) or close)";
+      return false;
+    }
+  }
+  if (n->jobs.size() != 1 || n->jobs.front().epoch != own) {
+    consume_all("this step's batch is epoch " + std::to_string(own) + ", but the queue held " +
+                "another (an add_batch without its step, or a step without its add_batch)");
+    return false;
+  }
+  *job = std::move(n->jobs.front());
+  n->jobs.pop_front();
+  n->last_epoch = d->epoch = own;
+  return true;
 }
 
 // The host node: take the next job and run it (see the section's comment), masking `rows`
@@ -1493,10 +1527,14 @@ void RunStep(HostNode* n, int64_t rows) {
     n->last_end.store(NowNs());
     return;
   }
-  d.error = WaitForJob(n, &d.epoch);
+  bool late;
+  {
+    std::lock_guard<std::mutex> lock(n->mu);
+    late = n->batch_wait_ms > 0;
+  }
+  const bool have = late ? TakeLateJob(n, &job, &d) : TakeJob(n, &job, &d);
   t0 = NowNs();  // (busy_ns counts the step's work, not its wait for the batch after launch)
   n->last_job.store(t0);
-  const bool have = d.error.empty() && TakeJob(n, &job, &d);
   bool python = have && d.error.empty() && job.python;
   if (have && d.error.empty() && !python) {
     std::lock_guard<std::mutex> lock(n->mu);
@@ -2566,30 +2604,42 @@ PyObject* NodeSetEpoch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
-// node_set_batch_wait(node, ms): see the section's comment.
+// node_set_batch_wait(node, ms, epoch): see the section's comment.
 PyObject* NodeSetBatchWait(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HostNode* n = NodeCall(args, nargs, 2, "node_set_batch_wait(node, ms)");
+  HostNode* n = NodeCall(args, nargs, 3, "node_set_batch_wait(node, ms, epoch)");
   if (n == nullptr) return nullptr;
   const long long ms = PyLong_AsLongLong(args[1]);
   if (ms == -1 && PyErr_Occurred()) return nullptr;
-  if (ms < 0) {
-    PyErr_Format(PyExc_ValueError, "node_set_batch_wait: %lld ms is negative", ms);
+  long long epoch = -1;
+  if (args[2] != Py_None) {
+    epoch = PyLong_AsLongLong(args[2]);
+    if (epoch == -1 && PyErr_Occurred()) return nullptr;
+  }
+  if (ms < 0 || (args[2] != Py_None && epoch < 0)) {
+    PyErr_Format(PyExc_ValueError, "node_set_batch_wait: %lld ms / epoch %lld is negative", ms,
+                 epoch);
     return nullptr;
   }
-  std::lock_guard<std::mutex> lock(n->mu);
-  n->batch_wait_ms = ms;
-  n->job_cv.notify_all();
+  std::deque<NodeJob> dropped;  // (destroyed after the lock)
+  {
+    std::lock_guard<std::mutex> lock(n->mu);
+    n->batch_wait_ms = ms;
+    if (args[2] != Py_None) {
+      dropped.swap(n->jobs);
+      n->last_epoch = epoch;
+      n->wait_stopped = -1;
+    }
+    n->job_cv.notify_all();
+  }
   Py_RETURN_NONE;
 }
 
-// node_abandon(node): see the section's comment.
-PyObject* NodeAbandon(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HostNode* n = NodeCall(args, nargs, 1, "node_abandon(node)");
+// node_batch_wait_stopped(node) -> bool: see the section's comment.
+PyObject* NodeBatchWaitStopped(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HostNode* n = NodeCall(args, nargs, 1, "node_batch_wait_stopped(node)");
   if (n == nullptr) return nullptr;
   std::lock_guard<std::mutex> lock(n->mu);
-  ++n->abandoned;
-  n->job_cv.notify_all();
-  Py_RETURN_NONE;
+  return PyBool_FromLong(n->wait_stopped >= 0);
 }
 
 // node_shutdown(): refuse Python steps from now on (registered at interpreter exit).
@@ -2643,8 +2693,9 @@ PyMethodDef g_methods[] = {
     {"node_set_batch_wait",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeSetBatchWait)),
      METH_FASTCALL, "How long a step that finds no batch waits for add_batch (ms; 0: not)."},
-    {"node_abandon", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeAbandon)),
-     METH_FASTCALL, "An add_batch after its step's launch raised: that step masks nothing."},
+    {"node_batch_wait_stopped",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeBatchWaitStopped)),
+     METH_FASTCALL, "Whether a step's wait for its batch ran out (the mode stopped)."},
     {"node_shutdown",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeShutdown)), METH_FASTCALL,
      "Refuse Python steps from now on (interpreter exit)."},

@@ -1076,47 +1076,82 @@ def test_batch_after_launch_equals_the_batch_before_it(factory, tekken, native_o
 
 
 def test_batch_after_launch_misuse_is_named_and_never_hangs(factory, tekken, native_ok):
-    """A replay whose add_batch never comes reports a QueueEpochError after the node's wait;
-    an add_batch after the launch that raises before queueing lets the waiting node go at
-    once (the step masks nothing, the error is reported), and the next step works; closing a
-    decoder whose node waits lets the node go; the mode needs the native node and a sane
-    timeout, and refuses new_tokens."""
+    """The batch after launch never masks a batch for another step and never hangs:
+    - a replay whose batch does not come within the wait reports a QueueEpochError and stops
+      the mode; a batch that comes after that is dropped (an error), never masked for the next
+      step; set_batch_after_launch resumes, the matcher where the last served step left it;
+    - a replay whose add_batch raised: switching the mode off lets its node go at once (the
+      step masks nothing), and the next step is served, the matcher unmoved;
+    - an add_batch that raises in an eager step (add_batch, then execute) leaves the next
+      eager step served (nothing left behind for a later step);
+    - close() lets a waiting node go;
+    - the mode needs the native node, no drafts and a sane timeout, and refuses new_tokens."""
     from capgraph.errors import TensorArgError
 
     case = GUIDED[0]
     text = texts_of(tekken, [case])[0]
     capt, graph, static, _ = one_request_after_context(factory, tekken, case)
+
+    def step(k):
+        return [GuidedRequest.generation(1, 0, case.params, text[k])]
+
+    def served(k):
+        """Step k fed text[k] (no failure) and masked for text[k + 1]: the matcher took
+        exactly the tokens of the steps served, none of a dropped or skipped batch."""
+        assert capt.take_failed_requests() == []
+        assert capt.num_advanced_tokens[0] == 1
+        assert torch.isneginf(static).any() and torch.isfinite(static[0, text[k + 1]])
+
+    def drain_error() -> str:
+        with pytest.raises(hostfunc.HostFuncError) as info:
+            hostfunc.drain()
+        assert isinstance(info.value.__cause__, QueueEpochError)
+        capt.take_failed_requests()
+        return str(info.value.__cause__)
+
     capt.set_batch_after_launch(0.3)
     t0 = time.monotonic()
-    graph.replay()  # no add_batch follows
-    with pytest.raises(hostfunc.HostFuncError) as info:
+    graph.replay()  # its batch never comes in time
+    time.sleep(0.5)
+    capt.add_batch(step(0))  # (too late: dropped, never masked for the next step)
+    assert "within 300 ms" in drain_error()
+    assert 0.25 < time.monotonic() - t0 < 10
+    graph.replay()
+    capt.add_batch(step(0))
+    assert "stopped at epoch" in drain_error()
+    assert capt.num_advanced_tokens[0] == 0
+    capt.set_batch_after_launch(5.0)  # resumes: the steps take their own batches again
+    for k in range(2):
+        static.fill_(0)
+        graph.replay()
+        capt.add_batch(step(k))
         hostfunc.drain()
-    assert isinstance(info.value.__cause__, QueueEpochError)
-    assert "within 300 ms" in str(info.value.__cause__)
-    assert 0.25 < time.monotonic() - t0 < 5
-    capt.take_failed_requests()
-    # an add_batch that raises: the node goes at once (well inside its 60 s wait)
-    capt.set_batch_after_launch(60)
+        served(k)
+    # a replay whose add_batch raised: the mode switched off lets its node go at once
     static.fill_(0)
     graph.replay()
     t0 = time.monotonic()
     with pytest.raises(TensorArgError, match="new_tokens with the batch after launch"):
-        capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[0], prev_seq_slot=0)],
+        capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[2], prev_seq_slot=0)],
                        torch.zeros(1, 1, dtype=torch.int32))
-    with pytest.raises(hostfunc.HostFuncError) as info:
-        hostfunc.drain()
-    assert "raised before it queued a batch" in str(info.value.__cause__)
-    assert time.monotonic() - t0 < 30
+    capt.set_batch_after_launch(None)
+    assert "no batch queued" in drain_error()  # (switched off while waiting, or before)
+    assert time.monotonic() - t0 < 4
     assert torch.isfinite(static).all()  # (it masked nothing)
-    capt.take_failed_requests()
-    # the next step is served (the matcher never moved: it takes the first token again)
+    capt.set_batch_after_launch(5.0)
+    static.fill_(0)
     graph.replay()
-    capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[0])])
+    capt.add_batch(step(2))
     hostfunc.drain()
-    assert capt.take_failed_requests() == []
-    assert capt.num_advanced_tokens[0] == 1
-    # closed while its node waits (60 s): the node goes at once (what the closed decoder's
-    # step reports is nobody's to read)
+    served(2)
+    # an eager step's add_batch that raises leaves nothing behind for the next eager step
+    with pytest.raises(TensorArgError):
+        capt.add_batch(step(3), torch.zeros(1, 1, dtype=torch.int32))
+    capt.add_batch(step(3))
+    static.fill_(0)
+    capt.execute(static)
+    served(3)
+    # closed while its node waits (5 s): the node goes at once
     graph.replay()
     time.sleep(0.05)
     t0 = time.monotonic()
@@ -1125,13 +1160,18 @@ def test_batch_after_launch_misuse_is_named_and_never_hangs(factory, tekken, nat
         hostfunc.drain()
     except hostfunc.HostFuncError:
         pass
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 4
     graph.reset()
     native = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="native")
     for bad in (0, -1, True, "1", 3601):
         with pytest.raises(ConfigError, match="timeout_s"):
             native.set_batch_after_launch(bad)
     native.close()
+    drafting = CapturableGuidedDecoder(factory.config, 1, 2, factory=factory,
+                                       host_node="native")
+    with pytest.raises(ConfigError, match="without drafts"):
+        drafting.set_batch_after_launch()
+    drafting.close()
     python = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="python")
     with pytest.raises(ConfigError, match="native host node"):
         python.set_batch_after_launch()

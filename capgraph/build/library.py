@@ -624,17 +624,18 @@ class HostNode:
         more)."""
         self._module.node_set_epoch(self._capsule, epoch)
 
-    def set_batch_wait(self, milliseconds: int) -> None:
-        """The batch after launch: from now on a step that finds no job queued waits up to
-        ``milliseconds`` (on its own thread, no GIL) for :meth:`push` / :meth:`commit` /
-        :meth:`push_python` to queue one; 0: it does not wait (and a waiting step is woken)."""
-        self._module.node_set_batch_wait(self._capsule, int(milliseconds))
+    def set_batch_wait(self, milliseconds: int, epoch: int | None = None) -> None:
+        """The batch after launch: from now on a step's batch is the epoch after the last
+        consumed, and a step that finds none queued waits up to ``milliseconds`` (on its own
+        thread, no GIL) for :meth:`push` / :meth:`commit` / :meth:`push_python` to queue it;
+        0: the mode is off (a waiting step is woken). ``epoch``: the latest epoch the host has
+        put, every queued job dropped: the epochs resynchronised, a stopped mode resumed."""
+        self._module.node_set_batch_wait(self._capsule, int(milliseconds), epoch)
 
-    def abandon(self) -> None:
-        """An ``add_batch`` made after its step's launch raised before it queued anything:
-        the next step that waits for a batch (or the one waiting now) masks nothing and
-        reports a queue error instead of waiting out its time."""
-        self._module.node_abandon(self._capsule)
+    def batch_wait_stopped(self) -> bool:
+        """Whether a step's wait for its batch ran out: every step masks nothing until
+        :meth:`set_batch_wait` resynchronises the epochs."""
+        return bool(self._module.node_batch_wait_stopped(self._capsule))
 
     def stats(self) -> NodeStats:
         """The node's counters and latest timestamps."""

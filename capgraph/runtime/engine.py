@@ -11,6 +11,7 @@ drafts while each equals the target's greedy pick. Sequences leave at a stop tok
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -106,6 +107,22 @@ def generate(prompts: Sequence[str | Sequence[int]],
             return engine.run()
     finally:
         engine.close()
+
+
+def _replay_blocks() -> str | None:
+    """Why a CUDA graph replay here waits for its work before it returns, or None:
+    ``CUDA_LAUNCH_BLOCKING``, or a driver before 11.4 (torch's replay synchronises the device
+    there)."""
+    if os.environ.get("CUDA_LAUNCH_BLOCKING", "") not in ("", "0"):
+        return "CUDA_LAUNCH_BLOCKING is set"
+    try:
+        from cuda.bindings import driver
+        err, version = driver.cuDriverGetVersion()
+    except Exception:  # noqa: BLE001 - no cuda-python: torch's own launch rules then
+        return None
+    if int(err) == 0 and 0 < int(version) < 11040:
+        return f"CUDA driver {int(version)} is older than 11.4"
+    return None
 
 
 def _token_ids(prompt: object, index: int, vocab_size: int) -> list[int]:
@@ -317,6 +334,19 @@ class _Engine:
         runner.capture_cudagraphs(step, graph_batch_sizes(runner.max_num_sequences),
                                   warmup=warmup, before_capture=before_capture)
 
+    def _late_begin_decode(self, seqs: list[Seq], drafts: list[list[int]], bs: int) -> None:
+        """The decode step's guided batch, after its replay's launch; if making it raises,
+        the replay's node stops waiting for it at once (the step masks nothing) rather than
+        holding the step's sync for its whole timeout."""
+        guide = self.guide
+        assert guide is not None
+        try:
+            guide.begin_decode(seqs, drafts, pad_to=bs)
+        except BaseException:
+            guide.decoder.set_batch_after_launch(None)  # type: ignore[attr-defined]
+            self.batch_after_launch = False
+            raise
+
     def _set_batch_after_launch(self, required: bool) -> None:
         """Make decode steps' guided batches after their launch where the loop can (see
         ``generate``'s ``batch_after_launch``); ``required``: a ConfigError saying why not."""
@@ -330,6 +360,12 @@ class _Engine:
             reason = "no speculation (a step's rollback must come before its replay)"
         elif getattr(decoder, "host_node", None) != "native":
             reason = "the native host node"
+        else:
+            blocking = _replay_blocks()
+            if blocking is not None:
+                reason = (f"a graph replay that returns before its work ends ({blocking}): a "
+                          "replay that waited for its host node would wait for the batch "
+                          "made after it")
         if reason is None:
             decoder.set_batch_after_launch()  # type: ignore[union-attr]
             self.batch_after_launch = True
@@ -403,7 +439,7 @@ class _Engine:
             with self.clock.time("forward"):
                 logits, sampled = runner.replay(bs)
                 if late:  # (the replay's host node waits for this batch)
-                    self.guide.begin_decode(seqs, drafts, pad_to=bs)  # type: ignore[union-attr]
+                    self._late_begin_decode(seqs, drafts, bs)
             logits = logits[:rows]
         else:
             with self.clock.time("forward"):
