@@ -375,6 +375,7 @@ def test_bench_graph_replay_cpu_run_writes_rows(bench, tmp_path, capsys, one_tor
     for r in data["rows"]:
         assert r["unguided_steps"] >= 1 and r["guided_steps"] >= 1
         assert r["ratio"] == pytest.approx(r["guided_ms_per_step"] / r["unguided_ms_per_step"])
+        assert 0 < r["replay_ratio"] < r["ratio"]  # (the guided host work outside the replay)
         if r["host_node"] == "python":
             assert r["host_build_ms_per_step"] > 0 and r["host_build_us_per_row"] > 0
         # the native node serves captured steps: no graph here, so it ran none

@@ -198,7 +198,8 @@ def test_guided_outputs_validate(greedy_run, factory):
         assert r.tokens[-1] == factory.config.stop_token_ids[0]
         assert check(r, g, factory), (r.index, r.text)
     stages = greedy_run.timings.stages
-    assert all(stages[k] > 0 for k in ("prefill", "forward", "build", "apply", "sample"))
+    assert all(stages[k] > 0 for k in ("prefill", "guide", "forward", "build", "apply",
+                                       "sample"))
     assert greedy_run.timings.steps > 0 and greedy_run.timings.tokens == sum(
         len(r.tokens) for r in greedy_run)
 

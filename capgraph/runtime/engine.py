@@ -434,7 +434,9 @@ class _Engine:
         rows = B * (1 + K)
         late = self.batch_after_launch
         if self.guide is not None and not late:
-            self.guide.begin_decode(seqs, drafts, pad_to=bs if self.guide_in_graph else None)
+            with self.clock.time("guide", sync=False):
+                self.guide.begin_decode(seqs, drafts,
+                                        pad_to=bs if self.guide_in_graph else None)
         if self.use_graphs:
             with self.clock.time("forward"):
                 logits, sampled = runner.replay(bs)
@@ -450,7 +452,10 @@ class _Engine:
             with self.clock.time("sample"):
                 sampled = self.sampler(logits)
         picks = sampled[:rows].view(B, 1 + K).tolist()
-        failed = dict(self.guide.take_failed()) if self.guide is not None else {}
+        failed = {}
+        if self.guide is not None:
+            with self.clock.time("guide", sync=False):
+                failed = dict(self.guide.take_failed())
         self.steps += 1
         for s, d, p in zip(seqs, drafts, picks):
             s.num_steps += 1

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 __all__ = ["GenerationResult", "GenerationResults", "Timings", "STAGES"]
 
-STAGES = ("prefill", "draft", "forward", "build", "host_node", "apply", "sample")
+STAGES = ("prefill", "draft", "guide", "forward", "build", "host_node", "apply", "sample")
 
 
 @dataclass(slots=True)
@@ -43,7 +43,10 @@ class Timings:
     """Where a call's time went (seconds; stages may overlap with a capturable decoder).
 
     ``forward`` is the decode forward (with a CUDA graph: the whole replayed step, in which
-    ``build`` and ``apply`` also run); ``build`` is host mask building in Python,
+    ``build`` and ``apply`` also run, and the step's guided batch where it is made after the
+    launch); ``guide`` the decode steps' guided host work outside it (each step's requests and
+    ``add_batch`` where they come before the forward, the failures read after it);
+    ``build`` is host mask building in Python,
     ``host_node`` the native host node's own time (present where it ran steps of the
     capturable decoder), ``apply`` masking the logits, ``sample`` picking tokens, ``draft``
     the drafter, ``prefill`` prompt forwards.
