@@ -252,6 +252,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         step's ``add_batch`` comes before its replay."""
         return self._after_launch
 
+    @_open_only
     def set_batch_after_launch(self, timeout_s: float | None = 10.0) -> None:
         """Let each replayed step's ``add_batch`` come after the step's launch, so that the
         host work of making and queueing the batch runs while the GPU runs the forward.
@@ -274,14 +275,18 @@ class CapturableGuidedDecoder(GuidedDecoder):
         ``new_tokens`` (the requests carry their tokens). A step's batch is the one put after
         the previous step's; eager steps (``add_batch``, then ``execute``) work as before.
 
-        Where a replay's ``add_batch`` fails (it raised), switching the mode off
-        (``set_batch_after_launch(None)``) lets the waiting step go at once: it masks nothing
-        and reports a ``QueueEpochError`` at the next drain; switch it on again for the next
-        step. A replay with no batch within ``timeout_s`` reports one too, and stops the mode:
-        every later step masks nothing and reports one (a batch that came after its step gave
-        up is dropped, never masked for another step) until ``set_batch_after_launch`` or
-        ``discard_queued_batches`` resumes it. ``generate()`` sets this mode where it replays
-        CUDA graphs with the native node and without speculation.
+        Where a replay's ``add_batch`` raised, ``add_batch([])`` gives the waiting step an
+        empty batch: it masks nothing (the step's tokens were sampled unguided: feed its
+        requests again). ``set_batch_after_launch(None)`` (or ``close()``) also lets a waiting
+        step go (it masks nothing and reports a ``QueueEpochError`` at the next drain); switch
+        the mode on again only after the stream has synchronised, or that step may take the
+        next batch. A replay with no batch within ``timeout_s`` reports a ``QueueEpochError``
+        and stops the mode: every later step masks nothing and reports one (a batch that came
+        after its step gave up is dropped, never masked for another step) until
+        ``set_batch_after_launch`` or ``discard_queued_batches`` resumes it. The matchers took
+        none of the dropped steps' tokens: the requests are fed from where their last served
+        step left them. ``generate()`` sets this mode where it replays CUDA graphs with the
+        native node and without speculation.
 
         Args:
             timeout_s: the node's wait in seconds, > 0 and at most 3600; None: back to
@@ -292,6 +297,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 callback runs under the GIL, which the waiting thread would need), the decoder
                 takes drafts (a step's rollback of rejected drafts must come before its
                 replay), or a bad ``timeout_s``.
+            DecoderClosedError: the decoder was closed.
         """
         if timeout_s is not None:
             if self._node is None:

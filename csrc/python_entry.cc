@@ -825,7 +825,9 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 // batch is the epoch after the last one consumed (TakeLateJob). A step that finds none queued
 // waits for it (on its own thread, on mu's condition variable, without the GIL) until a job is
 // queued, the wait is switched off (set_batch_after_launch(None), close: the step masks
-// nothing, consumes no epoch and reports a queue error) or its time runs out. A step whose
+// nothing, consumes no epoch and reports a queue error; the mode is switched on again only
+// after the stream has synchronised) or its time runs out. A launched step whose add_batch
+// failed is given an empty batch (add_batch([]): it masks nothing). A step whose
 // wait ran out consumes its epoch and stops the mode: every later step masks nothing and
 // reports a queue error, dropping what is queued (a batch that came after its step gave up
 // is never masked for another step), until node_set_batch_wait resynchronises the epochs.
@@ -920,7 +922,8 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 // node_set_batch_wait(node, ms, epoch): the batch after launch: a step that finds no job
 //   queued waits up to `ms` milliseconds for add_batch to queue it (0: the mode is off; it
 //   wakes a waiting step). epoch: None, or the latest epoch Python has put with every job
-//   dropped: the epochs resynchronised and a stopped mode resumed.
+//   dropped (the slots their batches drop cleared): the epochs resynchronised and a stopped
+//   mode resumed.
 // node_batch_wait_stopped(node) -> bool: a step's wait ran out, and the mode stopped.
 // node_shutdown(): Python steps are refused from now on (interpreter exit).
 
@@ -1460,17 +1463,18 @@ void Install(HostNode* n, NodeJob* job, NodeDone* d) {
 // step's job, the epoch after the last consumed, waited for where none is queued. False with
 // d->error set: the step masks nothing.
 bool TakeLateJob(HostNode* n, NodeJob* job, NodeDone* d) {
+  std::deque<NodeJob> consumed;  // (destroyed after the lock: their matcher references)
   std::unique_lock<std::mutex> lock(n->mu);
   const int64_t own = n->last_epoch + 1;
   d->epoch = n->last_epoch;
-  auto consume_all = [n, job, d](const std::string& why) {  // (an error: nothing runs)
+  auto consume_all = [n, job, d, &consumed](const std::string& why) {  // (an error)
     std::vector<int64_t> drops;
     const std::string queued = EpochList(n->jobs);
     for (const NodeJob& j : n->jobs) {
       drops.insert(drops.end(), j.drops.begin(), j.drops.end());
       n->last_epoch = std::max(n->last_epoch, j.epoch);
     }
-    n->jobs.clear();
+    consumed.swap(n->jobs);
     DropConsumed(n, drops, job);
     d->epoch = n->last_epoch;
     d->error = why + (queued == "[]" ? "" : "; dropped the batches of epochs " + queued);
@@ -2620,12 +2624,16 @@ PyObject* NodeSetBatchWait(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                  epoch);
     return nullptr;
   }
-  std::deque<NodeJob> dropped;  // (destroyed after the lock)
+  std::deque<NodeJob> dropped;  // (destroyed after the lock, with the matchers released)
+  NodeJob released;
   {
     std::lock_guard<std::mutex> lock(n->mu);
     n->batch_wait_ms = ms;
     if (args[2] != Py_None) {
       dropped.swap(n->jobs);
+      std::vector<int64_t> drops;  // (the slots their batches drop, as a consuming step does)
+      for (const NodeJob& j : dropped) drops.insert(drops.end(), j.drops.begin(), j.drops.end());
+      DropConsumed(n, drops, &released);
       n->last_epoch = epoch;
       n->wait_stopped = -1;
     }

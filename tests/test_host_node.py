@@ -1080,11 +1080,11 @@ def test_batch_after_launch_misuse_is_named_and_never_hangs(factory, tekken, nat
     - a replay whose batch does not come within the wait reports a QueueEpochError and stops
       the mode; a batch that comes after that is dropped (an error), never masked for the next
       step; set_batch_after_launch resumes, the matcher where the last served step left it;
-    - a replay whose add_batch raised: switching the mode off lets its node go at once (the
-      step masks nothing), and the next step is served, the matcher unmoved;
+    - a replay whose add_batch raised: an empty batch, or switching the mode off, lets its node
+      go at once (the step masks nothing), and the next step is served, the matcher unmoved;
     - an add_batch that raises in an eager step (add_batch, then execute) leaves the next
       eager step served (nothing left behind for a later step);
-    - close() lets a waiting node go;
+    - close() lets a waiting node go, and the mode cannot be switched on again after it;
     - the mode needs the native node, no drafts and a sane timeout, and refuses new_tokens."""
     from capgraph.errors import TensorArgError
 
@@ -1127,18 +1127,26 @@ def test_batch_after_launch_misuse_is_named_and_never_hangs(factory, tekken, nat
         capt.add_batch(step(k))
         hostfunc.drain()
         served(k)
-    # a replay whose add_batch raised: the mode switched off lets its node go at once
-    static.fill_(0)
-    graph.replay()
-    t0 = time.monotonic()
-    with pytest.raises(TensorArgError, match="new_tokens with the batch after launch"):
-        capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[2], prev_seq_slot=0)],
-                       torch.zeros(1, 1, dtype=torch.int32))
-    capt.set_batch_after_launch(None)
-    assert "no batch queued" in drain_error()  # (switched off while waiting, or before)
-    assert time.monotonic() - t0 < 4
-    assert torch.isfinite(static).all()  # (it masked nothing)
-    capt.set_batch_after_launch(5.0)
+    # a replay whose add_batch raised: an empty batch lets its node go at once (it masks
+    # nothing); or the mode switched off does (a queue error), switched on after the sync
+    for release in ("empty batch", "mode off"):
+        static.fill_(0)
+        graph.replay()
+        t0 = time.monotonic()
+        with pytest.raises(TensorArgError, match="new_tokens with the batch after launch"):
+            capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[2],
+                                                     prev_seq_slot=0)],
+                           torch.zeros(1, 1, dtype=torch.int32))
+        if release == "empty batch":
+            capt.add_batch([])
+            hostfunc.drain()
+            assert capt.take_failed_requests() == []
+        else:
+            capt.set_batch_after_launch(None)
+            assert "no batch queued" in drain_error()  # (switched off while waiting, or before)
+            capt.set_batch_after_launch(5.0)
+        assert time.monotonic() - t0 < 4
+        assert torch.isfinite(static).all()  # (it masked nothing)
     static.fill_(0)
     graph.replay()
     capt.add_batch(step(2))
@@ -1151,7 +1159,7 @@ def test_batch_after_launch_misuse_is_named_and_never_hangs(factory, tekken, nat
     static.fill_(0)
     capt.execute(static)
     served(3)
-    # closed while its node waits (5 s): the node goes at once
+    # closed while its node waits (5 s): the node goes at once, and stays off
     graph.replay()
     time.sleep(0.05)
     t0 = time.monotonic()
@@ -1161,6 +1169,9 @@ def test_batch_after_launch_misuse_is_named_and_never_hangs(factory, tekken, nat
     except hostfunc.HostFuncError:
         pass
     assert time.monotonic() - t0 < 4
+    from capgraph.errors import DecoderClosedError
+    with pytest.raises(DecoderClosedError):
+        capt.set_batch_after_launch(5.0)
     graph.reset()
     native = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="native")
     for bad in (0, -1, True, "1", 3601):
@@ -1176,3 +1187,48 @@ def test_batch_after_launch_misuse_is_named_and_never_hangs(factory, tekken, nat
     with pytest.raises(ConfigError, match="native host node"):
         python.set_batch_after_launch()
     python.close()
+
+
+class _SlowId(GuidedRequest):
+    """A request whose request_id takes 0.5 s to read (add_batch's copy reads it)."""
+
+    __slots__ = ()
+
+    @property  # type: ignore[override]
+    def request_id(self):
+        time.sleep(0.5)
+        return 1
+
+    @request_id.setter
+    def request_id(self, value):
+        pass
+
+
+def test_a_batch_after_launch_that_outlives_the_wait_drops_its_slots_on_resume(
+        factory, tekken, native_ok):
+    """A step's wait runs out while its add_batch is under way (after the batch was collected
+    for, before it is queued), and the batch refuses its request, dropping the slot's matcher:
+    on resume the node drops that matcher too, so the slot's next request is not masked by
+    the refused request's matcher behind Python's back (both sides: no matcher)."""
+    import copy
+
+    case = GUIDED[0]
+    text = texts_of(tekken, [case])[0]
+    capt, graph, static, _ = one_request_after_context(factory, tekken, case)
+    capt.set_batch_after_launch(0.2)
+    graph.replay()
+    refused = _SlowId(copy.copy(case.params), 1, 0, None, False, False, True, False, "x")
+    capt.add_batch([refused])  # (the wait runs out inside this call)
+    with pytest.raises(hostfunc.HostFuncError):
+        hostfunc.drain()
+    assert [rid for rid, _ in capt.take_failed_requests()] == [1]
+    assert capt.grammar_matchers[0] is None
+    capt.set_batch_after_launch(1.0)  # resumes
+    static.fill_(0)
+    graph.replay()
+    capt.add_batch([GuidedRequest.generation(1, 0, case.params, text[0])])
+    hostfunc.drain()
+    capt.take_failed_requests()  # (refused: the slot has no matcher)
+    assert not torch.isneginf(static).any()
+    graph.reset()
+    capt.close()

@@ -335,16 +335,27 @@ class _Engine:
                                   warmup=warmup, before_capture=before_capture)
 
     def _late_begin_decode(self, seqs: list[Seq], drafts: list[list[int]], bs: int) -> None:
-        """The decode step's guided batch, after its replay's launch; if making it raises,
-        the replay's node stops waiting for it at once (the step masks nothing) rather than
-        holding the step's sync for its whole timeout."""
+        """The decode step's guided batch, after its replay's launch. If making it raises,
+        the replay's node gets an empty batch (it masks nothing) or, where a batch may be
+        queued in part, stops waiting, rather than holding the step's sync for its whole
+        timeout; the mode ends with the error."""
         guide = self.guide
         assert guide is not None
+        decoder: Any = guide.decoder
+        put = decoder._put_epoch
         try:
             guide.begin_decode(seqs, drafts, pad_to=bs)
         except BaseException:
-            guide.decoder.set_batch_after_launch(None)  # type: ignore[attr-defined]
             self.batch_after_launch = False
+            try:
+                if decoder._put_epoch == put:  # nothing queued for the launched step
+                    decoder.add_batch([])
+            except Exception:  # noqa: BLE001 - (the first error is the one raised)
+                pass
+            try:
+                decoder.set_batch_after_launch(None)
+            except Exception:  # noqa: BLE001
+                pass
             raise
 
     def _set_batch_after_launch(self, required: bool) -> None:
