@@ -415,7 +415,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         its failure), a ``draft_tokens`` tuple, tensor or array becomes a list of ints.
 
         Raises:
-            LayoutError: as for :meth:`GuidedDecoder.add_batch`; nothing is queued.
+            LayoutError: as for :meth:`GuidedDecoder.add_batch`, or ``copy`` is not a bool;
+                nothing is queued.
             TensorArgError: ``new_tokens`` is not an integer tensor of the shape above, or
                 has fewer position rows than ``1 + runtime_draft_len``, or is given with the
                 batch after launch (:meth:`set_batch_after_launch`).
@@ -423,6 +424,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 step has fetched (each ``add_batch`` without its replay); nothing is queued.
             DecoderClosedError: the decoder was closed; nothing is read or changed.
         """
+        if type(copy) is not bool:
+            raise LayoutError(f"add_batch: copy={copy!r} is not a bool (True: copy the "
+                              "requests; False: take exact GuidedRequest instances as they are)")
         after_launch = self._after_launch_now()
         if after_launch and new_tokens is not None:
             raise TensorArgError(

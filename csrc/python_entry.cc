@@ -1459,6 +1459,21 @@ void Install(HostNode* n, NodeJob* job, NodeDone* d) {
   }
 }
 
+// Move every queued job into *out (under n->mu) and clear the slots their batches drop, as a
+// step that consumes them does (the old matchers go to released->released); returns the
+// latest epoch among them, or -1 for an empty queue.
+int64_t ConsumeQueue(HostNode* n, std::deque<NodeJob>* out, NodeJob* released) {
+  out->swap(n->jobs);
+  std::vector<int64_t> drops;
+  int64_t latest = -1;
+  for (const NodeJob& j : *out) {
+    drops.insert(drops.end(), j.drops.begin(), j.drops.end());
+    latest = std::max(latest, j.epoch);
+  }
+  DropConsumed(n, drops, released);
+  return latest;
+}
+
 // TakeJob for the batch after launch (batch_wait_ms > 0; see the section's comment): this
 // step's job, the epoch after the last consumed, waited for where none is queued. False with
 // d->error set: the step masks nothing.
@@ -1468,14 +1483,8 @@ bool TakeLateJob(HostNode* n, NodeJob* job, NodeDone* d) {
   const int64_t own = n->last_epoch + 1;
   d->epoch = n->last_epoch;
   auto consume_all = [n, job, d, &consumed](const std::string& why) {  // (an error)
-    std::vector<int64_t> drops;
     const std::string queued = EpochList(n->jobs);
-    for (const NodeJob& j : n->jobs) {
-      drops.insert(drops.end(), j.drops.begin(), j.drops.end());
-      n->last_epoch = std::max(n->last_epoch, j.epoch);
-    }
-    consumed.swap(n->jobs);
-    DropConsumed(n, drops, job);
+    n->last_epoch = std::max(n->last_epoch, ConsumeQueue(n, &consumed, job));
     d->epoch = n->last_epoch;
     d->error = why + (queued == "[]" ? "" : "; dropped the batches of epochs " + queued);
   };
@@ -2630,10 +2639,7 @@ PyObject* NodeSetBatchWait(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     std::lock_guard<std::mutex> lock(n->mu);
     n->batch_wait_ms = ms;
     if (args[2] != Py_None) {
-      dropped.swap(n->jobs);
-      std::vector<int64_t> drops;  // (the slots their batches drop, as a consuming step does)
-      for (const NodeJob& j : dropped) drops.insert(drops.end(), j.drops.begin(), j.drops.end());
-      DropConsumed(n, drops, &released);
+      ConsumeQueue(n, &dropped, &released);
       n->last_epoch = epoch;
       n->wait_stopped = -1;
     }

@@ -1107,7 +1107,8 @@ def test_handed_over_requests_are_queued_as_they_are_and_mask_as_copies(factory,
                                                                         host_node):
     """add_batch(copy=False) queues exact GuidedRequest instances themselves (the caller hands
     them over) and still copies any other request object; the replayed steps mask exactly as
-    those of a decoder that copies every request, on either host node."""
+    those of a decoder that copies every request, on either host node; a copy that is not a
+    bool is a named LayoutError, nothing queued."""
     from capgraph.build import library
     if host_node == "native" and library.unavailable_reason():
         pytest.skip(f"the native host node does not build here: {library.unavailable_reason()}")
@@ -1152,6 +1153,11 @@ def test_handed_over_requests_are_queued_as_they_are_and_mask_as_copies(factory,
             assert dec.take_failed_requests() == []
         assert same(statics[0], statics[1]), f"step {step}"
         assert torch.isneginf(statics[1]).any()
+    from capgraph.errors import LayoutError
+    for bad in (0, "no", None):  # (named before anything is read or queued)
+        with pytest.raises(LayoutError, match="copy=.* is not a bool"):
+            taking.add_batch(requests(1), copy=bad)
+    assert taking.queued_batches == 0
     for dec, graph in zip(decoders, graphs):
         graph.reset()
         dec.close()

@@ -118,15 +118,12 @@ class GuideDriver:
         drafts the previous verification accepted. ``pad_to`` adds unguided placeholder
         requests so the layout matches a padded (graph) batch."""
         K = self.num_draft_tokens
-        make = GuidedRequest  # (positional: GuidedRequest.generation's fields, without its
-        # keyword handling; the lists are new, and the decoder takes the requests over)
-        if K and drafts is not None:
-            reqs = [make(s.guide, s.index, s.seq_slot, None, False, False, True, False,
-                         s.output[-1], False, list(drafts[i]), s.accepted_prev)
-                    for i, s in enumerate(seqs)]
-        else:
-            reqs = [make(s.guide, s.index, s.seq_slot, None, False, False, True, False,
-                         s.output[-1], False, [], s.accepted_prev) for s in seqs]
+        chains = drafts if K and drafts is not None else None
+        # (positional: GuidedRequest.generation's fields, without its keyword handling; the
+        # lists are new, and the decoder takes the requests over)
+        reqs = [GuidedRequest(s.guide, s.index, s.seq_slot, None, False, False, True, False,
+                              s.output[-1], False, [] if chains is None else list(chains[i]),
+                              s.accepted_prev) for i, s in enumerate(seqs)]
         reqs += self._placeholders(len(seqs), pad_to or 0)
         self._begin(reqs, K, speculative=K > 0, graphed=pad_to is not None)
 
