@@ -620,7 +620,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
         Optional: ``execute`` does it when not done. On the CPU stand-in, call it before the
         forward so that mask building overlaps the (synchronous) CPU forward; ``execute``
-        after the forward then only waits and applies. A prepared step whose ``execute`` is
+        after the forward then only waits and applies. In a CUDA graph capture, call it right
+        after :meth:`record_tokens_ready`, before the forward: the step's host node and
+        bitmask copy are then nodes created before the forward's kernels, which a replay
+        submits first (``generate()`` captures its steps so), rather than after the last of
+        them. A prepared step whose ``execute`` is
         refused (bad logits) stays prepared for an ``execute`` with proper logits; the next
         ``add_batch`` instead leaves it (its host work ran, its mask is never applied) and
         that batch's step runs its own. Without a refusal, the next step's ``add_batch`` may
@@ -647,6 +651,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
                               "execute masks those rows)")
 
     def _enqueue_step(self, num_rows: int | None, capturing: bool) -> None:
+        if capturing:
+            # the batch queued before capture only gave the shapes: no replay will fetch it
+            self._consume_put()
         if capturing and not self._tokens_recorded_in_capture:
             # the side stream must wait on an event recorded inside this capture: one recorded
             # before it would leave the host work outside the graph (and CUDA rejects the join)
@@ -707,10 +714,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 f"logits have {logits.shape[0]} rows, fewer than the batch layout's "
                 f"{self.requests.num_bitmask_tokens}")
         self._prepared_refused = False
-        if capturing:
-            # the batch queued before capture only gave the shapes: no replay will fetch it
-            self._consume_put()
-        elif not self.active and not self._prepared and self._stream_idle():
+        if not capturing and not self.active and not self._prepared and self._stream_idle():
             # nothing guided and nothing queued that reads the token mask or the slots (an
             # earlier step the host ran ahead of): enqueue nothing at all, consume here
             self._consume_put()

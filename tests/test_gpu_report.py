@@ -59,7 +59,9 @@ def _profile(mask_kernels=("capgraph_logits_bitmask_f32_b32_p4",),
             "summary": [{"kind": "kernel", "name": "capgraph_logits_bitmask_f32_b32_p4",
                          "count": 2, "mean_us": 6.25, "total_us": 12.5},
                         {"kind": "nvtx", "name": "CapturableGuidedDecoder.build", "count": 2,
-                         "mean_us": 401.0, "total_us": 802.0}]}
+                         "mean_us": 401.0, "total_us": 802.0}],
+            "critical_path": {"forward_end": 350.0, "mask_start": 410.0, "mask_end": 420.0,
+                              "past_forward": 70.0, "node_start": 30.0, "node_end": 370.0}}
 
 
 def _write(out: Path, kernel_rows, replay_rows, failing=False, xgr_rows=None, host_nodes=None,
@@ -122,6 +124,9 @@ def test_targets_met(gpu_report, tmp_path):
             "capgraph ranges, host node, mask kernel | yes |") in text
     assert "native host node; NVTX live): 2 replayed steps of 610, 598 us" in text
     assert "| nvtx | CapturableGuidedDecoder.build | 2 | 401.0 | 802.0 |" in text
+    assert ("critical path of the last step (us from its first kernel): forward 0-350.0; host "
+            "node 30.0-370.0; mask kernel 410.0-420.0: the mask kernel ends 70.0 us after the "
+            "forward's last kernel") in text
 
 
 def test_targets_missed_and_failures_named(gpu_report, tmp_path):

@@ -144,10 +144,15 @@ def test_analyse_reports_the_last_step(prof):
     text, out = prof.analyse(prof.drop_nested_driver(_trace(prof)), MAIN)
     assert text.startswith("last replayed step: 0.7 us (all 2 steps: 2, 1 us)")
     assert "summary over the 2 replayed steps" in text
-    assert text.endswith("landmarks in the last step: 2 capgraph ranges; host node ranges: "
-                         "CapturableGuidedDecoder.build; mask kernel: "
-                         "capgraph_logits_bitmask_f32_b32_p4")
+    assert ("landmarks in the last step: 2 capgraph ranges; host node ranges: "
+            "CapturableGuidedDecoder.build; mask kernel: "
+            "capgraph_logits_bitmask_f32_b32_p4\n") in text
+    assert text.endswith("critical path of the last step (us from its first kernel): forward "
+                         "0-0.4; host node 0.1-0.5; mask kernel 0.5-0.5: the mask kernel ends "
+                         "0.1 us after the forward's last kernel")
     assert out["step_us"] == [2.0, 0.71] and out["landmarks"]["all_three"] is True
+    assert out["critical_path"] == {"forward_end": 0.4, "mask_start": 0.5, "mask_end": 0.5,
+                                    "past_forward": 0.1, "node_start": 0.1, "node_end": 0.5}
     assert out["last_step"][0] == {
         "kind": "nvtx", "name": "CapturableGuidedDecoder.add_batch", "start": 3_000,
         "end": 3_050, "track": "main", "domain": "capgraph", "offset_us": 0.0}
@@ -155,6 +160,48 @@ def test_analyse_reports_the_last_step(prof):
     text, out = prof.analyse(_trace(prof)[:2], MAIN)
     assert text == "no graph launch in the trace: no replayed step to show"
     assert out["last_step"] == [] and out["landmarks"] == {}
+
+
+def test_critical_path_places_node_copy_and_mask_against_the_forward(prof):
+    """critical_path: offsets (us) from the step's first kernel on the mask kernel's stream
+    of the forward's end (its last kernel there before the mask kernel; other streams' kernels
+    do not count), the native node's run and where its batch came (its records preferred to
+    capgraph ranges off the main thread), the last host-to-device copy before the mask kernel,
+    and how far the mask kernel ends past the forward; None without a mask kernel or without a
+    kernel before it."""
+    R = prof.Record
+    us = 1_000
+    step = [
+        R("kernel", "embed", 10 * us, 20 * us, "stream 7"),
+        R("kernel", "other_stream", 5 * us, 600 * us, "stream 9"),
+        R("kernel", "lm_head", 300 * us, 360 * us, "stream 7"),
+        R("nvtx", "CapturableGuidedDecoder.add_batch", 50 * us, 140 * us, f"thread {MAIN}",
+          "capgraph"),
+        R("nvtx", "CapturableGuidedDecoder.host_node", 30 * us, 390 * us, "thread 77",
+          "capgraph"),
+        R("node", prof.NODE_RUN, 40 * us, 380 * us, "native node"),
+        R("node", prof.NODE_WAIT, 40 * us, 150 * us, "native node"),
+        R("memcpy", "memcpy HTOD 1048576 B", 381 * us, 416 * us, "stream 8"),
+        R("memcpy", "memcpy DTOH 256 B", 440 * us, 441 * us, "stream 7"),
+        R("kernel", "capgraph_logits_bitmask_f32_b16_p4", 420 * us, 430 * us, "stream 7"),
+        R("kernel", "argmax", 431 * us, 433 * us, "stream 7"),
+    ]
+    path = prof.critical_path(step, MAIN)
+    assert path == {"forward_end": 350.0, "mask_start": 410.0, "mask_end": 420.0,
+                    "past_forward": 70.0, "node_start": 30.0, "node_end": 370.0,
+                    "batch_at": 140.0, "copy_start": 371.0, "copy_end": 406.0}
+    assert prof.format_critical_path(path) == (
+        "critical path of the last step (us from its first kernel): forward 0-350.0; host "
+        "node 30.0-370.0 (its batch at 140.0); bitmask copy 371.0-406.0; mask kernel "
+        "410.0-420.0: the mask kernel ends 70.0 us after the forward's last kernel")
+    python_node = [r for r in step if r.kind != "node"]  # the span of the off-main ranges
+    assert prof.critical_path(python_node, MAIN)["node_start"] == 20.0
+    assert "batch_at" not in prof.critical_path(python_node, MAIN)
+    assert prof.critical_path([r for r in step if not r.name.startswith("capgraph_")],
+                              MAIN) is None
+    assert prof.critical_path([r for r in step if r.name != "embed" and r.name != "lm_head"],
+                              MAIN) is None
+    assert prof.format_critical_path(None).startswith("critical path: no mask kernel")
 
 
 def test_landmarks_without_host_node_ranges(prof):
@@ -409,19 +456,21 @@ def test_bench_graph_replay_failed_guided_run_is_reported(bench, tmp_path, monke
     assert data["errors"] == ["tiny batch 2, python host node: RuntimeError: host node died"]
 
 
-def test_bench_graph_replay_runs_the_batch_before_launch_at_its_points(bench, tmp_path,
-                                                                          monkeypatch,
-                                                                          one_torch_thread):
+def test_bench_graph_replay_runs_the_other_orders_at_its_points(bench, tmp_path, monkeypatch,
+                                                                one_torch_thread):
     """At --before-points the native node also runs with the batch made before the launch
-    (kind native-before, generate(batch_after_launch=False)); the other kinds leave generate
-    its default (None) and other points run no such kind."""
+    (kind native-before, generate(batch_after_launch=False)) and with its host work captured
+    after the forward (kind native-node-last, engine._HOST_WORK_FIRST False for that run
+    alone); the other kinds leave generate its defaults and other points run no such kind."""
     import capgraph
+    from capgraph.runtime import engine
     real = capgraph.generate
     calls = []
 
     def recording(prompts, guides, *, batch_after_launch=None, **kw):
         if guides is not None and kw["max_new_tokens"] == 3:  # the measured guided runs
-            calls.append((len(prompts), kw["host_node"], batch_after_launch))
+            calls.append((len(prompts), kw["host_node"], batch_after_launch,
+                          engine._HOST_WORK_FIRST))
         return real(prompts, guides, batch_after_launch=batch_after_launch, **kw)
 
     monkeypatch.setattr(capgraph, "generate", recording)
@@ -430,11 +479,14 @@ def test_bench_graph_replay_runs_the_batch_before_launch_at_its_points(bench, tm
     assert bench.main(["--device", "cpu", "--points", "tiny:2,tiny:3", "--steps", "3",
                        "--warmup-steps", "1", "--tokenizer", "mistral-sp32k",
                        "--before-points", "tiny:3", "--json", str(out)]) == 0
-    assert calls == [(2, "python", None), (2, "native", None), (3, "python", None),
-                     (3, "native", None), (3, "native", False)]
+    assert calls == [(2, "python", None, True), (2, "native", None, True),
+                     (3, "python", None, True), (3, "native", None, True),
+                     (3, "native", False, True), (3, "native", None, False)]
+    assert engine._HOST_WORK_FIRST is True
     data = json.loads(out.read_text())
     assert [(r["batch"], r["host_node"]) for r in data["rows"]] == [
-        (2, "python"), (2, "native"), (3, "python"), (3, "native"), (3, "native-before")]
+        (2, "python"), (2, "native"), (3, "python"), (3, "native"), (3, "native-before"),
+        (3, "native-node-last")]
 
 
 def test_generate_host_node_option(monkeypatch):

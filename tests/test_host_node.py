@@ -41,12 +41,17 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-def capture(decoder: CapturableGuidedDecoder, requests, logits: torch.Tensor
-            ) -> hostfunc.HostGraph:
-    """Capture one step of ``decoder`` (its shapes from ``requests``) into a HostGraph."""
+def capture(decoder: CapturableGuidedDecoder, requests, logits: torch.Tensor,
+            prepare_first: bool = False) -> hostfunc.HostGraph:
+    """Capture one step of ``decoder`` (its shapes from ``requests``) into a HostGraph;
+    ``prepare_first``: its host work enqueued before the (here absent) forward, as
+    ``generate()`` captures it, rather than by ``execute``."""
     decoder.add_batch(requests)
     graph = hostfunc.HostGraph()
     with hostfunc.capture(graph):
+        if prepare_first:
+            decoder.record_tokens_ready()
+            decoder.prepare(logits.shape[0])
         decoder.execute(logits)
     return graph
 
@@ -67,12 +72,15 @@ def one_request_after_context(factory, tekken, case, host_node="native"):
     return capt, graph, static, texts_of(tekken, [case])[0]
 
 
+@pytest.mark.parametrize("prepare_first", [False, True], ids=["in-execute", "prepared-first"])
 @pytest.mark.parametrize("host_node", ["native", "python"])
-def test_replayed_steps_equal_the_eager_decoder(factory, tekken, native_ok, host_node):
+def test_replayed_steps_equal_the_eager_decoder(factory, tekken, native_ok, host_node,
+                                                prepare_first):
     """Three schema/regex/EBNF requests decoded through a replayed HostGraph, tokens from the
     pinned token buffer: every step's masked logits and token mask equal GuidedDecoder's, on
     the native node (which runs every step natively, the context step's matchers created at
-    its add_batch) and on the Python callback."""
+    its add_batch) and on the Python callback, whether the capture enqueued the host work in
+    ``execute`` or with ``prepare`` before it."""
     V = factory.config.vocab_size_padded
     cases = GUIDED[:3]
     texts = texts_of(tekken, cases)
@@ -88,7 +96,8 @@ def test_replayed_steps_equal_the_eager_decoder(factory, tekken, native_ok, host
         return [GuidedRequest.generation(i, i, c.params, None if buffered else texts[i][step - 1],
                                          prev_seq_slot=i) for i, c in enumerate(cases)]
 
-    graph = capture(capt, requests(0, False), static)
+    graph = capture(capt, requests(0, False), static, prepare_first)
+    assert capt.queued_batches == 0  # (the capture's batch gave the shapes alone)
     for step in range(steps):
         logits = torch.randn(3, V, generator=torch.Generator().manual_seed(step))
         eager.add_batch(requests(step, False))

@@ -485,6 +485,45 @@ def test_batch_after_launch_is_refused_where_the_loop_cannot_make_it(factory, sp
         assert re.fullmatch("[ab]{3}", results[0].text), results[0].text
 
 
+@needs_capturable
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_the_graph_step_enqueues_its_host_work_before_the_forward(sp, model, factory, greedy_run,
+                                                                  monkeypatch, draft):
+    """generate()'s graph step (what it captures on CUDA; the CPU stand-in runs it as is)
+    enqueues the guided host work (host node, bitmask copy) with ``prepare`` for all of the
+    step's logits rows before the forward, so a capture creates those nodes ahead of the
+    forward's kernels; ``_HOST_WORK_FIRST = False`` (bench_graph_replay's ``native-node-last``)
+    leaves it to ``execute`` after the forward. Both orders give the eager outputs."""
+    from capgraph.capturable import CapturableGuidedDecoder
+    from capgraph.runtime import engine
+
+    events: list[tuple[str, int]] = []
+    enqueue, forward_step = CapturableGuidedDecoder._enqueue_step, ModelRunner.forward_step
+
+    def spy_enqueue(self, num_rows, capturing):
+        events.append(("host work", num_rows))
+        return enqueue(self, num_rows, capturing)
+
+    def spy_forward(self, bs):
+        events.append(("forward", bs))
+        return forward_step(self, bs)
+
+    monkeypatch.setattr(CapturableGuidedDecoder, "_enqueue_step", spy_enqueue)
+    monkeypatch.setattr(ModelRunner, "forward_step", spy_forward)
+    K = 2 if draft == "ngram" else 0
+    for first in (True, False):
+        monkeypatch.setattr(engine, "_HOST_WORK_FIRST", first)
+        events.clear()
+        out = run(sp, model, factory, cuda_graph=True, decoder="capturable", draft=draft,
+                  num_draft_tokens=2)
+        assert [r.tokens for r in out] == [r.tokens for r in greedy_run]
+        forwards = [i for i, (what, _) in enumerate(events) if what == "forward"]
+        assert forwards
+        for i in forwards:  # each graph step: its host work right before or right after
+            near = events[i - 1] if first else events[i + 1]
+            assert near == ("host work", events[i][1] * (1 + K)), (first, events[i - 1:i + 2])
+
+
 def test_the_runner_passes_the_cache_under_the_models_own_keyword():
     """transformers 5.24 renamed the KV-cache argument (``past_key_values`` -> ``cache``) and a
     wrong name is silently ignored (the model then runs without the cache): the runner reads

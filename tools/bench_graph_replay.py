@@ -34,6 +34,10 @@ native node without speculation: ``batch_after_launch``), so that the host work 
 queueing it runs while the GPU runs the forward. At the ``--before-points`` (default the tiny
 model's two) a third kind, ``native-before``, runs the native node with the batch made before
 the launch (``batch_after_launch=False``), to measure what that order costs in the same run.
+generate() captures each step's guided host work (host node and bitmask copy) before the
+forward, so those graph nodes are created ahead of the forward's kernels; a fourth kind at the
+same points, ``native-node-last``, runs the native node with that work captured after the
+forward, inside ``execute`` (``capgraph.runtime.engine._HOST_WORK_FIRST = False``).
 
 Prints a table; --json writes every figure (rewritten after each row, so a time-boxed run
 keeps what it measured). A guided run that raises is reported (in its row, the JSON's
@@ -157,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--host-node", default="both", choices=HOST_NODE_CHOICES)
     ap.add_argument("--before-points", default="tiny:64,tiny:256",
                     help="points that also run the native node with the batch made before the "
-                         "launch (kind native-before; empty: none)")
+                         "launch (kind native-before) and with its host work captured after "
+                         "the forward (kind native-node-last); empty: none")
     ap.add_argument("--tokenizer", default="tekken")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--json", help="write the figures here")
@@ -192,19 +197,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "host_nodes": {**{k: "measured" for k, _ in runs}, **missing}, "rows": []}
 
-    # (a tree whose generate() has no batch_after_launch makes every batch before the launch)
+    # (a tree whose generate() has no batch_after_launch makes every batch before the launch;
+    # one without _HOST_WORK_FIRST captures the host work after the forward)
     has_order = "batch_after_launch" in inspect.signature(generate).parameters
+    from capgraph.runtime import engine
+    has_first = hasattr(engine, "_HOST_WORK_FIRST")
 
-    def run(model, prompts, guides, max_new_tokens, host_node, after_launch=None):
+    def run(model, prompts, guides, max_new_tokens, host_node, after_launch=None,
+            host_work_first=True):
         if args.device == "cuda":
             torch.cuda.synchronize()
         order = {"batch_after_launch": after_launch} if has_order else {}
-        return generate(prompts, guides, model=model, tokenizer=tok,
-                        max_new_tokens=max_new_tokens, max_batch_size=len(prompts),
-                        decoder="capturable", cuda_graph=True, device=args.device,
-                        factory=factory, host_node=host_node, **order)
+        if has_first:
+            engine._HOST_WORK_FIRST = host_work_first
+        try:
+            return generate(prompts, guides, model=model, tokenizer=tok,
+                            max_new_tokens=max_new_tokens, max_batch_size=len(prompts),
+                            decoder="capturable", cuda_graph=True, device=args.device,
+                            factory=factory, host_node=host_node, **order)
+        finally:
+            if has_first:
+                engine._HOST_WORK_FIRST = True
 
-    print(f"{'model':>6}{'batch':>6}{'host node':>14}{'steps u/g':>11}{'unguided ms/step':>18}"
+    print(f"{'model':>6}{'batch':>6}{'host node':>18}{'steps u/g':>11}{'unguided ms/step':>18}"
           f"{'guided ms/step':>16}{'ratio':>8}{'replay ratio':>14}{'host build ms/step':>20}"
           f"{'host build us/row':>19}{'native node ms/step':>21}{'native node us/row':>20}")
     model_name, model = None, None
@@ -235,14 +250,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                             lambda: run(model, prompts, [guide] * batch, args.warmup_steps + 1,
                                         host_node))
             unguided = step_figures(run(model, prompts, None, args.steps, None))
-            kinds = [(kind, host_node, None) for kind, host_node in runs]
-            if has_order and (name, batch) in before_points and ("native", "native") in runs:
-                kinds.append(("native-before", "native", False))
-            for kind, host_node, after_launch in kinds:
+            kinds = [(kind, host_node, None, True) for kind, host_node in runs]
+            if (name, batch) in before_points and ("native", "native") in runs:
+                if has_order:
+                    kinds.append(("native-before", "native", False, True))
+                if has_first:
+                    kinds.append(("native-node-last", "native", None, False))
+            for kind, host_node, after_launch, first in kinds:
                 results, error = guarded(
                     f"{name} batch {batch}, {kind} host node",
                     lambda: run(model, prompts, [guide] * batch, args.steps, host_node,
-                                after_launch))
+                                after_launch, first))
                 if error is not None:
                     out["rows"].append({"model": name, "batch": batch, "host_node": kind,
                                         "error": error})
@@ -260,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 out["rows"].append(row)
                 write()
                 counts = f"{unguided['steps']}/{guided['steps']}"
-                print(f"{name:>6}{batch:>6}{kind:>14}{counts:>11}"
+                print(f"{name:>6}{batch:>6}{kind:>18}{counts:>11}"
                       f"{unguided['ms_per_step']:>18.3f}{guided['ms_per_step']:>16.3f}"
                       f"{ratio:>8.3f}{replay_ratio:>14.3f}"
                       f"{_cell(row['host_build_ms_per_step'], 20)}"

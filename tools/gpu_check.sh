@@ -12,7 +12,7 @@
 # Time boxes (seconds; each step is stopped with SIGINT at its box, so what it wrote stays):
 #   kernel          30  NVRTC compile and load of csrc/logits_bitmask.cu; the C++ host build
 #                       library and hostfunc's lane compiled here, not inside a test's box
-#   gpu-tests      160  pytest -m gpu on the open issues' files: native host node, pipelined
+#   gpu-tests      150  pytest -m gpu on the open issues' files: native host node, pipelined
 #                       steps, native host functions, draft trees, grammar drafts, capturable decoder,
 #                       runtime
 #   gpu-tests-rest  60  pytest -m gpu on every other file (the op and kernel tests among them)
@@ -23,10 +23,11 @@
 #   bench-hostfunc  10  tools/bench_hostfunc.py: eager and replayed host nodes
 #   guided-host     10  tools/bench_guided_host.py: the host time generate()'s guide driver adds
 #                       to a replayed step, on CUDA (batch 8, 64, 256)
-#   bench-replay    70  tools/bench_graph_replay.py: guided/unguided replayed step at tiny 64,
+#   bench-replay    80  tools/bench_graph_replay.py: guided/unguided replayed step at tiny 64,
 #                       256 and small 8, 64, 256, per host-node kind (python, native), and at
 #                       tiny 64 and 256 the native node with its batch made before the launch
-#                       (native-before)
+#                       (native-before) and with its host work captured after the forward
+#                       (native-node-last)
 #   bench-loop      45  capgraph bench loop on CUDA, batch 8 first and last (importing
 #                       transformers' Llama alone takes over 15 s on the GPU image)
 #   fill-threads    25  tools/bench_fill_threads.py: the native fill pool's crossover, 1-16
@@ -108,7 +109,7 @@ REST=()
 for f in tests/test_*.py; do
   case " ${FIRST[*]} " in *" $f "*) ;; *) REST+=("$f") ;; esac
 done
-run gpu-tests 160 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs ${PER_TEST[@]+"${PER_TEST[@]}"} \
+run gpu-tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs ${PER_TEST[@]+"${PER_TEST[@]}"} \
     "${FIRST[@]}" --junitxml="$OUT/gpu_tests.xml"
 run gpu-tests-rest 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs \
     ${PER_TEST[@]+"${PER_TEST[@]}"} "${REST[@]}" --junitxml="$OUT/gpu_tests_rest.xml"
@@ -121,7 +122,7 @@ run bench-hostfunc 10 "$PY" tools/bench_hostfunc.py
 [ -f tools/bench_guided_host.py ] && run guided-host 10 "$PY" tools/bench_guided_host.py \
     --device cuda --batches 8 64 256 --blocks 4 --json "$OUT/guided_host.json"
 # the host-bound points first, so a run cut by its box keeps the ones the issue is about
-run bench-replay 70 "$PY" tools/bench_graph_replay.py --host-node both \
+run bench-replay 80 "$PY" tools/bench_graph_replay.py --host-node both \
     --points tiny:64,tiny:256,small:8,small:64,small:256 --json "$OUT/bench_replay.json"
 # batch 8 measured first and again last: the two must agree (the warm-up defect check)
 run bench-loop 45 "$PY" -m capgraph.bench loop --device cuda --batches 8 1 8 --steps 30 \

@@ -261,6 +261,13 @@ def profile_section(data: dict | None) -> tuple[str, dict]:
         text += (f"\n\nlast step: {marks.get('capgraph_ranges', 0)} capgraph ranges; host node "
                  f"ranges: {', '.join(marks.get('host_node_ranges') or []) or 'none'}; mask "
                  f"kernel: {', '.join(marks.get('mask_kernels') or []) or 'none'}")
+    if "critical_path" in data:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        try:
+            from profile_cupti import format_critical_path
+        finally:
+            sys.path.pop(0)
+        text += "\n\n" + format_critical_path(data["critical_path"])
     rows = [[r["kind"], r["name"][:80], r["count"], _fmt(r["mean_us"], ".1f"),
              _fmt(r["total_us"], ".1f")]
             for r in (data.get("summary") or [])[:PROFILE_SUMMARY_ROWS]]

@@ -222,6 +222,70 @@ def landmarks(records: Sequence[Record], main_thread: int | None) -> dict[str, A
             "all_three": bool(ours) and bool(host) and bool(masks)}
 
 
+NODE_RUN = "native host node (its last run)"
+NODE_WAIT = "native host node waiting for its batch (its last run)"
+
+
+def critical_path(records: Sequence[Record], main_thread: int | None
+                  ) -> dict[str, float] | None:
+    """Where one step's guided work lies against its forward, in us from the step's first
+    kernel on the mask kernel's stream (the forward's first): ``forward_end`` (the last kernel
+    on that stream before the mask kernel), ``node_start`` / ``node_end`` (the native node's
+    record, else the span of capgraph ranges off the main thread), ``batch_at`` (where a node
+    waited for a batch made after the launch: when it came), ``copy_start`` / ``copy_end``
+    (the last host-to-device copy ending before the mask kernel: the bitmask's),
+    ``mask_start`` / ``mask_end``, and ``past_forward``: how much later than the forward's
+    last kernel the mask kernel ends (what the guided work adds to the step's GPU path).
+    None where the step has no mask kernel or no kernel before it."""
+    kernels = sorted((r for r in records if r.kind == "kernel"), key=lambda r: r.start)
+    mask = next((r for r in kernels if r.name.startswith(MASK_KERNEL_PREFIX)), None)
+    if mask is None:
+        return None
+    forward = [r for r in kernels if r.track == mask.track and r.end <= mask.start
+               and not r.name.startswith(MASK_KERNEL_PREFIX)]
+    if not forward:
+        return None
+    t0, forward_end = forward[0].start, max(r.end for r in forward)
+
+    def us(ns: int) -> float:
+        return round((ns - t0) / 1e3, 1)
+
+    out = {"forward_end": us(forward_end), "mask_start": us(mask.start),
+           "mask_end": us(mask.end), "past_forward": round((mask.end - forward_end) / 1e3, 1)}
+    node = next((r for r in records if r.kind == "node" and r.name == NODE_RUN), None)
+    off_main = [r for r in records if r.kind == "nvtx" and r.domain == DOMAIN
+                and track_label(r.track, main_thread) != "main"]
+    if node is not None:
+        out.update(node_start=us(node.start), node_end=us(node.end))
+    elif off_main:
+        out.update(node_start=us(min(r.start for r in off_main)),
+                   node_end=us(max(r.end for r in off_main)))
+    wait = next((r for r in records if r.kind == "node" and r.name == NODE_WAIT), None)
+    if wait is not None:
+        out["batch_at"] = us(wait.end)
+    copies = [r for r in records if r.kind == "memcpy" and "HTOD" in r.name.upper()
+              and r.end <= mask.start]
+    if copies:
+        copy = max(copies, key=lambda r: r.end)
+        out.update(copy_start=us(copy.start), copy_end=us(copy.end))
+    return out
+
+
+def format_critical_path(path: dict[str, float] | None) -> str:
+    """One line of :func:`critical_path`'s figures."""
+    if path is None:
+        return "critical path: no mask kernel after a forward kernel in the last step"
+    parts = [f"forward 0-{path['forward_end']}"]
+    if "node_start" in path:
+        batch = f" (its batch at {path['batch_at']})" if "batch_at" in path else ""
+        parts.append(f"host node {path['node_start']}-{path['node_end']}{batch}")
+    if "copy_start" in path:
+        parts.append(f"bitmask copy {path['copy_start']}-{path['copy_end']}")
+    parts.append(f"mask kernel {path['mask_start']}-{path['mask_end']}")
+    return (f"critical path of the last step (us from its first kernel): {'; '.join(parts)}: "
+            f"the mask kernel ends {path['past_forward']} us after the forward's last kernel")
+
+
 def analyse(records: Sequence[Record], main_thread: int | None, marker: str = STEP_MARKER,
             max_lines: int | None = None, summary_rows: int | None = None
             ) -> tuple[str, dict[str, Any]]:
@@ -236,6 +300,7 @@ def analyse(records: Sequence[Record], main_thread: int | None, marker: str = ST
     end = teardown_start(records, starts[-1])
     last = step_records(records, starts[-1], end)
     marks = landmarks(last, main_thread)
+    path = critical_path(last, main_thread)
     summary = summarize(step_records(records, starts[0], end))
     text = "\n".join([
         f"last replayed step: {step_us[-1]:.1f} us (all {len(starts)} steps: "
@@ -245,8 +310,8 @@ def analyse(records: Sequence[Record], main_thread: int | None, marker: str = ST
         format_summary(summary, summary_rows), "",
         f"landmarks in the last step: {marks['capgraph_ranges']} capgraph ranges; host node "
         f"ranges: {', '.join(marks['host_node_ranges']) or 'none'}; mask kernel: "
-        f"{', '.join(marks['mask_kernels']) or 'none'}"])
-    return text, {"step_us": step_us,
+        f"{', '.join(marks['mask_kernels']) or 'none'}", format_critical_path(path)])
+    return text, {"step_us": step_us, "critical_path": path,
                   "last_step": [dict(asdict(r), offset_us=(r.start - starts[-1]) / 1e3,
                                      track=track_label(r.track, main_thread)) for r in last],
                   "summary": summary, "landmarks": marks}
@@ -258,7 +323,7 @@ def node_record(stats: Any, clock_offset_ns: int) -> Record | None:
     monotonic clock. None where the node ran no step."""
     if stats is None or not stats.runs:
         return None
-    return Record("node", "native host node (its last run)", stats.last_start_ns + clock_offset_ns,
+    return Record("node", NODE_RUN, stats.last_start_ns + clock_offset_ns,
                   stats.last_end_ns + clock_offset_ns, "native node")
 
 
@@ -270,7 +335,7 @@ def node_wait_record(stats: Any, clock_offset_ns: int) -> Record | None:
     job = getattr(stats, "last_job_ns", None)
     if stats is None or not stats.runs or job is None or job - stats.last_start_ns < 1_000:
         return None
-    return Record("node", "native host node waiting for its batch (its last run)",
+    return Record("node", NODE_WAIT,
                   stats.last_start_ns + clock_offset_ns, job + clock_offset_ns, "native node")
 
 

@@ -38,6 +38,13 @@ __all__ = ["generate", "DRAFTS"]
 #: The ``draft`` choices of :func:`generate`.
 DRAFTS = ("none", "model", "ngram", "grammar", "grammar+ngram", "grammar+model")
 
+#: Where a captured decode step enqueues its guided host work (the host node and the bitmask
+#: copy): True, before the forward (``CapturableGuidedDecoder.prepare``), so that those are
+#: graph nodes created ahead of the forward's kernels; False, after the forward, inside
+#: ``execute``. ``tools/bench_graph_replay.py`` sets it False for its ``native-node-last`` kind,
+#: which measures the two orders in one run.
+_HOST_WORK_FIRST = True
+
 
 def generate(prompts: Sequence[str | Sequence[int]],
              guides: Sequence[GuidedDecodingParams | None] | GuidedDecodingParams | None = None,
@@ -321,6 +328,8 @@ class _Engine:
         def step(bs: int):
             if self.guide_in_graph:
                 guide.tokens_ready()  # type: ignore[union-attr]
+                if _HOST_WORK_FIRST:  # (the host node then needs no kernel of the forward
+                    guide.prepare(bs * (1 + self.K))  # submitted before it: see above)
             logits = runner.forward_step(bs)
             if self.guide_in_graph:
                 guide.apply(logits)  # type: ignore[union-attr]

@@ -6,9 +6,10 @@ snapshots and runs one decoder protocol per step:
 * eager :class:`~capgraph.decoder.GuidedDecoder`: ``add_batch`` -> (speculative)
   ``rollback_rejected_tokens`` -> ``execute(logits)``, failures returned by ``execute``;
 * capturable decoder: ``add_batch`` -> (speculative) ``rollback_rejected_batch(accepted + 1)``
-  (stream callbacks) -> ``prepare()`` when not graphed (the host build is enqueued before the
-  forward, so it overlaps it) -> ``execute(logits)`` after the forward, possibly inside a
-  captured graph that also records ``record_tokens_ready()`` first -> ``take_failed_requests()``.
+  (stream callbacks) -> ``prepare()`` before the forward (the host build is enqueued first,
+  so it overlaps the forward; a captured step records ``record_tokens_ready()`` and then
+  calls ``prepare(rows)`` inside the graph) -> ``execute(logits)`` after the forward ->
+  ``take_failed_requests()``.
 
 :class:`StageClock` accumulates wall time per stage; :meth:`StageClock.instrument` wraps a
 decoder instance's build and apply methods (the ones its NVTX ranges cover) to time them.
@@ -159,6 +160,13 @@ class GuideDriver:
         tokens copied before it (capturable decoder only)."""
         if self._capt is not None:
             self._capt.record_tokens_ready()
+
+    def prepare(self, rows: int) -> None:
+        """Inside a captured step, after :meth:`tokens_ready` and before the forward: enqueue
+        the step's host work (its host node and bitmask copy) for ``rows`` logits rows now, so
+        the graph holds them ahead of the forward's kernels (capturable decoder only)."""
+        if self._capt is not None:
+            self._capt.prepare(rows)
 
     def apply(self, logits: torch.Tensor) -> None:
         """Mask ``logits`` (one row per layout row) in place; safe in a capture if capturable."""
