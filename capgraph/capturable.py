@@ -101,6 +101,11 @@ class _Put:
     has_new_tokens: bool
     ticketed: bool
     installs: list[tuple[int, Any]] = field(default_factory=list)
+    #: the decoder's count of failures and releases when the put was made (advance_batch)
+    events: int = 0
+    #: an advance_batch step's tokens, one per request of ``batch`` (the previous put's batch,
+    #: shared): a Python step writes them into the generation requests' ``new_token``
+    tokens: list | None = None
 
 
 def _callback(name: str) -> Callable:
@@ -215,6 +220,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._batch_len = 0
         self._put_epoch = 0  # host side
         self._fetched_epoch = 0  # callback side
+        self._last_put: _Put | None = None  # the latest put (the batch advance_batch advances)
+        self._ran_epoch = 0  # the latest put whose step ran (natively or in Python)
+        self._events = 0  # failures recorded and slots released (see advance_batch)
         self._warmup = 0
         self._prepared = False
         #: the prepared step's execute was refused (its logits): the next add_batch leaves it
@@ -435,6 +443,119 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 "carry their new_token and draft_tokens instead")
         self._queue_batch(requests, new_tokens, runtime_draft_len, copy, after_launch)
 
+    @nvtx_range("CapturableGuidedDecoder.advance_batch")
+    @_open_only
+    def advance_batch(self, new_tokens: Sequence[int]) -> None:
+        """Queue the next step of the latest batch: the same requests in the same rows, each
+        advanced by its token, in one call instead of a request object per row.
+
+        What ``add_batch`` would queue for the same requests one step later (a context request
+        at its last chunk becomes a generation request, a disaggregated first step a plain
+        one; unguided requests stay as they are), made without those objects where the
+        native host node runs the steps: it queues the node's previous job again with the
+        new tokens, which costs about as much as a list of the tokens. Elsewhere (the Python
+        host node, a batch the node did not run natively, a step of the latest batch still
+        queued, a token that is not an exact int in the vocabulary) it makes the requests
+        and queues them as ``add_batch`` does, with the same outcome. Works with the batch
+        after launch (:meth:`set_batch_after_launch`): the tokens come with the call.
+
+        Args:
+            new_tokens: one token id per request of the latest batch, in batch order (an
+                unguided request's entry is not read); a list, tuple, NumPy array or CPU
+                tensor.
+
+        Raises:
+            LayoutError: no batch was queued since the decoder began; the latest batch has
+                drafts (a runtime draft length above 0) or draft requests, or a context
+                request before its last chunk; ``new_tokens`` does not hold one entry per
+                request; or since that batch was queued a request failed (here or in a step)
+                or a slot was released, so it cannot simply continue: make the next batch
+                with ``add_batch``. Nothing is queued.
+            TensorArgError: ``new_tokens`` is a device tensor (reading it here would wait for
+                the stream: give the tokens on the host, or pass the tensor to ``add_batch``).
+            QueueEpochError, DecoderClosedError: as for ``add_batch``.
+        """
+        last = self._last_put
+        if last is None:
+            raise LayoutError("advance_batch: no batch to advance (queue the first with "
+                              "add_batch)")
+        batch = last.batch
+        if batch.max_num_draft_tokens or batch.is_draft_step:
+            raise LayoutError(
+                "advance_batch advances a batch without drafts; the latest has runtime draft "
+                f"length {batch.max_num_draft_tokens}"
+                f"{' and draft requests' if batch.is_draft_step else ''}: make the next "
+                "batch with add_batch")
+        tokens = self._advance_tokens(new_tokens, len(batch.requests))
+        after_launch = self._after_launch_now()
+        if self._node_active:
+            self._node_collect()  # (the failures of the steps that ran so far)
+        if self._events != last.events:
+            raise LayoutError(
+                "advance_batch: a request failed or a slot was released since the latest "
+                "batch was queued (take_failed_requests() names the failures), so that batch "
+                "cannot simply continue: make the next batch with add_batch")
+        node = self._node
+        if node is not None and self._node_active and not self._queue \
+                and self._ran_epoch == last.epoch and not self._streams.is_capturing():
+            epoch = self._put_epoch + 1
+            if node.repeat(tokens, epoch, not after_launch):
+                self._put_epoch = epoch
+                if not after_launch:
+                    self._write_step(epoch, None)
+                put = _Put(epoch, batch, False, not after_launch, events=last.events,
+                           tokens=tokens)
+                self._queue.append(put)
+                self._last_put = put
+                self.requests, self._batch_built = batch, False
+                self._tokens_recorded_in_capture = False
+                if self._prepared_refused:  # (as in _queue_batch)
+                    self._prepared = self._prepared_refused = False
+                self._streams.record_tokens()
+                return
+        self._queue_batch(self._advanced_requests(batch, tokens), None, 0, False,
+                          after_launch)
+
+    @staticmethod
+    def _advance_tokens(new_tokens: object, count: int) -> list:
+        """advance_batch's tokens as a list of ``count`` items (values checked later)."""
+        if isinstance(new_tokens, torch.Tensor):
+            if new_tokens.device.type != "cpu":
+                raise TensorArgError(
+                    f"advance_batch: new_tokens is a {new_tokens.device} tensor; reading it "
+                    "on the host would wait for the stream: give the tokens on the host, or "
+                    "pass the tensor to add_batch(requests, new_tokens)")
+            new_tokens = new_tokens.tolist()
+        elif hasattr(new_tokens, "tolist") and not isinstance(new_tokens, (str, bytes)):
+            new_tokens = new_tokens.tolist()  # type: ignore[union-attr]  # (a NumPy array)
+        if type(new_tokens) is tuple:
+            new_tokens = list(new_tokens)
+        if type(new_tokens) is not list:
+            raise LayoutError(f"advance_batch: new_tokens must be a sequence of token ids, "
+                              f"got {type(new_tokens).__name__}")
+        if len(new_tokens) != count:
+            raise LayoutError(f"advance_batch: {len(new_tokens)} tokens for the latest "
+                              f"batch's {count} requests (one per request, in batch order)")
+        return new_tokens
+
+    @staticmethod
+    def _advanced_requests(batch: GuidedRequests, tokens: list) -> list[GuidedRequest]:
+        """The requests of ``batch`` one step later, each with its token from ``tokens``."""
+        out = []
+        for i, (req, token) in enumerate(zip(batch.requests, tokens)):
+            if req.guided_decoding_params is None:
+                out.append(GuidedRequest.snapshot(req))
+            elif req.is_context_init_state and not req.is_last_context_chunk:
+                raise LayoutError(
+                    f"advance_batch: request {req.request_id} (batch index {i}) is a context "
+                    "request before its last chunk: its next step is another chunk, not a "
+                    "token; make the next batch with add_batch")
+            else:
+                out.append(GuidedRequest.generation(
+                    req.request_id, req.seq_slot, req.guided_decoding_params,  # type: ignore[arg-type]
+                    token))
+        return out
+
     def _queue_batch(self, requests: Sequence[GuidedRequest], new_tokens: torch.Tensor | None,
                      runtime_draft_len: int | None, copy: bool, after_launch: bool) -> None:
         """add_batch's work; ``after_launch``: the step was launched already (no ticket)."""
@@ -453,6 +574,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                               f"{type(requests).__name__}")
         if self._node_active:
             self._node_collect()  # (what the last step did, before this batch is admitted)
+        events = self._events  # (before the admission, which may fail a request)
         if len(self._queue) >= MAX_QUEUED_BATCHES:
             raise QueueEpochError(
                 f"{len(self._queue)} batches are queued that no step has fetched (at most "
@@ -473,8 +595,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._tokens_recorded_in_capture = False
         self._put_epoch += 1
         ticketed = False if after_launch else self._write_step(self._put_epoch, new_tokens)
-        put = _Put(self._put_epoch, batch, new_tokens is not None, ticketed)
+        put = _Put(self._put_epoch, batch, new_tokens is not None, ticketed, events=events)
         self._queue.append(put)
+        self._last_put = put
         if self._node_active:
             self._node_push(put)
         if self._prepared_refused:  # a step prepare() enqueued whose execute was refused (bad
@@ -823,6 +946,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             DecoderClosedError: the decoder was closed; nothing is read or changed.
         """
         slot = self._release_slot(seq_slot)
+        self._events += 1  # (the latest batch cannot simply continue: advance_batch)
         if self._streams.is_capturing() or self._stream_idle():
             self._release_now(slot)
             return
@@ -1068,6 +1192,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._clear_token_mask()
             raise QueueEpochError(error)
         put = taken[-1]
+        self._ran_epoch = put.epoch
+        if put.tokens is not None:  # (an advance_batch step: the requests are shared)
+            for req, token in zip(put.batch.requests, put.tokens):
+                if req.guided_decoding_params is not None:
+                    req.new_token = token
         if put.has_new_tokens:
             tokens = self._new_tokens_np
             for req in put.batch.requests:
@@ -1471,7 +1600,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             return
         put = queue.popleft()
         batch = put.batch
-        self._fetched_epoch = epoch
+        self._fetched_epoch = self._ran_epoch = epoch
         self.requests_hostfunc = batch
         if kind == _DRAFT_START:  # (a drafting loop took the batch: its builds follow, and a
             self._open_draft = batch  # later build or rollback ends it if its end never runs)
@@ -1573,6 +1702,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
     def _finish_build(self) -> None:
         self._node_collect()
         super()._finish_build()
+
+    def _record_failed(self, failed: list[FailedRequest]) -> None:
+        if failed:
+            self._events += 1  # (the latest batch cannot simply continue: advance_batch)
+        super()._record_failed(failed)
 
     def take_failed_requests(self) -> list[FailedRequest]:
         """Failures recorded since the last call (the native node's steps read first), then

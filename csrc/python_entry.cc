@@ -896,6 +896,9 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //   the epoch to the ticket (not while capturing).
 // node_commit(node, handles): queue the waiting job with its inits' matchers (or, handles
 //   None, as a Python step).
+// node_repeat(node, tokens, epoch, ticketed) -> bool: queue the last job node_push queued
+//   again, with new tokens, where every request of it was generating with its token and no
+//   drafts (advance_batch's step); False: nothing queued.
 // node_push_python(node, epoch, ticketed, drops); node_drop(node, newest) -> bool: forget the oldest
 //   job, or the newest (the host side consumed its batch); node_set_slot(node, slot, handle,
 //   stopped).
@@ -1014,6 +1017,12 @@ struct HostNode {
   const int32_t* ticket = nullptr;
   int64_t ticket_ring = 1;
   std::vector<ObjectRef> slot_matcher;  // per slot: the FFI object a step runs, or none
+  // the last job node_push queued, where node_repeat may queue it again with new tokens:
+  // every entry a generation request carrying its token, with no drafts (`repeat_ok`); read
+  // and written under the GIL only (node_push, node_commit, node_push_python, node_repeat)
+  bool repeat_ok = false;
+  std::vector<NodeEntry> repeat_entries;
+  int64_t repeat_clear_rows = 0, repeat_batch = 0;
   std::vector<uint8_t> slot_kind;  // 0: no matcher, 1: native, 2: only Python can run it
   std::vector<uint8_t> slot_stopped;  // the drafting loop stopped guiding the slot
   std::vector<int32_t> slot_advanced;  // tokens the slot's matcher advanced in its last step
@@ -2233,12 +2242,23 @@ PyObject* NodePush(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     plain = offset >= 0 && PushOne(n, st, PyList_GET_ITEM(requests, i), i, offset, draft_len,
                                    from_buffer, &seen, &job, &inits);
   }
+  n->repeat_ok = false;
   if (!plain) Py_RETURN_FALSE;
   PyObject* result = Py_BuildValue("(NN)", IntList(inits.context),
                                    IntList(inits.disaggregated));
   if (result == nullptr) return nullptr;  // (nothing queued)
   std::vector<int64_t> slots = std::move(inits.context_slots);  // in the order returned
   slots.insert(slots.end(), inits.disaggregated_slots.begin(), inits.disaggregated_slots.end());
+  n->repeat_ok = slots.empty() && job.draft_len == 0 && job.drafts.empty();
+  for (size_t k = 0; n->repeat_ok && k < job.entries.size(); ++k) {
+    const NodeEntry& e = job.entries[k];
+    n->repeat_ok = !e.from_buffer && !e.fill_only && !e.skip && !e.fresh && e.num_drafts == 0;
+  }
+  if (n->repeat_ok) {
+    n->repeat_entries = job.entries;
+    n->repeat_clear_rows = job.clear_rows;
+    n->repeat_batch = PyList_GET_SIZE(requests);
+  }
   std::lock_guard<std::mutex> lock(n->mu);
   if (slots.empty()) {
     n->jobs.push_back(std::move(job));
@@ -2321,6 +2341,7 @@ PyObject* NodePushPython(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (n == nullptr) return nullptr;
   const long long epoch = PyLong_AsLongLong(args[1]);
   if (epoch == -1 && PyErr_Occurred()) return nullptr;
+  n->repeat_ok = false;
   NodeJob job;
   job.epoch = epoch;
   job.python = true;
@@ -2342,6 +2363,38 @@ PyObject* NodePushPython(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   n->jobs.push_back(std::move(job));
   n->job_cv.notify_all();
   Py_RETURN_NONE;
+}
+
+// node_repeat(node, tokens, epoch, ticketed) -> bool: queue the job node_push queued last
+// again as `epoch`'s, each entry's token tokens[its batch index] (a list, one item per request
+// of the batch); False (nothing queued) where that job cannot be repeated (it was not every
+// request generating with its token and no drafts, or another job was queued since) or a
+// token it reads is not an exact int in the vocabulary: the caller then queues the step as
+// add_batch does, which fails such a request alone.
+PyObject* NodeRepeat(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HostNode* n = NodeCall(args, nargs, 4, "node_repeat(node, tokens, epoch, ticketed)");
+  if (n == nullptr) return nullptr;
+  PyObject* tokens = args[1];
+  if (!PyList_CheckExact(tokens)) {
+    PyErr_SetString(PyExc_TypeError, "node_repeat: tokens must be a list");
+    return nullptr;
+  }
+  const long long epoch = PyLong_AsLongLong(args[2]);
+  if (epoch == -1 && PyErr_Occurred()) return nullptr;
+  if (!n->repeat_ok || PyList_GET_SIZE(tokens) != n->repeat_batch) Py_RETURN_FALSE;
+  NodeJob job;
+  job.epoch = epoch;
+  job.ticketed = PyObject_IsTrue(args[3]) == 1;
+  job.clear_rows = n->repeat_clear_rows;
+  job.entries = n->repeat_entries;
+  for (NodeEntry& e : job.entries) {
+    e.token = IndexValue(PyList_GET_ITEM(tokens, e.index), n->vocab_size);
+    if (e.token < 0) Py_RETURN_FALSE;
+  }
+  std::lock_guard<std::mutex> lock(n->mu);
+  n->jobs.push_back(std::move(job));
+  n->job_cv.notify_all();
+  Py_RETURN_TRUE;
 }
 
 // node_drop(node, newest) -> bool: forget the oldest queued job, or the newest (False: none
@@ -2687,6 +2740,8 @@ PyMethodDef g_methods[] = {
     {"node_push_python",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodePushPython)),
      METH_FASTCALL, "Queue a Python step."},
+    {"node_repeat", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeRepeat)),
+     METH_FASTCALL, "Queue the last plain job again with new tokens, or return False."},
     {"node_drop", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeDrop)),
      METH_FASTCALL, "Forget the oldest queued job."},
     {"node_set_slot", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeSetSlot)),

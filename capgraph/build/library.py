@@ -529,6 +529,7 @@ class HostNode:
                                             draft_fallback, ticket, ticket.data_ptr(),
                                             ticket_ring)
         self._push, self._push_python = module.node_push, module.node_push_python
+        self._repeat = module.node_repeat
         self._commit = module.node_commit
         self._drop, self._set_slot, self._take = (module.node_drop, module.node_set_slot,
                                                   module.node_take)
@@ -572,6 +573,14 @@ class HostNode:
         still runs the slots' previous matchers. ``handles`` None: queue a Python step instead
         (a matcher only Python can run was created)."""
         self._commit(self._capsule, handles)
+
+    def repeat(self, tokens: list, epoch: int, ticketed: bool) -> bool:
+        """Queue the job :meth:`push` queued last again as ``epoch``'s, each request's token
+        ``tokens[its batch index]`` (one item per request of that batch). False (nothing
+        queued) where that job was not every guided request generating with its own token and
+        no drafts, another job was queued since, or a token the job reads is not an exact
+        int in the vocabulary."""
+        return self._repeat(self._capsule, tokens, epoch, ticketed)
 
     def push_python(self, epoch: int, ticketed: bool, drops: Sequence[int] = ()) -> None:
         """Queue a Python step (the node calls ``fallback(epoch)`` under the GIL). ``drops``:

@@ -328,8 +328,8 @@ class _Engine:
         def step(bs: int):
             if self.guide_in_graph:
                 guide.tokens_ready()  # type: ignore[union-attr]
-                if _HOST_WORK_FIRST:  # (the host node then needs no kernel of the forward
-                    guide.prepare(bs * (1 + self.K))  # submitted before it: see above)
+                if _HOST_WORK_FIRST:  # (its host node and bitmask copy ahead of the forward)
+                    guide.prepare(bs * (1 + self.K))  # type: ignore[union-attr]
             logits = runner.forward_step(bs)
             if self.guide_in_graph:
                 guide.apply(logits)  # type: ignore[union-attr]

@@ -18,6 +18,7 @@ decoder instance's build and apply methods (the ones its NVTX ranges cover) to t
 from __future__ import annotations
 
 import functools
+import operator
 import time
 from contextlib import contextmanager
 from typing import Iterator, Sequence, TypeGuard
@@ -28,6 +29,7 @@ import hostfunc
 
 from ..capturable import CapturableGuidedDecoder
 from ..decoder import FailedRequest, GuidedDecoder
+from ..errors import LayoutError
 from ..requests import GuidedRequest
 from .scheduler import Sequence as Seq
 
@@ -101,6 +103,10 @@ class GuideDriver:
         # the same decoder, typed for the capturable protocol's calls (None if eager)
         self._capt = decoder if is_capturable(decoder) else None
         self._failed: list[FailedRequest] = []
+        # the latest batch's decode step, where it was one without drafts on the capturable
+        # decoder: (its sequences, its padded size); the next step of the same sequences is
+        # queued with advance_batch
+        self._last_decode: tuple[list[Seq], int | None] | None = None
 
     @property
     def capturable(self) -> bool:
@@ -117,8 +123,29 @@ class GuideDriver:
                      pad_to: int | None = None) -> None:
         """Snapshots of a decode step: the newest token, this step's drafts, and how many
         drafts the previous verification accepted. ``pad_to`` adds unguided placeholder
-        requests so the layout matches a padded (graph) batch."""
+        requests so the layout matches a padded (graph) batch. Without drafts, on the
+        capturable decoder, the same sequences as the latest decode step (same objects, same
+        order, same padding) are queued with ``advance_batch``: their newest tokens alone."""
         K = self.num_draft_tokens
+        last, self._last_decode = self._last_decode, None
+        if last is not None and last[1] == pad_to and len(last[0]) == len(seqs) \
+                and all(map(operator.is_, last[0], seqs)):
+            # the same sequences as the latest step: each advanced by its newest token, with
+            # no request object per row (placeholders read no token)
+            tokens = [s.output[-1] for s in seqs]
+            if pad_to is not None and pad_to > len(seqs):
+                tokens += [0] * (pad_to - len(seqs))
+            capt = self._capt
+            assert capt is not None
+            try:
+                capt.advance_batch(tokens)
+            except LayoutError:  # (a failure or a release since: the batch is made below)
+                pass
+            else:
+                self._last_decode = last
+                if pad_to is None:
+                    capt.prepare()
+                return
         chains = drafts if K and drafts is not None else None
         # (positional: GuidedRequest.generation's fields, without its keyword handling; the
         # lists are new, and the decoder takes the requests over)
@@ -127,10 +154,13 @@ class GuideDriver:
                               s.accepted_prev) for i, s in enumerate(seqs)]
         reqs += self._placeholders(len(seqs), pad_to or 0)
         self._begin(reqs, K, speculative=K > 0, graphed=pad_to is not None)
+        if self._capt is not None and not K:
+            self._last_decode = (list(seqs), pad_to)
 
     def begin_capture(self, batch_size: int) -> None:
         """Queue a batch of ``batch_size`` unguided placeholders for a graph capture to consume
         (the capture needs only its shapes)."""
+        self._last_decode = None
         self.decoder.add_batch(self._placeholders(0, batch_size),
                                runtime_draft_len=self.num_draft_tokens)
 
@@ -141,6 +171,7 @@ class GuideDriver:
     def _begin(self, reqs: list[GuidedRequest], draft_len: int, speculative: bool,
                graphed: bool = False) -> None:
         dec = self.decoder
+        self._last_decode = None
         if self._capt is not None:  # (the requests are this driver's own, made for this call)
             self._capt.add_batch(reqs, runtime_draft_len=draft_len, copy=False)
         else:

@@ -1,0 +1,329 @@
+"""``CapturableGuidedDecoder.advance_batch``: the next step of the latest batch from its tokens
+alone. On the CPU stand-in (a replayed HostGraph): every step masks, advances and fails as the
+same requests given to ``add_batch`` do, on the native node (where it queues the node's last
+job again) and on the Python callback; what it refuses is named and queues nothing; and
+``generate()``'s guide driver uses it for a decode step of the same sequences."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import hostfunc
+from capgraph import GuidedDecodingParams, LayoutError, TensorArgError
+from capgraph.capturable import CapturableGuidedDecoder
+from capgraph.decoder import GuidedDecoder
+from capgraph.requests import GuidedRequest
+from test_host_node import GUIDED, PythonOnly, capture, same, texts_of
+
+
+@pytest.fixture(scope="module")
+def factory(factory_cache):
+    return factory_cache("tekken")
+
+
+def context_requests(cases):
+    return [GuidedRequest.context(i, i, c.params) for i, c in enumerate(cases)]
+
+
+def generation_requests(cases, tokens):
+    return [GuidedRequest.generation(i, i, c.params, t) for i, (c, t) in enumerate(zip(cases, tokens))]
+
+
+class Repeats:
+    """Counts the native node's repeat calls that queued a job (the fast path)."""
+
+    def __init__(self, decoder: CapturableGuidedDecoder) -> None:
+        self.queued = 0
+        node = decoder._node
+        if node is None:
+            return
+        repeat = node.repeat
+
+        def counted(*args):
+            queued = repeat(*args)
+            self.queued += bool(queued)
+            return queued
+        node.repeat = counted  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("host_node,after_launch", [("native", False), ("native", True),
+                                                    ("python", False)],
+                         ids=["native", "native-after-launch", "python"])
+def test_advanced_steps_equal_add_batch_steps(factory, tekken, native_ok, host_node,
+                                              after_launch):
+    """Three schema/regex/EBNF requests: a context step by add_batch, then every step by
+    advance_batch with the requests' tokens. Each step's masked logits, token mask and
+    advance counts equal an eager GuidedDecoder's given the same requests; on the native
+    node every step after the first advanced one queues the node's job again (the first
+    advances the context batch, which makes generation requests of it), also with the batch
+    made after the replay's launch; on the Python callback each is an add_batch."""
+    V = factory.config.vocab_size_padded
+    cases = GUIDED[:3]
+    texts = texts_of(tekken, cases)
+    steps = min(len(t) for t in texts)
+    eager = GuidedDecoder(factory.config, 3, 0, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, 3, 0, factory=factory, host_node=host_node)
+    static = torch.zeros(3, V)
+    graph = capture(capt, context_requests(cases), static, prepare_first=True)
+    repeats = Repeats(capt)
+    if after_launch:
+        capt.set_batch_after_launch(5.0)
+    for step in range(steps):
+        logits = torch.randn(3, V, generator=torch.Generator().manual_seed(step))
+        tokens = [t[step - 1] for t in texts] if step else None
+        eager.add_batch(generation_requests(cases, tokens) if step else context_requests(cases))
+        expect = logits.clone()
+        assert eager.execute(expect) == []
+        static.copy_(logits)
+        if step == 0:  # the context step: add_batch, then its step (eager after launch)
+            capt.add_batch(context_requests(cases))
+            capt.execute(static) if after_launch else graph.replay()
+        elif after_launch:
+            graph.replay()
+            capt.advance_batch(tokens)
+        else:
+            capt.advance_batch(tokens)
+            graph.replay()
+        hostfunc.drain()
+        assert capt.take_failed_requests() == []
+        assert same(static, expect), f"step {step}"
+        assert torch.isneginf(static).any()
+        assert torch.equal(capt.token_mask_host[:3], eager.token_mask_host[:3])
+        assert capt.num_advanced_tokens == eager.num_advanced_tokens
+    assert repeats.queued == (steps - 2 if host_node == "native" else 0)
+    if host_node == "native":
+        assert capt.host_node_stats.python_runs == 0
+    graph.reset()
+    capt.close()
+    eager.close()
+
+
+def test_advance_batch_refusals_are_named_and_queue_nothing(factory, tekken, native_ok):
+    """What advance_batch cannot continue is a LayoutError (or, for a device tensor, a
+    TensorArgError) that names it, with nothing queued: no batch yet; a token count other
+    than the batch's; a batch with drafts; a context request before its last chunk; a
+    request that failed since the batch was queued (until add_batch makes a new batch); a
+    released slot. A bad token on the native node's path fails its request alone, as
+    add_batch would."""
+    cases = GUIDED[:2]
+    texts = texts_of(tekken, cases)
+    V = factory.config.vocab_size_padded
+    capt = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_node="native")
+    with pytest.raises(LayoutError, match="no batch to advance"):
+        capt.advance_batch([1, 2])
+    static = torch.zeros(2 * 3, V)
+    graph = capture(capt, context_requests(cases), static)
+    capt.add_batch(context_requests(cases), runtime_draft_len=0)
+    graph.replay()
+    hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    with pytest.raises(LayoutError, match="3 tokens for the latest batch's 2 requests"):
+        capt.advance_batch([1, 2, 3])
+    with pytest.raises(LayoutError, match="must be a sequence of token ids, got int"):
+        capt.advance_batch(7)
+    with pytest.raises(TensorArgError, match="meta tensor"):
+        capt.advance_batch(torch.zeros(2, dtype=torch.int64, device="meta"))
+    assert capt.queued_batches == 0
+    # a batch with drafts
+    capt.add_batch([GuidedRequest.generation(i, i, c.params, texts[i][0], draft_tokens=[1, 2])
+                    for i, c in enumerate(cases)], runtime_draft_len=2)
+    with pytest.raises(LayoutError, match="without drafts; the latest has runtime draft length 2"):
+        capt.advance_batch([texts[0][1], texts[1][1]])
+    assert capt.queued_batches == 1
+    capt.discard_queued_batches()
+    # a context request before its last chunk
+    capt.add_batch([GuidedRequest.context(7, 0, cases[0].params, last_chunk=False),
+                    GuidedRequest.generation(1, 1, cases[1].params, texts[1][0])],
+                   runtime_draft_len=0)
+    with pytest.raises(LayoutError, match="request 7 .batch index 0. is a context request "
+                                          "before its last chunk"):
+        capt.advance_batch([5, texts[1][1]])
+    assert capt.queued_batches == 1
+    capt.discard_queued_batches()
+    capt.close()
+    graph.reset()
+
+    # a failure since the batch was queued, and a release
+    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="native")
+    static = torch.zeros(2, V)
+    graph = capture(capt, context_requests(cases), static)
+    capt.add_batch(context_requests(cases))
+    graph.replay()
+    hostfunc.drain()
+    capt.add_batch(generation_requests(cases, [texts[0][0], texts[1][0]]))
+    graph.replay()
+    hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    repeats = Repeats(capt)
+    eos = tekken.eos_token_id  # (a stop token: not allowed before a guide's end)
+    capt.advance_batch([texts[0][1], V + 5])  # (not a token: request 1 fails alone)
+    graph.replay()
+    hostfunc.drain()
+    (failed_id, message), = capt.take_failed_requests()
+    assert failed_id == 1 and "outside the vocabulary" in message
+    assert repeats.queued == 0  # (the node's job cannot hold it: the step was add_batch's)
+    with pytest.raises(LayoutError, match="a request failed or a slot was released since"):
+        capt.advance_batch([texts[0][2], texts[1][2]])
+    assert capt.queued_batches == 0
+    capt.add_batch([GuidedRequest.generation(0, 0, cases[0].params, texts[0][2]),
+                    GuidedRequest.placeholder(-1)])
+    graph.replay()
+    hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    capt.advance_batch([texts[0][3], 0])  # (a new batch: it continues again)
+    graph.replay()
+    hostfunc.drain()
+    assert capt.take_failed_requests() == [] and repeats.queued == 1
+    capt.advance_batch([eos, 0])
+    graph.replay()
+    hostfunc.drain()
+    (failed_id, message), = capt.take_failed_requests()
+    assert failed_id == 0
+    capt.add_batch([GuidedRequest.placeholder(-1), GuidedRequest.placeholder(-2)])
+    graph.replay()
+    hostfunc.drain()
+    capt.release(0)
+    with pytest.raises(LayoutError, match="a request failed or a slot was released since"):
+        capt.advance_batch([0, 0])
+    graph.reset()
+    capt.close()
+
+
+def test_a_python_step_of_an_advanced_batch_reads_its_tokens(factory, tekken, native_ok):
+    """A slot whose matcher only Python can run makes the node's step of an advanced batch a
+    Python step: it feeds each request the token advance_batch gave (written into the
+    batch's requests when Python takes the step), so the masks equal the eager decoder's;
+    the next steps run natively again."""
+    V = factory.config.vocab_size_padded
+    cases = GUIDED[:2]
+    texts = texts_of(tekken, cases)
+    steps = min(6, min(len(t) for t in texts))
+    eager = GuidedDecoder(factory.config, 2, 0, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="native")
+    static = torch.zeros(2, V)
+    graph = capture(capt, context_requests(cases), static)
+    for step in range(steps):
+        tokens = [t[step - 1] for t in texts] if step else None
+        eager.add_batch(generation_requests(cases, tokens) if step else context_requests(cases))
+        expect = torch.zeros(2, V)
+        assert eager.execute(expect) == []
+        if step == 3:
+            capt.grammar_matchers[0] = PythonOnly(capt.grammar_matchers[0])
+        elif step == 4:
+            capt.grammar_matchers[0] = capt.grammar_matchers[0]._inner
+        static.zero_()
+        if step == 0:
+            capt.add_batch(context_requests(cases))
+        else:
+            capt.advance_batch(tokens)
+        graph.replay()
+        hostfunc.drain()
+        assert capt.take_failed_requests() == []
+        assert same(static, expect), f"step {step}"
+    assert capt.host_node_stats.python_runs == 1
+    graph.reset()
+    capt.close()
+    eager.close()
+
+
+def test_an_advance_behind_a_queued_step_is_an_add_batch(factory, tekken, native_ok):
+    """Run ahead of the stream (the previous step still queued behind a 100 ms native spin,
+    the forward's stand-in), advance_batch makes the requests and queues them as add_batch
+    does, ticket and all: both steps then mask as two add_batch calls would."""
+    from hostfunc.native import test_functions
+
+    V = factory.config.vocab_size_padded
+    cases = GUIDED[:2]
+    texts = texts_of(tekken, cases)
+    eager = GuidedDecoder(factory.config, 2, 0, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="native")
+    static = torch.zeros(2, V)
+    capt.add_batch(context_requests(cases))
+    graph = hostfunc.HostGraph()
+    with hostfunc.capture(graph):
+        hostfunc.launch_native(test_functions().spin_ns, 100_000_000)
+        capt.execute(static)
+    capt.add_batch(context_requests(cases))
+    graph.replay()
+    hostfunc.drain()
+    eager.add_batch(context_requests(cases))
+    eager.execute(torch.zeros(2, V))
+    repeats = Repeats(capt)
+    expected = []
+    for k in (0, 1):
+        eager.add_batch(generation_requests(cases, [t[k] for t in texts]))
+        expect = torch.zeros(2, V)
+        assert eager.execute(expect) == []
+        expected.append(expect)
+    static.zero_()
+    capt.add_batch(generation_requests(cases, [t[0] for t in texts]))
+    graph.replay()
+    capt.advance_batch([t[1] for t in texts])  # (the step before it has not run)
+    assert capt.queued_batches == 2 and repeats.queued == 0
+    hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    assert same(static, expected[0])
+    static.zero_()
+    graph.replay()
+    hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    assert same(static, expected[1])
+    graph.reset()
+    capt.close()
+    eager.close()
+
+
+def test_the_guide_driver_advances_a_decode_step_of_the_same_sequences(factory):
+    """GuideDriver.begin_decode queues a decode step of the same sequences (same objects,
+    order and padding) as the latest decode step with advance_batch (their newest tokens,
+    placeholders' zeros); a context step, another set of sequences, other padding, a capture's
+    batch or an advance_batch refusal make the step with add_batch; the eager decoder and a
+    loop with drafts always do."""
+    from capgraph.runtime.guide import GuideDriver
+
+    params = GuidedDecodingParams.regex("[ab]+")
+    seqs = [SimpleNamespace(index=7 + i, seq_slot=i, guide=params, output=[3, 4 + i],
+                            accepted_prev=0) for i in range(2)]
+    for make, drafts in ((CapturableGuidedDecoder, 0), (GuidedDecoder, 0),
+                         (CapturableGuidedDecoder, 2)):
+        decoder = make(factory.config, 3, drafts, factory=factory)
+        driver = GuideDriver(decoder, drafts)
+        calls: list = []
+        refuse = []
+        decoder.add_batch = lambda reqs, *a, **k: calls.append(("add", len(reqs)))  # type: ignore[method-assign]
+
+        def advance(tokens):
+            if refuse:
+                raise LayoutError("refused")
+            calls.append(("advance", list(tokens)))
+        decoder.advance_batch = advance  # type: ignore[attr-defined]
+        decoder.rollback_rejected_batch = lambda *a, **k: None  # type: ignore[attr-defined]
+        decoder.prepare = lambda *a, **k: None  # type: ignore[method-assign]
+        chains = [[1] * drafts, [2] * drafts] if drafts else None
+        driver.begin_decode(seqs, chains, pad_to=3)
+        seqs[0].output.append(9)
+        driver.begin_decode(seqs, chains, pad_to=3)
+        driver.begin_decode(seqs, chains, pad_to=3)
+        driver.begin_decode(seqs, chains, pad_to=4)  # other padding
+        driver.begin_decode(list(seqs), chains, pad_to=4)  # (a new list of the same objects)
+        driver.begin_context(seqs[:1])
+        driver.begin_decode(seqs, chains, pad_to=4)
+        driver.begin_decode(seqs[:1], chains, pad_to=4)  # other sequences
+        driver.begin_capture(4)
+        driver.begin_decode(seqs[:1], chains, pad_to=4)
+        refuse.append(True)
+        driver.begin_decode(seqs[:1], chains, pad_to=4)  # refused: add_batch
+        refuse.clear()
+        driver.begin_decode(seqs[:1], chains, pad_to=None)  # unpadded: other padding
+        driver.begin_decode(seqs[:1], chains, pad_to=None)
+        if make is CapturableGuidedDecoder and not drafts:
+            assert calls == [("add", 3), ("advance", [9, 5, 0]), ("advance", [9, 5, 0]),
+                             ("add", 4), ("advance", [9, 5, 0, 0]), ("add", 1), ("add", 4),
+                             ("add", 4), ("add", 4), ("add", 4), ("add", 4), ("add", 1),
+                             ("advance", [9])]
+        else:
+            assert all(kind == "add" for kind, _ in calls) and len(calls) == 13
+        driver.close()
