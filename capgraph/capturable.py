@@ -468,9 +468,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
             LayoutError: no batch was queued since the decoder began; the latest batch has
                 drafts (a runtime draft length above 0) or draft requests, or a context
                 request before its last chunk; ``new_tokens`` does not hold one entry per
-                request; or since that batch was queued a request failed (here or in a step)
-                or a slot was released, so it cannot simply continue: make the next batch
-                with ``add_batch``. Nothing is queued.
+                request; since that batch's ``add_batch`` began a request failed (there or
+                in a step) or a slot was released; or its step did not run (discarded, a capture's, a
+                queue error): it cannot simply continue, so make the next batch with
+                ``add_batch``. Nothing is queued.
             TensorArgError: ``new_tokens`` is a device tensor (reading it here would wait for
                 the stream: give the tokens on the host, or pass the tensor to ``add_batch``).
             QueueEpochError, DecoderClosedError: as for ``add_batch``.
@@ -493,11 +494,17 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if self._events != last.events:
             raise LayoutError(
                 "advance_batch: a request failed or a slot was released since the latest "
-                "batch was queued (take_failed_requests() names the failures), so that batch "
-                "cannot simply continue: make the next batch with add_batch")
+                "batch's add_batch began (take_failed_requests() names the failures), so that "
+                "batch cannot simply continue: make the next batch with add_batch")
+        queued = bool(self._queue) and self._queue[-1] is last
+        if not queued and self._ran_epoch != last.epoch:
+            raise LayoutError(
+                "advance_batch: the latest batch's step did not run (discarded, taken by a "
+                "capture for its shapes, or consumed by a queue error), so its matchers did "
+                "not take its tokens: make the next batch with add_batch")
         node = self._node
         if node is not None and self._node_active and not self._queue \
-                and self._ran_epoch == last.epoch and not self._streams.is_capturing():
+                and not self._streams.is_capturing():
             epoch = self._put_epoch + 1
             if node.repeat(tokens, epoch, not after_launch):
                 self._put_epoch = epoch
@@ -840,7 +847,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if not capturing and not self.active and not self._prepared and self._stream_idle():
             # nothing guided and nothing queued that reads the token mask or the slots (an
             # earlier step the host ran ahead of): enqueue nothing at all, consume here
+            last = self._queue[-1] if self._queue else None
             self._consume_put()
+            if last is not None:  # (its step had nothing to run: advance_batch continues it)
+                self._ran_epoch = last.epoch
             self._clear_token_mask()
             return
         if not self._prepared:

@@ -106,8 +106,8 @@ def test_advance_batch_refusals_are_named_and_queue_nothing(factory, tekken, nat
     TensorArgError) that names it, with nothing queued: no batch yet; a token count other
     than the batch's; a batch with drafts; a context request before its last chunk; a
     request that failed since the batch was queued (until add_batch makes a new batch); a
-    released slot. A bad token on the native node's path fails its request alone, as
-    add_batch would."""
+    released slot; a batch whose step never ran (discarded). A bad token on the native
+    node's path fails its request alone, as add_batch would."""
     cases = GUIDED[:2]
     texts = texts_of(tekken, cases)
     V = factory.config.vocab_size_padded
@@ -143,6 +143,9 @@ def test_advance_batch_refusals_are_named_and_queue_nothing(factory, tekken, nat
         capt.advance_batch([5, texts[1][1]])
     assert capt.queued_batches == 1
     capt.discard_queued_batches()
+    # the latest batch discarded: its step never ran
+    with pytest.raises(LayoutError, match="latest batch's step did not run"):
+        capt.advance_batch([5, texts[1][1]])
     capt.close()
     graph.reset()
 
