@@ -330,3 +330,77 @@ def test_the_guide_driver_advances_a_decode_step_of_the_same_sequences(factory):
         else:
             assert all(kind == "add" for kind, _ in calls) and len(calls) == 13
         driver.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device: torch.cuda.is_available() is False")
+@pytest.mark.parametrize("after_launch", [False, True], ids=["batch-before", "batch-after"])
+def test_advanced_steps_in_a_cuda_graph_decode_what_eager_decodes(factory_cache, native_ok,
+                                                                  after_launch):
+    """In a real torch.cuda.CUDAGraph of (host work prepared first, forward, execute, greedy
+    sample), 4 requests under the tool-call schema decoded with a context step by add_batch
+    and every later step by advance_batch (the batch made before the replay, or after its
+    launch) give the eager GuidedDecoder loop's tokens, every step run natively and every step
+    after the first advanced one queued as the node's job again."""
+    from test_capturable_gpu import ToyModel, _decode, _tool_schema
+
+    from capgraph import GuidedDecodingParams, GuideType
+    factory = factory_cache("tekken")
+    params = GuidedDecodingParams(GuideType.JSON_SCHEMA, _tool_schema())
+    batch, steps, V = 4, 48, factory.config.vocab_size_padded
+    expected = _decode(GuidedDecoder, factory, params, batch, steps, graph=False)
+    model = ToyModel(V, batch)
+    dec = CapturableGuidedDecoder(factory.config, batch, 0, device="cuda", factory=factory,
+                                  host_node="native")
+    context = [GuidedRequest.context(i, i, params) for i in range(batch)]
+
+    def step_fn() -> None:
+        dec.record_tokens_ready()
+        dec.prepare(batch)
+        model.forward()
+        dec.execute(model.logits)
+        model.tokens.copy_(model.logits.argmax(-1))
+
+    dec.add_batch(context)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), dec.warmup():
+        for _ in range(2):
+            step_fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step_fn()
+    model.tokens.zero_()
+    repeats = Repeats(dec)
+    out: list[list[int]] = [[] for _ in range(batch)]
+    dec.add_batch(context)
+    graph.replay()
+    if after_launch:
+        dec.set_batch_after_launch(10.0)
+    ran = 1
+    for _ in range(steps - 1):
+        torch.cuda.synchronize()
+        assert dec.take_failed_requests() == []
+        for i, t in enumerate(model.tokens.tolist()):
+            out[i].append(t)
+        if all(dec.grammar_matchers[i].is_terminated() for i in range(batch)):
+            break
+        tokens = [o[-1] for o in out]
+        if after_launch:
+            graph.replay()
+            dec.advance_batch(tokens)
+        else:
+            dec.advance_batch(tokens)
+            graph.replay()
+        ran += 1
+    torch.cuda.synchronize()
+    assert dec.take_failed_requests() == []
+    assert out == [o[:len(out[0])] for o in expected]
+    stats = dec.host_node_stats
+    assert stats.python_runs == 0 and stats.runs == ran
+    assert repeats.queued == ran - 2
+    graph.reset()
+    dec.close()

@@ -14,7 +14,7 @@
 #                       library and hostfunc's lane compiled here, not inside a test's box
 #   gpu-tests      150  pytest -m gpu on the open issues' files: native host node, pipelined
 #                       steps, native host functions, draft trees, grammar drafts, capturable decoder,
-#                       runtime
+#                       runtime, advance_batch
 #   gpu-tests-rest  60  pytest -m gpu on every other file (the op and kernel tests among them)
 #   bench-kernel    25  tools/bench_kernel.py: the mask kernel's rmw, ahead and store variants
 #                       (timed in turn on the same inputs) against xgrammar's Triton kernel,
@@ -104,7 +104,7 @@ lane_library(); print('hostfunc lane compiled and loaded')"
 # every other file in another, so that neither can cut the other
 FIRST=(tests/test_host_node_gpu.py tests/test_pipelined_steps.py tests/test_hostfunc_native_gpu.py
        tests/test_draft_trees_gpu.py tests/test_grammar_drafts.py
-       tests/test_capturable_gpu.py tests/test_runtime.py)
+       tests/test_capturable_gpu.py tests/test_runtime.py tests/test_advance_batch.py)
 REST=()
 for f in tests/test_*.py; do
   case " ${FIRST[*]} " in *" $f "*) ;; *) REST+=("$f") ;; esac
