@@ -1490,6 +1490,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
             mirror(slot)
         self._node_hook = _collect_hook(self)
         hostfunc.add_drain_hook(self._node_hook)
+        # a decoder dropped without close(): a replayed step waiting for its batch after the
+        # launch goes at once (it masks nothing), as close() lets it, not at its timeout
+        self._node_finalizer = weakref.finalize(self, node.set_batch_wait, 0)
+        self._node_finalizer.atexit = False
         return "native"
 
     def _host_node_unavailable(self) -> str | None:

@@ -1213,6 +1213,32 @@ class _SlowId(GuidedRequest):
         pass
 
 
+def test_a_decoder_dropped_while_its_step_waits_for_its_batch_lets_it_go(factory, native_ok):
+    """A decoder dropped without close() while a replayed step waits for its batch after the
+    launch (30 s allowed) lets that step go when it is collected, as close() does: the stream
+    drains at once (the step masks nothing), not at the wait's end. (The graph holds only the
+    node and the bitmask copy, so nothing else keeps the decoder.)"""
+    case = GUIDED[0]
+    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="native")
+    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
+    graph = hostfunc.HostGraph()
+    with hostfunc.capture(graph):
+        capt.record_tokens_ready()
+        capt.prepare(1)
+    capt.add_batch([GuidedRequest.context(1, 0, case.params)])
+    graph.replay()
+    hostfunc.drain()
+    capt.set_batch_after_launch(30.0)
+    graph.replay()
+    time.sleep(0.05)  # (the node has started and waits)
+    start = time.perf_counter()
+    del capt
+    gc.collect()
+    hostfunc.drain()
+    assert time.perf_counter() - start < 5.0
+    graph.reset()
+
+
 def test_a_batch_after_launch_that_outlives_the_wait_drops_its_slots_on_resume(
         factory, tekken, native_ok):
     """A step's wait runs out while its add_batch is under way (after the batch was collected
