@@ -285,8 +285,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
         Where a replay's ``add_batch`` raised, ``add_batch([])`` gives the waiting step an
         empty batch: it masks nothing (the step's tokens were sampled unguided: feed its
-        requests again). ``set_batch_after_launch(None)`` (or ``close()``) also lets a waiting
-        step go (it masks nothing and reports a ``QueueEpochError`` at the next drain); switch
+        requests again). ``set_batch_after_launch(None)`` (or ``close()``, or the decoder's
+        collection without it) also lets a waiting step go (it masks nothing and reports a ``QueueEpochError`` at the next drain); switch
         the mode on again only after the stream has synchronised, or that step may take the
         next batch. A replay with no batch within ``timeout_s`` reports a ``QueueEpochError``
         and stops the mode: every later step masks nothing and reports one (a batch that came
