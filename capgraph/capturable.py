@@ -123,6 +123,7 @@ def _callback(name: str) -> Callable:
                 # matcher dropped (the fault may have left it half advanced), reported once;
                 # the native node's steps up to this one are read first (they name the batch)
                 self._node_collect()
+                self._events += 1  # (advance_batch: the batch cannot simply continue)
                 batch = self.requests_hostfunc
                 ids = self._fail_batch(batch, f"{name}: {type(e).__name__}: {e}") \
                     if batch else []
@@ -223,6 +224,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._last_put: _Put | None = None  # the latest put (the batch advance_batch advances)
         self._ran_epoch = 0  # the latest put whose step ran (natively or in Python)
         self._events = 0  # failures recorded and slots released (see advance_batch)
+        self._popped = False  # fetch_batch's _pop took its put off the queue
         self._warmup = 0
         self._prepared = False
         #: the prepared step's execute was refused (its logits): the next add_batch leaves it
@@ -451,24 +453,25 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
         What ``add_batch`` would queue for the same requests one step later (a context request
         at its last chunk becomes a generation request, a disaggregated first step a plain
-        one; unguided requests stay as they are), made without those objects where the
-        native host node runs the steps: it queues the node's previous job again with the
-        new tokens, which costs about as much as a list of the tokens. Elsewhere (the Python
-        host node, a batch the node did not run natively, a step of the latest batch still
-        queued, a token that is not an exact int in the vocabulary) it makes the requests
-        and queues them as ``add_batch`` does, with the same outcome. Works with the batch
-        after launch (:meth:`set_batch_after_launch`): the tokens come with the call.
+        one; unguided requests stay as they are). Where the native node's latest job is every
+        guided request generating with its own token (no drafts, no new matcher), it queues
+        that job again with the new tokens, which costs about as much as the list of tokens.
+        Elsewhere (the Python host node, a context or disaggregated first step, a step of the
+        latest batch still queued, a token that is not an exact int in the vocabulary) it
+        makes the requests and queues them as ``add_batch`` does. The tokens are read at the
+        call (the caller may refill its list at once). Works with the batch after launch
+        (:meth:`set_batch_after_launch`): the tokens come with the call.
 
         Args:
             new_tokens: one token id per request of the latest batch, in batch order (an
-                unguided request's entry is not read); a list, tuple, NumPy array or CPU
-                tensor.
+                unguided request's entry is not read); a list, tuple, or a ``[n]`` or
+                ``[n, 1]`` NumPy array or CPU tensor.
 
         Raises:
             LayoutError: no batch was queued since the decoder began; the latest batch has
                 drafts (a runtime draft length above 0) or draft requests, or a context
                 request before its last chunk; ``new_tokens`` does not hold one entry per
-                request; since that batch's ``add_batch`` began a request failed (there or
+                request, or is an array of another shape; since that batch's ``add_batch`` began a request failed (there or
                 in a step) or a slot was released; or its step did not run (discarded, a capture's, a
                 queue error): it cannot simply continue, so make the next batch with
                 ``add_batch``. Nothing is queued.
@@ -489,6 +492,16 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 "batch with add_batch")
         tokens = self._advance_tokens(new_tokens, len(batch.requests))
         after_launch = self._after_launch_now()
+        with self._collect_lock:  # (a step taking its put reads and writes these together)
+            if self._advance_queued(last, batch, tokens, after_launch):
+                return
+        self._queue_batch(self._advanced_requests(batch, tokens), None, 0, False,
+                          after_launch)
+
+    def _advance_queued(self, last: _Put, batch: GuidedRequests, tokens: list,
+                        after_launch: bool) -> bool:
+        """advance_batch's checks, and its step queued as the native node's last job again
+        where it can be (True); False: queue it as add_batch does."""
         if self._node_active:
             self._node_collect()  # (the failures of the steps that ran so far)
         if self._events != last.events:
@@ -519,31 +532,38 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 if self._prepared_refused:  # (as in _queue_batch)
                     self._prepared = self._prepared_refused = False
                 self._streams.record_tokens()
-                return
-        self._queue_batch(self._advanced_requests(batch, tokens), None, 0, False,
-                          after_launch)
+                return True
+        return False
 
     @staticmethod
     def _advance_tokens(new_tokens: object, count: int) -> list:
-        """advance_batch's tokens as a list of ``count`` items (values checked later)."""
-        if isinstance(new_tokens, torch.Tensor):
-            if new_tokens.device.type != "cpu":
-                raise TensorArgError(
-                    f"advance_batch: new_tokens is a {new_tokens.device} tensor; reading it "
-                    "on the host would wait for the stream: give the tokens on the host, or "
-                    "pass the tensor to add_batch(requests, new_tokens)")
-            new_tokens = new_tokens.tolist()
-        elif hasattr(new_tokens, "tolist") and not isinstance(new_tokens, (str, bytes)):
-            new_tokens = new_tokens.tolist()  # type: ignore[union-attr]  # (a NumPy array)
-        if type(new_tokens) is tuple:
-            new_tokens = list(new_tokens)
-        if type(new_tokens) is not list:
+        """advance_batch's tokens as a new list of ``count`` items (values checked later: the
+        caller may refill its own list or array as soon as the call returns)."""
+        if isinstance(new_tokens, torch.Tensor) and new_tokens.device.type != "cpu":
+            raise TensorArgError(
+                f"advance_batch: new_tokens is a {new_tokens.device} tensor; reading it on the "
+                "host would wait for the stream: give the tokens on the host, or pass the "
+                "tensor to add_batch(requests, new_tokens)")
+        shape = getattr(new_tokens, "shape", None)
+        tokens: list
+        if shape is not None and hasattr(new_tokens, "tolist"):  # a tensor or an array
+            array: Any = new_tokens
+            if len(shape) == 2 and shape[1] == 1:  # (a sampler's column)
+                shape = shape[:1]
+                array = array.reshape(-1)
+            if len(shape) != 1:
+                raise LayoutError(f"advance_batch: new_tokens has shape {tuple(shape)}; it "
+                                  "takes one token id per request ([n] or [n, 1])")
+            tokens = array.tolist()
+        elif isinstance(new_tokens, (list, tuple)):
+            tokens = list(new_tokens)
+        else:
             raise LayoutError(f"advance_batch: new_tokens must be a sequence of token ids, "
                               f"got {type(new_tokens).__name__}")
-        if len(new_tokens) != count:
-            raise LayoutError(f"advance_batch: {len(new_tokens)} tokens for the latest "
+        if len(tokens) != count:
+            raise LayoutError(f"advance_batch: {len(tokens)} tokens for the latest "
                               f"batch's {count} requests (one per request, in batch order)")
-        return new_tokens
+        return tokens
 
     @staticmethod
     def _advanced_requests(batch: GuidedRequests, tokens: list) -> list[GuidedRequest]:
@@ -1189,7 +1209,13 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self.requests_hostfunc = None
             return
         self._node_collect()  # (the batches the native node has run leave the queue first)
-        taken, error = self._take_put()
+        with self._collect_lock:  # (advance_batch reads the queue and _ran_epoch together)
+            taken, error = self._take_put()
+            self._popped = True
+            if error is None:
+                self._ran_epoch = taken[-1].epoch
+            else:
+                self._events += 1  # (a step that masks nothing: no batch of it continues)
         if self._node_active and not self._in_node:
             for _ in taken:  # (Python takes them: their jobs go)
                 self._node.drop()  # type: ignore[union-attr]
@@ -1202,7 +1228,6 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._clear_token_mask()
             raise QueueEpochError(error)
         put = taken[-1]
-        self._ran_epoch = put.epoch
         if put.tokens is not None:  # (an advance_batch step: the requests are shared)
             for req, token in zip(put.batch.requests, put.tokens):
                 if req.guided_decoding_params is not None:
@@ -1271,7 +1296,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     @_callback("fetch_batch")
     def fetch_batch(self, rows: int | None = None) -> None:
-        before = self.requests_hostfunc
+        self._popped = False
         try:
             self._pop()
             batch = self.requests_hostfunc
@@ -1284,7 +1309,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
             # A fault before the pop would leave this step's batch queued (the next step then
             # out of step) and blame the previous batch: take it off the queue and name it.
             batch = self.requests_hostfunc
-            if batch is before and self._queue:
+            self._events += 1  # (the step masks nothing: no batch of it continues)
+            if not self._popped and self._queue:
                 taken, _ = self._take_put()
                 if self._node_active and not self._in_node:
                     for _ in taken:
@@ -1629,6 +1655,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
             for index, values in columns:
                 reqs[index].new_token, reqs[index].draft_tokens = values[0], values[1:]
         if unusual is not None:
+            if put.tokens is not None:  # (an advance_batch step: its requests are shared)
+                for i, _, _ in unusual:
+                    batch.requests[i].new_token = put.tokens[i]
             outcomes: list = []
             others = frozenset(stale)
             self.host_build._statuses(  # type: ignore[attr-defined]

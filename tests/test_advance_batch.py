@@ -404,3 +404,152 @@ def test_advanced_steps_in_a_cuda_graph_decode_what_eager_decodes(factory_cache,
     assert repeats.queued == ran - 2
     graph.reset()
     dec.close()
+
+
+def _after_two_steps(factory, tekken, cases):
+    """A native-node decoder whose captured step has run ``cases``' context step and their
+    first generation step (add_batch both): ``(decoder, graph, static logits, texts)``."""
+    V = factory.config.vocab_size_padded
+    texts = texts_of(tekken, cases)
+    capt = CapturableGuidedDecoder(factory.config, len(cases), 0, factory=factory,
+                                   host_node="native")
+    static = torch.zeros(len(cases), V)
+    graph = capture(capt, context_requests(cases), static)
+    for batch in (context_requests(cases), generation_requests(cases, [t[0] for t in texts])):
+        capt.add_batch(batch)
+        graph.replay()
+        hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    return capt, graph, static, texts
+
+
+def test_a_refused_token_is_named_as_add_batch_names_it(factory, tekken, native_ok):
+    """A token the grammar refuses, given to advance_batch and run natively: the request's
+    failure names that token, word for word as add_batch's does."""
+    cases = GUIDED[:1]
+    stop = tekken.eos_token_id  # (a stop token: not allowed before the guide's end)
+    messages = []
+    for how in ("add_batch", "advance_batch"):
+        capt, graph, _static, _texts = _after_two_steps(factory, tekken, cases)
+        repeats = Repeats(capt)
+        if how == "add_batch":
+            capt.add_batch(generation_requests(cases, [stop]))
+        else:
+            capt.advance_batch([stop])
+        graph.replay()
+        hostfunc.drain()
+        (_, message), = capt.take_failed_requests()
+        messages.append(message)
+        assert repeats.queued == (how == "advance_batch")
+        graph.reset()
+        capt.close()
+    assert f"new_token {stop} " in messages[0]
+    assert messages[1] == messages[0]
+
+
+def test_the_tokens_are_read_at_the_call(factory, tekken, native_ok):
+    """advance_batch reads its tokens at the call: a caller refilling its list right after
+    it changes nothing, also where the node hands the step to Python (a slot only Python can
+    run), which takes the tokens when the step runs. Regex c(aa|bb)d after "ca": the step fed
+    'a' allows 'a' next and masks 'b'."""
+    from capgraph.tokenizers import encode_continuation
+
+    V = factory.config.vocab_size_padded
+    a, = encode_continuation(tekken, "a")
+    b, = encode_continuation(tekken, "b")
+    c, = encode_continuation(tekken, "c")
+    params = GuidedDecodingParams.regex("c(aa|bb)d")
+    capt = CapturableGuidedDecoder(factory.config, 1, 0, factory=factory, host_node="native")
+    static = torch.zeros(1, V)
+    graph = capture(capt, [GuidedRequest.context(0, 0, params)], static)
+    for batch in ([GuidedRequest.context(0, 0, params)],
+                  [GuidedRequest.generation(0, 0, params, c)]):
+        capt.add_batch(batch)
+        graph.replay()
+        hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    capt.grammar_matchers[0] = PythonOnly(capt.grammar_matchers[0])
+    tokens = [a]
+    capt.advance_batch(tokens)
+    tokens[0] = b  # (the caller's next step)
+    static.zero_()
+    graph.replay()
+    hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    assert capt.host_node_stats.python_runs == 1
+    assert static[0, a] == 0 and torch.isneginf(static[0, b])
+    graph.reset()
+    capt.close()
+
+
+def test_a_column_of_tokens_is_taken_and_other_shapes_are_refused(factory, tekken, native_ok):
+    """A sampler's ``[n, 1]`` CPU tensor (or array) is taken as ``[n]``; a tensor of another
+    shape is a LayoutError naming it, with nothing queued."""
+    import numpy as np
+
+    cases = GUIDED[:2]
+    capt, graph, _static, texts = _after_two_steps(factory, tekken, cases)
+    with pytest.raises(LayoutError, match=r"shape \(2, 2\)"):
+        capt.advance_batch(torch.zeros(2, 2, dtype=torch.int64))
+    assert capt.queued_batches == 0
+    for k, make in ((1, torch.tensor), (2, np.array)):
+        capt.advance_batch(make([[texts[0][k]], [texts[1][k]]]))
+        graph.replay()
+        hostfunc.drain()
+        assert capt.take_failed_requests() == []
+    assert capt.num_advanced_tokens[:2] == [1, 1]
+    graph.reset()
+    capt.close()
+
+
+@pytest.mark.parametrize("how", ["add_batch", "advance_batch"])
+def test_a_fault_in_a_python_step_of_a_shared_batch_fails_its_requests(factory, tekken,
+                                                                        native_ok, how):
+    """A fault after a Python step of the node took its batch (injected into the past-rows
+    check), with the next step already queued behind a 100 ms native spin: every request of
+    the step is reported failed, whether the step's batch came from add_batch or is the
+    previous batch shared by advance_batch; and advance_batch then refuses to continue."""
+    from hostfunc.native import test_functions
+
+    V = factory.config.vocab_size_padded
+    cases = GUIDED[:2]
+    texts = texts_of(tekken, cases)
+    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="native")
+    static = torch.zeros(2, V)
+    capt.add_batch(context_requests(cases))
+    graph = hostfunc.HostGraph()
+    with hostfunc.capture(graph):
+        hostfunc.launch_native(test_functions().spin_ns, 100_000_000)
+        capt.execute(static)
+    for batch in (context_requests(cases), generation_requests(cases, [t[0] for t in texts])):
+        capt.add_batch(batch)
+        graph.replay()
+        hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    capt.grammar_matchers[0] = PythonOnly(capt.grammar_matchers[0])  # (a Python step)
+    calls = []
+
+    def fault(batch, rows):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected fault")
+    capt._fail_past_rows = fault  # type: ignore[method-assign]
+
+    def step(k):
+        tokens = [t[k] for t in texts]
+        if how == "advance_batch":
+            capt.advance_batch(tokens)
+        else:
+            capt.add_batch(generation_requests(cases, tokens))
+    step(1)
+    graph.replay()
+    step(2)  # (queued behind the replay's spin)
+    with pytest.raises(hostfunc.HostFuncError, match="injected fault"):
+        hostfunc.drain()
+    assert sorted(i for i, _ in capt.take_failed_requests()) == [0, 1]
+    with pytest.raises(LayoutError, match="a request failed"):
+        capt.advance_batch([t[3] for t in texts])
+    graph.replay()  # (step 2: its requests, failed at step 1, have no matchers now)
+    hostfunc.drain()
+    graph.reset()
+    capt.close()
