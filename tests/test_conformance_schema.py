@@ -323,6 +323,25 @@ def test_policy_findings_xgrammar(schema, expected):
                  "required": ["t"]}]}, [("oneOf", "")]),
     ({"oneOf": [{"type": "object", "properties": {"a": {}}},
                 {"type": "array", "prefixItems": [{}]}]}, []),
+    # ... or by a property each requires that the other, closed, does not list
+    ({"oneOf": [{"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+                {"type": "object", "properties": {"b": {"type": "integer"}},
+                 "required": ["b"]}]}, []),
+    ({"oneOf": [{"type": "object", "properties": {"a": {}}, "required": ["a"]},
+                {"type": "object", "properties": {"b": {}}, "required": ["b"],
+                 "additionalProperties": False}]}, []),
+    ({"oneOf": [{"type": "object", "properties": {"a": {}}, "required": ["a"]},
+                {"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a"]}]},
+     [("oneOf", "")]),
+    ({"oneOf": [{"type": "object", "properties": {"a": {}}, "required": ["a"]},
+                {"type": "object", "properties": {"b": {}}}]}, [("oneOf", "")]),
+    ({"oneOf": [{"properties": {"a": {}}, "required": ["a"]},
+                {"type": "object", "properties": {"b": {}}, "required": ["b"]}]},
+     [("oneOf", "")]),
+    ({"oneOf": [{"type": "object", "properties": {"a": {}}, "required": ["a"],
+                 "allOf": [{"properties": {"b": {}}}]},
+                {"type": "object", "properties": {"b": {}}, "required": ["b"]}]},
+     [("oneOf", "")]),
     ({"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}, []),
     # each draft's form of an exclusive bound: draft-04 a boolean beside its bound (served),
     # later drafts a number
@@ -456,6 +475,33 @@ def test_structural_tag_with_enforced_schema_compiles(factory_cache, tekken):
         GuideType.STRUCTURAL_TAG, _tag({"type": "integer", "minimum": 0})))
     assert table.accepts(factory, compiled, tekken, table.Raw("<t>5</t>"))
     assert not table.accepts(factory, compiled, tekken, table.Raw("<t>-5</t>"))
+
+
+def test_llguidance_serves_a_oneof_told_apart_by_required_properties(factory_cache, tekken):
+    """A oneOf whose branches each require a property the other does not list: llguidance
+    closes both, so what it writes for one branch never has the other's required property,
+    and every instance it writes matches exactly one branch as written. It writes either
+    branch's instance and not one with both properties (which both open branches as written
+    would match)."""
+    import jsonschema
+
+    from capgraph.tokenizers import encode_continuation
+
+    schema = {"oneOf": [
+        {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+        {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    factory = factory_cache("tekken", "llguidance")
+    params = GuidedDecodingParams.json_schema(schema)
+    factory.compile(params)  # (served: not refused by the policy)
+    for text, written in (('{"a":"x"}', True), ('{"b":1}', True), ('{"a":"x","b":1}', False)):
+        matcher = factory.create(params)
+        ok = all(matcher.accept_token(t) for t in encode_continuation(tekken, text))
+        assert ok is written, text
+        if written:
+            assert matcher.accept_token(tekken.eos_token_id) and matcher.is_terminated()
+            jsonschema.validate(json.loads(text), schema)
+    with pytest.raises(jsonschema.ValidationError):  # (the one it does not write)
+        jsonschema.validate({"a": "x", "b": 1}, schema)
 
 
 def test_policy_refuses_x_guidance_on_llguidance(factory_cache):

@@ -711,12 +711,14 @@ def _closed_beside_listed(node: _Node) -> str | None:
             # share may match it alone: only branches disjoint as written keep oneOf's "one"
             for i, a in enumerate(resolved):
                 for b in resolved[i + 1:]:
-                    if not _disjoint_as_written(a, b):
+                    if not _disjoint_as_written(a, b) and not (
+                            _writes_none_of(a, b, closes) and _writes_none_of(b, a, closes)):
                         return ("llguidance closes 'oneOf' branches (their unlisted "
                                 "properties absent), which lets through an instance two "
-                                "branches as written both match, unless a branch's 'type' or "
-                                "a property both require with 'const' / 'enum' values tells "
-                                "them apart; none does here")
+                                "branches as written both match, unless a branch's 'type', "
+                                "a property both require with 'const' / 'enum' values, or a "
+                                "property each requires that the other (closed) does not "
+                                "list tells them apart; none does here")
         # a branch is one way to be valid: a property of the parent is lost only where every
         # branch closes without it; a closed parent loses what a branch lists beyond it
         listed = node.schema.get("properties")
@@ -775,19 +777,44 @@ def _prefix_items_draft(node: _Node) -> str | None:
     return None
 
 
+# keywords whose subschemas may list or allow properties beside a schema's own
+_PROPERTY_APPLICATORS = ("allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "if", "then",
+                         "else", "dependentSchemas", "dependencies", "unevaluatedProperties")
+
+
+def _schema_types(schema: Mapping[str, Any]) -> frozenset[str] | None:
+    """The JSON types a schema's ``type`` allows (None: no ``type``, or not a list of names)."""
+    t = schema.get("type")
+    if isinstance(t, str):
+        t = [t]
+    if not (isinstance(t, list) and all(isinstance(x, str) for x in t)):
+        return None
+    return frozenset(t) | ({"integer"} if "number" in t else set())  # (integers are numbers)
+
+
+def _writes_none_of(written: Mapping[str, Any], other: Mapping[str, Any],
+                    closes: Callable[[Any], bool]) -> bool:
+    """Whether no instance llguidance writes for the branch ``written`` matches ``other`` as
+    written: ``written`` takes objects alone, with no property but those it lists (llguidance
+    closes it, or its ``additionalProperties`` is false, and it has no
+    ``patternProperties``), and ``other`` requires a property it does not list."""
+    if _schema_types(written) != {"object"} or "patternProperties" in written:
+        return False
+    if any(k in written for k in _PROPERTY_APPLICATORS):  # (they may let more properties in)
+        return False
+    if not (closes(written) or written.get("additionalProperties") is False):
+        return False
+    listed, required = written.get("properties", {}), other.get("required")
+    if not (isinstance(listed, dict) and isinstance(required, list)):
+        return False
+    return any(isinstance(name, str) and name not in listed for name in required)
+
+
 def _disjoint_as_written(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Whether no instance matches both schemas, shown by their ``type``s alone or by a
     property both require whose ``const`` / ``enum`` values share none (a tag field). False
     where neither shows it (they may still be disjoint)."""
-    def types(schema: Mapping[str, Any]) -> frozenset[str] | None:
-        t = schema.get("type")
-        if isinstance(t, str):
-            t = [t]
-        if not (isinstance(t, list) and all(isinstance(x, str) for x in t)):
-            return None
-        return frozenset(t) | ({"integer"} if "number" in t else set())  # (integers are numbers)
-
-    ta, tb = types(a), types(b)
+    ta, tb = _schema_types(a), _schema_types(b)
     if ta is not None and tb is not None and not ta & tb:
         return True
 
