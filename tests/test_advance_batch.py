@@ -32,6 +32,31 @@ def generation_requests(cases, tokens):
     return [GuidedRequest.generation(i, i, c.params, t) for i, (c, t) in enumerate(zip(cases, tokens))]
 
 
+def capture_behind_spin(capt: CapturableGuidedDecoder, requests, static: torch.Tensor
+                        ) -> hostfunc.HostGraph:
+    """A HostGraph of [a 100 ms native spin (the forward's stand-in), ``capt``'s step], its
+    shapes from ``requests``: a step replayed from it is still queued 100 ms later."""
+    from hostfunc.native import test_functions
+
+    capt.add_batch(requests)
+    graph = hostfunc.HostGraph()
+    with hostfunc.capture(graph):
+        hostfunc.launch_native(test_functions().spin_ns, 100_000_000)
+        capt.execute(static)
+    return graph
+
+
+def advance_and_replay(capt: CapturableGuidedDecoder, graph, tokens, after_launch: bool
+                       ) -> None:
+    """One step: advance_batch before the replay, or after its launch."""
+    if after_launch:
+        graph.replay()
+        capt.advance_batch(tokens)
+    else:
+        capt.advance_batch(tokens)
+        graph.replay()
+
+
 class Repeats:
     """Counts the native node's repeat calls that queued a job (the fast path)."""
 
@@ -81,12 +106,8 @@ def test_advanced_steps_equal_add_batch_steps(factory, tekken, native_ok, host_n
         if step == 0:  # the context step: add_batch, then its step (eager after launch)
             capt.add_batch(context_requests(cases))
             capt.execute(static) if after_launch else graph.replay()
-        elif after_launch:
-            graph.replay()
-            capt.advance_batch(tokens)
         else:
-            capt.advance_batch(tokens)
-            graph.replay()
+            advance_and_replay(capt, graph, tokens, after_launch)
         hostfunc.drain()
         assert capt.take_failed_requests() == []
         assert same(static, expect), f"step {step}"
@@ -150,16 +171,7 @@ def test_advance_batch_refusals_are_named_and_queue_nothing(factory, tekken, nat
     graph.reset()
 
     # a failure since the batch was queued, and a release
-    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="native")
-    static = torch.zeros(2, V)
-    graph = capture(capt, context_requests(cases), static)
-    capt.add_batch(context_requests(cases))
-    graph.replay()
-    hostfunc.drain()
-    capt.add_batch(generation_requests(cases, [texts[0][0], texts[1][0]]))
-    graph.replay()
-    hostfunc.drain()
-    assert capt.take_failed_requests() == []
+    capt, graph, _static, _texts = _after_two_steps(factory, tekken, cases)
     repeats = Repeats(capt)
     eos = tekken.eos_token_id  # (a stop token: not allowed before a guide's end)
     capt.advance_batch([texts[0][1], V + 5])  # (not a token: request 1 fails alone)
@@ -236,19 +248,13 @@ def test_an_advance_behind_a_queued_step_is_an_add_batch(factory, tekken, native
     """Run ahead of the stream (the previous step still queued behind a 100 ms native spin,
     the forward's stand-in), advance_batch makes the requests and queues them as add_batch
     does, ticket and all: both steps then mask as two add_batch calls would."""
-    from hostfunc.native import test_functions
-
     V = factory.config.vocab_size_padded
     cases = GUIDED[:2]
     texts = texts_of(tekken, cases)
     eager = GuidedDecoder(factory.config, 2, 0, factory=factory)
     capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="native")
     static = torch.zeros(2, V)
-    capt.add_batch(context_requests(cases))
-    graph = hostfunc.HostGraph()
-    with hostfunc.capture(graph):
-        hostfunc.launch_native(test_functions().spin_ns, 100_000_000)
-        capt.execute(static)
+    graph = capture_behind_spin(capt, context_requests(cases), static)
     capt.add_batch(context_requests(cases))
     graph.replay()
     hostfunc.drain()
@@ -343,7 +349,7 @@ def test_advanced_steps_in_a_cuda_graph_decode_what_eager_decodes(factory_cache,
     and every later step by advance_batch (the batch made before the replay, or after its
     launch) give the eager GuidedDecoder loop's tokens, every step run natively and every step
     after the first advanced one queued as the node's job again."""
-    from test_capturable_gpu import ToyModel, _decode, _tool_schema
+    from test_capturable_gpu import ToyModel, _decode, _tool_schema, capture_after_warmup
 
     from capgraph import GuidedDecodingParams, GuideType
     factory = factory_cache("tekken")
@@ -363,16 +369,7 @@ def test_advanced_steps_in_a_cuda_graph_decode_what_eager_decodes(factory_cache,
         model.tokens.copy_(model.logits.argmax(-1))
 
     dec.add_batch(context)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), dec.warmup():
-        for _ in range(2):
-            step_fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step_fn()
+    graph = capture_after_warmup(dec, step_fn)
     model.tokens.zero_()
     repeats = Repeats(dec)
     out: list[list[int]] = [[] for _ in range(batch)]
@@ -388,13 +385,7 @@ def test_advanced_steps_in_a_cuda_graph_decode_what_eager_decodes(factory_cache,
             out[i].append(t)
         if all(dec.grammar_matchers[i].is_terminated() for i in range(batch)):
             break
-        tokens = [o[-1] for o in out]
-        if after_launch:
-            graph.replay()
-            dec.advance_batch(tokens)
-        else:
-            dec.advance_batch(tokens)
-            graph.replay()
+        advance_and_replay(dec, graph, [o[-1] for o in out], after_launch)
         ran += 1
     torch.cuda.synchronize()
     assert dec.take_failed_requests() == []
@@ -509,18 +500,12 @@ def test_a_fault_in_a_python_step_of_a_shared_batch_fails_its_requests(factory, 
     check), with the next step already queued behind a 100 ms native spin: every request of
     the step is reported failed, whether the step's batch came from add_batch or is the
     previous batch shared by advance_batch; and advance_batch then refuses to continue."""
-    from hostfunc.native import test_functions
-
     V = factory.config.vocab_size_padded
     cases = GUIDED[:2]
     texts = texts_of(tekken, cases)
     capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="native")
     static = torch.zeros(2, V)
-    capt.add_batch(context_requests(cases))
-    graph = hostfunc.HostGraph()
-    with hostfunc.capture(graph):
-        hostfunc.launch_native(test_functions().spin_ns, 100_000_000)
-        capt.execute(static)
+    graph = capture_behind_spin(capt, context_requests(cases), static)
     for batch in (context_requests(cases), generation_requests(cases, [t[0] for t in texts])):
         capt.add_batch(batch)
         graph.replay()

@@ -36,6 +36,22 @@ class ToyModel:
         torch.matmul(self.embed[self.tokens], self.head.T, out=self.logits)
 
 
+def capture_after_warmup(dec, step_fn) -> torch.cuda.CUDAGraph:
+    """Two warm-up runs of ``step_fn`` on a side stream (inside ``dec.warmup()``: they mask
+    and advance nothing), then its capture into a new graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), dec.warmup():
+        for _ in range(2):
+            step_fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step_fn()
+    return graph
+
+
 def _decode(decoder_cls, factory, params, batch, steps, graph: bool):
     from capgraph.requests import GuidedRequest
     V = factory.config.vocab_size_padded
@@ -59,16 +75,8 @@ def _decode(decoder_cls, factory, params, batch, steps, graph: bool):
         dec.add_batch(requests(step))
         if graph and cuda_graph is None:
             tokens = model.tokens.clone()  # the warm-up steps sample; the replay starts here
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), dec.warmup():
-                for _ in range(2):
-                    step_fn()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            cuda_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(cuda_graph):  # no record_tokens_ready(): execute records it
-                step_fn()
+            # (no record_tokens_ready() in step_fn: execute records it)
+            cuda_graph = capture_after_warmup(dec, step_fn)
             model.tokens.copy_(tokens)
             dec.add_batch(requests(step))  # the capture consumed the shape-giving batch
         if graph:
