@@ -63,6 +63,28 @@ def test_soak_eager_and_graph_outputs_are_valid_and_identical(xgr):
     assert graph.tokens == eager.tokens and graph.drafts_accepted == eager.drafts_accepted
 
 
+def test_soak_advance_batch_outputs_equal_add_batch_outputs(xgr):
+    """Without drafts, a step of the same requests as the step before queued with
+    advance_batch (on the replayed HostGraph's native node: its previous job again; on the
+    capturable decoder run eagerly: requests made and queued as add_batch does) among joins,
+    aborts and bad guides: the same outputs token for token as add_batch steps and as the
+    eager decoder, all valid, only the bad guides failing, nothing left held."""
+    factory, vocab_bytes = xgr
+    eager = soak.run_soak(factory, 300, "eager", seed=5, drafts=0, vocab_bytes=vocab_bytes)
+    runs = [soak.run_soak(factory, steps, kind, seed=5, drafts=0, vocab_bytes=vocab_bytes,
+                          advance=True) for kind, steps in (("graph", 300), ("capturable", 300))]
+    for rep in (eager, *runs):
+        assert rep.problems == [], "\n".join(rep.problems[:10])
+        assert rep.expected_failures > 0 and rep.aborted > 0, rep.summary()
+        assert rep.matchers_end == 0 and rep.live_entries_end == rep.live_entries_start
+    assert sum(eager.finished_valid.values()) >= 40, eager.summary()
+    for rep in runs:
+        assert rep.advanced > 150, rep.summary()
+        assert rep.outputs_digest == eager.outputs_digest and rep.tokens == eager.tokens
+    with pytest.raises(ValueError, match="drafts=0"):
+        soak.Soak(factory, "graph", drafts=2, advance=True, vocab_bytes=vocab_bytes)
+
+
 def test_soak_capturable_callbacks(xgr):
     """200 steps of CapturableGuidedDecoder run eagerly (callbacks on the CPU stand-in's side
     stream, drained each step): the same validity, failure and leak checks hold."""

@@ -24,7 +24,12 @@ started. Resident memory (VmRSS) is read after warm-up and at the end.
 
 ``--decoder``: ``eager`` (GuidedDecoder), ``capturable`` (CapturableGuidedDecoder, callbacks on
 hostfunc's CPU stand-in), ``graph`` (the capturable step captured once into a HostGraph and
-replayed every step). Exits non-zero if any check failed.
+replayed every step). ``--advance`` (with ``--drafts 0``, capturable and graph): a step of the
+same requests as the step before, in its order, is queued with ``advance_batch`` (their tokens
+alone); the run's random choices and outputs are those of the run without it. Exits non-zero
+if any check failed.
+
+    python tools/soak.py --steps 2000 --decoder graph --drafts 0 --advance
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from typing import Any, Callable
 import torch
 
 import hostfunc
-from capgraph import GuidedDecodingConfig, GuidedDecodingParams
+from capgraph import GuidedDecodingConfig, GuidedDecodingParams, LayoutError
 from capgraph.bitmask import allocate_host_bitmask
 from capgraph.capturable import CapturableGuidedDecoder
 from capgraph.decoder import GuidedDecoder
@@ -216,7 +221,11 @@ class SoakReport:
     live_entries_start: int = 0
     live_entries_end: int = -1
     cache_nbytes_max: int = 0
-    outputs_digest: str = ""  #: hash of every finished output (equal across decoder kinds)
+    #: hash of every finished output, in request order (equal across decoder kinds and
+    #: batch orders)
+    outputs_digest: str = ""
+    #: steps queued with advance_batch (``advance=True``): the same requests as the step before
+    advanced: int = 0
     #: the graph decoder's host node: "native (runs, of which Python steps)" or "python"
     host_node: str = ""
     problems: list[str] = field(default_factory=list)
@@ -240,6 +249,7 @@ class SoakReport:
                 f"start={self.live_entries_start} end={self.live_entries_end}; "
                 f"cache_nbytes_max={self.cache_nbytes_max}; outputs={self.outputs_digest}; "
                 + (f"host_node={self.host_node}; " if self.host_node else "")
+                + (f"advanced steps={self.advanced}; " if self.advanced else "")
                 + f"problems={len(self.problems)}")
 
 
@@ -250,9 +260,12 @@ class Soak:
                  drafts: int = 3, seed: int = 0, join_p: float = 0.7, abort_p: float = 0.005,
                  bad_p: float = 0.04, unguided_p: float = 0.1, reject_p: float = 0.1,
                  max_tokens: int = 120, table_rows: int = 31,
-                 vocab_bytes: list[bytes] | None = None) -> None:
+                 vocab_bytes: list[bytes] | None = None, advance: bool = False) -> None:
         if decoder not in ("eager", "capturable", "graph"):
             raise ValueError(f"decoder must be eager, capturable or graph, got {decoder!r}")
+        if advance and (decoder == "eager" or drafts):
+            raise ValueError("advance needs the capturable decoder (capturable or graph) and "
+                             "drafts=0: advance_batch continues a batch without drafts")
         cfg = factory.config
         self.factory, self.kind = factory, decoder
         self.S, self.K = slots, drafts
@@ -275,7 +288,11 @@ class Soak:
         self.next_rid = 0
         gc.collect()  # (what earlier runs in this process left in reference cycles goes first)
         self.report = SoakReport(live_entries_start=hostfunc.live_entries())
-        self._digest = hashlib.sha256()
+        self._outputs: list[tuple[int, list[int]]] = []  # (the digest's, at the end)
+        # advance: the latest batch's requests in its order, while the next step may be
+        # queued with advance_batch (None: make it with add_batch)
+        self.advance = advance
+        self._advance_order: list[_Request] | None = None
         self._row = allocate_host_bitmask(1, self.V)
         self.graph: hostfunc.HostGraph | None = None
         if decoder == "graph":
@@ -363,7 +380,23 @@ class Soak:
             return
         rl = rng.randint(0, self.K)
         reqs, drafts, starts = [], {}, {}
-        for r in order:
+        prev, self._advance_order = self._advance_order, None
+        advanced = False
+        if prev is not None and len(prev) == len(order) \
+                and {id(r) for r in prev} == {id(r) for r in order}:
+            try:  # the same requests as the step before, in its order: their tokens alone
+                dec.advance_batch([r.committed[-1] for r in prev])  # type: ignore[union-attr]
+            except LayoutError:
+                pass
+            else:
+                advanced = True
+                self.report.advanced += 1
+                for _ in prev:  # (the draws _propose makes for no drafts: the run's random
+                    rng.randint(0, rl)  # choices stay those of the same run without advance)
+                order = prev
+                reqs = list(dec.requests.requests)  # type: ignore[union-attr]
+                starts = {r.rid: len(r.committed) for r in order}
+        for r in order if not advanced else ():
             if not r.started:
                 reqs.append(GuidedRequest.context(r.rid, r.slot, r.params))
                 starts[r.rid] = 0
@@ -375,7 +408,10 @@ class Soak:
                                                  draft_tokens=d,
                                                  num_accepted_draft_tokens=r.acc_prev))
             starts[r.rid] = len(r.committed)
-        dec.add_batch(reqs, runtime_draft_len=rl)
+        if not advanced:
+            dec.add_batch(reqs, runtime_draft_len=rl)
+        if self.advance:
+            self._advance_order = order
         layout = dec.requests
         assert layout is not None
         if self.kind == "eager":
@@ -486,7 +522,7 @@ class Soak:
         if ok and g.check_matcher:
             m = self.factory.create(g.params)
             ok = all(m.accept_token(t) for t in r.committed) and m.is_terminated()
-        self._digest.update(repr((r.rid, r.committed)).encode())
+        self._outputs.append((r.rid, list(r.committed)))
         if ok:
             self.report.finished_valid[g.name] = self.report.finished_valid.get(g.name, 0) + 1
         else:
@@ -506,7 +542,8 @@ class Soak:
             self._retire(r, None)
         rep = self.report
         rep.matchers_end = self.decoder.num_active_matchers
-        rep.outputs_digest = self._digest.hexdigest()[:16]
+        rep.outputs_digest = hashlib.sha256(
+            repr(sorted(self._outputs)).encode()).hexdigest()[:16]
         if self.graph is not None:
             stats = getattr(self.decoder, "host_node_stats", None)
             rep.host_node = "python" if stats is None else \
@@ -560,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=6)
     parser.add_argument("--drafts", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--advance", action="store_true",
+                        help="queue a step of the same requests as the step before with "
+                             "advance_batch (capturable and graph decoders; needs --drafts 0)")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's own choice)")
@@ -581,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         rep = run_soak(factory, args.steps, kind, warmup=args.warmup, progress=True,
                        slots=args.slots, drafts=args.drafts, seed=args.seed,
-                       vocab_bytes=vocab_bytes)
+                       vocab_bytes=vocab_bytes, advance=args.advance and kind != "eager")
         print(rep.summary(), flush=True)
         for p in rep.problems[:20]:
             print("  PROBLEM", p)
