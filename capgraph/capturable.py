@@ -24,7 +24,7 @@ import weakref
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence, cast
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from .build.base import Status
 from .build.library import NODE_RECORDS, HostNode, NodeStats
 from .errors import (CallbackError, ConfigError, LayoutError, NativeBuildError, QueueEpochError,
                      RequestError, TensorArgError)
+from .params import GuidedDecodingParams
 from .requests import GuidedRequest, GuidedRequests
 from .streams import HostStepStreams, StepStreams
 
@@ -288,9 +289,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         Where a replay's ``add_batch`` raised, ``add_batch([])`` gives the waiting step an
         empty batch: it masks nothing (the step's tokens were sampled unguided: feed its
         requests again). ``set_batch_after_launch(None)`` (or ``close()``, or the decoder's
-        collection without it) also lets a waiting step go (it masks nothing and reports a ``QueueEpochError`` at the next drain); switch
-        the mode on again only after the stream has synchronised, or that step may take the
-        next batch. A replay with no batch within ``timeout_s`` reports a ``QueueEpochError``
+        collection without it) also lets a waiting step go (it masks nothing and reports a
+        ``QueueEpochError`` at the next drain); switch the mode on again only after the stream
+        has synchronised, or that step may take the next batch. A replay with no batch within ``timeout_s`` reports a ``QueueEpochError``
         and stops the mode: every later step masks nothing and reports one (a batch that came
         after its step gave up is dropped, never masked for another step) until
         ``set_batch_after_launch`` or ``discard_queued_batches`` resumes it. The matchers took
@@ -471,10 +472,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
             LayoutError: no batch was queued since the decoder began; the latest batch has
                 drafts (a runtime draft length above 0) or draft requests, or a context
                 request before its last chunk; ``new_tokens`` does not hold one entry per
-                request, or is an array of another shape; since that batch's ``add_batch`` began a request failed (there or
-                in a step) or a slot was released; or its step did not run (discarded, a capture's, a
-                queue error): it cannot simply continue, so make the next batch with
-                ``add_batch``. Nothing is queued.
+                request, or is an array of another shape; since that batch's ``add_batch``
+                began a request failed (there or in a step) or a slot was released; or its
+                step did not run (discarded, a capture's, a queue error): it cannot simply
+                continue, so make the next batch with ``add_batch``. Nothing is queued.
             TensorArgError: ``new_tokens`` is a device tensor (reading it here would wait for
                 the stream: give the tokens on the host, or pass the tensor to ``add_batch``).
             QueueEpochError, DecoderClosedError: as for ``add_batch``.
@@ -578,9 +579,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
                     "request before its last chunk: its next step is another chunk, not a "
                     "token; make the next batch with add_batch")
             else:
+                params = cast(GuidedDecodingParams, req.guided_decoding_params)
                 out.append(GuidedRequest.generation(
-                    req.request_id, req.seq_slot, req.guided_decoding_params,  # type: ignore[arg-type]
-                    token))
+                    cast(int, req.request_id), cast(int, req.seq_slot), params, token))
         return out
 
     def _queue_batch(self, requests: Sequence[GuidedRequest], new_tokens: torch.Tensor | None,
@@ -774,11 +775,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
         after :meth:`record_tokens_ready`, before the forward: the step's host node and
         bitmask copy are then nodes created before the forward's kernels, which a replay
         submits first (``generate()`` captures its steps so), rather than after the last of
-        them. A prepared step whose ``execute`` is
-        refused (bad logits) stays prepared for an ``execute`` with proper logits; the next
-        ``add_batch`` instead leaves it (its host work ran, its mask is never applied) and
-        that batch's step runs its own. Without a refusal, the next step's ``add_batch`` may
-        come before this step's ``execute``.
+        them. A prepared step whose ``execute`` is refused (bad logits) stays prepared for an
+        ``execute`` with proper logits; the next ``add_batch`` instead leaves it (its host
+        work ran, its mask is never applied) and that batch's step runs its own. Without a
+        refusal, the next step's ``add_batch`` may come before this step's ``execute``.
 
         Args:
             num_rows: bitmask rows to copy to the device (the logits' rows); default all. A

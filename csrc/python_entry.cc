@@ -2213,6 +2213,7 @@ PyObject* NodePush(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HostNode* n = NodeArg(args[0]);
   auto* st = static_cast<FastState*>(PyCapsule_GetPointer(args[1], kCapsule));
   if (n == nullptr || st == nullptr) return nullptr;
+  n->repeat_ok = false;  // (set again below where this call queues a job node_repeat can repeat)
   const long long draft_len = PyLong_AsLongLong(args[4]);
   const long long clear_rows = PyLong_AsLongLong(args[5]);
   const long long epoch = PyLong_AsLongLong(args[6]);
@@ -2242,7 +2243,6 @@ PyObject* NodePush(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     plain = offset >= 0 && PushOne(n, st, PyList_GET_ITEM(requests, i), i, offset, draft_len,
                                    from_buffer, &seen, &job, &inits);
   }
-  n->repeat_ok = false;
   if (!plain) Py_RETURN_FALSE;
   PyObject* result = Py_BuildValue("(NN)", IntList(inits.context),
                                    IntList(inits.disaggregated));
