@@ -24,7 +24,7 @@ import weakref
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Sequence, cast
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import numpy as np
 import torch
@@ -39,7 +39,6 @@ from .build.base import Status
 from .build.library import NODE_RECORDS, HostNode, NodeStats
 from .errors import (CallbackError, ConfigError, LayoutError, NativeBuildError, QueueEpochError,
                      RequestError, TensorArgError)
-from .params import GuidedDecodingParams
 from .requests import GuidedRequest, GuidedRequests
 from .streams import HostStepStreams, StepStreams
 
@@ -569,20 +568,20 @@ class CapturableGuidedDecoder(GuidedDecoder):
     @staticmethod
     def _advanced_requests(batch: GuidedRequests, tokens: list) -> list[GuidedRequest]:
         """The requests of ``batch`` one step later, each with its token from ``tokens``."""
-        out = []
-        for i, (req, token) in enumerate(zip(batch.requests, tokens)):
-            if req.guided_decoding_params is None:
-                out.append(GuidedRequest.snapshot(req))
-            elif req.is_context_init_state and not req.is_last_context_chunk:
-                raise LayoutError(
-                    f"advance_batch: request {req.request_id} (batch index {i}) is a context "
-                    "request before its last chunk: its next step is another chunk, not a "
-                    "token; make the next batch with add_batch")
-            else:
-                params = cast(GuidedDecodingParams, req.guided_decoding_params)
-                out.append(GuidedRequest.generation(
-                    cast(int, req.request_id), cast(int, req.seq_slot), params, token))
-        return out
+        reqs = batch.requests
+        chunk = next((i for i, r in enumerate(reqs) if r.is_context_init_state
+                      and not r.is_last_context_chunk and r.guided_decoding_params is not None),
+                     None)
+        if chunk is not None:
+            raise LayoutError(
+                f"advance_batch: request {reqs[chunk].request_id} (batch index {chunk}) is a "
+                "context request before its last chunk: its next step is another chunk, not a "
+                "token; make the next batch with add_batch")
+        # (GuidedRequest.generation's fields, positional: this runs per row)
+        return [GuidedRequest(p, r.request_id, r.seq_slot, None, False, False, True, False, t,
+                              False, [], 0)
+                if (p := r.guided_decoding_params) is not None else GuidedRequest.snapshot(r)
+                for r, t in zip(reqs, tokens)]
 
     def _queue_batch(self, requests: Sequence[GuidedRequest], new_tokens: torch.Tensor | None,
                      runtime_draft_len: int | None, copy: bool, after_launch: bool) -> None:
