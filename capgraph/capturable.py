@@ -290,9 +290,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
         requests again). ``set_batch_after_launch(None)`` (or ``close()``, or the decoder's
         collection without it) also lets a waiting step go (it masks nothing and reports a
         ``QueueEpochError`` at the next drain); switch the mode on again only after the stream
-        has synchronised, or that step may take the next batch. A replay with no batch within ``timeout_s`` reports a ``QueueEpochError``
-        and stops the mode: every later step masks nothing and reports one (a batch that came
-        after its step gave up is dropped, never masked for another step) until
+        has synchronised, or that step may take the next batch. A replay with no batch within
+        ``timeout_s`` reports a ``QueueEpochError`` and stops the mode: every later step masks
+        nothing and reports one (a batch that came after its step gave up is dropped, never
+        masked for another step) until
         ``set_batch_after_launch`` or ``discard_queued_batches`` resumes it. The matchers took
         none of the dropped steps' tokens: the requests are fed from where their last served
         step left them. ``generate()`` sets this mode where it replays CUDA graphs with the

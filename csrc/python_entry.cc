@@ -1059,7 +1059,8 @@ struct HostNode {
   // last_job: when the latest run had its job (after a step's wait for its batch after
   // launch; a run that waits for nothing: its start)
   std::atomic<int64_t> runs{0}, python_runs{0}, last_start{0}, last_job{0}, last_end{0},
-      busy_ns{0}, rows{0}, rollback_runs{0}, python_rollback_runs{0}, draft_runs{0}, python_draft_runs{0};
+      busy_ns{0}, rows{0}, rollback_runs{0}, python_rollback_runs{0}, draft_runs{0},
+      python_draft_runs{0};
   std::atomic<bool> warmup{false};  // steps take no job and mask nothing (graph warm-up)
   int64_t last_epoch = 0;  // (under mu) the epoch of the latest job taken or dropped
   // The batch after launch (node_set_batch_wait, TakeLateJob): a step that finds no job queued

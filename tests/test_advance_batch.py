@@ -16,7 +16,7 @@ from capgraph import GuidedDecodingParams, LayoutError, TensorArgError
 from capgraph.capturable import CapturableGuidedDecoder
 from capgraph.decoder import GuidedDecoder
 from capgraph.requests import GuidedRequest
-from test_host_node import GUIDED, PythonOnly, capture, same, texts_of
+from test_host_node import GUIDED, PythonOnly, capture, decoders_for, same, texts_of
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,8 @@ def context_requests(cases):
 
 
 def generation_requests(cases, tokens):
-    return [GuidedRequest.generation(i, i, c.params, t) for i, (c, t) in enumerate(zip(cases, tokens))]
+    return [GuidedRequest.generation(i, i, c.params, t)
+            for i, (c, t) in enumerate(zip(cases, tokens))]
 
 
 def capture_behind_spin(capt: CapturableGuidedDecoder, requests, static: torch.Tensor
@@ -87,11 +88,7 @@ def test_advanced_steps_equal_add_batch_steps(factory, tekken, native_ok, host_n
     made after the replay's launch; on the Python callback each is an add_batch."""
     V = factory.config.vocab_size_padded
     cases = GUIDED[:3]
-    texts = texts_of(tekken, cases)
-    steps = min(len(t) for t in texts)
-    eager = GuidedDecoder(factory.config, 3, 0, factory=factory)
-    capt = CapturableGuidedDecoder(factory.config, 3, 0, factory=factory, host_node=host_node)
-    static = torch.zeros(3, V)
+    texts, steps, eager, capt, static = decoders_for(factory, tekken, cases, host_node)
     graph = capture(capt, context_requests(cases), static, prepare_first=True)
     repeats = Repeats(capt)
     if after_launch:
@@ -302,7 +299,8 @@ def test_the_guide_driver_advances_a_decode_step_of_the_same_sequences(factory):
         driver = GuideDriver(decoder, drafts)
         calls: list = []
         refuse = []
-        decoder.add_batch = lambda reqs, *a, **k: calls.append(("add", len(reqs)))  # type: ignore[method-assign]
+        decoder.add_batch = (  # type: ignore[method-assign]
+            lambda reqs, *a, **k: calls.append(("add", len(reqs))))
 
         def advance(tokens):
             if refuse:
@@ -397,15 +395,17 @@ def test_advanced_steps_in_a_cuda_graph_decode_what_eager_decodes(factory_cache,
     dec.close()
 
 
-def _after_two_steps(factory, tekken, cases):
+def _after_two_steps(factory, tekken, cases, behind_spin: bool = False):
     """A native-node decoder whose captured step has run ``cases``' context step and their
-    first generation step (add_batch both): ``(decoder, graph, static logits, texts)``."""
+    first generation step (add_batch both): ``(decoder, graph, static logits, texts)``;
+    ``behind_spin``: the graph is :func:`capture_behind_spin`'s."""
     V = factory.config.vocab_size_padded
     texts = texts_of(tekken, cases)
     capt = CapturableGuidedDecoder(factory.config, len(cases), 0, factory=factory,
                                    host_node="native")
     static = torch.zeros(len(cases), V)
-    graph = capture(capt, context_requests(cases), static)
+    graph = (capture_behind_spin if behind_spin else capture)(capt, context_requests(cases),
+                                                               static)
     for batch in (context_requests(cases), generation_requests(cases, [t[0] for t in texts])):
         capt.add_batch(batch)
         graph.replay()
@@ -500,17 +500,8 @@ def test_a_fault_in_a_python_step_of_a_shared_batch_fails_its_requests(factory, 
     check), with the next step already queued behind a 100 ms native spin: every request of
     the step is reported failed, whether the step's batch came from add_batch or is the
     previous batch shared by advance_batch; and advance_batch then refuses to continue."""
-    V = factory.config.vocab_size_padded
     cases = GUIDED[:2]
-    texts = texts_of(tekken, cases)
-    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="native")
-    static = torch.zeros(2, V)
-    graph = capture_behind_spin(capt, context_requests(cases), static)
-    for batch in (context_requests(cases), generation_requests(cases, [t[0] for t in texts])):
-        capt.add_batch(batch)
-        graph.replay()
-        hostfunc.drain()
-    assert capt.take_failed_requests() == []
+    capt, graph, _static, texts = _after_two_steps(factory, tekken, cases, behind_spin=True)
     capt.grammar_matchers[0] = PythonOnly(capt.grammar_matchers[0])  # (a Python step)
     calls = []
 

@@ -60,6 +60,17 @@ def texts_of(tekken, cases):
     return [encode_continuation(tekken, c.valid) for c in cases]
 
 
+def decoders_for(factory, tekken, cases, host_node):
+    """One slot per case: the cases' token texts, the steps all of them have, an eager
+    decoder, a capturable one on ``host_node`` and zero static logits, one row per case."""
+    texts = texts_of(tekken, cases)
+    n = len(cases)
+    eager = GuidedDecoder(factory.config, n, 0, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, n, 0, factory=factory, host_node=host_node)
+    return (texts, min(len(t) for t in texts), eager, capt,
+            torch.zeros(n, factory.config.vocab_size_padded))
+
+
 def one_request_after_context(factory, tekken, case, host_node="native"):
     """A one-slot decoder (native node by default) whose captured step has replayed
     ``case``'s context step: ``(decoder, graph, static logits, the case's tokens)``."""
@@ -83,12 +94,8 @@ def test_replayed_steps_equal_the_eager_decoder(factory, tekken, native_ok, host
     ``execute`` or with ``prepare`` before it."""
     V = factory.config.vocab_size_padded
     cases = GUIDED[:3]
-    texts = texts_of(tekken, cases)
-    steps = min(len(t) for t in texts)
-    eager = GuidedDecoder(factory.config, 3, 0, factory=factory)
-    capt = CapturableGuidedDecoder(factory.config, 3, 0, factory=factory, host_node=host_node)
+    texts, steps, eager, capt, static = decoders_for(factory, tekken, cases, host_node)
     assert capt.host_node == host_node
-    static = torch.zeros(3, V)
 
     def requests(step, buffered):
         if step == 0:

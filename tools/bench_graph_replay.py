@@ -9,8 +9,9 @@ replayed-step time) / (unguided replayed-step time), each the generate() "forwar
 a graph: the whole replayed step) plus its "guide" stage (the guided host work outside the
 replay: each step's batch where it is made before the launch, the failures read after the
 sync), divided by its decode steps; the issue's target is <= 1.05 at every default point.
-"replay ratio" is the same of the "forward" stage alone. Guided requests may finish earlier (their grammar completes), which
-shrinks later steps' batch, so the table shows both runs' step counts; compare at equal counts.
+"replay ratio" is the same of the "forward" stage alone. Guided requests may finish earlier
+(their grammar completes), which shrinks later steps' batch, so the table shows both runs'
+step counts; compare at equal counts.
 
 Host-node kinds (--host-node): ``python`` is the host callback that runs the decoder's Python
 build under the GIL; ``native`` the C function the decoder's ``host_node="native"`` argument

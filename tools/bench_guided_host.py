@@ -58,22 +58,15 @@ def main() -> int:
     import torch
 
     import hostfunc
-    from capgraph import GuidedDecodingConfig, GuidedDecodingParams, GuideType
-    from capgraph.bench.spec import compact, tool_calls
+    from capgraph.bench.spec import tool_call_workload
     from capgraph.capturable import CapturableGuidedDecoder
-    from capgraph.demo import bundled_schema
-    from capgraph.grammar import create_matcher_factory
     from capgraph.runtime.guide import GuideDriver
-    from capgraph.tokenizers import encode_continuation, load_tokenizer
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_guided_host: no CUDA device; nothing measured")
         return 0
-    tok = load_tokenizer(args.tokenizer)
-    config = GuidedDecodingConfig.from_tokenizer(tok)
-    factory = create_matcher_factory(config)
-    params = GuidedDecodingParams(GuideType.JSON_SCHEMA, json.dumps(bundled_schema()))
-    texts = [encode_continuation(tok, compact(c)) for c in tool_calls()]
+    _tok, factory, params, texts = tool_call_workload(args.tokenizer)
+    config = factory.config
     steps = min(args.steps, min(len(t) for t in texts) - 1)
     V = config.vocab_size_padded
 

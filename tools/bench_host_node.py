@@ -57,23 +57,18 @@ def main() -> int:
     import torch
 
     import hostfunc
-    from capgraph import ConfigError, GuidedDecodingConfig, GuidedDecodingParams, GuideType
-    from capgraph.bench.spec import compact, tool_calls
+    from capgraph import ConfigError
+    from capgraph.bench.spec import tool_call_workload
     from capgraph.capturable import CapturableGuidedDecoder
-    from capgraph.demo import bundled_schema
-    from capgraph.grammar import create_matcher_factory
     from capgraph.requests import GuidedRequest
-    from capgraph.tokenizers import encode_continuation, load_tokenizer
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_host_node: no CUDA device; nothing measured")
         return 0
-    tok = load_tokenizer(args.tokenizer)
-    config = GuidedDecodingConfig.from_tokenizer(tok)
-    factory = create_matcher_factory(config)
+    _tok, factory, params, texts = tool_call_workload(args.tokenizer)
+    config = factory.config
     eos = config.stop_token_ids[0]
-    params = GuidedDecodingParams(GuideType.JSON_SCHEMA, json.dumps(bundled_schema()))
-    texts = [encode_continuation(tok, compact(c)) + [eos] for c in tool_calls()]
+    texts = [text + [eos] for text in texts]
     V = config.vocab_size_padded
 
     class Run:

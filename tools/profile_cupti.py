@@ -529,7 +529,8 @@ def _workload(args: argparse.Namespace) -> Callable[[int], tuple[Any, str, Any]]
         def close(self) -> None:
             seen.append((getattr(self, "host_node", "python"),
                          getattr(self, "host_node_stats", None)))
-            run.batch_after_launch = getattr(self, "batch_after_launch", None)  # type: ignore[attr-defined]
+            run.batch_after_launch = (  # type: ignore[attr-defined]
+                getattr(self, "batch_after_launch", None))
             super().close()
 
     seen: list[tuple[str, Any]] = []

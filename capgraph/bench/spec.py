@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from .common import Column, median, pick, print_table
 
@@ -82,6 +82,31 @@ def tool_calls() -> list[dict]:
 
 def compact(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+class ToolCallWorkload(NamedTuple):
+    """The host benchmarks' workload: a bundled tokenizer, a matcher factory for it (default
+    config), the bundled tool-call schema as a guide, and the :func:`tool_calls` encoded as
+    compact JSON (no stop token)."""
+
+    tokenizer: Any
+    factory: Any
+    params: Any
+    texts: list[list[int]]
+
+
+def tool_call_workload(tokenizer: str) -> ToolCallWorkload:
+    """:class:`ToolCallWorkload` for the bundled tokenizer named ``tokenizer``."""
+    from capgraph import GuidedDecodingConfig, GuidedDecodingParams, GuideType
+    from capgraph.demo import bundled_schema
+    from capgraph.grammar import create_matcher_factory
+    from capgraph.tokenizers import encode_continuation, load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(tok))
+    params = GuidedDecodingParams(GuideType.JSON_SCHEMA, json.dumps(bundled_schema()))
+    return ToolCallWorkload(tok, factory, params,
+                            [encode_continuation(tok, compact(c)) for c in tool_calls()])
 
 
 def run(args: argparse.Namespace) -> dict:
