@@ -1650,7 +1650,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
             matchers[slot] = matcher
         self.slots.forget_trees(batch.requests)  # (the node built these slots: see _build)
         self._masked_rows = masked
-        if columns is not None:
+        if columns is not None:  # (the unusual requests' tokens, read from the buffer: the
+            # others' stay as queued, and a Python step of a later put refreshes them)
             reqs = batch.requests
             for index, values in columns:
                 reqs[index].new_token, reqs[index].draft_tokens = values[0], values[1:]

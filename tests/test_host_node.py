@@ -198,6 +198,48 @@ def test_failed_request_is_isolated_in_a_native_step(factory, tekken, native_ok)
     capt.close()
 
 
+def test_a_buffer_token_the_grammar_refuses_is_named_in_a_native_step(factory, tekken,
+                                                                       native_ok):
+    """A native step whose tokens come from the token buffer (add_batch's ``new_tokens``),
+    not from its requests: the request whose buffer token the grammar refuses fails alone,
+    its report names that token word for word as the eager decoder's does (given the token
+    as the request's own), and the other request's row is masked as the eager decoder masks
+    it."""
+    V = factory.config.vocab_size_padded
+    cases, texts, eager, capt, ctx = two_requests(factory, tekken, 0)
+    static = torch.zeros(2, V)
+    graph = capture(capt, ctx, static)
+    eager.add_batch(ctx)
+    eager.execute(torch.zeros(2, V))
+    capt.add_batch(ctx)
+    graph.replay()
+    hostfunc.drain()
+    row = eager.bitmask_host[1]
+    refused = next(t for t in range(1, len(tekken))  # (not 0: the requests' placeholder)
+                   if not (int(row[t // 32]) >> (t % 32)) & 1)
+    eager.add_batch([GuidedRequest.generation(1, 0, cases[0].params, texts[0][0]),
+                     GuidedRequest.generation(2, 1, cases[1].params, refused)])
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(5))
+    expect = logits.clone()
+    failed_eager = eager.execute(expect)
+    before = capt.host_node_stats.python_runs
+    # (the requests' own tokens are a placeholder, 0, which both grammars refuse: the step
+    # reads the buffer's, each request at its previous slot's column)
+    capt.add_batch([GuidedRequest.generation(1, 0, cases[0].params, 0, prev_seq_slot=0),
+                    GuidedRequest.generation(2, 1, cases[1].params, 0, prev_seq_slot=1)],
+                   torch.tensor([[texts[0][0], refused]], dtype=torch.int32))
+    static.copy_(logits)
+    graph.replay()
+    hostfunc.drain()
+    failed = capt.take_failed_requests()
+    assert capt.host_node_stats.python_runs == before  # (the node ran it)
+    assert [i for i, _ in failed] == [2] and failed == failed_eager
+    assert f"new_token {refused} " in failed[0][1]
+    assert same(static, expect)
+    graph.reset()
+    capt.close()
+
+
 class PythonOnly:
     """A matcher wrapper that forwards everything: not xgrammar's matcher, so only Python can
     run it (a slot holding it makes the node's step, rollback or drafting loop Python's)."""

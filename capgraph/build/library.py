@@ -610,10 +610,10 @@ class HostNode:
         :attr:`FastPath.step`'s (a rollback's and a loop end's ``(batch index, 1, text)``
         where a count cannot roll back and ``(batch index, 2, "Kind: message")`` where the
         matcher raised); ``columns``: None or ``[(batch index, [token, drafts...])]`` read
-        from the token buffer; ``rolled``: for a rollback the slots whose matchers rolled
-        back, for a loop end every slot of its batch, else None. Their counters are written to
-        ``advanced`` / ``guided`` / ``drafted`` (per slot), where the slot's matcher is still
-        the one the run used."""
+        from the token buffer, for the unusual requests alone (what their reports name);
+        ``rolled``: for a rollback the slots whose matchers rolled back, for a loop end every
+        slot of its batch, else None. Their counters are written to ``advanced`` / ``guided``
+        / ``drafted`` (per slot), where the slot's matcher is still the one the run used."""
         return self._take(self._capsule, advanced, guided, drafted)
 
     def sync_counts(self, advanced: list, drafted: list, trees: list) -> None:
