@@ -5,6 +5,7 @@ detection, a CPU run of its protocol) and the ``host_node`` option of ``capgraph
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib.util
 import json
@@ -163,11 +164,12 @@ def test_analyse_reports_the_last_step(prof):
 
 
 def test_critical_path_places_node_copy_and_mask_against_the_forward(prof):
-    """critical_path: offsets (us) from the step's first kernel on the mask kernel's stream
-    of the forward's end (its last kernel there before the mask kernel; other streams' kernels
-    do not count), the native node's run and where its batch came (its records preferred to
-    capgraph ranges off the main thread), the last host-to-device copy before the mask kernel,
-    and how far the mask kernel ends past the forward; None without a mask kernel or without a
+    """critical_path: offsets (us) from the step's first kernel of the forward's end (the
+    kernels, on any stream, that end before the mask kernel starts: a replayed graph runs the
+    mask kernel on a stream of its own), the native node's run and where its batch came (its
+    records preferred to capgraph ranges off the main thread), the bitmask's copy (the
+    largest host-to-device copy before the mask kernel), and how far the mask kernel ends
+    past the forward; None without a mask kernel or without a
     kernel before it."""
     R = prof.Record
     us = 1_000
@@ -182,6 +184,7 @@ def test_critical_path_places_node_copy_and_mask_against_the_forward(prof):
         R("node", prof.NODE_RUN, 40 * us, 380 * us, "native node"),
         R("node", prof.NODE_WAIT, 40 * us, 150 * us, "native node"),
         R("memcpy", "memcpy HTOD 1048576 B", 381 * us, 416 * us, "stream 8"),
+        R("memcpy", "memcpy HTOD 256 B", 417 * us, 418 * us, "stream 7"),  # (not the bitmask)
         R("memcpy", "memcpy DTOH 256 B", 440 * us, 441 * us, "stream 7"),
         R("kernel", "capgraph_logits_bitmask_f32_b16_p4", 420 * us, 430 * us, "stream 7"),
         R("kernel", "argmax", 431 * us, 433 * us, "stream 7"),
@@ -194,6 +197,9 @@ def test_critical_path_places_node_copy_and_mask_against_the_forward(prof):
         "critical path of the last step (us from its first kernel): forward 0-350.0; host "
         "node 30.0-370.0 (its batch at 140.0); bitmask copy 371.0-406.0; mask kernel "
         "410.0-420.0: the mask kernel ends 70.0 us after the forward's last kernel")
+    on_a_branch = [dataclasses.replace(r, track="stream 8")
+                   if r.name.startswith("capgraph_") else r for r in step]
+    assert prof.critical_path(on_a_branch, MAIN) == path
     python_node = [r for r in step if r.kind != "node"]  # the span of the off-main ranges
     assert prof.critical_path(python_node, MAIN)["node_start"] == 20.0
     assert "batch_at" not in prof.critical_path(python_node, MAIN)

@@ -229,11 +229,13 @@ NODE_WAIT = "native host node waiting for its batch (its last run)"
 def critical_path(records: Sequence[Record], main_thread: int | None
                   ) -> dict[str, float] | None:
     """Where one step's guided work lies against its forward, in us from the step's first
-    kernel on the mask kernel's stream (the forward's first): ``forward_end`` (the last kernel
-    on that stream before the mask kernel), ``node_start`` / ``node_end`` (the native node's
+    kernel that ends before the mask kernel starts (the forward's first): ``forward_end`` (the
+    last of those kernels to end; a replayed graph runs its branches on streams of its own, so
+    the mask kernel's stream need not be the forward's), ``node_start`` / ``node_end`` (the native node's
     record, else the span of capgraph ranges off the main thread), ``batch_at`` (where a node
     waited for a batch made after the launch: when it came), ``copy_start`` / ``copy_end``
-    (the last host-to-device copy ending before the mask kernel: the bitmask's),
+    (the bitmask's: the largest host-to-device copy ending before the mask kernel, the last
+    where no size is named),
     ``mask_start`` / ``mask_end``, and ``past_forward``: how much later than the forward's
     last kernel the mask kernel ends (what the guided work adds to the step's GPU path).
     None where the step has no mask kernel or no kernel before it."""
@@ -241,7 +243,7 @@ def critical_path(records: Sequence[Record], main_thread: int | None
     mask = next((r for r in kernels if r.name.startswith(MASK_KERNEL_PREFIX)), None)
     if mask is None:
         return None
-    forward = [r for r in kernels if r.track == mask.track and r.end <= mask.start
+    forward = [r for r in kernels if r.end <= mask.start
                and not r.name.startswith(MASK_KERNEL_PREFIX)]
     if not forward:
         return None
@@ -265,10 +267,16 @@ def critical_path(records: Sequence[Record], main_thread: int | None
         out["batch_at"] = us(wait.end)
     copies = [r for r in records if r.kind == "memcpy" and "HTOD" in r.name.upper()
               and r.end <= mask.start]
-    if copies:
-        copy = max(copies, key=lambda r: r.end)
+    if copies:  # (the bitmask's: the step's largest, where the sizes are named; else the last)
+        copy = max(copies, key=lambda r: (_copy_bytes(r.name), r.end))
         out.update(copy_start=us(copy.start), copy_end=us(copy.end))
     return out
+
+
+def _copy_bytes(name: str) -> int:
+    """The byte count a memcpy record's name ends with (``memcpy HTOD 1048576 B``), else -1."""
+    match = re.search(r"(\d+) B$", name)
+    return int(match.group(1)) if match else -1
 
 
 def format_critical_path(path: dict[str, float] | None) -> str:
