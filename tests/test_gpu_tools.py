@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import gc
 import importlib.util
 import json
 import sys
@@ -412,10 +413,21 @@ def test_host_node_runs(bench):
         bench.host_node_runs("auto", None)
 
 
-def test_bench_graph_replay_cpu_run_writes_rows(bench, tmp_path, capsys, one_torch_thread):
+def test_bench_graph_replay_cpu_run_writes_rows(bench, tmp_path, capsys, one_torch_thread,
+                                               monkeypatch):
     """The whole protocol on the CPU stand-in (no replay): one row per point and measured
     host-node kind, the guided run's host build timed per step and per row, the JSON marked
-    as not replayed, and a host-node kind the decoder lacks reported as not available."""
+    as not replayed, and a host-node kind the decoder lacks reported as not available. Each
+    timed run starts on a collected, frozen heap, its collector time is in the JSON, and the
+    heap is unfrozen when the tool returns."""
+    import capgraph
+    frozen = []
+    real_generate = capgraph.generate
+
+    def generate(*a, **k):
+        frozen.append(gc.get_freeze_count())
+        return real_generate(*a, **k)
+    monkeypatch.setattr(capgraph, "generate", generate)
     out = tmp_path / "replay.json"
     assert bench.main(["--device", "cpu", "--points", "tiny:2", "--steps", "3",
                        "--warmup-steps", "1", "--tokenizer", "mistral-sp32k",
@@ -433,6 +445,8 @@ def test_bench_graph_replay_cpu_run_writes_rows(bench, tmp_path, capsys, one_tor
             assert r["host_build_ms_per_step"] > 0 and r["host_build_us_per_row"] > 0
         # the native node serves captured steps: no graph here, so it ran none
         assert r["native_node_ms_per_step"] is None and r["native_node_us_per_row"] is None
+        assert r["unguided_gc_ms"] >= 0 and r["guided_gc_ms"] >= 0
+    assert frozen and min(frozen) > 0 and gc.get_freeze_count() == 0
     printed = capsys.readouterr().out
     for kind, why in data["host_nodes"].items():
         if why != "measured":
