@@ -911,8 +911,8 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //   and a loop end's: (batch index, 1, text) where the count cannot roll back,
 //   (batch index, 2, "Kind: message") where the matcher raised); columns: None or
 //   [(batch index, [token, draft, ...])] of the tokens read from the token buffer, for the
-//   unusual requests alone (the ones a failure's report reads; building the others' lists
-//   cost about 0.1 ms a step at 256 requests, on the step's path after its sync); rolled:
+//   unusual requests alone (the ones a failure's report reads: nothing reads the others', and
+//   a later Python step refreshes its requests' tokens itself); rolled:
 //   for a rollback the slots whose matchers rolled back (a matcher that had terminated no
 //   longer has), for a loop's end every slot of its batch, else None; stale: a tuple of the
 //   batch indices of unusual requests whose slot holds another matcher by now.
