@@ -413,6 +413,46 @@ def test_host_node_runs(bench):
         bench.host_node_runs("auto", None)
 
 
+def test_bench_guided_host_times_the_node_record_read_in_take_failed(tmp_path, monkeypatch,
+                                                                     one_torch_thread):
+    """tools/bench_guided_host.py on the CPU stand-in: one row per batch, the native node's
+    runs counted; it waits for each step as generate() does, not through hostfunc.drain()
+    (whose drain hook would read the native node's record first), so each decode step's
+    record is read inside the take_failed it times."""
+    from capgraph.build.library import NODE_RECORDS
+    from capgraph.capturable import CapturableGuidedDecoder
+    from capgraph.runtime.guide import GuideDriver
+    STEP = NODE_RECORDS.index("step")
+    inside = [False]
+    read_inside = []
+    real_take, real_apply = GuideDriver.take_failed, CapturableGuidedDecoder._apply_node_results
+
+    def take_failed(self):
+        inside[0] = True
+        try:
+            return real_take(self)
+        finally:
+            inside[0] = False
+
+    def apply(self, results):
+        if results and any(r[0] == STEP for r in results):
+            read_inside.append(inside[0])
+        return real_apply(self, results)
+    monkeypatch.setattr(GuideDriver, "take_failed", take_failed)
+    monkeypatch.setattr(CapturableGuidedDecoder, "_apply_node_results", apply)
+    tool = _tool("bench_guided_host")
+    out = tmp_path / "host.json"
+    monkeypatch.setattr(sys, "argv", ["bench_guided_host.py", "--batches", "2", "--blocks", "2",
+                                      "--steps", "2", "--tokenizer", "mistral-sp32k",
+                                      "--json", str(out)])
+    assert tool.main() == 0
+    row, = json.loads(out.read_text())["rows"]
+    assert row["batch"] == 2 and row["steps"] == 4
+    assert row["take_failed_us"] > 0 and row["node_us_per_step"] > 0
+    # (each block's context step is applied eagerly, its record read by execute's own drain)
+    assert read_inside.count(True) == 4
+
+
 def test_bench_graph_replay_cpu_run_writes_rows(bench, tmp_path, capsys, one_torch_thread,
                                                monkeypatch):
     """The whole protocol on the CPU stand-in (no replay): one row per point and measured

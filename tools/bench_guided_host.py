@@ -58,6 +58,7 @@ def main() -> int:
     import torch
 
     import hostfunc
+    from hostfunc.backend import active_backend
     from capgraph.bench.spec import tool_call_workload
     from capgraph.capturable import CapturableGuidedDecoder
     from capgraph.runtime.guide import GuideDriver
@@ -111,9 +112,13 @@ def main() -> int:
             ["before"]
 
         def sync() -> None:
+            # the step's work done, as generate() waits for it: a device sync on CUDA, the
+            # HostStreams' own wait on the CPU stand-in; not hostfunc.drain(), whose drain
+            # hooks would read the native node's record before take_failed is timed
             if args.device == "cuda":
                 torch.cuda.synchronize()
-            hostfunc.drain()
+            else:
+                active_backend().wait_all(None)
 
         begin: list[float] = []
         take: list[float] = []
