@@ -2532,7 +2532,7 @@ PyObject* DoneTuple(const HostNode* n, const NodeDone& d, const std::vector<uint
   Ref columns(Py_None);
   Py_INCREF(Py_None);
   if (!d.columns.empty() && unusual.get() != Py_None) {
-    // (the batch indices of the unusual requests, in the order they were reported)
+    // (the batch indices of the unusual requests, sorted for the lookup below)
     std::vector<int64_t> wanted;
     for (size_t k = 0; k < d.slots.size(); ++k) {
       if (d.out[k * 3] != kOk) wanted.push_back(d.index[k]);

@@ -42,8 +42,9 @@ forward, inside ``execute`` (``capgraph.runtime.engine._HOST_WORK_FIRST = False`
 
 Before each timed run the tool collects and freezes the heap (``gc.collect(); gc.freeze()``,
 as serving engines do after start-up): a full collection of this process (torch, transformers,
-the tokenizer: about 390 000 tracked objects) takes about 0.23 s on the CI machine, and one
-that lands inside a 64-step run adds several ms to each of its steps. The collector's time
+the tokenizer: about 370 000 tracked objects) takes 0.23-0.27 s on the CI machine (README,
+"Replaying the step without Python"), and one that lands inside a 64-step run adds several ms
+to each of its steps. The collector's time
 inside each timed run is kept in the JSON (``unguided_gc_ms``, ``guided_gc_ms``).
 
 Prints a table; --json writes every figure (rewritten after each row, so a time-boxed run
