@@ -4,7 +4,7 @@
 #
 # Here first:   PYTHON=.venv/bin/python bash tools/prepare_gpu_run.sh
 # Then, once:   device run  command="bash tools/gpu_check.sh"  carry=[".whl", ".gpu-cache"]
-#               timeout_s=540 (the steps' time boxes add up to 495 s; the rest is the wheel
+#               timeout_s=540 (the steps' time boxes add up to 505 s; the rest is the wheel
 #               install, the version lines and the report)
 # Logs and JSON land in $OUT (the device tool brings them back) or ./gpu-check-out; the
 # Markdown tables and target verdicts (tools/gpu_report.py) are printed and kept in report.md.
@@ -21,7 +21,7 @@
 #                       ours given a token mask as the decoder always gives one
 #   bench-apply     15  capgraph bench apply on CUDA
 #   bench-hostfunc  10  tools/bench_hostfunc.py: eager and replayed host nodes
-#   guided-host     10  tools/bench_guided_host.py: the host time generate()'s guide driver adds
+#   guided-host     20  tools/bench_guided_host.py: the host time generate()'s guide driver adds
 #                       to a replayed step, on CUDA (batch 8, 64, 256)
 #   bench-replay    80  tools/bench_graph_replay.py: guided/unguided replayed step at tiny 64,
 #                       256 and small 8, 64, 256, per host-node kind (python, native), and at
@@ -90,7 +90,7 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c \
   echo "xgrammar CUDA build rc=$?" ) > "$XGR_BUILD_LOG" 2>&1 &
 XGR_BUILD=$!
 
-# Time boxes add up to 495 s (the header lists them). Each step writes its results as it goes.
+# Time boxes add up to 505 s (the header lists them). Each step writes its results as it goes.
 run kernel 30 "$PY" -c "
 from capgraph.ops.cuda import load_kernel
 k = load_kernel(); assert k is not None, 'no kernel'; print('kernel compiled and loaded')
@@ -119,7 +119,7 @@ run gpu-tests-rest 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs \
 run bench-apply 15 "$PY" -m capgraph.bench apply --no-cpu --no-xgrammar-cuda \
     --json "$OUT/bench_apply.json"
 run bench-hostfunc 10 "$PY" tools/bench_hostfunc.py
-[ -f tools/bench_guided_host.py ] && run guided-host 10 "$PY" tools/bench_guided_host.py \
+[ -f tools/bench_guided_host.py ] && run guided-host 20 "$PY" tools/bench_guided_host.py \
     --device cuda --batches 8 64 256 --blocks 4 --json "$OUT/guided_host.json"
 # the host-bound points first, so a run cut by its box keeps the ones the issue is about
 run bench-replay 80 "$PY" tools/bench_graph_replay.py --host-node both \
