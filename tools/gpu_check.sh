@@ -4,7 +4,7 @@
 #
 # Here first:   PYTHON=.venv/bin/python bash tools/prepare_gpu_run.sh
 # Then, once:   device run  command="bash tools/gpu_check.sh"  carry=[".whl", ".gpu-cache"]
-#               timeout_s=540 (the steps' time boxes add up to 505 s; the rest is the wheel
+#               timeout_s=560 (the steps' time boxes add up to 505 s; the rest is the wheel
 #               install, the version lines and the report)
 # Logs and JSON land in $OUT (the device tool brings them back) or ./gpu-check-out; the
 # Markdown tables and target verdicts (tools/gpu_report.py) are printed and kept in report.md.
