@@ -493,6 +493,36 @@ def test_bench_graph_replay_cpu_run_writes_rows(bench, tmp_path, capsys, one_tor
             assert f"{kind}: {why}" in printed
 
 
+def test_bench_graph_replay_breakdown_times_the_guided_host_work(bench, tmp_path, capsys,
+                                                                 one_torch_thread):
+    """--breakdown: each guided row carries every part's wall and CPU us per step and its
+    calls (take_failed once per decode step and the context step, advance_batch on the decode
+    steps after the first), a line under the row says them, and the wrapped functions are
+    the originals again when the tool returns."""
+    from capgraph.capturable import CapturableGuidedDecoder
+    from capgraph.runtime.guide import GuideDriver
+    import hostfunc.api
+    before = (GuideDriver.take_failed, CapturableGuidedDecoder._node_collect,
+              hostfunc.api._run_drain_hooks)
+    out = tmp_path / "replay.json"
+    assert bench.main(["--device", "cpu", "--points", "tiny:2", "--steps", "4",
+                       "--warmup-steps", "1", "--tokenizer", "mistral-sp32k",
+                       "--host-node", "native", "--before-points", "", "--breakdown",
+                       "--json", str(out)]) == 0
+    row, = json.loads(out.read_text())["rows"]
+    parts = row["breakdown"]
+    assert list(parts) == [name for name, *_ in bench.BREAKDOWN_PARTS]
+    steps = row["guided_steps"]
+    assert parts["take_failed"]["calls"] == steps + 1  # (and the context step's)
+    assert parts["advance_batch"]["calls"] == steps - 1
+    for p in parts.values():
+        assert p["wall_us_per_step"] >= 0 and p["cpu_us_per_step"] >= 0
+    assert parts["take_failed"]["wall_us_per_step"] > 0
+    assert "breakdown, us per step (wall/cpu): take_failed " in capsys.readouterr().out
+    assert (GuideDriver.take_failed, CapturableGuidedDecoder._node_collect,
+            hostfunc.api._run_drain_hooks) == before
+
+
 def test_bench_graph_replay_failed_guided_run_is_reported(bench, tmp_path, monkeypatch,
                                                           one_torch_thread):
     """A guided run that raises becomes a row with its error and an entry of the JSON's

@@ -47,6 +47,15 @@ the tokenizer: about 370 000 tracked objects) takes 0.23-0.27 s on the CI machin
 to each of its steps. The collector's time
 inside each timed run is kept in the JSON (``unguided_gc_ms``, ``guided_gc_ms``).
 
+``--breakdown`` also times the parts of each guided run's host work outside the replay and
+of the batch made after the launch, inclusive of what each calls: ``take_failed`` (the guide
+driver's, after the sync), the drain hooks it runs, the decoder's read of the native node's
+records (``_node_collect``: ``HostNode.take`` and applying its records) and
+``advance_batch``; each as wall and thread CPU time per decode step and as a call count, in
+the JSON's ``breakdown`` per guided row and a line under it. Where a part's wall time is well
+above its CPU time, its thread waited (a lock, the GIL, the scheduler) rather than worked.
+The wrappers add about a microsecond a call to the runs they time.
+
 Prints a table; --json writes every figure (rewritten after each row, so a time-boxed run
 keeps what it measured). A guided run that raises is reported (in its row, the JSON's
 "errors" and exit status 1) and the other runs go on. Exits 0 with a message where no CUDA
@@ -59,6 +68,7 @@ replay: a check of the tool, not a measurement).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import inspect
 import json
@@ -156,6 +166,74 @@ def step_figures(results: Any) -> dict[str, Any]:
     return out
 
 
+#: ``--breakdown``'s parts: (name, module, class or None, function)
+BREAKDOWN_PARTS = (
+    ("take_failed", "capgraph.runtime.guide", "GuideDriver", "take_failed"),
+    ("drain hooks", "hostfunc.api", None, "_run_drain_hooks"),
+    ("node records", "capgraph.capturable", "CapturableGuidedDecoder", "_node_collect"),
+    ("HostNode.take", "capgraph.build.library", "HostNode", "take"),
+    ("apply records", "capgraph.capturable", "CapturableGuidedDecoder", "_apply_node_results"),
+    ("advance_batch", "capgraph.capturable", "CapturableGuidedDecoder", "advance_batch"),
+)
+
+
+class Breakdown:
+    """Wall and thread CPU time of :data:`BREAKDOWN_PARTS` while installed (a context
+    manager: the wrappers go in on entry and the originals come back on exit)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, list] = {}  # name -> [wall ns, cpu ns, calls]
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> "Breakdown":
+        import importlib
+        for name, module, cls, fn in BREAKDOWN_PARTS:
+            owner = importlib.import_module(module)
+            if cls is not None:
+                owner = getattr(owner, cls)
+            real = getattr(owner, fn, None)
+            if real is None:  # (a tree without it)
+                continue
+            self._undo.append((owner, fn, vars(owner).get(fn)))  # (None: inherited)
+            setattr(owner, fn, self._wrap(name, real))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, fn, own in reversed(self._undo):
+            if own is None:
+                delattr(owner, fn)
+            else:
+                setattr(owner, fn, own)
+        self._undo.clear()
+
+    def _wrap(self, name: str, real: Callable) -> Callable:
+        totals = self.totals.setdefault(name, [0, 0, 0])
+        wall, cpu = time.perf_counter_ns, time.thread_time_ns
+
+        def timed(*args, **kwargs):
+            w0, c0 = wall(), cpu()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                totals[0] += wall() - w0
+                totals[1] += cpu() - c0
+                totals[2] += 1
+        return timed
+
+    def per_step(self, steps: int) -> dict[str, dict[str, float]]:
+        """Each part's wall and CPU us per decode step, and its calls."""
+        steps = max(steps, 1)
+        return {name: {"wall_us_per_step": w / steps / 1e3, "cpu_us_per_step": c / steps / 1e3,
+                       "calls": n} for name, (w, c, n) in self.totals.items()}
+
+
+def format_breakdown(parts: dict[str, dict[str, float]]) -> str:
+    """One line of :meth:`Breakdown.per_step`: ``name wall/cpu`` us per step."""
+    return "  breakdown, us per step (wall/cpu): " + ", ".join(
+        f"{name} {p['wall_us_per_step']:.1f}/{p['cpu_us_per_step']:.1f}"
+        for name, p in parts.items())
+
+
 def _cell(value: float | None, width: int, spec: str = ".3f") -> str:
     return f"{'-' if value is None else format(value, spec):>{width}}"
 
@@ -173,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "launch (kind native-before) and with its host work captured after "
                          "the forward (kind native-node-last); empty: none")
     ap.add_argument("--tokenizer", default="tekken")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time the parts of each guided run's host work (see above)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
@@ -281,10 +361,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if has_first:
                     kinds.append(("native-node-last", "native", None, False))
             for kind, host_node, after_launch, first in kinds:
-                results, error = guarded(
-                    f"{name} batch {batch}, {kind} host node",
-                    lambda: run(model, prompts, [guide] * batch, args.steps, host_node,
-                                after_launch, first))
+                breakdown = Breakdown() if args.breakdown else None
+                with breakdown or contextlib.nullcontext():
+                    results, error = guarded(
+                        f"{name} batch {batch}, {kind} host node",
+                        lambda: run(model, prompts, [guide] * batch, args.steps, host_node,
+                                    after_launch, first))
                 if error is not None:
                     out["rows"].append({"model": name, "batch": batch, "host_node": kind,
                                         "error": error})
@@ -300,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "replay_ratio": replay_ratio, "unguided_gc_ms": unguided_gc_ms,
                        "guided_gc_ms": gc_seconds[0] * 1e3,
                        **{k: guided[k] for k in FIGURE_KEYS}}
+                if breakdown is not None:
+                    row["breakdown"] = breakdown.per_step(guided["steps"])
                 out["rows"].append(row)
                 write()
                 counts = f"{unguided['steps']}/{guided['steps']}"
@@ -310,6 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{_cell(row['host_build_us_per_row'], 19, '.2f')}"
                       f"{_cell(row['native_node_ms_per_step'], 21)}"
                       f"{_cell(row['native_node_us_per_row'], 20, '.2f')}")
+                if breakdown is not None:
+                    print(format_breakdown(row["breakdown"]))
     finally:
         gc.callbacks.remove(on_gc)
         gc.unfreeze()

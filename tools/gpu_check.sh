@@ -4,7 +4,7 @@
 #
 # Here first:   PYTHON=.venv/bin/python bash tools/prepare_gpu_run.sh
 # Then, once:   device run  command="bash tools/gpu_check.sh"  carry=[".whl", ".gpu-cache"]
-#               timeout_s=560 (the steps' time boxes add up to 505 s; the rest is the wheel
+#               timeout_s=575 (the steps' time boxes add up to 530 s; the rest is the wheel
 #               install, the version lines and the report)
 # Logs and JSON land in $OUT (the device tool brings them back) or ./gpu-check-out; the
 # Markdown tables and target verdicts (tools/gpu_report.py) are printed and kept in report.md.
@@ -28,6 +28,9 @@
 #                       tiny 64 and 256 the native node with its batch made before the launch
 #                       (native-before) and with its host work captured after the forward
 #                       (native-node-last)
+#   breakdown       25  tools/bench_graph_replay.py --breakdown, native node, tiny 64 and 256:
+#                       the guided host work's parts (take_failed, the drain hooks, the node
+#                       records' read, advance_batch) in wall and CPU us per step
 #   bench-loop      45  capgraph bench loop on CUDA, batch 8 first and last (importing
 #                       transformers' Llama alone takes over 15 s on the GPU image)
 #   fill-threads    25  tools/bench_fill_threads.py: the native fill pool's crossover, 1-16
@@ -90,7 +93,7 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c \
   echo "xgrammar CUDA build rc=$?" ) > "$XGR_BUILD_LOG" 2>&1 &
 XGR_BUILD=$!
 
-# Time boxes add up to 505 s (the header lists them). Each step writes its results as it goes.
+# Time boxes add up to 530 s (the header lists them). Each step writes its results as it goes.
 run kernel 30 "$PY" -c "
 from capgraph.ops.cuda import load_kernel
 k = load_kernel(); assert k is not None, 'no kernel'; print('kernel compiled and loaded')
@@ -124,6 +127,9 @@ run bench-hostfunc 10 "$PY" tools/bench_hostfunc.py
 # the host-bound points first, so a run cut by its box keeps the ones the issue is about
 run bench-replay 80 "$PY" tools/bench_graph_replay.py --host-node both \
     --points tiny:64,tiny:256,small:8,small:64,small:256 --json "$OUT/bench_replay.json"
+# where the tiny model's guided host work goes, part by part (wall and CPU us per step)
+run breakdown 25 "$PY" tools/bench_graph_replay.py --host-node native --points tiny:64,tiny:256 \
+    --before-points "" --breakdown --json "$OUT/replay_breakdown.json"
 # batch 8 measured first and again last: the two must agree (the warm-up defect check)
 run bench-loop 45 "$PY" -m capgraph.bench loop --device cuda --batches 8 1 8 --steps 30 \
     --json "$OUT/bench_loop.json"
@@ -151,6 +157,7 @@ echo "---- report (Markdown for docs/BENCHMARKS.md; also in report.md) ----"
 echo
 echo "---- tails ----"
 grep -E "passed|failed|error" "$LOG" | tail -n 5
+grep -E "breakdown, us per step" "$LOG" | tail -n 2
 echo
 echo "---- gpu_check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)) ----"
 cat "$SUMMARY"
