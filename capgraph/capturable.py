@@ -477,7 +477,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 step did not run (discarded, a capture's, a queue error): it cannot simply
                 continue, so make the next batch with ``add_batch``. Nothing is queued.
             TensorArgError: ``new_tokens`` is a device tensor (reading it here would wait for
-                the stream: give the tokens on the host, or pass the tensor to ``add_batch``).
+                the stream: give the tokens on the host, or pass the tensor to ``add_batch``),
+                or a tensor or array whose dtype is not an integer one.
             QueueEpochError, DecoderClosedError: as for ``add_batch``.
         """
         last = self._last_put
@@ -548,6 +549,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
         shape = getattr(new_tokens, "shape", None)
         tokens: list
         if shape is not None and hasattr(new_tokens, "tolist"):  # a tensor or an array
+            dtype = new_tokens.dtype  # type: ignore[attr-defined]
+            if dtype not in _INDEX_DTYPES if isinstance(new_tokens, torch.Tensor) \
+                    else getattr(dtype, "kind", None) not in ("i", "u"):
+                raise TensorArgError(f"advance_batch: new_tokens must hold integer token ids, "
+                                     f"got dtype {dtype}")
             array: Any = new_tokens
             if len(shape) == 2 and shape[1] == 1:  # (a sampler's column)
                 shape = shape[:1]

@@ -111,9 +111,11 @@ def test_advanced_steps_equal_add_batch_steps(factory, tekken, native_ok, host_n
         assert torch.isneginf(static).any()
         assert torch.equal(capt.token_mask_host[:3], eager.token_mask_host[:3])
         assert capt.num_advanced_tokens == eager.num_advanced_tokens
-    assert repeats.queued == (steps - 2 if host_node == "native" else 0)
     if host_node == "native":
+        assert repeats.queued == steps - 2
         assert capt.host_node_stats.python_runs == 0
+    else:  # (no node to queue a job again: each step was an add_batch)
+        assert capt.host_node == "python" and capt._node is None
     graph.reset()
     capt.close()
     eager.close()
@@ -475,14 +477,20 @@ def test_the_tokens_are_read_at_the_call(factory, tekken, native_ok):
 
 def test_a_column_of_tokens_is_taken_and_other_shapes_are_refused(factory, tekken, native_ok):
     """A sampler's ``[n, 1]`` CPU tensor (or array) is taken as ``[n]``; a tensor of another
-    shape is a LayoutError naming it, with nothing queued."""
+    shape is a LayoutError naming it, and a float tensor or array a TensorArgError naming its
+    dtype, with nothing queued and every request still guided."""
     import numpy as np
 
     cases = GUIDED[:2]
     capt, graph, _static, texts = _after_two_steps(factory, tekken, cases)
     with pytest.raises(LayoutError, match=r"shape \(2, 2\)"):
         capt.advance_batch(torch.zeros(2, 2, dtype=torch.int64))
-    assert capt.queued_batches == 0
+    floats = [float(texts[0][1]), float(texts[1][1])]
+    for bad, dtype in ((torch.tensor(floats), "torch.float32"), (np.array(floats), "float64")):
+        with pytest.raises(TensorArgError, match=f"new_tokens must hold integer token ids, "
+                                                 f"got dtype {dtype}"):
+            capt.advance_batch(bad)
+    assert capt.queued_batches == 0 and capt.take_failed_requests() == []
     for k, make in ((1, torch.tensor), (2, np.array)):
         capt.advance_batch(make([[texts[0][k]], [texts[1][k]]]))
         graph.replay()
