@@ -408,7 +408,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 changes them, nor their ``draft_tokens`` / ``draft_parents`` lists, afterwards
                 (the step's callbacks and the failure reports after it read them; the decoder
                 writes into them: a request whose tokens come from ``new_tokens`` gets them in
-                its ``new_token`` and ``draft_tokens``, and ``rollback_rejected_batch`` its
+                its ``new_token`` and ``draft_tokens`` where a Python step builds it or the
+                native node reports it failed, and ``rollback_rejected_batch`` its
                 accepted count and node in ``num_accepted_draft_tokens`` and
                 ``accepted_draft_node``). Any other object is still copied. It saves
                 the copy, about a third of ``add_batch``'s time per request
@@ -1481,7 +1482,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         work runs, then its worker ends): a host step still queued on it may start a build,
         which the base close then ends before it stops the C++ build's thread."""
         if self._node is not None:
-            self._node.set_batch_wait(0)  # (a step waiting for its batch goes now)
+            self._node_finalizer()  # (a step waiting for its batch goes now; runs once)
         close = getattr(self._streams, "close", None)
         if close is not None:
             close()

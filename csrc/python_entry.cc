@@ -1021,7 +1021,7 @@ struct HostNode {
   std::vector<ObjectRef> slot_matcher;  // per slot: the FFI object a step runs, or none
   // the last job node_push queued, where node_repeat may queue it again with new tokens:
   // every entry a generation request carrying its token, with no drafts (`repeat_ok`); read
-  // and written under the GIL only (node_push, node_commit, node_push_python, node_repeat)
+  // and written under the GIL only (node_push, node_push_python, node_repeat)
   bool repeat_ok = false;
   std::vector<NodeEntry> repeat_entries;
   int64_t repeat_clear_rows = 0, repeat_batch = 0;
@@ -2488,6 +2488,7 @@ PyObject* DoneTuple(const HostNode* n, const NodeDone& d, const std::vector<uint
   Ref unusual(Py_None);
   Py_INCREF(Py_None);
   std::vector<int64_t> stale;  // the unusual requests whose slot has another matcher by now
+  std::vector<int64_t> wanted;  // every unusual request's batch index (their columns go back)
   Ref rolled(rolls ? PyList_New(0) : (Py_INCREF(Py_None), Py_None));
   if (!rolled) return nullptr;
   for (size_t k = 0; k < d.slots.size(); ++k) {
@@ -2518,6 +2519,7 @@ PyObject* DoneTuple(const HostNode* n, const NodeDone& d, const std::vector<uint
     }
     if (o[0] == kOk) continue;
     if (!current) stale.push_back(d.index[k]);
+    wanted.push_back(d.index[k]);
     if (unusual.get() == Py_None) {
       unusual = Ref(PyList_New(0));
       if (!unusual) return nullptr;
@@ -2531,13 +2533,8 @@ PyObject* DoneTuple(const HostNode* n, const NodeDone& d, const std::vector<uint
   }
   Ref columns(Py_None);
   Py_INCREF(Py_None);
-  if (!d.columns.empty() && unusual.get() != Py_None) {
-    // (the batch indices of the unusual requests, sorted for the lookup below)
-    std::vector<int64_t> wanted;
-    for (size_t k = 0; k < d.slots.size(); ++k) {
-      if (d.out[k * 3] != kOk) wanted.push_back(d.index[k]);
-    }
-    std::sort(wanted.begin(), wanted.end());
+  if (!d.columns.empty() && !wanted.empty()) {
+    std::sort(wanted.begin(), wanted.end());  // (for the lookup below)
     columns = Ref(PyList_New(0));
     if (!columns) return nullptr;
     const size_t width = static_cast<size_t>(n->positions) + 1;

@@ -214,9 +214,7 @@ def test_a_buffer_token_the_grammar_refuses_is_named_in_a_native_step(factory, t
     capt.add_batch(ctx)
     graph.replay()
     hostfunc.drain()
-    row = eager.bitmask_host[1]
-    refused = next(t for t in range(1, len(tekken))  # (not 0: the requests' placeholder)
-                   if not (int(row[t // 32]) >> (t % 32)) & 1)
+    refused = tokenizer_refused(eager, 1, V, start=1)  # (not 0: the requests' placeholder)
     eager.add_batch([GuidedRequest.generation(1, 0, cases[0].params, texts[0][0]),
                      GuidedRequest.generation(2, 1, cases[1].params, refused)])
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(5))
@@ -272,10 +270,11 @@ def two_requests(factory, tekken, drafts: int, host_node: str = "native"):
     return cases, texts_of(tekken, cases), eager, capt, ctx
 
 
-def tokenizer_refused(decoder: GuidedDecoder, slot: int, V: int) -> int:
-    """A token id the slot's current grammar state refuses (read from its last mask row)."""
+def tokenizer_refused(decoder: GuidedDecoder, slot: int, V: int, start: int = 0) -> int:
+    """A token id from ``start`` on that the slot's current grammar state refuses (read from
+    its last mask row)."""
     row = decoder.bitmask_host[slot]
-    for token in range(V):
+    for token in range(start, V):
         if not (int(row[token // 32]) >> (token % 32)) & 1:
             return token
     raise AssertionError("every token is allowed")

@@ -42,10 +42,10 @@ forward, inside ``execute`` (``capgraph.runtime.engine._HOST_WORK_FIRST = False`
 
 Before each timed run the tool collects and freezes the heap (``gc.collect(); gc.freeze()``,
 as serving engines do after start-up): a full collection of this process (torch, transformers,
-the tokenizer: about 370 000 tracked objects) takes 0.23-0.27 s on the CI machine (README,
-"Replaying the step without Python"), and one that lands inside a 64-step run adds several ms
-to each of its steps. The collector's time
-inside each timed run is kept in the JSON (``unguided_gc_ms``, ``guided_gc_ms``).
+the tokenizer: about 370 000 tracked objects) takes about 0.27 s on the CI machine (README,
+"Replaying the step without Python", has the command), and one that lands inside a run of
+about 50 steps adds several ms to each of them. The collector's time inside each timed run
+is kept in the JSON (``unguided_gc_ms``, ``guided_gc_ms``).
 
 ``--breakdown`` also times the parts of each guided run's host work outside the replay and
 of the batch made after the launch, inclusive of what each calls: ``take_failed`` (the guide
@@ -311,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gc.freeze()
         gc_seconds[0] = 0.0
         order = {"batch_after_launch": after_launch} if has_order else {}
+        saved = getattr(engine, "_HOST_WORK_FIRST", None)
         if has_first:
             engine._HOST_WORK_FIRST = host_work_first
         try:
@@ -320,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             factory=factory, host_node=host_node, **order)
         finally:
             if has_first:
-                engine._HOST_WORK_FIRST = True
+                engine._HOST_WORK_FIRST = saved
 
     print(f"{'model':>6}{'batch':>6}{'host node':>18}{'steps u/g':>11}{'unguided ms/step':>18}"
           f"{'guided ms/step':>16}{'ratio':>8}{'replay ratio':>14}{'host build ms/step':>20}"

@@ -66,7 +66,7 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_guided_host: no CUDA device; nothing measured")
         return 0
-    _tok, factory, params, texts = tool_call_workload(args.tokenizer)
+    factory, params, texts = tool_call_workload(args.tokenizer)
     config = factory.config
     steps = min(args.steps, min(len(t) for t in texts) - 1)
     V = config.vocab_size_padded

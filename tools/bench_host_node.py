@@ -65,7 +65,7 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_host_node: no CUDA device; nothing measured")
         return 0
-    _tok, factory, params, texts = tool_call_workload(args.tokenizer)
+    factory, params, texts = tool_call_workload(args.tokenizer)
     config = factory.config
     eos = config.stop_token_ids[0]
     texts = [text + [eos] for text in texts]

@@ -396,19 +396,19 @@ class Soak:
                 order = prev
                 reqs = list(dec.requests.requests)  # type: ignore[union-attr]
                 starts = {r.rid: len(r.committed) for r in order}
-        for r in order if not advanced else ():
-            if not r.started:
-                reqs.append(GuidedRequest.context(r.rid, r.slot, r.params))
-                starts[r.rid] = 0
-                continue
-            d = self._propose(r, rl)
-            drafts[r.rid] = d
-            self.report.drafts_proposed += len(d)
-            reqs.append(GuidedRequest.generation(r.rid, r.slot, r.params, r.committed[-1],
-                                                 draft_tokens=d,
-                                                 num_accepted_draft_tokens=r.acc_prev))
-            starts[r.rid] = len(r.committed)
         if not advanced:
+            for r in order:
+                if not r.started:
+                    reqs.append(GuidedRequest.context(r.rid, r.slot, r.params))
+                    starts[r.rid] = 0
+                    continue
+                d = self._propose(r, rl)
+                drafts[r.rid] = d
+                self.report.drafts_proposed += len(d)
+                reqs.append(GuidedRequest.generation(r.rid, r.slot, r.params, r.committed[-1],
+                                                     draft_tokens=d,
+                                                     num_accepted_draft_tokens=r.acc_prev))
+                starts[r.rid] = len(r.committed)
             dec.add_batch(reqs, runtime_draft_len=rl)
         if self.advance:
             self._advance_order = order

@@ -85,11 +85,10 @@ def compact(value: Any) -> str:
 
 
 class ToolCallWorkload(NamedTuple):
-    """The host benchmarks' workload: a bundled tokenizer, a matcher factory for it (default
+    """The host benchmarks' workload: a matcher factory for a bundled tokenizer (default
     config), the bundled tool-call schema as a guide, and the :func:`tool_calls` encoded as
-    compact JSON (no stop token)."""
+    compact JSON with that tokenizer (no stop token)."""
 
-    tokenizer: Any
     factory: Any
     params: Any
     texts: list[list[int]]
@@ -97,15 +96,15 @@ class ToolCallWorkload(NamedTuple):
 
 def tool_call_workload(tokenizer: str) -> ToolCallWorkload:
     """:class:`ToolCallWorkload` for the bundled tokenizer named ``tokenizer``."""
-    from capgraph import GuidedDecodingConfig, GuidedDecodingParams, GuideType
+    from capgraph import GuidedDecodingConfig, GuidedDecodingParams
     from capgraph.demo import bundled_schema
     from capgraph.grammar import create_matcher_factory
     from capgraph.tokenizers import encode_continuation, load_tokenizer
 
     tok = load_tokenizer(tokenizer)
     factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(tok))
-    params = GuidedDecodingParams(GuideType.JSON_SCHEMA, json.dumps(bundled_schema()))
-    return ToolCallWorkload(tok, factory, params,
+    params = GuidedDecodingParams.json_schema(bundled_schema())
+    return ToolCallWorkload(factory, params,
                             [encode_continuation(tok, compact(c)) for c in tool_calls()])
 
 
