@@ -39,6 +39,7 @@ from .build.base import Status
 from .build.library import NODE_RECORDS, HostNode, NodeStats
 from .errors import (CallbackError, ConfigError, LayoutError, NativeBuildError, QueueEpochError,
                      RequestError, TensorArgError)
+from .ops.argmax import argmax_scratch, masked_argmax
 from .requests import GuidedRequest, GuidedRequests
 from .streams import HostStepStreams, StepStreams
 
@@ -134,6 +135,13 @@ def _callback(name: str) -> Callable:
     return wrap
 
 
+def _describe(value: object) -> str:
+    """A tensor's dtype, shape, strides and device (for an error message); else its type."""
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)} strides {value.stride()} on {value.device}"
+    return type(value).__name__
+
+
 def _past_rows(first: int, end: int, rows: int) -> str:
     """The failure of a request whose bitmask rows ``[first, end)`` lie past the ``rows``
     logits rows its step masks (the native node's text is the same: ``PastRows``)."""
@@ -211,6 +219,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._ticket = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
         self._ticket_np = self._ticket.numpy()
         self._ticket_ids = torch.arange(TICKET_RING, dtype=torch.int32, device=self.device) \
+            if self.device.type == "cuda" else None
+        # the masked argmax kernel's scratch (execute_argmax), zero between its launches
+        self._argmax_scratch = argmax_scratch(self.bitmask.shape[0], self.device) \
             if self.device.type == "cuda" else None
         self.requests_hostfunc: GuidedRequests | None = None  # read and written by callbacks
         self._draft_requests: GuidedRequests | None = None
@@ -381,8 +392,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         sizes["host"] += (self.new_tokens.nbytes + self.draft_new_tokens.nbytes
                           + self.num_accepted_tokens.nbytes + self.accepted_draft_nodes.nbytes
                           + self._ticket.nbytes)
-        if self._ticket_ids is not None:
-            sizes["device"] = sizes.get("device", 0) + self._ticket_ids.nbytes
+        for device_buffer in (self._ticket_ids, self._argmax_scratch):
+            if device_buffer is not None:
+                sizes["device"] = sizes.get("device", 0) + device_buffer.nbytes
         return sizes
 
     # -- host side ---------------------------------------------------------------------------
@@ -862,6 +874,58 @@ class CapturableGuidedDecoder(GuidedDecoder):
         not capturing this drains (waits for the callbacks with the GIL released) and
         re-raises a callback exception as ``hostfunc.HostFuncError``.
         """
+        self._execute(logits, d2t, None)
+
+    @nvtx_range("CapturableGuidedDecoder.execute_argmax")
+    @_open_only
+    def execute_argmax(self, logits: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy sampling fused with the mask, for the batch of the latest ``add_batch``:
+        the column of each row's largest allowed logit, the logits left as they are.
+        Graph-safe, like :meth:`execute`.
+
+        ``out[r]`` is ``argmax`` of logits row ``r`` after :meth:`execute` would have masked
+        it (rows past the layout's rows, and unguided rows, unmasked), ties to the lowest
+        column (:func:`capgraph.ops.masked_argmax`). On CUDA one kernel reads each row's
+        bitmask and the logits of its allowed tokens only, where ``execute`` followed by
+        ``argmax`` reads every logit twice and writes the masked ones; use it where the step
+        samples greedily and nothing else reads the masked logits.
+
+        Args:
+            logits: ``[rows, vocab_size_padded]``, the full vocabulary (a tensor-parallel
+                shard's argmax needs the other shards': mask with :meth:`execute` there).
+            out: int64 ``[rows]`` on the logits' device, or None for a new tensor (inside a
+                CUDA graph capture, one the graph keeps for its replays).
+
+        Returns:
+            ``out``. Failures come from :meth:`take_failed_requests` after the step, as for
+            :meth:`execute`; a failed request's rows are unmasked, as ``execute`` leaves them.
+
+        Raises:
+            TensorArgError: bad logits (as for :meth:`execute`), logits that are not the full
+                vocabulary, or a bad ``out``; nothing is enqueued.
+        """
+        self._check_logits(logits, None, None, 0)
+        if logits.shape[1] != self.vocab_size_padded:
+            raise TensorArgError(
+                f"execute_argmax: logits have {logits.shape[1]} columns; the fused argmax "
+                f"needs the full vocabulary ({self.vocab_size_padded}): mask a "
+                "tensor-parallel shard with execute and reduce across the shards")
+        rows = logits.shape[0]
+        if out is None:
+            out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+        elif not isinstance(out, torch.Tensor) or out.dtype != torch.int64 \
+                or out.dim() != 1 or out.size(0) != rows or out.device != logits.device \
+                or (rows > 1 and out.stride(0) != 1):
+            raise TensorArgError(
+                f"execute_argmax: out must be an int64 [{rows}] tensor with unit stride on "
+                f"{logits.device}, got {_describe(out)}")
+        self._execute(logits, None, out)
+        return out
+
+    def _execute(self, logits: torch.Tensor, d2t: torch.Tensor | None,
+                 out: torch.Tensor | None) -> None:
+        """execute's work; with ``out``, execute_argmax's (the argmax instead of the mask)."""
         capturing = self._streams.is_capturing()
         self._prepared_refused = self._prepared  # (until the logits pass: see add_batch)
         self._check_logits(logits, d2t, None)
@@ -879,29 +943,43 @@ class CapturableGuidedDecoder(GuidedDecoder):
             if last is not None:  # (its step had nothing to run: advance_batch continues it)
                 self._ran_epoch = last.epoch
             self._clear_token_mask()
+            if out is not None:  # (nothing is masked: the plain argmax)
+                torch.argmax(logits, dim=-1, out=out)
             return
         if not self._prepared:
             self._enqueue_step(logits.shape[0], capturing)
         self._prepared = False
         # (rows past those prepare copied hold another step's mask: left untouched)
-        self._join_and_apply(logits, d2t, capturing, min(logits.shape[0], self._prepared_rows))
+        self._join_and_apply(logits, d2t, capturing, min(logits.shape[0], self._prepared_rows),
+                             out)
 
     def _join_and_apply(self, logits: torch.Tensor, d2t: torch.Tensor | None,
-                        capturing: bool, rows: int | None = None) -> None:
+                        capturing: bool, rows: int | None = None,
+                        out: torch.Tensor | None = None) -> None:
+        """Apply the step's mask to ``logits[:rows]`` once its bitmask copy is done (with
+        ``out``: write the masked argmax there instead)."""
         rows = logits.shape[0] if rows is None else rows
         streams = self._streams
         if not capturing and self.device.type == "cpu":
             # CPU stand-in, not capturing: wait for the side stream on the host (GIL released)
             # and apply here, rather than hand the apply to another worker thread and drain it
             self._sync_side()
-            self.apply_bitmask(logits, d2t, rows)
+            if out is None:
+                self.apply_bitmask(logits, d2t, rows)
+            else:
+                self.argmax_bitmask(logits, out, rows)
             hostfunc.check_errors(owner=self)
             return
         streams.wait_bitmask()
         if self.device.type == "cuda":
-            self.apply_bitmask(logits, d2t, rows)
-        else:  # recorded into the HostGraph, so every replay applies
+            if out is None:
+                self.apply_bitmask(logits, d2t, rows)
+            else:
+                self.argmax_bitmask(logits, out, rows)
+        elif out is None:  # recorded into the HostGraph, so every replay applies
             self.apply_hostfunc(logits, d2t, rows)
+        else:
+            self.argmax_hostfunc(logits, out, rows)
         streams.drain(self)
 
     def _sync_side(self) -> None:
@@ -1476,6 +1554,22 @@ class CapturableGuidedDecoder(GuidedDecoder):
     @_callback("apply")
     def apply_hostfunc(self, logits: torch.Tensor, d2t: torch.Tensor | None, rows: int) -> None:
         self.apply_bitmask(logits, d2t, rows)
+
+    @_callback("argmax")
+    def argmax_hostfunc(self, logits: torch.Tensor, out: torch.Tensor, rows: int) -> None:
+        self.argmax_bitmask(logits, out, rows)
+
+    def argmax_bitmask(self, logits: torch.Tensor, out: torch.Tensor, num_rows: int) -> None:
+        """``out`` = the argmax of each row of ``logits`` (``[rows, vocab_size_padded]``),
+        ``logits[:num_rows]`` masked from the device bitmask as :meth:`apply_bitmask` masks
+        them; the logits are not written (:func:`capgraph.ops.masked_argmax`)."""
+        if self._inflight is not None:
+            self._finish_build()
+        scratch = self._argmax_scratch
+        if scratch is not None and scratch.shape[1] < logits.shape[0]:
+            scratch = None  # (the op makes one of its own for this call)
+        masked_argmax(logits, self.bitmask, self.token_mask, mask_rows=num_rows, out=out,
+                      scratch=scratch)
 
     def _close(self) -> None:
         """close()'s work (see :meth:`GuidedDecoder.close`): the side stream first (its queued

@@ -334,3 +334,184 @@ CAPGRAPH_ALL_DTYPES(CAPGRAPH_LOGITS_BITMASK_ENTRY, 16, CAPGRAPH_16BIT_ENTRIES_WI
 // they more than doubled NVRTC's compile time)
 CAPGRAPH_ALL_DTYPES(CAPGRAPH_LOGITS_BITMASK_VARIANTS, 4, CAPGRAPH_16BIT_ENTRIES)
 CAPGRAPH_ALL_DTYPES(CAPGRAPH_LOGITS_BITMASK_VARIANTS, 8, CAPGRAPH_16BIT_ENTRIES_WIDE)
+
+// ---- masked_argmax: greedy sampling fused with the mask ------------------------------------
+//
+// out[r] = the column of the largest logit among row r's allowed tokens, that is
+// argmax(row r masked as above), for rows [0, rows); rows at or past mask_rows, and rows whose
+// token_mask entry is 0, are not masked (a plain argmax). The logits are only read: a masked
+// column is -inf without a load, so a row costs its bitmask words plus the logits of its
+// allowed tokens (a 2%-allowed row reads about 2% of its logits), where masking in place and
+// then taking the argmax reads every logit twice and writes the masked ones.
+//
+// The result is the one torch.argmax gives on the masked row: the values compare as floats
+// (fp16 and bf16 widened to fp32 exactly), -0 equals +0, NaN is larger than everything, and of
+// equal values the lowest column wins; a row with nothing allowed (every entry -inf) gives its
+// lowest column. Each candidate is one 64-bit key, ordered as that comparison orders (the
+// float's bits mapped to an unsigned order in the high half, the column's complement in the
+// low half), so the whole reduction is an unsigned max.
+//
+// Grid: x = blocks along the row (each covers kArgmaxWordsPerBlock bitmask words, 32 columns
+// each), y = rows (a grid-stride loop past 65535). Warp w of a block takes kArgmaxWordsPerWarp
+// consecutive words; lane l reads column 32 * word + l, so a warp's logits loads are coalesced
+// and a word with no allowed bit costs no logits load. Each warp's lane 0 merges the warp's
+// best key into keys[row] (an atomic max) and counts itself in counts[row]; the row's last
+// warp to count writes out[row] and puts both back to 0, so the scratch is ready for the next
+// launch without a memset (it must be all zero before the first).
+//
+// Host contract (capgraph/ops/cuda.py plan_argmax): width <= 32 * bitmask row words, width and
+// the columns fit in int32, out int64 [>= rows], keys and counts [>= rows] 64-bit and zero.
+
+namespace capgraph {
+
+constexpr int kArgmaxWordsPerWarp = 16;
+constexpr int kArgmaxWordsPerBlock = (kThreads / 32) * kArgmaxWordsPerWarp;
+
+// fp32 bits of a logit: fp32 as it is, bf16 shifted, fp16 converted exactly (integer ops only:
+// the file takes no headers).
+struct ArgmaxF32 {
+    typedef unsigned Raw;
+    static __device__ __forceinline__ unsigned f32_bits(unsigned raw) { return raw; }
+};
+struct ArgmaxBF16 {
+    typedef unsigned short Raw;
+    static __device__ __forceinline__ unsigned f32_bits(unsigned short raw) {
+        return unsigned(raw) << 16;
+    }
+};
+struct ArgmaxF16 {
+    typedef unsigned short Raw;
+    static __device__ __forceinline__ unsigned f32_bits(unsigned short raw) {
+        const unsigned sign = (unsigned(raw) & 0x8000u) << 16;
+        const unsigned exponent = (unsigned(raw) >> 10) & 0x1Fu;
+        unsigned mantissa = unsigned(raw) & 0x3FFu;
+        if (exponent == 0x1Fu) {
+            return sign | 0x7F800000u | (mantissa << 13);  // inf, NaN
+        }
+        if (exponent == 0) {
+            if (mantissa == 0) {
+                return sign;  // +-0
+            }
+            unsigned biased = 113;  // a subnormal: shift its leading 1 up to the implicit bit
+            while ((mantissa & 0x400u) == 0) {
+                mantissa <<= 1;
+                --biased;
+            }
+            return sign | (biased << 23) | ((mantissa & 0x3FFu) << 13);
+        }
+        return sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    }
+};
+
+// The key of fp32 bits at `col`: larger is better (see the section's comment); 0 is none.
+__device__ __forceinline__ unsigned long long argmax_key(unsigned bits, long long col) {
+    unsigned order;
+    if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x007FFFFFu) != 0) {
+        order = 0xFFFFFFFFu;  // NaN: above every number
+    } else {
+        if (bits == 0x80000000u) {
+            bits = 0;  // -0 equals +0
+        }
+        order = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    }
+    return (static_cast<unsigned long long>(order) << 32) |
+           static_cast<unsigned long long>(0xFFFFFFFFu - static_cast<unsigned>(col));
+}
+
+// The key of a masked column: -inf (fp32 bits 0xFF800000) at `col`.
+__device__ __forceinline__ unsigned long long masked_key(long long col) {
+    return (static_cast<unsigned long long>(~0xFF800000u) << 32) |
+           static_cast<unsigned long long>(0xFFFFFFFFu - static_cast<unsigned>(col));
+}
+
+#ifndef CAPGRAPH_EMULATED_WARPS
+// The largest key of the warp, in lane 0; true in lane 0 only.
+__device__ __forceinline__ bool warp_max_to_lane0(unsigned long long* key) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xFFFFFFFFu, *key, offset);
+        *key = other > *key ? other : *key;
+    }
+    return (threadIdx.x & 31u) == 0;
+}
+constexpr int kArgmaxMergersPerBlock = kThreads / 32;
+#else
+// The host emulation (tests/test_kernel_compile.py) runs a block's threads one after another:
+// each thread merges its own key, as a warp of one.
+__device__ __forceinline__ bool warp_max_to_lane0(unsigned long long*) { return true; }
+constexpr int kArgmaxMergersPerBlock = kThreads;
+#endif
+
+template <typename Kind>
+__device__ __forceinline__ void masked_argmax(const typename Kind::Raw* __restrict__ logits,
+                                              long long logits_row_stride,
+                                              const unsigned* __restrict__ bitmask,
+                                              long long bitmask_row_stride,
+                                              const int* __restrict__ token_mask,
+                                              long long rows, long long mask_rows,
+                                              long long width, long long* __restrict__ out,
+                                              unsigned long long* __restrict__ keys,
+                                              unsigned long long* __restrict__ counts) {
+    const int lane = int(threadIdx.x & 31u);
+    const long long first_word = static_cast<long long>(blockIdx.x) * kArgmaxWordsPerBlock +
+                                 (threadIdx.x >> 5) * kArgmaxWordsPerWarp;
+    const unsigned long long mergers =
+        static_cast<unsigned long long>(gridDim.x) * kArgmaxMergersPerBlock;
+    for (long long row = blockIdx.y; row < rows; row += gridDim.y) {
+        const bool guided = row < mask_rows && (token_mask == nullptr || token_mask[row] != 0);
+        const typename Kind::Raw* row_logits = logits + row * logits_row_stride;
+        const unsigned* row_words = bitmask + row * bitmask_row_stride;
+        unsigned words[kArgmaxWordsPerWarp];
+#pragma unroll
+        for (int k = 0; k < kArgmaxWordsPerWarp; ++k) {  // every word first: loads in flight
+            const long long col = (first_word + k) * kWordBits + lane;
+            words[k] = col < width ? (guided ? row_words[first_word + k] : ~0u) : 0u;
+        }
+        unsigned long long best = 0;
+#pragma unroll
+        for (int k = 0; k < kArgmaxWordsPerWarp; ++k) {
+            const long long col = (first_word + k) * kWordBits + lane;
+            if (col >= width) {
+                break;
+            }
+            const unsigned long long key = ((words[k] >> lane) & 1u)
+                ? argmax_key(Kind::f32_bits(row_logits[col]), col)
+                : masked_key(col);
+            best = key > best ? key : best;
+        }
+        if (!warp_max_to_lane0(&best)) {
+            continue;
+        }
+        if (best != 0) {
+            atomicMax(keys + row, best);
+        }
+        __threadfence();  // (the max lands before the count that may let another warp read it)
+        if (atomicAdd(counts + row, 1ull) == mergers - 1) {  // the row's last merger
+            __threadfence();
+            const unsigned long long key = atomicExch(keys + row, 0ull);
+            atomicExch(counts + row, 0ull);
+            out[row] = key == 0 ? 0
+                                : static_cast<long long>(0xFFFFFFFFu -
+                                                         static_cast<unsigned>(key & 0xFFFFFFFFull));
+        }
+    }
+}
+
+}  // namespace capgraph
+
+#define CAPGRAPH_MASKED_ARGMAX_KERNEL(DTYPE, KIND)                                            \
+    extern "C" __global__ void __launch_bounds__(capgraph::kThreads)                          \
+        capgraph_masked_argmax_##DTYPE(                                                       \
+            const capgraph::KIND::Raw* __restrict__ logits, long long logits_row_stride,      \
+            const unsigned* __restrict__ bitmask, long long bitmask_row_stride,               \
+            const int* __restrict__ token_mask, long long rows, long long mask_rows,          \
+            long long width, long long* __restrict__ out, unsigned long long* keys,           \
+            unsigned long long* counts) {                                                     \
+        capgraph::masked_argmax<capgraph::KIND>(logits, logits_row_stride, bitmask,           \
+                                                bitmask_row_stride, token_mask, rows,         \
+                                                mask_rows, width, out, keys, counts);         \
+    }
+
+CAPGRAPH_MASKED_ARGMAX_KERNEL(f32, ArgmaxF32)
+CAPGRAPH_MASKED_ARGMAX_KERNEL(f16, ArgmaxF16)
+CAPGRAPH_MASKED_ARGMAX_KERNEL(bf16, ArgmaxBF16)

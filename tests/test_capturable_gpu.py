@@ -52,7 +52,7 @@ def capture_after_warmup(dec, step_fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _decode(decoder_cls, factory, params, batch, steps, graph: bool):
+def _decode(decoder_cls, factory, params, batch, steps, graph: bool, fused: bool = False):
     from capgraph.requests import GuidedRequest
     V = factory.config.vocab_size_padded
     model = ToyModel(V, batch)
@@ -67,6 +67,9 @@ def _decode(decoder_cls, factory, params, batch, steps, graph: bool):
 
     def step_fn():
         model.forward()
+        if fused:  # (the greedy tokens straight from the masked argmax)
+            dec.execute_argmax(model.logits, model.tokens)
+            return
         dec.execute(model.logits)
         model.tokens.copy_(model.logits.argmax(-1))
 
@@ -116,6 +119,20 @@ def test_graph_replayed_guided_decoding_equals_eager(factory_cache):
         if eos in tokens:
             text = tok.decode(tokens[:tokens.index(eos)])
             jsonschema.validate(json.loads(text), json.loads(_tool_schema()))
+
+
+def test_graph_replayed_fused_argmax_equals_eager(factory_cache):
+    """A captured step whose greedy tokens come from execute_argmax (the masked argmax kernel,
+    logits left unmasked), replayed for up to 64 steps, decodes exactly what the eager
+    GuidedDecoder loop (mask in place, then argmax) decodes."""
+    from capgraph import GuidedDecodingParams, GuideType
+    from capgraph.capturable import CapturableGuidedDecoder
+    from capgraph.decoder import GuidedDecoder
+    factory = factory_cache("tekken")
+    params = GuidedDecodingParams(GuideType.JSON_SCHEMA, _tool_schema())
+    eager = _decode(GuidedDecoder, factory, params, 4, 64, graph=False)
+    replayed = _decode(CapturableGuidedDecoder, factory, params, 4, 64, graph=True, fused=True)
+    assert eager == replayed
 
 
 DEADLOCK_SCRIPT = textwrap.dedent("""

@@ -292,8 +292,21 @@ def test_missing_and_truncated_files_are_said(gpu_report, tmp_path):
     assert "bench_kernel.json is not readable JSON" in text
     assert "bench_graph_replay: bench_replay.json is not readable JSON" in text
     assert "profile (CUPTI): no results" in text
+    assert "bench_argmax: no results" in text
     assert text.count("not measured") == 3 + 10 + 1
     assert gpu_report.main([str(tmp_path / "nowhere")]) == 2
+
+
+def test_argmax_table(gpu_report, tmp_path):
+    """bench_argmax.json becomes a table row per dtype, pattern and batch with its three
+    times and two ratios."""
+    (tmp_path / "bench_argmax.json").write_text(json.dumps({"vocab": 131072, "rows": [
+        {"dtype": "float32", "pattern": "2%", "batch": 256, "argmax_us": 40.0,
+         "mask_argmax_us": 110.0, "fused_us": 22.0, "fused_over_unfused": 0.2,
+         "fused_over_argmax": 0.55}]}))
+    text = gpu_report.report(tmp_path)
+    assert "bench_argmax (greedy sampling under a bitmask, V = 131072, us per call)" in text
+    assert "| float32 | 2% | 256 | 40.0 | 110.0 | 22.0 | 0.20 | 0.55 |" in text
 
 
 def test_bench_kernel_counts_the_bytes_of_32_byte_sectors():

@@ -548,10 +548,12 @@ def test_bench_graph_replay_failed_guided_run_is_reported(bench, tmp_path, monke
 
 def test_bench_graph_replay_runs_the_other_orders_at_its_points(bench, tmp_path, monkeypatch,
                                                                 one_torch_thread):
-    """At --before-points the native node also runs with the batch made before the launch
-    (kind native-before, generate(batch_after_launch=False)) and with its host work captured
-    after the forward (kind native-node-last, engine._HOST_WORK_FIRST False for that run
-    alone); the other kinds leave generate its defaults and other points run no such kind."""
+    """At --before-points the native node also runs in each --compare kind's order: the batch
+    made before the launch (native-before, generate(batch_after_launch=False)), the logits
+    masked and then argmaxed (native-unfused, engine._FUSED_ARGMAX False for that run alone),
+    the host work captured after the forward (native-node-last, engine._HOST_WORK_FIRST False
+    for that run alone); the other kinds leave generate its defaults, other points run no such
+    kind, and an unknown kind is refused by name."""
     import capgraph
     from capgraph.runtime import engine
     real = capgraph.generate
@@ -560,7 +562,7 @@ def test_bench_graph_replay_runs_the_other_orders_at_its_points(bench, tmp_path,
     def recording(prompts, guides, *, batch_after_launch=None, **kw):
         if guides is not None and kw["max_new_tokens"] == 3:  # the measured guided runs
             calls.append((len(prompts), kw["host_node"], batch_after_launch,
-                          engine._HOST_WORK_FIRST))
+                          engine._HOST_WORK_FIRST, engine._FUSED_ARGMAX))
         return real(prompts, guides, batch_after_launch=batch_after_launch, **kw)
 
     monkeypatch.setattr(capgraph, "generate", recording)
@@ -568,15 +570,38 @@ def test_bench_graph_replay_runs_the_other_orders_at_its_points(bench, tmp_path,
     out = tmp_path / "replay.json"
     assert bench.main(["--device", "cpu", "--points", "tiny:2,tiny:3", "--steps", "3",
                        "--warmup-steps", "1", "--tokenizer", "mistral-sp32k",
-                       "--before-points", "tiny:3", "--json", str(out)]) == 0
-    assert calls == [(2, "python", None, True), (2, "native", None, True),
-                     (3, "python", None, True), (3, "native", None, True),
-                     (3, "native", False, True), (3, "native", None, False)]
-    assert engine._HOST_WORK_FIRST is True
+                       "--before-points", "tiny:3",
+                       "--compare", "native-before,native-unfused,native-node-last",
+                       "--json", str(out)]) == 0
+    assert calls == [(2, "python", None, True, True), (2, "native", None, True, True),
+                     (3, "python", None, True, True), (3, "native", None, True, True),
+                     (3, "native", False, True, True), (3, "native", None, True, False),
+                     (3, "native", None, False, True)]
+    assert engine._HOST_WORK_FIRST is True and engine._FUSED_ARGMAX is True
     data = json.loads(out.read_text())
     assert [(r["batch"], r["host_node"]) for r in data["rows"]] == [
         (2, "python"), (2, "native"), (3, "python"), (3, "native"), (3, "native-before"),
-        (3, "native-node-last")]
+        (3, "native-unfused"), (3, "native-node-last")]
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--compare", "native-sideways"])
+
+
+def test_bench_argmax_checks_and_times_the_three_ways_on_cpu(tmp_path, capsys):
+    """tools/bench_argmax.py on CPU (its protocol without graphs): a row per dtype, pattern and
+    batch with the three times and their ratios, in the table and the JSON; the fused result
+    was checked against mask+argmax before timing."""
+    tool = _tool("bench_argmax")
+    out = tmp_path / "argmax.json"
+    assert tool.main(["--device", "cpu", "--batches", "1", "3", "--vocab", "300",
+                      "--dtypes", "float32", "bfloat16", "--patterns", "2%", "random",
+                      "--repeat", "2", "--trials", "2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [(r["dtype"], r["pattern"], r["batch"]) for r in data["rows"]] == [
+        (d, p, b) for d in ("float32", "bfloat16") for p in ("2%", "random") for b in (1, 3)]
+    for row in data["rows"]:
+        assert min(row["argmax_us"], row["mask_argmax_us"], row["fused_us"]) > 0
+        assert row["fused_over_unfused"] == pytest.approx(row["fused_us"] / row["mask_argmax_us"])
+    assert "fused/mask+argmax" in capsys.readouterr().out
 
 
 def test_generate_host_node_option(monkeypatch):

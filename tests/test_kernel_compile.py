@@ -274,9 +274,12 @@ def test_variant_arguments_are_checked(monkeypatch):
 # ---- the kernel's arithmetic, run on the host ----------------------------------------------
 
 _PRELUDE = """
-// Host emulation of the CUDA built-ins the kernel uses. The kernel has no shared memory and
-// no synchronisation, and every packed group is owned by one thread, so running the threads of
-// the grid one after another gives the result a GPU gives.
+// Host emulation of the CUDA built-ins the kernels use. The mask kernel has no shared memory
+// and no synchronisation, and every packed group is owned by one thread, so running the
+// threads of the grid one after another gives the result a GPU gives. The masked argmax
+// merges keys with atomics (plain read-modify-writes here, one thread at a time) and, with
+// CAPGRAPH_EMULATED_WARPS, each thread as a warp of one (tests/test_masked_argmax.py).
+#define CAPGRAPH_EMULATED_WARPS
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -285,6 +288,13 @@ struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 struct EmuDim3 { unsigned x, y, z; };
 static EmuDim3 blockIdx, threadIdx, gridDim;
+static unsigned long long atomicMax(unsigned long long* at, unsigned long long v) {
+    unsigned long long old = *at; if (v > old) *at = v; return old; }
+static unsigned long long atomicAdd(unsigned long long* at, unsigned long long v) {
+    unsigned long long old = *at; *at = old + v; return old; }
+static unsigned long long atomicExch(unsigned long long* at, unsigned long long v) {
+    unsigned long long old = *at; *at = v; return old; }
+static void __threadfence() {}
 """
 
 _DRIVER = """

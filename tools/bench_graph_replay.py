@@ -30,15 +30,21 @@ where generate() timed no Python build (a native node's steady-state steps run n
 ``host_node_stats``, which generate() reports as its "host_node" stage), empty for the
 Python callback.
 
-generate() makes a replayed step's guided batch after the graph's launch where it can (the
-native node without speculation: ``batch_after_launch``), so that the host work of making and
-queueing it runs while the GPU runs the forward. At the ``--before-points`` (default the tiny
-model's two) a third kind, ``native-before``, runs the native node with the batch made before
-the launch (``batch_after_launch=False``), to measure what that order costs in the same run.
-generate() captures each step's guided host work (host node and bitmask copy) before the
-forward, so those graph nodes are created ahead of the forward's kernels; a fourth kind at the
-same points, ``native-node-last``, runs the native node with that work captured after the
-forward, inside ``execute`` (``capgraph.runtime.engine._HOST_WORK_FIRST = False``).
+At the ``--before-points`` (default the tiny model's two) the native node also runs in the
+other orders ``--compare`` names (default ``native-before,native-unfused``), each against
+generate()'s default in the same run:
+
+* ``native-before``: generate() makes a replayed step's guided batch after the graph's launch
+  where it can (the native node without speculation: ``batch_after_launch``), so that the host
+  work of making and queueing it runs while the GPU runs the forward; this kind makes it
+  before the launch (``batch_after_launch=False``).
+* ``native-unfused``: generate()'s greedy captured step takes its tokens from the decoder's
+  fused masked argmax (``execute_argmax``); this kind masks the logits in place and then takes
+  ``argmax`` (``capgraph.runtime.engine._FUSED_ARGMAX = False``).
+* ``native-node-last``: generate() captures each step's guided host work (host node and
+  bitmask copy) before the forward, so those graph nodes are created ahead of the forward's
+  kernels; this kind captures it after the forward, inside ``execute``
+  (``capgraph.runtime.engine._HOST_WORK_FIRST = False``).
 
 Before each timed run the tool collects and freezes the heap (``gc.collect(); gc.freeze()``,
 as serving engines do after start-up): a full collection of this process (torch, transformers,
@@ -82,6 +88,13 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
 #: the points the issue's target names, in the order they run (the host-bound ones first)
 DEFAULT_POINTS = "tiny:64,tiny:256,small:8,small:64,small:256"
 HOST_NODE_CHOICES = ("python", "native", "both")
+#: The native node's other orders (``--compare``): kind -> (batch_after_launch, host work
+#: captured before the forward, fused masked argmax) for its runs
+COMPARE_KINDS: dict[str, tuple[bool | None, bool, bool]] = {
+    "native-before": (False, True, True),
+    "native-unfused": (None, True, False),
+    "native-node-last": (None, False, True),
+}
 #: a row's host-side figures (step_figures' keys besides the step time and count)
 FIGURE_KEYS = ("host_build_ms_per_step", "host_build_us_per_row", "native_node_ms_per_step",
                "native_node_us_per_row")
@@ -247,9 +260,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="decode steps of each model's guided warm-up run")
     ap.add_argument("--host-node", default="both", choices=HOST_NODE_CHOICES)
     ap.add_argument("--before-points", default="tiny:64,tiny:256",
-                    help="points that also run the native node with the batch made before the "
-                         "launch (kind native-before) and with its host work captured after "
-                         "the forward (kind native-node-last); empty: none")
+                    help="points that also run the native node in the --compare kinds' "
+                         "orders; empty: none")
+    ap.add_argument("--compare", default="native-before,native-unfused",
+                    help=f"comma-separated kinds run at --before-points, of "
+                         f"{', '.join(COMPARE_KINDS)} (see above)")
     ap.add_argument("--tokenizer", default="tekken")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the parts of each guided run's host work (see above)")
@@ -261,6 +276,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         before_points = set(parse_points(args.before_points)) if args.before_points else set()
     except ValueError as e:
         ap.error(str(e))
+    compare = [k for k in args.compare.split(",") if k]
+    unknown = [k for k in compare if k not in COMPARE_KINDS]
+    if unknown:
+        ap.error(f"--compare {args.compare!r}: unknown kind(s) {unknown}; choose from "
+                 f"{', '.join(COMPARE_KINDS)}")
     if args.steps < 1 or args.warmup_steps < 1:
         ap.error(f"--steps {args.steps} and --warmup-steps {args.warmup_steps} must be >= 1")
     import torch
@@ -291,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     has_order = "batch_after_launch" in inspect.signature(generate).parameters
     from capgraph.runtime import engine
     has_first = hasattr(engine, "_HOST_WORK_FIRST")
+    has_fused = hasattr(engine, "_FUSED_ARGMAX")
 
     gc_seconds = [0.0]  # the collector's time inside the latest timed run
     gc_started = [0.0]
@@ -304,16 +325,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.callbacks.append(on_gc)
 
     def run(model, prompts, guides, max_new_tokens, host_node, after_launch=None,
-            host_work_first=True):
+            host_work_first=True, fused=True):
         if args.device == "cuda":
             torch.cuda.synchronize()
         gc.collect()
         gc.freeze()
         gc_seconds[0] = 0.0
         order = {"batch_after_launch": after_launch} if has_order else {}
-        saved = getattr(engine, "_HOST_WORK_FIRST", None)
+        saved = (getattr(engine, "_HOST_WORK_FIRST", None),
+                 getattr(engine, "_FUSED_ARGMAX", None))
         if has_first:
             engine._HOST_WORK_FIRST = host_work_first
+        if has_fused:
+            engine._FUSED_ARGMAX = fused
         try:
             return generate(prompts, guides, model=model, tokenizer=tok,
                             max_new_tokens=max_new_tokens, max_batch_size=len(prompts),
@@ -321,7 +345,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                             factory=factory, host_node=host_node, **order)
         finally:
             if has_first:
-                engine._HOST_WORK_FIRST = saved
+                engine._HOST_WORK_FIRST = saved[0]
+            if has_fused:
+                engine._FUSED_ARGMAX = saved[1]
 
     print(f"{'model':>6}{'batch':>6}{'host node':>18}{'steps u/g':>11}{'unguided ms/step':>18}"
           f"{'guided ms/step':>16}{'ratio':>8}{'replay ratio':>14}{'host build ms/step':>20}"
@@ -355,19 +381,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         host_node))
             unguided = step_figures(run(model, prompts, None, args.steps, None))
             unguided_gc_ms = gc_seconds[0] * 1e3
-            kinds = [(kind, host_node, None, True) for kind, host_node in runs]
+            kinds = [(kind, host_node, None, True, True) for kind, host_node in runs]
             if (name, batch) in before_points and ("native", "native") in runs:
-                if has_order:
-                    kinds.append(("native-before", "native", False, True))
-                if has_first:
-                    kinds.append(("native-node-last", "native", None, False))
-            for kind, host_node, after_launch, first in kinds:
+                present = {"native-before": has_order, "native-unfused": has_fused,
+                           "native-node-last": has_first}
+                kinds += [(kind, "native", *COMPARE_KINDS[kind]) for kind in compare
+                          if present[kind]]
+            for kind, host_node, after_launch, first, fused in kinds:
                 breakdown = Breakdown() if args.breakdown else None
                 with breakdown or contextlib.nullcontext():
                     results, error = guarded(
                         f"{name} batch {batch}, {kind} host node",
                         lambda: run(model, prompts, [guide] * batch, args.steps, host_node,
-                                    after_launch, first))
+                                    after_launch, first, fused))
                 if error is not None:
                     out["rows"].append({"model": name, "batch": batch, "host_node": kind,
                                         "error": error})

@@ -4,7 +4,7 @@
 #
 # Here first:   PYTHON=.venv/bin/python bash tools/prepare_gpu_run.sh
 # Then, once:   device run  command="bash tools/gpu_check.sh"  carry=[".whl", ".gpu-cache"]
-#               timeout_s=575 (the steps' time boxes add up to 530 s; the rest is the wheel
+#               timeout_s=595 (the steps' time boxes add up to 550 s; the rest is the wheel
 #               install, the version lines and the report)
 # Logs and JSON land in $OUT (the device tool brings them back) or ./gpu-check-out; the
 # Markdown tables and target verdicts (tools/gpu_report.py) are printed and kept in report.md.
@@ -23,11 +23,13 @@
 #   bench-hostfunc  10  tools/bench_hostfunc.py: eager and replayed host nodes
 #   guided-host     20  tools/bench_guided_host.py: the host time generate()'s guide driver adds
 #                       to a replayed step, on CUDA (batch 8, 64, 256)
+#   bench-argmax    20  tools/bench_argmax.py: greedy sampling under a bitmask, the fused
+#                       masked argmax against mask-then-argmax and argmax alone, batch 1-256
 #   bench-replay    80  tools/bench_graph_replay.py: guided/unguided replayed step at tiny 64,
 #                       256 and small 8, 64, 256, per host-node kind (python, native), and at
 #                       tiny 64 and 256 the native node with its batch made before the launch
-#                       (native-before) and with its host work captured after the forward
-#                       (native-node-last)
+#                       (native-before) and with the logits masked, then argmaxed, instead of
+#                       the fused masked argmax (native-unfused)
 #   breakdown       25  tools/bench_graph_replay.py --breakdown, native node, tiny 64 and 256:
 #                       the guided host work's parts (take_failed, the drain hooks, the node
 #                       records' read, advance_batch) in wall and CPU us per step
@@ -93,7 +95,7 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c \
   echo "xgrammar CUDA build rc=$?" ) > "$XGR_BUILD_LOG" 2>&1 &
 XGR_BUILD=$!
 
-# Time boxes add up to 530 s (the header lists them). Each step writes its results as it goes.
+# Time boxes add up to 550 s (the header lists them). Each step writes its results as it goes.
 run kernel 30 "$PY" -c "
 from capgraph.ops.cuda import load_kernel
 k = load_kernel(); assert k is not None, 'no kernel'; print('kernel compiled and loaded')
@@ -124,6 +126,9 @@ run bench-apply 15 "$PY" -m capgraph.bench apply --no-cpu --no-xgrammar-cuda \
 run bench-hostfunc 10 "$PY" tools/bench_hostfunc.py
 [ -f tools/bench_guided_host.py ] && run guided-host 20 "$PY" tools/bench_guided_host.py \
     --device cuda --batches 8 64 256 --blocks 4 --json "$OUT/guided_host.json"
+# greedy sampling under the mask: fused against mask-then-argmax, kernel times alone
+[ -f tools/bench_argmax.py ] && run bench-argmax 20 "$PY" tools/bench_argmax.py \
+    --batches 1 16 64 256 --patterns 2% 98% --json "$OUT/bench_argmax.json"
 # the host-bound points first, so a run cut by its box keeps the ones the issue is about
 run bench-replay 80 "$PY" tools/bench_graph_replay.py --host-node both \
     --points tiny:64,tiny:256,small:8,small:64,small:256 --json "$OUT/bench_replay.json"

@@ -3,7 +3,7 @@
 
 Reads the output folder of one GPU run (``summary.txt``, ``gpu_tests.xml``, ``gpu_tests_rest.xml``,
 ``bench_kernel.json``, ``bench_kernel_xgr_cuda.json``, ``bench_apply.json``,
-``bench_replay.json``, ``profile_cupti.json``; any of them may be missing) and prints, in
+``bench_argmax.json``, ``bench_replay.json``, ``profile_cupti.json``; any of them may be missing) and prints, in
 Markdown: the step summary, the test counts with every failing test, one table per benchmark,
 the profile's summary, and the verdict on each GPU target of the issues:
 
@@ -199,6 +199,21 @@ def apply_section(data: dict | None) -> str:
          "xgr torch ms", "d2d copy ms", "capgraph/best", "capgraph/copy"], rows)
 
 
+def argmax_section(data: dict | None) -> str:
+    """tools/bench_argmax.py's table: us per call of argmax, mask+argmax and the fused call."""
+    if data is None:
+        return "bench_argmax: no results"
+    rows = [[r["dtype"], r["pattern"], r["batch"], _fmt(r.get("argmax_us"), ".1f"),
+             _fmt(r.get("mask_argmax_us"), ".1f"), _fmt(r.get("fused_us"), ".1f"),
+             _fmt(r.get("fused_over_unfused"), ".2f"), _fmt(r.get("fused_over_argmax"), ".2f")]
+            for r in data.get("rows", [])]
+    if not rows:
+        return "bench_argmax: no rows"
+    return (f"bench_argmax (greedy sampling under a bitmask, V = {data.get('vocab')}, us per "
+            "call)\n\n" + table(["dtype", "pattern", "B", "argmax", "mask+argmax", "fused",
+                                  "fused/mask+argmax", "fused/argmax"], rows))
+
+
 def replay_section(data: dict | None) -> tuple[str, dict]:
     """bench_graph_replay.py's rows (one per model, batch and host-node kind) as a table, and
     the verdict input: ``ratios[(kind, model, batch)]`` and ``unavailable[kind]``. A row
@@ -340,6 +355,7 @@ def report(out: Path) -> str:
                                    "bench_kernel with xgrammar's CUDA kernel")
     parts.append(xgr_text)
     parts.append(apply_section(_load(out / "bench_apply.json")))
+    parts.append(argmax_section(_load(out / "bench_argmax.json")))
     replay_text, replay = replay_section(_load(out / "bench_replay.json"))
     parts.append(replay_text)
     profile_text, profile = profile_section(_load(out / "profile_cupti.json"))

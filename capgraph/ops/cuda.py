@@ -55,9 +55,12 @@ __all__ = [
     "mask_kernel_variant",
     "auto_variant",
     "entry_points",
+    "argmax_entry_points",
+    "ARGMAX_WORDS_PER_BLOCK",
     "kernel_name",
     "kernel_source",
     "plan_launch",
+    "plan_argmax",
     "kernel_spec",
     "compile_kernel",
     "load_kernel",
@@ -91,6 +94,9 @@ VARIANT_BITS_PER_THREAD = (4, 8)
 AUTO_VARIANTS = {(4, 4): "store", (4, 8): "store", (2, 4): "ahead", (2, 8): "ahead"}
 # Target residency of the launch heuristic: 2048 threads (8 blocks of 256) per SM.
 _THREADS_PER_SM = 2048
+#: Bitmask words (32 columns each) one block of the masked argmax covers: 8 warps of 16 words
+#: (``kArgmaxWordsPerBlock`` in the source).
+ARGMAX_WORDS_PER_BLOCK = 128
 _MAX_GRID_Y = 65535  # rows past it are covered by the kernel's grid-stride loop
 _INT32_MAX = 2**31 - 1
 _DTYPE_TAGS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -163,6 +169,11 @@ def entry_points() -> list[str]:
         names += [kernel_name(dtype, b, p, variant=v) for v in MASK_KERNELS[1:]
                   for b in VARIANT_BITS_PER_THREAD for p in packs if p <= b]
     return names
+
+
+def argmax_entry_points() -> list[str]:
+    """The masked argmax's entry points, one per logits dtype."""
+    return [f"capgraph_masked_argmax_{tag}" for tag in _DTYPE_TAGS.values()]
 
 
 class LaunchPlan(NamedTuple):
@@ -244,6 +255,28 @@ def plan_launch(logits: torch.Tensor, bitmask: torch.Tensor, token_mask: torch.T
             0 if indices is None else indices.data_ptr(),
             0 if indices is None else indices.element_size(), logits_rows, bitmask.size(1))
     return LaunchPlan(_entry_name(logits.dtype, bits, pack, kind), grid, args)
+
+
+def plan_argmax(logits: torch.Tensor, bitmask: torch.Tensor, token_mask: torch.Tensor | None,
+                mask_rows: int, out: torch.Tensor, scratch: torch.Tensor) -> LaunchPlan:
+    """The masked argmax's launch for these (already checked) arguments; reads metadata only.
+
+    ``args`` follow the kernel signature: ``(logits, logits_row_stride, bitmask,
+    bitmask_row_stride, token_mask, rows, mask_rows, width, out, keys, counts)``, pointers as
+    ints (0 for no token mask); ``keys`` and ``counts`` are rows 0 and 1 of ``scratch``
+    (int64 ``[2, >= rows]``, contiguous, all zero, as each launch leaves it).
+
+    Preconditions: ``rows >= 1``, ``1 <= width <= 32 * bitmask words`` and in int32,
+    ``token_mask`` contiguous, ``out`` int64 with unit stride.
+    """
+    rows, width = logits.shape
+    words = -(-width // 32)
+    grid = (-(-words // ARGMAX_WORDS_PER_BLOCK), min(rows, _MAX_GRID_Y))
+    keys = scratch.data_ptr()
+    args = (logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0),
+            0 if token_mask is None else token_mask.data_ptr(), rows, mask_rows, width,
+            out.data_ptr(), keys, keys + scratch.stride(0) * scratch.element_size())
+    return LaunchPlan(f"capgraph_masked_argmax_{_DTYPE_TAGS[logits.dtype]}", grid, args)
 
 
 def kernel_fits(logits: torch.Tensor, col_offset: int) -> bool:
@@ -361,7 +394,8 @@ class _DeviceKernels:
             self._code = loader(binary, name=_SOURCE_NAME)  # keeps the library loaded
         except TypeError:  # cuda.core 0.x: no name
             self._code = loader(binary)
-        self.kernels = {name: self._code.get_kernel(name) for name in entry_points()}
+        self.kernels = {name: self._code.get_kernel(name)
+                        for name in entry_points() + argmax_entry_points()}
         self.sm_count = props.multi_processor_count
         self._core = core
         self._configs: dict[tuple[int, int], Any] = {}
@@ -396,7 +430,7 @@ class _CudaLogitsBitmask:
     """The callable :func:`load_kernel` returns: ``(logits, bitmask, token_mask, d2t,
     col_offset, indices=None, *, variant=None) -> None``, arguments already checked by
     :func:`capgraph.ops.logits_bitmask` (which never passes ``variant``: that is for
-    benchmarks, see :func:`plan_launch`)."""
+    benchmarks, see :func:`plan_launch`); its :meth:`argmax` launches the masked argmax."""
 
     def __init__(self, core: Any) -> None:
         self._core = core
@@ -458,16 +492,38 @@ class _CudaLogitsBitmask:
         self._ensure_context(index)
         self._launch(index, logits, bitmask, token_mask, d2t, col_offset, indices, variant)
 
+    def argmax(self, logits: torch.Tensor, bitmask: torch.Tensor,
+               token_mask: torch.Tensor | None, mask_rows: int, out: torch.Tensor,
+               scratch: torch.Tensor) -> None:
+        """The masked argmax (:func:`capgraph.ops.masked_argmax`, arguments checked there)
+        on torch's current stream."""
+        if token_mask is not None and token_mask.stride(0) != 1:
+            token_mask = token_mask.contiguous()
+        index = logits.device.index
+        if index is None:
+            index = torch.cuda.current_device()
+        if index != torch.cuda.current_device():
+            with torch.cuda.device(index):  # makes that device's primary context current
+                self._launch_plan(index, plan_argmax(logits, bitmask, token_mask, mask_rows,
+                                                     out, scratch))
+            return
+        self._ensure_context(index)
+        self._launch_plan(index, plan_argmax(logits, bitmask, token_mask, mask_rows, out,
+                                             scratch))
+
+    def _launch_plan(self, index: int, plan: LaunchPlan) -> None:
+        kernels = self.device(index)
+        stream = kernels.stream(torch.cuda.current_stream(index))
+        self._core.launch(stream, kernels.config(plan.grid), kernels.kernels[plan.kernel],
+                          *plan.args)
+
     def _launch(self, index: int, logits: torch.Tensor, bitmask: torch.Tensor,
                 token_mask: torch.Tensor | None, d2t: torch.Tensor | None,
                 col_offset: int, indices: torch.Tensor | None,
                 variant: str | None) -> None:
         kernels = self.device(index)
-        plan = plan_launch(logits, bitmask, token_mask, d2t, col_offset, kernels.sm_count,
-                           indices, variant=variant)
-        stream = kernels.stream(torch.cuda.current_stream(index))
-        self._core.launch(stream, kernels.config(plan.grid), kernels.kernels[plan.kernel],
-                          *plan.args)
+        self._launch_plan(index, plan_launch(logits, bitmask, token_mask, d2t, col_offset,
+                                             kernels.sm_count, indices, variant=variant))
 
 
 _load_lock = threading.Lock()

@@ -45,6 +45,13 @@ DRAFTS = ("none", "model", "ngram", "grammar", "grammar+ngram", "grammar+model")
 #: which measures the two orders in one run.
 _HOST_WORK_FIRST = True
 
+#: Whether a captured greedy decode step takes its tokens from the decoder's fused masked
+#: argmax (``CapturableGuidedDecoder.execute_argmax``: one pass that reads the bitmask and the
+#: allowed logits, the logits left unmasked) rather than masking the logits in place and then
+#: taking ``argmax``. ``tools/bench_graph_replay.py`` sets it False for its ``native-unfused``
+#: kind, which measures the two in one run.
+_FUSED_ARGMAX = True
+
 
 def generate(prompts: Sequence[str | Sequence[int]],
              guides: Sequence[GuidedDecodingParams | None] | GuidedDecodingParams | None = None,
@@ -316,13 +323,23 @@ class _Engine:
     def _capture(self) -> None:
         """One graph per batch size: forward [+ mask + sample with the capturable decoder]."""
         runner, sampler, guide = self.runner, self.sampler, self.guide
+        # greedy tokens straight from the masked argmax (the logits are then left unmasked:
+        # nothing after the step reads them)
+        fused = self.guide_in_graph and self.sample_in_graph and sampler.params.greedy \
+            and _FUSED_ARGMAX
 
         def warmup(bs: int):
             logits = runner.forward_step(bs)
             if self.guide_in_graph:
-                # the mask kernel's first launch on this stream happens here, not in the
-                # capture (every token_mask row is still 0: nothing changes)
-                guide.decoder.apply_bitmask(logits, None, logits.shape[0])  # type: ignore[union-attr]
+                # the kernel's first launch on this stream happens here, not in the capture
+                # (every token_mask row is still 0: nothing is masked)
+                decoder: Any = guide.decoder  # type: ignore[union-attr]
+                if fused:
+                    tokens = torch.empty(logits.shape[0], dtype=torch.int64,
+                                         device=logits.device)
+                    decoder.argmax_bitmask(logits, tokens, logits.shape[0])
+                    return tokens
+                decoder.apply_bitmask(logits, None, logits.shape[0])
             return sampler(logits)
 
         def step(bs: int):
@@ -331,6 +348,8 @@ class _Engine:
                 if _HOST_WORK_FIRST:  # (its host node and bitmask copy ahead of the forward)
                     guide.prepare(bs * (1 + self.K))  # type: ignore[union-attr]
             logits = runner.forward_step(bs)
+            if fused:
+                return logits, guide.apply_argmax(logits)  # type: ignore[union-attr]
             if self.guide_in_graph:
                 guide.apply(logits)  # type: ignore[union-attr]
             return logits, sampler(logits) if self.sample_in_graph else None

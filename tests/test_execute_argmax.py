@@ -1,0 +1,166 @@
+"""CapturableGuidedDecoder.execute_argmax on hostfunc's CPU stand-in: the same tokens as
+``execute`` followed by ``argmax``, eagerly and replayed from a HostGraph, on both host nodes;
+its argument checks; and ``generate()``'s greedy steps, fused or not, give the same text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hostfunc
+from capgraph import GuidedDecodingParams
+from capgraph.capturable import CapturableGuidedDecoder
+from capgraph.errors import TensorArgError
+from capgraph.requests import GuidedRequest
+from capgraph.tokenizers import encode_continuation
+from cases import CASES
+from conftest import settled_live_entries
+
+SCHEMA = GuidedDecodingParams.json_schema(
+    '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}')
+
+
+@pytest.fixture(scope="module")
+def factory(factory_cache):
+    return factory_cache("tekken")
+
+
+def _skip_without(host_node: str) -> None:
+    from capgraph.build import library
+    if host_node == "native" and library.unavailable_reason():
+        pytest.skip(f"the native host node does not build here: {library.unavailable_reason()}")
+
+
+def _requests(step: int, cases, texts, unguided_text):
+    """Step 0: context requests (the cases, then an unguided one); later: each request's next
+    token along its valid text."""
+    if step == 0:
+        return [GuidedRequest.context(i, i, c.params) for i, c in enumerate(cases)] + [
+            GuidedRequest.context(len(cases), len(cases), None)]
+    return [GuidedRequest.generation(i, i, c.params, texts[i][step - 1])
+            for i, c in enumerate(cases)] + [
+        GuidedRequest.generation(len(cases), len(cases), None, unguided_text[step - 1])]
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+@pytest.mark.parametrize("captured", [False, True])
+def test_argmax_equals_execute_then_argmax(factory, tekken, host_node, captured):
+    """Step by step along valid texts of three guides and one unguided request, with padding
+    rows past the batch: execute_argmax's tokens equal those of a twin decoder's execute and
+    argmax (eager, or replayed from a HostGraph captured once), and its logits stay as given."""
+    _skip_without(host_node)
+    live = settled_live_entries()
+    V = factory.config.vocab_size_padded
+    cases = [c for c in CASES if c.params.guide_type.name in ("JSON_SCHEMA", "REGEX")][:3]
+    texts = [encode_continuation(tekken, c.valid) for c in cases]
+    unguided = [5] * 64
+    steps = min(len(t) for t in texts)
+    rows = len(cases) + 2  # (one unguided request, one padding row)
+    fused = CapturableGuidedDecoder(factory.config, rows, 0, factory=factory,
+                                    host_node=host_node)
+    twin = CapturableGuidedDecoder(factory.config, rows, 0, factory=factory,
+                                   host_node=host_node)
+    static = torch.zeros(rows, V)
+    out = torch.zeros(rows, dtype=torch.int64)
+    graph = None
+    if captured:
+        fused.add_batch([GuidedRequest.placeholder(-1 - i) for i in range(rows)])
+        graph = hostfunc.HostGraph()
+        with hostfunc.capture(graph):
+            assert fused.execute_argmax(static, out) is out
+    g = torch.Generator().manual_seed(7)
+    for step in range(steps):
+        logits = torch.randn(rows, V, generator=g)
+        logits[:, :500] += 4.0  # (the unmasked argmax would mostly pick one of these)
+        fused.add_batch(_requests(step, cases, texts, unguided))
+        twin.add_batch(_requests(step, cases, texts, unguided))
+        static.copy_(logits)
+        if graph is not None:
+            graph.replay()
+            hostfunc.drain()
+        else:
+            assert fused.execute_argmax(static, out) is out
+        expect = logits.clone()
+        twin.execute(expect)
+        assert fused.take_failed_requests() == twin.take_failed_requests() == []
+        assert out.tolist() == expect.argmax(-1).tolist(), f"step {step}"
+        assert torch.equal(static, logits), "execute_argmax wrote the logits"
+        if step:  # (each guided row's pick is the text's next token or another it allows)
+            assert all(expect[i, out[i]].item() != float("-inf") for i in range(len(cases)))
+    if graph is not None:
+        graph.reset()
+    fused.close()
+    twin.close()
+    assert hostfunc.live_entries() == live
+
+
+def test_argmax_of_an_inactive_step_is_the_plain_argmax(factory):
+    """A step with nothing guided enqueues nothing and returns the plain argmax."""
+    V = factory.config.vocab_size_padded
+    dec = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory)
+    dec.add_batch([GuidedRequest.context(0, 0, None), GuidedRequest.context(1, 1, None)])
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(1))
+    assert dec.execute_argmax(logits).tolist() == logits.argmax(-1).tolist()
+    dec.close()
+
+
+def test_argmax_refuses_a_shard_and_a_bad_out_before_any_work(factory):
+    """A tensor-parallel shard, an ``out`` of another dtype, length or device, and bad logits
+    are TensorArgErrors naming the problem; the queued batch stays for a correct call."""
+    V = factory.config.vocab_size_padded
+    dec = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory)
+    dec.add_batch([GuidedRequest.context(0, 0, SCHEMA)])
+    logits = torch.randn(2, V)
+    with pytest.raises(TensorArgError, match=r"needs the full vocabulary"):
+        dec.execute_argmax(logits[:, :V // 2])
+    with pytest.raises(TensorArgError, match=r"out must be an int64 \[2\]"):
+        dec.execute_argmax(logits, torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(TensorArgError, match=r"out must be an int64 \[2\].*\(3,\)"):
+        dec.execute_argmax(logits, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(TensorArgError, match=r"out must be an int64 \[2\].*list"):
+        dec.execute_argmax(logits, [0, 0])  # type: ignore[arg-type]
+    with pytest.raises(TensorArgError):
+        dec.execute_argmax(logits.int())
+    assert dec.queued_batches == 1 and dec.num_advanced_tokens[0] == 0
+    tokens = dec.execute_argmax(logits)
+    assert dec.take_failed_requests() == []
+    expect = logits.clone()
+    twin = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory)
+    twin.add_batch([GuidedRequest.context(0, 0, SCHEMA)])
+    twin.execute(expect)
+    assert tokens.tolist() == expect.argmax(-1).tolist()
+    assert encode_continuation(factory.config.tokenizer, "{")[0] == tokens[0].item() or \
+        expect[0, tokens[0]].item() != float("-inf")
+    twin.close()
+    dec.close()
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+def test_generate_gives_the_same_text_fused_or_not(factory, tekken, host_node, monkeypatch):
+    """generate()'s captured greedy steps (the CPU stand-in's graph path) give the same text
+    and finish reasons with the fused masked argmax as with mask-then-argmax."""
+    _skip_without(host_node)
+    from capgraph.runtime import engine
+    from capgraph.runtime.engine import generate
+
+    def run():
+        return generate(["a", "bb", "c"], [SCHEMA, GuidedDecodingParams.regex("[0-9]{2,5}"),
+                                           None],
+                        tokenizer=tekken, factory=factory, max_new_tokens=12,
+                        max_batch_size=3, decoder="capturable", cuda_graph=True,
+                        host_node=host_node)
+    calls = []
+    original = CapturableGuidedDecoder.execute_argmax
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(CapturableGuidedDecoder, "execute_argmax", counted)
+    fused = run()
+    steps = len(calls)
+    monkeypatch.setattr(engine, "_FUSED_ARGMAX", False)
+    unfused = run()
+    assert steps > 0 and len(calls) == steps  # (the fused run's steps used it, the other's not)
+    assert [(r.tokens, r.finish_reason) for r in fused] == \
+        [(r.tokens, r.finish_reason) for r in unfused]
+    assert fused[1].finish_reason == "stop" and fused[1].text.isdigit()
