@@ -209,6 +209,10 @@ def test_critical_path_places_node_copy_and_mask_against_the_forward(prof):
     assert prof.critical_path([r for r in step if r.name != "embed" and r.name != "lm_head"],
                               MAIN) is None
     assert prof.format_critical_path(None).startswith("critical path: no mask kernel")
+    fused = [dataclasses.replace(r, name="capgraph_masked_argmax_f32")
+             if r.name.startswith("capgraph_") else r for r in step if r.name != "argmax"]
+    assert prof.critical_path(fused, MAIN) == path  # (the fused masked argmax is the mask)
+    assert prof.landmarks(fused, MAIN)["mask_kernels"] == ["capgraph_masked_argmax_f32"]
 
 
 def test_landmarks_without_host_node_ranges(prof):

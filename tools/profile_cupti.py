@@ -44,7 +44,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 DOMAIN = "capgraph"
-MASK_KERNEL_PREFIX = "capgraph_logits_bitmask_"
+#: the step's mask kernel: the in-place mask, or the fused masked argmax a greedy generate()
+#: step runs instead (CapturableGuidedDecoder.execute_argmax)
+MASK_KERNEL_PREFIX = ("capgraph_logits_bitmask_", "capgraph_masked_argmax_")
 STEP_MARKER = "CapturableGuidedDecoder.add_batch"
 GRAPH_LAUNCH_APIS = frozenset({"cudaGraphLaunch", "cudaGraphLaunch_ptsz", "cuGraphLaunch",
                                "cuGraphLaunch_ptsz"})
