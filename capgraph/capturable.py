@@ -533,19 +533,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         node = self._node
         if node is not None and self._node_active and not self._queue \
                 and not self._streams.is_capturing():
-            epoch = self._put_epoch + 1
-            if node.repeat(tokens, epoch, not after_launch):
-                self._put_epoch = epoch
-                if not after_launch:
-                    self._write_step(epoch, None)
-                put = _Put(epoch, batch, False, not after_launch, events=last.events,
-                           tokens=tokens)
-                self._queue.append(put)
-                self._last_put = put
+            if node.repeat(tokens, self._put_epoch + 1, not after_launch):
+                self._append_put(batch, None, after_launch, last.events, tokens)
                 self.requests, self._batch_built = batch, False
-                self._tokens_recorded_in_capture = False
-                if self._prepared_refused:  # (as in _queue_batch)
-                    self._prepared = self._prepared_refused = False
                 self._streams.record_tokens()
                 return True
         return False
@@ -639,22 +629,32 @@ class CapturableGuidedDecoder(GuidedDecoder):
         # are dropped by the callback that fetches this batch (_pop), in step order
         batch = self._add_batch(snapshots, runtime_draft_len, new_tokens is not None)
         self._batch_len = len(batch.requests)  # type: ignore[union-attr]
-        self._tokens_recorded_in_capture = False
-        self._put_epoch += 1
-        ticketed = False if after_launch else self._write_step(self._put_epoch, new_tokens)
-        put = _Put(self._put_epoch, batch, new_tokens is not None, ticketed, events=events)
-        self._queue.append(put)
-        self._last_put = put
+        put = self._append_put(batch, new_tokens, after_launch, events)
         if self._node_active:
             self._node_push(put)
-        if self._prepared_refused:  # a step prepare() enqueued whose execute was refused (bad
-            # logits) is over: its host work ran, its mask is never applied, and this batch's
-            # step enqueues its own
-            self._prepared = self._prepared_refused = False
         self.active = \
             next(batch.valid_requests(), None) is not None  # type: ignore[union-attr]
         if not self._streams.is_capturing():
             self._streams.record_tokens()  # orders the callbacks after the token copy
+
+    def _append_put(self, batch: GuidedRequests, new_tokens: torch.Tensor | None,
+                    after_launch: bool, events: int, tokens: list | None = None) -> _Put:
+        """Queue the step of ``batch`` as the next epoch's and make it the latest put: its
+        ticket (and ``new_tokens``) written in stream order unless the step was launched
+        already; ``tokens``: an advance_batch step's. Returns the put (add_batch and
+        advance_batch share this; each queues the node's job itself)."""
+        self._tokens_recorded_in_capture = False
+        self._put_epoch += 1
+        ticketed = False if after_launch else self._write_step(self._put_epoch, new_tokens)
+        put = _Put(self._put_epoch, batch, new_tokens is not None, ticketed, events=events,
+                   tokens=tokens)
+        self._queue.append(put)
+        self._last_put = put
+        if self._prepared_refused:  # a step prepare() enqueued whose execute was refused (bad
+            # logits) is over: its host work ran, its mask is never applied, and this batch's
+            # step enqueues its own
+            self._prepared = self._prepared_refused = False
+        return put
 
     def _check_new_tokens(self, new_tokens: object) -> None:
         if not isinstance(new_tokens, torch.Tensor):
