@@ -1704,11 +1704,17 @@ class CapturableGuidedDecoder(GuidedDecoder):
     def _apply_node_results(self, results: list[tuple]) -> None:
         """:meth:`_node_collect`'s work on the results of :meth:`HostNode.take`, in step order.
         The node made the slot changes they imply itself (a new request's matcher installed,
-        a failed request's dropped), so they do not go back to it (:meth:`_Mirror.quiet`)."""
-        assert self._mirror is not None
-        with self._mirror.quiet():
+        a failed request's dropped), so they do not go back to it (:meth:`_Mirror.quiet_on`)."""
+        if not results:  # (every read between two steps: nothing to apply)
+            return
+        mirror = self._mirror
+        assert mirror is not None
+        before = mirror.quiet_on(threading.get_ident())
+        try:
             for record in results:
                 self._apply_node_record(*record)
+        finally:
+            mirror.quiet_on(before)
 
     def _apply_node_record(self, kind: int, epoch: int, error: str | None, masked: bool,
                            unusual: list | None, columns: list | None, rolled: list | None,
@@ -1931,7 +1937,7 @@ def _python_step(decoder: CapturableGuidedDecoder) -> Callable[[int, int], None]
 
 class _Mirror:
     """Keeps the node's per-slot table in step with ``slots`` (called with a changed slot),
-    except for the changes made while :meth:`quiet` is active on the calling thread (Python
+    except for the changes made while :meth:`quiet_on` names the calling thread (Python
     reading the node's own records: the node made those changes itself, in step order, and a
     late copy could undo a later step's)."""
 
@@ -1944,13 +1950,13 @@ class _Mirror:
         if self._quiet != threading.get_ident():
             self._node.set_slot(slot, self._handles[slot], self._stopped[slot])
 
-    @contextmanager
-    def quiet(self) -> Iterator[None]:
-        before, self._quiet = self._quiet, threading.get_ident()
-        try:
-            yield
-        finally:
-            self._quiet = before
+    def quiet_on(self, thread: int | None) -> int | None:
+        """From now on the changes of ``thread`` (a ``threading.get_ident()``; None: no
+        thread's) are not mirrored; returns the thread named before, to restore it after.
+        (A plain call, not a context manager: it runs at every read of the node's records,
+        where making and finishing a generator cost more than the read of a steady step.)"""
+        before, self._quiet = self._quiet, thread
+        return before
 
 
 def _collect_hook(decoder: CapturableGuidedDecoder) -> Callable[[], None]:
