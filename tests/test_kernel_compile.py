@@ -295,6 +295,16 @@ static unsigned long long atomicAdd(unsigned long long* at, unsigned long long v
 static unsigned long long atomicExch(unsigned long long* at, unsigned long long v) {
     unsigned long long old = *at; *at = v; return old; }
 static void __threadfence() {}
+// every thread of a grid_x x grid_y grid of kThreads-thread blocks, one after another, runs CALL
+#define EMU_GRID(GRID_X, GRID_Y, CALL)                                                  \
+    gridDim = {GRID_X, GRID_Y, 1};                                                      \
+    for (unsigned by = 0; by < GRID_Y; ++by)                                            \
+        for (unsigned bx = 0; bx < GRID_X; ++bx)                                        \
+            for (unsigned t = 0; t < capgraph::kThreads; ++t) {                         \
+                blockIdx = {bx, by, 0};                                                 \
+                threadIdx = {t, 0, 0};                                                  \
+                CALL;                                                                   \
+            }
 """
 
 _DRIVER = """
@@ -308,34 +318,34 @@ extern "C" void emu_launch(void* kernel, unsigned grid_x, unsigned grid_y, void*
                            const void* indices, long long index_bytes, long long logits_rows,
                            long long bitmask_words) {
     EmuKernel k = (EmuKernel)kernel;
-    gridDim = {grid_x, grid_y, 1};
-    for (unsigned by = 0; by < grid_y; ++by)
-        for (unsigned bx = 0; bx < grid_x; ++bx)
-            for (unsigned t = 0; t < capgraph::kThreads; ++t) {
-                blockIdx = {bx, by, 0};
-                threadIdx = {t, 0, 0};
-                k(logits, logits_stride, bitmask, bitmask_stride, token_mask, d2t, rows, width,
-                  col_offset, indices, index_bytes, logits_rows, bitmask_words);
-            }
+    EMU_GRID(grid_x, grid_y, k(logits, logits_stride, bitmask, bitmask_stride, token_mask, d2t,
+                               rows, width, col_offset, indices, index_bytes, logits_rows,
+                               bitmask_words));
 }
 """
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    """The kernel source built for the host (g++) with a driver that runs a launch grid."""
+def build_emulation(tmp_path_factory, driver: str, folder: str) -> ctypes.CDLL:
+    """The kernel source built for the host (g++) after :data:`_PRELUDE`, with ``driver``'s
+    launch functions after it (skips where g++ is missing)."""
     gxx = shutil.which("g++")
     if gxx is None:
-        pytest.skip("g++ is not installed")
-    work = tmp_path_factory.mktemp("kernel_emu")
+        pytest.skip("g++ is not installed: the kernel's host emulation needs it")
+    work = tmp_path_factory.mktemp(folder)
     src = work / "emu.cpp"
-    src.write_text(f'{_PRELUDE}\n#include "{SOURCE}"\n{_DRIVER}')
+    src.write_text(f'{_PRELUDE}\n#include "{SOURCE}"\n{driver}')
     lib = work / "emu.so"
     run = subprocess.run([gxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-Werror",
                           "-Wno-unknown-pragmas", str(src), "-o", str(lib)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    so = ctypes.CDLL(str(lib))
+    return ctypes.CDLL(str(lib))
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """The kernel source built for the host (g++) with a driver that runs a launch grid."""
+    so = build_emulation(tmp_path_factory, _DRIVER, "kernel_emu")
     so.emu_launch.restype = None
     so.emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
                               ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong,

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import re
-import shutil
-import subprocess
 import zlib
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from capgraph.errors import TensorArgError
 from capgraph.ops import argmax_scratch, logits_bitmask_reference, masked_argmax
 from capgraph.ops import cuda as cuda_backend
 from capgraph.ops.cuda import ARGMAX_WORDS_PER_BLOCK, argmax_entry_points, plan_argmax
-from test_kernel_compile import _PRELUDE  # (the host emulation of the CUDA built-ins)
+from test_kernel_compile import build_emulation  # (the host emulation's build)
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "csrc" / "logits_bitmask.cu"
@@ -36,15 +34,8 @@ extern "C" void emu_argmax(void* kernel, unsigned grid_x, unsigned grid_y, const
                            long long mask_rows, long long width, long long* out,
                            unsigned long long* keys, unsigned long long* counts) {
     EmuArgmax k = (EmuArgmax)kernel;
-    gridDim = {grid_x, grid_y, 1};
-    for (unsigned by = 0; by < grid_y; ++by)
-        for (unsigned bx = 0; bx < grid_x; ++bx)
-            for (unsigned t = 0; t < capgraph::kThreads; ++t) {
-                blockIdx = {bx, by, 0};
-                threadIdx = {t, 0, 0};
-                k(logits, logits_stride, bitmask, bitmask_stride, token_mask, rows, mask_rows,
-                  width, out, keys, counts);
-            }
+    EMU_GRID(grid_x, grid_y, k(logits, logits_stride, bitmask, bitmask_stride, token_mask, rows,
+                               mask_rows, width, out, keys, counts));
 }
 """
 
@@ -52,18 +43,7 @@ extern "C" void emu_argmax(void* kernel, unsigned grid_x, unsigned grid_y, const
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     """The kernel source built for the host (g++) with a driver that runs an argmax grid."""
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ is not installed: the kernel's host emulation needs it")
-    work = tmp_path_factory.mktemp("argmax_emu")
-    src = work / "emu.cpp"
-    src.write_text(f'{_PRELUDE}\n#include "{SOURCE}"\n{_DRIVER}')
-    lib = work / "emu.so"
-    run = subprocess.run([gxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-Wall", "-Werror",
-                          "-Wno-unknown-pragmas", str(src), "-o", str(lib)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    so = ctypes.CDLL(str(lib))
+    so = build_emulation(tmp_path_factory, _DRIVER, "argmax_emu")
     so.emu_argmax.restype = None
     so.emu_argmax.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint] + [
         ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong,

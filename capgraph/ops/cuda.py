@@ -481,16 +481,9 @@ class _CudaLogitsBitmask:
             d2t = d2t.contiguous()
         if indices is not None and indices.stride(0) != 1:
             indices = indices.contiguous()
-        index = logits.device.index
-        if index is None:
-            index = torch.cuda.current_device()
-        if index != torch.cuda.current_device():
-            with torch.cuda.device(index):  # makes that device's primary context current
-                self._launch(index, logits, bitmask, token_mask, d2t, col_offset, indices,
-                             variant)
-            return
-        self._ensure_context(index)
-        self._launch(index, logits, bitmask, token_mask, d2t, col_offset, indices, variant)
+        self._on_device(logits, lambda kernels: plan_launch(
+            logits, bitmask, token_mask, d2t, col_offset, kernels.sm_count, indices,
+            variant=variant))
 
     def argmax(self, logits: torch.Tensor, bitmask: torch.Tensor,
                token_mask: torch.Tensor | None, mask_rows: int, out: torch.Tensor,
@@ -499,31 +492,28 @@ class _CudaLogitsBitmask:
         on torch's current stream."""
         if token_mask is not None and token_mask.stride(0) != 1:
             token_mask = token_mask.contiguous()
+        self._on_device(logits, lambda kernels: plan_argmax(logits, bitmask, token_mask,
+                                                            mask_rows, out, scratch))
+
+    def _on_device(self, logits: torch.Tensor,
+                   plan: Callable[[_DeviceKernels], LaunchPlan]) -> None:
+        """Launch ``plan(the logits' device's kernels)`` on that device's current stream."""
         index = logits.device.index
         if index is None:
             index = torch.cuda.current_device()
         if index != torch.cuda.current_device():
             with torch.cuda.device(index):  # makes that device's primary context current
-                self._launch_plan(index, plan_argmax(logits, bitmask, token_mask, mask_rows,
-                                                     out, scratch))
+                self._launch_plan(index, plan)
             return
         self._ensure_context(index)
-        self._launch_plan(index, plan_argmax(logits, bitmask, token_mask, mask_rows, out,
-                                             scratch))
+        self._launch_plan(index, plan)
 
-    def _launch_plan(self, index: int, plan: LaunchPlan) -> None:
+    def _launch_plan(self, index: int, plan: Callable[[_DeviceKernels], LaunchPlan]) -> None:
         kernels = self.device(index)
+        launch = plan(kernels)
         stream = kernels.stream(torch.cuda.current_stream(index))
-        self._core.launch(stream, kernels.config(plan.grid), kernels.kernels[plan.kernel],
-                          *plan.args)
-
-    def _launch(self, index: int, logits: torch.Tensor, bitmask: torch.Tensor,
-                token_mask: torch.Tensor | None, d2t: torch.Tensor | None,
-                col_offset: int, indices: torch.Tensor | None,
-                variant: str | None) -> None:
-        kernels = self.device(index)
-        self._launch_plan(index, plan_launch(logits, bitmask, token_mask, d2t, col_offset,
-                                             kernels.sm_count, indices, variant=variant))
+        self._core.launch(stream, kernels.config(launch.grid), kernels.kernels[launch.kernel],
+                          *launch.args)
 
 
 _load_lock = threading.Lock()
