@@ -901,16 +901,20 @@ class CapturableGuidedDecoder(GuidedDecoder):
             ``out``. Failures come from :meth:`take_failed_requests` after the step, as for
             :meth:`execute`; a failed request's rows are unmasked, as ``execute`` leaves them.
 
+        On CUDA the decoder's argmax launches share one small scratch that each leaves zero:
+        run them one at a time, in one stream's order, as a decoder's steps run.
+
         Raises:
             TensorArgError: bad logits (as for :meth:`execute`), logits that are not the full
                 vocabulary, or a bad ``out``; nothing is enqueued.
         """
+        self._prepared_refused = self._prepared  # (until the logits pass: see add_batch)
         self._check_logits(logits, None, None, 0)
-        if logits.shape[1] != self.vocab_size_padded:
+        if logits.shape[1] != self.vocab_size_padded:  # (a shard: wider logits are refused)
             raise TensorArgError(
-                f"execute_argmax: logits have {logits.shape[1]} columns; the fused argmax "
-                f"needs the full vocabulary ({self.vocab_size_padded}): mask a "
-                "tensor-parallel shard with execute and reduce across the shards")
+                f"execute_argmax: logits have {logits.shape[1]} columns, a tensor-parallel "
+                f"shard of the vocabulary's {self.vocab_size_padded}; the fused argmax needs "
+                "the full vocabulary: mask a shard with execute and reduce across the shards")
         rows = logits.shape[0]
         if out is None:
             out = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -1567,7 +1571,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._finish_build()
         scratch = self._argmax_scratch
         if scratch is not None and scratch.shape[1] < logits.shape[0]:
-            scratch = None  # (the op makes one of its own for this call)
+            scratch = None  # (a direct call for more rows than the decoder's: the op's own)
         masked_argmax(logits, self.bitmask, self.token_mask, mask_rows=num_rows, out=out,
                       scratch=scratch)
 

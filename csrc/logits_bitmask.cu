@@ -341,8 +341,11 @@ CAPGRAPH_ALL_DTYPES(CAPGRAPH_LOGITS_BITMASK_VARIANTS, 8, CAPGRAPH_16BIT_ENTRIES_
 // argmax(row r masked as above), for rows [0, rows); rows at or past mask_rows, and rows whose
 // token_mask entry is 0, are not masked (a plain argmax). The logits are only read: a masked
 // column is -inf without a load, so a row costs its bitmask words plus the logits of its
-// allowed tokens (a 2%-allowed row reads about 2% of its logits), where masking in place and
-// then taking the argmax reads every logit twice and writes the masked ones.
+// allowed tokens, where masking in place and then taking the argmax reads every logit twice
+// and writes the masked ones. (Memory moves in 32-byte sectors: a sector is read where any of
+// its 8 fp32 or 16 fp16/bf16 columns is allowed, so with 2% of the bits set at random about
+// 15% of an fp32 row's sectors are read; a grammar's allowed tokens cluster, which reads
+// fewer.)
 //
 // The result is the one torch.argmax gives on the masked row: the values compare as floats
 // (fp16 and bf16 widened to fp32 exactly), -0 equals +0, NaN is larger than everything, and of
@@ -354,10 +357,11 @@ CAPGRAPH_ALL_DTYPES(CAPGRAPH_LOGITS_BITMASK_VARIANTS, 8, CAPGRAPH_16BIT_ENTRIES_
 // Grid: x = blocks along the row (each covers kArgmaxWordsPerBlock bitmask words, 32 columns
 // each), y = rows (a grid-stride loop past 65535). Warp w of a block takes kArgmaxWordsPerWarp
 // consecutive words; lane l reads column 32 * word + l, so a warp's logits loads are coalesced
-// and a word with no allowed bit costs no logits load. Each warp's lane 0 merges the warp's
-// best key into keys[row] (an atomic max) and counts itself in counts[row]; the row's last
-// warp to count writes out[row] and puts both back to 0, so the scratch is ready for the next
-// launch without a memset (it must be all zero before the first).
+// and a word with no allowed bit costs no logits load. The block's best key (warp shuffles,
+// then one key per warp in shared memory) is merged by its thread 0 into keys[row] (an atomic
+// max), which then counts the block in counts[row]; the row's last block to count writes
+// out[row] and puts both back to 0, so the scratch is ready for the next launch without a
+// memset (it must be all zero before the first). One launch at a time may use a scratch.
 //
 // Host contract (capgraph/ops/cuda.py plan_argmax): width <= 32 * bitmask row words, width and
 // the columns fit in int32, out int64 [>= rows], keys and counts [>= rows] 64-bit and zero.
@@ -425,20 +429,35 @@ __device__ __forceinline__ unsigned long long masked_key(long long col) {
 }
 
 #ifndef CAPGRAPH_EMULATED_WARPS
-// The largest key of the warp, in lane 0; true in lane 0 only.
-__device__ __forceinline__ bool warp_max_to_lane0(unsigned long long* key) {
+// The block's largest key, in thread 0; true in thread 0 only. Every thread of the block calls
+// it (it synchronises the block); `merged` is the block's shared scratch of one key per warp.
+__device__ __forceinline__ bool block_max_to_thread0(unsigned long long* key,
+                                                     unsigned long long* merged) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
         const unsigned long long other = __shfl_xor_sync(0xFFFFFFFFu, *key, offset);
         *key = other > *key ? other : *key;
     }
-    return (threadIdx.x & 31u) == 0;
+    if ((threadIdx.x & 31u) == 0) {
+        merged[threadIdx.x >> 5] = *key;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int w = 1; w < kThreads / 32; ++w) {
+            *key = merged[w] > *key ? merged[w] : *key;
+        }
+    }
+    __syncthreads();  // (`merged` is written again for the block's next row)
+    return threadIdx.x == 0;
 }
-constexpr int kArgmaxMergersPerBlock = kThreads / 32;
+constexpr int kArgmaxMergersPerBlock = 1;
 #else
 // The host emulation (tests/test_kernel_compile.py) runs a block's threads one after another:
-// each thread merges its own key, as a warp of one.
-__device__ __forceinline__ bool warp_max_to_lane0(unsigned long long*) { return true; }
+// each thread merges its own key, as a block of one.
+__device__ __forceinline__ bool block_max_to_thread0(unsigned long long*, unsigned long long*) {
+    return true;
+}
 constexpr int kArgmaxMergersPerBlock = kThreads;
 #endif
 
@@ -457,6 +476,11 @@ __device__ __forceinline__ void masked_argmax(const typename Kind::Raw* __restri
                                  (threadIdx.x >> 5) * kArgmaxWordsPerWarp;
     const unsigned long long mergers =
         static_cast<unsigned long long>(gridDim.x) * kArgmaxMergersPerBlock;
+#ifndef CAPGRAPH_EMULATED_WARPS
+    __shared__ unsigned long long merged[kThreads / 32];
+#else
+    unsigned long long* merged = nullptr;
+#endif
     for (long long row = blockIdx.y; row < rows; row += gridDim.y) {
         const bool guided = row < mask_rows && (token_mask == nullptr || token_mask[row] != 0);
         const typename Kind::Raw* row_logits = logits + row * logits_row_stride;
@@ -479,7 +503,7 @@ __device__ __forceinline__ void masked_argmax(const typename Kind::Raw* __restri
                 : masked_key(col);
             best = key > best ? key : best;
         }
-        if (!warp_max_to_lane0(&best)) {
+        if (!block_max_to_thread0(&best, merged)) {
             continue;
         }
         if (best != 0) {

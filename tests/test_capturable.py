@@ -990,13 +990,15 @@ def test_a_second_request_on_the_slot_of_one_past_the_captured_rows_fails_as_twi
     eager.close()
 
 
+@pytest.mark.parametrize("refused", ["execute", "execute_argmax wide", "execute_argmax out"])
 @pytest.mark.parametrize("host_node", ["python", "native"])
 def test_an_add_batch_after_a_refused_execute_of_a_prepared_step_runs_its_own_step(
-        factory, tekken, host_node):
-    """``prepare()`` ran a step's host work and its ``execute`` was refused (logits of the
-    wrong width); the engine moves on with the next ``add_batch``: that step runs its own host
-    work and masks as the eager decoder does, rather than apply the prepared step's mask and
-    leave every later step one batch behind."""
+        factory, tekken, host_node, refused):
+    """``prepare()`` ran a step's host work and its ``execute`` (or ``execute_argmax``) was
+    refused (logits of the wrong width, a bad ``out``); the engine moves on with the next
+    ``add_batch``: that step runs its own host work and masks as the eager decoder does,
+    rather than apply the prepared step's mask and leave every later step one batch
+    behind."""
     from capgraph.errors import TensorArgError
     _native_or_skip(host_node)
     params = GuidedDecodingParams.regex("[a-c]{5}x")
@@ -1009,7 +1011,12 @@ def test_an_add_batch_after_a_refused_execute_of_a_prepared_step_runs_its_own_st
     eager.execute(torch.zeros(1, V))
     dec.prepare()
     with pytest.raises(TensorArgError):
-        dec.execute(torch.zeros(1, V + 7))
+        if refused == "execute":
+            dec.execute(torch.zeros(1, V + 7))
+        elif refused == "execute_argmax wide":
+            dec.execute_argmax(torch.zeros(1, V + 7))
+        else:
+            dec.execute_argmax(torch.zeros(1, V), torch.zeros(1, dtype=torch.int32))
     for _ in range(3):
         step = [GuidedRequest.generation(1, 0, params, a)]
         dec.add_batch(step)

@@ -287,13 +287,17 @@ def test_missing_and_truncated_files_are_said(gpu_report, tmp_path):
     exits 2."""
     (tmp_path / "bench_kernel.json").write_text('{"rows": [')  # killed mid-write
     (tmp_path / "bench_replay.json").write_text('{"rows": [{"model"')
+    (tmp_path / "bench_argmax.json").write_text('{"rows": [{"dtype"')
     text = gpu_report.report(tmp_path)
     assert "GPU tests: no junit XML" in text
     assert "bench_kernel.json is not readable JSON" in text
     assert "bench_graph_replay: bench_replay.json is not readable JSON" in text
     assert "profile (CUPTI): no results" in text
-    assert "bench_argmax: no results" in text
+    assert "bench_argmax: bench_argmax.json is not readable JSON" in text
     assert text.count("not measured") == 3 + 10 + 1
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "bench_argmax: no results" in gpu_report.report(empty)
     assert gpu_report.main([str(tmp_path / "nowhere")]) == 2
 
 

@@ -276,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         before_points = set(parse_points(args.before_points)) if args.before_points else set()
     except ValueError as e:
         ap.error(str(e))
-    compare = [k for k in args.compare.split(",") if k]
+    compare = list(dict.fromkeys(k for k in args.compare.split(",") if k))  # (once each)
     unknown = [k for k in compare if k not in COMPARE_KINDS]
     if unknown:
         ap.error(f"--compare {args.compare!r}: unknown kind(s) {unknown}; choose from "
@@ -387,6 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "native-node-last": has_first}
                 kinds += [(kind, "native", *COMPARE_KINDS[kind]) for kind in compare
                           if present[kind]]
+                for kind in compare:
+                    if not present[kind]:
+                        print(f"{kind}: not available in this tree's generate() (skipped)")
             for kind, host_node, after_launch, first, fused in kinds:
                 breakdown = Breakdown() if args.breakdown else None
                 with breakdown or contextlib.nullcontext():

@@ -203,6 +203,8 @@ def argmax_section(data: dict | None) -> str:
     """tools/bench_argmax.py's table: us per call of argmax, mask+argmax and the fused call."""
     if data is None:
         return "bench_argmax: no results"
+    if "error" in data:
+        return f"bench_argmax: {data['error']}"
     rows = [[r["dtype"], r["pattern"], r["batch"], _fmt(r.get("argmax_us"), ".1f"),
              _fmt(r.get("mask_argmax_us"), ".1f"), _fmt(r.get("fused_us"), ".1f"),
              _fmt(r.get("fused_over_unfused"), ".2f"), _fmt(r.get("fused_over_argmax"), ".2f")]

@@ -32,6 +32,15 @@ def argmax_scratch(rows: int, device: torch.device | str) -> torch.Tensor:
     return torch.zeros(2, rows, dtype=torch.int64, device=device)
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two tensors (first to last element) overlap."""
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n)
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def _fail(arg: str, problem: str) -> TensorArgError:
     return TensorArgError(f"masked_argmax: {arg} {problem}")
 
@@ -57,8 +66,9 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor,
         out: int64 ``[rows]`` with unit stride on the logits' device, written and returned;
             None: a new tensor.
         scratch: the CUDA kernel's scratch (:func:`argmax_scratch` for at least ``rows``
-            rows), all zero, as each launch leaves it; None: a new one per call (one more
-            allocation and memset). Not read off CUDA.
+            rows), all zero, as each launch leaves it, used by one launch at a time; None: a
+            new one per call (one more allocation and memset). Checked on every device, read
+            on CUDA only.
 
     Returns:
         ``out``.
@@ -97,6 +107,16 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor,
         raise _fail("out", f"must be an int64 [{rows}] tensor with unit stride on "
                     f"{logits.device}, got {out.dtype} {tuple(out.shape)} strides "
                     f"{out.stride()} on {out.device}")
+    if scratch is not None:
+        if scratch.dtype != torch.int64 or scratch.dim() != 2 or scratch.size(0) != 2 \
+                or scratch.size(1) < rows or scratch.stride(1) != 1 \
+                or scratch.stride(0) < scratch.size(1) or scratch.device != logits.device:
+            raise _fail("scratch", f"must be an int64 [2, >= {rows}] tensor on {logits.device} "
+                        f"whose two rows do not overlap, with unit column stride "
+                        f"(argmax_scratch), got {scratch.dtype} {tuple(scratch.shape)} strides "
+                        f"{scratch.stride()} on {scratch.device}")
+        if rows and _overlap(scratch, out):
+            raise _fail("scratch", "overlaps out: the kernel writes both")
     if rows == 0:
         return out
     if logits.device.type == "cuda" and width + BITS_PER_WORD < 2**31:
@@ -104,12 +124,6 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor,
         if kernel is not None:
             if scratch is None:
                 scratch = argmax_scratch(rows, logits.device)
-            elif scratch.dtype != torch.int64 or scratch.dim() != 2 or scratch.size(0) != 2 \
-                    or scratch.size(1) < rows or scratch.stride(1) != 1 \
-                    or scratch.device != logits.device:
-                raise _fail("scratch", f"must be an int64 [2, >= {rows}] tensor with unit "
-                            f"column stride on {logits.device} (argmax_scratch), got "
-                            f"{scratch.dtype} {tuple(scratch.shape)} on {scratch.device}")
             kernel.argmax(logits, bitmask, token_mask, mask_rows, out, scratch)
             return out
     if mask_rows:

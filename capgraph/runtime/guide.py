@@ -70,12 +70,14 @@ class StageClock:
             self.add(stage, time.perf_counter() - t0)
 
     def instrument(self, decoder: GuidedDecoder, sync: bool = True) -> None:
-        """Time this decoder's host build and its mask application (instance-level wrappers).
+        """Time this decoder's host build and its mask application, in place or fused with the
+        greedy argmax (instance-level wrappers).
 
         Pass ``sync=False`` for a decoder whose methods run inside host callbacks, where a
         device synchronisation is not allowed; its apply time is then the launch time only.
         """
-        for name, stage in (("_build", "build"), ("apply_bitmask", "apply")):
+        for name, stage in (("_build", "build"), ("apply_bitmask", "apply"),
+                            ("argmax_bitmask", "apply")):
             method = getattr(decoder, name, None)
             if method is None or getattr(method, "_capgraph_timed", False):
                 continue
