@@ -39,7 +39,7 @@ from .build.base import Status
 from .build.library import NODE_RECORDS, HostNode, NodeStats
 from .errors import (CallbackError, ConfigError, LayoutError, NativeBuildError, QueueEpochError,
                      RequestError, TensorArgError)
-from .ops.argmax import argmax_scratch, masked_argmax
+from .ops.argmax import argmax_out, argmax_scratch, masked_argmax
 from .requests import GuidedRequest, GuidedRequests
 from .streams import HostStepStreams, StepStreams
 
@@ -133,13 +133,6 @@ def _callback(name: str) -> Callable:
         run.__name__ = run.__qualname__ = name
         return hostfunc.hostfunc(nvtx_range(f"CapturableGuidedDecoder.{name}")(run))
     return wrap
-
-
-def _describe(value: object) -> str:
-    """A tensor's dtype, shape, strides and device (for an error message); else its type."""
-    if isinstance(value, torch.Tensor):
-        return f"{value.dtype} {tuple(value.shape)} strides {value.stride()} on {value.device}"
-    return type(value).__name__
 
 
 def _past_rows(first: int, end: int, rows: int) -> str:
@@ -874,7 +867,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         not capturing this drains (waits for the callbacks with the GIL released) and
         re-raises a callback exception as ``hostfunc.HostFuncError``.
         """
-        self._execute(logits, d2t, None)
+        self._execute(logits, d2t)
 
     @nvtx_range("CapturableGuidedDecoder.execute_argmax")
     @_open_only
@@ -908,28 +901,14 @@ class CapturableGuidedDecoder(GuidedDecoder):
             TensorArgError: bad logits (as for :meth:`execute`), logits that are not the full
                 vocabulary, or a bad ``out``; nothing is enqueued.
         """
-        self._prepared_refused = self._prepared  # (until the logits pass: see add_batch)
-        self._check_logits(logits, None, None, 0)
-        if logits.shape[1] != self.vocab_size_padded:  # (a shard: wider logits are refused)
-            raise TensorArgError(
-                f"execute_argmax: logits have {logits.shape[1]} columns, a tensor-parallel "
-                f"shard of the vocabulary's {self.vocab_size_padded}; the fused argmax needs "
-                "the full vocabulary: mask a shard with execute and reduce across the shards")
-        rows = logits.shape[0]
-        if out is None:
-            out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-        elif not isinstance(out, torch.Tensor) or out.dtype != torch.int64 \
-                or out.dim() != 1 or out.size(0) != rows or out.device != logits.device \
-                or (rows > 1 and out.stride(0) != 1):
-            raise TensorArgError(
-                f"execute_argmax: out must be an int64 [{rows}] tensor with unit stride on "
-                f"{logits.device}, got {_describe(out)}")
-        self._execute(logits, None, out)
-        return out
+        result = self._execute(logits, None, argmax=True, out=out)
+        assert result is not None
+        return result
 
-    def _execute(self, logits: torch.Tensor, d2t: torch.Tensor | None,
-                 out: torch.Tensor | None) -> None:
-        """execute's work; with ``out``, execute_argmax's (the argmax instead of the mask)."""
+    def _execute(self, logits: torch.Tensor, d2t: torch.Tensor | None, argmax: bool = False,
+                 out: object = None) -> torch.Tensor | None:
+        """execute's work; with ``argmax``, execute_argmax's (the argmax written to ``out``,
+        returned, instead of the mask)."""
         capturing = self._streams.is_capturing()
         self._prepared_refused = self._prepared  # (until the logits pass: see add_batch)
         self._check_logits(logits, d2t, None)
@@ -938,6 +917,15 @@ class CapturableGuidedDecoder(GuidedDecoder):
             raise TensorArgError(
                 f"logits have {logits.shape[0]} rows, fewer than the batch layout's "
                 f"{self.requests.num_bitmask_tokens}")
+        tokens = None
+        if argmax:
+            if logits.shape[1] != self.vocab_size_padded:  # (a shard: wider ones are refused)
+                raise TensorArgError(
+                    f"execute_argmax: logits have {logits.shape[1]} columns, a tensor-parallel "
+                    f"shard of the vocabulary's {self.vocab_size_padded}; the fused argmax "
+                    "needs the full vocabulary: mask a shard with execute and reduce across "
+                    "the shards")
+            tokens = argmax_out(out, logits, "execute_argmax")
         self._prepared_refused = False
         if not capturing and not self.active and not self._prepared and self._stream_idle():
             # nothing guided and nothing queued that reads the token mask or the slots (an
@@ -947,15 +935,16 @@ class CapturableGuidedDecoder(GuidedDecoder):
             if last is not None:  # (its step had nothing to run: advance_batch continues it)
                 self._ran_epoch = last.epoch
             self._clear_token_mask()
-            if out is not None:  # (nothing is masked: the plain argmax)
-                torch.argmax(logits, dim=-1, out=out)
-            return
+            if tokens is not None:  # (nothing is masked: the plain argmax)
+                torch.argmax(logits, dim=-1, out=tokens)
+            return tokens
         if not self._prepared:
             self._enqueue_step(logits.shape[0], capturing)
         self._prepared = False
         # (rows past those prepare copied hold another step's mask: left untouched)
         self._join_and_apply(logits, d2t, capturing, min(logits.shape[0], self._prepared_rows),
-                             out)
+                             tokens)
+        return tokens
 
     def _join_and_apply(self, logits: torch.Tensor, d2t: torch.Tensor | None,
                         capturing: bool, rows: int | None = None,
@@ -968,23 +957,25 @@ class CapturableGuidedDecoder(GuidedDecoder):
             # CPU stand-in, not capturing: wait for the side stream on the host (GIL released)
             # and apply here, rather than hand the apply to another worker thread and drain it
             self._sync_side()
-            if out is None:
-                self.apply_bitmask(logits, d2t, rows)
-            else:
-                self.argmax_bitmask(logits, out, rows)
+            self._apply_now(logits, d2t, rows, out)
             hostfunc.check_errors(owner=self)
             return
         streams.wait_bitmask()
         if self.device.type == "cuda":
-            if out is None:
-                self.apply_bitmask(logits, d2t, rows)
-            else:
-                self.argmax_bitmask(logits, out, rows)
+            self._apply_now(logits, d2t, rows, out)
         elif out is None:  # recorded into the HostGraph, so every replay applies
             self.apply_hostfunc(logits, d2t, rows)
         else:
             self.argmax_hostfunc(logits, out, rows)
         streams.drain(self)
+
+    def _apply_now(self, logits: torch.Tensor, d2t: torch.Tensor | None, rows: int,
+                   out: torch.Tensor | None) -> None:
+        """The mask of ``logits[:rows]`` in place, or with ``out`` the masked argmax there."""
+        if out is None:
+            self.apply_bitmask(logits, d2t, rows)
+        else:
+            self.argmax_bitmask(logits, out, rows)
 
     def _sync_side(self) -> None:
         self._streams.bitmask_event.synchronize()  # type: ignore[attr-defined]

@@ -332,22 +332,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         gc.freeze()
         gc_seconds[0] = 0.0
         order = {"batch_after_launch": after_launch} if has_order else {}
-        saved = (getattr(engine, "_HOST_WORK_FIRST", None),
-                 getattr(engine, "_FUSED_ARGMAX", None))
-        if has_first:
-            engine._HOST_WORK_FIRST = host_work_first
-        if has_fused:
-            engine._FUSED_ARGMAX = fused
+        flags = {name: value for name, value, present in (
+            ("_HOST_WORK_FIRST", host_work_first, has_first),
+            ("_FUSED_ARGMAX", fused, has_fused)) if present}
+        saved = {name: getattr(engine, name) for name in flags}
+        for name, value in flags.items():
+            setattr(engine, name, value)
         try:
             return generate(prompts, guides, model=model, tokenizer=tok,
                             max_new_tokens=max_new_tokens, max_batch_size=len(prompts),
                             decoder="capturable", cuda_graph=True, device=args.device,
                             factory=factory, host_node=host_node, **order)
         finally:
-            if has_first:
-                engine._HOST_WORK_FIRST = saved[0]
-            if has_fused:
-                engine._FUSED_ARGMAX = saved[1]
+            for name, value in saved.items():
+                setattr(engine, name, value)
 
     print(f"{'model':>6}{'batch':>6}{'host node':>18}{'steps u/g':>11}{'unguided ms/step':>18}"
           f"{'guided ms/step':>16}{'ratio':>8}{'replay ratio':>14}{'host build ms/step':>20}"

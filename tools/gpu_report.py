@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Turn what tools/gpu_check.sh brought back into Markdown for docs/BENCHMARKS.md.
 
-Reads the output folder of one GPU run (``summary.txt``, ``gpu_tests.xml``, ``gpu_tests_rest.xml``,
-``bench_kernel.json``, ``bench_kernel_xgr_cuda.json``, ``bench_apply.json``,
-``bench_argmax.json``, ``bench_replay.json``, ``profile_cupti.json``; any of them may be missing) and prints, in
-Markdown: the step summary, the test counts with every failing test, one table per benchmark,
+Reads the output folder of one GPU run (``summary.txt``, ``gpu_tests.xml``,
+``gpu_tests_rest.xml``, ``bench_kernel.json``, ``bench_kernel_xgr_cuda.json``,
+``bench_apply.json``, ``bench_argmax.json``, ``bench_replay.json``, ``profile_cupti.json``; any
+of them may be missing) and prints, in Markdown: the step summary, the test counts with every failing test, one table per benchmark,
 the profile's summary, and the verdict on each GPU target of the issues:
 
 * kernel bandwidth: at batch >= 256, at least 80% of the device-to-device copy's bandwidth

@@ -233,8 +233,8 @@ def critical_path(records: Sequence[Record], main_thread: int | None
     """Where one step's guided work lies against its forward, in us from the step's first
     kernel that ends before the mask kernel starts (the forward's first): ``forward_end`` (the
     last of those kernels to end; a replayed graph runs its branches on streams of its own, so
-    the mask kernel's stream need not be the forward's), ``node_start`` / ``node_end`` (the native node's
-    record, else the span of capgraph ranges off the main thread), ``batch_at`` (where a node
+    the mask kernel's stream need not be the forward's), ``node_start`` / ``node_end`` (the
+    native node's record, else the span of capgraph ranges off the main thread), ``batch_at`` (where a node
     waited for a batch made after the launch: when it came), ``copy_start`` / ``copy_end``
     (the bitmask's: the largest host-to-device copy ending before the mask kernel, the last
     where no size is named),

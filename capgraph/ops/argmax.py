@@ -23,13 +23,30 @@ from ..bitmask import BITS_PER_WORD
 from ..errors import TensorArgError
 from .op import _check_args, _cuda_kernel, logits_bitmask_op
 
-__all__ = ["masked_argmax", "argmax_scratch"]
+__all__ = ["masked_argmax", "argmax_scratch", "argmax_out"]
 
 
 def argmax_scratch(rows: int, device: torch.device | str) -> torch.Tensor:
     """A scratch tensor for :func:`masked_argmax`'s CUDA kernel for up to ``rows`` logits rows:
     int64 ``[2, rows]``, zero (each launch leaves it zero again). Reuse one per stream."""
     return torch.zeros(2, rows, dtype=torch.int64, device=device)
+
+
+def argmax_out(out: object, logits: torch.Tensor, caller: str) -> torch.Tensor:
+    """``out`` checked as the argmax of ``logits`` (``[rows, W]``) is written to it: an int64
+    ``[rows]`` tensor with unit stride on the logits' device; None: a new one. A bad one is a
+    :class:`TensorArgError` from ``caller``, naming what it got."""
+    rows = logits.shape[0]
+    if out is None:
+        return torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.int64 or out.dim() != 1 \
+            or out.size(0) != rows or (rows > 1 and out.stride(0) != 1) \
+            or out.device != logits.device:
+        got = (f"{out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}"
+               if isinstance(out, torch.Tensor) else type(out).__name__)
+        raise TensorArgError(f"{caller}: out must be an int64 [{rows}] tensor with unit stride "
+                             f"on {logits.device}, got {got}")
+    return out
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -79,7 +96,7 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor,
     for name, given in (("logits", logits), ("bitmask", bitmask)):
         if not isinstance(given, torch.Tensor):
             raise _fail(name, f"must be a tensor, got {type(given).__name__}")
-    for name, optional in (("token_mask", token_mask), ("out", out), ("scratch", scratch)):
+    for name, optional in (("token_mask", token_mask), ("scratch", scratch)):
         if optional is not None and not isinstance(optional, torch.Tensor):
             raise _fail(name, f"must be a tensor or None, got {type(optional).__name__}")
     if logits.dim() != 2:
@@ -100,13 +117,7 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor,
     if mask_rows == 0 and -(-width // BITS_PER_WORD) > bitmask.size(1):
         raise _fail("bitmask", f"has {bitmask.size(1)} words per row, fewer than the "
                     f"{-(-width // BITS_PER_WORD)} that {width} columns need")
-    if out is None:
-        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    elif out.dtype != torch.int64 or out.dim() != 1 or out.size(0) != rows \
-            or (rows > 1 and out.stride(0) != 1) or out.device != logits.device:
-        raise _fail("out", f"must be an int64 [{rows}] tensor with unit stride on "
-                    f"{logits.device}, got {out.dtype} {tuple(out.shape)} strides "
-                    f"{out.stride()} on {out.device}")
+    out = argmax_out(out, logits, "masked_argmax")
     if scratch is not None:
         if scratch.dtype != torch.int64 or scratch.dim() != 2 or scratch.size(0) != 2 \
                 or scratch.size(1) < rows or scratch.stride(1) != 1 \

@@ -208,13 +208,11 @@ class GuideDriver:
             self._failed.extend(failed)
 
     def apply_argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """Greedy tokens of ``logits`` under the step's mask, ``[rows]`` int64, the logits
-        left unmasked where the decoder fuses the two (the capturable decoder's
-        ``execute_argmax``: safe in a capture); else mask in place, then ``argmax``."""
-        if self._capt is not None:
-            return self._capt.execute_argmax(logits)
-        self.apply(logits)
-        return logits.argmax(dim=-1)
+        """Greedy tokens of ``logits`` under the step's mask, ``[rows]`` int64, the logits left
+        unmasked (the capturable decoder's ``execute_argmax``: safe in a capture; capturable
+        decoder only)."""
+        assert self._capt is not None, "apply_argmax needs the capturable decoder"
+        return self._capt.execute_argmax(logits)
 
     def take_failed(self) -> list[FailedRequest]:
         """Requests that failed since the last call (call after the step has synchronised).
