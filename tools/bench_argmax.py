@@ -23,7 +23,6 @@ timed on the host (a check of the tool, not a measurement).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -63,6 +62,7 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_argmax: no CUDA device, nothing measured")
         return 0
+    from capgraph.bench.common import write_json
     from capgraph.ops import argmax_scratch, logits_bitmask, masked_argmax
     from capgraph.ops import cuda as cuda_backend
     device = torch.device(args.device)
@@ -138,9 +138,8 @@ def main(argv=None) -> int:
                 print(f"{dtype_name:>9}{pattern:>8}{batch:>6}{row['argmax_us']:>9.1f}"
                       f"{row['mask_argmax_us']:>13.1f}{row['fused_us']:>8.1f}"
                       f"{row['fused_over_unfused']:>19.2f}{row['fused_over_argmax']:>14.2f}")
-                if args.json:
-                    with open(args.json, "w") as f:
-                        json.dump(out, f, indent=1)
+                if args.json:  # (rewritten after each row: a time-boxed run keeps its rows)
+                    write_json("bench_argmax", out, args.json)
     return 0
 
 
