@@ -510,27 +510,41 @@ class CapturableGuidedDecoder(GuidedDecoder):
                         after_launch: bool) -> bool:
         """advance_batch's checks, and its step queued as the native node's last job again
         where it can be (True); False: queue it as add_batch does."""
-        if self._node_active:
-            self._node_collect()  # (the failures of the steps that ran so far)
+        # the node's unread records: where they are plain steps of every queued put, the
+        # latest included, they are read after this step's job is queued (the node may be
+        # waiting for it: the batch after launch); else first (the failures of the steps
+        # that ran so far)
+        deferred = False
+        if self._node_active and self._node is not None:
+            plain = self._plain_records(self._node)
+            queue = self._queue
+            deferred = plain is not None and plain[0] > 0 and plain[0] == len(queue) \
+                and queue[-1] is last and plain[1] == last.epoch
+            if not deferred:
+                self._node_collect()
         if self._events != last.events:
             raise LayoutError(
                 "advance_batch: a request failed or a slot was released since the latest "
                 "batch's add_batch began (take_failed_requests() names the failures), so that "
                 "batch cannot simply continue: make the next batch with add_batch")
-        queued = bool(self._queue) and self._queue[-1] is last
-        if not queued and self._ran_epoch != last.epoch:
+        queued = not deferred and bool(self._queue) and self._queue[-1] is last
+        if not queued and not deferred and self._ran_epoch != last.epoch:
             raise LayoutError(
                 "advance_batch: the latest batch's step did not run (discarded, taken by a "
                 "capture for its shapes, or consumed by a queue error), so its matchers did "
                 "not take its tokens: make the next batch with add_batch")
         node = self._node
-        if node is not None and self._node_active and not self._queue \
+        if node is not None and self._node_active and (deferred or not self._queue) \
                 and not self._streams.is_capturing():
             if node.repeat(tokens, self._put_epoch + 1, not after_launch):
                 self._append_put(batch, None, after_launch, last.events, tokens)
                 self.requests, self._batch_built = batch, False
                 self._streams.record_tokens()
+                if deferred:  # (the earlier steps' records leave the queue ahead of this one)
+                    self._node_collect()
                 return True
+        if deferred:
+            self._node_collect()
         return False
 
     @staticmethod
@@ -850,8 +864,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if node is not None and not self._node_active:
             self._node_active = True  # (the batches queued from now on queue jobs too)
             node.set_epoch(self._put_epoch)
-            node.sync_counts(self.num_advanced_tokens,  # (what the eager steps advanced)
-                             self.num_advanced_draft_tokens, self.slots.draft_trees)
+            node.sync_counts(self.slots.num_advanced_tokens,  # (what the eager steps advanced)
+                             self.slots.num_advanced_draft_tokens, self.slots.draft_trees)
 
     @nvtx_range("CapturableGuidedDecoder.execute")
     @_open_only
@@ -1249,7 +1263,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if self._node_active:  # the counters these stages wrote are the node's from now on
             self._node_collect()
             self._node.sync_counts(  # type: ignore[union-attr]
-                self.num_advanced_tokens, self.num_advanced_draft_tokens,
+                self.slots.num_advanced_tokens, self.slots.num_advanced_draft_tokens,
                 self.slots.draft_trees)
         if first is not None:
             raise first
@@ -1497,7 +1511,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 continue
             # verification can accept past a draft EOS where the matcher stopped advancing
             req.num_accepted_draft_tokens = \
-                min(counts[i], self.num_advanced_tokens[req.seq_slot]) - 1  # type: ignore[index]
+                min(counts[i], self.slots.num_advanced_tokens[req.seq_slot]) - 1  # type: ignore[index]
 
     @_callback("init_disagg_gen_requests")
     def init_disagg_gen_requests_hostfunc(self) -> None:
@@ -1635,6 +1649,27 @@ class CapturableGuidedDecoder(GuidedDecoder):
         return None
 
     @property
+    def num_advanced_tokens(self) -> list[int]:
+        """Per slot, the tokens its matcher accepted in the slot's last build (what a
+        rollback of rejected drafts can undo); the native node's steps read first."""
+        self._node_collect()
+        return self.slots.num_advanced_tokens
+
+    @property
+    def num_guided_tokens(self) -> list[int]:
+        """Per slot, the logits rows its last build masked; the native node's steps read
+        first."""
+        self._node_collect()
+        return self.slots.num_guided_tokens
+
+    @property
+    def num_advanced_draft_tokens(self) -> list[int]:
+        """Per slot, the draft tokens its matcher accepted over the current drafting loop
+        (rolled back when the loop ends); the native node's steps read first."""
+        self._node_collect()
+        return self.slots.num_advanced_draft_tokens
+
+    @property
     def host_node_stats(self) -> NodeStats | None:
         """The native host node's counters and latest timestamps (None: the Python host
         callback serves this decoder)."""
@@ -1684,17 +1719,40 @@ class CapturableGuidedDecoder(GuidedDecoder):
             # the failure is reported now; the slot is cleared when the step runs
             self._record_failed([self._fail(req, e, drop=False) for req, e in failed])
 
-    def _node_collect(self) -> None:
+    def _node_collect(self, unusual_only: bool = False) -> None:
         """Read what the native node's steps did since the last read, in order: counters,
         the tokens it read from the token buffer, failures (interpreted as any build's), and
-        queue errors (kept for the next drain, as a Python step's)."""
+        queue errors (kept for the next drain, as a Python step's).
+
+        ``unusual_only`` (a step's failures taken, a drain): leave the records unread where
+        every one is a plain step (:meth:`_plain_records`): reading them would change only
+        the counters, which the count properties read first, and which batch ran, which
+        every step method reads first. So the read of a steady step's record costs the
+        loop nothing after its sync; the next ``advance_batch`` does it once its own step is
+        queued."""
         node = self._node
         if node is None or not self._node_active:
             return
         with self._collect_lock:
-            self._apply_node_results(node.take(self.num_advanced_tokens,
-                                               self.num_guided_tokens,
-                                               self.num_advanced_draft_tokens))
+            if unusual_only and self._plain_records(node) is not None:
+                return
+            self._apply_node_results(node.take(self.slots.num_advanced_tokens,
+                                               self.slots.num_guided_tokens,
+                                               self.slots.num_advanced_draft_tokens))
+
+    def _plain_records(self, node: HostNode) -> tuple[int, int] | None:
+        """``(records, newest epoch)`` of the node's unread records where every one is a
+        plain step (:meth:`HostNode.pending`) of a put that installs no matcher; ``(0, -1)``
+        where there are none; None where one is not plain."""
+        records, latest, plain = node.pending()
+        if not plain:
+            return None
+        for put in self._queue:
+            if put.epoch > latest:
+                break
+            if put.installs:  # (reading its record sets the slots' matchers here)
+                return None
+        return records, latest
 
     def _apply_node_results(self, results: list[tuple]) -> None:
         """:meth:`_node_collect`'s work on the results of :meth:`HostNode.take`, in step order.
@@ -1855,9 +1913,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         super()._record_failed(failed)
 
     def take_failed_requests(self) -> list[FailedRequest]:
-        """Failures recorded since the last call (the native node's steps read first), then
-        forgets them."""
-        self._node_collect()
+        """Failures recorded since the last call (the native node's steps read first where
+        one holds anything but counters), then forgets them."""
+        self._node_collect(unusual_only=True)
         return super().take_failed_requests()
 
     @contextmanager
@@ -1963,5 +2021,5 @@ def _collect_hook(decoder: CapturableGuidedDecoder) -> Callable[[], None]:
         if d is None:
             hostfunc.remove_drain_hook(hook)
         else:
-            d._node_collect()
+            d._node_collect(unusual_only=True)  # (a queue error is not plain: it is read)
     return hook

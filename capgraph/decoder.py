@@ -198,9 +198,6 @@ class GuidedDecoder:
         self.slots = slots = SlotState(
             max_num_sequences, max_num_draft_tokens, V, config.tokenizer_vocab_size,
             config.stop_token_ids or (), self.grammar_matcher_factory.likely_allowed_token_ids())
-        self.num_advanced_tokens = slots.num_advanced_tokens  # accepted in the last build
-        self.num_guided_tokens = slots.num_guided_tokens  # rows masked in the last build
-        self.num_advanced_draft_tokens = slots.num_advanced_draft_tokens  # over a drafting loop
         self.is_draft_terminated = slots.is_draft_terminated
         slots.create_matcher = self._create_matcher
         self.bitmask_size = slots.words
@@ -253,6 +250,23 @@ class GuidedDecoder:
     def native_build(self) -> bool:
         """Whether this decoder's build runs the C++ loop (:mod:`capgraph.build.native`)."""
         return self.host_build.name in ("native", "native-loop")
+
+    @property
+    def num_advanced_tokens(self) -> list[int]:
+        """Per slot, the tokens its matcher accepted in the slot's last build (what a
+        rollback of rejected drafts can undo)."""
+        return self.slots.num_advanced_tokens
+
+    @property
+    def num_guided_tokens(self) -> list[int]:
+        """Per slot, the logits rows its last build masked."""
+        return self.slots.num_guided_tokens
+
+    @property
+    def num_advanced_draft_tokens(self) -> list[int]:
+        """Per slot, the draft tokens its matcher accepted over the current drafting loop
+        (rolled back when the loop ends)."""
+        return self.slots.num_advanced_draft_tokens
 
     @property
     def grammar_matchers(self) -> SlotMatchers:
@@ -846,7 +860,7 @@ class GuidedDecoder:
             if not self.slots.slot_ok(slot) or slot in handled:
                 continue  # (a later request on a slot is the one the build refused: not its)
             handled.add(slot)  # type: ignore[arg-type]
-            if self.num_advanced_tokens[slot] <= 0:  # type: ignore[index]
+            if self.slots.num_advanced_tokens[slot] <= 0:  # type: ignore[index]
                 continue
             if req.is_context_init_state or req.is_generation_only_first_iteration:
                 continue  # a new request drafted nothing: the slot's advances were another's
@@ -854,7 +868,7 @@ class GuidedDecoder:
             if tree is not None:
                 self._keep_tree_path(req, slot, *tree)
                 continue
-            advanced = self.num_advanced_tokens[slot]  # type: ignore[index]
+            advanced = self.slots.num_advanced_tokens[slot]  # type: ignore[index]
             n = req.num_accepted_draft_tokens
             accepted = 0 if n is None else as_int(n)
             matcher = self.grammar_matchers[slot]  # type: ignore[index]
@@ -870,7 +884,7 @@ class GuidedDecoder:
             except Exception as e:
                 self._record_failed([self._fail(req, e)])
                 continue
-            self.num_advanced_tokens[slot] = keep  # type: ignore[index]  # a second call rolls back nothing
+            self.slots.num_advanced_tokens[slot] = keep  # type: ignore[index]  # a second call rolls back nothing
 
     def _keep_tree_path(self, req: GuidedRequest, slot: int, tokens: list[int] | None,
                         parents: list[int]) -> None:
@@ -919,7 +933,7 @@ class GuidedDecoder:
         except Exception as e:
             self._record_failed([self._fail(req, e)])
             return
-        self.num_advanced_tokens[slot] += kept
+        self.slots.num_advanced_tokens[slot] += kept
         self.slots.record_tree(slot, None, parents)
 
     def _rollback_draft_tokens(self, requests: GuidedRequests,
@@ -935,14 +949,14 @@ class GuidedDecoder:
             slot = req.seq_slot
             if not self.slots.slot_ok(slot) or (slots is not None and slot not in slots):
                 continue
-            n = self.num_advanced_draft_tokens[slot]  # type: ignore[index]
+            n = self.slots.num_advanced_draft_tokens[slot]  # type: ignore[index]
             matcher = self.grammar_matchers[slot]  # type: ignore[index]
             if n > 0 and matcher is not None:
                 try:
                     matcher.rollback(n)
                 except Exception as e:
                     self._record_failed([self._fail(req, e)])
-            self.num_advanced_draft_tokens[slot] = 0  # type: ignore[index]
+            self.slots.num_advanced_draft_tokens[slot] = 0  # type: ignore[index]
             self.is_draft_terminated[slot] = False  # type: ignore[index]
 
     def _init_disagg_gen_requests(self, requests: GuidedRequests) -> None:
@@ -974,7 +988,7 @@ class GuidedDecoder:
         where the slot belongs to another request of the batch)."""
         if drop and self.slots.slot_ok(req.seq_slot):
             self.grammar_matchers[req.seq_slot] = None  # type: ignore[index]
-            self.num_advanced_tokens[req.seq_slot] = 0  # type: ignore[index]
+            self.slots.num_advanced_tokens[req.seq_slot] = 0  # type: ignore[index]
         return _request_id(req), message
 
     def _fail_batch(self, batch: GuidedRequests, message: str) -> list[int]:

@@ -916,6 +916,11 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //   for a rollback the slots whose matchers rolled back (a matcher that had terminated no
 //   longer has), for a loop's end every slot of its batch, else None; stale: a tuple of the
 //   batch indices of unusual requests whose slot holds another matcher by now.
+// node_pending(node) -> (records, latest_epoch, plain): the records node_take would return
+//   now, without taking them: how many, the newest one's epoch (-1 where none), and whether
+//   every one is a plain step: a step's record (no rollback or drafting loop) with no queue
+//   error, no matcher installed, and every request's status ok, so that reading it would
+//   change nothing but counters and the host side's note of which batch ran.
 // node_sync_counts(node, advanced, drafted, trees): the node's per-slot advance and
 //   draft-advance counts from Python's lists, and which slots hold a draft tree (trees[slot]
 //   not None: their rollback is Python's until the node builds the slot).
@@ -2595,6 +2600,36 @@ PyObject* NodeTake(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return result.release();
 }
 
+// Whether reading the record would change nothing on the host side but counters and which
+// batch ran (node_pending).
+bool PlainStep(const NodeDone& d) {
+  if (d.kind != kDoneStep || !d.error.empty() || !d.installed.empty()) return false;
+  for (size_t k = 0; k < d.slots.size(); ++k) {
+    if (d.out[k * 3] != kOk) return false;
+  }
+  return true;
+}
+
+// node_pending(node): see the section's comment.
+PyObject* NodePending(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HostNode* n = NodeCall(args, nargs, 1, "node_pending(node)");
+  if (n == nullptr) return nullptr;
+  long long records = 0, latest = -1;
+  bool plain = true;
+  {
+    std::lock_guard<std::mutex> lock(n->mu);
+    records = static_cast<long long>(n->done.size());
+    if (!n->done.empty()) latest = static_cast<long long>(n->done.back().epoch);
+    for (const NodeDone& d : n->done) {
+      if (!PlainStep(d)) {
+        plain = false;
+        break;
+      }
+    }
+  }
+  return Py_BuildValue("(LLO)", records, latest, plain ? Py_True : Py_False);
+}
+
 // node_stats(node) -> (runs, python_runs, last_start_ns, last_end_ns, busy_ns, rows,
 //                      rollback_runs, python_rollback_runs, draft_runs, python_draft_runs,
 //                      last_job_ns)
@@ -2755,6 +2790,9 @@ PyMethodDef g_methods[] = {
      METH_FASTCALL, "Set what a step runs for a slot."},
     {"node_take", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeTake)),
      METH_FASTCALL, "The steps the node ended since the last call."},
+    {"node_pending",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodePending)), METH_FASTCALL,
+     "How many records node_take would return, the newest's epoch, whether all are plain."},
     {"node_stats", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeStats)),
      METH_FASTCALL, "Counters and timestamps of the node's runs."},
     {"node_sync_counts",

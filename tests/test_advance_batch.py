@@ -440,6 +440,65 @@ def test_a_refused_token_is_named_as_add_batch_names_it(factory, tekken, native_
     assert messages[1] == messages[0]
 
 
+@pytest.mark.parametrize("after_launch", [False, True], ids=["before-launch", "after-launch"])
+def test_a_steady_steps_record_is_read_once_the_next_step_is_queued(factory, tekken, native_ok,
+                                                                   after_launch):
+    """On the native node, a steady step's record (every request ok, no matcher installed)
+    holds only counters: a drain and take_failed_requests leave it unread, and the next
+    advance_batch reads it after it has queued its own step (which the node may be waiting
+    for: the batch after launch), not before; the count properties read it first. A step
+    whose token the grammar refuses is read by the drain, and take_failed_requests names
+    the request, as the drain reads the record of a step that installs matchers."""
+    cases = GUIDED[:3]
+    texts = texts_of(tekken, cases)
+    capt = CapturableGuidedDecoder(factory.config, 3, 0, factory=factory, host_node="native")
+    graph = capture(capt, context_requests(cases),
+                    torch.zeros(3, factory.config.vocab_size_padded))
+    node = capt._node
+    capt.add_batch(context_requests(cases))
+    graph.replay()
+    hostfunc.drain()
+    assert node.pending()[0] == 0  # (the context step installed matchers: read)
+    capt.add_batch(generation_requests(cases, [t[0] for t in texts]))
+    graph.replay()
+    hostfunc.drain()
+    assert capt.take_failed_requests() == []
+    calls: list[tuple[str, object]] = []
+    for name in ("take", "repeat"):
+        method = getattr(node, name)
+
+        def logged(*args, _method=method, _name=name):
+            result = _method(*args)
+            calls.append((_name, len(result) if _name == "take" else result))
+            return result
+        setattr(node, name, logged)
+    if after_launch:
+        capt.set_batch_after_launch(5.0)
+    for step in range(1, 4):
+        records, _, plain = node.pending()
+        assert (records, plain) == (1, True), f"step {step}: the previous step's record"
+        calls.clear()
+        advance_and_replay(capt, graph, [t[step] for t in texts], after_launch)
+        # the repeat first; then the reads, which take the previous record (and this
+        # step's, where the node ran it already)
+        assert calls[0] == ("repeat", True), calls
+        assert [c[0] for c in calls[1:]] == ["take"] * (len(calls) - 1), calls
+        assert sum(c[1] for c in calls[1:]) >= 1, calls
+        hostfunc.drain()
+        assert capt.take_failed_requests() == []
+    assert node.pending()[0] == 1
+    assert capt.num_advanced_tokens == [1, 1, 1] and capt.num_guided_tokens == [1, 1, 1]
+    assert node.pending()[0] == 0  # (the property read it)
+    stop = tekken.eos_token_id  # (a stop token: not allowed before the guide's end)
+    advance_and_replay(capt, graph, [texts[0][4], stop, texts[2][4]], after_launch)
+    hostfunc.drain()
+    assert node.pending()[0] == 0  # (a record with a failure is read by the drain)
+    (request_id, message), = capt.take_failed_requests()
+    assert request_id == 1 and f"new_token {stop} " in message
+    graph.reset()
+    capt.close()
+
+
 def test_the_tokens_are_read_at_the_call(factory, tekken, native_ok):
     """advance_batch reads its tokens at the call: a caller refilling its list right after
     it changes nothing, also where the node hands the step to Python (a slot only Python can

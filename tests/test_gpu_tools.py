@@ -417,32 +417,37 @@ def test_host_node_runs(bench):
         bench.host_node_runs("auto", None)
 
 
-def test_bench_guided_host_times_the_node_record_read_in_take_failed(tmp_path, monkeypatch,
-                                                                     one_torch_thread):
+def test_bench_guided_host_leaves_a_steady_steps_record_to_the_next_begin_decode(
+        tmp_path, monkeypatch, one_torch_thread):
     """tools/bench_guided_host.py on the CPU stand-in: one row per batch, the native node's
-    runs counted; it waits for each step as generate() does, not through hostfunc.drain()
-    (whose drain hook would read the native node's record first), so each decode step's
-    record is read inside the take_failed it times."""
+    runs counted; it waits for each step as generate() does, not through hostfunc.drain().
+    A teacher-forced decode step's record holds only counters, so the take_failed it times
+    leaves it unread and the next step's begin_decode reads it (after queuing its own step):
+    no step record is read inside take_failed."""
     from capgraph.build.library import NODE_RECORDS
     from capgraph.capturable import CapturableGuidedDecoder
     from capgraph.runtime.guide import GuideDriver
     STEP = NODE_RECORDS.index("step")
-    inside = [False]
-    read_inside = []
-    real_take, real_apply = GuideDriver.take_failed, CapturableGuidedDecoder._apply_node_results
+    inside: list[str | None] = [None]
+    read_in = []
+    real = {name: getattr(GuideDriver, name) for name in ("take_failed", "begin_decode")}
+    real_apply = CapturableGuidedDecoder._apply_node_results
 
-    def take_failed(self):
-        inside[0] = True
-        try:
-            return real_take(self)
-        finally:
-            inside[0] = False
+    def timed(name):
+        def call(self, *args, **kwargs):
+            inside[0] = name
+            try:
+                return real[name](self, *args, **kwargs)
+            finally:
+                inside[0] = None
+        return call
 
     def apply(self, results):
         if results and any(r[0] == STEP for r in results):
-            read_inside.append(inside[0])
+            read_in.append(inside[0])
         return real_apply(self, results)
-    monkeypatch.setattr(GuideDriver, "take_failed", take_failed)
+    for name in real:
+        monkeypatch.setattr(GuideDriver, name, timed(name))
     monkeypatch.setattr(CapturableGuidedDecoder, "_apply_node_results", apply)
     tool = _tool("bench_guided_host")
     out = tmp_path / "host.json"
@@ -453,8 +458,10 @@ def test_bench_guided_host_times_the_node_record_read_in_take_failed(tmp_path, m
     row, = json.loads(out.read_text())["rows"]
     assert row["batch"] == 2 and row["steps"] == 4
     assert row["take_failed_us"] > 0 and row["node_us_per_step"] > 0
-    # (each block's context step is applied eagerly, its record read by execute's own drain)
-    assert read_inside.count(True) == 4
+    # per block: the first decode step's record in the second's begin_decode; the second's
+    # at the block's release (the context step is applied eagerly, read by its own drain)
+    assert "take_failed" not in read_in
+    assert read_in.count("begin_decode") == 2
 
 
 def test_bench_graph_replay_cpu_run_writes_rows(bench, tmp_path, capsys, one_torch_thread,

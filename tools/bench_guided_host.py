@@ -6,7 +6,9 @@ In a loop that synchronises every step (``capgraph.runtime.generate``), the GPU 
 host prepares the next replay, so every microsecond of host work before the launch lengthens
 the step. A guided step adds two pieces of it: before the launch, the guide driver's
 ``begin_decode`` (the step's request objects and the capturable decoder's ``add_batch``), and
-after the sync, ``take_failed`` (the native node's records read, failures interpreted). This
+after the sync, ``take_failed`` (failures interpreted; the native node's record of a step is
+read there only where it holds more than counters, else by the next ``begin_decode`` once its
+step is queued, as in this tool's teacher-forced steps). This
 tool times exactly those calls (``capgraph.runtime.guide.GuideDriver``, the engine's own), one
 replayed step at a time, on a captured graph of the decoder's step alone (static logits, no
 forward): every request under the bundled tool-call schema, teacher-forced along valid tool
@@ -114,7 +116,8 @@ def main() -> int:
         def sync() -> None:
             # the step's work done, as generate() waits for it: a device sync on CUDA, the
             # HostStreams' own wait on the CPU stand-in; not hostfunc.drain(), whose drain
-            # hooks would read the native node's record before take_failed is timed
+            # hooks would read a native node's record with a failure before take_failed is
+            # timed
             if args.device == "cuda":
                 torch.cuda.synchronize()
             else:

@@ -533,6 +533,7 @@ class HostNode:
         self._commit = module.node_commit
         self._drop, self._set_slot, self._take = (module.node_drop, module.node_set_slot,
                                                   module.node_take)
+        self._pending = module.node_pending
         self._sync = module.node_sync_counts
         self._launches: dict[tuple[int, int], int] = {}
         _shutdown_at_exit(module)
@@ -615,6 +616,13 @@ class HostNode:
         slot of its batch, else None. Their counters are written to ``advanced`` / ``guided``
         / ``drafted`` (per slot), where the slot's matcher is still the one the run used."""
         return self._take(self._capsule, advanced, guided, drafted)
+
+    def pending(self) -> tuple[int, int, bool]:
+        """What :meth:`take` would return now, without taking it: ``(records, latest epoch
+        (-1 where none), plain)``; ``plain``: every record is a step's with no queue error,
+        no matcher installed and every request's status ok, so that reading it changes
+        nothing on the host side but the counters and which batch ran."""
+        return self._pending(self._capsule)
 
     def sync_counts(self, advanced: list, drafted: list, trees: list) -> None:
         """The node's per-slot advance and draft-advance counts from the decoder's lists
