@@ -508,13 +508,16 @@ def test_bench_graph_replay_breakdown_times_the_guided_host_work(bench, tmp_path
                                                                  one_torch_thread):
     """--breakdown: each guided row carries every part's wall and CPU us per step and its
     calls (take_failed once per decode step and the context step, advance_batch on the decode
-    steps after the first), a line under the row says them, and the wrapped functions are
-    the originals again when the tool returns."""
+    steps after the first, the engine's decode step once per decode step), and the same
+    parts of its unguided run (no guide calls there); two lines under the row say them, and
+    the wrapped functions are the originals again when the tool returns."""
     from capgraph.capturable import CapturableGuidedDecoder
     from capgraph.runtime.guide import GuideDriver
     import hostfunc.api
+    from capgraph.runtime.engine import _Engine
+    from capgraph.runtime.runner import ModelRunner
     before = (GuideDriver.take_failed, CapturableGuidedDecoder._node_collect,
-              hostfunc.api._run_drain_hooks)
+              hostfunc.api._run_drain_hooks, _Engine._decode_step, ModelRunner.replay)
     out = tmp_path / "replay.json"
     assert bench.main(["--device", "cpu", "--points", "tiny:2", "--steps", "4",
                        "--warmup-steps", "1", "--tokenizer", "mistral-sp32k",
@@ -529,9 +532,17 @@ def test_bench_graph_replay_breakdown_times_the_guided_host_work(bench, tmp_path
     for p in parts.values():
         assert p["wall_us_per_step"] >= 0 and p["cpu_us_per_step"] >= 0
     assert parts["take_failed"]["wall_us_per_step"] > 0
-    assert "breakdown, us per step (wall/cpu): take_failed " in capsys.readouterr().out
+    assert parts["decode step"]["calls"] == steps
+    assert parts["decode step"]["wall_us_per_step"] >= parts["advance_batch"]["wall_us_per_step"]
+    unguided = row["unguided_breakdown"]
+    assert list(unguided) == list(parts)
+    assert unguided["decode step"]["calls"] == row["unguided_steps"]
+    assert unguided["take_failed"]["calls"] == unguided["advance_batch"]["calls"] == 0
+    printed = capsys.readouterr().out
+    assert "  unguided breakdown, us per step (wall/cpu): take_failed 0.0/0.0" in printed
+    assert "\n  breakdown, us per step (wall/cpu): take_failed " in printed
     assert (GuideDriver.take_failed, CapturableGuidedDecoder._node_collect,
-            hostfunc.api._run_drain_hooks) == before
+            hostfunc.api._run_drain_hooks, _Engine._decode_step, ModelRunner.replay) == before
 
 
 def test_bench_graph_replay_failed_guided_run_is_reported(bench, tmp_path, monkeypatch,

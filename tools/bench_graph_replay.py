@@ -57,8 +57,13 @@ is kept in the JSON (``unguided_gc_ms``, ``guided_gc_ms``).
 of the batch made after the launch, inclusive of what each calls: ``take_failed`` (the guide
 driver's, after the sync), the drain hooks it runs, the decoder's read of the native node's
 records (``_node_collect``: ``HostNode.take`` and applying its records) and
-``advance_batch``; each as wall and thread CPU time per decode step and as a call count, in
-the JSON's ``breakdown`` per guided row and a line under it. Where a part's wall time is well
+``advance_batch``, and of every run's steps: ``generate()``'s decode step whole (``decode
+step``, the engine's ``_decode_step``: the step's inputs, the replay, its sync, the tokens
+appended) and the graph's launch call in it (``graph launch``, ``ModelRunner.replay``: the
+CPU time of ``cudaGraphLaunch``, which a graph with a host node may spend differently); each
+as wall and thread CPU time per decode step and as a call count, in the JSON's ``breakdown``
+per guided row (and ``unguided_breakdown``, the same parts in the unguided run, where the
+guide's parts have no calls) and two lines under it. Where a part's wall time is well
 above its CPU time, its thread waited (a lock, the GIL, the scheduler) rather than worked.
 The wrappers add about a microsecond a call to the runs they time.
 
@@ -187,6 +192,8 @@ BREAKDOWN_PARTS = (
     ("HostNode.take", "capgraph.build.library", "HostNode", "take"),
     ("apply records", "capgraph.capturable", "CapturableGuidedDecoder", "_apply_node_results"),
     ("advance_batch", "capgraph.capturable", "CapturableGuidedDecoder", "advance_batch"),
+    ("decode step", "capgraph.runtime.engine", "_Engine", "_decode_step"),
+    ("graph launch", "capgraph.runtime.runner", "ModelRunner", "replay"),
 )
 
 
@@ -240,9 +247,10 @@ class Breakdown:
                        "calls": n} for name, (w, c, n) in self.totals.items()}
 
 
-def format_breakdown(parts: dict[str, dict[str, float]]) -> str:
-    """One line of :meth:`Breakdown.per_step`: ``name wall/cpu`` us per step."""
-    return "  breakdown, us per step (wall/cpu): " + ", ".join(
+def format_breakdown(parts: dict[str, dict[str, float]], run: str = "") -> str:
+    """One line of :meth:`Breakdown.per_step`: ``name wall/cpu`` us per step (``run``: a
+    word before it, such as ``unguided``)."""
+    return f"  {run + ' ' if run else ''}breakdown, us per step (wall/cpu): " + ", ".join(
         f"{name} {p['wall_us_per_step']:.1f}/{p['cpu_us_per_step']:.1f}"
         for name, p in parts.items())
 
@@ -377,7 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     guarded(f"{name} warm-up, {kind} host node",
                             lambda: run(model, prompts, [guide] * batch, args.warmup_steps + 1,
                                         host_node))
-            unguided = step_figures(run(model, prompts, None, args.steps, None))
+            unguided_breakdown = Breakdown() if args.breakdown else None
+            with unguided_breakdown or contextlib.nullcontext():
+                unguided = step_figures(run(model, prompts, None, args.steps, None))
             unguided_gc_ms = gc_seconds[0] * 1e3
             kinds = [(kind, host_node, None, True, True) for kind, host_node in runs]
             if (name, batch) in before_points and ("native", "native") in runs:
@@ -410,8 +420,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "replay_ratio": replay_ratio, "unguided_gc_ms": unguided_gc_ms,
                        "guided_gc_ms": gc_seconds[0] * 1e3,
                        **{k: guided[k] for k in FIGURE_KEYS}}
-                if breakdown is not None:
+                if breakdown is not None and unguided_breakdown is not None:
                     row["breakdown"] = breakdown.per_step(guided["steps"])
+                    row["unguided_breakdown"] = unguided_breakdown.per_step(unguided["steps"])
                 out["rows"].append(row)
                 write()
                 counts = f"{unguided['steps']}/{guided['steps']}"
@@ -423,6 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{_cell(row['native_node_ms_per_step'], 21)}"
                       f"{_cell(row['native_node_us_per_row'], 20, '.2f')}")
                 if breakdown is not None:
+                    print(format_breakdown(row["unguided_breakdown"], "unguided"))
                     print(format_breakdown(row["breakdown"]))
     finally:
         gc.callbacks.remove(on_gc)

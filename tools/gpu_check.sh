@@ -162,7 +162,7 @@ echo "---- report (Markdown for docs/BENCHMARKS.md; also in report.md) ----"
 echo
 echo "---- tails ----"
 grep -E "passed|failed|error" "$LOG" | tail -n 5
-grep -E "breakdown, us per step" "$LOG" | tail -n 2
+grep -E "breakdown, us per step" "$LOG" | tail -n 4
 echo
 echo "---- gpu_check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)) ----"
 cat "$SUMMARY"
