@@ -6,10 +6,13 @@ job again) and on the Python callback; what it refuses is named and queues nothi
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import hostfunc
 from capgraph import GuidedDecodingParams, LayoutError, TensorArgError
@@ -497,6 +500,93 @@ def test_a_steady_steps_record_is_read_once_the_next_step_is_queued(factory, tek
     assert request_id == 1 and f"new_token {stop} " in message
     graph.reset()
     capt.close()
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), after_launch=st.booleans())
+def test_random_advances_failures_and_reads_equal_eager(factory, tekken, native_ok, seed,
+                                                        after_launch):
+    """Random replayed steps of three slots on the native node: each step advance_batch
+    where the batch can continue (else add_batch of the same requests, as the guide driver
+    falls back), now and then a token the grammar refuses (its request restarted in its slot
+    the step after, as an engine ends it), a request restarted at the end of its text, the
+    count lists read or left unread between steps. The node's records of steady steps are
+    then read at different places (the next advance_batch, add_batch, a property, a drain
+    with a failure); every step's masked logits and failures, and the counts wherever read,
+    equal an eager GuidedDecoder's given the same requests."""
+    rng = random.Random(seed)
+    V = factory.config.vocab_size_padded
+    cases = GUIDED[:3]
+    texts = texts_of(tekken, cases)
+    stop = tekken.eos_token_id  # (refused before a guide's end)
+    eager = GuidedDecoder(factory.config, 3, 0, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, 3, 0, factory=factory, host_node="native")
+    static = torch.zeros(3, V)
+    graph = capture(capt, context_requests(cases), static)
+    if after_launch:
+        capt.set_batch_after_launch(5.0)
+    ids = [0, 1, 2]  # each slot's request id
+    pos = [None, None, None]  # each slot's next token index (None: a context step next)
+    next_id, advanced = 3, 0
+    for step in range(24):
+        tokens, reqs = [], []
+        for slot, case in enumerate(cases):
+            if pos[slot] is None:
+                reqs.append(GuidedRequest.context(ids[slot], slot, case.params))
+                tokens.append(0)
+                continue
+            token = stop if rng.random() < 0.1 else texts[slot][pos[slot]]
+            reqs.append(GuidedRequest.generation(ids[slot], slot, case.params, token))
+            tokens.append(token)
+        logits = torch.randn(3, V, generator=torch.Generator().manual_seed(step))
+        eager.add_batch(reqs)
+        expect = logits.clone()
+        failed_a = eager.execute(expect)
+        static.copy_(logits)
+
+        def queue():
+            nonlocal advanced
+            if all(p is not None for p in pos) and rng.random() < 0.85:
+                try:
+                    capt.advance_batch(tokens)
+                    advanced += 1
+                    return
+                except LayoutError:  # (a failure or a restart since: a new batch)
+                    pass
+            capt.add_batch(request_copies(reqs))
+        if after_launch:
+            graph.replay()
+            queue()
+        else:
+            queue()
+            graph.replay()
+        hostfunc.drain()
+        failed_b = capt.take_failed_requests()
+        assert sorted(failed_a) == sorted(failed_b), f"step {step}"
+        assert same(static, expect), f"step {step}: logits"
+        if rng.random() < 0.5:
+            assert capt.num_advanced_tokens == eager.num_advanced_tokens, f"step {step}"
+            assert capt.num_guided_tokens == eager.num_guided_tokens, f"step {step}"
+        failed = {rid for rid, _ in failed_a}
+        for slot in range(3):
+            at = 0 if pos[slot] is None else pos[slot] + 1
+            if ids[slot] in failed or at >= len(texts[slot]):
+                eager.release(slot)
+                capt.release(slot)
+                ids[slot], next_id, pos[slot] = next_id, next_id + 1, None
+            else:
+                pos[slot] = at
+    assert capt.num_advanced_tokens == eager.num_advanced_tokens
+    assert advanced > 0 and capt.host_node_stats.python_runs == 0
+    graph.reset()
+    capt.close()
+    eager.close()
+
+
+def request_copies(reqs):
+    """Fresh copies of ``reqs`` (one decoder's reads must not see the other's)."""
+    return [GuidedRequest(**{f: getattr(r, f) for f in r.__slots__}) for r in reqs]
 
 
 def test_the_tokens_are_read_at_the_call(factory, tekken, native_ok):
