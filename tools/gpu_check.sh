@@ -32,7 +32,8 @@
 #                       the fused masked argmax (native-unfused)
 #   breakdown       25  tools/bench_graph_replay.py --breakdown, native node, tiny 64 and 256:
 #                       the guided host work's parts (take_failed, the drain hooks, the node
-#                       records' read, advance_batch) in wall and CPU us per step
+#                       records' read, advance_batch) and, guided and unguided, the engine's
+#                       decode step and the graph's launch call, in wall and CPU us per step
 #   bench-loop      45  capgraph bench loop on CUDA, batch 8 first and last (importing
 #                       transformers' Llama alone takes over 15 s on the GPU image)
 #   fill-threads    25  tools/bench_fill_threads.py: the native fill pool's crossover, 1-16
