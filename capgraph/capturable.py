@@ -39,7 +39,7 @@ from .build.base import Status
 from .build.library import NODE_RECORDS, HostNode, NodeStats
 from .errors import (CallbackError, ConfigError, LayoutError, NativeBuildError, QueueEpochError,
                      RequestError, TensorArgError)
-from .ops.argmax import argmax_out, argmax_scratch, masked_argmax
+from .ops.argmax import argmax_out, full_vocabulary
 from .requests import GuidedRequest, GuidedRequests
 from .streams import HostStepStreams, StepStreams
 
@@ -213,9 +213,6 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._ticket_np = self._ticket.numpy()
         self._ticket_ids = torch.arange(TICKET_RING, dtype=torch.int32, device=self.device) \
             if self.device.type == "cuda" else None
-        # the masked argmax kernel's scratch (execute_argmax), zero between its launches
-        self._argmax_scratch = argmax_scratch(self.bitmask.shape[0], self.device) \
-            if self.device.type == "cuda" else None
         self.requests_hostfunc: GuidedRequests | None = None  # read and written by callbacks
         self._draft_requests: GuidedRequests | None = None
         self._rollback_batch: GuidedRequests | None = None  # fetch_accepted_batch's batch
@@ -385,9 +382,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         sizes["host"] += (self.new_tokens.nbytes + self.draft_new_tokens.nbytes
                           + self.num_accepted_tokens.nbytes + self.accepted_draft_nodes.nbytes
                           + self._ticket.nbytes)
-        for device_buffer in (self._ticket_ids, self._argmax_scratch):
-            if device_buffer is not None:
-                sizes["device"] = sizes.get("device", 0) + device_buffer.nbytes
+        if self._ticket_ids is not None:
+            sizes["device"] = sizes.get("device", 0) + self._ticket_ids.nbytes
         return sizes
 
     # -- host side ---------------------------------------------------------------------------
@@ -885,8 +881,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     @nvtx_range("CapturableGuidedDecoder.execute_argmax")
     @_open_only
-    def execute_argmax(self, logits: torch.Tensor,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+    def execute_argmax(self, logits: torch.Tensor,  # type: ignore[override]  # as execute:
+                       out: torch.Tensor | None = None) -> torch.Tensor:  # failures come later
         """Greedy sampling fused with the mask, for the batch of the latest ``add_batch``:
         the column of each row's largest allowed logit, the logits left as they are.
         Graph-safe, like :meth:`execute`.
@@ -933,12 +929,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 f"{self.requests.num_bitmask_tokens}")
         tokens = None
         if argmax:
-            if logits.shape[1] != self.vocab_size_padded:  # (a shard: wider ones are refused)
-                raise TensorArgError(
-                    f"execute_argmax: logits have {logits.shape[1]} columns, a tensor-parallel "
-                    f"shard of the vocabulary's {self.vocab_size_padded}; the fused argmax "
-                    "needs the full vocabulary: mask a shard with execute and reduce across "
-                    "the shards")
+            full_vocabulary(logits, self.vocab_size_padded, "execute_argmax")
             tokens = argmax_out(out, logits, "execute_argmax")
         self._prepared_refused = False
         if not capturing and not self.active and not self._prepared and self._stream_idle():
@@ -1567,18 +1558,6 @@ class CapturableGuidedDecoder(GuidedDecoder):
     @_callback("argmax")
     def argmax_hostfunc(self, logits: torch.Tensor, out: torch.Tensor, rows: int) -> None:
         self.argmax_bitmask(logits, out, rows)
-
-    def argmax_bitmask(self, logits: torch.Tensor, out: torch.Tensor, num_rows: int) -> None:
-        """``out`` = the argmax of each row of ``logits`` (``[rows, vocab_size_padded]``),
-        ``logits[:num_rows]`` masked from the device bitmask as :meth:`apply_bitmask` masks
-        them; the logits are not written (:func:`capgraph.ops.masked_argmax`)."""
-        if self._inflight is not None:
-            self._finish_build()
-        scratch = self._argmax_scratch
-        if scratch is not None and scratch.shape[1] < logits.shape[0]:
-            scratch = None  # (a direct call for more rows than the decoder's: the op's own)
-        masked_argmax(logits, self.bitmask, self.token_mask, mask_rows=num_rows, out=out,
-                      scratch=scratch)
 
     def _close(self) -> None:
         """close()'s work (see :meth:`GuidedDecoder.close`): the side stream first (its queued

@@ -38,6 +38,7 @@ from .grammar.utf8 import RING
 from .grammar import (CompileHandle, ForcedTokenEncoder, GrammarMatcher, GrammarMatcherFactory,
                       create_matcher_factory)
 from .ops import logits_bitmask
+from .ops.argmax import argmax_out, argmax_scratch, full_vocabulary, masked_argmax
 from .ops.cpu_mask import cpu_apply
 from .ops.op import _FLOAT_DTYPES, _cuda_kernel
 from .params import GuidedDecodingConfig
@@ -244,6 +245,9 @@ class GuidedDecoder:
         self._open_draft: GuidedRequests | None = None
         # the one-pass C++ CPU mask, called without the custom op's dispatch (see apply_bitmask)
         self._cpu_apply = cpu_apply() if self.device.type == "cpu" else None
+        # the masked argmax kernel's scratch (execute_argmax), zero between its launches
+        self._argmax_scratch = argmax_scratch(self.bitmask.shape[0], self.device) \
+            if self.device.type == "cuda" else None
 
     # -- properties --------------------------------------------------------------------------
     @property
@@ -283,6 +287,8 @@ class GuidedDecoder:
         """Bytes held by the decoder's buffers, host and device."""
         host = self.slots.nbytes()
         device = 0 if self.device.type == "cpu" else self.bitmask.nbytes + self.token_mask.nbytes
+        if self._argmax_scratch is not None:
+            device += self._argmax_scratch.nbytes
         return {"host": host, "device": device, "rows": self.bitmask_host.shape[0]}
 
     # -- per-step API ------------------------------------------------------------------------
@@ -345,7 +351,52 @@ class GuidedDecoder:
         """
         requests = self._require_batch()
         self._check_logits(logits, d2t, requests.num_bitmask_tokens)
-        self._take_unbuilt_batch("execute")
+        self._step("execute", requests, lambda n: self.apply_bitmask(logits, d2t, n))
+        return self.take_failed_requests()
+
+    @nvtx_range("GuidedDecoder.execute_argmax")
+    @_open_only
+    def execute_argmax(self, logits: torch.Tensor, out: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, list[FailedRequest]]:
+        """Build this step's masks and take each row's greedy token under them, the logits
+        left as given: :meth:`execute` then ``argmax`` in one pass.
+
+        Each token is ``torch.argmax`` of the row masked as :meth:`execute` masks it (rows past
+        the layout's rows, unguided rows and a failed request's rows unmasked), ties to the
+        lowest column (:func:`capgraph.ops.masked_argmax`). On CUDA one kernel reads each
+        row's bitmask and the logits of its allowed tokens only, where ``execute`` followed by
+        ``argmax`` reads every logit twice and writes the masked ones: use it where the step
+        samples greedily and nothing else reads the masked logits. On CPU it masks a copy.
+
+        Args:
+            logits: ``[rows, vocab_size_padded]``, one row per layout row, the full vocabulary
+                (a tensor-parallel shard's argmax needs the other shards': mask with
+                :meth:`execute` there).
+            out: int64 ``[rows]`` on the logits' device, or None for a new tensor.
+
+        Returns:
+            ``(out, failed)``: the tokens, and the failures as :meth:`execute` returns them.
+
+        Raises:
+            TensorArgError: bad logits (as for :meth:`execute`), logits that are not the full
+                vocabulary, or a bad ``out``, before any matcher moves.
+            QueueEpochError: this batch was already built; call add_batch first.
+            DecoderClosedError: the decoder was closed.
+        """
+        requests = self._require_batch()
+        self._check_logits(logits, None, requests.num_bitmask_tokens)
+        full_vocabulary(logits, self.vocab_size_padded, "execute_argmax")
+        tokens = argmax_out(out, logits, "execute_argmax")
+        self._step("execute_argmax", requests, lambda n: self.argmax_bitmask(logits, tokens, n),
+                   lambda: torch.argmax(logits, dim=-1, out=tokens))
+        return tokens, self.take_failed_requests()
+
+    def _step(self, name: str, requests: GuidedRequests, apply: Callable[[int], object],
+              unmasked: Callable[[], object] | None = None) -> None:
+        """execute's and execute_argmax's step after their checks: build ``requests``, then
+        ``apply(rows)`` the bitmask (on CPU only where the build masked a row; else
+        ``unmasked()``, if given); the build's failures are recorded."""
+        self._take_unbuilt_batch(name)
         if requests.disagg_pending:  # (init_disagg_gen_requests was not called)
             self._init_disagg_gen_requests(requests)
         if self.device.type == "cuda":
@@ -359,12 +410,13 @@ class GuidedDecoder:
                 self.copy_bitmask(n)
                 self.bitmask_event.record(self.stream)
             torch.cuda.current_stream(self.device).wait_event(self.bitmask_event)
-            self.apply_bitmask(logits, d2t, n)
+            apply(n)
             self.token_event.record()
         elif self._masked_rows:  # on CPU a step that masks nothing costs nothing more
-            self.apply_bitmask(logits, d2t, n)
+            apply(n)
+        elif unmasked is not None:
+            unmasked()
         self._record_failed(failed)
-        return self.take_failed_requests()
 
     def take_failed_requests(self) -> list[FailedRequest]:
         """Failures recorded since the last call, then forgets them."""
@@ -395,6 +447,19 @@ class GuidedDecoder:
             return
         self.bitmask[:num_rows].copy_(self.bitmask_host[:num_rows], non_blocking=True)
         self.token_mask[:num_rows].copy_(self.token_mask_host[:num_rows], non_blocking=True)
+
+    @nvtx_range("GuidedDecoder.argmax_bitmask")
+    def argmax_bitmask(self, logits: torch.Tensor, out: torch.Tensor, num_rows: int) -> None:
+        """``out`` = the argmax of each row of ``logits`` (``[rows, vocab_size_padded]``),
+        ``logits[:num_rows]`` masked from the device bitmask as :meth:`apply_bitmask` masks
+        them; the logits are not written (:func:`capgraph.ops.masked_argmax`)."""
+        if self._inflight is not None:
+            self._finish_build()
+        scratch = self._argmax_scratch
+        if scratch is not None and scratch.shape[1] < logits.shape[0]:
+            scratch = None  # (a direct call for more rows than the decoder's: the op's own)
+        masked_argmax(logits, self.bitmask, self.token_mask, mask_rows=num_rows, out=out,
+                      scratch=scratch)
 
     @nvtx_range("GuidedDecoder.apply_bitmask")
     def apply_bitmask(self, logits: torch.Tensor, d2t: torch.Tensor | None,

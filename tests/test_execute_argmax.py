@@ -1,6 +1,7 @@
-"""CapturableGuidedDecoder.execute_argmax on hostfunc's CPU stand-in: the same tokens as
+"""execute_argmax: CapturableGuidedDecoder's on hostfunc's CPU stand-in gives the same tokens as
 ``execute`` followed by ``argmax``, eagerly and replayed from a HostGraph, on both host nodes;
-its argument checks; and ``generate()``'s greedy steps, fused or not, give the same text."""
+GuidedDecoder's gives them with the step's failures, on CPU and (where there is one) CUDA; their
+argument checks; and ``generate()``'s greedy steps, fused or not, give the same text."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import hostfunc
 from capgraph import GuidedDecodingParams
 from capgraph.capturable import CapturableGuidedDecoder
+from capgraph.decoder import GuidedDecoder
 from capgraph.errors import TensorArgError
 from capgraph.requests import GuidedRequest
 from capgraph.tokenizers import encode_continuation
@@ -143,6 +145,92 @@ def test_argmax_refuses_a_shard_and_a_bad_out_before_any_work(factory):
     dec.close()
 
 
+def _eager_twins(factory, tekken, device: str) -> None:
+    """GuidedDecoder.execute_argmax against a twin's execute then argmax, step by step along
+    valid texts of three guides and one unguided request (a slot left free), on ``device``;
+    at one step one request's token is one its grammar refuses (its failure returned, its
+    rows unmasked, its slot restarted by a context request the step after)."""
+    V = factory.config.vocab_size_padded
+    cases = [c for c in CASES if c.params.guide_type.name in ("JSON_SCHEMA", "REGEX")][:3]
+    texts = [encode_continuation(tekken, c.valid) for c in cases]
+    unguided = [5] * 64
+    steps = min(len(t) for t in texts)
+    rows = len(cases) + 1  # (eager logits have the layout's rows exactly)
+    fused, twin = (GuidedDecoder(factory.config, rows + 1, 0, factory=factory, device=device)
+                   for _ in range(2))
+    out = torch.zeros(rows, dtype=torch.int64, device=device)
+    g = torch.Generator().manual_seed(11)
+    refused_at, failures = 3, 0
+    for step in range(steps):
+        reqs = _requests(step, cases, texts, unguided)
+        if step == refused_at:
+            reqs[1] = GuidedRequest.generation(1, 1, cases[1].params, tekken.eos_token_id)
+        elif step == refused_at + 1:
+            reqs[1] = GuidedRequest.context(1, 1, cases[1].params)
+        elif step > refused_at + 1:  # (the restarted request along its text from its start)
+            reqs[1] = GuidedRequest.generation(1, 1, cases[1].params,
+                                               texts[1][step - refused_at - 2])
+        logits = torch.randn(rows, V, generator=g).to(device)
+        logits[:, :500] += 4.0  # (the unmasked argmax would mostly pick one of these)
+        given = logits.clone()
+        fused.add_batch(reqs)
+        twin.add_batch(reqs)
+        tokens, failed = fused.execute_argmax(logits, out if step % 2 else None)
+        assert (tokens is out) == bool(step % 2)
+        expect = given.clone()
+        assert failed == twin.execute(expect), f"step {step}"
+        failures += len(failed)
+        assert tokens.tolist() == expect.argmax(-1).tolist(), f"step {step}"
+        assert torch.equal(logits, given), "execute_argmax wrote the logits"
+        assert fused.num_advanced_tokens == twin.num_advanced_tokens
+    assert failures == 1
+    fused.close()
+    twin.close()
+
+
+def test_eager_argmax_equals_execute_then_argmax(factory, tekken):
+    """GuidedDecoder.execute_argmax on CPU: each step's tokens and failures equal a twin's
+    execute then argmax (a refused token included), the logits stay as given."""
+    _eager_twins(factory, tekken, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device: torch.cuda.is_available() is False")
+def test_eager_argmax_equals_execute_then_argmax_on_gpu(factory, tekken):
+    """The same on CUDA, where execute_argmax runs the fused masked argmax kernel after the
+    bitmask copy."""
+    _eager_twins(factory, tekken, "cuda")
+
+
+def test_eager_argmax_refuses_a_shard_and_a_bad_out_before_any_work(factory):
+    """GuidedDecoder.execute_argmax refuses a tensor-parallel shard, a bad ``out`` and bad
+    logits with TensorArgErrors naming them, before any matcher moves: the batch is still
+    there for a correct call, which builds it once."""
+    V = factory.config.vocab_size_padded
+    dec = GuidedDecoder(factory.config, 2, 0, factory=factory)
+    dec.add_batch([GuidedRequest.context(0, 0, SCHEMA), GuidedRequest.context(1, 1, None)])
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(3))
+    with pytest.raises(TensorArgError, match=r"execute_argmax: logits have \d+ columns, a "
+                                              r"tensor-parallel shard"):
+        dec.execute_argmax(logits[:, :V // 2])
+    with pytest.raises(TensorArgError, match=r"execute_argmax: out must be an int64 \[2\]"):
+        dec.execute_argmax(logits, torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(TensorArgError):
+        dec.execute_argmax(logits.int())
+    assert dec.num_advanced_tokens[0] == 0 and dec.num_guided_tokens[0] == 0
+    tokens, failed = dec.execute_argmax(logits)
+    assert failed == [] and dec.num_guided_tokens[0] == 1
+    expect = logits.clone()
+    twin = GuidedDecoder(factory.config, 2, 0, factory=factory)
+    twin.add_batch([GuidedRequest.context(0, 0, SCHEMA), GuidedRequest.context(1, 1, None)])
+    twin.execute(expect)
+    assert tokens.tolist() == expect.argmax(-1).tolist()
+    assert torch.isneginf(expect[0]).any()  # (the schema masked the row)
+    twin.close()
+    dec.close()
+
+
 @pytest.mark.parametrize("host_node", ["python", "native"])
 def test_generate_gives_the_same_text_fused_or_not(factory, tekken, host_node, monkeypatch):
     """generate()'s captured greedy steps (the CPU stand-in's graph path) give the same text
@@ -169,6 +257,40 @@ def test_generate_gives_the_same_text_fused_or_not(factory, tekken, host_node, m
     monkeypatch.setattr(engine, "_FUSED_ARGMAX", False)
     unfused = run()
     assert steps > 0 and len(calls) == steps  # (the fused run's steps used it, the other's not)
+    assert [(r.tokens, r.finish_reason) for r in fused] == \
+        [(r.tokens, r.finish_reason) for r in unfused]
+    assert fused[1].finish_reason == "stop" and fused[1].text.isdigit()
+
+
+@pytest.mark.parametrize("decoder", ["eager", "capturable"])
+def test_generate_fuses_greedy_steps_outside_a_graph_where_asked(factory, tekken, decoder,
+                                                                 monkeypatch):
+    """generate()'s greedy steps outside a CUDA graph (context and decode steps, no graph
+    here) take their tokens from execute_argmax on the devices _FUSED_EAGER_DEVICES names
+    (CUDA by default; the CPU added here), and give the same text and finish reasons as
+    mask-then-argmax."""
+    from capgraph.runtime import engine
+    from capgraph.runtime.engine import generate
+
+    def run():
+        return generate(["a", "bb", "c"], [SCHEMA, GuidedDecodingParams.regex("[0-9]{2,5}"),
+                                           None],
+                        tokenizer=tekken, factory=factory, max_new_tokens=12,
+                        max_batch_size=3, decoder=decoder, cuda_graph=False)
+    cls = GuidedDecoder if decoder == "eager" else CapturableGuidedDecoder
+    calls = []
+    original = cls.execute_argmax
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(cls, "execute_argmax", counted)
+    monkeypatch.setattr(engine, "_FUSED_EAGER_DEVICES", ("cuda", "cpu"))
+    fused = run()
+    steps = len(calls)
+    monkeypatch.setattr(engine, "_FUSED_EAGER_DEVICES", ("cuda",))
+    unfused = run()
+    assert steps >= 1 + max(len(r.tokens) for r in fused) - 1 and len(calls) == steps
     assert [(r.tokens, r.finish_reason) for r in fused] == \
         [(r.tokens, r.finish_reason) for r in unfused]
     assert fused[1].finish_reason == "stop" and fused[1].text.isdigit()

@@ -49,6 +49,17 @@ def argmax_out(out: object, logits: torch.Tensor, caller: str) -> torch.Tensor:
     return out
 
 
+def full_vocabulary(logits: torch.Tensor, vocab_size_padded: int, caller: str) -> None:
+    """Refuse ``logits`` narrower than the full vocabulary (checked otherwise already: a
+    tensor-parallel shard, whose argmax needs the other shards') with a
+    :class:`TensorArgError` from ``caller``."""
+    if logits.shape[1] != vocab_size_padded:
+        raise TensorArgError(
+            f"{caller}: logits have {logits.shape[1]} columns, a tensor-parallel shard of the "
+            f"vocabulary's {vocab_size_padded}; the fused argmax needs the full vocabulary: "
+            "mask a shard with execute and reduce across the shards")
+
+
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the memory spans of two tensors (first to last element) overlap."""
     def span(t: torch.Tensor) -> tuple[int, int]:

@@ -52,6 +52,13 @@ _HOST_WORK_FIRST = True
 #: kind, which measures the two in one run.
 _FUSED_ARGMAX = True
 
+#: The devices on which a greedy step outside a CUDA graph (a context step, or any step where
+#: no graph holds the guide) takes its tokens from the decoder's fused masked argmax
+#: (``execute_argmax``) too: CUDA, where the fused kernel skips the mask's pass over the
+#: logits. On CPU the fused call masks a copy of the logits, which costs more than masking
+#: them in place.
+_FUSED_EAGER_DEVICES = ("cuda",)
+
 
 def generate(prompts: Sequence[str | Sequence[int]],
              guides: Sequence[GuidedDecodingParams | None] | GuidedDecodingParams | None = None,
@@ -229,6 +236,10 @@ class _Engine:
         self.guide_in_graph = self.use_graphs and self.guide is not None and self.guide.capturable
         # sampling joins the graph unless an eager decoder must mask the logits first
         self.sample_in_graph = self.use_graphs and (self.guide is None or self.guide_in_graph)
+        # a greedy step sampled outside a graph takes its tokens from the guide's fused
+        # masked argmax (see _FUSED_EAGER_DEVICES)
+        self.fused_eager = self.guide is not None and self.sampler.params.greedy \
+            and _FUSED_ARGMAX and self.device.type in _FUSED_EAGER_DEVICES
         # the batch after launch (CapturableGuidedDecoder.set_batch_after_launch): a replayed
         # decode step's guided host work (its requests, add_batch) runs after the launch,
         # while the GPU runs the forward, rather than before it with the GPU idle; on the
@@ -445,15 +456,26 @@ class _Engine:
                     self.drafter.start(s.seq_slot, s.prompt, s.guide)
         if self.guide is not None:
             self.guide.begin_context(seqs)
-            self.guide.apply(logits)
-        with self.clock.time("sample"):
-            tokens = self.sampler(logits).tolist()
+        tokens = self._sample_eager(logits).tolist()
         failed = dict(self.guide.take_failed()) if self.guide is not None else {}
         for s, t in zip(seqs, tokens):
             if s.index in failed:
                 s.finish("error", failed[s.index])
             else:
                 s.append([t], self.stop_ids)
+
+    def _sample_eager(self, logits: torch.Tensor) -> torch.Tensor:
+        """The tokens of a step run outside a graph: the guide's fused masked argmax
+        (``fused_eager``; timed as the decoder's build and apply), else the guide's mask, if
+        any, and then the sampler."""
+        guide = self.guide
+        if self.fused_eager:
+            assert guide is not None
+            return guide.apply_argmax(logits)
+        if guide is not None:
+            guide.apply(logits)
+        with self.clock.time("sample"):
+            return self.sampler(logits)
 
     def _decode_step(self, seqs: list[Seq]) -> None:
         K, B, runner = self.K, len(seqs), self.runner
@@ -485,11 +507,8 @@ class _Engine:
         else:
             with self.clock.time("forward"):
                 logits = runner.forward_step(B)
-        if not self.guide_in_graph and self.guide is not None:
-            self.guide.apply(logits)
-        if not self.sample_in_graph:
-            with self.clock.time("sample"):
-                sampled = self.sampler(logits)
+        if not self.sample_in_graph:  # (nor, then, the guide: see __init__)
+            sampled = self._sample_eager(logits)
         picks = sampled[:rows].view(B, 1 + K).tolist()
         failed = {}
         if self.guide is not None:

@@ -209,10 +209,14 @@ class GuideDriver:
 
     def apply_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy tokens of ``logits`` under the step's mask, ``[rows]`` int64, the logits left
-        unmasked (the capturable decoder's ``execute_argmax``: safe in a capture; capturable
-        decoder only)."""
-        assert self._capt is not None, "apply_argmax needs the capturable decoder"
-        return self._capt.execute_argmax(logits)
+        unmasked (the decoder's ``execute_argmax``; the capturable decoder's is safe in a
+        capture)."""
+        if self._capt is not None:
+            return self._capt.execute_argmax(logits)
+        tokens, failed = self.decoder.execute_argmax(logits)
+        if failed:
+            self._failed.extend(failed)
+        return tokens
 
     def take_failed(self) -> list[FailedRequest]:
         """Requests that failed since the last call (call after the step has synchronised).
