@@ -231,35 +231,45 @@ def test_eager_argmax_refuses_a_shard_and_a_bad_out_before_any_work(factory):
     dec.close()
 
 
-@pytest.mark.parametrize("host_node", ["python", "native"])
-def test_generate_gives_the_same_text_fused_or_not(factory, tekken, host_node, monkeypatch):
-    """generate()'s captured greedy steps (the CPU stand-in's graph path) give the same text
-    and finish reasons with the fused masked argmax as with mask-then-argmax."""
-    _skip_without(host_node)
-    from capgraph.runtime import engine
+def _generate_fused_then_not(factory, tekken, monkeypatch, cls, unfuse, **kwargs):
+    """generate() of three prompts (under a schema, a regex, unguided; greedy) as configured,
+    then again after ``unfuse()``: ``(fused results, unfused results, the fused run's calls
+    of cls.execute_argmax, the unfused run's)``."""
     from capgraph.runtime.engine import generate
 
     def run():
         return generate(["a", "bb", "c"], [SCHEMA, GuidedDecodingParams.regex("[0-9]{2,5}"),
                                            None],
                         tokenizer=tekken, factory=factory, max_new_tokens=12,
-                        max_batch_size=3, decoder="capturable", cuda_graph=True,
-                        host_node=host_node)
+                        max_batch_size=3, **kwargs)
     calls = []
-    original = CapturableGuidedDecoder.execute_argmax
+    original = cls.execute_argmax
 
     def counted(self, *args, **kwargs):
         calls.append(1)
         return original(self, *args, **kwargs)
-    monkeypatch.setattr(CapturableGuidedDecoder, "execute_argmax", counted)
+    monkeypatch.setattr(cls, "execute_argmax", counted)
     fused = run()
     steps = len(calls)
-    monkeypatch.setattr(engine, "_FUSED_ARGMAX", False)
+    unfuse()
     unfused = run()
-    assert steps > 0 and len(calls) == steps  # (the fused run's steps used it, the other's not)
     assert [(r.tokens, r.finish_reason) for r in fused] == \
         [(r.tokens, r.finish_reason) for r in unfused]
     assert fused[1].finish_reason == "stop" and fused[1].text.isdigit()
+    return fused, unfused, steps, len(calls) - steps
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+def test_generate_gives_the_same_text_fused_or_not(factory, tekken, host_node, monkeypatch):
+    """generate()'s captured greedy steps (the CPU stand-in's graph path) give the same text
+    and finish reasons with the fused masked argmax as with mask-then-argmax."""
+    _skip_without(host_node)
+    from capgraph.runtime import engine
+    _, _, fused_calls, unfused_calls = _generate_fused_then_not(
+        factory, tekken, monkeypatch, CapturableGuidedDecoder,
+        lambda: monkeypatch.setattr(engine, "_FUSED_ARGMAX", False),
+        decoder="capturable", cuda_graph=True, host_node=host_node)
+    assert fused_calls > 0 and unfused_calls == 0
 
 
 @pytest.mark.parametrize("decoder", ["eager", "capturable"])
@@ -270,27 +280,11 @@ def test_generate_fuses_greedy_steps_outside_a_graph_where_asked(factory, tekken
     (CUDA by default; the CPU added here), and give the same text and finish reasons as
     mask-then-argmax."""
     from capgraph.runtime import engine
-    from capgraph.runtime.engine import generate
-
-    def run():
-        return generate(["a", "bb", "c"], [SCHEMA, GuidedDecodingParams.regex("[0-9]{2,5}"),
-                                           None],
-                        tokenizer=tekken, factory=factory, max_new_tokens=12,
-                        max_batch_size=3, decoder=decoder, cuda_graph=False)
-    cls = GuidedDecoder if decoder == "eager" else CapturableGuidedDecoder
-    calls = []
-    original = cls.execute_argmax
-
-    def counted(self, *args, **kwargs):
-        calls.append(1)
-        return original(self, *args, **kwargs)
-    monkeypatch.setattr(cls, "execute_argmax", counted)
     monkeypatch.setattr(engine, "_FUSED_EAGER_DEVICES", ("cuda", "cpu"))
-    fused = run()
-    steps = len(calls)
-    monkeypatch.setattr(engine, "_FUSED_EAGER_DEVICES", ("cuda",))
-    unfused = run()
-    assert steps >= 1 + max(len(r.tokens) for r in fused) - 1 and len(calls) == steps
-    assert [(r.tokens, r.finish_reason) for r in fused] == \
-        [(r.tokens, r.finish_reason) for r in unfused]
-    assert fused[1].finish_reason == "stop" and fused[1].text.isdigit()
+    fused, _, fused_calls, unfused_calls = _generate_fused_then_not(
+        factory, tekken, monkeypatch,
+        GuidedDecoder if decoder == "eager" else CapturableGuidedDecoder,
+        lambda: monkeypatch.setattr(engine, "_FUSED_EAGER_DEVICES", ("cuda",)),
+        decoder=decoder, cuda_graph=False)
+    # (one call a step: at least as many steps as the longest output's tokens)
+    assert fused_calls >= max(len(r.tokens) for r in fused) and unfused_calls == 0
