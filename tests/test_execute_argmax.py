@@ -194,6 +194,42 @@ def test_eager_argmax_equals_execute_then_argmax(factory, tekken):
     _eager_twins(factory, tekken, "cpu")
 
 
+def test_eager_argmax_of_a_step_that_masks_nothing_is_the_plain_argmax(factory):
+    """A step whose rows are all unguided masks nothing: execute_argmax writes the plain
+    argmax, into ``out`` where given."""
+    V = factory.config.vocab_size_padded
+    dec = GuidedDecoder(factory.config, 2, 0, factory=factory)
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(5))
+    for out in (None, torch.full((2,), -1, dtype=torch.int64)):
+        dec.add_batch([GuidedRequest.context(0, 0, None), GuidedRequest.context(1, 1, None)])
+        tokens, failed = dec.execute_argmax(logits, out)
+        assert failed == [] and tokens.tolist() == logits.argmax(-1).tolist()
+        assert out is None or tokens is out
+    dec.close()
+
+
+def test_the_guide_driver_returns_an_eager_fused_steps_failures(factory, tekken):
+    """GuideDriver.apply_argmax on the eager decoder: a token the grammar refuses fails its
+    request, which the driver's take_failed returns, as apply's failures."""
+    from types import SimpleNamespace
+
+    from capgraph.runtime.guide import GuideDriver
+    V = factory.config.vocab_size_padded
+    driver = GuideDriver(GuidedDecoder(factory.config, 2, 0, factory=factory), 0)
+    seqs = [SimpleNamespace(index=i, seq_slot=i, guide=SCHEMA, output=[], accepted_prev=0)
+            for i in range(2)]
+    driver.begin_context(seqs)
+    driver.apply_argmax(torch.zeros(2, V))
+    assert driver.take_failed() == []
+    seqs[0].output.append(tekken.encode("{", add_special_tokens=False)[0])
+    seqs[1].output.append(tekken.eos_token_id)  # (refused before the object's end)
+    driver.begin_decode(seqs, None)
+    tokens = driver.apply_argmax(torch.zeros(2, V))
+    (index, message), = driver.take_failed()
+    assert index == 1 and "is not allowed" in message and tokens.shape == (2,)
+    driver.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="no CUDA device: torch.cuda.is_available() is False")
@@ -288,3 +324,21 @@ def test_generate_fuses_greedy_steps_outside_a_graph_where_asked(factory, tekken
         decoder=decoder, cuda_graph=False)
     # (one call a step: at least as many steps as the longest output's tokens)
     assert fused_calls >= max(len(r.tokens) for r in fused) and unfused_calls == 0
+
+
+def test_generate_never_fuses_a_sampled_step(factory, tekken, monkeypatch):
+    """A step that samples (temperature > 0) is not greedy: generate() masks the logits and
+    samples from them, never taking execute_argmax's tokens, also where the device is one
+    _FUSED_EAGER_DEVICES names."""
+    from capgraph.runtime import engine
+    from capgraph.runtime.engine import generate
+    monkeypatch.setattr(engine, "_FUSED_EAGER_DEVICES", ("cuda", "cpu"))
+
+    def refused(self, *args, **kwargs):
+        raise AssertionError("a sampled step took the fused argmax")
+    monkeypatch.setattr(GuidedDecoder, "execute_argmax", refused)
+    results = generate(["a", "bb"], [SCHEMA, GuidedDecodingParams.regex("[0-9]{2,5}")],
+                       tokenizer=tekken, factory=factory, max_new_tokens=12, max_batch_size=2,
+                       decoder="eager", cuda_graph=False, temperature=0.8, seed=3)
+    assert all(r.finish_reason in ("stop", "length") for r in results)
+    assert results[1].finish_reason != "stop" or results[1].text.isdigit()

@@ -5,9 +5,9 @@ Buffers: for each tokenizer, slot count S and draft length D, ``GuidedDecoder.me
 layout predicts: ``rows = S * (D + 1)``, bitmask ``rows * ceil(V / 32) * 4`` bytes, token mask
 ``rows * 4``; the capturable decoder adds ``new_tokens`` ``(D + 1) * S * 4``,
 ``draft_new_tokens``, ``num_accepted_tokens`` and ``accepted_draft_nodes`` ``S * 4`` each, and
-the step ticket 4. Device bytes are 0 on CPU (the device buffers are the host buffers) and equal
-the host bitmask and token mask on CUDA (the capturable decoder adds its ticket ring there,
-``TICKET_RING * 4``).
+the step ticket 4. Device bytes are 0 on CPU (the device buffers are the host buffers) and on
+CUDA equal the host bitmask and token mask plus the masked argmax's scratch (``execute_argmax``,
+``2 * rows * 8``; the capturable decoder adds its ticket ring there, ``TICKET_RING * 4``).
 
 Allocations per step, in steady state (after warm-up), for B guided requests on real JSON
 texts and static logits, in three paths: the eager decoder (``add_batch`` + ``execute``), the
@@ -57,7 +57,7 @@ def predicted_bytes(slots: int, draft: int, vocab: int, device: str) -> dict[str
     words = -(-vocab // 32)
     host = rows * words * 4 + rows * 4
     extra = (draft + 1) * slots * 4 + 3 * slots * 4 + 4
-    return {"rows": rows, "host": host, "device": 0 if device == "cpu" else host,
+    return {"rows": rows, "host": host, "device": 0 if device == "cpu" else host + rows * 16,
             "capturable_extra_host": extra}
 
 

@@ -48,8 +48,9 @@ class Timings:
     ``add_batch`` where they come before the forward, the failures read after it);
     ``build`` is host mask building in Python,
     ``host_node`` the native host node's own time (present where it ran steps of the
-    capturable decoder), ``apply`` masking the logits, ``sample`` picking tokens, ``draft``
-    the drafter, ``prefill`` prompt forwards.
+    capturable decoder), ``apply`` masking the logits, ``sample`` picking tokens (a greedy
+    guided step's tokens from the fused masked argmax count under ``apply``: on CUDA, every
+    such step outside a graph), ``draft`` the drafter, ``prefill`` prompt forwards.
     """
 
     stages: dict[str, float]
