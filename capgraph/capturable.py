@@ -935,6 +935,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if not capturing and not self.active and not self._prepared and self._stream_idle():
             # nothing guided and nothing queued that reads the token mask or the slots (an
             # earlier step the host ran ahead of): enqueue nothing at all, consume here
+            self._node_collect()  # (the steps that ran leave the queue first)
             last = self._queue[-1] if self._queue else None
             self._consume_put()
             if last is not None:  # (its step had nothing to run: advance_batch continues it)
@@ -1369,7 +1370,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     def _consume_put(self, newest: bool = True) -> None:
         """Host side: a put no callback fetches (a capture's, an inactive step's: the newest;
-        a discarded one: the oldest) leaves the queue, its dropped slots dropped."""
+        a discarded one: the oldest) leaves the queue, its dropped slots dropped. The node's
+        unread records go first (their puts leave the queue with them)."""
+        self._node_collect()
         if self._queue:
             put = self._queue.pop() if newest else self._queue.popleft()
             if not self._queue:
@@ -1599,7 +1602,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 raise ConfigError(f"host_node='native' is not available: {reason}")
             return "python"
         slots = self.slots
-        self._mirror = mirror = _Mirror(node, slots)
+        self._mirror = mirror = _Mirror(node, slots, _unread_reader(self))
         slots.matchers.on_change = slots.is_draft_terminated.on_change = mirror
         for slot in range(self.max_num_sequences):
             mirror(slot)
@@ -1973,13 +1976,15 @@ class _Mirror:
     reading the node's own records: the node made those changes itself, in step order, and a
     late copy could undo a later step's)."""
 
-    def __init__(self, node: HostNode, slots) -> None:
+    def __init__(self, node: HostNode, slots, read_first: Callable[[], None]) -> None:
         self._node = node
         self._handles, self._stopped = slots.matchers.handles, slots.is_draft_terminated
         self._quiet: int | None = None  # the thread whose changes are not mirrored
+        self._read_first = read_first  # (_unread_reader's)
 
     def __call__(self, slot: int) -> None:
         if self._quiet != threading.get_ident():
+            self._read_first()
             self._node.set_slot(slot, self._handles[slot], self._stopped[slot])
 
     def quiet_on(self, thread: int | None) -> int | None:
@@ -1989,6 +1994,23 @@ class _Mirror:
         where making and finishing a generator cost more than the read of a steady step.)"""
         before, self._quiet = self._quiet, thread
         return before
+
+
+def _unread_reader(decoder: CapturableGuidedDecoder) -> Callable[[], None]:
+    """What the decoder's :class:`_Mirror` calls before it changes a slot of the node (held
+    weakly): the node's unread records are read first, while each slot still holds the
+    matcher its steps ran (node_take writes a record's counters only to such slots, and a
+    plain record may be left unread after a step: :meth:`~CapturableGuidedDecoder._node_collect`)."""
+    ref = weakref.ref(decoder)
+
+    def read() -> None:
+        d = ref()
+        if d is None:
+            return
+        node = d._node
+        if node is not None and d._node_active and node.pending()[0]:
+            d._node_collect()
+    return read
 
 
 def _collect_hook(decoder: CapturableGuidedDecoder) -> Callable[[], None]:

@@ -19,7 +19,8 @@ from capgraph import GuidedDecodingParams, LayoutError, TensorArgError
 from capgraph.capturable import CapturableGuidedDecoder
 from capgraph.decoder import GuidedDecoder
 from capgraph.requests import GuidedRequest
-from test_host_node import GUIDED, PythonOnly, capture, decoders_for, same, texts_of
+from test_host_node import (GUIDED, PythonOnly, capture, decoders_for, request_copies, same,
+                            texts_of)
 
 
 @pytest.fixture(scope="module")
@@ -582,11 +583,6 @@ def test_random_advances_failures_and_reads_equal_eager(factory, tekken, native_
     graph.reset()
     capt.close()
     eager.close()
-
-
-def request_copies(reqs):
-    """Fresh copies of ``reqs`` (one decoder's reads must not see the other's)."""
-    return [GuidedRequest(**{f: getattr(r, f) for f in r.__slots__}) for r in reqs]
 
 
 def test_the_tokens_are_read_at_the_call(factory, tekken, native_ok):

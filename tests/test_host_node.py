@@ -527,6 +527,104 @@ def accepted_counts(reqs) -> torch.Tensor:
                         dtype=torch.int32)
 
 
+def test_a_matcher_replaced_after_a_steady_step_keeps_that_steps_counts(factory, tekken,
+                                                                        native_ok):
+    """A steady step's record, left unread after take_failed_requests, is read before a
+    slot's matcher is replaced on the host (grammar_matchers[slot] = ...): the step's counts
+    are the slot's, as they were with the record read at once."""
+    cases = GUIDED[:2]
+    texts = texts_of(tekken, cases)
+    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="native")
+    graph = capture(capt, _contexts(cases), torch.zeros(2, factory.config.vocab_size_padded))
+    for batch in (_contexts(cases), [GuidedRequest.generation(i, i, c.params, texts[i][0])
+                                     for i, c in enumerate(cases)]):
+        capt.add_batch(batch)
+        graph.replay()
+        hostfunc.drain()
+        assert capt.take_failed_requests() == []
+    assert capt._node.pending()[0] == 1  # (the steady step's record, unread)
+    capt.grammar_matchers[0] = PythonOnly(capt.grammar_matchers[0])
+    assert capt.num_advanced_tokens == [1, 1] and capt.num_guided_tokens == [1, 1]
+    graph.reset()
+    capt.close()
+
+
+def test_a_matcher_replaced_between_speculative_steps_rolls_back_as_eager(factory, tekken,
+                                                                         native_ok):
+    """Speculative steps (the graph holds the step; each rollback of rejected drafts eager,
+    after add_batch, as the guide driver orders them), a slot's matcher replaced by one only
+    Python can run between a step's take_failed_requests and the next add_batch: that
+    slot's rollback is Python's and reads the count of the step before, which the node's
+    unread record gave it first. Failures, masks and matcher states equal the eager
+    decoder's."""
+    V = factory.config.vocab_size_padded
+    spec = Speculation(tekken, GUIDED[:2])
+    eager = GuidedDecoder(factory.config, 2, 2, factory=factory)
+    capt = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_node="native")
+    static = torch.zeros(6, V)
+    capt.add_batch(spec.context())
+    graph = hostfunc.HostGraph()
+    with hostfunc.capture(graph):
+        capt.execute(static)
+    steps = [spec.context(), spec.step(None), spec.step([1, 0]), spec.step([0, 2]),
+             spec.step([1, 1])]
+    for k, reqs in enumerate(steps):
+        if k == 2:
+            capt.grammar_matchers[0] = PythonOnly(capt.grammar_matchers[0])
+        eager.add_batch(reqs)
+        eager.rollback_rejected_tokens()
+        n = eager.requests.num_bitmask_tokens
+        logits = torch.randn(6, V, generator=torch.Generator().manual_seed(k))
+        expect = logits.clone()
+        failed = eager.execute(expect[:n])
+        capt.add_batch(request_copies(reqs))
+        capt.rollback_rejected_batch(accepted_counts(reqs))
+        static.copy_(logits)
+        graph.replay()
+        hostfunc.drain()
+        assert capt.take_failed_requests() == failed, f"step {k}"
+        assert same(static[:n], expect[:n]), f"logits differ at step {k}"
+    assert capt.num_advanced_tokens == eager.num_advanced_tokens
+    assert_same_matcher_states(eager, capt)
+    graph.reset()
+    capt.close()
+    eager.close()
+
+
+def test_a_capture_after_a_steady_step_takes_no_put_that_ran(factory, tekken, native_ok):
+    """A second graph captured from the latest batch's shapes after that batch's step ran
+    (its record unread): the capture consumes no put of a step that ran, and the steps
+    replayed from the new graph run in order, with no queue error."""
+    cases = GUIDED[:2]
+    texts = texts_of(tekken, cases)
+    V = factory.config.vocab_size_padded
+    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="native")
+    graph = capture(capt, _contexts(cases), torch.zeros(2, V))
+    for batch in (_contexts(cases), [GuidedRequest.generation(i, i, c.params, texts[i][0])
+                                     for i, c in enumerate(cases)]):
+        capt.add_batch(batch)
+        graph.replay()
+        hostfunc.drain()
+        assert capt.take_failed_requests() == []
+    second = hostfunc.HostGraph()
+    with hostfunc.capture(second):
+        capt.execute(torch.zeros(2, V))
+    for step in (1, 2):
+        capt.add_batch([GuidedRequest.generation(i, i, c.params, texts[i][step])
+                        for i, c in enumerate(cases)])
+        second.replay()
+        hostfunc.drain()
+        assert capt.take_failed_requests() == []
+    assert capt.num_advanced_tokens == [1, 1] and capt.queued_batches == 0
+    graph.reset()
+    second.reset()
+    capt.close()
+
+
+def _contexts(cases):
+    return [GuidedRequest.context(i, i, c.params) for i, c in enumerate(cases)]
+
+
 def speculative_step(eager, capt, graph, static, reqs, seed, counts, hold=False):
     """One speculative step of ``reqs`` on the eager decoder (add_batch,
     rollback_rejected_tokens, execute) and on the captured one (add_batch, the accepted
