@@ -935,9 +935,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         if not capturing and not self.active and not self._prepared and self._stream_idle():
             # nothing guided and nothing queued that reads the token mask or the slots (an
             # earlier step the host ran ahead of): enqueue nothing at all, consume here
-            self._node_collect()  # (the steps that ran leave the queue first)
-            last = self._queue[-1] if self._queue else None
-            self._consume_put()
+            last = self._consume_put()
             if last is not None:  # (its step had nothing to run: advance_batch continues it)
                 self._ran_epoch = last.epoch
             self._clear_token_mask()
@@ -1368,19 +1366,22 @@ class CapturableGuidedDecoder(GuidedDecoder):
                            "own (an add_batch without its execute)")
         return taken, None
 
-    def _consume_put(self, newest: bool = True) -> None:
+    def _consume_put(self, newest: bool = True) -> _Put | None:
         """Host side: a put no callback fetches (a capture's, an inactive step's: the newest;
-        a discarded one: the oldest) leaves the queue, its dropped slots dropped. The node's
-        unread records go first (their puts leave the queue with them)."""
+        a discarded one: the oldest) leaves the queue, its dropped slots dropped; returns it
+        (None: none was queued). The node's unread records go first (their puts leave the
+        queue with them)."""
         self._node_collect()
-        if self._queue:
-            put = self._queue.pop() if newest else self._queue.popleft()
-            if not self._queue:
-                self._fetched_epoch = put.epoch
-            if self._node_active:
-                self._node.drop(newest)  # type: ignore[union-attr]
-            if put.batch.dropped_slots:
-                self._drop_slots(put.batch)
+        if not self._queue:
+            return None
+        put = self._queue.pop() if newest else self._queue.popleft()
+        if not self._queue:
+            self._fetched_epoch = put.epoch
+        if self._node_active:
+            self._node.drop(newest)  # type: ignore[union-attr]
+        if put.batch.dropped_slots:
+            self._drop_slots(put.batch)
+        return put
 
     @_callback("fetch_batch")
     def fetch_batch(self, rows: int | None = None) -> None:
@@ -1602,11 +1603,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 raise ConfigError(f"host_node='native' is not available: {reason}")
             return "python"
         slots = self.slots
-        self._mirror = mirror = _Mirror(node, slots, _unread_reader(self))
+        self._mirror = mirror = _Mirror(node, slots, _weak_collect(self, False))
         slots.matchers.on_change = slots.is_draft_terminated.on_change = mirror
         for slot in range(self.max_num_sequences):
             mirror(slot)
-        self._node_hook = _collect_hook(self)
+        self._node_hook = _weak_collect(self, True)
         hostfunc.add_drain_hook(self._node_hook)
         # a decoder dropped without close(): a replayed step waiting for its batch after the
         # launch goes at once (it masks nothing), as close() lets it, not at its timeout
@@ -1980,7 +1981,7 @@ class _Mirror:
         self._node = node
         self._handles, self._stopped = slots.matchers.handles, slots.is_draft_terminated
         self._quiet: int | None = None  # the thread whose changes are not mirrored
-        self._read_first = read_first  # (_unread_reader's)
+        self._read_first = read_first  # (_weak_collect's)
 
     def __call__(self, slot: int) -> None:
         if self._quiet != threading.get_ident():
@@ -1996,31 +1997,19 @@ class _Mirror:
         return before
 
 
-def _unread_reader(decoder: CapturableGuidedDecoder) -> Callable[[], None]:
-    """What the decoder's :class:`_Mirror` calls before it changes a slot of the node (held
-    weakly): the node's unread records are read first, while each slot still holds the
-    matcher its steps ran (node_take writes a record's counters only to such slots, and a
-    plain record may be left unread after a step: :meth:`~CapturableGuidedDecoder._node_collect`)."""
+def _weak_collect(decoder: CapturableGuidedDecoder, unusual_only: bool) -> Callable[[], None]:
+    """``decoder._node_collect(unusual_only)``, the decoder held weakly; once it is gone, a
+    call removes itself from hostfunc's drain hooks (where it is one). Unusual records only:
+    the drain hook (a queue error is not plain: it is read). Every record: what the
+    decoder's :class:`_Mirror` calls before it changes a slot of the node, while each slot
+    still holds the matcher its steps ran (node_take writes a record's counters only to such
+    slots, and a plain record may be left unread after a step)."""
     ref = weakref.ref(decoder)
 
-    def read() -> None:
+    def collect() -> None:
         d = ref()
         if d is None:
-            return
-        node = d._node
-        if node is not None and d._node_active and node.pending()[0]:
-            d._node_collect()
-    return read
-
-
-def _collect_hook(decoder: CapturableGuidedDecoder) -> Callable[[], None]:
-    """A drain hook reading the decoder's native steps (held weakly)."""
-    ref = weakref.ref(decoder)
-
-    def hook() -> None:
-        d = ref()
-        if d is None:
-            hostfunc.remove_drain_hook(hook)
+            hostfunc.remove_drain_hook(collect)
         else:
-            d._node_collect(unusual_only=True)  # (a queue error is not plain: it is read)
-    return hook
+            d._node_collect(unusual_only)
+    return collect

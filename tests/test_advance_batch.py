@@ -19,22 +19,13 @@ from capgraph import GuidedDecodingParams, LayoutError, TensorArgError
 from capgraph.capturable import CapturableGuidedDecoder
 from capgraph.decoder import GuidedDecoder
 from capgraph.requests import GuidedRequest
-from test_host_node import (GUIDED, PythonOnly, capture, decoders_for, request_copies, same,
-                            texts_of)
+from test_host_node import (GUIDED, PythonOnly, after_two_steps, capture, context_requests,
+                            decoders_for, generation_requests, request_copies, same, texts_of)
 
 
 @pytest.fixture(scope="module")
 def factory(factory_cache):
     return factory_cache("tekken")
-
-
-def context_requests(cases):
-    return [GuidedRequest.context(i, i, c.params) for i, c in enumerate(cases)]
-
-
-def generation_requests(cases, tokens):
-    return [GuidedRequest.generation(i, i, c.params, t)
-            for i, (c, t) in enumerate(zip(cases, tokens))]
 
 
 def capture_behind_spin(capt: CapturableGuidedDecoder, requests, static: torch.Tensor
@@ -174,7 +165,7 @@ def test_advance_batch_refusals_are_named_and_queue_nothing(factory, tekken, nat
     graph.reset()
 
     # a failure since the batch was queued, and a release
-    capt, graph, _static, _texts = _after_two_steps(factory, tekken, cases)
+    capt, graph, _static, _texts = after_two_steps(factory, tekken, cases)
     repeats = Repeats(capt)
     eos = tekken.eos_token_id  # (a stop token: not allowed before a guide's end)
     capt.advance_batch([texts[0][1], V + 5])  # (not a token: request 1 fails alone)
@@ -401,25 +392,6 @@ def test_advanced_steps_in_a_cuda_graph_decode_what_eager_decodes(factory_cache,
     dec.close()
 
 
-def _after_two_steps(factory, tekken, cases, behind_spin: bool = False):
-    """A native-node decoder whose captured step has run ``cases``' context step and their
-    first generation step (add_batch both): ``(decoder, graph, static logits, texts)``;
-    ``behind_spin``: the graph is :func:`capture_behind_spin`'s."""
-    V = factory.config.vocab_size_padded
-    texts = texts_of(tekken, cases)
-    capt = CapturableGuidedDecoder(factory.config, len(cases), 0, factory=factory,
-                                   host_node="native")
-    static = torch.zeros(len(cases), V)
-    graph = (capture_behind_spin if behind_spin else capture)(capt, context_requests(cases),
-                                                               static)
-    for batch in (context_requests(cases), generation_requests(cases, [t[0] for t in texts])):
-        capt.add_batch(batch)
-        graph.replay()
-        hostfunc.drain()
-    assert capt.take_failed_requests() == []
-    return capt, graph, static, texts
-
-
 def test_a_refused_token_is_named_as_add_batch_names_it(factory, tekken, native_ok):
     """A token the grammar refuses, given to advance_batch and run natively: the request's
     failure names that token, word for word as add_batch's does."""
@@ -427,7 +399,7 @@ def test_a_refused_token_is_named_as_add_batch_names_it(factory, tekken, native_
     stop = tekken.eos_token_id  # (a stop token: not allowed before the guide's end)
     messages = []
     for how in ("add_batch", "advance_batch"):
-        capt, graph, _static, _texts = _after_two_steps(factory, tekken, cases)
+        capt, graph, _static, _texts = after_two_steps(factory, tekken, cases)
         repeats = Repeats(capt)
         if how == "add_batch":
             capt.add_batch(generation_requests(cases, [stop]))
@@ -627,7 +599,7 @@ def test_a_column_of_tokens_is_taken_and_other_shapes_are_refused(factory, tekke
     import numpy as np
 
     cases = GUIDED[:2]
-    capt, graph, _static, texts = _after_two_steps(factory, tekken, cases)
+    capt, graph, _static, texts = after_two_steps(factory, tekken, cases)
     with pytest.raises(LayoutError, match=r"shape \(2, 2\)"):
         capt.advance_batch(torch.zeros(2, 2, dtype=torch.int64))
     floats = [float(texts[0][1]), float(texts[1][1])]
@@ -654,7 +626,7 @@ def test_a_fault_in_a_python_step_of_a_shared_batch_fails_its_requests(factory, 
     the step is reported failed, whether the step's batch came from add_batch or is the
     previous batch shared by advance_batch; and advance_batch then refuses to continue."""
     cases = GUIDED[:2]
-    capt, graph, _static, texts = _after_two_steps(factory, tekken, cases, behind_spin=True)
+    capt, graph, _static, texts = after_two_steps(factory, tekken, cases, capture_behind_spin)
     capt.grammar_matchers[0] = PythonOnly(capt.grammar_matchers[0])  # (a Python step)
     calls = []
 

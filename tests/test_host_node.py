@@ -60,6 +60,35 @@ def texts_of(tekken, cases):
     return [encode_continuation(tekken, c.valid) for c in cases]
 
 
+def context_requests(cases):
+    """Each case's context request, in slot = request id = its index."""
+    return [GuidedRequest.context(i, i, c.params) for i, c in enumerate(cases)]
+
+
+def generation_requests(cases, tokens):
+    """Each case's generation request with its token (slots and ids as context_requests)."""
+    return [GuidedRequest.generation(i, i, c.params, t)
+            for i, (c, t) in enumerate(zip(cases, tokens))]
+
+
+def after_two_steps(factory, tekken, cases, capture_with=None):
+    """A native-node decoder whose captured step (``capture_with(decoder, requests,
+    static)``; default :func:`capture`) has run ``cases``' context step and their first
+    generation step (add_batch both, each drained, no failure): ``(decoder, graph, static
+    logits, texts)``."""
+    texts = texts_of(tekken, cases)
+    capt = CapturableGuidedDecoder(factory.config, len(cases), 0, factory=factory,
+                                   host_node="native")
+    static = torch.zeros(len(cases), factory.config.vocab_size_padded)
+    graph = (capture_with or capture)(capt, context_requests(cases), static)
+    for batch in (context_requests(cases), generation_requests(cases, [t[0] for t in texts])):
+        capt.add_batch(batch)
+        graph.replay()
+        hostfunc.drain()
+        assert capt.take_failed_requests() == []
+    return capt, graph, static, texts
+
+
 def decoders_for(factory, tekken, cases, host_node):
     """One slot per case: the cases' token texts, the steps all of them have, an eager
     decoder, a capturable one on ``host_node`` and zero static logits, one row per case."""
@@ -532,16 +561,7 @@ def test_a_matcher_replaced_after_a_steady_step_keeps_that_steps_counts(factory,
     """A steady step's record, left unread after take_failed_requests, is read before a
     slot's matcher is replaced on the host (grammar_matchers[slot] = ...): the step's counts
     are the slot's, as they were with the record read at once."""
-    cases = GUIDED[:2]
-    texts = texts_of(tekken, cases)
-    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="native")
-    graph = capture(capt, _contexts(cases), torch.zeros(2, factory.config.vocab_size_padded))
-    for batch in (_contexts(cases), [GuidedRequest.generation(i, i, c.params, texts[i][0])
-                                     for i, c in enumerate(cases)]):
-        capt.add_batch(batch)
-        graph.replay()
-        hostfunc.drain()
-        assert capt.take_failed_requests() == []
+    capt, graph, _, _ = after_two_steps(factory, tekken, GUIDED[:2])
     assert capt._node.pending()[0] == 1  # (the steady step's record, unread)
     capt.grammar_matchers[0] = PythonOnly(capt.grammar_matchers[0])
     assert capt.num_advanced_tokens == [1, 1] and capt.num_guided_tokens == [1, 1]
@@ -596,22 +616,13 @@ def test_a_capture_after_a_steady_step_takes_no_put_that_ran(factory, tekken, na
     (its record unread): the capture consumes no put of a step that ran, and the steps
     replayed from the new graph run in order, with no queue error."""
     cases = GUIDED[:2]
-    texts = texts_of(tekken, cases)
     V = factory.config.vocab_size_padded
-    capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory, host_node="native")
-    graph = capture(capt, _contexts(cases), torch.zeros(2, V))
-    for batch in (_contexts(cases), [GuidedRequest.generation(i, i, c.params, texts[i][0])
-                                     for i, c in enumerate(cases)]):
-        capt.add_batch(batch)
-        graph.replay()
-        hostfunc.drain()
-        assert capt.take_failed_requests() == []
+    capt, graph, _, texts = after_two_steps(factory, tekken, cases)
     second = hostfunc.HostGraph()
     with hostfunc.capture(second):
         capt.execute(torch.zeros(2, V))
     for step in (1, 2):
-        capt.add_batch([GuidedRequest.generation(i, i, c.params, texts[i][step])
-                        for i, c in enumerate(cases)])
+        capt.add_batch(generation_requests(cases, [t[step] for t in texts]))
         second.replay()
         hostfunc.drain()
         assert capt.take_failed_requests() == []
@@ -619,10 +630,6 @@ def test_a_capture_after_a_steady_step_takes_no_put_that_ran(factory, tekken, na
     graph.reset()
     second.reset()
     capt.close()
-
-
-def _contexts(cases):
-    return [GuidedRequest.context(i, i, c.params) for i, c in enumerate(cases)]
 
 
 def speculative_step(eager, capt, graph, static, reqs, seed, counts, hold=False):

@@ -21,7 +21,7 @@ import torch
 
 from ..bitmask import BITS_PER_WORD
 from ..errors import TensorArgError
-from .op import _check_args, _cuda_kernel, logits_bitmask_op
+from .op import _check_args, _cuda_kernel, _tensors, logits_bitmask_op
 
 __all__ = ["masked_argmax", "argmax_scratch", "argmax_out"]
 
@@ -104,12 +104,8 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor,
     Raises:
         TensorArgError: naming the argument and what was wrong with it.
     """
-    for name, given in (("logits", logits), ("bitmask", bitmask)):
-        if not isinstance(given, torch.Tensor):
-            raise _fail(name, f"must be a tensor, got {type(given).__name__}")
-    for name, optional in (("token_mask", token_mask), ("scratch", scratch)):
-        if optional is not None and not isinstance(optional, torch.Tensor):
-            raise _fail(name, f"must be a tensor or None, got {type(optional).__name__}")
+    _tensors(_fail, (("logits", logits), ("bitmask", bitmask)),
+             (("token_mask", token_mask), ("scratch", scratch)))
     if logits.dim() != 2:
         raise _fail("logits", f"must be 2-D [rows, W], got shape {tuple(logits.shape)}")
     rows, width = logits.shape

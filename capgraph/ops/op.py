@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -88,12 +88,8 @@ def logits_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     Raises:
         TensorArgError: naming the argument and the values received.
     """
-    for name, given in (("logits", logits), ("bitmask", bitmask)):
-        if not isinstance(given, torch.Tensor):
-            raise _fail(name, f"must be a tensor, got {type(given).__name__}")
-    for name, optional in (("token_mask", token_mask), ("d2t", d2t)):
-        if optional is not None and not isinstance(optional, torch.Tensor):
-            raise _fail(name, f"must be a tensor or None, got {type(optional).__name__}")
+    _tensors(_fail, (("logits", logits), ("bitmask", bitmask)),
+             (("token_mask", token_mask), ("d2t", d2t)))
     if isinstance(col_offset, bool) or not isinstance(col_offset, (int, np.integer)):
         raise _fail("col_offset", f"must be an int, got {col_offset!r}")
     col_offset = int(col_offset)
@@ -112,6 +108,18 @@ def logits_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
 
 def _fail(arg: str, problem: str) -> TensorArgError:
     return TensorArgError(f"logits_bitmask: {arg} {problem}")
+
+
+def _tensors(fail: Callable[[str, str], TensorArgError], required: Sequence[tuple[str, Any]],
+             optional: Sequence[tuple[str, Any]]) -> None:
+    """Refuse (``fail(name, problem)``) a ``(name, value)`` of ``required`` that is not a
+    tensor, and one of ``optional`` that is neither a tensor nor None."""
+    for name, given in required:
+        if not isinstance(given, torch.Tensor):
+            raise fail(name, f"must be a tensor, got {type(given).__name__}")
+    for name, given in optional:
+        if given is not None and not isinstance(given, torch.Tensor):
+            raise fail(name, f"must be a tensor or None, got {type(given).__name__}")
 
 
 def _indices_tensor(indices: Sequence[int], device: torch.device) -> torch.Tensor:
