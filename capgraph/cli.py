@@ -3,7 +3,7 @@
     capgraph info                 versions, devices, backends, bundled tokenizers
     capgraph tokenizer [NAME]     load (and convert once) a bundled tokenizer, show its facts
     capgraph bench BENCHMARK      the benchmark suite (build, tail, compile, apply, memory, loop,
-                                  all)
+                                  spec, sglang, all)
     capgraph demo [OPTIONS]       guided generation with a tiny random Llama, outputs validated
 """
 
@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     from .bench import add_arguments as add_bench_arguments
     p = sub.add_parser(
-        "bench", help="benchmark suite (build, tail, compile, apply, memory, loop): tables and "
-        "JSON",
+        "bench", help="benchmark suite (build, tail, compile, apply, memory, loop, spec, sglang, "
+        "all): tables and JSON",
         description="Each sub-benchmark measures capgraph next to its baseline in one run, "
                     "prints a table and writes every figure with the machine and versions to "
                     "JSON (default results/<name>-<UTC timestamp>.json).")

@@ -374,3 +374,16 @@ def test_native_budget_outcomes_equal_the_python_builds(budget_ms):
             dec.close()
     finally:
         factory.close()
+
+
+def test_ambiguous_cost_tool_runs_the_guide_these_tests_use(capsys):
+    """tools/ambiguous_cost.py (the figures docs/RELIABILITY.md quotes) feeds this module's
+    ambiguous grammar, and prints one row per step it reports."""
+    from conftest import load_tool
+
+    tool = load_tool("ambiguous_cost")
+    assert tool.GRAMMAR == AMBIGUOUS[0] and tool.VOCAB == VOCAB
+    assert tool.main(["--tokens", "4", "--every", "2", "--build", "python"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [int(r[0]) for r in rows] == [1, 2, 4]
+    assert all(float(r[1]) >= 0 for r in rows)

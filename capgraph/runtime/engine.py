@@ -89,6 +89,9 @@ def generate(prompts: Sequence[str | Sequence[int]],
             greedy output token for token.
         num_draft_tokens: drafts per sequence per step (an integer >= 1; unused with
             ``draft="none"``).
+        draft_model: the draft LM of ``draft="model"`` / ``"grammar+model"``, with the
+            target's vocabulary (else ``ConfigError``); default a random ``tiny_llama`` (seed
+            ``seed + 1``). Moved to ``device`` and the target's dtype.
         decoder: ``"eager"`` (:class:`~capgraph.decoder.GuidedDecoder`) or ``"capturable"``
             (``capgraph.capturable.CapturableGuidedDecoder``, host work as stream callbacks).
         cuda_graph: capture the decode step in CUDA graphs (one per batch size); default on
