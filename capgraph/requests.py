@@ -301,13 +301,22 @@ def _checked_new_token(token: Any, read: bool, vocab_size: int, bad: Any) -> int
     return value
 
 
-def _int_sequence(values: Any, name: str, what: str, bad: Any) -> Any:
+def _int_sequence(values: Any, name: str, what: str, bad: Any, most: int,
+                  too_many: Any) -> Any:
     """``values`` as something to iterate for ints (a tensor as a list); refuses a string,
-    a mapping, a non-sequence, a tensor or array that is not 1-D or not of integers."""
+    a mapping, a non-sequence, a tensor or array that is not 1-D or not of integers, and one
+    of more than ``most`` items (``too_many(count)``: the message), before it reads an item
+    (a long one, even a broadcast tensor of no memory, costs nothing to refuse)."""
     if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or (
             isinstance(values, (torch.Tensor, np.ndarray)) and values.ndim != 1):
         raise bad(f"{name} {_show(values)} is not a sequence of {what} (list, tuple or 1-D "
                   "integer tensor)")
+    try:
+        count = len(values)
+    except Exception as e:  # noqa: BLE001 - a __len__ that raises is the request's fault
+        raise bad(f"{name}: len() raised {type(e).__name__}: {e}") from None
+    if count > most:
+        raise bad(too_many(count))
     if isinstance(values, torch.Tensor):
         if values.dtype.is_floating_point or values.dtype.is_complex or \
                 values.dtype == torch.bool:
@@ -327,7 +336,9 @@ def checked_parents(parents: Any, num_tokens: int | None, max_drafts: int, bad: 
     """
     if parents is None:
         return None
-    values = _int_sequence(parents, "draft_parents", "node indices", bad)
+    values = _int_sequence(parents, "draft_parents", "node indices", bad, max_drafts,
+                           lambda n: f"a draft tree of {n} nodes exceeds max_num_draft_tokens="
+                                     f"{max_drafts}")
     out = []
     for j, p in enumerate(values):
         value = as_int(p)
@@ -348,7 +359,8 @@ def checked_parents(parents: Any, num_tokens: int | None, max_drafts: int, bad: 
 def _checked_drafts(drafts: Any, max_drafts: int, vocab_size: int, bad: Any) -> list[int] | None:
     if drafts is None:
         return None
-    drafts = _int_sequence(drafts, "draft_tokens", "token ids", bad)
+    drafts = _int_sequence(drafts, "draft_tokens", "token ids", bad, max_drafts,
+                           lambda n: f"{n} draft tokens exceed max_num_draft_tokens={max_drafts}")
     out = []
     for i, t in enumerate(drafts):
         value = as_int(t)

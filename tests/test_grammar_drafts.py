@@ -8,6 +8,7 @@ grammar) with the Tekken tokenizer and the runtime's tiny random Llama, as ``cap
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -346,6 +347,86 @@ def test_forced_tokens_of_an_endless_or_exponential_forced_run_are_bounded():
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("OK")][-1]
     assert line.startswith("OK [[], []]")
     assert float(line.split()[-1]) < 5.0  # (milliseconds here; the walk took 16 s and 4 GB)
+
+
+_STACKED_CHILD = r'''
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+import torch
+from capgraph import GuidedDecodingConfig, GuidedDecodingParams as P
+from capgraph.decoder import GuidedDecoder
+from capgraph.requests import GuidedRequest as R
+from capgraph.tokenizers import load_tokenizer
+tok = load_tokenizer("tekken")
+vocab = tok.get_vocab()
+eq = vocab[max((t for t in vocab if t and set(t) == {"="}), key=len)]
+c = tok.encode("c", add_special_tokens=False)[-1]
+cfg = GuidedDecodingConfig.from_tokenizer(tok, compile_disk_cache_bytes=0)
+dec = GuidedDecoder(cfg, max_num_sequences=1, max_num_draft_tokens=0)
+guide = P.ebnf('root ::= "=" root "' + "b" * 4000 + '" | "c"')
+dec.add_batch([R.context(1, 0, guide)])
+assert dec.execute(torch.zeros(1, len(tok))) == []
+for token in [eq] * 30 + [c]:
+    dec.add_batch([R.generation(1, 0, guide, token)])
+    assert dec.execute(torch.zeros(1, len(tok))) == []
+start = time.perf_counter()
+out = dec.forced_tokens(0, max_tokens=8)
+print("OK", out, round(time.perf_counter() - start, 3))
+'''
+
+
+def test_forced_tokens_of_recursion_that_stacks_forced_text_are_bounded():
+    """Every alternative of ``root ::= "=" root "<4000 b>" | "c"`` completes within 4096 bytes,
+    but each ``=`` written opens a level that forces its 4000 ``b`` once the ``c`` comes:
+    after 30 tokens of ``=`` xgrammar's walk would build megabytes (seconds and gigabytes).
+    The grammar gets no forced text: the answer is at once and empty."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _STACKED_CHILD], capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("OK")][-1]
+    assert line.startswith("OK []")
+    assert float(line.split()[-1]) < 1.0
+
+
+@pytest.mark.parametrize("ebnf,bound", [
+    ('root ::= "=" root "bbbb" | "c"', 4.0),
+    ('root ::= "[" root "]" | "x"', 1.0),
+    ('root ::= "a" root | "b"', 0.0),  # recursion at the end adds nothing
+    ('root ::= x "q"\nx ::= "(" y\ny ::= x ")" "zz" | "!"', 3.0),  # through two rules
+    ('root ::= r3\nr0 ::= "xy"\nr1 ::= r0 r0\nr2 ::= r1 r1\nr3 ::= r2 r2', 0.0),
+    ('root ::= "ab" root', float("inf")),  # no completion
+])
+def test_forced_stack_bound_reads_what_a_level_of_recursion_adds(ebnf, bound):
+    import xgrammar as xgr
+    from capgraph.grammar.forced import forced_stack_bound
+    assert forced_stack_bound(str(xgr.Grammar.from_ebnf(ebnf))) == bound
+
+
+def test_a_jump_forward_walk_too_long_ends_forced_text_for_its_grammar(tekken, monkeypatch):
+    """A walk over MAX_FORCED_WALK_MS (the forced text of recursion nested deep in the
+    output) still answers, and from then on no matcher of that grammar walks again; another
+    grammar's matchers still do."""
+    from capgraph.grammar import forced
+    factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(tekken))
+    try:
+        guide = GuidedDecodingParams.ebnf('root ::= "[" root "]" | "x"')
+        first, second = factory.create(guide), factory.create(guide)
+        other = factory.create(GuidedDecodingParams.regex("ab[0-9]"))
+        walks = []
+
+        def slow() -> str:
+            walks.append(1)
+            time.sleep(2 * forced.MAX_FORCED_WALK_MS / 1e3)
+            return "[x]"
+        first._jump = second._jump = slow
+        assert first.forced_bytes(16) == b"[x]"
+        assert second.forced_bytes(16) == b"" and first.forced_bytes(16) == b""
+        assert walks == [1]
+        assert other.forced_bytes(16) == b"ab"
+    finally:
+        factory.close()
 
 
 @pytest.mark.parametrize("ebnf,bound", [

@@ -403,6 +403,30 @@ def test_draft_token_sequences_are_accepted_alike_on_both_decoders(kind, drafts,
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("field", ["draft_tokens", "draft_parents"])
+@pytest.mark.parametrize("source", ["tensor", "array"])
+def test_a_huge_draft_sequence_is_refused_by_its_length_before_it_is_read(kind, field, source,
+                                                                          make):
+    """A draft sequence of 10**11 items that takes no memory (a broadcast tensor or array)
+    next to a good request: refused by its length alone (reading it first raised a bare
+    MemoryError for the whole batch, or took seconds per 10**7 items), the good row served."""
+    n = 10 ** 11
+    huge = (torch.zeros(1, dtype=torch.long).expand(n) if source == "tensor"
+            else np.broadcast_to(np.int64(0), (n,)))
+    dec, ref = make(kind), make("eager")
+    for d in (dec, ref):
+        assert step(d, contexts((0, ABC), (1, ABC)), torch.zeros(2, V), 2) == []
+    bad = (gen(1, A, draft_tokens=huge) if field == "draft_tokens"
+           else gen(1, A, draft_tokens=[B], draft_parents=huge))
+    got, want = rows(6, 3), rows(6, 3)
+    failed = step(dec, [gen(0, A, draft_tokens=[B, C]), bad], got, 2)
+    assert [rid for rid, _ in failed] == [11]
+    assert "exceed" in failed[0][1] and str(n) in failed[0][1]
+    assert step(ref, [gen(0, A, draft_tokens=[B, C]), gen(1, A)], want, 2) == []
+    assert same(got[:3], want[:3])
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("value", [1.5, "2", True, [1]])
 def test_runtime_draft_len_must_be_an_integer(kind, value, make):
     """runtime_draft_len that is a float, a string, a bool or a list raises LayoutError naming

@@ -140,6 +140,41 @@ def test_capturable_new_request_starts_without_the_last_ones_drafts(factory, hos
     capt.close()
 
 
+@pytest.mark.parametrize("kind", ["eager", "capturable"])
+@pytest.mark.parametrize("build", BUILDS)
+def test_a_context_chunk_on_a_held_slot_leaves_its_owners_rollback(factory, build, kind):
+    """Request 1 drafts 2 1 on slot 0 (its matcher at 1 2 1); before its verification (no
+    draft accepted, bonus 2) is rolled back, a step holds another request's context chunk
+    before its last on slot 0 (an engine that reuses a slot too early). The chunk creates no
+    matcher, so it must not zero slot 0's counts: request 1's rollback then keeps one token,
+    its bonus 2 is accepted and its row allows x alone (the zeroed count rolled back nothing
+    and failed the bonus)."""
+    if kind == "capturable":
+        from capgraph.capturable import CapturableGuidedDecoder
+        dec = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_build=build)
+    else:
+        dec = _decoder(factory, build, 2, 2)
+
+    def step(requests: list, draft_len: int, accepted: int | None = None) -> torch.Tensor:
+        dec.add_batch(requests, runtime_draft_len=draft_len)
+        if accepted is not None:
+            if kind == "capturable":
+                dec.rollback_rejected_batch(torch.tensor([accepted + 1], dtype=torch.int32))
+            else:
+                dec.rollback_rejected_tokens()
+        logits = torch.zeros(dec.requests.num_bitmask_tokens, V)
+        assert (dec.execute(logits) or []) + dec.take_failed_requests() == []
+        return logits
+
+    step([GuidedRequest.context(1, 0, TWO_THEN_X)], 2)
+    step([GuidedRequest.generation(1, 0, TWO_THEN_X, ONE, draft_tokens=[TWO, ONE])], 2)
+    step([GuidedRequest.context(2, 0, DIGITS, last_chunk=False)], 2)
+    logits = step([GuidedRequest.generation(1, 0, TWO_THEN_X, TWO,
+                                            num_accepted_draft_tokens=0)], 0, accepted=0)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [X]
+    dec.close()
+
+
 def _disagg(request_id: int, slot: int, params, token: int) -> GuidedRequest:
     """A first generation step whose prefill ran elsewhere."""
     return GuidedRequest(params, request_id, slot, None, False, False, True, True, token, False,

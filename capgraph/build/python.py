@@ -174,8 +174,13 @@ def _prepare(req: GuidedRequest, offset: int, draft_len: int, seen: set[int],
         raise RequestError(f"seq_slot {slot} appears twice in one batch",
                            request_id=req.request_id, seq_slot=slot)
     seen.add(slot)
-    state.num_advanced_tokens[slot] = state.num_guided_tokens[slot] = 0
     init, advance = req.require_matcher_init(), req.require_matcher_advance()
+    if not (init or advance) and state.matchers[slot] is not None:
+        # (a request that neither creates nor advances the slot's matcher, such as a context
+        # chunk before its last, leaves the counts of the request that matcher serves, whose
+        # rollback may still come: a slot taken over is the last chunk's to reset)
+        return None
+    state.num_advanced_tokens[slot] = state.num_guided_tokens[slot] = 0
     if not (init or advance):
         return None
     drafts = _checked_drafts(req, draft_len, state)

@@ -18,7 +18,8 @@ from typing import Any
 from ..errors import ConfigError
 from .base import GrammarMatcher
 
-__all__ = ["ForcedTokenEncoder", "forced_run_bound", "MAX_FORCED_SEQUENCE_BYTES"]
+__all__ = ["ForcedTokenEncoder", "forced_run_bound", "forced_stack_bound",
+           "MAX_FORCED_SEQUENCE_BYTES", "MAX_FORCED_STACK_BYTES", "MAX_FORCED_WALK_MS"]
 
 
 class ForcedTokenEncoder:
@@ -29,7 +30,8 @@ class ForcedTokenEncoder:
             ``add_special_tokens=False``; a dummy-prefix space is kept off, as
             :func:`capgraph.tokenizers.encode_continuation` does).
         max_bytes_per_token: bytes of forced text asked for per wanted token (the text is
-            bounded before it is encoded, so a long forced run costs no more than this).
+            cut to this before it is encoded, so a long forced run costs no more to encode;
+            the backend's search for it is bounded per grammar, see below).
         keep_last: keep the last token of an encoding that reaches the end of the forced
             text. The text after it is free, and the tokenizer may merge that token with
             what the model writes next, so dropping it trades a draft for a likelier
@@ -131,10 +133,24 @@ class ForcedTokenEncoder:
 # exponential time. :func:`forced_run_bound` reads the grammar once, as xgrammar prints it, and
 # gives the length of the longest shortest completion of any of its sequences: the matcher
 # asks xgrammar for forced text only where that is at most :data:`MAX_FORCED_SEQUENCE_BYTES`.
+# That bounds the text one open rule forces; recursion nests open rules as deep as the output
+# goes, so :func:`forced_stack_bound` bounds what each level of it adds (at most
+# :data:`MAX_FORCED_STACK_BYTES`), and a walk that still runs long (:data:`MAX_FORCED_WALK_MS`)
+# ends forced text for its grammar.
 
 #: Grammars with a sequence (one alternative of a rule) whose shortest completion is longer
 #: than this get no forced text (the xgrammar walk would cost ~0.6 us per byte of it).
 MAX_FORCED_SEQUENCE_BYTES = 4096
+
+#: Grammars where one level of recursion may add more than this to the forced text
+#: (:func:`forced_stack_bound`; JSON's is 1, every schema of the bundled corpus's at most 16)
+#: get no forced text: the walk would grow by that much per level the output nests.
+MAX_FORCED_STACK_BYTES = 16
+
+#: A jump-forward walk longer than this (ms) ends forced text for every matcher of its
+#: grammar: within :data:`MAX_FORCED_STACK_BYTES` a level, the walk still grows with the
+#: nesting of the output (``r ::= "[" r "]" | "x"`` forces one ``]`` per ``[``).
+MAX_FORCED_WALK_MS = 10.0
 
 _INF = float("inf")
 _TOKEN = re.compile(r'''
@@ -189,7 +205,9 @@ def _regex_min(pattern: str) -> float:
 
 class _Reader:
     """Recursive descent over one rule body; builds ('seq', [...]) / ('alt', [...]) /
-    ('lit', n) / ('ref', name) / ('rep', lo, node) nodes."""
+    ('lit', n, exact) / ('ref', name) / ('rep', lo, node, hi) nodes: ``n`` the bytes of the
+    shortest text the element matches, ``exact`` whether it matches that text only (a string;
+    not a class, ``*``, ``?`` or a regex), ``hi`` the most repetitions (None: unbounded)."""
 
     def __init__(self, body: str) -> None:
         self.toks = _tokens(body)
@@ -227,11 +245,13 @@ class _Reader:
                 break
             kind, text, m = self.take()
             if text == "*" or text == "?":
-                node = ("lit", 0.0)
+                node = ("lit", 0.0, False)
             elif text == "+":
-                node = ("rep", 1, node)
+                node = ("rep", 1, node, None)
             else:
-                node = ("rep", max(0, int(m.group("lo"))), node)
+                lo = max(0, int(m.group("lo")))
+                hi = m.group("hi")
+                node = ("rep", lo, node, lo if hi is None else int(hi))
         return node
 
     def atom(self) -> tuple:
@@ -239,15 +259,15 @@ class _Reader:
         if kind == "str":
             body = text[1:-1]
             # escapes count as written: never fewer bytes than they stand for
-            return ("lit", float(len(body.encode("utf-8"))))
+            return ("lit", float(len(body.encode("utf-8"))), True)
         if kind == "cls":
-            return ("lit", 1.0)
+            return ("lit", 1.0, False)
         if kind == "name":
             return ("ref", text)
         if kind == "look":  # a lookahead: matches nothing itself
             self.expr()
             self.close()
-            return ("lit", 0.0)
+            return ("lit", 0.0, True)
         if kind == "call":
             if text != "Regex(":
                 raise _Unreadable(f"unknown element {text}")
@@ -257,7 +277,7 @@ class _Reader:
             while self.peek() is not None and self.peek() != ("op", ")"):
                 self.take()  # (options: json_string=true)
             self.close()
-            return ("lit", _regex_min(_unescape(pattern[1:-1])))
+            return ("lit", _regex_min(_unescape(pattern[1:-1])), False)
         if (kind, text) == ("op", "("):
             node = self.expr()
             self.close()
@@ -269,12 +289,9 @@ class _Reader:
             raise _Unreadable("missing ')'")
 
 
-def forced_run_bound(grammar_text: str) -> float:
-    """The longest shortest completion of any sequence of the grammar ``grammar_text`` (as
-    ``str(xgrammar.Grammar)`` prints it), in bytes; ``inf`` where a rule has no completion or
-    the text cannot be read. The forced text from any state of a matcher is at most this
-    times the nesting depth of the state (each open rule contributes at most its sequence's
-    shortest completion)."""
+def _read_rules(grammar_text: str) -> dict[str, tuple] | None:
+    """The rules of ``grammar_text`` (as ``str(xgrammar.Grammar)`` prints it) by name, as
+    :class:`_Reader` nodes; None where the text cannot be read or holds no rule."""
     rules: dict[str, tuple] = {}
     try:
         for line in grammar_text.splitlines():
@@ -292,42 +309,133 @@ def forced_run_bound(grammar_text: str) -> float:
                 reader.close()
             rules[m.group(1)] = node
     except (_Unreadable, ValueError, RecursionError):
-        return _INF
-    if not rules:
-        return _INF
+        return None
+    return rules or None
+
+
+def _shortest(rules: dict[str, tuple]) -> dict[str, float] | None:
+    """Each rule's shortest completion in bytes (``inf``: none); None on a recursion too deep
+    to read."""
     lengths = {name: _INF for name in rules}
-    seqs: list[tuple] = []
-
-    def length(node: tuple, collect: bool = False) -> float:
-        kind = node[0]
-        if kind == "lit":
-            return node[1]
-        if kind == "ref":
-            return lengths.get(node[1], _INF)
-        if kind == "rep":
-            inner = length(node[2], collect)
-            return 0.0 if node[1] == 0 else node[1] * inner
-        if kind == "alt":
-            return min(length(a, collect) for a in node[1])
-        total = sum((length(n, collect) for n in node[1]), 0.0)
-        if collect:
-            seqs.append(node)
-        return total
-
     try:
         for _ in range(len(rules) + 1):  # shortest lengths: a fixpoint from above
             changed = False
             for name, node in rules.items():
-                new = length(node)
+                new = _length(node, lengths)
                 if new < lengths[name]:
                     lengths[name], changed = new, True
             if not changed:
                 break
-        if any(v == _INF for v in lengths.values()):
-            return _INF
-        seqs.clear()
+    except RecursionError:
+        return None
+    return lengths
+
+
+def _length(node: tuple, lengths: dict[str, float], seqs: list[tuple] | None = None) -> float:
+    """The shortest text ``node`` matches, in bytes, given the rules' ``lengths``; each
+    sequence met is appended to ``seqs``."""
+    kind = node[0]
+    if kind == "lit":
+        return node[1]
+    if kind == "ref":
+        return lengths.get(node[1], _INF)
+    if kind == "rep":
+        inner = _length(node[2], lengths, seqs)
+        return 0.0 if node[1] == 0 else node[1] * inner
+    if kind == "alt":
+        return min(_length(a, lengths, seqs) for a in node[1])
+    total = sum((_length(n, lengths, seqs) for n in node[1]), 0.0)
+    if seqs is not None:
+        seqs.append(node)
+    return total
+
+
+def forced_run_bound(grammar_text: str) -> float:
+    """The longest shortest completion of any sequence of the grammar ``grammar_text`` (as
+    ``str(xgrammar.Grammar)`` prints it), in bytes; ``inf`` where a rule has no completion or
+    the text cannot be read. The forced text from any state of a matcher is at most this
+    times the nesting depth of the state (each open rule contributes at most its sequence's
+    shortest completion); :func:`forced_stack_bound` bounds what recursion adds to that."""
+    rules = _read_rules(grammar_text)
+    lengths = _shortest(rules) if rules is not None else None
+    if rules is None or lengths is None or any(v == _INF for v in lengths.values()):
+        return _INF
+    seqs: list[tuple] = []
+    try:
         for node in rules.values():
-            length(node, collect=True)
-        return max((length(s) for s in seqs), default=0.0)
+            _length(node, lengths, seqs)
+        return max((_length(s, lengths) for s in seqs), default=0.0)
     except RecursionError:
         return _INF
+
+
+def forced_stack_bound(grammar_text: str) -> float:
+    """The most bytes one open level of a recursive rule may add to the forced text, in the
+    grammar ``grammar_text``: over every reference to a rule from which the referring rule can
+    be reached again, the shortest completion of what follows the reference to the end of the
+    referring rule. 0 where no rule recurses, or only at its end (``r ::= "a" r | "b"``);
+    ``inf`` where the text cannot be read or a rule has no completion.
+
+    A state nested ``d`` levels deep in such recursion may force up to ``d`` times this:
+    ``root ::= "=" root "bbbb" | "c"`` forces ``"bbbb"`` once per ``=`` written before the
+    ``c``, and xgrammar's jump-forward walk builds all of it (``d`` grows with the output).
+    Choices are not looked at (an alternative or an optional part may still be forced where
+    its branches agree), so this is an upper bound: JSON's ``{ ... }`` gives 1 (the ``}``
+    after a nested value)."""
+    rules = _read_rules(grammar_text)
+    lengths = _shortest(rules) if rules is not None else None
+    if rules is None or lengths is None or any(v == _INF for v in lengths.values()):
+        return _INF
+    refs = {name: set() for name in rules}  # the rules each rule's body refers to
+
+    def collect(name: str, node: tuple) -> None:
+        kind = node[0]
+        if kind == "ref":
+            refs[name].add(node[1])
+        elif kind in ("seq", "alt"):
+            for child in node[1]:
+                collect(name, child)
+        elif kind == "rep":
+            collect(name, node[2])
+
+    try:
+        for name, node in rules.items():
+            collect(name, node)
+    except RecursionError:
+        return _INF
+    reach: dict[str, set[str]] = {}
+    for name in rules:  # the rules each rule reaches, itself only through a cycle
+        seen: set[str] = set()
+        stack = list(refs[name])
+        while stack:
+            other = stack.pop()
+            if other in seen:
+                continue
+            seen.add(other)
+            stack.extend(refs.get(other, ()))
+        reach[name] = seen
+    worst = 0.0
+
+    def tails(name: str, node: tuple, tail: float) -> None:
+        nonlocal worst
+        kind = node[0]
+        if kind == "ref":
+            if node[1] in rules and name in reach[node[1]]:
+                worst = max(worst, tail)
+        elif kind == "alt":
+            for child in node[1]:
+                tails(name, child, tail)
+        elif kind == "rep":  # (later repetitions may follow: at least lo - 1 of them)
+            tails(name, node[2], tail + max(node[1] - 1, 0) * _length(node[2], lengths))
+        elif kind == "seq":
+            after = tail
+            for child in reversed(node[1]):
+                tails(name, child, after)
+                after += _length(child, lengths)
+
+    try:
+        for name, node in rules.items():
+            tails(name, node, 0.0)
+    except RecursionError:
+        return _INF
+    return worst

@@ -21,7 +21,8 @@ from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory, whole_ut
 from .compile_pool import run_lowered
 from .converter_log import captured, exclusive
 from .disk_cache import serialized_bytes_estimate, source_digest
-from .forced import MAX_FORCED_SEQUENCE_BYTES, forced_run_bound
+from .forced import (MAX_FORCED_SEQUENCE_BYTES, MAX_FORCED_STACK_BYTES, MAX_FORCED_WALK_MS,
+                     forced_run_bound, forced_stack_bound)
 from .process_pool import CompileHere, ProcessCompilePool
 from .utf8 import GUARD_BYTES, INVALID, Utf8Guard, Utf8Tables, utf8_tables
 from .schema_policy import (describe, plain_tag_schema, unenforced_in_tag, unenforced_in_text,
@@ -881,7 +882,9 @@ class XGrammarMatcher(GrammarMatcher):
     def forced_bytes(self, max_bytes: int) -> bytes:
         """xgrammar's jump-forward string (whole characters only), cut to ``max_bytes``; empty
         for a grammar on which xgrammar's walk, which has no length bound, could be long
-        (:func:`_jump_forward_ok`)."""
+        (:func:`_jump_forward_ok`), and from the first walk on a grammar that took longer than
+        :data:`~capgraph.grammar.forced.MAX_FORCED_WALK_MS` (recursion nested deep enough:
+        :func:`~capgraph.grammar.forced.forced_stack_bound`) for every matcher of it."""
         if self._terminated or max_bytes <= 0:
             return b""
         if not self._jump_ok:
@@ -890,12 +893,17 @@ class XGrammarMatcher(GrammarMatcher):
             self._jump_ok = _jump_forward_ok(self._compiled)
             if not self._jump_ok:
                 return b""
+        start = time.perf_counter()
         try:
             forced = self._jump()
         except Exception as e:  # noqa: BLE001 - xgrammar's errors, as capgraph's
             raise MatcherError(f"xgrammar's jump-forward search failed: "
                                f"{type(e).__name__}: {str(e).strip()[:200]}",
                                backend=BACKEND) from e
+        if (time.perf_counter() - start) * 1e3 > MAX_FORCED_WALK_MS:
+            # (the walk grows with the nesting: later ones would be longer still)
+            self._jump_ok = False
+            _stop_jump_forward(self._compiled)
         return whole_utf8_prefix(forced.encode(), max_bytes) if forced else b""
 
     def sync_state(self) -> None:
@@ -949,12 +957,16 @@ _JUMP_OK_LOCK = threading.RLock()  # (re-entered where a weakref callback runs i
 
 def _jump_forward_ok(compiled: xgr.CompiledGrammar | None) -> bool:
     """Whether xgrammar's jump-forward walk is bounded on ``compiled``: every rule of its
-    grammar has a completion and no sequence's shortest completion is longer than
+    grammar has a completion, no sequence's shortest completion is longer than
     :data:`~capgraph.grammar.forced.MAX_FORCED_SEQUENCE_BYTES`
-    (:func:`~capgraph.grammar.forced.forced_run_bound`). The walk stops only at the end of
-    the forced text, so on ``root ::= "ab" root`` it never returns (memory runs out) and on
-    a grammar of exponentially long completions it takes exponential time; those grammars
-    get no forced text. Read once per compiled grammar (~10 ms for a large schema); None (a
+    (:func:`~capgraph.grammar.forced.forced_run_bound`), and no level of recursion adds more
+    than :data:`~capgraph.grammar.forced.MAX_FORCED_STACK_BYTES` to the forced text
+    (:func:`~capgraph.grammar.forced.forced_stack_bound`). The walk stops only at the end of
+    the forced text, so on ``root ::= "ab" root`` it never returns (memory runs out), on a
+    grammar of exponentially long completions it takes exponential time, and on
+    ``root ::= "=" root "<4000 bytes>" | "c"`` it builds 4000 bytes per ``=`` written; those
+    grammars get no forced text. Read once per compiled grammar (~10 ms for a large schema),
+    and False from a walk on it that ran too long (:func:`_stop_jump_forward`); None (a
     matcher built without its grammar): False."""
     if compiled is None:
         return False
@@ -964,17 +976,37 @@ def _jump_forward_ok(compiled: xgr.CompiledGrammar | None) -> bool:
     if known is not None and known[0]() is compiled:
         return known[1]
     try:
-        ok = forced_run_bound(str(compiled.grammar)) <= MAX_FORCED_SEQUENCE_BYTES
+        text = str(compiled.grammar)
+        ok = forced_run_bound(text) <= MAX_FORCED_SEQUENCE_BYTES \
+            and forced_stack_bound(text) <= MAX_FORCED_STACK_BYTES
     except Exception:  # noqa: BLE001 - an unreadable grammar: no forced text
         ok = False
+    _remember_jump_ok(compiled, ok)
+    return ok
+
+
+def _stop_jump_forward(compiled: xgr.CompiledGrammar | None) -> None:
+    """No more forced text on ``compiled`` (a walk on it ran past
+    :data:`~capgraph.grammar.forced.MAX_FORCED_WALK_MS`)."""
+    if compiled is not None:
+        _remember_jump_ok(compiled, False)
+
+
+def _remember_jump_ok(compiled: xgr.CompiledGrammar, ok: bool) -> None:
+    key = id(compiled)
+
     def forget(ref: weakref.ref[Any]) -> None:
         with _JUMP_OK_LOCK:
             if _JUMP_OK.get(key, (None,))[0] is ref:
                 del _JUMP_OK[key]
 
     with _JUMP_OK_LOCK:
+        known = _JUMP_OK.get(key)
+        if known is not None and known[0]() is compiled:
+            if not ok:  # (a walk too long stays so)
+                _JUMP_OK[key] = (known[0], False)
+            return
         _JUMP_OK[key] = (weakref.ref(compiled, forget), ok)
-    return ok
 
 
 def _delegate_handle(matcher: GrammarMatcher) -> Any:
