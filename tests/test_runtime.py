@@ -315,6 +315,89 @@ def test_draft_count_seed_and_prompt_containers_are_checked(sp, model):
     assert len(out[0].tokens) == 2 and out[0].num_draft_tokens == 2  # (one step of 2 drafts)
 
 
+def test_argument_kinds_are_named_before_any_work(sp, model, monkeypatch):
+    """An argument of the wrong kind is a ConfigError naming it and the value, raised before
+    the tokenizer, model or grammar is touched: not a bare RuntimeError from torch.device, a
+    TypeError from SamplingParams, an AttributeError from a string model / factory /
+    tokenizer; and nothing is silently taken as something else (bytes read as token ids, a
+    bool temperature or top_k read as 1, a string flag read as true, a draft model no
+    drafter reads)."""
+    import capgraph.tokenizers
+    from capgraph import ConfigError
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the tokenizer was loaded before the argument check")
+
+    monkeypatch.setattr(capgraph.tokenizers, "load_tokenizer", no_load)
+    cases = [
+        (dict(device="nowhere"), "device='nowhere' is not a torch device"),
+        (dict(device=None), "device=None is not a torch device"),
+        (dict(device="meta"), "device='meta': expected a CPU or CUDA device"),
+        (dict(temperature=None), "temperature=None must be a finite number"),
+        (dict(temperature="0.7"), "temperature='0.7' must be a finite number"),
+        (dict(temperature=True), "temperature=True must be a finite number"),
+        (dict(temperature=float("inf")), "temperature=inf must be a finite number"),
+        (dict(temperature=float("nan")), "temperature=nan must be a finite number"),
+        (dict(temperature=1.0, top_k=True), "top_k=True must be an int"),
+        (dict(temperature=1.0, top_k=2.0), "top_k=2.0 must be an int"),
+        (dict(model="llama"), "model is a str ('llama'): expected a torch.nn.Module"),
+        (dict(draft="model", draft_model="x"), "draft_model is a str"),
+        (dict(draft="ngram", draft_model=model), "draft_model is given but draft='ngram'"),
+        (dict(factory="xgrammar"), "factory='xgrammar': expected a GrammarMatcherFactory"),
+        (dict(tokenizer="tekken"), "tokenizer='tekken': expected a tokenizer object"),
+        (dict(tokenizer=object()), "tokenizer is a object: expected a Hugging Face"),
+        (dict(progress="yes"), "progress='yes': expected a bool or a callable"),
+        (dict(progress=1), "progress=1: expected a bool or a callable"),
+        (dict(cuda_graph="no"), "cuda_graph='no': expected True, False or None"),
+        (dict(batch_after_launch="yes"), "batch_after_launch='yes': expected True"),
+    ]
+    for kwargs, message in cases:
+        kwargs = {"model": model, "tokenizer": None, **kwargs}
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            generate(["x"], GuidedDecodingParams.regex("a"), max_new_tokens=1, **kwargs)
+    # bytes are a sequence of ints, but not token ids
+    for prompt in (b"hi", bytearray(b"hi")):
+        with pytest.raises(ConfigError, match=re.escape(
+                f"prompts[0] is {type(prompt).__name__}: expected a string or a sequence")):
+            generate([prompt], model=model, tokenizer=sp, max_new_tokens=1)
+    # a CUDA index this machine lacks, named before torch touches the device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=re.escape("device='cuda:3': this machine has 1 CUDA")):
+        generate(["x"], model=model, device="cuda:3", max_new_tokens=1)
+
+
+def test_sampling_params_take_numbers_only():
+    """SamplingParams keeps a float temperature and an int top_k: NumPy numbers are taken,
+    a bool, text or a non-finite temperature is a ConfigError naming the field."""
+    import numpy as np
+
+    from capgraph import ConfigError
+    p = SamplingParams(np.float32(0.5), np.int64(3), seed=1)
+    assert (p.temperature, p.top_k) == (0.5, 3)
+    assert type(p.temperature) is float and type(p.top_k) is int
+    assert SamplingParams(1, 0).temperature == 1.0 and not SamplingParams(1, 0).greedy
+    for temperature in (-1.0, None, "1", False, float("-inf")):
+        with pytest.raises(ConfigError, match="SamplingParams.temperature="):
+            SamplingParams(temperature)
+    for top_k in (-1, False, "3", 1.5):
+        with pytest.raises(ConfigError, match="SamplingParams.top_k="):
+            SamplingParams(1.0, top_k)
+
+
+def test_numpy_flags_are_taken(sp, model):
+    """NumPy bools are taken as the flags they are (progress, cuda_graph), as NumPy integers
+    are as counts."""
+    import numpy as np
+    seen = []
+    out = generate(["x"], model=model, tokenizer=sp, max_new_tokens=1,
+                   cuda_graph=np.bool_(False), progress=np.bool_(False))
+    assert len(out[0].tokens) == 1
+    out = generate(["x"], model=model, tokenizer=sp, max_new_tokens=1,
+                   progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 1)]
+
+
 @pytest.mark.parametrize("decoder", ["eager", pytest.param("capturable", marks=needs_capturable)])
 @pytest.mark.parametrize("draft", ["none", "ngram"])
 def test_graph_path_on_cpu_equals_eager(sp, model, factory, greedy_run, decoder, draft):

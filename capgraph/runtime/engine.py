@@ -21,8 +21,9 @@ import torch
 from ..capturable import CapturableGuidedDecoder
 from ..decoder import GuidedDecoder
 from ..errors import ConfigError
+from ..grammar.base import GrammarMatcherFactory
 from ..params import GuidedDecodingConfig, GuidedDecodingParams
-from ..requests import as_int
+from ..requests import _flag, as_int
 from ..tokenizers import decode_continuation
 from .drafter import Drafter, GrammarDrafter, ModelDrafter, NgramDrafter
 from .guide import GuideDriver, StageClock
@@ -74,11 +75,12 @@ def generate(prompts: Sequence[str | Sequence[int]],
     """Generate a continuation of each prompt, each following its own guide.
 
     Args:
-        prompts: texts (encoded with ``tokenizer``) or token-id lists.
+        prompts: texts (encoded with ``tokenizer``) or token-id lists (not bytes).
         guides: one :class:`GuidedDecodingParams` or None per prompt, or one for all.
         model: a causal LM; default a :func:`tiny_llama` with random weights (seed ``seed``)
             sized to the tokenizer.
-        tokenizer: a Hugging Face fast tokenizer; default ``load_tokenizer("tekken")``.
+        tokenizer: a Hugging Face fast tokenizer object (not a name: ``load_tokenizer``
+            loads one); default ``load_tokenizer("tekken")``.
         max_new_tokens: the length limit per request (finish reason ``"length"``).
         max_batch_size: sequence slots; more requests wait and join as slots free.
         draft: ``"none"``, ``"model"`` (a second small LM, ``draft_model`` or a random
@@ -91,20 +93,23 @@ def generate(prompts: Sequence[str | Sequence[int]],
             ``draft="none"``).
         draft_model: the draft LM of ``draft="model"`` / ``"grammar+model"``, with the
             target's vocabulary (else ``ConfigError``); default a random ``tiny_llama`` (seed
-            ``seed + 1``). Moved to ``device`` and the target's dtype.
+            ``seed + 1``). Moved to ``device`` and the target's dtype. With another ``draft``,
+            a ``ConfigError`` (no drafter would read it).
         decoder: ``"eager"`` (:class:`~capgraph.decoder.GuidedDecoder`) or ``"capturable"``
             (``capgraph.capturable.CapturableGuidedDecoder``, host work as stream callbacks).
         cuda_graph: capture the decode step in CUDA graphs (one per batch size); default on
             when ``device`` is CUDA. With the capturable decoder the graph holds forward, mask
             and sampling; with the eager one, forward (and sampling when nothing is guided).
             On CPU, True runs the graph path's padded static-buffer step eagerly instead.
-        device: where the model runs (the model is moved there).
-        temperature, top_k, seed: sampling (``temperature=0`` is greedy).
+        device: where the model runs (the model is moved there): ``"cpu"``, ``"cuda"`` or
+            ``"cuda:N"`` (or such a ``torch.device``) of this machine.
+        temperature, top_k, seed: sampling (``temperature=0`` is greedy): a finite number
+            >= 0, an integer >= 0, an integer (see :class:`SamplingParams`).
         progress: show a progress bar on stderr, or a callable ``(finished, total)``.
         backend: grammar backend when ``factory`` is None (``"xgrammar"`` / ``"llguidance"``).
         factory: a matcher factory to reuse (its config must have the model's vocabulary);
             default: built for ``tokenizer`` with compact JSON (no free whitespace, so a
-            model cannot loop on it).
+            model cannot loop on it). Not a backend name: that is ``backend``.
         host_node: the capturable decoder's ``host_node`` argument (which host function its
             step runs, passed through unchecked); None leaves the decoder's default. Needs
             ``decoder="capturable"``.
@@ -113,6 +118,10 @@ def generate(prompts: Sequence[str | Sequence[int]],
             (``CapturableGuidedDecoder.set_batch_after_launch``). None (default): where it can
             (the capturable decoder on its native host node, CUDA graphs on a CUDA device, no
             speculation); False: never; True: required (a ``ConfigError`` where it cannot).
+
+    Raises:
+        ConfigError: an argument of the wrong type or out of range, naming it; raised before
+            any model, tokenizer or grammar work where the check needs none of them.
 
     Returns:
         :class:`GenerationResults`: one :class:`GenerationResult` per prompt, in order, with
@@ -151,7 +160,10 @@ def _replay_blocks() -> str | None:
 
 def _token_ids(prompt: object, index: int, vocab_size: int) -> list[int]:
     """A prompt given as token ids, checked: a sequence of integers in the vocabulary (a
-    float is not truncated, nor a bool read as 0 / 1)."""
+    float is not truncated, nor a bool read as 0 / 1, nor bytes read as their byte values)."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise ConfigError(f"prompts[{index}] is {type(prompt).__name__}: expected a string or "
+                          "a sequence of token ids (decode the bytes to a str first)")
     try:
         tokens = list(prompt)  # type: ignore[call-overload]
     except TypeError:
@@ -163,6 +175,62 @@ def _token_ids(prompt: object, index: int, vocab_size: int) -> list[int]:
             raise ConfigError(f"prompts[{index}][{k}] is {t!r}: expected a token id in "
                               f"[0, {vocab_size})")
     return ids  # type: ignore[return-value]
+
+
+def _device(device: object) -> torch.device:
+    """``device`` as a torch device where the loop can run: the CPU or a CUDA device that this
+    machine has; anything else is a ``ConfigError`` naming it (it was a bare RuntimeError or
+    TypeError from ``torch.device``, or from the first use of the device)."""
+    try:
+        dev = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError, ValueError):  # (torch's message lists its overloads)
+        raise ConfigError(f"device={device!r} is not a torch device: expected 'cpu', 'cuda' "
+                          "or 'cuda:N' (or a torch.device)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device!r}: expected a CPU or CUDA device ('cpu', "
+                          "'cuda' or 'cuda:N')")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r} requested but no CUDA device is available")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f"device={device!r}: this machine has {count} CUDA device(s)")
+    return dev
+
+
+def _check_objects(*, model: object, tokenizer: object, draft: str, draft_model: object,
+                   factory: object, progress: object, cuda_graph: object,
+                   batch_after_launch: object) -> None:
+    """Refuse, before any model, tokenizer or grammar work, an argument of the wrong kind:
+    a bare AttributeError or TypeError from deep inside the loop before, or (a flag that is
+    not a bool, a draft model no drafter reads) silently taken as something else."""
+    for name, value in (("model", model), ("draft_model", draft_model)):
+        if value is not None and not isinstance(value, torch.nn.Module):
+            raise ConfigError(f"{name} is a {type(value).__name__} ({value!r:.60}): expected a "
+                              "torch.nn.Module (a causal LM) or None")
+    if draft_model is not None and not draft.endswith("model"):
+        raise ConfigError(f"draft_model is given but draft={draft!r} uses no draft model "
+                          "(draft='model' or 'grammar+model' does)")
+    if tokenizer is not None:
+        if isinstance(tokenizer, (str, bytes, os.PathLike)):
+            raise ConfigError(f"tokenizer={tokenizer!r}: expected a tokenizer object, not a "
+                              "name or path (capgraph.tokenizers.load_tokenizer loads one)")
+        if not (callable(getattr(tokenizer, "encode", None))
+                and callable(getattr(tokenizer, "decode", None))
+                and hasattr(tokenizer, "__len__")):
+            raise ConfigError(f"tokenizer is a {type(tokenizer).__name__}: expected a Hugging "
+                              "Face tokenizer (with encode, decode and len()) or None")
+    if factory is not None and not isinstance(factory, GrammarMatcherFactory):
+        hint = (" (backend= picks the grammar backend by name)" if isinstance(factory, str)
+                else "")
+        raise ConfigError(f"factory={factory!r:.60}: expected a GrammarMatcherFactory "
+                          f"(capgraph.grammar.create_matcher_factory) or None{hint}")
+    if _flag(progress) is None and not callable(progress):
+        raise ConfigError(f"progress={progress!r}: expected a bool or a callable "
+                          "(finished, total)")
+    for name, value in (("cuda_graph", cuda_graph), ("batch_after_launch", batch_after_launch)):
+        if value is not None and _flag(value) is None:
+            raise ConfigError(f"{name}={value!r}: expected True, False or None")
 
 
 class _Engine:
@@ -183,6 +251,12 @@ class _Engine:
         if host_node is not None and decoder != "capturable":
             raise ConfigError(f"host_node={host_node!r} needs decoder='capturable' (the eager "
                               f"decoder runs no host node), got decoder={decoder!r}")
+        _check_objects(model=model, tokenizer=tokenizer, draft=draft, draft_model=draft_model,
+                       factory=factory, progress=progress, cuda_graph=cuda_graph,
+                       batch_after_launch=batch_after_launch)
+        progress = progress if callable(progress) else _flag(progress)
+        cuda_graph = None if cuda_graph is None else _flag(cuda_graph)
+        batch_after_launch = None if batch_after_launch is None else _flag(batch_after_launch)
         self._decoder_options = {} if host_node is None else {"host_node": host_node}
         K = 0
         if draft != "none":
@@ -201,9 +275,7 @@ class _Engine:
             sampling = dataclasses.replace(sampling, seed=seed)
         if K and not sampling.greedy:
             raise ConfigError("speculative decoding verifies greedily: use temperature=0")
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device={device!r} requested but no CUDA device is available")
+        self.device = _device(device)
         if tokenizer is None:
             from ..tokenizers import load_tokenizer
             tokenizer = load_tokenizer("tekken")

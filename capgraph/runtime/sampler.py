@@ -9,11 +9,14 @@ capture (register the generator with the graph, see :class:`Sampler`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..requests import as_int
 
 __all__ = ["SamplingParams", "Sampler", "greedy", "sample_no_sync"]
 
@@ -26,8 +29,10 @@ class SamplingParams:
     """How a token is picked from a logits row.
 
     Args:
-        temperature: 0 for greedy (argmax); > 0 divides the logits before sampling.
-        top_k: keep only the ``top_k`` largest logits (0 keeps all); ignored when greedy.
+        temperature: 0 for greedy (argmax); > 0 divides the logits before sampling. A finite
+            number (kept as a float); a bool or text is a ``ConfigError``.
+        top_k: keep only the ``top_k`` largest logits (0 keeps all); ignored when greedy. An
+            integer >= 0 (a NumPy integer is taken; a bool or a float is a ``ConfigError``).
         seed: seed of the sampler's generator (reproducible draws for the same inputs).
     """
 
@@ -36,10 +41,19 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ConfigError(f"SamplingParams.temperature={self.temperature} must be >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        # a number, not a bool read as 0 / 1 nor text (a bare TypeError from ``>=`` before);
+        # finite: an infinite temperature turns the masked logits' -inf into NaN
+        temperature = self.temperature
+        if isinstance(temperature, (bool, np.bool_)) or not isinstance(
+                temperature, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(temperature) or not temperature >= 0:
+            raise ConfigError(f"SamplingParams.temperature={temperature!r} must be a finite "
+                              "number >= 0")
+        top_k = as_int(self.top_k)  # (a bool is not read as 1, a NumPy integer is taken)
+        if top_k is None or top_k < 0:
             raise ConfigError(f"SamplingParams.top_k={self.top_k!r} must be an int >= 0")
+        object.__setattr__(self, "temperature", float(temperature))
+        object.__setattr__(self, "top_k", top_k)
 
     @property
     def greedy(self) -> bool:
