@@ -16,7 +16,7 @@ import time
 from importlib import metadata
 from typing import Sequence
 
-__all__ = ["main"]
+__all__ = ["main", "read_text_file", "read_json_file", "json_kind"]
 
 
 def _version(dist: str) -> str:
@@ -24,6 +24,47 @@ def _version(dist: str) -> str:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return "not installed"
+
+
+def read_text_file(path: str, option: str) -> str:
+    """The text of the file a command-line option names; a missing file, a directory, an
+    unreadable file or one that is not UTF-8 is a :class:`~capgraph.errors.ConfigError` naming
+    the option and the file (``capgraph: error: ...``), not a traceback."""
+    from .errors import ConfigError
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{option} {path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{option} {path}: is a directory, expected a file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{option} {path}: not UTF-8 text (byte {e.start}: {e.reason})") \
+            from None
+    except (OSError, ValueError) as e:  # (no permission, a NUL in the path, ...)
+        raise ConfigError(f"{option} {path}: cannot read it "
+                          f"({getattr(e, 'strerror', None) or e})") from None
+
+
+def read_json_file(path: str, option: str) -> object:
+    """The JSON value of the file a command-line option names (see :func:`read_text_file`);
+    text that is not JSON is a ``ConfigError`` naming the file, the line and the column."""
+    import json
+
+    from .errors import ConfigError
+    text = read_text_file(path, option)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{option} {path}: invalid JSON at line {e.lineno} column "
+                          f"{e.colno}: {e.msg}") from None
+
+
+def json_kind(value: object) -> str:
+    """The JSON name of a parsed JSON value's kind (``object``, ``array``, ``string``, ...)."""
+    kinds = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
+             float: "number", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from .params import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 
-__all__ = ["DATE_REGEX", "KV_GRAMMAR", "bundled_schema", "demo_guides", "validate", "run_demo",
-           "add_arguments"]
+__all__ = ["DATE_REGEX", "KV_GRAMMAR", "bundled_schema", "read_schema_file", "demo_guides",
+           "validate", "run_demo", "add_arguments"]
 
 DATE_REGEX = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
 
@@ -45,6 +45,19 @@ def bundled_schema() -> dict:
     """The tool-call JSON schema shipped in ``capgraph/data/tool_call_schema.json``."""
     text = importlib.resources.files("capgraph").joinpath("data/tool_call_schema.json").read_text()
     return json.loads(text)
+
+
+def read_schema_file(path: str) -> dict:
+    """The JSON schema of ``--schema``: a JSON object (a string would be read as schema text,
+    a list is no schema); anything else, or a file that cannot be read or parsed, is a
+    :class:`~capgraph.errors.ConfigError` naming the file."""
+    from .cli import json_kind, read_json_file
+    from .errors import ConfigError
+    schema = read_json_file(path, "--schema")
+    if not isinstance(schema, dict):
+        raise ConfigError(f"--schema {path}: expected a JSON object (a JSON schema), got a "
+                          f"JSON {json_kind(schema)}")
+    return schema
 
 
 def demo_guides(schema: dict) -> list[GuidedDecodingParams]:
@@ -112,6 +125,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Generate, print each output with its validation and the timing breakdown."""
+    # the schema file first: a bad one is named before any heavy import or load
+    schema = read_schema_file(args.schema) if args.schema else bundled_schema()
     import torch
 
     from .grammar import create_matcher_factory
@@ -120,10 +135,6 @@ def run_demo(args: argparse.Namespace) -> int:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)  # this process is ours: the CLI owns it
-    schema = bundled_schema()
-    if args.schema:
-        with open(args.schema) as f:
-            schema = json.load(f)
     tok = load_tokenizer("tekken")
     factory = create_matcher_factory(
         GuidedDecodingConfig.from_tokenizer(tok, json_whitespace="compact"))

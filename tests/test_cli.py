@@ -89,3 +89,51 @@ def test_validate_catches_bad_outputs(sp_factory):
     wrong = encode_continuation(tok, "ba") + [eos]
     assert validate(SimpleNamespace(finish_reason="stop", text="ba", tokens=wrong), ebnf,
                     sp_factory).ok is False
+
+
+def test_bad_input_files_are_named_errors(tmp_path, capsys):
+    """A `--schema` (demo) or `--data` (bench) file that is missing, a directory, not UTF-8,
+    not JSON or not a JSON object ends as `capgraph: error: ...` naming the option, the file
+    and what is wrong (with line and column for bad JSON), exit status 1: not a traceback
+    (FileNotFoundError, IsADirectoryError, a JSONDecodeError that names no file), and a JSON
+    string is not read as schema text."""
+    from capgraph import ConfigError
+    from capgraph.bench.tail import load_records
+    from capgraph.cli import main
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "object",\n')
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b'{"title": "caf\xe9"}')
+    text = tmp_path / "text.json"
+    text.write_text('"{\\"type\\": \\"object\\"}"')
+    missing = tmp_path / "missing.json"
+    for path, what in ((missing, "no such file"), (tmp_path, "is a directory"),
+                       (bad, "invalid JSON at line 2 column 1: Expecting property name"),
+                       (latin, "not UTF-8 text"),
+                       (text, "expected a JSON object (a JSON schema), got a JSON string")):
+        assert main(["demo", "--schema", str(path), "--num-requests", "1"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"capgraph: error: --schema {path}: {what}"), err
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"id": 1, "schema": {}}\n\n[1, 2]\n')
+    with pytest.raises(ConfigError, match="--data .*records.jsonl line 3: expected a JSON "
+                                          "object \\(a record\\), got a JSON array"):
+        load_records(str(records))
+    records.write_text('{"id": 1, "schema": {}}\n{"id": 2,}\n')
+    with pytest.raises(ConfigError, match="line 2: invalid JSON at column 10"):
+        load_records(str(records))
+    with pytest.raises(ConfigError, match="missing.json: no such file"):
+        load_records(str(missing))
+    assert len(load_records()) > 0  # (the bundled records)
+
+
+def test_bad_schema_file_exits_without_traceback(tmp_path):
+    """The same through the installed command: one `capgraph: error:` line naming the file,
+    exit status 1, no traceback."""
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "object",\n')
+    out = run_cli("demo", "--schema", str(bad), cwd=tmp_path)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip() == (f"capgraph: error: --schema {bad}: invalid JSON at line 2 "
+                                  "column 1: Expecting property name enclosed in double quotes")

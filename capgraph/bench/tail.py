@@ -24,7 +24,6 @@ import argparse
 import json
 import time
 from importlib import resources
-from pathlib import Path
 
 from .common import Column, pick, print_table, summarize
 
@@ -44,12 +43,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_records(path: str | None = None) -> list[dict]:
-    """The benchmark records: ``{"id", "category", "schema", "instances": [...]}`` per line."""
-    if path:
-        text = Path(path).read_text()
-    else:
+    """The benchmark records: ``{"id", "category", "schema", "instances": [...]}`` per line.
+
+    ``path`` is the ``--data`` file of the commands that read records: a file that cannot be
+    read, a line that is not JSON or not a JSON object is a
+    :class:`~capgraph.errors.ConfigError` naming the file and the line, not a traceback."""
+    if not path:
         text = resources.files("capgraph").joinpath("data", DATA).read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    from capgraph.cli import json_kind, read_text_file
+    from capgraph.errors import ConfigError
+    records = []
+    for number, line in enumerate(read_text_file(path, "--data").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--data {path} line {number}: invalid JSON at column {e.colno}: "
+                              f"{e.msg}") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"--data {path} line {number}: expected a JSON object (a record), "
+                              f"got a JSON {json_kind(record)}")
+        records.append(record)
+    return records
 
 
 def valid_instances(record: dict) -> tuple[list, list[str]]:
