@@ -575,11 +575,37 @@ class GuidedDecoder:
     def release(self, seq_slot: int) -> None:
         """Forget the matcher and counters of a slot whose request has finished.
 
+        A guided request of the latest batch on that slot that no step has built yet (a
+        release between ``add_batch`` and ``execute``) fails at once with a
+        :class:`~capgraph.errors.RequestError` (delivered by the step's failures): its step
+        has no matcher for it, and its rows take no mask.
+
         Raises:
             RequestError: ``seq_slot`` is outside ``[0, max_num_sequences)``.
             DecoderClosedError: the decoder was closed.
         """
-        self._release_now(self._release_slot(seq_slot))
+        slot = self._release_slot(seq_slot)
+        self._fail_unbuilt_on(slot)
+        self._release_now(slot)
+
+    def _fail_unbuilt_on(self, slot: int) -> None:
+        """Each guided request on ``slot`` of the latest batch, where no step has built it,
+        replaced by an unguided stand-in with its rows and failed: the slot was released."""
+        batch = self.requests
+        if batch is None or self._batch_built:
+            return
+        reqs = batch.requests
+        failed = []
+        for i, req in enumerate(reqs):
+            if req.guided_decoding_params is not None and req.seq_slot == slot:
+                rid = _request_id(req)
+                reqs[i] = GuidedRequest.stand_in(req.request_id,
+                                                 bool(req.is_context_init_state),
+                                                 bool(req.is_draft))
+                failed.append((rid, f"RequestError: seq_slot {slot} was released after "
+                                    f"add_batch queued request {rid}: its step has no matcher "
+                                    "for it"))
+        self._record_failed(failed)
 
     def _release_slot(self, seq_slot: object) -> int:
         """Free ``seq_slot`` for admission (the next ``add_batch`` may place a new request

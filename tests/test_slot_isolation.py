@@ -211,3 +211,21 @@ def test_a_disaggregated_first_step_gets_its_own_matcher(factory, build, release
     failed, logits = _step(dec, [GuidedRequest.generation(2, 0, AB, A)])
     assert failed == [] and torch.isfinite(logits[0]).nonzero().flatten().tolist() == [A, B, EOS]
     dec.close()
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_a_release_between_add_batch_and_execute_fails_the_released_request(factory, build):
+    """Slot 0 is released after add_batch queued its generation request: that request fails
+    with a RequestError naming the release (its step has no matcher for it, so serving its
+    row would have been unguided without a word); slot 1's request is masked as before."""
+    dec = _decoder(factory, build, 2, 0)
+    _step(dec, [GuidedRequest.context(1, 0, DIGITS), GuidedRequest.context(2, 1, DIGITS)])
+    dec.add_batch([GuidedRequest.generation(1, 0, DIGITS, ONE),
+                   GuidedRequest.generation(2, 1, DIGITS, ONE)])
+    dec.release(0)
+    logits = torch.zeros(2, V)
+    failed = dec.execute(logits)
+    assert [rid for rid, _ in failed] == [1]
+    assert "RequestError" in failed[0][1] and "released" in failed[0][1]
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [ONE, TWO, EOS]
+    dec.close()

@@ -386,7 +386,7 @@ def forced_stack_bound(grammar_text: str) -> float:
     lengths = _shortest(rules) if rules is not None else None
     if rules is None or lengths is None or any(v == _INF for v in lengths.values()):
         return _INF
-    refs = {name: set() for name in rules}  # the rules each rule's body refers to
+    refs: dict[str, set[str]] = {name: set() for name in rules}  # what each body refers to
 
     def collect(name: str, node: tuple) -> None:
         kind = node[0]
