@@ -33,6 +33,15 @@ PROBE_IDS = [f"{p.keyword}-{p.context}".replace(" ", "_") for p in table.PROBES]
 # The issue's reproductions and the classes it names, each with an instance that violates
 # only the constraint at stake.
 ISSUE_EXAMPLES = {
+    # number bounds a backend compares as another number (its double, written short)
+    "number_minimum_past_2_53": ({"type": "number", "minimum": 2**53 + 1}, 2**53),
+    "number_exclusive_bound_with_a_fraction": (
+        {"type": "number", "exclusiveMaximum": 123456789012.3}, 123456789012.3),
+    "number_bound_of_16_digits": (
+        {"type": "number", "exclusiveMaximum": 96836.12535043583}, 96836.12535043583),
+    "number_whole_float_bound": ({"type": "number", "minimum": 9007199254740991.0},
+                                 9007199254740990),
+    "integer_float_bound_past_2_53": ({"type": "integer", "exclusiveMinimum": 1e16}, 10**16),
     "multipleOf_number": ({"type": "number", "multipleOf": 120}, 7),
     "maxLength_next_to_pattern": ({"type": "string", "pattern": "^a+$", "maxLength": 2}, "aaa"),
     "allOf_two_branches": ({"allOf": [{"type": "integer"}, {"minimum": 0}]}, -1),
@@ -257,6 +266,14 @@ def test_converter_warnings_restores_stderr_when_the_body_raises(capfd):
     # draft-04's exclusiveMinimum is a boolean modifier: a number there is no bound of its own
     ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer", "minimum": 5,
       "exclusiveMinimum": 3}, [("exclusiveMinimum", "")]),
+    # a number's bound is written with six decimals of its double: exact where that is it
+    ({"type": "number", "minimum": 2.5, "exclusiveMaximum": 1e6}, []),
+    ({"type": "number", "maximum": 1.2345678}, [("maximum", "")]),
+    ({"type": ["number", "null"], "exclusiveMinimum": 123456789012.3},
+     [("exclusiveMinimum", "")]),
+    ({"type": "number", "maximum": 2**53}, []),
+    ({"type": "number", "maximum": 2**53 + 1}, [("maximum", "")]),
+    ({"type": "integer", "minimum": 2**53 + 1, "maximum": 1.2345678}, []),
 ])
 def test_policy_findings_xgrammar(schema, expected):
     """The xgrammar allow-list: names and annotations are not keywords, no-op values constrain
@@ -352,6 +369,12 @@ def test_policy_findings_xgrammar(schema, expected):
     ({"type": "number", "exclusiveMinimum": True}, [("exclusiveMinimum", "")]),
     ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "number",
       "maximum": 1, "exclusiveMaximum": True}, [("exclusiveMaximum", "")]),
+    # a bound is compared written with 15 significant digits; a whole double past 2**53 is
+    # not exact; an integer bound up to 2**53 is
+    ({"type": "number", "minimum": 0.1, "maximum": 12345678901234.5}, []),
+    ({"type": "number", "exclusiveMaximum": 96836.12535043583}, [("exclusiveMaximum", "")]),
+    ({"type": "integer", "exclusiveMinimum": 1e16}, [("exclusiveMinimum", "")]),
+    ({"type": "integer", "minimum": 1234567890123457}, []),
 ])
 def test_policy_findings_llguidance(schema, expected):
     """The llguidance allow-list: listed names next to additional ones (a listed name spelled

@@ -29,6 +29,7 @@ warnings, llguidance's grammar warnings) are a second net, applied by the backen
 from __future__ import annotations
 
 import contextlib
+import decimal
 import functools
 import json
 import threading
@@ -555,6 +556,51 @@ def _llg_exact_numbers(node: _Node) -> str | None:
     return None
 
 
+def _llg_exact_bound(node: _Node) -> str | None:
+    """A number bound llguidance compares exactly: as :func:`_llg_exact_numbers`, and a
+    double it writes back with 15 significant digits (``exclusiveMaximum``
+    96836.12535043583 lets that number through; ``minimum`` 9007199254740991.0 lets
+    9007199254740990 through), and no whole double past 2**53 (``exclusiveMinimum`` 1e16 of
+    an integer lets 10000000000000000 through). An integer bound up to 2**53 is exact."""
+    found = _llg_exact_numbers(node)
+    bound = node.value
+    if found is not None or not isinstance(bound, float) or bound != bound \
+            or abs(bound) == float("inf"):
+        return found
+    if bound.is_integer() and abs(bound) > _EXACT_DOUBLE_INT:
+        return f"llguidance reads the bound {bound!r} as a double past 2**53, not exact"
+    if float(f"{bound:.15g}") != bound:
+        return (f"llguidance compares with the bound {bound!r} written to 15 significant "
+                f"digits ({bound:.15g}), another number")
+    return None
+
+
+def _xgrammar_exact_bound(node: _Node) -> str | None:
+    """A bound of a ``number`` that xgrammar's range compares exactly: xgrammar reads it as a
+    double and writes that with six decimals, so an integer past 2**53 is rounded
+    (``minimum`` 2**53 + 1 lets 2**53 through), and a bound whose six-decimal form is not its
+    value is another number (``exclusiveMaximum`` 123456789012.3 is written
+    123456789012.300003 and lets 123456789012.3 through; ``maximum`` 1.2345678 is written
+    1.234568). An ``integer``'s bounds are exact."""
+    types = node.schema.get("type")
+    if "number" not in (types if isinstance(types, list) else [types]):
+        return None
+    bound = node.value
+    if isinstance(bound, bool) or not isinstance(bound, (int, float)):
+        return None
+    if isinstance(bound, int):
+        if abs(bound) > _EXACT_DOUBLE_INT:
+            return (f"xgrammar reads the bound {bound} of a 'number' as a double, rounded "
+                    "(integers past 2**53 are not exact)")
+        return None
+    if bound != bound or abs(bound) == float("inf"):
+        return None
+    if decimal.Decimal(f"{bound:.6f}") != decimal.Decimal(repr(bound)):
+        return (f"xgrammar writes the bound {bound!r} of a 'number' as {bound:.6f} (six "
+                "decimals of its double), another number")
+    return None
+
+
 def _xgrammar_int64(node: _Node) -> str | None:
     """xgrammar writes a ``const`` / ``enum`` integer outside the signed 64-bit range as a
     double (``const`` 2**64 + 1 produces 1.8446744073709552e+19)."""
@@ -902,9 +948,12 @@ XGRAMMAR: dict[str, Rule] = {
     "type": _known_type,
     "enum": _xgrammar_values,
     "const": _xgrammar_values,
-    "minimum": _all(_needs_type, _number_bound), "maximum": _all(_needs_type, _number_bound),
-    "exclusiveMinimum": _all(_needs_type, _number_bound, _exclusive_form),
-    "exclusiveMaximum": _all(_needs_type, _number_bound, _exclusive_form),
+    "minimum": _all(_needs_type, _number_bound, _xgrammar_exact_bound),
+    "maximum": _all(_needs_type, _number_bound, _xgrammar_exact_bound),
+    "exclusiveMinimum": _all(_needs_type, _number_bound, _exclusive_form,
+                             _xgrammar_exact_bound),
+    "exclusiveMaximum": _all(_needs_type, _number_bound, _exclusive_form,
+                             _xgrammar_exact_bound),
     "multipleOf": _all(_needs_type, _integer_multiple,
                        _without("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")),
     # enforced once the backend repairs the character class of length-limited strings
@@ -942,9 +991,9 @@ XGRAMMAR: dict[str, Rule] = {
 LLGUIDANCE: dict[str, Rule] = {
     "type": _known_type,
     "enum": _llg_exact_numbers, "const": _llg_exact_numbers,
-    "minimum": _llg_exact_numbers, "maximum": _llg_exact_numbers,
-    "exclusiveMinimum": _all(_exclusive_form, _llg_exact_numbers, _llg_narrow_exclusive),
-    "exclusiveMaximum": _all(_exclusive_form, _llg_exact_numbers, _llg_narrow_exclusive),
+    "minimum": _llg_exact_bound, "maximum": _llg_exact_bound,
+    "exclusiveMinimum": _all(_exclusive_form, _llg_exact_bound, _llg_narrow_exclusive),
+    "exclusiveMaximum": _all(_exclusive_form, _llg_exact_bound, _llg_narrow_exclusive),
     "multipleOf": _llg_exact_numbers,
     "minLength": _ok, "maxLength": _ok, "pattern": _ok,
     "format": _formats(LLGUIDANCE_FORMATS, "llguidance"),
