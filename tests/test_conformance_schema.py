@@ -42,6 +42,14 @@ ISSUE_EXAMPLES = {
     "number_whole_float_bound": ({"type": "number", "minimum": 9007199254740991.0},
                                  9007199254740990),
     "integer_float_bound_past_2_53": ({"type": "integer", "exclusiveMinimum": 1e16}, 10**16),
+    # an enum's values checked against their siblings as ECMA-262 and the formats read them
+    "enum_next_to_a_class_python_reads_as_posix": (
+        {"type": "string", "pattern": "^[[:alpha:]]$", "enum": ["b", "a"]}, "b"),
+    "enum_next_to_email": ({"type": "string", "format": "email", "enum": ["@", "a@b.c"]}, "@"),
+    "pattern_property_matching_a_listed_name_in_ecma_only": (
+        {"type": "object", "properties": {"\ufeff": {"type": "string"}},
+         "patternProperties": {"^\\s$": {"type": "integer"}}, "additionalProperties": False},
+        {"\ufeff": 1}),
     "multipleOf_number": ({"type": "number", "multipleOf": 120}, 7),
     "maxLength_next_to_pattern": ({"type": "string", "pattern": "^a+$", "maxLength": 2}, "aaa"),
     "allOf_two_branches": ({"allOf": [{"type": "integer"}, {"minimum": 0}]}, -1),
@@ -274,6 +282,24 @@ def test_converter_warnings_restores_stderr_when_the_body_raises(capfd):
     ({"type": "number", "maximum": 2**53}, []),
     ({"type": "number", "maximum": 2**53 + 1}, [("maximum", "")]),
     ({"type": "integer", "minimum": 2**53 + 1, "maximum": 1.2345678}, []),
+    # enum values and listed names are read against patterns as ECMA-262 reads them
+    ({"type": "string", "pattern": "^[[:alpha:]]$", "enum": ["b", "a"]}, [("enum", "")]),
+    ({"type": "string", "pattern": "^[A-Z][a-z]+$", "enum": ["London\n"]}, [("enum", "")]),
+    ({"type": "string", "pattern": "^\\d{3}$", "enum": ["\u0661\u0662\u0663"]},
+     [("enum", "")]),
+    ({"type": "string", "pattern": "^a{,3}$", "enum": ["aa"]}, [("enum", "")]),
+    ({"type": "string", "pattern": "^.$", "enum": ["\u2028"]}, [("enum", "")]),
+    ({"type": "string", "pattern": "^[A-Z][a-z]+$", "enum": ["London", "Paris"]}, []),
+    ({"type": "object", "properties": {"\ufeff": {"type": "string"}},
+      "patternProperties": {"^\\s$": {"type": "integer"}}}, [("patternProperties", "")]),
+    # ... and against a format by its definition (jsonschema's email check wants only an @)
+    ({"type": "string", "format": "email", "enum": ["@"]}, [("enum", "")]),
+    ({"type": "string", "format": "email", "enum": ["a@b.c", "x.y@ex-ample.org"]}, []),
+    ({"type": "string", "format": "uuid", "enum": ["12345678-1234-1234-1234-1234-5678-9abc"]},
+     [("enum", "")]),
+    ({"type": "string", "format": "uuid", "enum": ["12345678-1234-1234-1234-123456789abc"]},
+     []),
+    ({"type": "string", "format": "uri", "enum": ["http://x"]}, [("enum", "")]),
 ])
 def test_policy_findings_xgrammar(schema, expected):
     """The xgrammar allow-list: names and annotations are not keywords, no-op values constrain

@@ -325,22 +325,68 @@ def _regex_budget() -> Iterator[None]:
 
 
 def _search(pattern: str, text: str) -> bool:
-    """Whether ``pattern`` matches somewhere in ``text`` (as ``re.search``), on the ``regex``
-    module within what is left of the running check's budget.
+    """Whether the ECMA-262 regex ``pattern`` (a schema's ``pattern`` or ``patternProperties``
+    key) matches somewhere in ``text``, as ECMA-262 reads it (:func:`_as_ecma`), on the
+    ``regex`` module within what is left of the running check's budget.
 
     Raises:
         RegexUndecided: past the budget (outside a budgeted check: one of its own).
-        regex.error: ``pattern`` does not compile.
+        regex.error: ``pattern`` does not compile, or is no ECMA-262 regex capgraph reads.
     """
     deadline = getattr(_budget, "deadline", None)
     left = REGEX_CHECK_SECONDS if deadline is None else deadline - time.perf_counter()
     if left <= 0:
         raise RegexUndecided(f"pattern {pattern[:40]!r}: over {REGEX_CHECK_SECONDS} s")
     try:
-        return regex.search(pattern, text, timeout=left) is not None
+        return regex.search(_as_ecma(pattern), text, flags=regex.ASCII,
+                            timeout=left) is not None
     except TimeoutError:
         raise RegexUndecided(f"pattern {pattern[:40]!r}: over {REGEX_CHECK_SECONDS} s") \
             from None
+
+
+_RUST_HEX = regex.compile(r"\\x\{([0-9A-Fa-f]+)\}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _as_ecma(pattern: str) -> str:
+    """The ECMA-262 regex ``pattern`` written for the ``regex`` module (searched with its
+    ASCII flag, so that ``\\b`` is ECMA's) with ECMA's meaning: every class, ``\\d``,
+    ``\\w``, ``\\s`` and ``.`` written out as ECMA reads them (as for llguidance:
+    :func:`~capgraph.grammar.semantics.ecma_regex`; ``[[:alpha:]]`` is a class and a ``]``,
+    ``\\s`` holds U+FEFF, ``\\d`` is ASCII), ``{,3}`` literal text, and ``$`` only at the
+    end (Python's ``$`` also matches before a final newline).
+
+    Raises:
+        regex.error: ``pattern`` is no ECMA-262 regex capgraph reads (the message says why).
+    """
+    from .semantics import ecma_regex
+    try:
+        rust = ecma_regex(pattern, "llguidance", "JSON_SCHEMA")
+    except Exception as e:  # noqa: BLE001 - refused constructs: not checkable here
+        raise regex.error(f"{type(e).__name__}: {e}") from None
+    out: list[str] = []
+    i, in_class = 0, False
+    while i < len(rust):
+        c = rust[i]
+        if c == "\\":
+            m = _RUST_HEX.match(rust, i)
+            if m is not None:
+                out.append(f"\\U{int(m.group(1), 16):08X}")
+                i = m.end()
+            else:
+                out.append(rust[i:i + 2])
+                i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "$":
+            c = "\\Z"
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def _one_pattern_disjoint(node: _Node) -> str | None:
@@ -380,17 +426,19 @@ def _enum_covers_siblings(node: _Node) -> str | None:
         warnings.simplefilter("ignore")
         cls = validators.validator_for({"$schema": declared} if isinstance(declared, str)
                                        else {}, default=Draft202012Validator)
-    unchecked = sorted(f for f in _formats_in(rest) if f not in cls.FORMAT_CHECKER.checkers)
+    unchecked = sorted(f for f in _formats_in(rest) if f not in cls.FORMAT_CHECKER.checkers
+                       or f not in _EXACT_FORMAT_VALUES)
     if unchecked:
         return (f"capgraph cannot check the {node.keyword} values against format "
-                f"{unchecked[0]!r}, which xgrammar would not apply next to them")
+                f"{unchecked[0]!r} by its definition, which xgrammar would not apply next "
+                "to them")
     if _keys_in(rest) >= {"unevaluatedProperties", "patternProperties"}:
         # (jsonschema matches those patterns with Python's backtracking 're')
         return (f"capgraph cannot check the {node.keyword} values against "
                 "'unevaluatedProperties' next to 'patternProperties'")
     try:
         cls.check_schema(rest)
-        validator = _bounded_regexes(cls)(rest, format_checker=cls.FORMAT_CHECKER)
+        validator = _bounded_regexes(cls)(rest, format_checker=_exact_formats(cls))
         bad = [v for v in values if not validator.is_valid(v)]
     except RegexUndecided:
         return (f"capgraph cannot check the {node.keyword} values against the sibling "
@@ -402,6 +450,45 @@ def _enum_covers_siblings(node: _Node) -> str | None:
         return (f"xgrammar lets {json.dumps(bad[0])[:40]} through, which the sibling keywords "
                 "refuse")
     return None
+
+
+def _exact_format_values() -> dict[str, Any]:
+    """Per format, a test that a value is one by the format's definition, where jsonschema's
+    own check is looser (``email``: it asks only for an ``@``; ``uuid``: it takes braces and
+    extra hyphens) or a value's form is fixed: capgraph's exact patterns
+    (:data:`~capgraph.grammar.formats.FORMAT_PATTERNS`), a UUID's hex groups, and for
+    ``email`` the dot-atom form of RFC 5321 at a hostname (stricter than the definition: a
+    quoted local part or an address literal is not shown to be one)."""
+    from .formats import FORMAT_PATTERNS
+    tests = {name: regex.compile(pattern) for name, pattern in FORMAT_PATTERNS.items()}
+    atom = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
+    tests["uuid"] = regex.compile("^[0-9A-Fa-f]{8}(?:-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12}$")
+    tests["email"] = regex.compile(f"^{atom}(?:\\.{atom})*@" + FORMAT_PATTERNS["hostname"][1:])
+    return {name: (lambda value, t=test: t.fullmatch(value) is not None)
+            for name, test in tests.items()}
+
+
+#: The formats an ``enum`` / ``const`` next to them is checked against by definition
+#: (:func:`_exact_formats`); next to any other the values cannot be shown to be one.
+_EXACT_FORMAT_VALUES = _exact_format_values()
+
+
+@functools.lru_cache(maxsize=None)
+def _exact_formats(cls: Any) -> Any:
+    """``cls``'s format checker (a jsonschema validator class's) with each format of
+    :data:`_EXACT_FORMAT_VALUES` also checked by its definition (a string must pass both)."""
+    from jsonschema import FormatChecker
+    base = cls.FORMAT_CHECKER
+    checker = FormatChecker(list(base.checkers))
+    for name, (func, raises) in base.checkers.items():
+        exact = _EXACT_FORMAT_VALUES.get(name)
+        if exact is None:
+            continue
+
+        def both(value: Any, func: Any = func, exact: Any = exact) -> bool:
+            return func(value) and (not isinstance(value, str) or exact(value))
+        checker.checkers[name] = (both, raises)
+    return checker
 
 
 @functools.lru_cache(maxsize=None)
