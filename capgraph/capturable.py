@@ -107,6 +107,9 @@ class _Put:
     #: an advance_batch step's tokens, one per request of ``batch`` (the previous put's batch,
     #: shared): a Python step writes them into the generation requests' ``new_token``
     tokens: list | None = None
+    #: the failures of requests whose slot was released while the put was queued (they are
+    #: stand-ins by now), recorded when its step runs (not where the put is discarded)
+    released: list = field(default_factory=list)
 
 
 def _callback(name: str) -> Callable:
@@ -1053,7 +1056,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
         Admission sees the slot free at once (the next ``add_batch`` may place a new request
         there); the matcher goes in stream order: at once where the stream is idle, else as a
         host call after the steps queued before it, which still mask the finished request's
-        rows (an engine running ahead releases a request whose last step is in flight).
+        rows (an engine running ahead releases a request whose last step is in flight). With
+        no step in flight, a guided request on the slot in a batch still queued fails with a
+        :class:`~capgraph.errors.RequestError` when that batch's step runs (its rows take no
+        mask; a batch discarded fails nothing).
 
         Raises:
             RequestError: ``seq_slot`` is outside ``[0, max_num_sequences)``.
@@ -1062,6 +1068,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         slot = self._release_slot(seq_slot)
         self._events += 1  # (the latest batch cannot simply continue: advance_batch)
         if self._streams.is_capturing() or self._stream_idle():
+            self._fail_queued_on(slot)
             self._release_now(slot)
             return
 
@@ -1069,6 +1076,29 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._node_collect()  # (the node's steps before this one are read first)
             self._release_now(slot)
         hostfunc.launch(release_in_order)
+
+    def _fail_queued_on(self, slot: int) -> None:
+        """With no step in flight, each guided request on ``slot`` of a batch still queued
+        (its step not launched yet, so it would find the slot released) replaced by an
+        unguided stand-in with its rows, failing by name when that step runs (as the eager
+        decoder's release fails an unbuilt one); a matcher it would install is not installed
+        by Python."""
+        self._node_collect()  # (the puts of steps that ran leave the queue first)
+        with self._collect_lock:
+            for put in self._queue:
+                reqs = put.batch.requests
+                for i, req in enumerate(reqs):
+                    if req.guided_decoding_params is None or req.seq_slot != slot:
+                        continue
+                    rid = _request_id(req)
+                    reqs[i] = GuidedRequest.stand_in(req.request_id,
+                                                     bool(req.is_context_init_state),
+                                                     bool(req.is_draft))
+                    put.released.append(
+                        (rid, f"RequestError: seq_slot {slot} was released after add_batch "
+                              f"queued request {rid} (epoch {put.epoch}) and before its step: "
+                              "that step has no matcher for it"))
+                put.installs = [(s, m) for s, m in put.installs if s != slot]
 
     def _stream_idle(self) -> bool:
         """Whether the current stream (torch's on CUDA, hostfunc's on the CPU stand-in) has
@@ -1298,6 +1328,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._popped = True
             if error is None:
                 self._ran_epoch = taken[-1].epoch
+                self._record_failed(taken[-1].released)
             else:
                 self._events += 1  # (a step that masks nothing: no batch of it continues)
         if self._node_active and not self._in_node:
@@ -1725,16 +1756,16 @@ class CapturableGuidedDecoder(GuidedDecoder):
 
     def _plain_records(self, node: HostNode) -> tuple[int, int] | None:
         """``(records, newest epoch)`` of the node's unread records where every one is a
-        plain step (:meth:`HostNode.pending`) of a put that installs no matcher; ``(0, -1)``
-        where there are none; None where one is not plain."""
+        plain step (:meth:`HostNode.pending`) of a put that installs no matcher and fails no
+        released request; ``(0, -1)`` where there are none; None where one is not plain."""
         records, latest, plain = node.pending()
         if not plain:
             return None
         for put in self._queue:
             if put.epoch > latest:
                 break
-            if put.installs:  # (reading its record sets the slots' matchers here)
-                return None
+            if put.installs or put.released:  # (reading its record sets the slots'
+                return None  # matchers here, or fails the requests of released slots)
         return records, latest
 
     def _apply_node_results(self, results: list[tuple]) -> None:
@@ -1784,6 +1815,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         put = queue.popleft()
         batch = put.batch
         self._fetched_epoch = self._ran_epoch = epoch
+        self._record_failed(put.released)
         self.requests_hostfunc = batch
         if kind == _DRAFT_START:  # (a drafting loop took the batch: its builds follow, and a
             self._open_draft = batch  # later build or rollback ends it if its end never runs)

@@ -224,6 +224,9 @@ class GuidedDecoder:
         self._batch_built = False  # the eager execute/build of the latest add_batch has run
         self._pending_compiles: dict[int, CompileHandle] = {}
         self._failed: list[FailedRequest] = []
+        # the latest batch and the failures of its requests whose slot was released before
+        # it was built (recorded when it is built: release)
+        self._released: tuple[GuidedRequests, list[FailedRequest]] | None = None
         self._failed_lock = threading.Lock()  # callbacks record failures from other threads
         #: close() was called: every step method refuses (DecoderClosedError)
         self._closed = False
@@ -576,9 +579,10 @@ class GuidedDecoder:
         """Forget the matcher and counters of a slot whose request has finished.
 
         A guided request of the latest batch on that slot that no step has built yet (a
-        release between ``add_batch`` and ``execute``) fails at once with a
-        :class:`~capgraph.errors.RequestError` (delivered by the step's failures): its step
-        has no matcher for it, and its rows take no mask.
+        release between ``add_batch`` and ``execute``) fails with a
+        :class:`~capgraph.errors.RequestError` when that batch's step runs (a batch replaced
+        by the next ``add_batch`` fails nothing): its step has no matcher for it, and its rows
+        take no mask.
 
         Raises:
             RequestError: ``seq_slot`` is outside ``[0, max_num_sequences)``.
@@ -590,12 +594,15 @@ class GuidedDecoder:
 
     def _fail_unbuilt_on(self, slot: int) -> None:
         """Each guided request on ``slot`` of the latest batch, where no step has built it,
-        replaced by an unguided stand-in with its rows and failed: the slot was released."""
+        replaced by an unguided stand-in with its rows, to fail when that batch is built
+        (:meth:`_take_unbuilt_batch`): the slot was released."""
         batch = self.requests
         if batch is None or self._batch_built:
             return
         reqs = batch.requests
-        failed = []
+        if self._released is None or self._released[0] is not batch:
+            self._released = (batch, [])
+        failed = self._released[1]
         for i, req in enumerate(reqs):
             if req.guided_decoding_params is not None and req.seq_slot == slot:
                 rid = _request_id(req)
@@ -605,7 +612,6 @@ class GuidedDecoder:
                 failed.append((rid, f"RequestError: seq_slot {slot} was released after "
                                     f"add_batch queued request {rid}: its step has no matcher "
                                     "for it"))
-        self._record_failed(failed)
 
     def _release_slot(self, seq_slot: object) -> int:
         """Free ``seq_slot`` for admission (the next ``add_batch`` may place a new request
@@ -1104,6 +1110,9 @@ class GuidedDecoder:
             raise QueueEpochError(f"{caller}: the batch of the latest add_batch was already "
                                   "built; call add_batch for the next step first")
         self._batch_built = True
+        released, self._released = self._released, None
+        if released is not None and released[0] is self.requests:
+            self._record_failed(released[1])
 
     def _require_batch(self) -> GuidedRequests:
         if self.requests is None:

@@ -229,3 +229,66 @@ def test_a_release_between_add_batch_and_execute_fails_the_released_request(fact
     assert "RequestError" in failed[0][1] and "released" in failed[0][1]
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [ONE, TWO, EOS]
     dec.close()
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+@pytest.mark.parametrize("captured", [False, True])
+def test_capturable_release_before_a_queued_step_fails_the_released_request(
+        factory, host_node, captured):
+    """With no step in flight, slot 0 is released after add_batch queued its generation
+    request and before its step runs (eagerly, or a replay of a captured step: the native
+    node's job already queued): that request fails with a RequestError naming the release;
+    slot 1's request is masked as before."""
+    import hostfunc
+    from capgraph.capturable import CapturableGuidedDecoder
+    from capgraph.errors import ConfigError
+    try:
+        capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory,
+                                       host_node=host_node)
+    except ConfigError as e:
+        pytest.skip(f"host_node={host_node!r} is unavailable here: {e}")
+    logits = torch.zeros(2, V)
+    contexts = [GuidedRequest.context(1, 0, DIGITS), GuidedRequest.context(2, 1, DIGITS)]
+    capt.add_batch(contexts)
+    if captured:
+        graph = hostfunc.HostGraph()
+        with hostfunc.capture(graph):
+            capt.execute(logits)
+        capt.add_batch(contexts)
+        graph.replay()
+        hostfunc.drain()
+    else:
+        capt.execute(logits)
+    assert capt.take_failed_requests() == []
+    capt.add_batch([GuidedRequest.generation(1, 0, DIGITS, ONE),
+                    GuidedRequest.generation(2, 1, DIGITS, ONE)])
+    capt.release(0)
+    logits.zero_()
+    if captured:
+        graph.replay()
+        hostfunc.drain()
+    else:
+        capt.execute(logits)
+    failed = capt.take_failed_requests()
+    assert [rid for rid, _ in failed] == [1]
+    assert "RequestError" in failed[0][1] and "released" in failed[0][1]
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [ONE, TWO, EOS]
+    capt.close()
+
+
+@pytest.mark.parametrize("kind", ["eager", "capturable"])
+def test_a_released_request_whose_batch_never_runs_fails_nothing(factory, kind):
+    """The released request's batch is replaced by the next add_batch (eager) or discarded
+    (capturable) before any step runs it: nothing is reported failed."""
+    from capgraph.capturable import CapturableGuidedDecoder
+    dec = (CapturableGuidedDecoder(factory.config, 2, 0, factory=factory) if kind == "capturable"
+           else _decoder(factory, "python", 2, 0))
+    dec.add_batch([GuidedRequest.context(1, 0, DIGITS)])
+    dec.release(0)
+    if kind == "capturable":
+        assert dec.discard_queued_batches() == 1
+    dec.add_batch([GuidedRequest.context(2, 1, DIGITS)])
+    logits = torch.zeros(1, V)
+    assert (dec.execute(logits) or []) + dec.take_failed_requests() == []
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [ONE, TWO]
+    dec.close()

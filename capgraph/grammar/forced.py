@@ -205,9 +205,7 @@ def _regex_min(pattern: str) -> float:
 
 class _Reader:
     """Recursive descent over one rule body; builds ('seq', [...]) / ('alt', [...]) /
-    ('lit', n, exact) / ('ref', name) / ('rep', lo, node, hi) nodes: ``n`` the bytes of the
-    shortest text the element matches, ``exact`` whether it matches that text only (a string;
-    not a class, ``*``, ``?`` or a regex), ``hi`` the most repetitions (None: unbounded)."""
+    ('lit', n) / ('ref', name) / ('rep', lo, node) nodes."""
 
     def __init__(self, body: str) -> None:
         self.toks = _tokens(body)
@@ -245,13 +243,11 @@ class _Reader:
                 break
             kind, text, m = self.take()
             if text == "*" or text == "?":
-                node = ("lit", 0.0, False)
+                node = ("lit", 0.0)
             elif text == "+":
-                node = ("rep", 1, node, None)
+                node = ("rep", 1, node)
             else:
-                lo = max(0, int(m.group("lo")))
-                hi = m.group("hi")
-                node = ("rep", lo, node, lo if hi is None else int(hi))
+                node = ("rep", max(0, int(m.group("lo"))), node)
         return node
 
     def atom(self) -> tuple:
@@ -259,15 +255,15 @@ class _Reader:
         if kind == "str":
             body = text[1:-1]
             # escapes count as written: never fewer bytes than they stand for
-            return ("lit", float(len(body.encode("utf-8"))), True)
+            return ("lit", float(len(body.encode("utf-8"))))
         if kind == "cls":
-            return ("lit", 1.0, False)
+            return ("lit", 1.0)
         if kind == "name":
             return ("ref", text)
         if kind == "look":  # a lookahead: matches nothing itself
             self.expr()
             self.close()
-            return ("lit", 0.0, True)
+            return ("lit", 0.0)
         if kind == "call":
             if text != "Regex(":
                 raise _Unreadable(f"unknown element {text}")
@@ -277,7 +273,7 @@ class _Reader:
             while self.peek() is not None and self.peek() != ("op", ")"):
                 self.take()  # (options: json_string=true)
             self.close()
-            return ("lit", _regex_min(_unescape(pattern[1:-1])), False)
+            return ("lit", _regex_min(_unescape(pattern[1:-1])))
         if (kind, text) == ("op", "("):
             node = self.expr()
             self.close()
