@@ -189,6 +189,9 @@ class GuidedDecoder:
             self.device = torch.device(device)
         except (RuntimeError, TypeError) as e:
             raise ConfigError(f"device={device!r} is not a torch device ({e})") from None
+        if self.device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"device={device!r}: the decoder runs on a CPU or CUDA device "
+                              "('cpu', 'cuda' or 'cuda:N')")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device={self.device} requested but no CUDA device is available")
         self._owns_factory = factory is None  # a shared factory is closed by its owner

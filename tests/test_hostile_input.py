@@ -796,7 +796,7 @@ def test_compile_cache_env_must_be_a_finite_byte_count(env, monkeypatch):
     ({"max_num_sequences": True}, "max_num_sequences"),
     ({"max_num_draft_tokens": "1"}, "max_num_draft_tokens"),
     ({"vocab_size_padded": 64.0}, "vocab_size_padded"), ({"device": "nowhere"}, "device"),
-    ({"factory": "xgrammar"}, "factory")])
+    ({"device": "meta"}, "device"), ({"factory": "xgrammar"}, "factory")])
 @pytest.mark.parametrize("kind", KINDS)
 def test_decoder_constructor_arguments_are_checked(kind, args, name, factory):
     """GuidedDecoder / CapturableGuidedDecoder arguments of the wrong type raise ConfigError
