@@ -115,13 +115,24 @@ def test_bad_input_files_are_named_errors(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith(f"capgraph: error: --schema {path}: {what}"), err
     records = tmp_path / "records.jsonl"
-    records.write_text('{"id": 1, "schema": {}}\n\n[1, 2]\n')
+    ok = '{"id": 1, "schema": {}, "instances": [1]}'
+    records.write_text(ok + '\n\n[1, 2]\n')
     with pytest.raises(ConfigError, match="--data .*records.jsonl line 3: expected a JSON "
                                           "object \\(a record\\), got a JSON array"):
         load_records(str(records))
-    records.write_text('{"id": 1, "schema": {}}\n{"id": 2,}\n')
+    records.write_text(ok + '\n{"id": 2,}\n')
     with pytest.raises(ConfigError, match="line 2: invalid JSON at column 10"):
         load_records(str(records))
+    records.write_text(ok + '\n{"id": 2, "schema": {}}\n')
+    with pytest.raises(ConfigError, match="line 2: the record has no 'instances'"):
+        load_records(str(records))
+    records.write_text(ok + '\n{"id": 2, "schema": "{}", "instances": []}\n')
+    with pytest.raises(ConfigError, match="line 2: 'schema' must be a JSON schema \\(object or "
+                                          "boolean\\), got a JSON string"):
+        load_records(str(records))
+    one = tmp_path / "one.jsonl"
+    one.write_text(ok + "\n")
+    assert load_records(str(one)) == [{"id": 1, "schema": {}, "instances": [1]}]
     with pytest.raises(ConfigError, match="missing.json: no such file"):
         load_records(str(missing))
     assert len(load_records()) > 0  # (the bundled records)

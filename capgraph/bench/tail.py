@@ -46,8 +46,9 @@ def load_records(path: str | None = None) -> list[dict]:
     """The benchmark records: ``{"id", "category", "schema", "instances": [...]}`` per line.
 
     ``path`` is the ``--data`` file of the commands that read records: a file that cannot be
-    read, a line that is not JSON or not a JSON object is a
-    :class:`~capgraph.errors.ConfigError` naming the file and the line, not a traceback."""
+    read, a line that is not JSON or not a JSON object, or a record without its ``id``,
+    ``schema`` or ``instances``, is a :class:`~capgraph.errors.ConfigError` naming the file
+    and the line, not a traceback."""
     if not path:
         text = resources.files("capgraph").joinpath("data", DATA).read_text()
         return [json.loads(line) for line in text.splitlines() if line.strip()]
@@ -65,6 +66,16 @@ def load_records(path: str | None = None) -> list[dict]:
         if not isinstance(record, dict):
             raise ConfigError(f"--data {path} line {number}: expected a JSON object (a record), "
                               f"got a JSON {json_kind(record)}")
+        for key, kinds, what in (("id", (str, int), "a string or integer"),
+                                 ("schema", (dict, bool), "a JSON schema (object or boolean)"),
+                                 ("instances", (list,), "a list of JSON values")):
+            if key not in record:
+                raise ConfigError(f"--data {path} line {number}: the record has no {key!r} "
+                                  f"(each holds 'id', 'schema' and 'instances')")
+            if not isinstance(record[key], kinds) or isinstance(record[key], bool) \
+                    and bool not in kinds:
+                raise ConfigError(f"--data {path} line {number}: {key!r} must be {what}, got "
+                                  f"a JSON {json_kind(record[key])}")
         records.append(record)
     return records
 
