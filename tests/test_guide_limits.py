@@ -615,3 +615,16 @@ def test_a_deep_regex_fails_its_request_instead_of_crashing_the_process():
                           timeout=300)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert "FAILED" in done.stdout and "groups nest over 250 deep" in done.stdout, done.stdout
+
+
+def test_the_documented_command_runs_without_a_warning():
+    """`python -m capgraph.grammar.guide_limits PATTERN` (README, docs/RELIABILITY.md) prints
+    its verdict with nothing on stderr: no import of the package loads the module before it
+    runs as __main__ (Python's RuntimeWarning said it then may behave unpredictably)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m",
+                           "capgraph.grammar.guide_limits", "((a|aa)*){1000}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
+    assert "UnsupportedGuideError" in done.stdout and "MAX_NESTED_PRODUCT" in done.stdout

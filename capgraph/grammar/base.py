@@ -26,7 +26,6 @@ from .._cache import cache_dir
 from .cache import ByteLRUCache
 from .compile_pool import BACKGROUND_NICE, CompilePool
 from .disk_cache import FORMAT_VERSION, DiskCompileCache, Lookup, config_key, entry_key
-from .guide_limits import check_guide_limits
 
 __all__ = ["GrammarMatcher", "GrammarMatcherFactory", "CompiledGuide", "CompileHandle",
            "CompileStats", "whole_utf8_prefix"]
@@ -400,7 +399,10 @@ class GrammarMatcherFactory(ABC):
                     "compile not started: every request waiting for it had given up",
                     guide_type=params.guide_type.name, backend=self.backend_name)
         try:
-            # bounded before any backend sees the guide (every factory comes through here)
+            # bounded before any backend sees the guide (every factory comes through here;
+            # imported here so that `python -m capgraph.grammar.guide_limits` runs the module
+            # that no import of the package has loaded first)
+            from .guide_limits import check_guide_limits
             check_guide_limits(params, self._limits_backend(params),
                                self.config.max_repetition_count)
             disk_key = self._disk_key(params)
