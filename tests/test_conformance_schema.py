@@ -274,14 +274,17 @@ def test_converter_warnings_restores_stderr_when_the_body_raises(capfd):
     # draft-04's exclusiveMinimum is a boolean modifier: a number there is no bound of its own
     ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer", "minimum": 5,
       "exclusiveMinimum": 3}, [("exclusiveMinimum", "")]),
-    # a number's bound is written with six decimals of its double: exact where that is it
+    # a number's decimal text is compared with the bound's double: an exclusive bound leaks
+    # where doubles are sparser than six fractional digits; an integer past 2**53 is rounded
     ({"type": "number", "minimum": 2.5, "exclusiveMaximum": 1e6}, []),
-    ({"type": "number", "maximum": 1.2345678}, [("maximum", "")]),
+    ({"type": "number", "maximum": 1.2345678, "minimum": 123456789012.3}, []),
     ({"type": ["number", "null"], "exclusiveMinimum": 123456789012.3},
      [("exclusiveMinimum", "")]),
+    ({"type": "number", "exclusiveMinimum": 10**12}, [("exclusiveMinimum", "")]),
+    ({"type": "number", "exclusiveMaximum": 1e9}, []),
     ({"type": "number", "maximum": 2**53}, []),
     ({"type": "number", "maximum": 2**53 + 1}, [("maximum", "")]),
-    ({"type": "integer", "minimum": 2**53 + 1, "maximum": 1.2345678}, []),
+    ({"type": "integer", "minimum": 2**53 + 1, "exclusiveMaximum": 1e12}, []),
     # enum values and listed names are read against patterns as ECMA-262 reads them
     ({"type": "string", "pattern": "^[[:alpha:]]$", "enum": ["b", "a"]}, [("enum", "")]),
     ({"type": "string", "pattern": "^[A-Z][a-z]+$", "enum": ["London\n"]}, [("enum", "")]),
@@ -290,11 +293,17 @@ def test_converter_warnings_restores_stderr_when_the_body_raises(capfd):
     ({"type": "string", "pattern": "^a{,3}$", "enum": ["aa"]}, [("enum", "")]),
     ({"type": "string", "pattern": "^.$", "enum": ["\u2028"]}, [("enum", "")]),
     ({"type": "string", "pattern": "^[A-Z][a-z]+$", "enum": ["London", "Paris"]}, []),
+    ({"type": "string", "pattern": "^[\\S]+$", "enum": ["abc", "def"]}, []),
+    ({"type": "string", "pattern": "^(?:(a)|b)\\1$", "enum": ["b"]}, [("enum", "")]),
+    ({"type": "object", "properties": {"name": {"type": "string"}},
+      "patternProperties": {"^[\\S]+$": {"type": "integer"}}}, [("patternProperties", "")]),
     ({"type": "object", "properties": {"\ufeff": {"type": "string"}},
       "patternProperties": {"^\\s$": {"type": "integer"}}}, [("patternProperties", "")]),
     # ... and against a format by its definition (jsonschema's email check wants only an @)
     ({"type": "string", "format": "email", "enum": ["@"]}, [("enum", "")]),
     ({"type": "string", "format": "email", "enum": ["a@b.c", "x.y@ex-ample.org"]}, []),
+    ({"type": "string", "format": "email", "enum": ["a" * 65 + "@b.c"]}, [("enum", "")]),
+    ({"type": "string", "format": "time", "enum": ["12:00:00Z"]}, []),
     ({"type": "string", "format": "uuid", "enum": ["12345678-1234-1234-1234-1234-5678-9abc"]},
      [("enum", "")]),
     ({"type": "string", "format": "uuid", "enum": ["12345678-1234-1234-1234-123456789abc"]},
@@ -395,11 +404,12 @@ def test_policy_findings_xgrammar(schema, expected):
     ({"type": "number", "exclusiveMinimum": True}, [("exclusiveMinimum", "")]),
     ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "number",
       "maximum": 1, "exclusiveMaximum": True}, [("exclusiveMaximum", "")]),
-    # a bound is compared written with 15 significant digits; a whole double past 2**53 is
-    # not exact; an integer bound up to 2**53 is
+    # a bound of more than 15 significant digits may be compared as another number; a whole
+    # double or an integer from 2**53 is not exact; an integer bound below 2**53 is
     ({"type": "number", "minimum": 0.1, "maximum": 12345678901234.5}, []),
     ({"type": "number", "exclusiveMaximum": 96836.12535043583}, [("exclusiveMaximum", "")]),
     ({"type": "integer", "exclusiveMinimum": 1e16}, [("exclusiveMinimum", "")]),
+    ({"type": "integer", "exclusiveMinimum": 2**53}, [("exclusiveMinimum", "")]),
     ({"type": "integer", "minimum": 1234567890123457}, []),
 ])
 def test_policy_findings_llguidance(schema, expected):

@@ -29,9 +29,9 @@ warnings, llguidance's grammar warnings) are a second net, applied by the backen
 from __future__ import annotations
 
 import contextlib
-import decimal
 import functools
 import json
+import math
 import threading
 import time
 import urllib.parse
@@ -338,7 +338,7 @@ def _search(pattern: str, text: str) -> bool:
     if left <= 0:
         raise RegexUndecided(f"pattern {pattern[:40]!r}: over {REGEX_CHECK_SECONDS} s")
     try:
-        return regex.search(_as_ecma(pattern), text, flags=regex.ASCII,
+        return regex.search(_as_ecma(pattern), text, flags=_ECMA_FLAGS,
                             timeout=left) is not None
     except TimeoutError:
         raise RegexUndecided(f"pattern {pattern[:40]!r}: over {REGEX_CHECK_SECONDS} s") \
@@ -346,19 +346,27 @@ def _search(pattern: str, text: str) -> bool:
 
 
 _RUST_HEX = regex.compile(r"\\x\{([0-9A-Fa-f]+)\}")
+_BACKREFERENCE = regex.compile(r"\\(?:[1-9]|k<)")
+
+#: How :func:`_search` runs :func:`_as_ecma`'s patterns: nested classes are unions (as in
+#: Rust, whose syntax the patterns are written in), ``\\b`` is ECMA's ASCII boundary.
+_ECMA_FLAGS = regex.V1 | regex.ASCII
 
 
 @functools.lru_cache(maxsize=4096)
 def _as_ecma(pattern: str) -> str:
-    """The ECMA-262 regex ``pattern`` written for the ``regex`` module (searched with its
-    ASCII flag, so that ``\\b`` is ECMA's) with ECMA's meaning: every class, ``\\d``,
-    ``\\w``, ``\\s`` and ``.`` written out as ECMA reads them (as for llguidance:
+    """The ECMA-262 regex ``pattern`` written for the ``regex`` module (searched with
+    :data:`_ECMA_FLAGS`) with ECMA's meaning: every class, ``\\d``, ``\\w``, ``\\s`` and
+    ``.`` written out as ECMA reads them (as for llguidance:
     :func:`~capgraph.grammar.semantics.ecma_regex`; ``[[:alpha:]]`` is a class and a ``]``,
-    ``\\s`` holds U+FEFF, ``\\d`` is ASCII), ``{,3}`` literal text, and ``$`` only at the
-    end (Python's ``$`` also matches before a final newline).
+    ``\\s`` holds U+FEFF, ``\\d`` is ASCII, ``[\\S]`` a class of a negated set), ``{,3}``
+    literal text, and ``$`` only at the end (Python's ``$`` also matches before a final
+    newline).
 
     Raises:
-        regex.error: ``pattern`` is no ECMA-262 regex capgraph reads (the message says why).
+        regex.error: ``pattern`` is no ECMA-262 regex capgraph reads, or holds a
+            backreference (ECMA matches one to a group that has not matched as empty; the
+            ``regex`` module fails it).
     """
     from .semantics import ecma_regex
     try:
@@ -366,10 +374,12 @@ def _as_ecma(pattern: str) -> str:
     except Exception as e:  # noqa: BLE001 - refused constructs: not checkable here
         raise regex.error(f"{type(e).__name__}: {e}") from None
     out: list[str] = []
-    i, in_class = 0, False
+    i, depth = 0, 0  # (depth: the classes open here, nested ones included)
     while i < len(rust):
         c = rust[i]
         if c == "\\":
+            if depth == 0 and _BACKREFERENCE.match(rust, i):
+                raise regex.error(f"pattern {pattern[:40]!r} holds a backreference")
             m = _RUST_HEX.match(rust, i)
             if m is not None:
                 out.append(f"\\U{int(m.group(1), 16):08X}")
@@ -378,11 +388,13 @@ def _as_ecma(pattern: str) -> str:
                 out.append(rust[i:i + 2])
                 i += 2
             continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-        elif c == "$":
+        if c == "[":
+            depth += 1
+        elif c == "]" and depth:
+            depth -= 1
+        elif c == "|" and depth:
+            c = "\\|"  # (a set operator in V1: '||')
+        elif c == "$" and not depth:
             c = "\\Z"
         out.append(c)
         i += 1
@@ -426,8 +438,7 @@ def _enum_covers_siblings(node: _Node) -> str | None:
         warnings.simplefilter("ignore")
         cls = validators.validator_for({"$schema": declared} if isinstance(declared, str)
                                        else {}, default=Draft202012Validator)
-    unchecked = sorted(f for f in _formats_in(rest) if f not in cls.FORMAT_CHECKER.checkers
-                       or f not in _EXACT_FORMAT_VALUES)
+    unchecked = sorted(f for f in _formats_in(rest) if f not in _EXACT_FORMAT_VALUES)
     if unchecked:
         return (f"capgraph cannot check the {node.keyword} values against format "
                 f"{unchecked[0]!r} by its definition, which xgrammar would not apply next "
@@ -457,15 +468,19 @@ def _exact_format_values() -> dict[str, Any]:
     own check is looser (``email``: it asks only for an ``@``; ``uuid``: it takes braces and
     extra hyphens) or a value's form is fixed: capgraph's exact patterns
     (:data:`~capgraph.grammar.formats.FORMAT_PATTERNS`), a UUID's hex groups, and for
-    ``email`` the dot-atom form of RFC 5321 at a hostname (stricter than the definition: a
-    quoted local part or an address literal is not shown to be one)."""
+    ``email`` the dot-atom form of RFC 5321 at a hostname, its local part at most 64 and its
+    domain at most 253 characters (stricter than the definition: a quoted local part or an
+    address literal is not shown to be one). A test needs no checker of jsonschema's."""
     from .formats import FORMAT_PATTERNS
     tests = {name: regex.compile(pattern) for name, pattern in FORMAT_PATTERNS.items()}
     atom = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
     tests["uuid"] = regex.compile("^[0-9A-Fa-f]{8}(?:-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12}$")
-    tests["email"] = regex.compile(f"^{atom}(?:\\.{atom})*@" + FORMAT_PATTERNS["hostname"][1:])
-    return {name: (lambda value, t=test: t.fullmatch(value) is not None)
-            for name, test in tests.items()}
+    address = regex.compile(f"^{atom}(?:\\.{atom})*@" + FORMAT_PATTERNS["hostname"][1:])
+    found: dict[str, Any] = {name: (lambda value, t=test: t.fullmatch(value) is not None)
+                             for name, test in tests.items()}
+    found["email"] = lambda value: address.fullmatch(value) is not None \
+        and len(value.partition("@")[0]) <= 64 and len(value.rpartition("@")[2]) <= 253
+    return found
 
 
 #: The formats an ``enum`` / ``const`` next to them is checked against by definition
@@ -476,14 +491,13 @@ _EXACT_FORMAT_VALUES = _exact_format_values()
 @functools.lru_cache(maxsize=None)
 def _exact_formats(cls: Any) -> Any:
     """``cls``'s format checker (a jsonschema validator class's) with each format of
-    :data:`_EXACT_FORMAT_VALUES` also checked by its definition (a string must pass both)."""
+    :data:`_EXACT_FORMAT_VALUES` also checked by its definition (a string must pass both;
+    where jsonschema has no checker of the format, the definition's alone)."""
     from jsonschema import FormatChecker
     base = cls.FORMAT_CHECKER
     checker = FormatChecker(list(base.checkers))
-    for name, (func, raises) in base.checkers.items():
-        exact = _EXACT_FORMAT_VALUES.get(name)
-        if exact is None:
-            continue
+    for name, exact in _EXACT_FORMAT_VALUES.items():
+        func, raises = base.checkers.get(name, (lambda value: True, ()))
 
         def both(value: Any, func: Any = func, exact: Any = exact) -> bool:
             return func(value) and (not isinstance(value, str) or exact(value))
@@ -644,47 +658,57 @@ def _llg_exact_numbers(node: _Node) -> str | None:
 
 
 def _llg_exact_bound(node: _Node) -> str | None:
-    """A number bound llguidance compares exactly: as :func:`_llg_exact_numbers`, and a
-    double it writes back with 15 significant digits (``exclusiveMaximum``
-    96836.12535043583 lets that number through; ``minimum`` 9007199254740991.0 lets
-    9007199254740990 through), and no whole double past 2**53 (``exclusiveMinimum`` 1e16 of
-    an integer lets 10000000000000000 through). An integer bound up to 2**53 is exact."""
+    """A number bound llguidance compares exactly: as :func:`_llg_exact_numbers`, an integer
+    below 2**53 (``exclusiveMinimum`` 2**53 of an integer lets 2**53 through), no whole double
+    past 2**53 (``exclusiveMinimum`` 1e16 of an integer lets 10000000000000000 through), and a
+    double of at most 15 significant digits: some of 16 or 17 are compared as another number
+    (``exclusiveMaximum`` 96836.12535043583 lets that number through) and capgraph cannot tell
+    which, so all are refused."""
     found = _llg_exact_numbers(node)
     bound = node.value
-    if found is not None or not isinstance(bound, float) or bound != bound \
-            or abs(bound) == float("inf"):
+    if found is not None or isinstance(bound, bool):
         return found
-    if bound.is_integer() and abs(bound) > _EXACT_DOUBLE_INT:
+    if isinstance(bound, int):
+        if abs(bound) >= _EXACT_DOUBLE_INT:
+            return f"llguidance compares with the bound {bound} as a double, not exactly"
+        return None
+    if not isinstance(bound, float) or bound != bound or abs(bound) == float("inf"):
+        return None
+    if bound.is_integer() and abs(bound) >= _EXACT_DOUBLE_INT:
         return f"llguidance reads the bound {bound!r} as a double past 2**53, not exact"
     if float(f"{bound:.15g}") != bound:
-        return (f"llguidance compares with the bound {bound!r} written to 15 significant "
-                f"digits ({bound:.15g}), another number")
+        return (f"the bound {bound!r} has more than 15 significant digits, where llguidance "
+                "compares some as another number")
     return None
 
 
+#: Where doubles are this far apart or more, a decimal that xgrammar's number range writes
+#: (six fractional digits at most) strictly inside an exclusive bound may parse to the bound.
+_XGRAMMAR_FRACTION = 1e-6
+
+
 def _xgrammar_exact_bound(node: _Node) -> str | None:
-    """A bound of a ``number`` that xgrammar's range compares exactly: xgrammar reads it as a
-    double and writes that with six decimals, so an integer past 2**53 is rounded
-    (``minimum`` 2**53 + 1 lets 2**53 through), and a bound whose six-decimal form is not its
-    value is another number (``exclusiveMaximum`` 123456789012.3 is written
-    123456789012.300003 and lets 123456789012.3 through; ``maximum`` 1.2345678 is written
-    1.234568). An ``integer``'s bounds are exact."""
+    """A bound of a ``number`` that xgrammar's range keeps: it compares a number's decimal
+    text exactly with the bound's double, so an inclusive bound holds for the number that text
+    parses to, but an exclusive one does not where doubles are sparser than its six
+    fractional digits (from about 2**33: ``exclusiveMaximum`` 123456789012.3 lets
+    ``123456789012.3`` through, ``exclusiveMinimum`` 1e12 lets ``1000000000000.000001``
+    through: each parses to the bound); and an integer bound past 2**53 is rounded to a
+    double (``minimum`` 2**53 + 1 lets 2**53 through). An ``integer``'s bounds are exact."""
     types = node.schema.get("type")
     if "number" not in (types if isinstance(types, list) else [types]):
         return None
     bound = node.value
     if isinstance(bound, bool) or not isinstance(bound, (int, float)):
         return None
-    if isinstance(bound, int):
-        if abs(bound) > _EXACT_DOUBLE_INT:
-            return (f"xgrammar reads the bound {bound} of a 'number' as a double, rounded "
-                    "(integers past 2**53 are not exact)")
-        return None
-    if bound != bound or abs(bound) == float("inf"):
-        return None
-    if decimal.Decimal(f"{bound:.6f}") != decimal.Decimal(repr(bound)):
-        return (f"xgrammar writes the bound {bound!r} of a 'number' as {bound:.6f} (six "
-                "decimals of its double), another number")
+    if isinstance(bound, int) and abs(bound) > _EXACT_DOUBLE_INT:
+        return (f"xgrammar reads the bound {bound} of a 'number' as a double, rounded "
+                "(integers past 2**53 are not exact)")
+    if node.keyword.startswith("exclusive") and abs(bound) != float("inf") \
+            and math.ulp(float(bound)) >= _XGRAMMAR_FRACTION:
+        return (f"near the exclusive bound {bound!r} of a 'number' doubles are "
+                f"{math.ulp(float(bound)):.3g} apart, so a decimal xgrammar writes inside it "
+                "may parse to the bound itself")
     return None
 
 
