@@ -1087,6 +1087,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         with self._collect_lock:
             for put in self._queue:
                 reqs = put.batch.requests
+                # (a matcher whose creation failed was reported at add_batch already)
+                reported = any(s == slot and m is None for s, m in put.installs)
                 for i, req in enumerate(reqs):
                     if req.guided_decoding_params is None or req.seq_slot != slot:
                         continue
@@ -1094,11 +1096,15 @@ class CapturableGuidedDecoder(GuidedDecoder):
                     reqs[i] = GuidedRequest.stand_in(req.request_id,
                                                      bool(req.is_context_init_state),
                                                      bool(req.is_draft))
+                    if reported:
+                        continue
                     put.released.append(
                         (rid, f"RequestError: seq_slot {slot} was released after add_batch "
                               f"queued request {rid} (epoch {put.epoch}) and before its step: "
                               "that step has no matcher for it"))
                 put.installs = [(s, m) for s, m in put.installs if s != slot]
+            if self._node_active and self._node is not None:
+                self._node.forget_slot(slot)  # (the node's queued jobs hold the same)
 
     def _stream_idle(self) -> bool:
         """Whether the current stream (torch's on CUDA, hostfunc's on the CPU stand-in) has

@@ -1215,8 +1215,10 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d, int64_t launch_rows
   std::vector<std::string> messages;
   for (int64_t i = 0; i < k; ++i) {
     const NodeEntry& e = job.entries[i];
-    d->seen_slots.push_back(e.slot);
-    d->seen_gens.push_back(gens[i]);
+    if (!(e.skip && refs[i].defined())) {  // (a skipped entry on a slot whose matcher serves
+      d->seen_slots.push_back(e.slot);    // another request leaves that request's counts, as
+      d->seen_gens.push_back(gens[i]);    // the Python build's _prepare does)
+    }
     int64_t token = e.token;
     const int64_t* drafts = job.drafts.data() + e.first_draft;
     if (e.from_buffer) {
@@ -1312,7 +1314,8 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d, int64_t launch_rows
   std::lock_guard<std::mutex> lock(n->mu);
   for (int64_t i = 0; i < k; ++i) {
     const int64_t slot = job.entries[i].slot;
-    if (n->slot_gen[slot] == gens[i]) n->slot_advanced[slot] = 0;
+    const bool held = job.entries[i].skip && refs[i].defined();  // (as seen_slots above)
+    if (n->slot_gen[slot] == gens[i] && !held) n->slot_advanced[slot] = 0;
     n->slot_tree[slot] = 0;  // (the slot was built: a tree stored before is not current)
   }
   for (size_t q = 0; q < d->slots.size(); ++q) {
@@ -2405,6 +2408,47 @@ PyObject* NodeRepeat(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
+// node_forget_slot(node, slot) -> int: the queued jobs (not yet taken by a step) run nothing
+// for `slot` (its request was released before its step): their entries there are skipped
+// and their matchers for it not installed; node_repeat stops repeating the last job. Returns
+// how many entries and installs it took out.
+PyObject* NodeForgetSlot(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HostNode* n = NodeCall(args, nargs, 2, "node_forget_slot(node, slot)");
+  if (n == nullptr) return nullptr;
+  const int64_t slot = IndexValue(args[1], n->num_slots);
+  if (slot < 0) {
+    PyErr_Format(PyExc_IndexError, "node_forget_slot: slot %R is outside [0, %lld)", args[1],
+                 static_cast<long long>(n->num_slots));
+    return nullptr;
+  }
+  std::vector<ObjectRef> dropped;  // (destroyed after the lock)
+  long long changed = 0;
+  {
+    std::lock_guard<std::mutex> lock(n->mu);
+    for (NodeJob& job : n->jobs) {
+      for (NodeEntry& e : job.entries) {
+        if (e.slot == slot && !e.skip) {
+          e.skip = true;
+          e.fill_only = e.fresh = false;
+          ++changed;
+        }
+      }
+      auto& installs = job.installs;
+      for (auto it = installs.begin(); it != installs.end();) {
+        if (it->first == slot) {
+          dropped.push_back(std::move(it->second));
+          it = installs.erase(it);
+          ++changed;
+        } else {
+          ++it;
+        }
+      }
+    }
+    n->repeat_ok = false;
+  }
+  return PyLong_FromLongLong(changed);
+}
+
 // node_drop(node, newest) -> bool: forget the oldest queued job, or the newest (False: none
 // was queued).
 PyObject* NodeDrop(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -2786,6 +2830,9 @@ PyMethodDef g_methods[] = {
      METH_FASTCALL, "Queue the last plain job again with new tokens, or return False."},
     {"node_drop", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeDrop)),
      METH_FASTCALL, "Forget the oldest queued job."},
+    {"node_forget_slot",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeForgetSlot)),
+     METH_FASTCALL, "Queued jobs run nothing for a slot."},
     {"node_set_slot", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeSetSlot)),
      METH_FASTCALL, "Set what a step runs for a slot."},
     {"node_take", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeTake)),

@@ -378,7 +378,7 @@ print("OK", out, round(time.perf_counter() - start, 3))
 def test_forced_tokens_of_recursion_that_stacks_forced_text_are_bounded():
     """Every alternative of ``root ::= "=" root "<4000 b>" | "c"`` completes within 4096 bytes,
     but each ``=`` written opens a level that forces its 4000 ``b`` once the ``c`` comes:
-    after 30 tokens of ``=`` xgrammar's walk would build megabytes (seconds and gigabytes).
+    after 30 tokens of ``=`` xgrammar's walk would build megabytes of it at once.
     The grammar gets no forced text: the answer is at once and empty."""
     import subprocess
     import sys
@@ -417,13 +417,18 @@ def test_a_jump_forward_walk_too_long_ends_forced_text_for_its_grammar(tekken, m
         walks = []
 
         def slow() -> str:
-            walks.append(1)
+            walks.append("slow")
             time.sleep(2 * forced.MAX_FORCED_WALK_MS / 1e3)
             return "[x]"
-        first._jump = second._jump = slow
+
+        def quick() -> str:
+            walks.append("quick")
+            return "["
+        first._jump, second._jump = slow, quick
+        assert second.forced_bytes(16) == b"["  # (a matcher that walked before the long one)
         assert first.forced_bytes(16) == b"[x]"
         assert second.forced_bytes(16) == b"" and first.forced_bytes(16) == b""
-        assert walks == [1]
+        assert walks == ["quick", "slow"]
         assert other.forced_bytes(16) == b"ab"
     finally:
         factory.close()

@@ -353,3 +353,72 @@ def test_text_stop_token_never_completes_a_guide_as_text(tekken, backend):
         assert backend == "xgrammar" and "DeadEndError" in str(e)
     assert drive(factory, regex, [ba]) == [True, True]
     factory.close()
+
+
+# --- xgrammar: structural-tag elements its converter drops or cannot take ---------------------
+
+_HELLO = 29706  # ("hello" on Tekken: an ordinary token, excluded by id)
+_STRING_EXCLUDES = {"type": "tag", "begin": "<a>", "end": "</a>", "content": {
+    "type": "json_schema", "excludes": ["bad"], "json_schema": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]+$"}},
+        "required": ["a"]}}}
+
+
+@pytest.mark.parametrize("fmt, said", [
+    ({"type": "repeat", "min": 2, "max": 2,
+      "content": {"type": "exclude_token", "exclude_tokens": [_HELLO]}},
+     "exclude_token element at /format/content is inside a repeat"),
+    ({"type": "repeat", "min": 1, "max": 3, "content": {
+        "type": "sequence", "elements": [
+            {"type": "any_tokens", "exclude_tokens": [_HELLO]}]}},
+     "any_tokens element at /format/content/elements/0 is inside a repeat"),
+    (_STRING_EXCLUDES, "excludes of the element at /format/content would not apply"),
+], ids=["exclude_token", "any_tokens", "json_schema_excludes"])
+def test_tag_elements_xgrammar_converts_without_their_exclusions_are_refused(
+        factory_cache, fmt, said):
+    """xgrammar 0.2.9 drops the excluded tokens of an exclude_token / any_tokens inside a
+    repeat (the row allowed "hello" twice), and a json_schema element's excludes on strings
+    with a pattern or format ("bad" was written): refused, naming the element."""
+    with pytest.raises(UnsupportedGuideError, match=said):
+        factory_cache("tekken").compile(tag(fmt))
+
+
+def test_tag_elements_outside_a_repeat_keep_their_exclusions(factory_cache):
+    """The same exclusions outside a repeat, and excludes on a plain string, compile and
+    hold: the excluded token and the excluded string are not allowed."""
+    factory = factory_cache("tekken")
+    assert drive(factory, tag({"type": "exclude_token", "exclude_tokens": [_HELLO]}),
+                 [_HELLO]) == [False]
+    plain = json.loads(json.dumps(_STRING_EXCLUDES))
+    del plain["content"]["json_schema"]["properties"]["a"]["pattern"]
+    allowed = drive(factory, tag(plain), text_ids(factory, '<a>{"a": "bad"}</a>'))
+    assert False in allowed  # (a token of it refused, or the end after it)
+
+
+_DISPATCH_CHILD = r'''
+import json
+from capgraph import GuidedDecodingConfig, GuidedDecodingParams
+from capgraph.errors import UnsupportedGuideError
+from capgraph.grammar import create_matcher_factory
+from capgraph.tokenizers import load_tokenizer
+factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(load_tokenizer("tekken")))
+fmt = {"type": "repeat", "min": 1, "max": 1, "content": {
+    "type": "token_dispatch", "rules": [[1000, {"type": "const_string", "value": "z"}]],
+    "exclude_tokens": [1001]}}
+try:
+    factory.compile(GuidedDecodingParams.structural_tag(
+        json.dumps({"type": "structural_tag", "format": fmt})))
+except UnsupportedGuideError as e:
+    print("REFUSED", e)
+'''
+
+
+def test_a_token_dispatch_inside_a_repeat_is_refused_before_it_crashes_the_converter():
+    """xgrammar's converter crashes (SIGSEGV, the whole process) on a token_dispatch inside a
+    repeat: the guide is refused before it gets there (run in a child process)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", _DISPATCH_CHILD], capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "REFUSED" in done.stdout and "token_dispatch element" in done.stdout

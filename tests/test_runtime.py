@@ -396,6 +396,8 @@ def test_numpy_flags_are_taken(sp, model):
     out = generate(["x"], model=model, tokenizer=sp, max_new_tokens=1,
                    progress=lambda done, total: seen.append((done, total)))
     assert seen == [(1, 1)]
+    out = generate(["x"], model=model, tokenizer=sp, max_new_tokens=1, progress=None)
+    assert len(out[0].tokens) == 1  # (None: no progress shown, as False)
 
 
 @pytest.mark.parametrize("decoder", ["eager", pytest.param("capturable", marks=needs_capturable)])

@@ -231,14 +231,16 @@ def test_a_release_between_add_batch_and_execute_fails_the_released_request(fact
     dec.close()
 
 
+@pytest.mark.parametrize("queued", ["generation", "context"])
 @pytest.mark.parametrize("host_node", ["python", "native"])
 @pytest.mark.parametrize("captured", [False, True])
 def test_capturable_release_before_a_queued_step_fails_the_released_request(
-        factory, host_node, captured):
-    """With no step in flight, slot 0 is released after add_batch queued its generation
-    request and before its step runs (eagerly, or a replay of a captured step: the native
-    node's job already queued): that request fails with a RequestError naming the release;
-    slot 1's request is masked as before."""
+        factory, host_node, captured, queued):
+    """With no step in flight, slot 0 is released after add_batch queued a request there (its
+    next token, or a new request's context) and before its step runs (eagerly, or a replay of
+    a captured step: the native node's job already queued, with the new matcher to install):
+    that request fails once, with a RequestError naming the release, and its row takes no
+    mask; slot 1's request is masked as before."""
     import hostfunc
     from capgraph.capturable import CapturableGuidedDecoder
     from capgraph.errors import ConfigError
@@ -260,8 +262,9 @@ def test_capturable_release_before_a_queued_step_fails_the_released_request(
     else:
         capt.execute(logits)
     assert capt.take_failed_requests() == []
-    capt.add_batch([GuidedRequest.generation(1, 0, DIGITS, ONE),
-                    GuidedRequest.generation(2, 1, DIGITS, ONE)])
+    first = (GuidedRequest.generation(1, 0, DIGITS, ONE) if queued == "generation"
+             else GuidedRequest.context(3, 0, TWO_THEN_X))
+    capt.add_batch([first, GuidedRequest.generation(2, 1, DIGITS, ONE)])
     capt.release(0)
     logits.zero_()
     if captured:
@@ -270,9 +273,11 @@ def test_capturable_release_before_a_queued_step_fails_the_released_request(
     else:
         capt.execute(logits)
     failed = capt.take_failed_requests()
-    assert [rid for rid, _ in failed] == [1]
+    assert [rid for rid, _ in failed] == [first.request_id]
     assert "RequestError" in failed[0][1] and "released" in failed[0][1]
+    assert bool(torch.isfinite(logits[0]).all())
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [ONE, TWO, EOS]
+    assert capt.take_failed_requests() == []
     capt.close()
 
 
@@ -291,4 +296,66 @@ def test_a_released_request_whose_batch_never_runs_fails_nothing(factory, kind):
     logits = torch.zeros(1, V)
     assert (dec.execute(logits) or []) + dec.take_failed_requests() == []
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [ONE, TWO]
+    dec.close()
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_a_draft_step_of_a_context_chunk_on_a_held_slot_rolls_back_no_target_token(factory,
+                                                                                   build):
+    """Request 1 takes 1 on slot 0 (no drafts); a draft step then holds another request's
+    context chunk before its last on slot 0. Ending that drafting loop must roll back none of
+    request 1's target tokens: its next token 2 leaves only x allowed."""
+    dec = _decoder(factory, build, 2, 2)
+
+    def step(requests: list) -> tuple[list, torch.Tensor]:
+        dec.add_batch(requests, runtime_draft_len=0)
+        logits = torch.zeros(dec.requests.num_bitmask_tokens, V)
+        return dec.execute(logits) + dec.take_failed_requests(), logits
+
+    assert step([GuidedRequest.context(1, 0, TWO_THEN_X)])[0] == []
+    assert step([GuidedRequest.generation(1, 0, TWO_THEN_X, ONE)])[0] == []
+    draft_chunk = GuidedRequest(DIGITS, 2, 0, None, True, False, False, False, None, True)
+    assert step([draft_chunk])[0] == []
+    dec.rollback_draft_tokens()
+    failed, logits = step([GuidedRequest.generation(1, 0, TWO_THEN_X, TWO)])
+    assert failed == []
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [X]
+    dec.close()
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+def test_a_replayed_context_chunk_on_a_held_slot_leaves_its_owners_rollback(factory, host_node):
+    """test_a_context_chunk_on_a_held_slot_leaves_its_owners_rollback with the steps replayed
+    from a captured graph, so that the native node runs them: its job's skipped entry leaves
+    the held slot's counts too."""
+    import hostfunc
+    from capgraph.capturable import CapturableGuidedDecoder
+    from capgraph.errors import ConfigError
+    try:
+        dec = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory,
+                                      host_node=host_node)
+    except ConfigError as e:
+        pytest.skip(f"host_node={host_node!r} is unavailable here: {e}")
+    logits = torch.zeros(3, V)
+    dec.add_batch([GuidedRequest.placeholder(0, 2)], runtime_draft_len=2)
+    graph = hostfunc.HostGraph()
+    with hostfunc.capture(graph):
+        dec.execute(logits)
+
+    def step(requests: list, draft_len: int, accepted: int | None = None) -> None:
+        dec.add_batch(requests, runtime_draft_len=draft_len)
+        if accepted is not None:
+            dec.rollback_rejected_batch(torch.tensor([accepted + 1], dtype=torch.int32))
+        logits.zero_()
+        graph.replay()
+        hostfunc.drain()
+        assert dec.take_failed_requests() == []
+
+    step([GuidedRequest.context(1, 0, TWO_THEN_X)], 2)
+    step([GuidedRequest.generation(1, 0, TWO_THEN_X, ONE, draft_tokens=[TWO, ONE])], 2)
+    step([GuidedRequest.context(2, 0, DIGITS, last_chunk=False)], 2)
+    assert dec.num_advanced_tokens[0] == 2  # (1 and its first draft; the second refused)
+    step([GuidedRequest.generation(1, 0, TWO_THEN_X, TWO, num_accepted_draft_tokens=0)], 0,
+         accepted=0)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [X]
     dec.close()

@@ -533,6 +533,7 @@ class HostNode:
         self._commit = module.node_commit
         self._drop, self._set_slot, self._take = (module.node_drop, module.node_set_slot,
                                                   module.node_take)
+        self._forget_slot = module.node_forget_slot
         self._pending = module.node_pending
         self._sync = module.node_sync_counts
         self._launches: dict[tuple[int, int], int] = {}
@@ -593,6 +594,12 @@ class HostNode:
         """Forget the oldest queued step (its batch was consumed host side), or the newest;
         False if none was queued."""
         return self._drop(self._capsule, newest)
+
+    def forget_slot(self, slot: int) -> int:
+        """The queued steps (none has taken them yet) run nothing for ``slot``: its request
+        was released before its step. Their entries there are skipped, their matchers for it
+        not installed, and the last step is no longer repeated; how many were taken out."""
+        return self._forget_slot(self._capsule, slot)
 
     def set_slot(self, slot: int, handle: Any, stopped: bool) -> None:
         """What the node runs for ``slot`` from now on: ``handle`` as in

@@ -885,14 +885,11 @@ class XGrammarMatcher(GrammarMatcher):
         (:func:`_jump_forward_ok`), and from the first walk on a grammar that took longer than
         :data:`~capgraph.grammar.forced.MAX_FORCED_WALK_MS` (recursion nested deep enough:
         :func:`~capgraph.grammar.forced.forced_stack_bound`) for every matcher of it."""
-        if self._terminated or max_bytes <= 0:
+        if self._terminated or max_bytes <= 0 or self._jump_ok is False:
             return b""
-        if not self._jump_ok:
-            if self._jump_ok is False:
-                return b""
-            self._jump_ok = _jump_forward_ok(self._compiled)
-            if not self._jump_ok:
-                return b""
+        if not _jump_forward_ok(self._compiled):  # (per grammar: another matcher may stop it)
+            self._jump_ok = False
+            return b""
         start = time.perf_counter()
         try:
             forced = self._jump()
@@ -981,8 +978,54 @@ def _jump_forward_ok(compiled: xgr.CompiledGrammar | None) -> bool:
             and forced_stack_bound(text) <= MAX_FORCED_STACK_BYTES
     except Exception:  # noqa: BLE001 - an unreadable grammar: no forced text
         ok = False
-    _remember_jump_ok(compiled, ok)
-    return ok
+    return _remember_jump_ok(compiled, ok)
+
+
+def _refuse_tag_drops(tag: str) -> None:
+    """Refuse a structural tag (JSON text) with an element xgrammar 0.2.9 converts wrongly:
+    inside a ``repeat``, an ``exclude_token`` or the ``exclude_tokens`` of an ``any_tokens``
+    is dropped (the rule allows every token) and a ``token_dispatch`` crashes the process in
+    the converter; the ``excludes`` of a ``json_schema`` element are not applied to strings
+    with a ``pattern`` or ``format``."""
+    try:
+        doc = json.loads(tag)
+    except ValueError:
+        return  # malformed: xgrammar's own error says where
+
+    def refuse(detail: str) -> NoReturn:
+        raise UnsupportedGuideError(detail, guide_type=GuideType.STRUCTURAL_TAG.name,
+                                    backend=BACKEND)
+    for node, at in tag_nodes(doc):
+        kind = node.get("type")
+        if kind == "repeat":
+            for inner, where in tag_nodes(node.get("content")):
+                inner_kind = inner.get("type")
+                if inner_kind == "exclude_token" or (inner_kind == "any_tokens"
+                                                     and inner.get("exclude_tokens")):
+                    refuse(f"the {inner_kind} element at {at}/content{where} is inside a "
+                           "repeat, where xgrammar drops its excluded tokens")
+                if inner_kind == "token_dispatch":
+                    refuse(f"the token_dispatch element at {at}/content{where} is inside a "
+                           "repeat, which xgrammar's converter cannot take (it crashes)")
+        if node.get("excludes") and "json_schema" in node \
+                and _holds_key(node["json_schema"], ("pattern", "format")):
+            refuse(f"the excludes of the element at {at or '/'} would not apply to its "
+                   "schema's strings with a pattern or format (xgrammar filters only plain "
+                   "strings)")
+
+
+def _holds_key(value: Any, keys: tuple[str, ...]) -> bool:
+    """Whether a JSON value holds an object with one of ``keys`` anywhere."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if any(k in item for k in keys):
+                return True
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def _stop_jump_forward(compiled: xgr.CompiledGrammar | None) -> None:
@@ -992,7 +1035,8 @@ def _stop_jump_forward(compiled: xgr.CompiledGrammar | None) -> None:
         _remember_jump_ok(compiled, False)
 
 
-def _remember_jump_ok(compiled: xgr.CompiledGrammar, ok: bool) -> None:
+def _remember_jump_ok(compiled: xgr.CompiledGrammar, ok: bool) -> bool:
+    """Store ``ok`` as ``compiled``'s verdict (a False already stored stays); the verdict."""
     key = id(compiled)
 
     def forget(ref: weakref.ref[Any]) -> None:
@@ -1005,8 +1049,9 @@ def _remember_jump_ok(compiled: xgr.CompiledGrammar, ok: bool) -> None:
         if known is not None and known[0]() is compiled:
             if not ok:  # (a walk too long stays so)
                 _JUMP_OK[key] = (known[0], False)
-            return
+            return known[1] and ok
         _JUMP_OK[key] = (weakref.ref(compiled, forget), ok)
+    return ok
 
 
 def _delegate_handle(matcher: GrammarMatcher) -> Any:
@@ -1203,6 +1248,7 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 prepared = _tag_schemas_prepared(guide)  # its schemas as JSON_SCHEMA guides'
                 tag, placed = _resolve_tag_tokens(ecma_tag(prepared), self._special_ids_by_name)
                 self._refuse_placing(tag, placed)
+                _refuse_tag_drops(tag)
                 self._refuse_ignored_in_tag(tag)
                 if refuse:  # the JSON schemas a tag embeds: as JSON-schema guides
                     self._refuse_unenforced_in_tag(_tag_schemas_prepared(guide, patterns=False))

@@ -225,7 +225,7 @@ def _check_objects(*, model: object, tokenizer: object, draft: str, draft_model:
                 else "")
         raise ConfigError(f"factory={factory!r:.60}: expected a GrammarMatcherFactory "
                           f"(capgraph.grammar.create_matcher_factory) or None{hint}")
-    if _flag(progress) is None and not callable(progress):
+    if progress is not None and _flag(progress) is None and not callable(progress):
         raise ConfigError(f"progress={progress!r}: expected a bool or a callable "
                           "(finished, total)")
     for name, value in (("cuda_graph", cuda_graph), ("batch_after_launch", batch_after_launch)):
@@ -254,7 +254,7 @@ class _Engine:
         _check_objects(model=model, tokenizer=tokenizer, draft=draft, draft_model=draft_model,
                        factory=factory, progress=progress, cuda_graph=cuda_graph,
                        batch_after_launch=batch_after_launch)
-        progress = progress if callable(progress) else _flag(progress)
+        progress = progress if callable(progress) or progress is None else _flag(progress)
         cuda_graph = None if cuda_graph is None else _flag(cuda_graph)
         batch_after_launch = None if batch_after_launch is None else _flag(batch_after_launch)
         self._decoder_options = {} if host_node is None else {"host_node": host_node}
