@@ -282,6 +282,8 @@ def test_converter_warnings_restores_stderr_when_the_body_raises(capfd):
      [("exclusiveMinimum", "")]),
     ({"type": "number", "exclusiveMinimum": 10**12}, [("exclusiveMinimum", "")]),
     ({"type": "number", "exclusiveMaximum": 1e9}, []),
+    ({"type": "number", "exclusiveMaximum": 1e10, "exclusiveMinimum": -12345678901.5}, []),
+    ({"type": "number", "exclusiveMaximum": -8589934592.3}, [("exclusiveMaximum", "")]),
     ({"type": "number", "maximum": 2**53}, []),
     ({"type": "number", "maximum": 2**53 + 1}, [("maximum", "")]),
     ({"type": "integer", "minimum": 2**53 + 1, "exclusiveMaximum": 1e12}, []),

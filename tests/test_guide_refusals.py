@@ -383,6 +383,19 @@ def test_tag_elements_xgrammar_converts_without_their_exclusions_are_refused(
         factory_cache("tekken").compile(tag(fmt))
 
 
+def test_excludes_beside_names_or_values_that_read_like_keywords_compile(factory_cache):
+    """A json_schema element's excludes is refused only for strings with a pattern or format:
+    a property named "format", a const object with a "pattern" key or an integer's format
+    leave it served."""
+    schema = {"type": "object", "properties": {
+        "format": {"type": "string"}, "n": {"type": "integer", "format": "int32"},
+        "c": {"const": {"pattern": "x"}}}, "required": ["format"]}
+    factory_cache("tekken").compile(tag({"type": "tag", "begin": "<a>", "end": "</a>",
+                                         "content": {"type": "json_schema",
+                                                     "excludes": ["bad"],
+                                                     "json_schema": schema}}))
+
+
 def test_tag_elements_outside_a_repeat_keep_their_exclusions(factory_cache):
     """The same exclusions outside a repeat, and excludes on a plain string, compile and
     hold: the excluded token and the excluded string are not allowed."""

@@ -29,6 +29,7 @@ warnings, llguidance's grammar warnings) are a second net, applied by the backen
 from __future__ import annotations
 
 import contextlib
+import decimal
 import functools
 import json
 import math
@@ -687,6 +688,20 @@ def _llg_exact_bound(node: _Node) -> str | None:
 _XGRAMMAR_FRACTION = 1e-6
 
 
+def _xgrammar_exclusive_leaks(bound: float) -> bool:
+    """Whether a decimal of at most six fractional digits strictly inside the exclusive bound
+    ``bound`` may parse to it: where doubles are more than two millionths apart (the next
+    decimal inside rounds to the bound), or over one millionth apart and the bound's double is
+    not its own six-decimal form (the bound's text lies inside it)."""
+    step = math.ulp(bound)
+    if step > 2 * _XGRAMMAR_FRACTION:
+        return True
+    if step < _XGRAMMAR_FRACTION:
+        return False
+    exact = decimal.Decimal(bound)
+    return exact != exact.quantize(decimal.Decimal("1e-6"))
+
+
 def _xgrammar_exact_bound(node: _Node) -> str | None:
     """A bound of a ``number`` that xgrammar's range keeps: it compares a number's decimal
     text exactly with the bound's double, so an inclusive bound holds for the number that text
@@ -705,7 +720,7 @@ def _xgrammar_exact_bound(node: _Node) -> str | None:
         return (f"xgrammar reads the bound {bound} of a 'number' as a double, rounded "
                 "(integers past 2**53 are not exact)")
     if node.keyword.startswith("exclusive") and abs(bound) != float("inf") \
-            and math.ulp(float(bound)) >= _XGRAMMAR_FRACTION:
+            and _xgrammar_exclusive_leaks(float(bound)):
         return (f"near the exclusive bound {bound!r} of a 'number' doubles are "
                 f"{math.ulp(float(bound)):.3g} apart, so a decimal xgrammar writes inside it "
                 "may parse to the bound itself")

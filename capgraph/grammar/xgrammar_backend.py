@@ -1008,24 +1008,31 @@ def _refuse_tag_drops(tag: str) -> None:
                     refuse(f"the token_dispatch element at {at}/content{where} is inside a "
                            "repeat, which xgrammar's converter cannot take (it crashes)")
         if node.get("excludes") and "json_schema" in node \
-                and _holds_key(node["json_schema"], ("pattern", "format")):
+                and _string_with_pattern_or_format(node["json_schema"]):
             refuse(f"the excludes of the element at {at or '/'} would not apply to its "
                    "schema's strings with a pattern or format (xgrammar filters only plain "
                    "strings)")
 
 
-def _holds_key(value: Any, keys: tuple[str, ...]) -> bool:
-    """Whether a JSON value holds an object with one of ``keys`` anywhere."""
-    stack = [value]
-    while stack:
+def _string_with_pattern_or_format(schema: Any) -> bool:
+    """Whether a JSON schema has, at any of its schema positions, a ``pattern`` or ``format``
+    that applies to strings (its ``type`` absent or naming ``string``); a property named so,
+    a value inside ``const`` / ``enum`` or an integer's ``format`` is none."""
+    from .schema_policy import subschemas
+    stack = [schema]
+    seen = 0
+    while stack and seen < 100_000:  # (a schema is finite; the count only guards the walk)
         item = stack.pop()
-        if isinstance(item, dict):
-            if any(k in item for k in keys):
-                return True
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
+        seen += 1
+        if not isinstance(item, dict):
+            continue
+        types = item.get("type")
+        strings = types is None or types == "string" or (isinstance(types, list)
+                                                         and "string" in types)
+        if strings and ("pattern" in item or isinstance(item.get("format"), str)):
+            return True
+        stack.extend(sub for sub, _ in subschemas(item))
+    return bool(stack)
 
 
 def _stop_jump_forward(compiled: xgr.CompiledGrammar | None) -> None:
