@@ -35,6 +35,18 @@ def _decoder(factory, build: str, seqs: int, drafts: int) -> GuidedDecoder:
     return GuidedDecoder(factory.config, seqs, drafts, factory=factory, host_build=build)
 
 
+def _capturable(factory, host_node: str, drafts: int):
+    """A CapturableGuidedDecoder of two slots on ``host_node``; the test skips where that host
+    node is unavailable here."""
+    from capgraph.capturable import CapturableGuidedDecoder
+    from capgraph.errors import ConfigError
+    try:
+        return CapturableGuidedDecoder(factory.config, 2, drafts, factory=factory,
+                                       host_node=host_node)
+    except ConfigError as e:
+        pytest.skip(f"host_node={host_node!r} is unavailable here: {e}")
+
+
 def _step(dec: GuidedDecoder, requests: list) -> tuple[list, torch.Tensor]:
     dec.add_batch(requests)
     logits = torch.zeros(dec.requests.num_bitmask_tokens, V)
@@ -242,13 +254,7 @@ def test_capturable_release_before_a_queued_step_fails_the_released_request(
     that request fails once, with a RequestError naming the release, and its row takes no
     mask; slot 1's request is masked as before."""
     import hostfunc
-    from capgraph.capturable import CapturableGuidedDecoder
-    from capgraph.errors import ConfigError
-    try:
-        capt = CapturableGuidedDecoder(factory.config, 2, 0, factory=factory,
-                                       host_node=host_node)
-    except ConfigError as e:
-        pytest.skip(f"host_node={host_node!r} is unavailable here: {e}")
+    capt = _capturable(factory, host_node, 0)
     logits = torch.zeros(2, V)
     contexts = [GuidedRequest.context(1, 0, DIGITS), GuidedRequest.context(2, 1, DIGITS)]
     capt.add_batch(contexts)
@@ -329,13 +335,7 @@ def test_a_replayed_context_chunk_on_a_held_slot_leaves_its_owners_rollback(fact
     from a captured graph, so that the native node runs them: its job's skipped entry leaves
     the held slot's counts too."""
     import hostfunc
-    from capgraph.capturable import CapturableGuidedDecoder
-    from capgraph.errors import ConfigError
-    try:
-        dec = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory,
-                                      host_node=host_node)
-    except ConfigError as e:
-        pytest.skip(f"host_node={host_node!r} is unavailable here: {e}")
+    dec = _capturable(factory, host_node, 2)
     logits = torch.zeros(3, V)
     dec.add_batch([GuidedRequest.placeholder(0, 2)], runtime_draft_len=2)
     graph = hostfunc.HostGraph()
