@@ -943,7 +943,9 @@ struct NodeEntry {
   int64_t slot, token, offset, first_draft, num_drafts, index;
   bool from_buffer;
   // a context request: its matcher was created at add_batch (fill its row, accept nothing),
-  // or it has nothing to do this step (`skip`: an earlier chunk; its counters are zeroed)
+  // or it has nothing to do this step (`skip`: an earlier chunk, or a request whose slot was
+  // released before its step, node_forget_slot; the slot's counters are zeroed unless its
+  // native matcher serves another request, whose counts they are)
   bool fill_only, skip;
   bool fresh = false;  // a disaggregated request's first step (its matcher new this step)
 };

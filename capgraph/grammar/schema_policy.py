@@ -683,8 +683,7 @@ def _llg_exact_bound(node: _Node) -> str | None:
     return None
 
 
-#: Where doubles are this far apart or more, a decimal that xgrammar's number range writes
-#: (six fractional digits at most) strictly inside an exclusive bound may parse to the bound.
+#: The spacing of the decimals xgrammar's number range writes (six fractional digits at most).
 _XGRAMMAR_FRACTION = 1e-6
 
 
@@ -704,12 +703,14 @@ def _xgrammar_exclusive_leaks(bound: float) -> bool:
 
 def _xgrammar_exact_bound(node: _Node) -> str | None:
     """A bound of a ``number`` that xgrammar's range keeps: it compares a number's decimal
-    text exactly with the bound's double, so an inclusive bound holds for the number that text
-    parses to, but an exclusive one does not where doubles are sparser than its six
-    fractional digits (from about 2**33: ``exclusiveMaximum`` 123456789012.3 lets
-    ``123456789012.3`` through, ``exclusiveMinimum`` 1e12 lets ``1000000000000.000001``
-    through: each parses to the bound); and an integer bound past 2**53 is rounded to a
-    double (``minimum`` 2**53 + 1 lets 2**53 through). An ``integer``'s bounds are exact."""
+    text (six fractional digits at most) with the bound's double written to six decimals,
+    rounded toward the inside of the range. So an inclusive bound holds for the number the
+    text parses to, but an exclusive one does not where doubles are sparser than those
+    decimals (from about 2**33: ``exclusiveMaximum`` 123456789012.3 is written
+    123456789012.300003 and lets ``123456789012.3`` through, ``exclusiveMinimum`` 1e12 lets
+    ``1000000000000.000001`` through: each parses to the bound); and an integer bound past
+    2**53 is rounded to a double first (``minimum`` 2**53 + 1 lets 2**53 through). An
+    ``integer``'s bounds are exact."""
     types = node.schema.get("type")
     if "number" not in (types if isinstance(types, list) else [types]):
         return None
