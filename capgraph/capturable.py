@@ -34,7 +34,7 @@ import hostfunc.native
 
 from ._nvtx import nvtx_range
 from .bitmask import _pin_host
-from .decoder import FailedRequest, GuidedDecoder, _open_only, _request_id
+from .decoder import FailedRequest, GuidedDecoder, _open_only, _request_id, _stand_ins_on
 from .build.base import Status
 from .build.library import NODE_RECORDS, HostNode, NodeStats
 from .errors import (CallbackError, ConfigError, LayoutError, NativeBuildError, QueueEpochError,
@@ -1086,22 +1086,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._node_collect()  # (the puts of steps that ran leave the queue first)
         with self._collect_lock:
             for put in self._queue:
-                reqs = put.batch.requests
+                failed = _stand_ins_on(put.batch.requests, slot, f" (epoch {put.epoch})")
                 # (a matcher whose creation failed was reported at add_batch already)
-                reported = any(s == slot and m is None for s, m in put.installs)
-                for i, req in enumerate(reqs):
-                    if req.guided_decoding_params is None or req.seq_slot != slot:
-                        continue
-                    rid = _request_id(req)
-                    reqs[i] = GuidedRequest.stand_in(req.request_id,
-                                                     bool(req.is_context_init_state),
-                                                     bool(req.is_draft))
-                    if reported:
-                        continue
-                    put.released.append(
-                        (rid, f"RequestError: seq_slot {slot} was released after add_batch "
-                              f"queued request {rid} (epoch {put.epoch}) and before its step: "
-                              "that step has no matcher for it"))
+                if not any(s == slot and m is None for s, m in put.installs):
+                    put.released.extend(failed)
                 put.installs = [(s, m) for s, m in put.installs if s != slot]
             if self._node_active and self._node is not None:
                 self._node.forget_slot(slot)  # (the node's queued jobs hold the same)

@@ -185,15 +185,7 @@ class GuidedDecoder:
         self.max_num_draft_tokens = max_num_draft_tokens
         self.vocab_size_padded: int = V
         self.rank = rank
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise ConfigError(f"device={device!r} is not a torch device ({e})") from None
-        if self.device.type not in ("cpu", "cuda"):
-            raise ConfigError(f"device={device!r}: the decoder runs on a CPU or CUDA device "
-                              "('cpu', 'cuda' or 'cuda:N')")
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device={self.device} requested but no CUDA device is available")
+        self.device = checked_device(device)
         self._owns_factory = factory is None  # a shared factory is closed by its owner
         self.grammar_matcher_factory = factory or create_matcher_factory(config)
         self.backend = self.grammar_matcher_factory.backend_name
@@ -602,19 +594,9 @@ class GuidedDecoder:
         batch = self.requests
         if batch is None or self._batch_built:
             return
-        reqs = batch.requests
         if self._released is None or self._released[0] is not batch:
             self._released = (batch, [])
-        failed = self._released[1]
-        for i, req in enumerate(reqs):
-            if req.guided_decoding_params is not None and req.seq_slot == slot:
-                rid = _request_id(req)
-                reqs[i] = GuidedRequest.stand_in(req.request_id,
-                                                 bool(req.is_context_init_state),
-                                                 bool(req.is_draft))
-                failed.append((rid, f"RequestError: seq_slot {slot} was released after "
-                                    f"add_batch queued request {rid}: its step has no matcher "
-                                    "for it"))
+        self._released[1].extend(_stand_ins_on(batch.requests, slot, ""))
 
     def _release_slot(self, seq_slot: object) -> int:
         """Free ``seq_slot`` for admission (the next ``add_batch`` may place a new request
@@ -1129,6 +1111,42 @@ class GuidedDecoder:
         if rows is None and min_rows is None:
             min_rows = self._require_batch().num_bitmask_tokens
         self._tensors.check(logits, d2t, rows, min_rows or 0)
+
+
+def checked_device(device: object) -> torch.device:
+    """``device`` as a torch device where a decoder (and the reference loop) can run: the CPU
+    or a CUDA device this machine has; anything else is a ``ConfigError`` naming it."""
+    try:
+        dev = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError, ValueError):  # (torch's message lists its overloads)
+        raise ConfigError(f"device={device!r} is not a torch device: expected 'cpu', 'cuda' "
+                          "or 'cuda:N' (or a torch.device)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device!r}: expected a CPU or CUDA device ('cpu', "
+                          "'cuda' or 'cuda:N')")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r} requested but no CUDA device is available")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f"device={device!r}: this machine has {count} CUDA device(s)")
+    return dev
+
+
+def _stand_ins_on(requests: list, slot: int, when: str) -> list[FailedRequest]:
+    """Each guided request on ``slot`` in ``requests`` replaced (in place) by an unguided
+    stand-in with its rows; the failure of each: its slot was released ``when`` (after
+    add_batch queued it), so its step has no matcher for it."""
+    failed = []
+    for i, req in enumerate(requests):
+        if req.guided_decoding_params is not None and req.seq_slot == slot:
+            rid = _request_id(req)
+            requests[i] = GuidedRequest.stand_in(req.request_id,
+                                                 bool(req.is_context_init_state),
+                                                 bool(req.is_draft))
+            failed.append((rid, f"RequestError: seq_slot {slot} was released after add_batch "
+                                f"queued request {rid}{when}: its step has no matcher for it"))
+    return failed
 
 
 def _constructor_int(name: str, value: object, minimum: int) -> None:

@@ -348,8 +348,6 @@ def checked_parents(parents: Any, num_tokens: int | None, max_drafts: int, bad: 
             raise bad(f"draft_parents[{j}]={value} is not an earlier node or -1 (the root): "
                       "a tree's nodes come after their parents")
         out.append(value)
-    if len(out) > max_drafts:
-        raise bad(f"a draft tree of {len(out)} nodes exceeds max_num_draft_tokens={max_drafts}")
     if num_tokens is not None and len(out) != num_tokens:
         raise bad(f"draft_parents has {len(out)} entries for {num_tokens} draft tokens (one "
                   "parent per draft node)")
@@ -370,8 +368,6 @@ def _checked_drafts(drafts: Any, max_drafts: int, vocab_size: int, bad: Any) -> 
             raise bad(f"draft token {value} (draft_tokens[{i}]) is outside the vocabulary "
                       f"[0, {vocab_size})")
         out.append(value)
-    if len(out) > max_drafts:
-        raise bad(f"{len(out)} draft tokens exceed max_num_draft_tokens={max_drafts}")
     return out
 
 

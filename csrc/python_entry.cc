@@ -2410,6 +2410,17 @@ PyObject* NodeRepeat(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
+// The slot a node call names (an exact int in [0, num_slots)); -1 with an IndexError set
+// where it is none.
+int64_t SlotArg(HostNode* n, PyObject* arg, const char* fn) {
+  const int64_t slot = IndexValue(arg, n->num_slots);
+  if (slot < 0) {
+    PyErr_Format(PyExc_IndexError, "%s: slot %R is outside [0, %lld)", fn, arg,
+                 static_cast<long long>(n->num_slots));
+  }
+  return slot;
+}
+
 // node_forget_slot(node, slot) -> int: the queued jobs (not yet taken by a step) run nothing
 // for `slot` (its request was released before its step): their entries there are skipped
 // and their matchers for it not installed; node_repeat stops repeating the last job. Returns
@@ -2417,12 +2428,8 @@ PyObject* NodeRepeat(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyObject* NodeForgetSlot(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HostNode* n = NodeCall(args, nargs, 2, "node_forget_slot(node, slot)");
   if (n == nullptr) return nullptr;
-  const int64_t slot = IndexValue(args[1], n->num_slots);
-  if (slot < 0) {
-    PyErr_Format(PyExc_IndexError, "node_forget_slot: slot %R is outside [0, %lld)", args[1],
-                 static_cast<long long>(n->num_slots));
-    return nullptr;
-  }
+  const int64_t slot = SlotArg(n, args[1], "node_forget_slot");
+  if (slot < 0) return nullptr;
   std::vector<ObjectRef> dropped;  // (destroyed after the lock)
   long long changed = 0;
   {
@@ -2478,12 +2485,8 @@ PyObject* NodeDrop(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyObject* NodeSetSlot(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HostNode* n = NodeCall(args, nargs, 4, "node_set_slot(node, slot, handle, stopped)");
   if (n == nullptr) return nullptr;
-  const int64_t slot = IndexValue(args[1], n->num_slots);
-  if (slot < 0) {
-    PyErr_Format(PyExc_IndexError, "node_set_slot: slot %R is outside [0, %lld)", args[1],
-                 static_cast<long long>(n->num_slots));
-    return nullptr;
-  }
+  const int64_t slot = SlotArg(n, args[1], "node_set_slot");
+  if (slot < 0) return nullptr;
   PyObject* handle = args[2];
   ObjectRef ref;
   uint8_t kind = 0;

@@ -377,8 +377,9 @@ _STRING_EXCLUDES = {"type": "tag", "begin": "<a>", "end": "</a>", "content": {
 def test_tag_elements_xgrammar_converts_without_their_exclusions_are_refused(
         factory_cache, fmt, said):
     """xgrammar 0.2.9 drops the excluded tokens of an exclude_token / any_tokens inside a
-    repeat (the row allowed "hello" twice), and a json_schema element's excludes on strings
-    with a pattern or format ("bad" was written): refused, naming the element."""
+    repeat (its row would allow "hello" twice), and a json_schema element's excludes on
+    strings with a pattern or format (it would let "bad" be written): refused, naming the
+    element."""
     with pytest.raises(UnsupportedGuideError, match=said):
         factory_cache("tekken").compile(tag(fmt))
 

@@ -408,8 +408,8 @@ def test_draft_token_sequences_are_accepted_alike_on_both_decoders(kind, drafts,
 def test_a_huge_draft_sequence_is_refused_by_its_length_before_it_is_read(kind, field, source,
                                                                           make):
     """A draft sequence of 10**11 items that takes no memory (a broadcast tensor or array)
-    next to a good request: refused by its length alone (reading it first raised a bare
-    MemoryError for the whole batch, or took seconds per 10**7 items), the good row served."""
+    next to a good request: refused by its length alone, before any item is read (reading
+    it would raise MemoryError or take seconds per 10**7 items), the good row served."""
     n = 10 ** 11
     huge = (torch.zeros(1, dtype=torch.long).expand(n) if source == "tensor"
             else np.broadcast_to(np.int64(0), (n,)))

@@ -159,8 +159,8 @@ def test_a_context_chunk_on_a_held_slot_leaves_its_owners_rollback(factory, buil
     draft accepted, bonus 2) is rolled back, a step holds another request's context chunk
     before its last on slot 0 (an engine that reuses a slot too early). The chunk creates no
     matcher, so it must not zero slot 0's counts: request 1's rollback then keeps one token,
-    its bonus 2 is accepted and its row allows x alone (the zeroed count rolled back nothing
-    and failed the bonus)."""
+    its bonus 2 is accepted and its row allows x alone (a zeroed count would roll back
+    nothing and fail the bonus)."""
     if kind == "capturable":
         from capgraph.capturable import CapturableGuidedDecoder
         dec = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_build=build)

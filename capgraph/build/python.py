@@ -175,13 +175,12 @@ def _prepare(req: GuidedRequest, offset: int, draft_len: int, seen: set[int],
                            request_id=req.request_id, seq_slot=slot)
     seen.add(slot)
     init, advance = req.require_matcher_init(), req.require_matcher_advance()
-    if not (init or advance) and not req.is_draft and state.matchers[slot] is not None:
-        # (a target request that neither creates nor advances the slot's matcher, such as a
-        # context chunk before its last, leaves the counts of the request that matcher
-        # serves, whose rollback may still come: a slot taken over is the last chunk's to
-        # reset; a draft step's counts are its drafting loop's, zeroed as ever)
-        return None
-    state.num_advanced_tokens[slot] = state.num_guided_tokens[slot] = 0
+    # (a target request that neither creates nor advances the slot's matcher, such as a
+    # context chunk before its last, leaves the counts of the request that matcher serves,
+    # whose rollback may still come: a slot taken over is the last chunk's to reset; a draft
+    # step's counts are its drafting loop's)
+    if init or advance or req.is_draft or state.matchers[slot] is None:
+        state.num_advanced_tokens[slot] = state.num_guided_tokens[slot] = 0
     if not (init or advance):
         return None
     drafts = _checked_drafts(req, draft_len, state)

@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import ConfigError
 from .base import GrammarMatcher
 
-__all__ = ["ForcedTokenEncoder", "forced_run_bound", "forced_stack_bound",
+__all__ = ["ForcedTokenEncoder", "forced_bounds", "forced_run_bound", "forced_stack_bound",
            "MAX_FORCED_SEQUENCE_BYTES", "MAX_FORCED_STACK_BYTES", "MAX_FORCED_WALK_MS"]
 
 
@@ -346,23 +346,26 @@ def _length(node: tuple, lengths: dict[str, float], seqs: list[tuple] | None = N
     return total
 
 
+def forced_bounds(grammar_text: str) -> tuple[float, float]:
+    """``(forced_run_bound, forced_stack_bound)`` of the grammar ``grammar_text``, read once
+    (see those two)."""
+    rules = _read_rules(grammar_text)
+    lengths = _shortest(rules) if rules is not None else None
+    if rules is None or lengths is None or any(v == _INF for v in lengths.values()):
+        return _INF, _INF
+    try:
+        return _run_bound(rules, lengths), _stack_bound(rules, lengths)
+    except RecursionError:
+        return _INF, _INF
+
+
 def forced_run_bound(grammar_text: str) -> float:
     """The longest shortest completion of any sequence of the grammar ``grammar_text`` (as
     ``str(xgrammar.Grammar)`` prints it), in bytes; ``inf`` where a rule has no completion or
     the text cannot be read. The forced text from any state of a matcher is at most this
     times the nesting depth of the state (each open rule contributes at most its sequence's
     shortest completion); :func:`forced_stack_bound` bounds what recursion adds to that."""
-    rules = _read_rules(grammar_text)
-    lengths = _shortest(rules) if rules is not None else None
-    if rules is None or lengths is None or any(v == _INF for v in lengths.values()):
-        return _INF
-    seqs: list[tuple] = []
-    try:
-        for node in rules.values():
-            _length(node, lengths, seqs)
-        return max((_length(s, lengths) for s in seqs), default=0.0)
-    except RecursionError:
-        return _INF
+    return forced_bounds(grammar_text)[0]
 
 
 def forced_stack_bound(grammar_text: str) -> float:
@@ -378,45 +381,40 @@ def forced_stack_bound(grammar_text: str) -> float:
     Choices are not looked at (an alternative or an optional part may still be forced where
     its branches agree), so this is an upper bound: JSON's ``{ ... }`` gives 1 (the ``}``
     after a nested value)."""
-    rules = _read_rules(grammar_text)
-    lengths = _shortest(rules) if rules is not None else None
-    if rules is None or lengths is None or any(v == _INF for v in lengths.values()):
-        return _INF
-    refs: dict[str, set[str]] = {name: set() for name in rules}  # what each body refers to
+    return forced_bounds(grammar_text)[1]
+
+
+def _run_bound(rules: dict[str, tuple], lengths: dict[str, float]) -> float:
+    seqs: list[tuple] = []
+    for node in rules.values():
+        _length(node, lengths, seqs)
+    return max((_length(s, lengths) for s in seqs), default=0.0)
+
+
+def _stack_bound(rules: dict[str, tuple], lengths: dict[str, float]) -> float:
+    refs: dict[str, list[str]] = {name: [] for name in rules}  # what each body refers to
 
     def collect(name: str, node: tuple) -> None:
         kind = node[0]
         if kind == "ref":
-            refs[name].add(node[1])
+            if node[1] in rules:
+                refs[name].append(node[1])
         elif kind in ("seq", "alt"):
             for child in node[1]:
                 collect(name, child)
         elif kind == "rep":
             collect(name, node[2])
 
-    try:
-        for name, node in rules.items():
-            collect(name, node)
-    except RecursionError:
-        return _INF
-    reach: dict[str, set[str]] = {}
-    for name in rules:  # the rules each rule reaches, itself only through a cycle
-        seen: set[str] = set()
-        stack = list(refs[name])
-        while stack:
-            other = stack.pop()
-            if other in seen:
-                continue
-            seen.add(other)
-            stack.extend(refs.get(other, ()))
-        reach[name] = seen
+    for name, node in rules.items():
+        collect(name, node)
+    component = _components(refs)  # (a reference recurses where it stays in its component)
     worst = 0.0
 
     def tails(name: str, node: tuple, tail: float) -> None:
         nonlocal worst
         kind = node[0]
         if kind == "ref":
-            if node[1] in rules and name in reach[node[1]]:
+            if node[1] in rules and component[node[1]] == component[name]:
                 worst = max(worst, tail)
         elif kind == "alt":
             for child in node[1]:
@@ -429,9 +427,47 @@ def forced_stack_bound(grammar_text: str) -> float:
                 tails(name, child, after)
                 after += _length(child, lengths)
 
-    try:
-        for name, node in rules.items():
-            tails(name, node, 0.0)
-    except RecursionError:
-        return _INF
+    for name, node in rules.items():
+        tails(name, node, 0.0)
     return worst
+
+
+def _components(refs: dict[str, list[str]]) -> dict[str, int]:
+    """The strongly connected component of each rule of the reference graph ``refs``
+    (Tarjan's algorithm, iterative: a grammar may hold thousands of rules)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    component: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    for root in refs:
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            name, k = work.pop()
+            if k == 0:
+                index[name] = low[name] = len(index)
+                stack.append(name)
+                on_stack.add(name)
+            edges = refs[name]
+            while k < len(edges) and edges[k] in index:
+                other = edges[k]
+                if other in on_stack:
+                    low[name] = min(low[name], index[other])
+                k += 1
+            if k < len(edges):  # (descend into an unvisited rule; come back after it)
+                work.append((name, k + 1))
+                work.append((edges[k], 0))
+                continue
+            if low[name] == index[name]:
+                while True:
+                    other = stack.pop()
+                    on_stack.discard(other)
+                    component[other] = index[name]
+                    if other == name:
+                        break
+            if work:  # (the caller takes the lowest link of the rule it descended into)
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[name])
+    return component

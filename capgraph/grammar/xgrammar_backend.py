@@ -22,7 +22,7 @@ from .compile_pool import run_lowered
 from .converter_log import captured, exclusive
 from .disk_cache import serialized_bytes_estimate, source_digest
 from .forced import (MAX_FORCED_SEQUENCE_BYTES, MAX_FORCED_STACK_BYTES, MAX_FORCED_WALK_MS,
-                     forced_run_bound, forced_stack_bound)
+                     forced_bounds)
 from .process_pool import CompileHere, ProcessCompilePool
 from .utf8 import GUARD_BYTES, INVALID, Utf8Guard, Utf8Tables, utf8_tables
 from .schema_policy import (describe, plain_tag_schema, unenforced_in_tag, unenforced_in_text,
@@ -973,9 +973,8 @@ def _jump_forward_ok(compiled: xgr.CompiledGrammar | None) -> bool:
     if known is not None and known[0]() is compiled:
         return known[1]
     try:
-        text = str(compiled.grammar)
-        ok = forced_run_bound(text) <= MAX_FORCED_SEQUENCE_BYTES \
-            and forced_stack_bound(text) <= MAX_FORCED_STACK_BYTES
+        run, stack = forced_bounds(str(compiled.grammar))
+        ok = run <= MAX_FORCED_SEQUENCE_BYTES and stack <= MAX_FORCED_STACK_BYTES
     except Exception:  # noqa: BLE001 - an unreadable grammar: no forced text
         ok = False
     return _remember_jump_ok(compiled, ok)

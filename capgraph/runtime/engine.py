@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..capturable import CapturableGuidedDecoder
-from ..decoder import GuidedDecoder
+from ..decoder import GuidedDecoder, checked_device
 from ..errors import ConfigError
 from ..grammar.base import GrammarMatcherFactory
 from ..params import GuidedDecodingConfig, GuidedDecodingParams
@@ -177,33 +177,12 @@ def _token_ids(prompt: object, index: int, vocab_size: int) -> list[int]:
     return ids  # type: ignore[return-value]
 
 
-def _device(device: object) -> torch.device:
-    """``device`` as a torch device where the loop can run: the CPU or a CUDA device that this
-    machine has; anything else is a ``ConfigError`` naming it (it was a bare RuntimeError or
-    TypeError from ``torch.device``, or from the first use of the device)."""
-    try:
-        dev = torch.device(device)  # type: ignore[call-overload]
-    except (RuntimeError, TypeError, ValueError):  # (torch's message lists its overloads)
-        raise ConfigError(f"device={device!r} is not a torch device: expected 'cpu', 'cuda' "
-                          "or 'cuda:N' (or a torch.device)") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device={device!r}: expected a CPU or CUDA device ('cpu', "
-                          "'cuda' or 'cuda:N')")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device={device!r} requested but no CUDA device is available")
-        count = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= count:
-            raise ConfigError(f"device={device!r}: this machine has {count} CUDA device(s)")
-    return dev
-
-
 def _check_objects(*, model: object, tokenizer: object, draft: str, draft_model: object,
                    factory: object, progress: object, cuda_graph: object,
                    batch_after_launch: object) -> None:
-    """Refuse, before any model, tokenizer or grammar work, an argument of the wrong kind:
-    a bare AttributeError or TypeError from deep inside the loop before, or (a flag that is
-    not a bool, a draft model no drafter reads) silently taken as something else."""
+    """Refuse, before any model, tokenizer or grammar work, an argument of the wrong kind
+    (each would fail deep inside the loop, or be taken as something else: a flag that is not
+    a bool, a draft model no drafter reads)."""
     for name, value in (("model", model), ("draft_model", draft_model)):
         if value is not None and not isinstance(value, torch.nn.Module):
             raise ConfigError(f"{name} is a {type(value).__name__} ({value!r:.60}): expected a "
@@ -275,7 +254,7 @@ class _Engine:
             sampling = dataclasses.replace(sampling, seed=seed)
         if K and not sampling.greedy:
             raise ConfigError("speculative decoding verifies greedily: use temperature=0")
-        self.device = _device(device)
+        self.device = checked_device(device)
         if tokenizer is None:
             from ..tokenizers import load_tokenizer
             tokenizer = load_tokenizer("tekken")

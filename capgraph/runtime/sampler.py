@@ -41,7 +41,7 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        # a number, not a bool read as 0 / 1 nor text (a bare TypeError from ``>=`` before);
+        # a number, not a bool read as 0 / 1 nor text;
         # finite: an infinite temperature turns the masked logits' -inf into NaN
         temperature = self.temperature
         if isinstance(temperature, (bool, np.bool_)) or not isinstance(
