@@ -8,6 +8,7 @@ grammar) with the Tekken tokenizer and the runtime's tiny random Llama, as ``cap
 from __future__ import annotations
 
 import json
+import random
 import time
 
 import pytest
@@ -390,20 +391,6 @@ def test_forced_tokens_of_recursion_that_stacks_forced_text_are_bounded():
     assert float(line.split()[-1]) < 1.0
 
 
-@pytest.mark.parametrize("ebnf,bound", [
-    ('root ::= "=" root "bbbb" | "c"', 4.0),
-    ('root ::= "[" root "]" | "x"', 1.0),
-    ('root ::= "a" root | "b"', 0.0),  # recursion at the end adds nothing
-    ('root ::= x "q"\nx ::= "(" y\ny ::= x ")" "zz" | "!"', 3.0),  # through two rules
-    ('root ::= r3\nr0 ::= "xy"\nr1 ::= r0 r0\nr2 ::= r1 r1\nr3 ::= r2 r2', 0.0),
-    ('root ::= "ab" root', float("inf")),  # no completion
-])
-def test_forced_stack_bound_reads_what_a_level_of_recursion_adds(ebnf, bound):
-    import xgrammar as xgr
-    from capgraph.grammar.forced import forced_stack_bound
-    assert forced_stack_bound(str(xgr.Grammar.from_ebnf(ebnf))) == bound
-
-
 def test_a_jump_forward_walk_too_long_ends_forced_text_for_its_grammar(tekken, monkeypatch):
     """A walk over MAX_FORCED_WALK_MS (the forced text of recursion nested deep in the
     output) still answers, and from then on no matcher of that grammar walks again; another
@@ -411,7 +398,7 @@ def test_a_jump_forward_walk_too_long_ends_forced_text_for_its_grammar(tekken, m
     from capgraph.grammar import forced
     factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(tekken))
     try:
-        guide = GuidedDecodingParams.ebnf('root ::= "[" root "]" | "x"')
+        guide = GuidedDecodingParams.ebnf('root ::= "[" root ("," root)* "]" | "x"')
         first, second = factory.create(guide), factory.create(guide)
         other = factory.create(GuidedDecodingParams.regex("ab[0-9]"))
         walks = []
@@ -434,25 +421,173 @@ def test_a_jump_forward_walk_too_long_ends_forced_text_for_its_grammar(tekken, m
         factory.close()
 
 
+_INF = float("inf")
+
+
 @pytest.mark.parametrize("ebnf,bound", [
-    ('root ::= "ab" root', float("inf")),  # no completion
-    ('root ::= "a" x\nx ::= "" | "z"*', 1.0),
-    ('root ::= "x" Regex("[0-9]{3}q")', 5.0),
+    ('root ::= "ab" root', _INF),  # no completion: the walk never ends
     ('root ::= r3\nr0 ::= "xy"\nr1 ::= r0 r0\nr2 ::= r1 r1\nr3 ::= r2 r2', 16.0),
+    ('root ::= "a" x\nx ::= "" | "z"*', 1.0),
+    ('root ::= "x" Regex("[0-9]{3}q")', 17.0),  # (a regex's character: up to 4 bytes)
+    ('root ::= "a" root | "b"', 2.0),  # recursion at the end adds nothing
+    # recursion with no choice after it forces text at every level it nests
+    ('root ::= "[" root "]" | "x"', _INF),
+    ('root ::= "=" root "bbbb" | "c"', _INF),
+    ('root ::= x "q"\nx ::= "(" y\ny ::= x ")" "zz" | "!"', _INF),  # (through two rules)
+    ('root ::= "{" root "}" | "{" "}"', _INF),
+    # a choice after the recursion ("," or "]") ends the forced text at every level
+    ('root ::= "[" root ("," root)* "]" | "x"', 3.0),
+    ('root ::= "=" root ("x" | "y") "' + "b" * 4000 + '" | "c"', 4003.0),
+    ('root ::= "(" root [ \\t]* ")" | "x"', 3.0),
+    ('root ::= "(" root [ab]? ")" | "x"', 3.0),
+    ('root ::= "(" root [a]? ")" | "x"', 3.0),
+    ('root ::= "(" root ")"? ")" | "x"', _INF),  # (one or two ")": the same first byte)
+    ('root ::= "(" root ")"? | "x"', 2.0),  # (")" or the end: not forced past it)
+    # rules nested without recursion add their tails up
+    ('root ::= "<" a ">"\na ::= "<" b "..>"\nb ::= "<" c "...>"\nc ::= "x"', 12.0),
 ])
-def test_forced_run_bound_reads_the_shortest_completions(ebnf, bound):
+def test_forced_text_bound_reads_the_longest_forced_text(ebnf, bound):
     import xgrammar as xgr
-    from capgraph.grammar.forced import forced_run_bound
-    assert forced_run_bound(str(xgr.Grammar.from_ebnf(ebnf))) == bound
+    from capgraph.grammar.forced import forced_text_bound
+    assert forced_text_bound(str(xgr.Grammar.from_ebnf(ebnf))) == bound
 
 
-def test_forced_run_bound_admits_the_bundled_schemas():
-    """Every bundled schema's grammar is read and far under the bound: drafts are kept."""
+def test_forced_text_bound_admits_the_bundled_schemas_and_json():
+    """The bundled schemas' and the JSON grammar's forced text is bounded (their recursion
+    meets a choice after every value), in every whitespace mode: drafts are kept."""
     import xgrammar as xgr
-    from capgraph.grammar.forced import MAX_FORCED_SEQUENCE_BYTES, forced_run_bound
-    assert forced_run_bound(str(xgr.Grammar.from_json_schema(bundled_schema()))) \
-        <= MAX_FORCED_SEQUENCE_BYTES
-    assert forced_run_bound(str(xgr.Grammar.builtin_json_grammar())) <= 64
+    from capgraph.grammar.forced import MAX_FORCED_TEXT_BYTES, forced_text_bound
+    schema = bundled_schema()
+    for options in ({"any_whitespace": True}, {"any_whitespace": False},
+                    {"any_whitespace": False, "separators": (",", ":")}):
+        assert forced_text_bound(str(xgr.Grammar.from_json_schema(schema, **options))) \
+            <= MAX_FORCED_TEXT_BYTES
+    assert forced_text_bound(str(xgr.Grammar.builtin_json_grammar())) <= 16
+
+
+def _byte_matcher_factory():
+    """xgrammar's compiler over a vocabulary of the 256 single bytes (token i: byte i)."""
+    import xgrammar as xgr
+    info = xgr.TokenizerInfo([bytes([i]) for i in range(256)], xgr.VocabType.RAW,
+                             stop_token_ids=[0])
+    return xgr.GrammarCompiler(info, cache_enabled=False)
+
+
+def _random_grammar(rng: random.Random) -> str:
+    names = ["root"] + [f"r{i}" for i in range(1, rng.randint(1, 4))]
+
+    def atom(depth: int) -> str:
+        pick = rng.random()
+        if pick < 0.35:
+            return '"' + "".join(rng.choice("ab[]{},x") for _ in range(rng.randint(1, 3))) + '"'
+        if pick < 0.45:
+            return rng.choice(['[ab]', '[a]', '[,\\]]', '[^a]', '[x-z]', '"é"', '[é-ê]', '""'])
+        if pick < 0.75 or depth >= 2:
+            return rng.choice(names)
+        return "(" + seq(depth + 1) + ")" + rng.choice(["", "*", "+", "?", "{2}", "{0,3}",
+                                                        "{1,}"])
+
+    def seq(depth: int) -> str:
+        return " ".join(atom(depth) for _ in range(rng.randint(1, 4)))
+
+    return "\n".join(f"{name} ::= " + " | ".join(
+        [seq(0) for _ in range(rng.randint(1, 3))] + [f'"{rng.choice("xyz")}"'])
+        for name in names)
+
+
+def test_forced_text_bound_holds_on_random_grammars_and_outputs():
+    """Soundness: on random grammars (recursion, repetition, classes, multibyte text), at
+    random outputs sampled from their masks, xgrammar's jump-forward string is never longer
+    than the bound; where the bound is inf nothing is walked (the walk could be endless)."""
+    import numpy as np
+    import xgrammar as xgr
+    from capgraph.grammar.forced import forced_text_bound
+    compiler = _byte_matcher_factory()
+    bitmask = xgr.allocate_token_bitmask(1, 256)
+    walks = bounded = 0
+    tight = False
+    for seed in range(400):
+        rng = random.Random(seed)
+        try:
+            grammar = xgr.Grammar.from_ebnf(_random_grammar(rng))
+            compiled = compiler.compile_grammar(grammar)
+        except RuntimeError:
+            continue  # (a grammar xgrammar refuses)
+        bound = forced_text_bound(str(grammar))
+        if bound == _INF:
+            continue
+        bounded += 1
+        for _ in range(3):
+            matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+            for _ in range(rng.randint(0, 40)):
+                if matcher.is_terminated():
+                    break
+                forced = matcher.find_jump_forward_string().encode("utf-8", "surrogateescape")
+                walks += 1
+                assert len(forced) <= bound, (seed, str(grammar), forced)
+                tight = tight or (bound > 0 and len(forced) == bound)
+                matcher.fill_next_token_bitmask(bitmask)
+                bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
+                allowed = [i for i in range(1, 256) if bits[i]]
+                if not allowed:
+                    break
+                assert matcher.accept_token(rng.choice(allowed))
+    assert bounded > 50 and walks > 500 and tight  # (the test reached real forced text)
+
+
+def _nested_chain(levels: int, tail: int) -> str:
+    """``levels`` distinct rules, each ``"c"`` or opening the next after an "a" and closing
+    with a ``tail``-byte run: no recursion, no alternative whose shortest completion is over
+    ``tail + 2`` bytes, but a "c" after ``levels`` "a" forces ``levels * tail`` bytes."""
+    rules = [f'root ::= "a" r1 "{"z" * tail}" | "c"']
+    rules += [f'r{k} ::= "a" r{k + 1} "{"z" * tail}" | "c"' for k in range(1, levels)]
+    rules.append(f'r{levels} ::= "c"')
+    return "\n".join(rules)
+
+
+@pytest.mark.parametrize("guide_text,tokens", [
+    # a deep stack of short levels (each "=" opens one that forces 16 bytes once "c" comes)
+    ('root ::= "=" root "' + "b" * 16 + '" | "c"', ["=" * 8] * 64 + ["c"]),
+    # a chain of 400 distinct rules with 16-byte tails: 6400 forced bytes at the deepest
+    (_nested_chain(400, 16), ["a" * 8] * 50 + ["c"]),
+])
+def test_forced_tokens_where_nesting_stacks_forced_text_are_empty_at_once(tekken, guide_text,
+                                                                         tokens):
+    """Grammars whose forced text grows with the output's nesting get no forced text, so no
+    jump-forward walk runs at any depth (the walk builds all of it at once: 5.8 s and 1.4 GB
+    for 20k tokens of a 64-level-per-token stack)."""
+    import xgrammar as xgr
+    from capgraph.grammar.forced import MAX_FORCED_TEXT_BYTES, forced_text_bound
+    assert forced_text_bound(str(xgr.Grammar.from_ebnf(guide_text))) > MAX_FORCED_TEXT_BYTES
+    factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(tekken))
+    try:
+        matcher = factory.create(GuidedDecodingParams.ebnf(guide_text))
+        for text in tokens:
+            for token in tekken.encode(text, add_special_tokens=False):
+                assert matcher.accept_token(token)
+        assert matcher.native.find_jump_forward_string().startswith("b" * 16) \
+            or matcher.native.find_jump_forward_string().startswith("z" * 16)
+        start = time.perf_counter()
+        assert matcher.forced_bytes(4096) == b""
+        assert time.perf_counter() - start < 0.5
+    finally:
+        factory.close()
+
+
+def test_forced_text_of_recursive_json_schemas_is_kept(tekken):
+    """A recursive schema keeps its forced text: its recursion meets a choice after every
+    nested value."""
+    schema = {"type": "object", "properties": {"kids": {"type": "array",
+                                                        "items": {"$ref": "#"}}},
+              "required": ["kids"], "additionalProperties": False}
+    factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(tekken))
+    try:
+        matcher = factory.create(GuidedDecodingParams.json_schema(json.dumps(schema)))
+        for token in tekken.encode('{"kids": [{"k', add_special_tokens=False):
+            assert matcher.accept_token(token)
+        assert matcher.forced_bytes(64) == b'ids"'
+    finally:
+        factory.close()
 
 
 def test_xgrammar_forced_bytes_errors_are_matcher_errors(tekken):

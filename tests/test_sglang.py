@@ -347,14 +347,14 @@ def test_jump_forward_matches_sglang_xgrammar(tekken, sglang_xgrammar, capgraph_
 def test_jump_forward_is_bounded(tekken, capgraph_backend):
     """A grammar that forces 8192 bytes gets no jump-forward text (xgrammar's own walk has no
     length bound: it returned all of them); one that forces a short run gets it whole."""
-    from capgraph.grammar.forced import MAX_FORCED_SEQUENCE_BYTES
+    from capgraph.grammar.forced import MAX_FORCED_TEXT_BYTES
 
     rules = ['root ::= r13 "!"', 'r0 ::= "a"'] + [f"r{i} ::= r{i - 1} r{i - 1}"
                                                    for i in range(1, 14)]
     long = _dispatch(capgraph_backend, "ebnf", "\n".join(rules))
     assert long.try_jump_forward(tekken) is None
     assert long.matcher.native.find_jump_forward_string() == "a" * 8192 + "!"
-    assert 8192 > MAX_FORCED_SEQUENCE_BYTES
+    assert 8192 > MAX_FORCED_TEXT_BYTES
     short = _dispatch(capgraph_backend, "ebnf", "\n".join(rules[:1] + rules[1:9]).replace(
         "r13", "r7"))
     assert short.try_jump_forward(tekken) == ([], "a" * 128 + "!")

@@ -21,8 +21,7 @@ from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory, whole_ut
 from .compile_pool import run_lowered
 from .converter_log import captured, exclusive
 from .disk_cache import serialized_bytes_estimate, source_digest
-from .forced import (MAX_FORCED_SEQUENCE_BYTES, MAX_FORCED_STACK_BYTES, MAX_FORCED_WALK_MS,
-                     forced_bounds)
+from .forced import MAX_FORCED_TEXT_BYTES, MAX_FORCED_WALK_MS, forced_text_bound
 from .process_pool import CompileHere, ProcessCompilePool
 from .utf8 import GUARD_BYTES, INVALID, Utf8Guard, Utf8Tables, utf8_tables
 from .schema_policy import (describe, plain_tag_schema, unenforced_in_tag, unenforced_in_text,
@@ -883,8 +882,7 @@ class XGrammarMatcher(GrammarMatcher):
         """xgrammar's jump-forward string (whole characters only), cut to ``max_bytes``; empty
         for a grammar on which xgrammar's walk, which has no length bound, could be long
         (:func:`_jump_forward_ok`), and from the first walk on a grammar that took longer than
-        :data:`~capgraph.grammar.forced.MAX_FORCED_WALK_MS` (recursion nested deep enough:
-        :func:`~capgraph.grammar.forced.forced_stack_bound`) for every matcher of it."""
+        :data:`~capgraph.grammar.forced.MAX_FORCED_WALK_MS` for every matcher of it."""
         if self._terminated or max_bytes <= 0 or self._jump_ok is False:
             return b""
         if not _jump_forward_ok(self._compiled):  # (per grammar: another matcher may stop it)
@@ -898,7 +896,7 @@ class XGrammarMatcher(GrammarMatcher):
                                f"{type(e).__name__}: {str(e).strip()[:200]}",
                                backend=BACKEND) from e
         if (time.perf_counter() - start) * 1e3 > MAX_FORCED_WALK_MS:
-            # (the walk grows with the nesting: later ones would be longer still)
+            # (a parser this slow per byte: later walks would be as long)
             self._jump_ok = False
             _stop_jump_forward(self._compiled)
         return whole_utf8_prefix(forced.encode(), max_bytes) if forced else b""
@@ -953,18 +951,15 @@ _JUMP_OK_LOCK = threading.RLock()  # (re-entered where a weakref callback runs i
 
 
 def _jump_forward_ok(compiled: xgr.CompiledGrammar | None) -> bool:
-    """Whether xgrammar's jump-forward walk is bounded on ``compiled``: every rule of its
-    grammar has a completion, no sequence's shortest completion is longer than
-    :data:`~capgraph.grammar.forced.MAX_FORCED_SEQUENCE_BYTES`
-    (:func:`~capgraph.grammar.forced.forced_run_bound`), and no level of recursion adds more
-    than :data:`~capgraph.grammar.forced.MAX_FORCED_STACK_BYTES` to the forced text
-    (:func:`~capgraph.grammar.forced.forced_stack_bound`). The walk stops only at the end of
-    the forced text, so on ``root ::= "ab" root`` it never returns (memory runs out), on a
-    grammar of exponentially long completions it takes exponential time, and on
-    ``root ::= "=" root "<4000 bytes>" | "c"`` it builds 4000 bytes per ``=`` written; those
-    grammars get no forced text. Read once per compiled grammar (~10 ms for a large schema),
-    and False from a walk on it that ran too long (:func:`_stop_jump_forward`); None (a
-    matcher built without its grammar): False."""
+    """Whether xgrammar's jump-forward walk is short on ``compiled``: the forced text of
+    every state of its grammar is at most :data:`~capgraph.grammar.forced.MAX_FORCED_TEXT_BYTES`
+    (:func:`~capgraph.grammar.forced_bound.forced_text_bound`). The walk stops only at the
+    end of the forced text, so on ``root ::= "ab" root`` it never returns (memory runs out),
+    on a grammar of exponentially long completions it takes exponential time, and on
+    ``r ::= "[" r "]" | "x"`` it builds one ``]`` per ``[`` written; those grammars get no
+    forced text. Read once per compiled grammar (50 ms for the bundled corpus's largest
+    schema, a 72 KB grammar), and False from a walk on it that ran too long
+    (:func:`_stop_jump_forward`); None (a matcher built without its grammar): False."""
     if compiled is None:
         return False
     key = id(compiled)
@@ -973,8 +968,7 @@ def _jump_forward_ok(compiled: xgr.CompiledGrammar | None) -> bool:
     if known is not None and known[0]() is compiled:
         return known[1]
     try:
-        run, stack = forced_bounds(str(compiled.grammar))
-        ok = run <= MAX_FORCED_SEQUENCE_BYTES and stack <= MAX_FORCED_STACK_BYTES
+        ok = forced_text_bound(str(compiled.grammar)) <= MAX_FORCED_TEXT_BYTES
     except Exception:  # noqa: BLE001 - an unreadable grammar: no forced text
         ok = False
     return _remember_jump_ok(compiled, ok)

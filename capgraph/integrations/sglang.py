@@ -41,7 +41,7 @@ from ..errors import (TRANSIENT_COMPILE_ERRORS, CapgraphError, ConfigError, Layo
 from ..grammar import (CompiledGuide, CompileHandle, GrammarMatcher, GrammarMatcherFactory,
                        create_matcher_factory)
 from ..grammar.cache import ByteLRUCache
-from ..grammar.forced import MAX_FORCED_SEQUENCE_BYTES
+from ..grammar.forced import MAX_FORCED_TEXT_BYTES
 from ..ops import logits_bitmask
 from ..params import GuidedDecodingBackend, GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from ..requests import as_int
@@ -311,7 +311,7 @@ class CapgraphGrammar(BaseGrammarObject):
         matcher is terminated or failed, or its backend cannot tell).
 
         Asked through the matcher's bounded ``forced_bytes`` (at most
-        :data:`~capgraph.grammar.forced.MAX_FORCED_SEQUENCE_BYTES` bytes, whole characters,
+        :data:`~capgraph.grammar.forced.MAX_FORCED_TEXT_BYTES` bytes, whole characters,
         none on a grammar whose forced text could be unbounded), never xgrammar's own walk,
         which has no length bound. A matcher failure is kept for the request's next
         ``accept_token`` (which aborts the request) instead of raised into SGLang's scheduler.
@@ -319,7 +319,7 @@ class CapgraphGrammar(BaseGrammarObject):
         if self._error is not None or self.matcher.is_terminated():
             return None
         try:
-            text = self.matcher.forced_bytes(MAX_FORCED_SEQUENCE_BYTES).decode("utf-8")
+            text = self.matcher.forced_bytes(MAX_FORCED_TEXT_BYTES).decode("utf-8")
         except Exception as e:  # noqa: BLE001 - one request's failure, not the scheduler's
             self._keep_error(e, "finding its forced text")
             _log.error("%s", self._error)

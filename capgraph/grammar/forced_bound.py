@@ -1,0 +1,586 @@
+"""A bound on the forced text of an xgrammar grammar, read from the grammar alone.
+
+xgrammar's jump-forward search (``find_jump_forward_string``) walks the forced text to its
+end, one byte and one parser step at a time: while every live parser state can go on with
+one and the same byte (a character-class edge of two or more characters, two states that
+disagree, or a state where the grammar may end all stop it), it takes that byte. It has no
+length bound, so capgraph asks for forced text only on grammars where
+:func:`forced_text_bound` shows the walk short, whatever the output so far.
+
+**The bound.** A parser state is a stack of open rules: the innermost at some position of
+one of its alternatives, each outer one just after the reference that opened the rule above
+it. The forced text is a prefix of every completion of every live stack, so of one stack's
+completions. Complete each level by its shortest completion: the rest of the innermost
+alternative (at most ``head``: the longest "an atom plus what must follow it to its rule's
+end" of the rule), then the rest after each reference outward (its ``tail``). Two
+completions of that stack part where a level's rest provably starts with two different
+bytes: where a *choice* follows the reference (its rest, up to its first part that cannot
+be empty, may start with at least two bytes: ``[ \\n\\t]* ","`` does, ``"]"`` does not). So
+the forced text is at most ``head`` plus the tails of the references up to the first one a
+choice follows; the bound is the longest such sum over the grammar's reference graph.
+
+Where a cycle of references with no choice after them adds bytes
+(``r ::= "[" r "]" | "x"``: one ``]`` per ``[`` written), the forced text grows with the
+output's nesting and the bound is ``inf``: such grammars get no forced text. So does a
+grammar with a rule that never completes (``root ::= "ab" root``, where the walk never
+ends) or that this reader cannot read (a ``TagDispatch``).
+
+xgrammar's lookahead assertions (``(= ...)``) are read as matching nothing and restricting
+nothing: its parser does not apply them (they serve its token-mask cache), so the walk's
+states are those of the grammar without them. Character classes are of code points; a
+string's ``\\xNN`` above 0x7F may be a raw byte or a code point, and is read as an unknown
+first byte. Every length is an upper bound on some completion's length in bytes (an escape
+counts as the characters it is printed with: never fewer than the bytes it stands for).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from typing import Any, Hashable, Iterator, TypeVar
+
+__all__ = ["forced_text_bound"]
+
+_INF = math.inf
+_NONE: frozenset[int] = frozenset()
+
+_TOKEN = re.compile(r'''
+    \s+
+  | (?P<str>"(?:[^"\\]|\\.)*")
+  | (?P<cls>\[(?:[^\]\\]|\\.)*\])
+  | (?P<look>\(=)
+  | (?P<call>(?:Regex|TagDispatch|[A-Za-z_]\w*)\()
+  | (?P<rep>\{\s*(?P<lo>-?\d+)\s*(?:,\s*(?P<hi>-?\d+)\s*)?\})
+  | (?P<name>[A-Za-z_][\w.\-]*)
+  | (?P<op>[()|*+?,=])
+''', re.VERBOSE)
+_RULE = re.compile(r"^([A-Za-z_][\w.\-]*) ::= (.*)$")
+
+# C-style escapes as xgrammar prints them (support/encoding.h), to their code points
+_SIMPLE_ESCAPES = {"'": 0x27, '"': 0x22, "?": 0x3F, "\\": 0x5C, "a": 0x07, "b": 0x08,
+                   "f": 0x0C, "n": 0x0A, "r": 0x0D, "t": 0x09, "v": 0x0B, "0": 0x00,
+                   "e": 0x1B}
+_HEX_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8})")
+_MAX_CODEPOINT = 0x10FFFF
+
+# Nodes: ("lit", bytes, first) — a terminal with an upper bound on its shortest match in
+# bytes and the bytes its matches may start with (those known: possibly fewer); ("ref",
+# name); ("rep", lo, hi, node) (hi -1: no upper bound); ("seq", [nodes]); ("alt", [nodes]).
+_EMPTY = ("lit", 0.0, _NONE)
+
+_Key = TypeVar("_Key", bound=Hashable)
+
+
+class _Unreadable(ValueError):
+    pass
+
+
+def forced_text_bound(grammar_text: str) -> float:
+    """The most bytes of forced text (xgrammar's jump-forward string) any state of a matcher
+    of the grammar ``grammar_text`` (as ``str(xgrammar.Grammar)`` prints it) can have, in
+    bytes: an upper bound, from the grammar alone (see the module's notes). ``inf`` where
+    the forced text can grow with the output (recursion that forces text at every level it
+    nests), a rule has no completion, or the text cannot be read."""
+    rules = _read_rules(grammar_text)
+    if rules is None:
+        return _INF
+    try:
+        return _Bound(rules).value()
+    except (_Unreadable, RecursionError):
+        return _INF
+
+
+# --- reading the printed grammar -----------------------------------------------------------
+
+def _tokens(body: str) -> list[tuple[str, str, re.Match[str]]]:
+    out = []
+    pos = 0
+    while pos < len(body):
+        m = _TOKEN.match(body, pos)
+        if m is None:
+            raise _Unreadable(f"cannot read {body[pos:pos + 20]!r}")
+        pos = m.end()
+        kind = m.lastgroup
+        if kind is None:  # whitespace
+            continue
+        if kind in ("lo", "hi"):
+            kind = "rep"
+        out.append((kind, m.group(0), m))
+    return out
+
+
+def _codepoints(text: str) -> Iterator[tuple[int, bool]]:
+    """The code points of a printed string or class body, each with whether it was a
+    ``\\xNN`` escape (which may stand for a raw byte)."""
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if ch != "\\":
+            yield ord(ch), False
+            i += 1
+            continue
+        m = _HEX_ESCAPE.match(text, i)
+        if m is not None:
+            yield int(m.group(1)[1:], 16), m.group(1)[0] == "x"
+            i = m.end()
+            continue
+        if i + 1 >= len(text):
+            raise _Unreadable("a trailing backslash")
+        nxt = text[i + 1]
+        yield _SIMPLE_ESCAPES.get(nxt, ord(nxt)), False  # (\] \- \^ and the like: itself)
+        i += 2
+
+
+def _utf8_length(cp: int) -> int:
+    return 1 if cp < 0x80 else 2 if cp < 0x800 else 3 if cp < 0x10000 else 4
+
+
+def _lead_bytes(lo: int, hi: int) -> set[int]:
+    """The first UTF-8 bytes of the code points ``lo..hi``."""
+    out: set[int] = set()
+    for start, end, shift, mark in ((0, 0x7F, 0, 0x00), (0x80, 0x7FF, 6, 0xC0),
+                                    (0x800, 0xFFFF, 12, 0xE0), (0x10000, 0x10FFFF, 18, 0xF0)):
+        a, b = max(lo, start), min(hi, end)
+        if a <= b:
+            out.update(range(mark | (a >> shift), (mark | (b >> shift)) + 1))
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _string(printed: str) -> tuple:
+    body = printed[1:-1]
+    if not body:
+        return _EMPTY
+    cp, raw = next(_codepoints(body))
+    first = _NONE if raw and cp > 0x7F else frozenset(_lead_bytes(cp, cp))
+    return ("lit", float(len(body)), first)
+
+
+@functools.lru_cache(maxsize=4096)
+def _class(printed: str) -> tuple:
+    body = printed[1:-1]
+    negated = body.startswith("^")
+    source = body[1:] if negated else body
+    points = [cp for cp, _ in _codepoints(source)]
+    dash = _dash_positions(source)
+    ranges: list[tuple[int, int]] = []
+    k = 0
+    while k < len(points):
+        if k + 2 < len(points) and k + 1 in dash:
+            ranges.append((points[k], points[k + 2]))
+            k += 3
+        else:
+            ranges.append((points[k], points[k]))
+            k += 1
+    if negated:
+        ranges = _complement(ranges)
+    ranges = [(a, b) for a, b in ranges if a <= b]
+    if not ranges:
+        return ("lit", _INF, _NONE)  # (matches nothing)
+    first: set[int] = set()
+    for a, b in ranges:
+        first |= _lead_bytes(a, b)
+    return ("lit", float(_utf8_length(min(a for a, _ in ranges))), frozenset(first))
+
+
+def _dash_positions(source: str) -> set[int]:
+    """The indices, among a class body's code points, of the unescaped ``-`` between two
+    (a range); a ``-`` first or last is itself."""
+    items: list[bool] = []  # per code point: an unescaped "-"
+    i = 0
+    while i < len(source):
+        if source[i] == "\\":
+            m = _HEX_ESCAPE.match(source, i)
+            i = m.end() if m is not None else i + 2
+            items.append(False)
+        else:
+            items.append(source[i] == "-")
+            i += 1
+    return {k for k, is_dash in enumerate(items) if is_dash and 0 < k < len(items) - 1}
+
+
+def _complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out = []
+    at = 0
+    for a, b in sorted(ranges):
+        if a > at:
+            out.append((at, a - 1))
+        at = max(at, b + 1)
+    if at <= _MAX_CODEPOINT:
+        out.append((at, _MAX_CODEPOINT))
+    return out
+
+
+def _regex(pattern: str) -> tuple:
+    import re._parser as sre  # type: ignore[import-not-found]  # (Python's own reader)
+    text = "".join(chr(cp) for cp, _ in _codepoints(pattern))
+    try:
+        chars = sre.parse(text).getwidth()[0]
+    except Exception as e:  # noqa: BLE001 - a syntax Python's reader lacks: unreadable
+        raise _Unreadable(str(e)) from None
+    return ("lit", 4.0 * chars, _NONE)  # (a character is at most 4 bytes; first: unknown)
+
+
+class _Reader:
+    """Recursive descent over one printed rule body, to the nodes above."""
+
+    def __init__(self, body: str) -> None:
+        self.toks = _tokens(body)
+        self.i = 0
+
+    def peek(self) -> tuple[str, str] | None:
+        return self.toks[self.i][:2] if self.i < len(self.toks) else None
+
+    def take(self) -> tuple[str, str, re.Match[str]]:
+        if self.i >= len(self.toks):
+            raise _Unreadable("unexpected end")
+        tok = self.toks[self.i]
+        self.i += 1
+        return tok
+
+    def expr(self) -> tuple:
+        alts = [self.seq()]
+        while self.peek() == ("op", "|"):
+            self.i += 1
+            alts.append(self.seq())
+        return alts[0] if len(alts) == 1 else ("alt", alts)
+
+    def seq(self) -> tuple:
+        items = []
+        while self.peek() is not None and self.peek() not in (("op", "|"), ("op", ")"),
+                                                               ("op", ",")):
+            items.append(self.postfix())
+        return ("seq", items)
+
+    def postfix(self) -> tuple:
+        node = self.atom()
+        while True:
+            nxt = self.peek()
+            if nxt is None or nxt[0] not in ("rep", "op") or nxt[1][:1] not in "*+?{":
+                break
+            _, text, m = self.take()
+            if text == "*":
+                node = ("rep", 0, -1, node)
+            elif text == "+":
+                node = ("rep", 1, -1, node)
+            elif text == "?":
+                node = ("rep", 0, 1, node)
+            else:
+                lo = max(0, int(m.group("lo")))
+                hi = lo if m.group("hi") is None else int(m.group("hi"))
+                node = ("rep", lo, hi if hi >= 0 else -1, node)
+        return node
+
+    def atom(self) -> tuple:
+        kind, text, _ = self.take()
+        if kind == "str":
+            return _string(text)
+        if kind == "cls":
+            return _class(text)
+        if kind == "name":
+            return ("ref", text)
+        if kind == "look":  # a lookahead: matches nothing, and the parser does not apply it
+            self.expr()
+            self.close()
+            return _EMPTY
+        if kind == "call":
+            if text != "Regex(":
+                raise _Unreadable(f"unknown element {text}")
+            kind, pattern, _ = self.take()
+            if kind != "str":
+                raise _Unreadable("Regex without a string")
+            while self.peek() is not None and self.peek() != ("op", ")"):
+                self.take()  # (options: json_string=true)
+            self.close()
+            return _regex(pattern[1:-1])
+        if (kind, text) == ("op", "("):
+            node = self.expr()
+            self.close()
+            return node
+        raise _Unreadable(f"unexpected {text!r}")
+
+    def close(self) -> None:
+        if self.take()[:2] != ("op", ")"):
+            raise _Unreadable("missing ')'")
+
+
+def _read_rules(grammar_text: str) -> dict[str, tuple] | None:
+    """The rules of ``grammar_text`` by name, as nodes; None where the text cannot be read
+    or holds no rule."""
+    rules: dict[str, tuple] = {}
+    try:
+        for line in grammar_text.splitlines():
+            if not line.strip():
+                continue
+            m = _RULE.match(line)
+            if m is None:
+                raise _Unreadable(f"not a rule: {line[:40]!r}")
+            reader = _Reader(m.group(2))
+            node = reader.expr()
+            while reader.peek() is not None:  # a rule's trailing lookahead "(=(...))"
+                if reader.take()[:2] != ("look", "(="):
+                    raise _Unreadable("trailing text")
+                reader.expr()
+                reader.close()
+            rules[m.group(1)] = node
+    except (_Unreadable, ValueError, RecursionError):
+        return None
+    return rules or None
+
+
+# --- the bound -----------------------------------------------------------------------------
+
+class _Bound:
+    """The analysis of one grammar's rules (see :func:`forced_text_bound`)."""
+
+    def __init__(self, rules: dict[str, tuple]) -> None:
+        self.rules = rules
+        refs: dict[str, list[str]] = {name: [] for name in rules}
+        for name, node in rules.items():
+            for other in _refs(node):
+                if other not in rules:
+                    raise _Unreadable(f"an undefined rule {other}")
+                refs[name].append(other)
+        self.order = _components(refs)  # (each component after those it refers to)
+        self.lengths: dict[str, float] = {name: _INF for name in rules}
+        self.firsts: dict[str, frozenset[int]] = {name: _NONE for name in rules}
+        # per node (by id: the rules hold every node while this lives), once settled
+        self._known_lengths: dict[int, float] | None = None
+        self._known_firsts: dict[int, frozenset[int]] = {}
+
+    def value(self) -> float:
+        for members in self.order:  # shortest completions, then first bytes: fixpoints
+            self._settle(members)
+        if any(v == _INF for v in self.lengths.values()):
+            return _INF
+        self._known_lengths = {}
+        head = {name: 0.0 for name in self.rules}
+        edges: dict[str, list[tuple[str, float, frozenset[int], bool]]] = {
+            name: [] for name in self.rules}  # callee -> (caller, tail, next bytes, to end)
+        for name, node in self.rules.items():
+            self._walk(name, node, 0.0, None, head, edges)
+        # A state: a rule just completed, and the bytes already known to follow at this
+        # offset (from outer rests that can be empty here). Its successors: each caller,
+        # unless two bytes are known to follow (a choice: the forced text ends here).
+        graph: dict[tuple[str, frozenset[int]], list[tuple[tuple[str, frozenset[int]], float]]]
+        graph = {}
+        todo = [(name, _NONE) for name in self.rules]
+        while todo:
+            state = todo.pop()
+            if state in graph:
+                continue
+            name, known = state
+            nexts = graph[state] = []
+            for caller, tail, follow, to_end in edges[name]:
+                both = known | follow
+                if len(both) >= 2:
+                    continue
+                nxt = (caller, both) if to_end else (caller, _NONE)
+                nexts.append((nxt, tail))
+                todo.append(nxt)
+        above: dict[tuple[str, frozenset[int]], float] = {}  # the longest sum of tails out
+        for states in _components({s: [n for n, _ in graph[s]] for s in graph}):
+            group = set(states)
+            best = 0.0
+            for state in states:
+                for nxt, tail in graph[state]:
+                    if nxt in group:
+                        if tail > 0:
+                            best = _INF  # (a cycle that adds bytes at every level)
+                    else:
+                        best = max(best, tail + above[nxt])
+            for state in states:
+                above[state] = best
+        return max(head[name] + above[(name, _NONE)] for name in self.rules)
+
+    def _settle(self, members: list[str]) -> None:
+        for table, step in ((self.lengths, self._length), (self.firsts, self._first)):
+            for _ in range(256 * len(members) + 2):  # (each round moves a value, or ends)
+                changed = False
+                for name in members:
+                    new = step(self.rules[name])
+                    if new != table[name]:
+                        table[name], changed = new, True  # type: ignore[assignment]
+                if not changed:
+                    break
+
+    def _length(self, node: tuple) -> float:
+        """An upper bound on the shortest match of ``node``, in bytes."""
+        known = self._known_lengths
+        if known is None:
+            return self._length_of(node)
+        value = known.get(id(node))
+        if value is None:
+            value = known[id(node)] = self._length_of(node)
+        return value
+
+    def _length_of(self, node: tuple) -> float:
+        kind = node[0]
+        if kind == "lit":
+            return node[1]
+        if kind == "ref":
+            return self.lengths[node[1]]
+        if kind == "rep":
+            return 0.0 if node[1] == 0 else node[1] * self._length(node[3])
+        if kind == "alt":
+            return min(self._length(a) for a in node[1])
+        return sum((self._length(n) for n in node[1]), 0.0)
+
+    def _first(self, node: tuple) -> frozenset[int]:
+        """Bytes some match of ``node`` starts with (every rule has a completion, so each
+        can be followed to one)."""
+        if self._known_lengths is None:
+            return self._first_of(node)
+        value = self._known_firsts.get(id(node))
+        if value is None:
+            value = self._known_firsts[id(node)] = self._first_of(node)
+        return value
+
+    def _first_of(self, node: tuple) -> frozenset[int]:
+        kind = node[0]
+        if kind == "lit":
+            return node[2]
+        if kind == "ref":
+            return self.firsts[node[1]]
+        if kind == "rep":
+            return _NONE if node[2] == 0 else self._first(node[3])
+        if kind == "alt":
+            return frozenset().union(*(self._first(a) for a in node[1]))
+        out: set[int] = set()
+        for item in node[1]:
+            out |= self._first(item)
+            if self._length(item) > 0:
+                break
+        return frozenset(out)
+
+    def _walk(self, name: str, node: tuple, tail: float, rest: Any, head: dict[str, float],
+              edges: dict[str, list[tuple[str, float, frozenset[int], bool]]]) -> None:
+        """Visit ``node`` of rule ``name``: ``tail`` bounds the shortest completion of what
+        follows it to the rule's end, ``rest`` is that continuation as a chain
+        (``("seq", items, index, rest)``, ``("rep", node, rest)``, None: the rule's end)."""
+        kind = node[0]
+        if kind in ("lit", "ref"):
+            head[name] = max(head[name], self._length(node) + tail)
+            if kind == "ref":
+                follow, to_end = self._next_bytes(rest)
+                if len(follow) < 2:
+                    edges[node[1]].append((name, tail, frozenset(follow), to_end))
+        elif kind == "alt":
+            for child in node[1]:
+                self._walk(name, child, tail, rest, head, edges)
+        elif kind == "rep":  # (inside one pass: at most lo - 1 more must follow)
+            inner = node[3]
+            self._walk(name, inner, tail + max(node[1] - 1, 0) * self._length(inner),
+                       ("rep", node, rest), head, edges)
+        else:
+            items = node[1]
+            after = tail
+            for k in range(len(items) - 1, -1, -1):
+                self._walk(name, items[k], after, ("seq", items, k + 1, rest), head, edges)
+                after += self._length(items[k])
+
+    def _next_bytes(self, rest: Any) -> tuple[set[int], bool]:
+        """Bytes the continuation ``rest`` may start with, collected up to its first part
+        that cannot be empty (or two of them), each one some completion starts with; and
+        whether all of it can be empty (the rule may end here)."""
+        found: set[int] = set()
+        while rest is not None:
+            if rest[0] == "seq":
+                _, items, k, rest = rest
+                for item in items[k:]:
+                    found |= self._first(item)
+                    if len(found) >= 2 or self._length(item) > 0:
+                        return found, False
+            else:  # the end of one pass of a repetition: another, or what follows it
+                _, node, rest = rest
+                if node[2] < 0:  # (no upper bound: another pass is always allowed)
+                    found |= self._first(node[3])
+                if len(found) >= 2 or node[1] > 1:  # (what follows: only from lo passes)
+                    return found, False
+        return found, True
+
+
+def _refs(node: tuple) -> Iterator[str]:
+    kind = node[0]
+    if kind == "ref":
+        yield node[1]
+    elif kind in ("seq", "alt"):
+        for child in node[1]:
+            yield from _refs(child)
+    elif kind == "rep":
+        yield from _refs(node[3])
+
+
+def _components(graph: dict[_Key, list[_Key]]) -> list[list[_Key]]:
+    """The strongly connected components of ``graph``, each after every component it
+    reaches (Tarjan's algorithm, iterative: a grammar may hold thousands of rules)."""
+    index: dict[_Key, int] = {}
+    low: dict[_Key, int] = {}
+    stack: list[_Key] = []
+    on_stack: set[_Key] = set()
+    out: list[list[_Key]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            name, k = work.pop()
+            if k == 0:
+                index[name] = low[name] = len(index)
+                stack.append(name)
+                on_stack.add(name)
+            edges = graph[name]
+            while k < len(edges) and edges[k] in index:
+                if edges[k] in on_stack:
+                    low[name] = min(low[name], index[edges[k]])
+                k += 1
+            if k < len(edges):  # (descend into an unvisited rule; come back after it)
+                work.append((name, k + 1))
+                work.append((edges[k], 0))
+                continue
+            if low[name] == index[name]:
+                members = []
+                while True:
+                    other = stack.pop()
+                    on_stack.discard(other)
+                    members.append(other)
+                    if other == name:
+                        break
+                out.append(members)
+            if work:  # (the caller takes the lowest link of the rule it descended into)
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[name])
+    return out
+
+
+def _main() -> None:
+    """``python -m capgraph.grammar.forced_bound``: the bound of xgrammar's JSON grammar and
+    of the bundled corpus's schemas (as capgraph compiles them), with the time to read each."""
+    import json
+    import time
+    from importlib import resources
+
+    import xgrammar as xgr
+    corpus = resources.files("capgraph.data").joinpath("jsonschemabench.jsonl")
+    schemas = [json.loads(line)["schema"] for line in corpus.read_text().splitlines() if line]
+    print(f"JSON grammar: {forced_text_bound(str(xgr.Grammar.builtin_json_grammar())):.0f} "
+          "bytes")
+    bounds, slowest, failed = [], 0.0, 0
+    for schema in schemas:
+        try:
+            text = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=True))
+        except Exception:  # noqa: BLE001 - a schema xgrammar does not take
+            failed += 1
+            continue
+        start = time.perf_counter()
+        bounds.append(forced_text_bound(text))
+        slowest = max(slowest, time.perf_counter() - start)
+    finite = sorted(b for b in bounds if b != _INF)
+    print(f"bundled corpus: {len(bounds)} schemas read ({failed} not compiled), "
+          f"{len(bounds) - len(finite)} unbounded, largest bound "
+          f"{finite[-1] if finite else 0:.0f} bytes, slowest read {slowest * 1e3:.0f} ms")
+
+
+if __name__ == "__main__":
+    _main()
