@@ -731,6 +731,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             if new_tokens is not None:
                 self._copy_new_tokens(new_tokens)
             return False
+        self._join_prepared()
         k = epoch % TICKET_RING
         if self._ticket_ids is not None:
             if new_tokens is not None:
@@ -746,6 +747,16 @@ class CapturableGuidedDecoder(GuidedDecoder):
             ticket[0] = k
         self._in_stream_order(write)
         return True
+
+    def _join_prepared(self) -> None:
+        """Where a prepared step's host work is still queued on the side stream (``prepare``
+        ran, its ``execute`` not yet), make the current stream wait for it (the join its
+        ``execute`` makes): what is then written or released in the current stream's order
+        (the next step's tokens and ticket, a slot) comes after that step has read the
+        buffers and run its matchers. Outside capture only (a capture records in order)."""
+        if self._prepared and not self._streams.is_capturing() \
+                and not self._streams.side_idle():
+            self._streams.wait_bitmask()
 
     @staticmethod
     def _in_stream_order(work: Callable[[], None]) -> None:
@@ -1035,6 +1046,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         that copy (:meth:`_cuda_copy` for a CPU ``src``); on the CPU stand-in at once where
         the current HostStream is idle, a task on it where it has work queued, and while
         capturing a copy the HostGraph replays (:meth:`_capture_copy`)."""
+        self._join_prepared()
         if self.device.type == "cuda":
             self._cuda_copy(dst, self._int32_source(src, dst), name)
             return
@@ -1056,7 +1068,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         Admission sees the slot free at once (the next ``add_batch`` may place a new request
         there); the matcher goes in stream order: at once where the stream is idle, else as a
         host call after the steps queued before it, which still mask the finished request's
-        rows (an engine running ahead releases a request whose last step is in flight). With
+        rows (an engine running ahead releases a request whose last step is in flight; a
+        step :meth:`prepare` enqueued counts as queued, its ``execute`` still to come). With
         no step in flight, a guided request on the slot in a batch still queued fails with a
         :class:`~capgraph.errors.RequestError` when that batch's step runs (its rows take no
         mask; a batch discarded fails nothing).
@@ -1067,6 +1080,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         """
         slot = self._release_slot(seq_slot)
         self._events += 1  # (the latest batch cannot simply continue: advance_batch)
+        self._join_prepared()  # (a step prepare() queued comes before the release)
         if self._streams.is_capturing() or self._stream_idle():
             self._fail_queued_on(slot)
             self._release_now(slot)

@@ -38,6 +38,10 @@ class StepStreams:
     def wait_bitmask(self) -> None:
         """(On the main stream) wait for the side stream's work: the join."""
 
+    def side_idle(self) -> bool:
+        """Whether the side stream has run everything queued on it (never blocks)."""
+        return True
+
     def is_capturing(self) -> bool:
         """True while hostfunc records into a graph on the calling thread's stream."""
         return hostfunc.is_capturing()
@@ -70,6 +74,9 @@ class CudaStepStreams(StepStreams):
 
     def wait_bitmask(self) -> None:
         torch.cuda.current_stream().wait_event(self.bitmask_event)
+
+    def side_idle(self) -> bool:
+        return bool(self.stream.query())
 
     def is_capturing(self) -> bool:
         """True while torch captures a CUDA graph on the current stream."""
@@ -119,6 +126,9 @@ class HostStepStreams(StepStreams):
     def wait_bitmask(self) -> None:
         if not self.is_capturing():
             hostfunc.current_stream().wait_event(self.bitmask_event)
+
+    def side_idle(self) -> bool:
+        return self.stream.query()
 
     def close(self) -> None:
         """Close the side HostStream: its queued work runs, then its thread ends (waited for)."""

@@ -359,3 +359,83 @@ def test_a_replayed_context_chunk_on_a_held_slot_leaves_its_owners_rollback(fact
          accepted=0)
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [X]
     dec.close()
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+def test_a_release_while_a_prepared_step_waits_on_the_side_stream_comes_after_it(factory,
+                                                                                 host_node):
+    """prepare() enqueued the step's host work on the side stream, which is still busy (its
+    host work not run yet) while the current stream is idle; release(0) then is ordered after
+    that step: the prepared step masks slot 0's request as queued (it fails nothing), and the
+    slot is free for the next request, whose matcher starts fresh."""
+    import threading
+
+    import hostfunc
+    capt = _capturable(factory, host_node, 0)
+    side = capt._streams.stream
+    if not isinstance(side, hostfunc.HostStream):
+        pytest.skip("the side stream is a CUDA stream here (the test holds a HostStream busy)")
+    logits = torch.zeros(2, V)
+    capt.add_batch([GuidedRequest.context(1, 0, PAIRS), GuidedRequest.context(2, 1, DIGITS)])
+    capt.execute(logits)
+    assert capt.take_failed_requests() == []
+    gate, blocker = threading.Event(), hostfunc.HostStream("blocker")
+    with hostfunc.use_stream(blocker):
+        hostfunc.launch(gate.wait, 5.0)
+    opened = hostfunc.HostEvent("gate")
+    opened.record(blocker)
+    side.wait_event(opened)  # (the side stream waits until the gate opens)
+    assert not side.query()
+    capt.add_batch([GuidedRequest.generation(1, 0, PAIRS, A),
+                    GuidedRequest.generation(2, 1, DIGITS, ONE)])
+    capt.prepare()
+    capt.release(0)
+    gate.set()
+    logits.zero_()
+    capt.execute(logits)
+    assert capt.take_failed_requests() == []
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [B]
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [ONE, TWO, EOS]
+    capt.add_batch([GuidedRequest.context(3, 0, DIGITS)])
+    logits.zero_()
+    capt.execute(logits[:1])
+    assert capt.take_failed_requests() == []
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [ONE, TWO]
+    capt.close()
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+def test_the_next_add_batch_while_a_prepared_step_waits_leaves_that_steps_tokens(factory,
+                                                                                host_node):
+    """prepare() enqueued step N's host work on a side stream still busy; the next step's
+    add_batch (its new tokens and ticket) comes before step N's execute: step N's host work
+    still reads its own tokens (slot 0 takes "a", then "b"), so both steps mask as queued."""
+    import threading
+
+    import hostfunc
+    capt = _capturable(factory, host_node, 0)
+    side = capt._streams.stream
+    if not isinstance(side, hostfunc.HostStream):
+        pytest.skip("the side stream is a CUDA stream here (the test holds a HostStream busy)")
+    logits = torch.zeros(1, V)
+    capt.add_batch([GuidedRequest.context(1, 0, PAIRS)])
+    capt.execute(logits)
+    gate, blocker = threading.Event(), hostfunc.HostStream("blocker")
+    with hostfunc.use_stream(blocker):
+        hostfunc.launch(gate.wait, 5.0)
+    opened = hostfunc.HostEvent("gate")
+    opened.record(blocker)
+    side.wait_event(opened)
+    capt.add_batch([GuidedRequest.generation(1, 0, PAIRS, A)])
+    capt.prepare()
+    capt.add_batch([GuidedRequest.generation(1, 0, PAIRS, B)])
+    gate.set()
+    logits.zero_()
+    capt.execute(logits)
+    assert capt.take_failed_requests() == []
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [B]
+    logits.zero_()
+    capt.execute(logits)
+    assert capt.take_failed_requests() == []
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [A, C, X]
+    capt.close()
