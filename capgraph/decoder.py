@@ -17,6 +17,7 @@ applies the masks, and rolls back.
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from concurrent.futures import wait as wait_futures
@@ -1116,9 +1117,13 @@ class GuidedDecoder:
 
 def checked_device(device: object) -> torch.device:
     """``device`` as a torch device where a decoder (and the reference loop) can run: the CPU
-    or a CUDA device this machine has; anything else is a ``ConfigError`` naming it."""
+    or a CUDA device this machine has (an integer is a CUDA index); anything else is a
+    ``ConfigError`` naming it."""
+    spec = device
+    if isinstance(device, numbers.Integral) and not isinstance(device, bool):
+        spec = f"cuda:{int(device)}"  # (torch reads an index as the accelerator's)
     try:
-        dev = torch.device(device)  # type: ignore[call-overload]
+        dev = torch.device(spec)  # type: ignore[call-overload]
     except (RuntimeError, TypeError, ValueError):  # (torch's message lists its overloads)
         raise ConfigError(f"device={device!r} is not a torch device: expected 'cpu', 'cuda' "
                           "or 'cuda:N' (or a torch.device)") from None

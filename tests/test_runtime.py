@@ -365,6 +365,13 @@ def test_argument_kinds_are_named_before_any_work(sp, model, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match=re.escape("device='cuda:3': this machine has 1 CUDA")):
         generate(["x"], model=model, device="cuda:3", max_new_tokens=1)
+    # an integer device is a CUDA index (torch reads it as the accelerator's)
+    with pytest.raises(ConfigError, match=re.escape("device=2: this machine has 1 CUDA")):
+        generate(["x"], model=model, device=2, max_new_tokens=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=re.escape(
+            "device=0 requested but no CUDA device is available")):
+        generate(["x"], model=model, device=0, max_new_tokens=1)
 
 
 def test_sampling_params_take_numbers_only():
@@ -377,7 +384,12 @@ def test_sampling_params_take_numbers_only():
     assert (p.temperature, p.top_k) == (0.5, 3)
     assert type(p.temperature) is float and type(p.top_k) is int
     assert SamplingParams(1, 0).temperature == 1.0 and not SamplingParams(1, 0).greedy
-    for temperature in (-1.0, None, "1", False, float("-inf")):
+    # 0-d real tensors, as for top_k
+    p = SamplingParams(torch.tensor(0.5, dtype=torch.float64), torch.tensor(3))
+    assert (p.temperature, p.top_k) == (0.5, 3) and type(p.temperature) is float
+    assert SamplingParams(torch.tensor(0.0)).greedy
+    for temperature in (-1.0, None, "1", False, float("-inf"), torch.tensor([0.5]),
+                        torch.tensor(True), torch.tensor(float("nan"))):
         with pytest.raises(ConfigError, match="SamplingParams.temperature="):
             SamplingParams(temperature)
     for top_k in (-1, False, "3", 1.5):

@@ -30,7 +30,8 @@ class SamplingParams:
 
     Args:
         temperature: 0 for greedy (argmax); > 0 divides the logits before sampling. A finite
-            number (kept as a float); a bool or text is a ``ConfigError``.
+            number (kept as a float; a NumPy number or a 0-d real tensor is taken, as for
+            ``top_k``); a bool or text is a ``ConfigError``.
         top_k: keep only the ``top_k`` largest logits (0 keeps all); ignored when greedy. An
             integer >= 0 (a NumPy integer is taken; a bool or a float is a ``ConfigError``).
         seed: seed of the sampler's generator (reproducible draws for the same inputs).
@@ -44,6 +45,9 @@ class SamplingParams:
         # a number, not a bool read as 0 / 1 nor text;
         # finite: an infinite temperature turns the masked logits' -inf into NaN
         temperature = self.temperature
+        if isinstance(temperature, torch.Tensor) and temperature.dim() == 0 \
+                and not temperature.dtype.is_complex and temperature.dtype != torch.bool:
+            temperature = temperature.item()  # (read once, when the parameters are made)
         if isinstance(temperature, (bool, np.bool_)) or not isinstance(
                 temperature, (int, float, np.integer, np.floating)) \
                 or not math.isfinite(temperature) or not temperature >= 0:
