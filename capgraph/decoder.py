@@ -240,6 +240,7 @@ class GuidedDecoder:
         # _finish_build's callers wait for one another: a release callback and the step's
         # apply may both finish one build (the second must not apply a mask still being built)
         self._finish_lock = threading.RLock()
+        self._finishing = 0  # (counted up before _inflight is taken, down once it is done)
         # the batch of a drafting loop (its draft batch; for the capturable decoder's native
         # loops, the loop's target batch: the same slots) whose advances no rollback of draft
         # tokens has undone yet: the next target build or rollback of rejected tokens undoes
@@ -422,7 +423,7 @@ class GuidedDecoder:
 
     def take_failed_requests(self) -> list[FailedRequest]:
         """Failures recorded since the last call, then forgets them."""
-        self._finish_build()
+        self._await_build()
         with self._failed_lock:
             failed, self._failed = self._failed, []
         return failed
@@ -454,7 +455,7 @@ class GuidedDecoder:
         """``out`` = the argmax of each row of ``logits`` (``[rows, vocab_size_padded]``),
         ``logits[:num_rows]`` masked from the device bitmask as :meth:`apply_bitmask` masks
         them; the logits are not written (:func:`capgraph.ops.masked_argmax`)."""
-        self._finish_build()
+        self._await_build()
         scratch = self._argmax_scratch
         if scratch is not None and scratch.shape[1] < logits.shape[0]:
             scratch = None  # (a direct call for more rows than the decoder's: the op's own)
@@ -476,7 +477,7 @@ class GuidedDecoder:
         directly: the custom op's dispatch and three slices cost 8 us a step, more than the
         pass itself at batch 1.
         """
-        self._finish_build()
+        self._await_build()
         fast = self._cpu_apply
         if (fast is not None and d2t is None and logits.shape[0] == num_rows
                 and logits.shape[1] == self.vocab_size_padded and logits.dtype in _FLOAT_DTYPES
@@ -762,7 +763,7 @@ class GuidedDecoder:
         or masks calls that first. Its failures are recorded then.
         ``clear_rows``: token-mask rows zeroed first (default: the batch layout's rows).
         """
-        self._finish_build()
+        self._await_build()
         self._end_open_draft(requests)
         if requests.is_draft_step:
             self._open_draft = requests
@@ -783,16 +784,26 @@ class GuidedDecoder:
         a no-op when none is in flight. A caller on another thread meanwhile waits until it
         is done."""
         with self._finish_lock:
-            requests, self._inflight = self._inflight, None
-            if requests is None:
-                return
+            self._finishing += 1
             try:
-                result = self.host_build.finish()
-            except BaseException:
-                self._clear_token_mask()  # as a build that raises: this step masks nothing
-                raise
-            outcomes, self._masked_rows = result
-            self._record_failed(self._interpret(requests, outcomes))
+                requests, self._inflight = self._inflight, None
+                if requests is None:
+                    return
+                try:
+                    result = self.host_build.finish()
+                except BaseException:
+                    self._clear_token_mask()  # as a build that raises: this step masks nothing
+                    raise
+                outcomes, self._masked_rows = result
+                self._record_failed(self._interpret(requests, outcomes))
+            finally:
+                self._finishing -= 1
+
+    def _await_build(self) -> None:
+        """:meth:`_finish_build` where a build is in flight or another thread is finishing
+        one (read in that order: ``_finishing`` is counted before ``_inflight`` is taken)."""
+        if self._inflight is not None or self._finishing:
+            self._finish_build()
 
     def _interpret(self, requests: GuidedRequests, outcomes: Sequence[Outcome],
                    unmask: bool = True, others: Collection[int] = ()) -> list[FailedRequest]:
