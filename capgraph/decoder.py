@@ -246,6 +246,9 @@ class GuidedDecoder:
         # tokens has undone yet: the next target build or rollback of rejected tokens undoes
         # them first
         self._open_draft: GuidedRequests | None = None
+        # per slot a draft step of the open loop built, the request it held there: a loop's
+        # batches need not hold the same slots (a drafter stops), and its end undoes them all
+        self._draft_slots: dict[int, GuidedRequest] = {}
         # the one-pass C++ CPU mask, called without the custom op's dispatch (see apply_bitmask)
         self._cpu_apply = cpu_apply() if self.device.type == "cpu" else None
         # the masked argmax kernel's scratch (execute_argmax), zero between its launches
@@ -767,6 +770,9 @@ class GuidedDecoder:
         self._end_open_draft(requests)
         if requests.is_draft_step:
             self._open_draft = requests
+            for req in requests.valid_requests():
+                if req.is_draft and self.slots.slot_ok(req.seq_slot):
+                    self._draft_slots[req.seq_slot] = req  # type: ignore[index]
         clear = requests.num_bitmask_tokens if clear_rows is None else clear_rows
         # (the trees of the slots built now are no longer current; another slot's stays its
         # own while its request sits out this step)
@@ -1033,26 +1039,29 @@ class GuidedDecoder:
 
     def _rollback_draft_tokens(self, requests: GuidedRequests,
                                slots: Collection[int | None] | None = None) -> None:
-        """Roll back the draft advances of ``requests``' slots and guide them again, ending
-        their drafting loop (``slots``: only these, and the loop stays open for the rest)."""
+        """Roll back the draft advances of the drafting loop's slots (every slot a draft step
+        of it built, and ``requests``' slots) and guide them again, ending the loop
+        (``slots``: only these, and the loop stays open for the rest)."""
         self._finish_build()
         if slots is None:
             self._open_draft = None
         if self.max_num_draft_tokens <= 0:
             return
+        owners = self._draft_slots
         for req in requests.valid_requests():
-            slot = req.seq_slot
-            if not self.slots.slot_ok(slot) or (slots is not None and slot not in slots):
-                continue
-            n = self.slots.num_advanced_draft_tokens[slot]  # type: ignore[index]
-            matcher = self.grammar_matchers[slot]  # type: ignore[index]
+            if self.slots.slot_ok(req.seq_slot):
+                owners.setdefault(req.seq_slot, req)  # type: ignore[arg-type]
+        for slot in [s for s in owners if slots is None or s in slots]:
+            req = owners.pop(slot)
+            n = self.slots.num_advanced_draft_tokens[slot]
+            matcher = self.grammar_matchers[slot]
             if n > 0 and matcher is not None:
                 try:
                     matcher.rollback(n)
                 except Exception as e:
                     self._record_failed([self._fail(req, e)])
-            self.slots.num_advanced_draft_tokens[slot] = 0  # type: ignore[index]
-            self.is_draft_terminated[slot] = False  # type: ignore[index]
+            self.slots.num_advanced_draft_tokens[slot] = 0
+            self.is_draft_terminated[slot] = False
 
     def _init_disagg_gen_requests(self, requests: GuidedRequests) -> None:
         self._finish_build()

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from capgraph import GuidedDecodingConfig, GuidedDecodingParams
+from capgraph import GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from capgraph.decoder import GuidedDecoder
 from capgraph.errors import ConfigError, RequestError
 from capgraph.demo import DEFAULT_PROMPTS, bundled_schema, demo_guides
@@ -450,6 +450,57 @@ def test_forced_text_bound_reads_the_longest_forced_text(ebnf, bound):
     import xgrammar as xgr
     from capgraph.grammar.forced import forced_text_bound
     assert forced_text_bound(str(xgr.Grammar.from_ebnf(ebnf))) == bound
+
+
+@pytest.mark.parametrize("ebnf,bound", [
+    # (a regex's character: up to 4 bytes; 6 in a JSON string, as \uXXXX)
+    ('root ::= Regex("a|bbbbbbbbbbbbb")', 52.0),  # (after "b": 12 bytes still forced)
+    ('root ::= Regex("(abcdefghijklmnop)*") "z"', 65.0),  # (after "a": "bcd...p")
+    ('root ::= "q" Regex("[0-9]{3}") "' + "w" * 10 + '"', 23.0),
+])
+def test_forced_text_bound_reads_what_is_left_inside_a_regex(ebnf, bound):
+    """From inside a regex's match the forced text can be longer than its shortest match."""
+    import xgrammar as xgr
+    from capgraph.grammar.forced import forced_text_bound
+    assert forced_text_bound(str(xgr.Grammar.from_ebnf(ebnf))) == bound
+
+
+@pytest.mark.parametrize("guide,prefix", [
+    (GuidedDecodingParams.ebnf('root ::= "q" ("a" | "b") "\\0' + "d" * 5000 + '"'), "qa"),
+    (GuidedDecodingParams.ebnf('root ::= "q" Regex("x\\0' + "y" * 5000 + '")'), "q"),
+    (GuidedDecodingParams.regex("q[ab]\\x00" + "d" * 5000), "qa"),
+])
+def test_a_grammar_whose_printed_text_hides_a_nul_gets_no_forced_text(tekken, guide, prefix,
+                                                                     tmp_path, monkeypatch):
+    """xgrammar prints a byte string or regex only up to its first NUL byte, so the printed
+    grammar is not the one the matcher runs (``"\\0ddd..."`` prints as ``""``, and its 5000
+    forced bytes looked like none): its serialized form shows it, and the guide gets no
+    forced text, compiled here or loaded from the disk cache."""
+    import xgrammar as xgr
+    from capgraph.grammar.forced import grammar_hides_bytes
+    source = guide.guide if guide.guide_type is GuideType.EBNF_GRAMMAR else None
+    if source is not None:
+        assert grammar_hides_bytes(xgr.Grammar.from_ebnf(source))
+        assert not grammar_hides_bytes(xgr.Grammar.from_ebnf(source.replace("\\0", "Q")))
+    monkeypatch.setenv("CAPGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    for how in ("compiled", "written", "loaded"):
+        factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
+            tekken, compile_disk_cache_bytes=0 if how == "compiled" else 1 << 28))
+        try:
+            if how == "written":  # (every compile written: the next factory loads it)
+                factory.disk_cache.min_compile_s = factory.disk_cache.min_speedup = 0.0
+                factory.compile(guide)
+                assert factory.disk_cache.flush(30)
+            loads = factory.stats.disk_hits if how == "loaded" else None
+            matcher = factory.create(guide)
+            if loads is not None:
+                assert factory.stats.disk_hits == loads + 1
+            for token in tekken.encode(prefix, add_special_tokens=False):
+                assert matcher.accept_token(token)
+            assert matcher.forced_bytes(4096) == b""
+            assert len(matcher.native.find_jump_forward_string()) > 4096  # (what it hid)
+        finally:
+            factory.close()
 
 
 def test_forced_text_bound_admits_the_bundled_schemas_and_json():

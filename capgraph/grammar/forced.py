@@ -16,10 +16,10 @@ from typing import Any
 
 from ..errors import ConfigError
 from .base import GrammarMatcher
-from .forced_bound import forced_text_bound
+from .forced_bound import forced_text_bound, grammar_hides_bytes
 
-__all__ = ["ForcedTokenEncoder", "forced_text_bound", "MAX_FORCED_TEXT_BYTES",
-           "MAX_FORCED_WALK_MS"]
+__all__ = ["ForcedTokenEncoder", "forced_text_bound", "grammar_hides_bytes",
+           "MAX_FORCED_TEXT_BYTES", "MAX_FORCED_WALK_MS"]
 
 
 class ForcedTokenEncoder:

@@ -40,7 +40,7 @@ import math
 import re
 from typing import Any, Hashable, Iterator, TypeVar
 
-__all__ = ["forced_text_bound"]
+__all__ = ["forced_text_bound", "grammar_hides_bytes"]
 
 _INF = math.inf
 _NONE: frozenset[int] = frozenset()
@@ -64,10 +64,12 @@ _SIMPLE_ESCAPES = {"'": 0x27, '"': 0x22, "?": 0x3F, "\\": 0x5C, "a": 0x07, "b": 
 _HEX_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8})")
 _MAX_CODEPOINT = 0x10FFFF
 
-# Nodes: ("lit", bytes, first) — a terminal with an upper bound on its shortest match in
-# bytes and the bytes its matches may start with (those known: possibly fewer); ("ref",
-# name); ("rep", lo, hi, node) (hi -1: no upper bound); ("seq", [nodes]); ("alt", [nodes]).
-_EMPTY = ("lit", 0.0, _NONE)
+# Nodes: ("lit", bytes, first, inside) — a terminal with an upper bound on its shortest match
+# in bytes, the bytes its matches may start with (those known: possibly fewer), and an upper
+# bound on what is left of a match from any position inside it (a regex's or a multibyte
+# character's); ("ref", name); ("rep", lo, hi, node) (hi -1: no upper bound); ("seq",
+# [nodes]); ("alt", [nodes]).
+_EMPTY = ("lit", 0.0, _NONE, 0.0)
 
 _Key = TypeVar("_Key", bound=Hashable)
 
@@ -89,6 +91,35 @@ def forced_text_bound(grammar_text: str) -> float:
         return _Bound(rules).value()
     except (_Unreadable, RecursionError):
         return _INF
+
+
+def grammar_hides_bytes(grammar: Any) -> bool:
+    """Whether the printed text of the ``xgrammar.Grammar`` ``grammar`` does not show all of
+    it, so :func:`forced_text_bound` cannot read it: a byte string or a regex pattern holds a
+    NUL byte, where xgrammar's printer ends the text (``"\\0ddd"`` prints as ``""``). Read
+    from ``grammar.serialize_json()``: call it on a grammar before its compile (a compiled
+    grammar's serialization holds its automata: megabytes); True for a serialization this
+    reader does not know."""
+    import json
+    try:
+        doc = json.loads(grammar.serialize_json())
+        if doc.get("__VERSION__") != _SERIALIZED:
+            return True
+        data, starts = doc["grammar_expr_data"], doc["grammar_expr_indptr"]
+        for start, end in zip(starts, [*starts[1:], len(data)]):
+            code = data[start]
+            if (code == _BYTE_STRING and 0 in data[start + 2:end]) \
+                    or (code == _REGEX and 0 in data[start + 3:end]):
+                return True
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return True
+    return False
+
+
+# xgrammar 0.2's expression codes in its serialized grammar (format "v18": the expressions'
+# start offsets, and per expression [code, length, data...]): a byte string's data are its
+# bytes, a regex's a flag then its pattern's bytes
+_BYTE_STRING, _REGEX, _SERIALIZED = 0, 12, "v18"
 
 
 # --- reading the printed grammar -----------------------------------------------------------
@@ -154,7 +185,7 @@ def _string(printed: str) -> tuple:
         return _EMPTY
     cp, raw = next(_codepoints(body))
     first = _NONE if raw and cp > 0x7F else frozenset(_lead_bytes(cp, cp))
-    return ("lit", float(len(body)), first)
+    return ("lit", float(len(body)), first, float(len(body)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -177,11 +208,12 @@ def _class(printed: str) -> tuple:
         ranges = _complement(ranges)
     ranges = [(a, b) for a, b in ranges if a <= b]
     if not ranges:
-        return ("lit", _INF, _NONE)  # (matches nothing)
+        return ("lit", _INF, _NONE, _INF)  # (matches nothing)
     first: set[int] = set()
     for a, b in ranges:
         first |= _lead_bytes(a, b)
-    return ("lit", float(_utf8_length(min(a for a, _ in ranges))), frozenset(first))
+    return ("lit", float(_utf8_length(min(a for a, _ in ranges))), frozenset(first),
+            float(_utf8_length(max(b for _, b in ranges))))
 
 
 def _dash_positions(source: str) -> set[int]:
@@ -212,14 +244,51 @@ def _complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _regex(pattern: str) -> tuple:
+def _regex(pattern: str, json_string: bool) -> tuple:
+    """A ``Regex(...)`` element: its shortest match and what is left of a match from inside
+    it, in characters read with Python's parser, times the most bytes a character takes (4
+    in UTF-8, 6 as a JSON string's ``\\uXXXX``); its first bytes unknown."""
     import re._parser as sre  # type: ignore[import-not-found]  # (Python's own reader)
     text = "".join(chr(cp) for cp, _ in _codepoints(pattern))
     try:
-        chars = sre.parse(text).getwidth()[0]
+        shortest, inside = _regex_widths(sre.parse(text))
+    except _Unreadable:
+        raise
     except Exception as e:  # noqa: BLE001 - a syntax Python's reader lacks: unreadable
         raise _Unreadable(str(e)) from None
-    return ("lit", 4.0 * chars, _NONE)  # (a character is at most 4 bytes; first: unknown)
+    scale = 6.0 if json_string else 4.0
+    return ("lit", scale * shortest, _NONE, scale * inside)
+
+
+def _regex_widths(items: Any) -> tuple[float, float]:
+    """(the shortest match, the most left of a match from a position inside it) of a parsed
+    regex sequence, in characters (``head`` and ``tail`` as for rules, over its parts)."""
+    import re._constants as c  # type: ignore[import-not-found]
+    parts = []
+    for op, av in items:
+        if op in (c.LITERAL, c.NOT_LITERAL, c.ANY, c.IN):
+            parts.append((1.0, 1.0))
+        elif op is c.AT:
+            parts.append((0.0, 0.0))
+        elif op is c.BRANCH:
+            branches = [_regex_widths(b) for b in av[1]]
+            parts.append((min(b[0] for b in branches), max(b[1] for b in branches)))
+        elif op is c.SUBPATTERN:
+            parts.append(_regex_widths(av[-1]))
+        elif op is getattr(c, "ATOMIC_GROUP", None):
+            parts.append(_regex_widths(av))
+        elif op in (c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", c.MAX_REPEAT)):
+            lo, _, inner = av
+            shortest, inside = _regex_widths(inner)
+            parts.append((lo * shortest if lo else 0.0,
+                          inside + ((lo - 1) * shortest if lo > 1 else 0.0)))
+        else:  # (a back reference or a lookaround: not a regular pattern xgrammar reads)
+            raise _Unreadable(f"regex element {op}")
+    inside, after = 0.0, 0.0
+    for shortest, left in reversed(parts):
+        inside = max(inside, left + after)
+        after += shortest
+    return after, inside
 
 
 class _Reader:
@@ -290,10 +359,11 @@ class _Reader:
             kind, pattern, _ = self.take()
             if kind != "str":
                 raise _Unreadable("Regex without a string")
+            options = []
             while self.peek() is not None and self.peek() != ("op", ")"):
-                self.take()  # (options: json_string=true)
+                options.append(self.take()[1])  # (options: json_string=true)
             self.close()
-            return _regex(pattern[1:-1])
+            return _regex(pattern[1:-1], "json_string" in options)
         if (kind, text) == ("op", "("):
             node = self.expr()
             self.close()
@@ -461,7 +531,8 @@ class _Bound:
         (``("seq", items, index, rest)``, ``("rep", node, rest)``, None: the rule's end)."""
         kind = node[0]
         if kind in ("lit", "ref"):
-            head[name] = max(head[name], self._length(node) + tail)
+            inside = node[3] if kind == "lit" else self._length(node)
+            head[name] = max(head[name], inside + tail)
             if kind == "ref":
                 follow, to_end = self._next_bytes(rest)
                 if len(follow) < 2:
@@ -471,8 +542,8 @@ class _Bound:
                 self._walk(name, child, tail, rest, head, edges)
         elif kind == "rep":  # (inside one pass: at most lo - 1 more must follow)
             inner = node[3]
-            self._walk(name, inner, tail + max(node[1] - 1, 0) * self._length(inner),
-                       ("rep", node, rest), head, edges)
+            more = (node[1] - 1) * self._length(inner) if node[1] > 1 else 0.0
+            self._walk(name, inner, tail + more, ("rep", node, rest), head, edges)
         else:
             items = node[1]
             after = tail

@@ -21,7 +21,8 @@ from .base import CompiledGuide, GrammarMatcher, GrammarMatcherFactory, whole_ut
 from .compile_pool import run_lowered
 from .converter_log import captured, exclusive
 from .disk_cache import serialized_bytes_estimate, source_digest
-from .forced import MAX_FORCED_TEXT_BYTES, MAX_FORCED_WALK_MS, forced_text_bound
+from .forced import (MAX_FORCED_TEXT_BYTES, MAX_FORCED_WALK_MS, forced_text_bound,
+                     grammar_hides_bytes)
 from .process_pool import CompileHere, ProcessCompilePool
 from .utf8 import GUARD_BYTES, INVALID, Utf8Guard, Utf8Tables, utf8_tables
 from .schema_policy import (describe, plain_tag_schema, unenforced_in_tag, unenforced_in_text,
@@ -952,9 +953,11 @@ _JUMP_OK_LOCK = threading.RLock()  # (re-entered where a weakref callback runs i
 
 def _jump_forward_ok(compiled: xgr.CompiledGrammar | None) -> bool:
     """Whether xgrammar's jump-forward walk is short on ``compiled``: the forced text of
-    every state of its grammar is at most :data:`~capgraph.grammar.forced.MAX_FORCED_TEXT_BYTES`
-    (:func:`~capgraph.grammar.forced_bound.forced_text_bound`). The walk stops only at the
-    end of the forced text, so on ``root ::= "ab" root`` it never returns (memory runs out),
+    every state of its grammar is at most
+    :data:`~capgraph.grammar.forced.MAX_FORCED_TEXT_BYTES`
+    (:func:`~capgraph.grammar.forced_bound.forced_text_bound`; a grammar whose printed text
+    hides bytes is stopped when it is compiled or loaded: :meth:`XGrammarFactory._unread`).
+    The walk stops only at the end of the forced text, so on ``root ::= "ab" root`` it never returns (memory runs out),
     on a grammar of exponentially long completions it takes exponential time, and on
     ``r ::= "[" r "]" | "x"`` it builds one ``]`` per ``[`` written; those grammars get no
     forced text. Read once per compiled grammar (50 ms for the bundled corpus's largest
@@ -1178,6 +1181,7 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
 
     def _deserialize(self, params: GuidedDecodingParams, text: str) -> tuple[Any, int]:
         grammar = xgr.CompiledGrammar.deserialize_json(text, self._tokenizer_info_for(params))
+        self._unread(params, grammar)
         return grammar, int(grammar.memory_size_bytes)
 
     def _stop_compile(self, key: tuple[str, str]) -> bool:
@@ -1192,6 +1196,27 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         if self.processes is not None and not self.processes.compiles_here(params):
             return self._compile_in_process(params)
         return self._compile_here(params)  # (in process mode: a guide estimated cheap)
+
+    @staticmethod
+    def _unread(params: GuidedDecodingParams, compiled: Any) -> None:
+        """No forced text on ``compiled`` where its printed grammar hides bytes
+        (:func:`~capgraph.grammar.forced_bound.grammar_hides_bytes`: a NUL in a string or a
+        regex of an EBNF or regex guide; a JSON schema's strings and patterns never hold
+        one, as JSON text writes it escaped), which the forced-text bound could not read.
+        The guide is parsed again (not compiled), as the compile or the disk kept no
+        uncompiled grammar (compiled here, in a worker process or from the disk cache)."""
+        gt = params.guide_type
+        if gt not in (GuideType.EBNF_GRAMMAR, GuideType.REGEX):
+            return
+        try:
+            grammar, _ = _converted(lambda: _ebnf_grammar(ecma_ebnf(params.guide))
+                                    if gt is GuideType.EBNF_GRAMMAR
+                                    else _regex_grammar(ecma_regex(params.guide, BACKEND)))
+        except Exception:  # noqa: BLE001 - (it compiled: cannot tell, so no forced text)
+            _stop_jump_forward(compiled)
+            return
+        if grammar_hides_bytes(grammar):
+            _stop_jump_forward(compiled)
 
     def _compile_in_process(self, params: GuidedDecodingParams) -> tuple[Any, int]:
         """:meth:`_compile_here` in a worker process, the grammar sent back serialized; one
@@ -1269,6 +1294,7 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 detail += (" (this looks like Lark; the xgrammar backend takes GBNF/EBNF with a "
                            "'root ::= ...' rule, the llguidance backend takes Lark)")
             raise GrammarCompileError(detail, guide_type=gt.name, backend=BACKEND) from e
+        self._unread(params, compiled)
         return compiled, int(compiled.memory_size_bytes)
 
     def _refuse_placing(self, tag: str, placed: frozenset[int]) -> None:
