@@ -618,6 +618,7 @@ class GuidedDecoder:
         flight has ended)."""
         self._finish_build()
         self.slots.reset(slot)
+        self._draft_slots.pop(slot, None)
         self._forget_compile(slot)
 
     @_open_only

@@ -439,3 +439,38 @@ def test_the_next_add_batch_while_a_prepared_step_waits_leaves_that_steps_tokens
     assert capt.take_failed_requests() == []
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [A, C, X]
     capt.close()
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("golden", ["allowed", "refused"])
+@pytest.mark.parametrize("ended", ["rollback_draft_tokens", "target build"])
+def test_a_drafting_loop_whose_batches_shrink_is_undone_for_every_slot(factory, build, golden,
+                                                                       ended):
+    """Draft step 0 holds slots 0 and 1, draft step 1 only slot 0 (slot 1's drafter stopped).
+    The loop's end (rollback_draft_tokens, or the next target build where it was left open)
+    undoes slot 1 too: its golden token is not fed twice ("1" then "1" again would leave only
+    x), and a refused golden token does not leave its target rows unguided."""
+    dec = _decoder(factory, build, 2, 2)
+
+    def draft(request_id: int, slot: int, params, token: int) -> GuidedRequest:
+        return GuidedRequest(params, request_id, slot, is_draft=True,
+                             is_generation_in_progress_state=True, new_token=token)
+
+    assert _step(dec, [GuidedRequest.context(1, 0, PAIRS),
+                       GuidedRequest.context(2, 1, TWO_THEN_X)])[0] == []
+    dec.add_batch([GuidedRequest.generation(1, 0, PAIRS, A),
+                   GuidedRequest.generation(2, 1, TWO_THEN_X, ONE)])
+    dec.rollback_rejected_tokens()
+    _step(dec, [draft(1, 0, PAIRS, A), draft(2, 1, TWO_THEN_X, ONE if golden == "allowed" else A)])
+    _step(dec, [draft(1, 0, PAIRS, B)])
+    if ended == "rollback_draft_tokens":
+        dec.rollback_draft_tokens()
+    dec.add_batch([GuidedRequest.generation(1, 0, PAIRS, A, draft_tokens=[B]),
+                   GuidedRequest.generation(2, 1, TWO_THEN_X, ONE, draft_tokens=[TWO])], 1)
+    logits = torch.zeros(dec.requests.num_bitmask_tokens, V)
+    assert dec.execute(logits) + dec.take_failed_requests() == []
+    rows = [torch.isfinite(row).nonzero().flatten().tolist() for row in logits]
+    assert rows == [[B], [A, C, X], [ONE, TWO], [X]]
+    assert dec.num_advanced_draft_tokens[:2] == [0, 0]
+    assert list(dec.is_draft_terminated[:2]) == [False, False]
+    dec.close()
