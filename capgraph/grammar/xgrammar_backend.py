@@ -1074,7 +1074,8 @@ _COMPILE_MODULES = ("capgraph.grammar.xgrammar_backend", "capgraph.grammar.seman
 _NOT_COMPILE_MODULES = ("capgraph.grammar.base", "capgraph.grammar.cache",
                         "capgraph.grammar.compile_cost", "capgraph.grammar.compile_pool",
                         "capgraph.grammar.disk_cache", "capgraph.grammar.forced",
-                        "capgraph.grammar.process_pool", "capgraph.grammar.utf8")
+                        "capgraph.grammar.forced_bound", "capgraph.grammar.process_pool",
+                        "capgraph.grammar.utf8")
 
 
 def _xgrammar_version() -> str:
