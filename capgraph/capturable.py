@@ -873,6 +873,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         node = self._node
         if node is not None and not self._node_active:
             self._node_active = True  # (the batches queued from now on queue jobs too)
+            self._rollback_due.clear()  # (the node's own builds and rollbacks take over)
             node.set_epoch(self._put_epoch)
             node.sync_counts(self.slots.num_advanced_tokens,  # (what the eager steps advanced)
                              self.slots.num_advanced_draft_tokens, self.slots.draft_trees)

@@ -249,6 +249,9 @@ class GuidedDecoder:
         # per slot a draft step of the open loop built, the request it held there: a loop's
         # batches need not hold the same slots (a drafter stops), and its end undoes them all
         self._draft_slots: dict[int, GuidedRequest] = {}
+        # the slots whose latest target build advanced draft tokens that no rollback of
+        # rejected tokens has settled yet: the next target build settles them first
+        self._rollback_due: set[int] = set()
         # the one-pass C++ CPU mask, called without the custom op's dispatch (see apply_bitmask)
         self._cpu_apply = cpu_apply() if self.device.type == "cpu" else None
         # the masked argmax kernel's scratch (execute_argmax), zero between its launches
@@ -619,6 +622,7 @@ class GuidedDecoder:
         self._finish_build()
         self.slots.reset(slot)
         self._draft_slots.pop(slot, None)
+        self._rollback_due.discard(slot)
         self._forget_compile(slot)
 
     @_open_only
@@ -774,6 +778,8 @@ class GuidedDecoder:
             for req in requests.valid_requests():
                 if req.is_draft and self.slots.slot_ok(req.seq_slot):
                     self._draft_slots[req.seq_slot] = req  # type: ignore[index]
+        elif self.max_num_draft_tokens > 0:
+            self._settle_drafts(requests)
         clear = requests.num_bitmask_tokens if clear_rows is None else clear_rows
         # (the trees of the slots built now are no longer current; another slot's stays its
         # own while its request sits out this step)
@@ -785,6 +791,22 @@ class GuidedDecoder:
         self._masked_rows = False  # (a build that raises masks nothing)
         outcomes, self._masked_rows = self.host_build.run(requests, clear)
         return self._interpret(requests, outcomes) if outcomes else []
+
+    def _settle_drafts(self, requests: GuidedRequests) -> None:
+        """Before a target build: the slots of ``requests`` whose last build advanced drafts
+        and whose rejected ones no ``rollback_rejected_tokens`` rolled back are rolled back
+        now, by what these requests say was accepted (as that call would: a step left
+        without it must not mask from a state the text never reached); then the slots this
+        build advances drafts on are due."""
+        due = self._rollback_due
+        if due:
+            slots = {r.seq_slot for r in requests.valid_requests() if r.seq_slot in due}
+            if slots:
+                self._rollback_rejected_tokens(requests, only=slots)  # type: ignore[arg-type]
+        if requests.max_num_draft_tokens > 0:  # (else this step advances no draft)
+            for req in requests.valid_requests():
+                if not req.is_draft and req.draft_tokens and self.slots.slot_ok(req.seq_slot):
+                    due.add(req.seq_slot)  # type: ignore[arg-type]
 
     def _finish_build(self) -> None:
         """Wait for the build ``_build(asynchronous=True)`` started and record its failures;
@@ -951,21 +973,30 @@ class GuidedDecoder:
         if targets:
             self._rollback_draft_tokens(open_draft, targets)
 
-    def _rollback_rejected_tokens(self, requests: GuidedRequests) -> None:
-        self._finish_build()
-        self._end_open_draft()
+    def _rollback_rejected_tokens(self, requests: GuidedRequests,
+                                  only: Collection[int] | None = None) -> None:
+        """Roll each slot of ``requests`` (``only``: of these slots) back to its last build's
+        new token and accepted drafts (``num_accepted_draft_tokens``, or the tree path to
+        ``accepted_draft_node``); a second call for the same build rolls back nothing."""
+        if only is None:
+            self._finish_build()
+            self._end_open_draft()
         if self.max_num_draft_tokens <= 0:
             return
         handled: set[int] = set()
         for req in requests.valid_requests():
             slot = req.seq_slot
-            if not self.slots.slot_ok(slot) or slot in handled:
+            if not self.slots.slot_ok(slot) or slot in handled \
+                    or (only is not None and slot not in only):
                 continue  # (a later request on a slot is the one the build refused: not its)
             handled.add(slot)  # type: ignore[arg-type]
+            if req.is_context_init_state or req.is_generation_only_first_iteration:
+                if req.require_matcher_init() or req.is_generation_only_first_iteration:
+                    self._rollback_due.discard(slot)  # type: ignore[arg-type]  # (a new one)
+                continue  # a new request drafted nothing: the slot's advances were another's
+            self._rollback_due.discard(slot)  # type: ignore[arg-type]
             if self.slots.num_advanced_tokens[slot] <= 0:  # type: ignore[index]
                 continue
-            if req.is_context_init_state or req.is_generation_only_first_iteration:
-                continue  # a new request drafted nothing: the slot's advances were another's
             tree = self.slots.current_tree(slot)
             if tree is not None:
                 self._keep_tree_path(req, slot, *tree)

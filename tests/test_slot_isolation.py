@@ -187,6 +187,41 @@ def test_a_context_chunk_on_a_held_slot_leaves_its_owners_rollback(factory, buil
     dec.close()
 
 
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("kind", ["eager", "capturable"])
+def test_a_context_chunk_on_a_held_slot_leaves_its_owners_draft_tree(factory, build, kind):
+    """As above with a draft tree: request 1 drafts the tree [2, 1 under it] after new token
+    1; a step holds another request's context chunk before its last on slot 0 before the
+    rollback keeps node 0 (text 1 2, bonus x). The chunk must not forget slot 0's tree: the
+    rollback feeds the accepted path, the bonus x is accepted and only the stop token is
+    left (a forgotten tree kept the root alone, and the bonus x failed request 1)."""
+    if kind == "capturable":
+        from capgraph.capturable import CapturableGuidedDecoder
+        dec = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_build=build)
+    else:
+        dec = _decoder(factory, build, 2, 2)
+
+    def step(requests: list, draft_len: int, node: int | None = None) -> torch.Tensor:
+        dec.add_batch(requests, runtime_draft_len=draft_len)
+        if node is not None:
+            if kind == "capturable":
+                dec.rollback_rejected_batch(torch.tensor([2]), torch.tensor([node]))
+            else:
+                dec.rollback_rejected_tokens()
+        logits = torch.zeros(dec.requests.num_bitmask_tokens, V)
+        assert (dec.execute(logits) or []) + dec.take_failed_requests() == []
+        return logits
+
+    step([GuidedRequest.context(1, 0, TWO_THEN_X)], 2)
+    step([GuidedRequest.generation(1, 0, TWO_THEN_X, ONE, draft_tokens=[TWO, ONE],
+                                   draft_parents=[-1, 0])], 2)
+    step([GuidedRequest.context(2, 0, DIGITS, last_chunk=False)], 2)
+    logits = step([GuidedRequest.generation(1, 0, TWO_THEN_X, X, num_accepted_draft_tokens=1,
+                                            accepted_draft_node=0)], 0, node=0)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [EOS]
+    dec.close()
+
+
 def _disagg(request_id: int, slot: int, params, token: int) -> GuidedRequest:
     """A first generation step whose prefill ran elsewhere."""
     return GuidedRequest(params, request_id, slot, None, False, False, True, True, token, False,
@@ -474,3 +509,53 @@ def test_a_drafting_loop_whose_batches_shrink_is_undone_for_every_slot(factory, 
     assert dec.num_advanced_draft_tokens[:2] == [0, 0]
     assert list(dec.is_draft_terminated[:2]) == [False, False]
     dec.close()
+
+
+FOUR = GuidedDecodingParams(GuideType.REGEX, "[12]{4}")
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_a_step_after_drafts_left_without_its_rollback_is_rolled_back_first(factory, build):
+    """A step verified drafts (new token 1, drafts 1 1; none accepted, bonus 2) and the next
+    step's batch (which says none was accepted) is built without rollback_rejected_tokens:
+    the build rolls the rejected drafts back first, as that call would, so the text "1 2"
+    leaves 1 and 2 allowed (not the stop token, as after "1 1 1 2"). A call made after all
+    rolls back nothing more."""
+    for call in (False, True):
+        dec = _decoder(factory, build, 2, 2)
+        assert _step(dec, [GuidedRequest.context(1, 0, FOUR)])[0] == []
+        failed, _ = _step(dec, [GuidedRequest.generation(1, 0, FOUR, ONE,
+                                                          draft_tokens=[ONE, ONE])])
+        assert failed == []
+        dec.add_batch([GuidedRequest.generation(1, 0, FOUR, TWO, num_accepted_draft_tokens=0)])
+        if call:
+            dec.rollback_rejected_tokens()
+        logits = torch.zeros(dec.requests.num_bitmask_tokens, V)
+        assert dec.execute(logits) + dec.take_failed_requests() == []
+        assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [ONE, TWO]
+        dec.close()
+
+
+@pytest.mark.parametrize("accepted,after", [(0, X), (1, C)])
+def test_capturable_step_after_drafts_without_its_rollback_is_rolled_back_first(factory,
+                                                                             accepted, after):
+    """The capturable decoder (Python host step): rollback_rejected_batch left out after a
+    step that verified drafts 1 2 after new token 1; the next step's request says how many
+    were accepted, and its build rolls the rest back first: its new token 2 makes "1 2"
+    (x next) or "1 1 2" (c next)."""
+    grammar = GuidedDecodingParams(GuideType.REGEX, "12x|112c")
+    capt = _capturable(factory, "python", 2)
+    capt.add_batch([GuidedRequest.context(1, 0, grammar)])
+    capt.execute(torch.zeros(1, V))
+    capt.add_batch([GuidedRequest.generation(1, 0, grammar, ONE, draft_tokens=[ONE, TWO])],
+                   runtime_draft_len=2)
+    capt.execute(torch.zeros(3, V))
+    assert capt.take_failed_requests() == []
+    capt.add_batch([GuidedRequest.generation(1, 0, grammar, TWO,
+                                             num_accepted_draft_tokens=accepted)],
+                   runtime_draft_len=0)
+    logits = torch.zeros(1, V)
+    capt.execute(logits)
+    assert capt.take_failed_requests() == []
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [after]
+    capt.close()

@@ -253,12 +253,18 @@ class SlotState:
 
     def forget_trees(self, requests: Iterable[Any]) -> None:
         """A build of ``requests`` starts: the draft trees of their slots are no longer
-        current (a request's tree is the one of its slot's latest build). Cheap where no
-        slot holds a tree."""
+        current (a request's tree is the one of its slot's latest target build). A draft
+        request, and a context chunk before its last (which neither creates nor advances
+        the slot's matcher: another request's, on a slot still held), leave the tree to
+        the rollback still to come. Cheap where no slot holds a tree."""
         if not self.num_trees:
             return
         trees, S = self.draft_trees, self.max_num_sequences
         for req in requests:
+            if getattr(req, "is_draft", False) or (
+                    getattr(req, "is_context_init_state", False)
+                    and not getattr(req, "is_last_context_chunk", False)):
+                continue
             slot = getattr(req, "seq_slot", None)
             if type(slot) is not int:
                 slot = as_int(slot)  # (an index-like slot the build takes as its int)
