@@ -1204,6 +1204,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         _check_draft_step(draft_step)
         requests = self._require_batch()
         self._check_logits(logits, d2t, None, len(requests))  # (one row per request)
+        self._draft_reach = None if d2t is None else self._tensors.reach(d2t)
         if draft_step == 0 and self._streams.is_capturing():
             self._consume_put()
         capturing = self._streams.is_capturing()
@@ -1540,13 +1541,13 @@ class CapturableGuidedDecoder(GuidedDecoder):
             if current_tree(req.seq_slot) is not None:  # type: ignore[arg-type]
                 # a tree's matcher is back at its root: the accepted node decides, and a
                 # count with no node is refused by the rollback, never clamped to the root
+                # (without nodes, not the node an earlier verification left on the request)
                 req.num_accepted_draft_tokens = counts[i] - 1
-                if nodes is not None:
-                    req.accepted_draft_node = nodes[i]
+                req.accepted_draft_node = nodes[i] if nodes is not None else None
                 continue
-            # verification can accept past a draft EOS where the matcher stopped advancing
-            req.num_accepted_draft_tokens = \
-                min(counts[i], self.slots.num_advanced_tokens[req.seq_slot]) - 1  # type: ignore[index]
+            # (a count past the matcher's advances: clamped where a draft stop token ended
+            # them, else the rollback fails the request by name)
+            req.num_accepted_draft_tokens = counts[i] - 1
 
     @_callback("init_disagg_gen_requests")
     def init_disagg_gen_requests_hostfunc(self) -> None:

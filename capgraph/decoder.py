@@ -252,6 +252,8 @@ class GuidedDecoder:
         # the slots whose latest target build advanced draft tokens that no rollback of
         # rejected tokens has settled yet: the next target build settles them first
         self._rollback_due: set[int] = set()
+        # the target ids the latest draft execute's d2t reaches (bitmask words), or None
+        self._draft_reach: Any = None
         # the one-pass C++ CPU mask, called without the custom op's dispatch (see apply_bitmask)
         self._cpu_apply = cpu_apply() if self.device.type == "cpu" else None
         # the masked argmax kernel's scratch (execute_argmax), zero between its launches
@@ -360,6 +362,7 @@ class GuidedDecoder:
         """
         requests = self._require_batch()
         self._check_logits(logits, d2t, requests.num_bitmask_tokens)
+        self._draft_reach = None if d2t is None else self._tensors.reach(d2t)
         self._step("execute", requests, lambda n: self.apply_bitmask(logits, d2t, n))
         return self.take_failed_requests()
 
@@ -396,6 +399,7 @@ class GuidedDecoder:
         self._check_logits(logits, None, requests.num_bitmask_tokens)
         full_vocabulary(logits, self.vocab_size_padded, "execute_argmax")
         tokens = argmax_out(out, logits, "execute_argmax")
+        self._draft_reach = None  # (full-vocabulary rows)
         self._step("execute_argmax", requests, lambda n: self.argmax_bitmask(logits, tokens, n),
                    lambda: torch.argmax(logits, dim=-1, out=tokens))
         return tokens, self.take_failed_requests()
@@ -446,6 +450,7 @@ class GuidedDecoder:
         self._take_unbuilt_batch("build")
         if requests.disagg_pending:  # (init_disagg_gen_requests was not called)
             self._init_disagg_gen_requests(requests)
+        self._draft_reach = None  # (the caller applies the rows: no d2t known here)
         return self._build(requests)
 
     @nvtx_range("GuidedDecoder.copy_bitmask")
@@ -790,7 +795,22 @@ class GuidedDecoder:
             return []
         self._masked_rows = False  # (a build that raises masks nothing)
         outcomes, self._masked_rows = self.host_build.run(requests, clear)
+        self._unguide_unreachable(requests)
         return self._interpret(requests, outcomes) if outcomes else []
+
+    def _unguide_unreachable(self, requests: GuidedRequests) -> None:
+        """After a draft step's build with a pruned draft vocabulary (``d2t``): a draft row
+        whose allowed tokens include none the draft vocabulary reaches is left unmasked (a
+        dead end in draft coordinates: masking it would leave no column, and a softmax of
+        it NaN), as the dead-end guard leaves a row that allows nothing."""
+        reach = self._draft_reach
+        if reach is None or not requests.is_draft_step:
+            return
+        marks, rows = self.slots.token_mask_np, self.slots.bitmask_np
+        words = reach.shape[0]
+        for req, row in requests.valid_requests_with_offsets():
+            if req.is_draft and marks[row] and not (rows[row, :words] & reach).any():
+                marks[row] = 0
 
     def _settle_drafts(self, requests: GuidedRequests) -> None:
         """Before a target build: the slots of ``requests`` whose last build advanced drafts
@@ -824,6 +844,7 @@ class GuidedDecoder:
                     self._clear_token_mask()  # as a build that raises: this step masks nothing
                     raise
                 outcomes, self._masked_rows = result
+                self._unguide_unreachable(requests)
                 self._record_failed(self._interpret(requests, outcomes))
             finally:
                 self._finishing -= 1
@@ -1011,7 +1032,17 @@ class GuidedDecoder:
                     f"{req.num_accepted_draft_tokens!r}, num_advanced_tokens={advanced}",
                     request_id=req.request_id, seq_slot=slot))])
                 continue
-            keep = min(1 + accepted, advanced)
+            keep = 1 + accepted
+            if keep > advanced:
+                if not matcher.is_terminated():
+                    self._record_failed([self._fail(req, RequestError(
+                        f"num_accepted_draft_tokens={accepted}, but the last step advanced "
+                        f"its matcher by {advanced - 1} draft token(s): the others were not "
+                        "given, past the runtime draft length, or refused by the grammar, so "
+                        "no masked row let verification accept them",
+                        request_id=req.request_id, seq_slot=slot))])
+                    continue
+                keep = advanced  # (verification can accept past a draft stop token)
             try:
                 matcher.rollback(advanced - keep)
             except Exception as e:
@@ -1057,9 +1088,13 @@ class GuidedDecoder:
         try:
             if matcher is not None:
                 stops = self.slots.stop_ids
-                for token in reversed(path):
+                for depth, token in enumerate(reversed(path), 1):
                     if not matcher.accept_token(token):
-                        break
+                        raise RequestError(
+                            f"accepted_draft_node={node!r}: the token {token} at depth {depth} "
+                            "of its path is refused by the grammar, so no masked row let "
+                            "verification accept it", request_id=req.request_id,
+                            seq_slot=slot)
                     kept += 1
                     if token in stops and matcher.is_terminated():
                         break

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import torch
 
 from .errors import TensorArgError
@@ -32,6 +33,9 @@ class LogitsChecks:
         # on CUDA, the d2t tables whose values were read, newest first:
         # (weak reference, _version, data_ptr, length)
         self._d2t_checked: list[tuple[weakref.ref, int | None, int, int]] = []
+        # the d2t tables whose reach was read, newest first: (weak reference, (_version,
+        # data_ptr, length), the bitmask words of the target ids its draft ids map to)
+        self._d2t_reach: list[tuple[weakref.ref, tuple, np.ndarray]] = []
 
     def check(self, logits: torch.Tensor, d2t: torch.Tensor | None, rows: int | None,
               min_rows: int = 0) -> None:
@@ -141,6 +145,33 @@ class LogitsChecks:
         live = [entry for entry in self._d2t_checked if entry[0]() is not None
                 and entry[0]() is not d2t]
         self._d2t_checked = [(weakref.ref(d2t), version, ptr, length), *live[:7]]
+
+    def reach(self, d2t: torch.Tensor) -> np.ndarray | None:
+        """The target ids the draft ids of ``d2t`` map to (``g + d2t[g]`` in range), as
+        int32 bitmask words of a row: a draft row whose allowed tokens miss all of them
+        would be masked whole. Read once per table, remembered as :meth:`check_d2t`
+        remembers tables (on CUDA the read is a host sync); None inside a CUDA graph
+        capture for a table not read before."""
+        try:
+            version: int | None = d2t._version
+        except RuntimeError:  # an inference-mode tensor counts no versions
+            version = None
+        key = (version, d2t.data_ptr(), d2t.shape[0])
+        for ref, seen, words in self._d2t_reach:
+            if ref() is d2t and seen == key:
+                return words
+        if not d2t.is_cpu and torch.cuda.is_current_stream_capturing():
+            return None
+        host = (d2t if d2t.is_cpu else d2t.cpu()).numpy().astype(np.int64)
+        targets = np.arange(host.shape[0], dtype=np.int64) + host
+        targets = targets[(targets >= 0) & (targets < self.vocab_size_padded)]
+        bits = np.zeros(self.words, dtype=np.uint32)
+        np.bitwise_or.at(bits, targets >> 5, np.left_shift(1, targets & 31).astype(np.uint32))
+        words = bits.view(np.int32)
+        live = [entry for entry in self._d2t_reach if entry[0]() is not None
+                and entry[0]() is not d2t]
+        self._d2t_reach = [(weakref.ref(d2t), key, words), *live[:3]]
+        return words
 
     def _check_d2t_values(self, d2t: torch.Tensor) -> None:
         host = d2t if d2t.is_cpu else d2t.cpu()

@@ -559,3 +559,124 @@ def test_capturable_step_after_drafts_without_its_rollback_is_rolled_back_first(
     assert capt.take_failed_requests() == []
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [after]
     capt.close()
+
+
+@pytest.mark.parametrize("kind", [*BUILDS, "capturable"])
+def test_a_draft_row_whose_allowed_tokens_the_draft_vocabulary_misses_is_left_unmasked(
+        factory, kind):
+    """A draft step with a pruned draft vocabulary (d2t: draft ids 0-3 are the target's b, d,
+    1 and the stop token): after "a b" the grammar allows a, c and x, none of which the draft
+    vocabulary holds. That row is left unmasked (a dead end in draft coordinates), not masked
+    whole (a softmax of it is NaN); the row before it, which allows b, is masked as usual."""
+    d2t = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    rows = []
+    if kind == "capturable":
+        dec = _capturable(factory, "python", 2)
+        dec.add_batch([GuidedRequest.context(1, 0, PAIRS)])
+        dec.execute(torch.zeros(1, V))
+        dec.add_batch([GuidedRequest.generation(1, 0, PAIRS, A)])
+        for k, token in enumerate([A, B]):
+            dec.add_draft_batch(torch.tensor([token]), torch.tensor([1]) if k == 0 else None, k)
+            logits = torch.zeros(1, 4)
+            dec.execute_draft_batch(logits, d2t, draft_step=k)
+            rows.append(logits[0])
+        assert dec.take_failed_requests() == []
+    else:
+        dec = _decoder(factory, kind, 1, 2)
+        assert _step(dec, [GuidedRequest.context(1, 0, PAIRS)])[0] == []
+        dec.add_batch([GuidedRequest.generation(1, 0, PAIRS, A)])
+        dec.rollback_rejected_tokens()
+        for token in (A, B):
+            dec.add_batch([GuidedRequest(PAIRS, 1, 0, is_draft=True,
+                                         is_generation_in_progress_state=True,
+                                         new_token=token)])
+            logits = torch.zeros(1, 4)
+            assert dec.execute(logits, d2t) == []
+            rows.append(logits[0])
+    assert torch.isfinite(rows[0]).nonzero().flatten().tolist() == [0]  # (b: draft id 0)
+    assert bool(torch.isfinite(rows[1]).all())
+    dec.close()
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("case", ["more than given", "past a refused draft",
+                                  "past the runtime draft length"])
+def test_an_accepted_count_no_masked_row_allows_fails_its_request_by_name(factory, build,
+                                                                           case):
+    """A verification count past what the last step's rows could have let through (more
+    drafts than were given, a draft the grammar refused, drafts past the runtime draft
+    length) fails the request with a RequestError naming both numbers, at the rollback,
+    instead of being clamped (the engine's text then holds tokens no mask checked)."""
+    dec = _decoder(factory, build, 1, 3)
+    assert _step(dec, [GuidedRequest.context(1, 0, PAIRS)])[0] == []
+    drafts, draft_len = {"more than given": ([B], 3), "past a refused draft": ([B, D, C], 3),
+                         "past the runtime draft length": ([B, C, D], 1)}[case]
+    dec.add_batch([GuidedRequest.generation(1, 0, PAIRS, A, draft_tokens=drafts)], draft_len)
+    dec.execute(torch.zeros(dec.requests.num_bitmask_tokens, V))
+    assert dec.take_failed_requests() == []
+    dec.add_batch([GuidedRequest.generation(1, 0, PAIRS, X, num_accepted_draft_tokens=3)], 0)
+    dec.rollback_rejected_tokens()
+    (rid, message), = dec.take_failed_requests()
+    assert rid == 1 and "RequestError: num_accepted_draft_tokens=3, but the last step " \
+        "advanced its matcher by 1 draft token(s)" in message
+    dec.close()
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_an_accepted_count_past_a_draft_stop_token_is_clamped(factory, build):
+    """Verification may accept past a draft stop token, where the matcher stopped advancing:
+    that count is clamped, and nothing fails."""
+    dec = _decoder(factory, build, 1, 3)
+    assert _step(dec, [GuidedRequest.context(1, 0, DIGITS)])[0] == []
+    dec.add_batch([GuidedRequest.generation(1, 0, DIGITS, ONE, draft_tokens=[EOS, ONE, ONE])], 3)
+    dec.execute(torch.zeros(dec.requests.num_bitmask_tokens, V))
+    dec.add_batch([GuidedRequest.generation(1, 0, DIGITS, ONE, num_accepted_draft_tokens=3)], 0)
+    dec.rollback_rejected_tokens()
+    assert dec.take_failed_requests() == []
+    dec.close()
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_a_tree_path_through_a_refused_node_fails_by_name(factory, build):
+    """An accepted tree node whose path holds a token the grammar refused (its parent's row
+    masked it) fails the request at the rollback, naming the node and the token, instead of
+    a clamped path whose next token is then blamed."""
+    dec = _decoder(factory, build, 1, 2)
+    assert _step(dec, [GuidedRequest.context(1, 0, PAIRS)])[0] == []
+    dec.add_batch([GuidedRequest.generation(1, 0, PAIRS, A, draft_tokens=[D, C],
+                                            draft_parents=[-1, 0])], 2)
+    dec.execute(torch.zeros(dec.requests.num_bitmask_tokens, V))
+    dec.add_batch([GuidedRequest.generation(1, 0, PAIRS, X, num_accepted_draft_tokens=2,
+                                            accepted_draft_node=1)], 0)
+    dec.rollback_rejected_tokens()
+    (rid, message), = dec.take_failed_requests()
+    assert rid == 1 and f"accepted_draft_node=1: the token {D} at depth 1" in message
+    dec.close()
+
+
+def test_capturable_counts_without_nodes_after_a_tree_keep_the_root(factory):
+    """rollback_rejected_batch(counts) after a tree step, without accepted_draft_nodes: a
+    count of one (the bonus alone) keeps the root, not the node the request object names for
+    the previous verification (the eager convention); the text is then "a b c x", where only
+    the stop token is left (the stale node fed "d" too)."""
+    grammar = GuidedDecodingParams(GuideType.REGEX, "(ab|cd){2}xx|abcx")
+    capt = _capturable(factory, "python", 4)
+    capt.add_batch([GuidedRequest.context(1, 0, grammar)])
+    capt.execute(torch.zeros(1, V))
+    capt.add_batch([GuidedRequest.generation(1, 0, grammar, A, draft_tokens=[B],
+                                             draft_parents=[-1])], runtime_draft_len=1)
+    capt.execute(torch.zeros(2, V))
+    capt.rollback_rejected_batch(torch.tensor([2]), torch.tensor([0]))  # (a b kept)
+    capt.add_batch([GuidedRequest.generation(1, 0, grammar, C, draft_tokens=[D],
+                                             draft_parents=[-1], accepted_draft_node=0,
+                                             num_accepted_draft_tokens=1)],
+                   runtime_draft_len=1)
+    capt.execute(torch.zeros(2, V))
+    capt.rollback_rejected_batch(torch.tensor([1]))  # (the bonus alone: "a b c" kept)
+    assert capt.take_failed_requests() == []
+    capt.add_batch([GuidedRequest.generation(1, 0, grammar, X)], runtime_draft_len=0)
+    logits = torch.zeros(1, V)
+    capt.execute(logits)
+    assert capt.take_failed_requests() == []
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [EOS]
+    capt.close()
