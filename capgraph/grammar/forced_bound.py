@@ -11,8 +11,9 @@ length bound, so capgraph asks for forced text only on grammars where
 one of its alternatives, each outer one just after the reference that opened the rule above
 it. The forced text is a prefix of every completion of every live stack, so of one stack's
 completions. Complete each level by its shortest completion: the rest of the innermost
-alternative (at most ``head``: the longest "an atom plus what must follow it to its rule's
-end" of the rule), then the rest after each reference outward (its ``tail``). Two
+alternative (at most ``head``: the longest "what is left of an atom from inside it plus
+what must follow it to its rule's end" of the rule; inside a ``Regex`` that can be longer
+than its shortest match), then the rest after each reference outward (its ``tail``). Two
 completions of that stack part where a level's rest provably starts with two different
 bytes: where a *choice* follows the reference (its rest, up to its first part that cannot
 be empty, may start with at least two bytes: ``[ \\n\\t]* ","`` does, ``"]"`` does not). So
@@ -23,7 +24,9 @@ Where a cycle of references with no choice after them adds bytes
 (``r ::= "[" r "]" | "x"``: one ``]`` per ``[`` written), the forced text grows with the
 output's nesting and the bound is ``inf``: such grammars get no forced text. So does a
 grammar with a rule that never completes (``root ::= "ab" root``, where the walk never
-ends) or that this reader cannot read (a ``TagDispatch``).
+ends) or that this reader cannot read (a ``TagDispatch``). xgrammar prints a string or a
+regex only up to a NUL byte in it; :func:`grammar_hides_bytes` finds those grammars, whose
+printed text is not the grammar the matcher runs.
 
 xgrammar's lookahead assertions (``(= ...)``) are read as matching nothing and restricting
 nothing: its parser does not apply them (they serve its token-mask cache), so the walk's
