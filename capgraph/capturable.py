@@ -1545,9 +1545,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 req.num_accepted_draft_tokens = counts[i] - 1
                 req.accepted_draft_node = nodes[i] if nodes is not None else None
                 continue
-            # (a count past the matcher's advances: clamped where a draft stop token ended
-            # them, else the rollback fails the request by name)
-            req.num_accepted_draft_tokens = counts[i] - 1
+            # counts are clamped to the matcher's advances, as the native node's rollback
+            # clamps them (verification can accept past a draft EOS where it stopped)
+            req.num_accepted_draft_tokens = \
+                min(counts[i], self.slots.num_advanced_tokens[req.seq_slot]) - 1  # type: ignore[index]
 
     @_callback("init_disagg_gen_requests")
     def init_disagg_gen_requests_hostfunc(self) -> None:

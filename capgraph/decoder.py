@@ -538,16 +538,21 @@ class GuidedDecoder:
         """Undo the matcher advances the target rejected in verification.
 
         Call after verification and before the next drafting loop's first build, with the
-        requests of the latest ``add_batch`` carrying ``num_accepted_draft_tokens``. The
-        accepted count is clamped to what the matcher actually advanced (a draft EOS stops
-        the matcher while verification may accept past it). Failures go to the next
-        ``execute`` / ``take_failed_requests``.
+        requests of the latest ``add_batch`` carrying ``num_accepted_draft_tokens``. A count
+        past what the matcher advanced is clamped where a draft stop token stopped it
+        (verification may accept past it); anywhere else no masked row let verification
+        accept the rest (drafts not given, past the runtime draft length, or refused by the
+        grammar), and the request fails with a ``RequestError`` naming both numbers. A target
+        build of a batch whose slots this was not called for after a step with drafts rolls
+        them back first, as this call would. Failures go to the next ``execute`` /
+        ``take_failed_requests``.
 
         A request whose drafts were a tree in the previous build carries
         ``accepted_draft_node`` instead (the deepest accepted node, -1 for none; it may be
         left None when no draft was accepted): its matcher, back at the root after the
         build, is fed the path from the root to that node, so it stands where a chain of
-        the accepted drafts would (clamped where the grammar refuses or stops, as above).
+        the accepted drafts would (cut after a stop token; a path through a token the
+        grammar refuses fails the request by name).
 
         Raises:
             DecoderClosedError: the decoder was closed.
