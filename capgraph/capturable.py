@@ -1525,10 +1525,16 @@ class CapturableGuidedDecoder(GuidedDecoder):
         self._node_collect()  # (the native node's steps run so far leave the queue first)
         # the batch whose verification counts these are: queued (not yet fetched) or current
         batch = self._queue[0].batch if self._queue else self.requests_hostfunc
-        self._take_accepted(batch, with_nodes)
+        self._take_accepted(batch, with_nodes, own_nodes=bool(self._queue))
         self._rollback_batch = batch
 
-    def _take_accepted(self, batch: GuidedRequests | None, with_nodes: bool = False) -> None:
+    def _take_accepted(self, batch: GuidedRequests | None, with_nodes: bool = False,
+                       own_nodes: bool = True) -> None:
+        """The counts (and nodes) of ``rollback_rejected_batch`` onto ``batch``'s requests.
+        Without nodes a tree's accepted node is the request's own ``accepted_draft_node``
+        where ``own_nodes`` (the next step's batch, which names it, as for the eager
+        decoder), else none (the verified step's own batch: its requests name the node of
+        the verification before it)."""
         self._finish_build()  # (the counters read below)
         if batch is None:
             return
@@ -1541,9 +1547,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
             if current_tree(req.seq_slot) is not None:  # type: ignore[arg-type]
                 # a tree's matcher is back at its root: the accepted node decides, and a
                 # count with no node is refused by the rollback, never clamped to the root
-                # (without nodes, not the node an earlier verification left on the request)
                 req.num_accepted_draft_tokens = counts[i] - 1
-                req.accepted_draft_node = nodes[i] if nodes is not None else None
+                if nodes is not None:
+                    req.accepted_draft_node = nodes[i]
+                elif not own_nodes:
+                    req.accepted_draft_node = None
                 continue
             # counts are clamped to the matcher's advances, as the native node's rollback
             # clamps them (verification can accept past a draft EOS where it stopped)
