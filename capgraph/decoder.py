@@ -252,6 +252,7 @@ class GuidedDecoder:
         # the slots whose latest target build advanced draft tokens that no rollback of
         # rejected tokens has settled yet: the next target build settles them first
         self._rollback_due: set[int] = set()
+        self._pending_target: GuidedRequests | None = None  # the latest target add_batch's
         # the target ids the latest draft execute's d2t reaches (bitmask words), or None
         self._draft_reach: Any = None
         # the one-pass C++ CPU mask, called without the custom op's dispatch (see apply_bitmask)
@@ -788,7 +789,10 @@ class GuidedDecoder:
             for req in requests.valid_requests():
                 if req.is_draft and self.slots.slot_ok(req.seq_slot):
                     self._draft_slots[req.seq_slot] = req  # type: ignore[index]
+            if self._rollback_due:
+                self._settle_before_drafts(requests)
         elif self.max_num_draft_tokens > 0:
+            self._pending_target = None
             self._settle_drafts(requests)
         clear = requests.num_bitmask_tokens if clear_rows is None else clear_rows
         # (the trees of the slots built now are no longer current; another slot's stays its
@@ -832,6 +836,22 @@ class GuidedDecoder:
             for req in requests.valid_requests():
                 if not req.is_draft and req.draft_tokens and self.slots.slot_ok(req.seq_slot):
                     due.add(req.seq_slot)  # type: ignore[arg-type]
+
+    def _settle_before_drafts(self, requests: GuidedRequests) -> None:
+        """Before a draft step's build: the due slots (:meth:`_settle_drafts`) it drafts on
+        are rolled back by the target batch added before the loop, as
+        ``rollback_rejected_tokens`` would have been called before it; with no such batch
+        they are no longer due (a draft build starts the slot's counts anew, so a later
+        target build could not read what to roll back)."""
+        due = self._rollback_due
+        slots = {r.seq_slot for r in requests.valid_requests()
+                 if r.is_draft and r.seq_slot in due}
+        if not slots:
+            return
+        target = self._pending_target
+        if target is not None:
+            self._rollback_rejected_tokens(target, only=slots)  # type: ignore[arg-type]
+        due.difference_update(slots)  # type: ignore[arg-type]
 
     def _finish_build(self) -> None:
         """Wait for the build ``_build(asynchronous=True)`` started and record its failures;
@@ -941,6 +961,8 @@ class GuidedDecoder:
             if fresh:
                 self._start_compiles(fresh)
         self._batch_built = False
+        if not batch.is_draft_step:  # (a drafting loop may run before its build: see
+            self._pending_target = batch  # _settle_before_drafts)
         return batch
 
     def _checked_draft_len(self, runtime_draft_len: object) -> int:

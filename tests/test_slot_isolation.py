@@ -536,6 +536,35 @@ def test_a_step_after_drafts_left_without_its_rollback_is_rolled_back_first(fact
         dec.close()
 
 
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("accepted,after", [(0, X), (1, C)])
+def test_a_drafting_loop_after_drafts_left_without_their_rollback_rolls_them_back_first(
+        factory, build, accepted, after):
+    """The eager draft-model order with rollback_rejected_tokens left out: a step verified
+    drafts 1 2 after new token 1; the next target batch (new token 2, its count) is added,
+    a drafting loop runs, and the target step is built. The loop's first build rolls the
+    rejected drafts back by that target batch, as the call would have: the text is "1 2" (x
+    next) or "1 1 2" (c next), with no failure (the draft build would otherwise have reset
+    the counts the target build reads)."""
+    grammar = GuidedDecodingParams(GuideType.REGEX, "12x|112c")
+    dec = _decoder(factory, build, 1, 2)
+    assert _step(dec, [GuidedRequest.context(1, 0, grammar)])[0] == []
+    assert _step(dec, [GuidedRequest.generation(1, 0, grammar, ONE,
+                                                draft_tokens=[ONE, TWO])])[0] == []
+
+    def target() -> list:
+        return [GuidedRequest.generation(1, 0, grammar, TWO, num_accepted_draft_tokens=accepted)]
+    dec.add_batch(target(), 0)
+    draft = GuidedRequest(grammar, 1, 0, is_draft=True, is_generation_in_progress_state=True,
+                          new_token=TWO)
+    assert _step(dec, [draft])[0] == []
+    dec.rollback_draft_tokens()
+    failed, logits = _step(dec, target())
+    assert failed + dec.take_failed_requests() == []
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [after]
+    dec.close()
+
+
 @pytest.mark.parametrize("accepted,after", [(0, X), (1, C)])
 def test_capturable_step_after_drafts_without_its_rollback_is_rolled_back_first(factory,
                                                                              accepted, after):
