@@ -253,6 +253,9 @@ class CapturableGuidedDecoder(GuidedDecoder):
         # one reader of the node's results at a time (the host thread and a Python step
         # inside the node may both read; results are applied in step order)
         self._collect_lock = threading.RLock()
+        # (finishing a build may change a slot, which reads the node's results first: one
+        # lock for both, so that the two are never taken in opposite orders)
+        self._finish_lock = self._collect_lock
         # the batch after launch (set_batch_after_launch): the node's wait in seconds, or None
         self._after_launch: float | None = None
         #: which host step the step's callback runs: ``"native"`` (the C++ host node,

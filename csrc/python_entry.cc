@@ -1729,9 +1729,10 @@ void RollbackEntries(HostNode* n, const std::vector<NodeEntry>& entries, NodeDon
 // The rollback of rejected drafts (rollback_rejected_batch): every request of the batch the
 // next step runs (the oldest queued job; else the last step run) rolls back to the tokens its
 // verification accepted, counts[batch index] (bonus included), clamped to what its matcher
-// advanced in its last step, as GuidedDecoder's rollback does. Python's rollback runs instead
-// after a Python step, for a Python step's batch, and where a slot's matcher only Python can
-// run. A warm-up run does nothing. Never throws.
+// advanced in its last step, as the capturable decoder's Python rollback clamps them (the
+// eager GuidedDecoder fails a count past them by name, but past a draft stop token). Python's
+// rollback runs instead after a Python step, for a Python step's batch, and where a slot's
+// matcher only Python can run. A warm-up run does nothing. Never throws.
 void RunRollback(void* p) {
   HostNode* n = static_cast<NodeLaunch*>(p)->node;
   std::lock_guard<std::mutex> serial(n->run_mu);

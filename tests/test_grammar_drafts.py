@@ -469,13 +469,18 @@ def test_forced_text_bound_reads_what_is_left_inside_a_regex(ebnf, bound):
     (GuidedDecodingParams.ebnf('root ::= "q" ("a" | "b") "\\0' + "d" * 5000 + '"'), "qa"),
     (GuidedDecodingParams.ebnf('root ::= "q" Regex("x\\0' + "y" * 5000 + '")'), "q"),
     (GuidedDecodingParams.regex("q[ab]\\x00" + "d" * 5000), "qa"),
+    (GuidedDecodingParams(GuideType.STRUCTURAL_TAG, json.dumps({
+        "type": "structural_tag", "format": {"type": "grammar", "grammar":
+                                             'root ::= "q" ("a" | "b") "\\0' + "d" * 5000
+                                             + '"'}})), "qa"),
 ])
 def test_a_grammar_whose_printed_text_hides_a_nul_gets_no_forced_text(tekken, guide, prefix,
                                                                      tmp_path, monkeypatch):
     """xgrammar prints a byte string or regex only up to its first NUL byte, so the printed
     grammar is not the one the matcher runs (``"\\0ddd..."`` prints as ``""``, and its 5000
-    forced bytes looked like none): its serialized form shows it, and the guide gets no
-    forced text, compiled here or loaded from the disk cache."""
+    forced bytes looked like none): its serialized form shows it, and the guide (EBNF, regex
+    or a structural tag's grammar) gets no forced text, compiled here or loaded from the disk
+    cache."""
     import xgrammar as xgr
     from capgraph.grammar.forced import grammar_hides_bytes
     source = guide.guide if guide.guide_type is GuideType.EBNF_GRAMMAR else None

@@ -271,8 +271,9 @@ def _regex_widths(items: Any) -> tuple[float, float]:
     for op, av in items:
         if op in (c.LITERAL, c.NOT_LITERAL, c.ANY, c.IN):
             parts.append((1.0, 1.0))
-        elif op is c.AT:
-            parts.append((0.0, 0.0))
+        elif op is c.AT:  # ("^" and "$" match nothing; xgrammar may read \A, \Z, \b as
+            parts.append((0.0, 0.0) if av in (c.AT_BEGINNING, c.AT_END)  # letters: 1 char)
+                         else (1.0, 1.0))
         elif op is c.BRANCH:
             branches = [_regex_widths(b) for b in av[1]]
             parts.append((min(b[0] for b in branches), max(b[1] for b in branches)))

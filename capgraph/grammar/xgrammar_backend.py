@@ -977,6 +977,13 @@ def _jump_forward_ok(compiled: xgr.CompiledGrammar | None) -> bool:
     return _remember_jump_ok(compiled, ok)
 
 
+def _tag_converted(tag: str) -> tuple[xgr.Grammar, list[str]]:
+    """A structural tag (as :meth:`XGrammarFactory._tag_text` makes it) converted by
+    xgrammar, with the warnings its converter logged."""
+    return _converted(lambda: xgr.Grammar.from_structural_tag(
+        _tag_schemas_repaired(_tag_regexes_faster(tag))))
+
+
 def _refuse_tag_drops(tag: str) -> None:
     """Refuse a structural tag (JSON text) with an element xgrammar 0.2.9 converts wrongly:
     inside a ``repeat``, an ``exclude_token`` or the ``exclude_tokens`` of an ``any_tokens``
@@ -1198,21 +1205,31 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
             return self._compile_in_process(params)
         return self._compile_here(params)  # (in process mode: a guide estimated cheap)
 
-    @staticmethod
-    def _unread(params: GuidedDecodingParams, compiled: Any) -> None:
+    def _tag_text(self, guide: str) -> tuple[str, frozenset[int]]:
+        """A structural tag as xgrammar is given it (its schemas as JSON-schema guides', its
+        regexes as ECMA-262 reads them, its tokens placed by id) and the token ids placed."""
+        prepared = _tag_schemas_prepared(guide)  # its schemas as JSON_SCHEMA guides'
+        return _resolve_tag_tokens(ecma_tag(prepared), self._special_ids_by_name)
+
+    def _unread(self, params: GuidedDecodingParams, compiled: Any) -> None:
         """No forced text on ``compiled`` where its printed grammar hides bytes
         (:func:`~capgraph.grammar.forced_bound.grammar_hides_bytes`: a NUL in a string or a
-        regex of an EBNF or regex guide; a JSON schema's strings and patterns never hold
-        one, as JSON text writes it escaped), which the forced-text bound could not read.
-        The guide is parsed again (not compiled), as the compile or the disk kept no
-        uncompiled grammar (compiled here, in a worker process or from the disk cache)."""
+        regex of an EBNF, regex or structural-tag guide; a JSON schema's strings and
+        patterns never hold one, as JSON text writes it escaped and xgrammar refuses a
+        pattern that matches it), which the forced-text bound could not read. The guide is
+        converted again (not compiled), as the compile or the disk kept no uncompiled
+        grammar (compiled here, in a worker process or from the disk cache)."""
         gt = params.guide_type
-        if gt not in (GuideType.EBNF_GRAMMAR, GuideType.REGEX):
+        if gt not in (GuideType.EBNF_GRAMMAR, GuideType.REGEX, GuideType.STRUCTURAL_TAG):
             return
+
         try:
-            grammar, _ = _converted(lambda: _ebnf_grammar(ecma_ebnf(params.guide))
-                                    if gt is GuideType.EBNF_GRAMMAR
-                                    else _regex_grammar(ecma_regex(params.guide, BACKEND)))
+            if gt is GuideType.STRUCTURAL_TAG:
+                grammar, _ = _tag_converted(self._tag_text(params.guide)[0])
+            else:
+                grammar, _ = _converted(lambda: _ebnf_grammar(ecma_ebnf(params.guide))
+                                        if gt is GuideType.EBNF_GRAMMAR
+                                        else _regex_grammar(ecma_regex(params.guide, BACKEND)))
         except Exception:  # noqa: BLE001 - (it compiled: cannot tell, so no forced text)
             _stop_jump_forward(compiled)
             return
@@ -1271,15 +1288,13 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 _refuse_lookaheads(grammar, gt)
                 compiled = run_lowered(lambda: self._compiler.compile_grammar(grammar))
             elif gt is GuideType.STRUCTURAL_TAG:
-                prepared = _tag_schemas_prepared(guide)  # its schemas as JSON_SCHEMA guides'
-                tag, placed = _resolve_tag_tokens(ecma_tag(prepared), self._special_ids_by_name)
+                tag, placed = self._tag_text(guide)
                 self._refuse_placing(tag, placed)
                 _refuse_tag_drops(tag)
                 self._refuse_ignored_in_tag(tag)
                 if refuse:  # the JSON schemas a tag embeds: as JSON-schema guides
                     self._refuse_unenforced_in_tag(_tag_schemas_prepared(guide, patterns=False))
-                grammar, warned = _converted(lambda: xgr.Grammar.from_structural_tag(
-                    _tag_schemas_repaired(_tag_regexes_faster(tag))))
+                grammar, warned = _tag_converted(tag)
                 if warned and refuse:
                     _refuse("; ".join(f"xgrammar reported: {w}" for w in warned), gt)
                 compiled = self._compile_grammar(self._compiler_placing(placed), grammar,
