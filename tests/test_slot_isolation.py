@@ -154,13 +154,18 @@ def test_capturable_new_request_starts_without_the_last_ones_drafts(factory, hos
 
 @pytest.mark.parametrize("kind", ["eager", "capturable"])
 @pytest.mark.parametrize("build", BUILDS)
-def test_a_context_chunk_on_a_held_slot_leaves_its_owners_rollback(factory, build, kind):
-    """Request 1 drafts 2 1 on slot 0 (its matcher at 1 2 1); before its verification (no
-    draft accepted, bonus 2) is rolled back, a step holds another request's context chunk
-    before its last on slot 0 (an engine that reuses a slot too early). The chunk creates no
-    matcher, so it must not zero slot 0's counts: request 1's rollback then keeps one token,
-    its bonus 2 is accepted and its row allows x alone (a zeroed count would roll back
-    nothing and fail the bonus)."""
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_a_context_chunk_on_a_held_slot_leaves_its_owners_rollback(factory, build, kind,
+                                                                   shape):
+    """Request 1 drafts 2 then 1 on slot 0, as a chain or as a tree (1 under 2); before its
+    verification is rolled back, a step holds another request's context chunk before its
+    last on slot 0 (an engine that reuses a slot too early). The chunk creates no matcher,
+    so it must leave slot 0's counts and draft tree. Chain: no draft accepted, bonus 2; the
+    rollback keeps one token and the row allows x alone (a zeroed count would roll back
+    nothing and fail the bonus). Tree: node 0 accepted (text 1 2), bonus x; the rollback
+    feeds that path and only the stop token is left (a forgotten tree kept the root alone,
+    and the bonus x failed request 1)."""
+    tree = shape == "tree"
     if kind == "capturable":
         from capgraph.capturable import CapturableGuidedDecoder
         dec = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_build=build)
@@ -170,55 +175,27 @@ def test_a_context_chunk_on_a_held_slot_leaves_its_owners_rollback(factory, buil
     def step(requests: list, draft_len: int, accepted: int | None = None) -> torch.Tensor:
         dec.add_batch(requests, runtime_draft_len=draft_len)
         if accepted is not None:
-            if kind == "capturable":
+            if kind == "eager":
+                dec.rollback_rejected_tokens()
+            elif tree:
+                dec.rollback_rejected_batch(torch.tensor([accepted + 1]),
+                                            torch.tensor([accepted - 1]))
+            else:
                 dec.rollback_rejected_batch(torch.tensor([accepted + 1], dtype=torch.int32))
-            else:
-                dec.rollback_rejected_tokens()
-        logits = torch.zeros(dec.requests.num_bitmask_tokens, V)
-        assert (dec.execute(logits) or []) + dec.take_failed_requests() == []
-        return logits
-
-    step([GuidedRequest.context(1, 0, TWO_THEN_X)], 2)
-    step([GuidedRequest.generation(1, 0, TWO_THEN_X, ONE, draft_tokens=[TWO, ONE])], 2)
-    step([GuidedRequest.context(2, 0, DIGITS, last_chunk=False)], 2)
-    logits = step([GuidedRequest.generation(1, 0, TWO_THEN_X, TWO,
-                                            num_accepted_draft_tokens=0)], 0, accepted=0)
-    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [X]
-    dec.close()
-
-
-@pytest.mark.parametrize("build", BUILDS)
-@pytest.mark.parametrize("kind", ["eager", "capturable"])
-def test_a_context_chunk_on_a_held_slot_leaves_its_owners_draft_tree(factory, build, kind):
-    """As above with a draft tree: request 1 drafts the tree [2, 1 under it] after new token
-    1; a step holds another request's context chunk before its last on slot 0 before the
-    rollback keeps node 0 (text 1 2, bonus x). The chunk must not forget slot 0's tree: the
-    rollback feeds the accepted path, the bonus x is accepted and only the stop token is
-    left (a forgotten tree kept the root alone, and the bonus x failed request 1)."""
-    if kind == "capturable":
-        from capgraph.capturable import CapturableGuidedDecoder
-        dec = CapturableGuidedDecoder(factory.config, 2, 2, factory=factory, host_build=build)
-    else:
-        dec = _decoder(factory, build, 2, 2)
-
-    def step(requests: list, draft_len: int, node: int | None = None) -> torch.Tensor:
-        dec.add_batch(requests, runtime_draft_len=draft_len)
-        if node is not None:
-            if kind == "capturable":
-                dec.rollback_rejected_batch(torch.tensor([2]), torch.tensor([node]))
-            else:
-                dec.rollback_rejected_tokens()
         logits = torch.zeros(dec.requests.num_bitmask_tokens, V)
         assert (dec.execute(logits) or []) + dec.take_failed_requests() == []
         return logits
 
     step([GuidedRequest.context(1, 0, TWO_THEN_X)], 2)
     step([GuidedRequest.generation(1, 0, TWO_THEN_X, ONE, draft_tokens=[TWO, ONE],
-                                   draft_parents=[-1, 0])], 2)
+                                   draft_parents=[-1, 0] if tree else None)], 2)
     step([GuidedRequest.context(2, 0, DIGITS, last_chunk=False)], 2)
-    logits = step([GuidedRequest.generation(1, 0, TWO_THEN_X, X, num_accepted_draft_tokens=1,
-                                            accepted_draft_node=0)], 0, node=0)
-    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [EOS]
+    accepted = 1 if tree else 0
+    logits = step([GuidedRequest.generation(1, 0, TWO_THEN_X, X if tree else TWO,
+                                            num_accepted_draft_tokens=accepted,
+                                            accepted_draft_node=0 if tree else None)], 0,
+                  accepted=accepted)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == ([EOS] if tree else [X])
     dec.close()
 
 

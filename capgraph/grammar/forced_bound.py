@@ -41,7 +41,9 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Any, Hashable, Iterator, TypeVar
+from typing import Any, Iterator
+
+from .graphs import strongly_connected
 
 __all__ = ["forced_text_bound", "grammar_hides_bytes"]
 
@@ -74,7 +76,6 @@ _MAX_CODEPOINT = 0x10FFFF
 # [nodes]); ("alt", [nodes]).
 _EMPTY = ("lit", 0.0, _NONE, 0.0)
 
-_Key = TypeVar("_Key", bound=Hashable)
 
 
 class _Unreadable(ValueError):
@@ -416,7 +417,7 @@ class _Bound:
                 if other not in rules:
                     raise _Unreadable(f"an undefined rule {other}")
                 refs[name].append(other)
-        self.order = _components(refs)  # (each component after those it refers to)
+        self.order = strongly_connected(refs)  # (each component after those it refers to)
         self.lengths: dict[str, float] = {name: _INF for name in rules}
         self.firsts: dict[str, frozenset[int]] = {name: _NONE for name in rules}
         # per node (by id: the rules hold every node while this lives), once settled
@@ -454,7 +455,7 @@ class _Bound:
                 nexts.append((nxt, tail))
                 todo.append(nxt)
         above: dict[tuple[str, frozenset[int]], float] = {}  # the longest sum of tails out
-        for states in _components({s: [n for n, _ in graph[s]] for s in graph}):
+        for states in strongly_connected({s: [n for n, _ in graph[s]] for s in graph}):
             group = set(states)
             best = 0.0
             for state in states:
@@ -586,47 +587,6 @@ def _refs(node: tuple) -> Iterator[str]:
     elif kind == "rep":
         yield from _refs(node[3])
 
-
-def _components(graph: dict[_Key, list[_Key]]) -> list[list[_Key]]:
-    """The strongly connected components of ``graph``, each after every component it
-    reaches (Tarjan's algorithm, iterative: a grammar may hold thousands of rules)."""
-    index: dict[_Key, int] = {}
-    low: dict[_Key, int] = {}
-    stack: list[_Key] = []
-    on_stack: set[_Key] = set()
-    out: list[list[_Key]] = []
-    for root in graph:
-        if root in index:
-            continue
-        work = [(root, 0)]
-        while work:
-            name, k = work.pop()
-            if k == 0:
-                index[name] = low[name] = len(index)
-                stack.append(name)
-                on_stack.add(name)
-            edges = graph[name]
-            while k < len(edges) and edges[k] in index:
-                if edges[k] in on_stack:
-                    low[name] = min(low[name], index[edges[k]])
-                k += 1
-            if k < len(edges):  # (descend into an unvisited rule; come back after it)
-                work.append((name, k + 1))
-                work.append((edges[k], 0))
-                continue
-            if low[name] == index[name]:
-                members = []
-                while True:
-                    other = stack.pop()
-                    on_stack.discard(other)
-                    members.append(other)
-                    if other == name:
-                        break
-                out.append(members)
-            if work:  # (the caller takes the lowest link of the rule it descended into)
-                parent = work[-1][0]
-                low[parent] = min(low[parent], low[name])
-    return out
 
 
 def _main() -> None:

@@ -90,6 +90,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from ..errors import UnsupportedGuideError
 from ..params import DEFAULT_MAX_REPETITION_COUNT, GuidedDecodingParams, GuideType
+from .graphs import strongly_connected
 from .schema_policy import Pointer, _short, schema_nodes
 
 T = TypeVar("T")
@@ -975,46 +976,8 @@ class _Grammar:
         return [p[1] for p in self.rules[name] if p[0] == "ref" and p[1] in self.rules]
 
     def _components(self) -> list[list[str]]:
-        """Tarjan's strongly connected components of the reference graph, callees first
-        (iterative: a chain of thousands of rules is no deep recursion)."""
-        index: dict[str, int] = {}
-        low: dict[str, int] = {}
-        on_stack: set[str] = set()
-        stack: list[str] = []
-        out: list[list[str]] = []
-        for root in list(self.rules):
-            if root in index:
-                continue
-            work = [(root, iter(self._refs(root)))]
-            index[root] = low[root] = len(index)
-            stack.append(root)
-            on_stack.add(root)
-            while work:
-                node, children = work[-1]
-                child = next(children, None)
-                if child is not None:
-                    if child not in index:
-                        index[child] = low[child] = len(index)
-                        stack.append(child)
-                        on_stack.add(child)
-                        work.append((child, iter(self._refs(child))))
-                    elif child in on_stack:
-                        low[node] = min(low[node], index[child])
-                    continue
-                work.pop()
-                if work:
-                    parent = work[-1][0]
-                    low[parent] = min(low[parent], low[node])
-                if low[node] == index[node]:
-                    component = []
-                    while True:
-                        member = stack.pop()
-                        on_stack.discard(member)
-                        component.append(member)
-                        if member == node:
-                            break
-                    out.append(component)
-        return out
+        """The strongly connected components of the reference graph, callees first."""
+        return strongly_connected({name: self._refs(name) for name in self.rules})
 
     def _summarise(self) -> None:
         for component in self._components():

@@ -1075,7 +1075,8 @@ def _delegate_handle(matcher: GrammarMatcher) -> Any:
 _COMPILE_MODULES = ("capgraph.grammar.xgrammar_backend", "capgraph.grammar.semantics",
                     "capgraph.grammar.schema_policy", "capgraph.grammar.guide_limits",
                     "capgraph.grammar.converter_log", "capgraph.grammar.lark_text",
-                    "capgraph.grammar.formats", "capgraph.grammar.regex_classes")
+                    "capgraph.grammar.formats", "capgraph.grammar.regex_classes",
+                    "capgraph.grammar.graphs")
 #: The modules this one imports (directly or not) whose code does not decide what a guide
 #: compiles to or whether it is refused (a test holds every import to one of the two lists).
 _NOT_COMPILE_MODULES = ("capgraph.grammar.base", "capgraph.grammar.cache",
