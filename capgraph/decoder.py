@@ -842,8 +842,13 @@ class GuidedDecoder:
         are rolled back by the target batch added before the loop, as
         ``rollback_rejected_tokens`` would have been called before it; with no such batch
         they are no longer due (a draft build starts the slot's counts anew, so a later
-        target build could not read what to roll back)."""
+        target build could not read what to roll back). A target request beside the drafts
+        settles its slot by its own count, as at a target build."""
         due = self._rollback_due
+        beside = {r.seq_slot for r in requests.valid_requests()
+                  if not r.is_draft and r.seq_slot in due}
+        if beside:  # (target requests beside the drafts: by their own counts)
+            self._rollback_rejected_tokens(requests, only=beside)  # type: ignore[arg-type]
         slots = {r.seq_slot for r in requests.valid_requests()
                  if r.is_draft and r.seq_slot in due}
         if not slots:

@@ -542,6 +542,31 @@ def test_a_drafting_loop_after_drafts_left_without_their_rollback_rolls_them_bac
     dec.close()
 
 
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("accepted,after", [(0, X), (1, C)])
+def test_a_target_request_beside_drafts_settles_its_forgotten_rollback(factory, build,
+                                                                       accepted, after):
+    """As above, with the target request of slot 1 beside slot 0's draft in the draft step
+    (a target request beside drafts ends its own slot's loop): its slot is rolled back by
+    its own count first, so its new token 2 makes "1 2" (x next) or "1 1 2" (c next)."""
+    grammar = GuidedDecodingParams(GuideType.REGEX, "12x|112c")
+    dec = _decoder(factory, build, 2, 2)
+    assert _step(dec, [GuidedRequest.context(1, 0, grammar),
+                       GuidedRequest.context(2, 1, grammar)])[0] == []
+    assert _step(dec, [GuidedRequest.generation(r, r - 1, grammar, ONE, draft_tokens=[ONE, TWO])
+                       for r in (1, 2)])[0] == []
+    dec.add_batch([GuidedRequest.generation(r, r - 1, grammar, TWO,
+                                            num_accepted_draft_tokens=accepted)
+                   for r in (1, 2)], 0)
+    failed, logits = _step(dec, [
+        GuidedRequest(grammar, 1, 0, is_draft=True, is_generation_in_progress_state=True,
+                      new_token=TWO),
+        GuidedRequest.generation(2, 1, grammar, TWO, num_accepted_draft_tokens=accepted)])
+    assert failed + dec.take_failed_requests() == []
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [after]
+    dec.close()
+
+
 @pytest.mark.parametrize("accepted,after", [(0, X), (1, C)])
 def test_capturable_step_after_drafts_without_its_rollback_is_rolled_back_first(factory,
                                                                              accepted, after):

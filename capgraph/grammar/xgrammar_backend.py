@@ -977,6 +977,12 @@ def _jump_forward_ok(compiled: xgr.CompiledGrammar | None) -> bool:
     return _remember_jump_ok(compiled, ok)
 
 
+#: How a NUL can be written in an EBNF, regex or structural-tag guide (in JSON text a
+#: backslash doubled, which these still find): a guide with none of them holds no NUL, and
+#: :meth:`XGrammarFactory._unread` does not convert it again
+_NUL_SPELLINGS = ("\x00", "\\0", "\\x00", "\\u0000", "\\U00000000", "\\c@")
+
+
 def _tag_converted(tag: str) -> tuple[xgr.Grammar, list[str]]:
     """A structural tag (as :meth:`XGrammarFactory._tag_text` makes it) converted by
     xgrammar, with the warnings its converter logged."""
@@ -1221,9 +1227,9 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         converted again (not compiled), as the compile or the disk kept no uncompiled
         grammar (compiled here, in a worker process or from the disk cache)."""
         gt = params.guide_type
-        if gt not in (GuideType.EBNF_GRAMMAR, GuideType.REGEX, GuideType.STRUCTURAL_TAG):
+        if gt not in (GuideType.EBNF_GRAMMAR, GuideType.REGEX, GuideType.STRUCTURAL_TAG) \
+                or not any(spelling in params.guide for spelling in _NUL_SPELLINGS):
             return
-
         try:
             if gt is GuideType.STRUCTURAL_TAG:
                 grammar, _ = _tag_converted(self._tag_text(params.guide)[0])
