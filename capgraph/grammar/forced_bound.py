@@ -76,6 +76,10 @@ _MAX_CODEPOINT = 0x10FFFF
 # [nodes]); ("alt", [nodes]).
 _EMPTY = ("lit", 0.0, _NONE, 0.0)
 
+# xgrammar 0.2's expression codes in its serialized grammar (format "v18": the expressions'
+# start offsets, and per expression [code, length, data...]): a byte string's data are its
+# bytes, a regex's a flag then its pattern's bytes
+_BYTE_STRING, _REGEX, _SERIALIZED = 0, 12, "v18"
 
 
 class _Unreadable(ValueError):
@@ -118,12 +122,6 @@ def grammar_hides_bytes(grammar: Any) -> bool:
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return True
     return False
-
-
-# xgrammar 0.2's expression codes in its serialized grammar (format "v18": the expressions'
-# start offsets, and per expression [code, length, data...]): a byte string's data are its
-# bytes, a regex's a flag then its pattern's bytes
-_BYTE_STRING, _REGEX, _SERIALIZED = 0, 12, "v18"
 
 
 # --- reading the printed grammar -----------------------------------------------------------
@@ -255,11 +253,10 @@ def _regex(pattern: str, json_string: bool) -> tuple:
     import re._parser as sre  # type: ignore[import-not-found]  # (Python's own reader)
     text = "".join(chr(cp) for cp, _ in _codepoints(pattern))
     try:
-        shortest, inside = _regex_widths(sre.parse(text))
-    except _Unreadable:
-        raise
+        parsed = sre.parse(text)
     except Exception as e:  # noqa: BLE001 - a syntax Python's reader lacks: unreadable
         raise _Unreadable(str(e)) from None
+    shortest, inside = _regex_widths(parsed)
     scale = 6.0 if json_string else 4.0
     return ("lit", scale * shortest, _NONE, scale * inside)
 
@@ -272,9 +269,8 @@ def _regex_widths(items: Any) -> tuple[float, float]:
     for op, av in items:
         if op in (c.LITERAL, c.NOT_LITERAL, c.ANY, c.IN):
             parts.append((1.0, 1.0))
-        elif op is c.AT:  # ("^" and "$" match nothing; xgrammar may read \A, \Z, \b as
-            parts.append((0.0, 0.0) if av in (c.AT_BEGINNING, c.AT_END)  # letters: 1 char)
-                         else (1.0, 1.0))
+        elif op is c.AT:  # "^" and "$" match nothing; \A, \Z, \b may be letters to xgrammar
+            parts.append((0.0, 0.0) if av in (c.AT_BEGINNING, c.AT_END) else (1.0, 1.0))
         elif op is c.BRANCH:
             branches = [_regex_widths(b) for b in av[1]]
             parts.append((min(b[0] for b in branches), max(b[1] for b in branches)))
