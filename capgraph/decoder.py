@@ -1030,7 +1030,9 @@ class GuidedDecoder:
                                   only: Collection[int] | None = None) -> None:
         """Roll each slot of ``requests`` (``only``: of these slots) back to its last build's
         new token and accepted drafts (``num_accepted_draft_tokens``, or the tree path to
-        ``accepted_draft_node``); a second call for the same build rolls back nothing."""
+        ``accepted_draft_node``); a second call for the same build rolls back nothing.
+        ``only`` is a build's own settling (:meth:`_settle_drafts`), which has waited for
+        the build in flight and ended an open drafting loop already."""
         if only is None:
             self._finish_build()
             self._end_open_draft()

@@ -8,6 +8,7 @@ is a call into torch, and they are read once each.
 from __future__ import annotations
 
 import weakref
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -30,12 +31,10 @@ class LogitsChecks:
         self.words = words
         self.rank = rank
         self.max_rows = max_rows
-        # on CUDA, the d2t tables whose values were read, newest first:
-        # (weak reference, _version, data_ptr, length)
-        self._d2t_checked: list[tuple[weakref.ref, int | None, int, int]] = []
-        # the d2t tables whose reach was read, newest first: (weak reference, (_version,
-        # data_ptr, length), the bitmask words of the target ids its draft ids map to)
-        self._d2t_reach: list[tuple[weakref.ref, tuple, np.ndarray]] = []
+        # on CUDA, the d2t tables whose values were read; on both, the bitmask words of the
+        # target ids each table's draft ids map to
+        self._d2t_checked: _Remembered[bool] = _Remembered(8)
+        self._d2t_reach: _Remembered[np.ndarray] = _Remembered(4)
 
     def check(self, logits: torch.Tensor, d2t: torch.Tensor | None, rows: int | None,
               min_rows: int = 0) -> None:
@@ -130,21 +129,10 @@ class LogitsChecks:
         if self._on_cpu:
             self._check_d2t_values(d2t)
             return
-        try:
-            version: int | None = d2t._version
-        except RuntimeError:  # an inference-mode tensor counts no versions
-            version = None
-        ptr, length = d2t.data_ptr(), d2t.shape[0]
-        for ref, seen_version, seen_ptr, seen_length in self._d2t_checked:
-            if (ref() is d2t and seen_version == version and seen_ptr == ptr
-                    and seen_length == length):
-                return
-        if torch.cuda.is_current_stream_capturing():
+        if self._d2t_checked.get(d2t) or torch.cuda.is_current_stream_capturing():
             return
         self._check_d2t_values(d2t)
-        live = [entry for entry in self._d2t_checked if entry[0]() is not None
-                and entry[0]() is not d2t]
-        self._d2t_checked = [(weakref.ref(d2t), version, ptr, length), *live[:7]]
+        self._d2t_checked.put(d2t, True)
 
     def reach(self, d2t: torch.Tensor) -> np.ndarray | None:
         """The target ids the draft ids of ``d2t`` map to (``g + d2t[g]`` in range), as
@@ -152,14 +140,9 @@ class LogitsChecks:
         would be masked whole. Read once per table, remembered as :meth:`check_d2t`
         remembers tables (on CUDA the read is a host sync); None inside a CUDA graph
         capture for a table not read before."""
-        try:
-            version: int | None = d2t._version
-        except RuntimeError:  # an inference-mode tensor counts no versions
-            version = None
-        key = (version, d2t.data_ptr(), d2t.shape[0])
-        for ref, seen, words in self._d2t_reach:
-            if ref() is d2t and seen == key:
-                return words
+        words = self._d2t_reach.get(d2t)
+        if words is not None:
+            return words
         if not d2t.is_cpu and torch.cuda.is_current_stream_capturing():
             return None
         host = (d2t if d2t.is_cpu else d2t.cpu()).numpy().astype(np.int64)
@@ -168,9 +151,7 @@ class LogitsChecks:
         bits = np.zeros(self.words, dtype=np.uint32)
         np.bitwise_or.at(bits, targets >> 5, np.left_shift(1, targets & 31).astype(np.uint32))
         words = bits.view(np.int32)
-        live = [entry for entry in self._d2t_reach if entry[0]() is not None
-                and entry[0]() is not d2t]
-        self._d2t_reach = [(weakref.ref(d2t), key, words), *live[:3]]
+        self._d2t_reach.put(d2t, words)
         return words
 
     def _check_d2t_values(self, d2t: torch.Tensor) -> None:
@@ -180,3 +161,35 @@ class LogitsChecks:
             raise TensorArgError(f"d2t maps draft id {g} to target id {g + int(host[g])} "
                                  f"(= {g} + d2t[{g}]), outside [0, vocab_size_padded="
                                  f"{self.vocab_size_padded})")
+
+
+_Value = TypeVar("_Value")
+
+
+class _Remembered(Generic[_Value]):
+    """Values read from d2t tables, newest first (at most ``size``), each by the tensor
+    object (a weak reference), its ``_version``, data pointer and length: another tensor
+    object, even at the same address, or one changed in place through torch, is not found."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._entries: list[tuple[weakref.ref, tuple, _Value]] = []
+
+    @staticmethod
+    def _key(d2t: torch.Tensor) -> tuple:
+        try:
+            version: int | None = d2t._version
+        except RuntimeError:  # an inference-mode tensor counts no versions
+            version = None
+        return version, d2t.data_ptr(), d2t.shape[0]
+
+    def get(self, d2t: torch.Tensor) -> _Value | None:
+        key = self._key(d2t)
+        for ref, seen, value in self._entries:
+            if ref() is d2t and seen == key:
+                return value
+        return None
+
+    def put(self, d2t: torch.Tensor, value: _Value) -> None:
+        live = [e for e in self._entries if e[0]() is not None and e[0]() is not d2t]
+        self._entries = [(weakref.ref(d2t), self._key(d2t), value), *live[:self._size - 1]]

@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .graphs import strongly_connected
 
@@ -416,16 +416,17 @@ class _Bound:
         self.order = strongly_connected(refs)  # (each component after those it refers to)
         self.lengths: dict[str, float] = {name: _INF for name in rules}
         self.firsts: dict[str, frozenset[int]] = {name: _NONE for name in rules}
-        # per node (by id: the rules hold every node while this lives), once settled
-        self._known_lengths: dict[int, float] | None = None
-        self._known_firsts: dict[int, frozenset[int]] = {}
+        # per node (by id: the rules hold every node while this lives) its length and first
+        # bytes, kept once every rule's are settled (before, they still change)
+        self._settled = False
+        self._known: dict[tuple[str, int], Any] = {}
 
     def value(self) -> float:
         for members in self.order:  # shortest completions, then first bytes: fixpoints
             self._settle(members)
         if any(v == _INF for v in self.lengths.values()):
             return _INF
-        self._known_lengths = {}
+        self._settled = True
         head = {name: 0.0 for name in self.rules}
         edges: dict[str, list[tuple[str, float, frozenset[int], bool]]] = {
             name: [] for name in self.rules}  # callee -> (caller, tail, next bytes, to end)
@@ -478,12 +479,17 @@ class _Bound:
 
     def _length(self, node: tuple) -> float:
         """An upper bound on the shortest match of ``node``, in bytes."""
-        known = self._known_lengths
-        if known is None:
-            return self._length_of(node)
-        value = known.get(id(node))
+        length: float = self._kept("length", self._length_of, node)
+        return length
+
+    def _kept(self, what: str, compute: Callable[[tuple], Any], node: tuple) -> Any:
+        """``compute(node)``, kept per node once the rules are settled."""
+        if not self._settled:
+            return compute(node)
+        key = (what, id(node))
+        value = self._known.get(key)
         if value is None:
-            value = known[id(node)] = self._length_of(node)
+            value = self._known[key] = compute(node)
         return value
 
     def _length_of(self, node: tuple) -> float:
@@ -501,12 +507,8 @@ class _Bound:
     def _first(self, node: tuple) -> frozenset[int]:
         """Bytes some match of ``node`` starts with (every rule has a completion, so each
         can be followed to one)."""
-        if self._known_lengths is None:
-            return self._first_of(node)
-        value = self._known_firsts.get(id(node))
-        if value is None:
-            value = self._known_firsts[id(node)] = self._first_of(node)
-        return value
+        first: frozenset[int] = self._kept("first", self._first_of, node)
+        return first
 
     def _first_of(self, node: tuple) -> frozenset[int]:
         kind = node[0]

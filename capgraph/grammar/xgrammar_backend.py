@@ -977,9 +977,10 @@ def _jump_forward_ok(compiled: xgr.CompiledGrammar | None) -> bool:
     return _remember_jump_ok(compiled, ok)
 
 
-#: How a NUL can be written in an EBNF, regex or structural-tag guide (in JSON text a
-#: backslash doubled, which these still find): a guide with none of them holds no NUL, and
-#: :meth:`XGrammarFactory._unread` does not convert it again
+#: The guide types whose printed grammar may hide a NUL (:meth:`XGrammarFactory._unread`)
+_UNREAD = (GuideType.EBNF_GRAMMAR, GuideType.REGEX, GuideType.STRUCTURAL_TAG)
+#: How a NUL can be written in such a guide (in JSON text a backslash doubled, which these
+#: still find): a guide with none of them holds no NUL, and is not read for one
 _NUL_SPELLINGS = ("\x00", "\\0", "\\x00", "\\u0000", "\\U00000000", "\\c@")
 
 
@@ -1218,20 +1219,24 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
         prepared = _tag_schemas_prepared(guide)  # its schemas as JSON_SCHEMA guides'
         return _resolve_tag_tokens(ecma_tag(prepared), self._special_ids_by_name)
 
-    def _unread(self, params: GuidedDecodingParams, compiled: Any) -> None:
+    def _unread(self, params: GuidedDecodingParams, compiled: Any,
+                grammar: xgr.Grammar | None = None) -> None:
         """No forced text on ``compiled`` where its printed grammar hides bytes
         (:func:`~capgraph.grammar.forced_bound.grammar_hides_bytes`: a NUL in a string or a
         regex of an EBNF, regex or structural-tag guide; a JSON schema's strings and
         patterns never hold one, as JSON text writes it escaped and xgrammar refuses a
-        pattern that matches it), which the forced-text bound could not read. The guide is
-        converted again (not compiled), as the compile or the disk kept no uncompiled
-        grammar (compiled here, in a worker process or from the disk cache)."""
+        pattern that matches it), which the forced-text bound could not read. ``grammar``:
+        the guide as the compile here converted it; else (compiled in a worker process or
+        loaded from the disk cache, which keep no uncompiled grammar) the guide is converted
+        again, not compiled."""
         gt = params.guide_type
-        if gt not in (GuideType.EBNF_GRAMMAR, GuideType.REGEX, GuideType.STRUCTURAL_TAG) \
-                or not any(spelling in params.guide for spelling in _NUL_SPELLINGS):
+        if gt not in _UNREAD or not any(spelling in params.guide
+                                         for spelling in _NUL_SPELLINGS):
             return
         try:
-            if gt is GuideType.STRUCTURAL_TAG:
+            if grammar is not None:
+                pass
+            elif gt is GuideType.STRUCTURAL_TAG:
                 grammar, _ = _tag_converted(self._tag_text(params.guide)[0])
             else:
                 grammar, _ = _converted(lambda: _ebnf_grammar(ecma_ebnf(params.guide))
@@ -1317,7 +1322,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 detail += (" (this looks like Lark; the xgrammar backend takes GBNF/EBNF with a "
                            "'root ::= ...' rule, the llguidance backend takes Lark)")
             raise GrammarCompileError(detail, guide_type=gt.name, backend=BACKEND) from e
-        self._unread(params, compiled)
+        # (an EBNF, regex or structural-tag guide's branch converted it to ``grammar``)
+        self._unread(params, compiled, grammar if gt in _UNREAD else None)
         return compiled, int(compiled.memory_size_bytes)
 
     def _refuse_placing(self, tag: str, placed: frozenset[int]) -> None:
