@@ -876,10 +876,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
         node = self._node
         if node is not None and not self._node_active:
             self._node_active = True  # (the batches queued from now on queue jobs too)
-            self._rollback_due.clear()  # (the node's own builds and rollbacks take over)
             node.set_epoch(self._put_epoch)
             node.sync_counts(self.slots.num_advanced_tokens,  # (what the eager steps advanced)
-                             self.slots.num_advanced_draft_tokens, self.slots.draft_trees)
+                             self.slots.num_advanced_draft_tokens, self.slots.draft_trees,
+                             self._rollback_due)
 
     @nvtx_range("CapturableGuidedDecoder.execute")
     @_open_only
@@ -1217,7 +1217,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
         with self._streams.side():
             self._streams.wait_tokens()
             if node is not None and self._node_active and (capturing or not self._warmup):
-                hostfunc.launch_native(node.run_draft, node.launch(rows, draft_step),
+                hostfunc.launch_native(node.run_draft,
+                                       node.launch(rows, draft_step, self._draft_reach),
                                        retain=node.retain, release=node.release)
             else:
                 self.draft_host_step(draft_step, rows)
@@ -1288,6 +1289,8 @@ class CapturableGuidedDecoder(GuidedDecoder):
     # per step instead of one per stage), each stage keeping its own error handling.
     def _stages(self, *stages: tuple) -> None:
         first: Exception | None = None
+        if self._node_active:  # (the node's steps and rollbacks so far left these due)
+            self._rollback_due = set(self._node.due())  # type: ignore[union-attr]
         for stage, *args in stages:
             try:
                 stage.__wrapped__(self, *args)
@@ -1297,7 +1300,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._node_collect()
             self._node.sync_counts(  # type: ignore[union-attr]
                 self.slots.num_advanced_tokens, self.slots.num_advanced_draft_tokens,
-                self.slots.draft_trees)
+                self.slots.draft_trees, self._rollback_due)
         if first is not None:
             raise first
 

@@ -178,7 +178,7 @@ NATIVE_RECORD_FIELDS: tuple[str, ...] = (
     "guided_decoding_params", "seq_slot", "new_token", "is_generation_in_progress_state",
     "is_draft", "is_context_init_state", "draft_tokens", "request_id",
     "is_generation_only_first_iteration", "draft_parents", "prev_seq_slot",
-    "is_last_context_chunk")
+    "is_last_context_chunk", "num_accepted_draft_tokens")
 
 
 def _show(value: Any) -> str:

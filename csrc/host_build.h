@@ -141,8 +141,9 @@ enum RecordField : int {
   kDraftParents,     // draft_parents: None for a chain (a tree is built in Python)
   kPrevSlot,         // prev_seq_slot: None for a new request (the host node reads it)
   kLastChunk,        // is_last_context_chunk (the host node reads it)
+  kAccepted,         // num_accepted_draft_tokens (the host node's settling of a rollback)
 };
-constexpr int kRecordFields = kLastChunk + 1;
+constexpr int kRecordFields = kAccepted + 1;
 
 // One request's draft tokens: read from a plain array (the CPython entry) or from a tvm-ffi
 // Array starting at `first` (the tvm-ffi step).

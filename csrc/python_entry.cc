@@ -32,6 +32,7 @@
 #include <condition_variable>
 #include <deque>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -851,6 +852,11 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 // sat out the steps since: slot_tree), or for a slot whose matcher only Python can run,
 // the rollback is Python's (`rollback_fallback`, under the GIL).
 //
+// A step that meets a slot whose last step advanced drafts with no rollback of rejected tokens
+// run for it since (slot_due: a rollback_rejected_batch left out) rolls it back first, by its
+// request's num_accepted_draft_tokens read at node_push (SettleEntries), as the Python build
+// settles it; the due slots pass to a Python stage (node_due) and back (node_sync_counts).
+//
 // A drafting loop's steps (execute_draft_batch) are C functions too (RunDraft): the first
 // takes the loop's batch off the queue and rolls its rejected drafts back (as RunRollback),
 // each builds one row per request from the draft-token buffer, the last (by the batch's
@@ -882,9 +888,10 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //   step; ticket: the decoder's one-element int32 step ticket at `ticket_address`, holding
 //   epochs modulo ticket_ring. run/retain/release/run_rollback/run_draft: addresses of the C
 //   functions `void f(void*)` to launch with a launch's address (node_launch).
-// node_launch(node, rows, draft_step) -> address: a launch shape (rows >= 0; draft_step: the
-//   index of a drafting loop's step, -1 for a step or a rollback); it lives as long as the
-//   node.
+// node_launch(node, rows, draft_step, reach) -> address: a launch shape (rows >= 0;
+//   draft_step: the index of a drafting loop's step, -1 for a step or a rollback; reach: None,
+//   or a draft step's pruned draft vocabulary as bytes of int32 bitmask words, NodeLaunch);
+//   it lives as long as the node.
 // node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer,
 //           ticketed)
 //   -> False | (context, disaggregated): read the step's native job and return the batch
@@ -948,6 +955,9 @@ struct NodeEntry {
   // native matcher serves another request, whose counts they are)
   bool fill_only, skip;
   bool fresh = false;  // a disaggregated request's first step (its matcher new this step)
+  // its num_accepted_draft_tokens (None reads 0), for the settling of a rollback left out
+  // (SettleEntries); -1: not an int >= 0 (where the slot is due, the step is Python's)
+  int64_t accepted = 0;
 };
 
 struct NodeJob {
@@ -1000,6 +1010,10 @@ struct HostNode;
 struct NodeLaunch {
   HostNode* node;
   int64_t rows, draft_step;
+  // a drafting loop's step with a pruned draft vocabulary (d2t): the bitmask words of the
+  // target ids its draft ids reach (DraftBuild leaves a row that allows none of them
+  // unmasked); empty: none given
+  std::vector<int32_t> reach;
 };
 
 struct HostNode {
@@ -1040,6 +1054,11 @@ struct HostNode {
   // Python's): set from Python's after a Python stage (node_sync_counts), cleared when a
   // native step or draft build runs the slot (its tree is no longer current then)
   std::vector<uint8_t> slot_tree;
+  // the slot's last step advanced drafts and no rollback of rejected tokens has run for it
+  // since (Python's `_rollback_due`): the next step that runs the slot rolls them back first
+  // (SettleEntries); set by the node's steps, cleared by its rollbacks and installs, and
+  // from Python's set after a Python stage (node_sync_counts)
+  std::vector<uint8_t> slot_due;
   // the rollback's inputs: the accepted-count buffer, xgrammar's matcher rollback, and the
   // Python rollback for what the node cannot roll back
   PyObject* counts_buffer = nullptr;  // owns `counts`
@@ -1187,8 +1206,75 @@ std::string PastRows(int64_t first, int64_t end, int64_t rows) {
 
 // One native job: the Builder's loop over the entries whose slot has a native matcher;
 // `launch_rows`: the logits rows the step masks (a request past them fails, PastRows).
+bool CallRollback(HostNode* n, const ObjectRef& m, int64_t count, std::string* message);
+
+// Before a step's build: each request of `job` whose slot is due (slot_due: its last step
+// advanced drafts, and no rollback of rejected tokens ran for it since) is first rolled back
+// to its own num_accepted_draft_tokens, as rollback_rejected_tokens would have rolled it
+// back (the Python build's settling, GuidedDecoder._settle_drafts): a step left without that
+// call must not mask from a state the text never reached. A count past what the matcher
+// advanced fails the request by name, unless the matcher has terminated (verification can
+// accept past a draft stop token: clamped), as the Python settling does. A new request's
+// slot (its matcher installed for this step) is no longer due. Returns per entry the text
+// of its failure ("" where none); RunStep made the step Python's where a due slot's count
+// is not an int >= 0 or its draft tree's path is Python's to keep.
+std::vector<std::string> SettleEntries(HostNode* n, const NodeJob& job) {
+  const size_t k = job.entries.size();
+  std::vector<std::string> failed(k);
+  struct Due {
+    size_t entry;
+    ObjectRef matcher;
+    int32_t advanced;
+    uint64_t gen;
+  };
+  std::vector<Due> due;
+  {
+    std::lock_guard<std::mutex> lock(n->mu);
+    for (size_t i = 0; i < k; ++i) {
+      const NodeEntry& e = job.entries[i];
+      if (e.skip || !n->slot_due[e.slot]) continue;
+      n->slot_due[e.slot] = 0;
+      if (e.fill_only || e.fresh || n->slot_advanced[e.slot] <= 0) continue;
+      due.push_back(Due{i, n->slot_kind[e.slot] == 1 ? n->slot_matcher[e.slot] : ObjectRef(),
+                        n->slot_advanced[e.slot], n->slot_gen[e.slot]});
+    }
+  }
+  for (const Due& x : due) {
+    const NodeEntry& e = job.entries[x.entry];
+    std::string& message = failed[x.entry];
+    const int64_t accepted = std::max<int64_t>(e.accepted, 0);
+    if (!x.matcher.defined()) {
+      message = "RequestError: cannot roll back: num_accepted_draft_tokens=" +
+                std::to_string(accepted) + ", num_advanced_tokens=" + std::to_string(x.advanced);
+      continue;
+    }
+    int64_t keep = 1 + accepted;
+    if (keep > x.advanced) {
+      try {
+        if (!n->builder->is_terminated(x.matcher).cast<bool>()) {
+          message = "RequestError: num_accepted_draft_tokens=" + std::to_string(accepted) +
+                    ", but the last step advanced its matcher by " +
+                    std::to_string(x.advanced - 1) + " draft token(s): the others were not "
+                    "given, past the runtime draft length, or refused by the grammar, so no "
+                    "masked row let verification accept them";
+          continue;
+        }
+      } catch (const std::exception& ex) {
+        message = std::string("RuntimeError: is_terminated: ") + ex.what();
+        continue;
+      }
+      keep = x.advanced;  // (verification can accept past a draft stop token)
+    }
+    if (keep < x.advanced && !CallRollback(n, x.matcher, x.advanced - keep, &message)) continue;
+    std::lock_guard<std::mutex> lock(n->mu);
+    if (n->slot_gen[e.slot] == x.gen) n->slot_advanced[e.slot] = static_cast<int32_t>(keep);
+  }
+  return failed;
+}
+
 void RunNative(HostNode* n, const NodeJob& job, NodeDone* d, int64_t launch_rows) {
   Builder* b = n->builder;
+  std::vector<std::string> settled = SettleEntries(n, job);
   const int64_t k = static_cast<int64_t>(job.entries.size());
   std::vector<ObjectRef> refs(static_cast<size_t>(k));
   std::vector<uint64_t> gens(static_cast<size_t>(k));
@@ -1234,6 +1320,12 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d, int64_t launch_rows
       drafts = column + 1;
     }
     const ObjectRef& m = refs[i];
+    if (!settled[i].empty()) {  // (its rows stay unmasked; its matcher is dropped below)
+      reported.push_back(i);
+      out.insert(out.end(), {kFault, 0, 0});
+      messages.push_back(std::move(settled[i]));
+      continue;
+    }
     if (e.skip || !m.defined()) continue;  // nothing to do, no matcher, or drafting stopped
     std::string message;
     try {
@@ -1298,7 +1390,9 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d, int64_t launch_rows
       for (int64_t row = e.offset; row < e.offset + o3[2] && row < rows; ++row) mask[row] = 0;
       ObjectRef dropped;
       std::lock_guard<std::mutex> lock(n->mu);
-      if (n->slot_kind[e.slot] == 1 && n->slot_matcher[e.slot].same_as(refs[i])) {
+      // (refs[i] is none for a slot whose drafting stopped, which its settling can fail)
+      if (n->slot_kind[e.slot] == 1 && (n->slot_matcher[e.slot].same_as(refs[i]) ||
+                                        n->slot_gen[e.slot] == gens[i])) {
         std::swap(n->slot_matcher[e.slot], dropped);
         n->slot_kind[e.slot] = 0;
       }
@@ -1325,6 +1419,14 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d, int64_t launch_rows
     const int32_t* o3 = d->out.data() + q * 3;
     if (n->slot_gen[slot] == d->gens[q] && (o3[0] & ~kTerminated) == kOk) {
       n->slot_advanced[slot] = o3[1];
+    }
+  }
+  // the slots this step gave drafts to are due (SettleEntries), whatever their outcome, as
+  // the Python build marks them
+  for (int64_t i = 0; i < k; ++i) {
+    const NodeEntry& e = job.entries[i];
+    if (!e.skip && !e.fill_only && e.num_drafts > 0 && n->slot_gen[e.slot] == gens[i]) {
+      n->slot_due[e.slot] = 1;
     }
   }
 }
@@ -1476,6 +1578,7 @@ void Install(HostNode* n, NodeJob* job, NodeDone* d) {
     ++n->slot_gen[slot];
     n->slot_advanced[slot] = 0;
     n->slot_drafted[slot] = 0;
+    n->slot_due[slot] = 0;
     d->installed.push_back(slot);
     ref = std::move(old);  // (the job, destroyed after the lock, drops the old reference)
   }
@@ -1579,6 +1682,12 @@ void RunStep(HostNode* n, int64_t rows) {
     };
     for (const NodeEntry& e : job.entries) {
       if (n->slot_kind[e.slot] == 2 && !n->slot_stopped[e.slot] && !installed(e.slot)) {
+        python = true;
+      }
+      // a due slot (SettleEntries) whose count is not an int >= 0, or whose draft tree's
+      // accepted path only Python keeps
+      if (n->slot_due[e.slot] && !e.skip && !e.fill_only && !e.fresh && !installed(e.slot) &&
+          (e.accepted < 0 || n->slot_tree[e.slot])) {
         python = true;
       }
     }
@@ -1709,6 +1818,10 @@ void Report(NodeDone* d, const NodeEntry& e, uint64_t gen, const int32_t* o3,
 void RollbackEntries(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d) {
   if (n->max_drafts <= 0) return;
   for (const NodeEntry& e : entries) {
+    if (!e.skip) {  // (rolled back now, or a new request's slot: no longer due)
+      std::lock_guard<std::mutex> lock(n->mu);
+      n->slot_due[e.slot] = 0;
+    }
     // a new request drafted nothing: its slot's advances were its predecessor's
     if (e.fill_only || e.skip || e.fresh) continue;
     const SlotView v = ReadSlot(n, e.slot);
@@ -1781,9 +1894,12 @@ void RunRollback(void* p) {
 // decoder's build of draft requests does: a refused token or a dead row stops guiding the
 // slot for the rest of the loop (not a failure); a fault or a budget overrun fails the
 // request (rows unmasked, matcher dropped); a slot already stopped, or whose matcher has
-// terminated, is skipped. The advances count toward the slot's draft advances.
+// terminated, is skipped. The advances count toward the slot's draft advances. With `reach`
+// (the launch's pruned draft vocabulary, NodeLaunch) a row that allows none of the target
+// ids it reaches is left unmasked: a dead end in draft coordinates, whose masked softmax
+// would be NaN (the Python build's GuidedDecoder._unguide_unreachable).
 void DraftBuild(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d,
-                int64_t launch_rows) {
+                int64_t launch_rows, const std::vector<int32_t>& reach) {
   Builder* b = n->builder;
   const int64_t k = static_cast<int64_t>(entries.size());
   std::vector<ObjectRef> refs(static_cast<size_t>(k));
@@ -1869,6 +1985,14 @@ void DraftBuild(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d,
         if (kind == kRejected || kind == kDeadEnd) n->slot_stopped[e.slot] = 1;
       }
     }
+    if (kind == kOk && o3[2] && !reach.empty() && e.index < rows && mask[e.index]) {
+      const int32_t* row =
+          static_cast<const int32_t*>(b->bitmask.data_ptr()) + e.index * b->words;
+      const int64_t words = std::min<int64_t>(b->words, static_cast<int64_t>(reach.size()));
+      bool any = false;
+      for (int64_t w = 0; w < words && !any; ++w) any = (row[w] & reach[w]) != 0;
+      if (!any) mask[e.index] = 0;
+    }
     if (kind == kOk && o3[2]) d->masked = true;
     Report(d, e, gens[i], o3, std::move(messages[q]));
   }
@@ -1910,7 +2034,7 @@ void DraftEnd(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d) {
 // is Python's (the decoder's draft step under the GIL, from its first step to its last) where
 // its batch is a Python step's, after a Python step, or where a slot's matcher only Python
 // can run. A warm-up run masks nothing and takes nothing. Never throws.
-void RunDraft(HostNode* n, int64_t draft_step, int64_t rows) {
+void RunDraft(HostNode* n, int64_t draft_step, int64_t rows, const std::vector<int32_t>& reach) {
   std::lock_guard<std::mutex> serial(n->run_mu);
   if (n->warmup.load()) {
     ClearAll(n);
@@ -1969,7 +2093,7 @@ void RunDraft(HostNode* n, int64_t draft_step, int64_t rows) {
       end.kind = kDoneDraftEnd;
       back.epoch = build.epoch = end.epoch = n->draft_epoch;
       if (first) RollbackEntries(n, entries, &back);
-      DraftBuild(n, entries, &build, rows);
+      DraftBuild(n, entries, &build, rows, reach);
       if (draft_step == last) DraftEnd(n, entries, &end);
       std::lock_guard<std::mutex> lock(n->mu);
       if (first) n->done.push_back(std::move(back));
@@ -1992,7 +2116,7 @@ void RunDraft(HostNode* n, int64_t draft_step, int64_t rows) {
 
 void RunDraftStep(void* p) {
   const auto* l = static_cast<NodeLaunch*>(p);
-  RunDraft(l->node, l->draft_step, l->rows);
+  RunDraft(l->node, l->draft_step, l->rows, l->reach);
 }
 
 HostNode* NodeArg(PyObject* capsule) {
@@ -2077,6 +2201,7 @@ PyObject* NodeCreate(PyObject*, PyObject* args) {
   n->slot_gen.assign(static_cast<size_t>(n->num_slots), 0);
   n->slot_tree.assign(static_cast<size_t>(n->num_slots), 0);
   n->slot_drafted.assign(static_cast<size_t>(n->num_slots), 0);
+  n->slot_due.assign(static_cast<size_t>(n->num_slots), 0);
   PyObject* capsule = PyCapsule_New(n, kNodeCapsule, DestroyNode);
   if (capsule == nullptr) {
     NodeRelease(n);
@@ -2090,10 +2215,10 @@ PyObject* NodeCreate(PyObject*, PyObject* args) {
                        addr(&LaunchRelease), addr(&RunRollback), addr(&RunDraftStep));
 }
 
-// node_launch(node, rows, draft_step) -> address: a new launch shape of the node (NodeLaunch),
-// the user data to launch its C functions with.
+// node_launch(node, rows, draft_step, reach) -> address: a new launch shape of the node
+// (NodeLaunch), the user data to launch its C functions with.
 PyObject* NodeLaunchNew(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HostNode* n = NodeCall(args, nargs, 3, "node_launch(node, rows, draft_step)");
+  HostNode* n = NodeCall(args, nargs, 4, "node_launch(node, rows, draft_step, reach)");
   if (n == nullptr) return nullptr;
   const long long rows = PyLong_AsLongLong(args[1]);
   if (rows == -1 && PyErr_Occurred()) return nullptr;
@@ -2104,7 +2229,18 @@ PyObject* NodeLaunchNew(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                  ">= -1", rows, draft_step);
     return nullptr;
   }
-  n->launches.push_back(std::make_unique<NodeLaunch>(NodeLaunch{n, rows, draft_step}));
+  std::vector<int32_t> reach;
+  if (args[3] != Py_None) {
+    if (!PyBytes_CheckExact(args[3]) || PyBytes_GET_SIZE(args[3]) % 4 != 0) {
+      PyErr_SetString(PyExc_TypeError, "node_launch: reach must be None or bytes of int32 "
+                      "bitmask words");
+      return nullptr;
+    }
+    reach.resize(static_cast<size_t>(PyBytes_GET_SIZE(args[3]) / 4));
+    std::memcpy(reach.data(), PyBytes_AS_STRING(args[3]), reach.size() * 4);
+  }
+  n->launches.push_back(
+      std::make_unique<NodeLaunch>(NodeLaunch{n, rows, draft_step, std::move(reach)}));
   return PyLong_FromUnsignedLongLong(
       static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(n->launches.back().get())));
 }
@@ -2177,6 +2313,12 @@ bool PushOne(HostNode* n, FastState* st, PyObject* request_obj, int64_t index, i
   NodeEntry e{slot, -1, offset, static_cast<int64_t>(job->drafts.size()), 0, index, buffered,
               false, false};
   e.fresh = first_step == 1;
+  {
+    Ref accepted(request.Read(RecordField::kAccepted));
+    e.accepted = !accepted                 ? -1
+                 : accepted.get() == Py_None ? 0
+                                           : IndexValue(accepted.get(), INT32_MAX);
+  }
   if (buffered) {  // the token and drafts of the slot's column, read by the node
     e.num_drafts = std::min<int64_t>(n->positions - 1, draft_len);
   } else {
@@ -2715,11 +2857,13 @@ bool CountList(const HostNode* n, PyObject* list, const char* name, std::vector<
   return true;
 }
 
-// node_sync_counts(node, advanced, drafted, trees): the node's per-slot advance and
+// node_sync_counts(node, advanced, drafted, trees, due): the node's per-slot advance and
 // draft-advance counts from Python's lists (after a Python stage, whose counters are then the
-// decoder's), and its draft-tree flags from Python's per-slot trees (None: no tree).
+// decoder's), its draft-tree flags from Python's per-slot trees (None: no tree), and its due
+// slots (SettleEntries) from Python's iterable of slots.
 PyObject* NodeSyncCounts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HostNode* n = NodeCall(args, nargs, 4, "node_sync_counts(node, advanced, drafted, trees)");
+  HostNode* n = NodeCall(args, nargs, 5,
+                         "node_sync_counts(node, advanced, drafted, trees, due)");
   if (n == nullptr) return nullptr;
   std::vector<int32_t> advanced, drafted;
   if (!CountList(n, args[1], "advanced", &advanced) ||
@@ -2736,11 +2880,42 @@ PyObject* NodeSyncCounts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   for (int64_t slot = 0; slot < n->num_slots; ++slot) {
     tree[slot] = PyList_GET_ITEM(trees, slot) != Py_None;
   }
+  std::vector<uint8_t> due(static_cast<size_t>(n->num_slots), 0);
+  {
+    Ref items(PyObject_GetIter(args[4]));
+    if (!items) return nullptr;
+    while (PyObject* item = PyIter_Next(items.get())) {
+      const int64_t slot = IndexValue(item, n->num_slots);
+      Py_DECREF(item);
+      if (slot < 0) {
+        PyErr_Format(PyExc_ValueError, "node_sync_counts: due holds a slot outside [0, %lld)",
+                     static_cast<long long>(n->num_slots));
+        return nullptr;
+      }
+      due[slot] = 1;
+    }
+    if (PyErr_Occurred()) return nullptr;
+  }
   std::lock_guard<std::mutex> lock(n->mu);
   n->slot_advanced.swap(advanced);
   n->slot_drafted.swap(drafted);
   n->slot_tree.swap(tree);
+  n->slot_due.swap(due);
   Py_RETURN_NONE;
+}
+
+// node_due(node) -> [slot, ...]: the slots due now (SettleEntries), for a Python stage.
+PyObject* NodeDue(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HostNode* n = NodeCall(args, nargs, 1, "node_due(node)");
+  if (n == nullptr) return nullptr;
+  std::vector<int64_t> due;
+  {
+    std::lock_guard<std::mutex> lock(n->mu);
+    for (int64_t slot = 0; slot < n->num_slots; ++slot) {
+      if (n->slot_due[slot]) due.push_back(slot);
+    }
+  }
+  return IntList(due);
 }
 
 // node_set_warmup(node, on): whether the node's runs are warm-up runs (see RunNode).
@@ -2851,6 +3026,8 @@ PyMethodDef g_methods[] = {
     {"node_sync_counts",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeSyncCounts)),
      METH_FASTCALL, "Copy Python's per-slot advance counts into the node."},
+    {"node_due", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeDue)),
+     METH_FASTCALL, "The slots whose rollback of rejected drafts is due."},
     {"node_set_warmup",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(NodeSetWarmup)), METH_FASTCALL,
      "Make the node's runs warm-up runs (no job, no mask) or not."},

@@ -417,6 +417,15 @@ def test_random_replayed_steps_equal_eager_with_drafts(factory, native_ok, seed,
     _random_replay(factory, seed, drafts, slots=4)
 
 
+@pytest.mark.parametrize("seed", [3, 4])
+def test_random_replayed_steps_with_rollbacks_left_out_equal_eager(factory, native_ok, seed):
+    """As above with two drafts, the rollback of rejected drafts left out at random steps on
+    both decoders (rollback_rejected_tokens / rollback_rejected_batch): each step after one
+    settles its slots by its requests' counts, the node natively, and every step's masks,
+    failures and matcher states equal the eager decoder's."""
+    _random_replay(factory, seed, 2, slots=4, forget=0.5)
+
+
 def test_node_steps_on_the_fill_pool_equal_eager(factory, native_ok):
     """The node's steps split across the fill pool (two threads, from one request on, the
     pool taking every step) give the eager decoder's masks, failures and matcher states over
@@ -440,8 +449,13 @@ def test_node_steps_on_the_fill_pool_equal_eager(factory, native_ok):
     assert sum(pooled) > 0
 
 
-def _random_replay(factory, seed, drafts, slots, setup=None, after_step=None, host_build=None):
+def _random_replay(factory, seed, drafts, slots, setup=None, after_step=None, host_build=None,
+                   forget=0.0):
+    """``forget``: the share of steps whose rollback of rejected drafts is left out on both
+    decoders (drawn from a generator of its own: the scenario stays the seed's)."""
     rng = random.Random(seed)
+    forget_rng = random.Random(seed + 1)
+    left_out = 0
     scenario = Scenario(factory, rng, slots, drafts, 30)
     V = factory.config.vocab_size_padded
     rows = slots * (drafts + 1)
@@ -459,15 +473,18 @@ def _random_replay(factory, seed, drafts, slots, setup=None, after_step=None, ho
         reqs, new_tokens, rl = pending if step == 0 else scenario.step()
         if not reqs:
             continue
+        skip = forget_rng.random() < forget
+        left_out += skip and counts is not None
         eager.add_batch(reqs, rl)
-        eager.rollback_rejected_tokens()
+        if not skip:
+            eager.rollback_rejected_tokens()
         eager.init_disagg_gen_requests()
         capt_reqs = [GuidedRequest(**{f: getattr(r, f) for f in r.__slots__}) for r in reqs]
         for r in capt_reqs:
             if r.prev_seq_slot is not None:
                 r.new_token, r.draft_tokens = None, None
         capt.add_batch(capt_reqs, new_tokens, rl)
-        if counts is not None and drafts:
+        if counts is not None and drafts and not skip:
             capt.rollback_rejected_batch(torch.tensor(
                 [counts.get(r.seq_slot, 1) for r in capt_reqs], dtype=torch.int32))
         n = eager.requests.num_bitmask_tokens
@@ -490,6 +507,7 @@ def _random_replay(factory, seed, drafts, slots, setup=None, after_step=None, ho
     assert stats.runs > 0 and stats.python_runs == 0  # context and disaggregated steps too
     if drafts:  # every rollback of rejected drafts ran in the node too
         assert stats.rollback_runs > 0 and stats.python_rollback_runs == 0
+    assert left_out > 0 or not forget
     graph.reset()
     capt.close()
 

@@ -567,21 +567,45 @@ def test_a_target_request_beside_drafts_settles_its_forgotten_rollback(factory, 
     dec.close()
 
 
-@pytest.mark.parametrize("accepted,after", [(0, X), (1, C)])
-def test_capturable_step_after_drafts_without_its_rollback_is_rolled_back_first(factory,
-                                                                             accepted, after):
-    """The capturable decoder (Python host step): rollback_rejected_batch left out after a
-    step that verified drafts 1 2 after new token 1; the next step's request says how many
-    were accepted, and its build rolls the rest back first: its new token 2 makes "1 2"
-    (x next) or "1 1 2" (c next)."""
+def _serving(capt, host_node: str, requests: list, rows: int):
+    """For ``host_node`` "native": capture one step of ``capt`` (shaped by ``requests``) on
+    a HostGraph, after which the native node serves every step, eager calls included; the
+    graph (reset by the caller), or None for the Python host step."""
+    if host_node != "native":
+        return None
+    import hostfunc
+    capt.add_batch(requests)
+    graph = hostfunc.HostGraph()
+    with hostfunc.capture(graph):
+        capt.execute(torch.zeros(rows, V))
+    return graph
+
+
+def _drafted_then(factory, host_node: str):
+    """A capturable decoder on ``host_node`` whose slot 0 ("12x|112c") has had its context
+    step and a step with new token 1 and drafts 1 2 (runtime draft length 2), verified with
+    no rollback_rejected_batch after it: ``(decoder, graph or None, grammar)``."""
     grammar = GuidedDecodingParams(GuideType.REGEX, "12x|112c")
-    capt = _capturable(factory, "python", 2)
+    capt = _capturable(factory, host_node, 2)
+    graph = _serving(capt, host_node, [GuidedRequest.context(1, 0, grammar)], 3)
     capt.add_batch([GuidedRequest.context(1, 0, grammar)])
     capt.execute(torch.zeros(1, V))
     capt.add_batch([GuidedRequest.generation(1, 0, grammar, ONE, draft_tokens=[ONE, TWO])],
                    runtime_draft_len=2)
     capt.execute(torch.zeros(3, V))
     assert capt.take_failed_requests() == []
+    return capt, graph, grammar
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+@pytest.mark.parametrize("accepted,after", [(0, X), (1, C)])
+def test_capturable_step_after_drafts_without_its_rollback_is_rolled_back_first(
+        factory, host_node, accepted, after):
+    """The capturable decoder (the Python host step, and the native node): rollback_rejected_
+    batch left out after a step that verified drafts 1 2 after new token 1; the next step's
+    request says how many were accepted, and its step rolls the rest back first: its new
+    token 2 makes "1 2" (x next) or "1 1 2" (c next). The node does it natively."""
+    capt, graph, grammar = _drafted_then(factory, host_node)
     capt.add_batch([GuidedRequest.generation(1, 0, grammar, TWO,
                                              num_accepted_draft_tokens=accepted)],
                    runtime_draft_len=0)
@@ -589,20 +613,103 @@ def test_capturable_step_after_drafts_without_its_rollback_is_rolled_back_first(
     capt.execute(logits)
     assert capt.take_failed_requests() == []
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [after]
+    if graph is not None:
+        assert capt.host_node_stats.python_runs == 0
+        graph.reset()
     capt.close()
 
 
-@pytest.mark.parametrize("kind", [*BUILDS, "capturable"])
+def test_a_forgotten_rollback_past_the_advances_fails_alike_on_both_host_nodes(factory):
+    """The settling of a rollback left out takes the request's count as the call would: a
+    count past the drafts its matcher advanced (3 accepted of 2) fails the request by name,
+    with the same report from the native node as from the Python host step, and its row is
+    left unmasked."""
+    reports = {}
+    for host_node in ("python", "native"):
+        capt, graph, grammar = _drafted_then(factory, host_node)
+        capt.add_batch([GuidedRequest.generation(1, 0, grammar, TWO,
+                                                 num_accepted_draft_tokens=3)],
+                       runtime_draft_len=0)
+        logits = torch.zeros(1, V)
+        capt.execute(logits)
+        reports[host_node] = capt.take_failed_requests()
+        assert bool(torch.isfinite(logits).all()), host_node
+        if graph is not None:
+            graph.reset()
+        capt.close()
+    (request_id, message), = reports["native"]
+    assert request_id == 1 and "num_accepted_draft_tokens=3" in message \
+        and "by 2 draft token(s)" in message, message
+    # (the Python step's RequestError adds the request's names, which the report carries)
+    assert [i for i, _ in reports["python"]] == [1]
+    assert reports["python"][0][1] == message + " [request_id=1, seq_slot=0]"
+
+
+class _PythonOnly:
+    """A matcher wrapper forwarding everything: not xgrammar's matcher, so a slot holding it
+    makes the native node's step Python's."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize("accepted,after", [(0, X), (1, C)])
+def test_the_node_and_its_python_steps_hand_each_other_a_forgotten_rollback(factory,
+                                                                           accepted, after):
+    """With the native node serving, the rollback left out is settled across a change of
+    host step both ways: drafts a Python step advanced (the slot's matcher one only Python
+    runs, unwrapped after) are settled by the node's next step, and drafts the node advanced
+    are settled by a Python step (a count as a NumPy integer: the node leaves it to
+    Python)."""
+    import numpy as np
+
+    grammar = GuidedDecodingParams(GuideType.REGEX, "12x|112c")
+    for python_first in (True, False):
+        capt = _capturable(factory, "native", 2)
+        graph = _serving(capt, "native", [GuidedRequest.context(1, 0, grammar)], 3)
+        capt.add_batch([GuidedRequest.context(1, 0, grammar)])
+        capt.execute(torch.zeros(1, V))
+        if python_first:
+            capt.grammar_matchers[0] = _PythonOnly(capt.grammar_matchers[0])
+        capt.add_batch([GuidedRequest.generation(1, 0, grammar, ONE, draft_tokens=[ONE, TWO])],
+                       runtime_draft_len=2)
+        capt.execute(torch.zeros(3, V))
+        assert capt.take_failed_requests() == []
+        if python_first:
+            capt.grammar_matchers[0] = capt.grammar_matchers[0]._inner
+        first = capt.host_node_stats.python_runs
+        count = accepted if python_first else np.int64(accepted)
+        capt.add_batch([GuidedRequest.generation(1, 0, grammar, TWO,
+                                                 num_accepted_draft_tokens=count)],
+                       runtime_draft_len=0)
+        logits = torch.zeros(1, V)
+        capt.execute(logits)
+        assert capt.take_failed_requests() == []
+        assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [after]
+        runs = capt.host_node_stats.python_runs
+        assert (first, runs) == ((1, 1) if python_first else (0, 1)), (python_first, first, runs)
+        graph.reset()
+        capt.close()
+
+
+@pytest.mark.parametrize("kind", [*BUILDS, "capturable", "capturable-native"])
 def test_a_draft_row_whose_allowed_tokens_the_draft_vocabulary_misses_is_left_unmasked(
         factory, kind):
     """A draft step with a pruned draft vocabulary (d2t: draft ids 0-3 are the target's b, d,
     1 and the stop token): after "a b" the grammar allows a, c and x, none of which the draft
     vocabulary holds. That row is left unmasked (a dead end in draft coordinates), not masked
-    whole (a softmax of it is NaN); the row before it, which allows b, is masked as usual."""
+    whole (a softmax of it is NaN); the row before it, which allows b, is masked as usual.
+    The native node's drafting loop does the same natively."""
     d2t = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
     rows = []
-    if kind == "capturable":
-        dec = _capturable(factory, "python", 2)
+    graph = None
+    if kind.startswith("capturable"):
+        host_node = "native" if kind == "capturable-native" else "python"
+        dec = _capturable(factory, host_node, 2)
+        graph = _serving(dec, host_node, [GuidedRequest.context(1, 0, PAIRS)], 3)
         dec.add_batch([GuidedRequest.context(1, 0, PAIRS)])
         dec.execute(torch.zeros(1, V))
         dec.add_batch([GuidedRequest.generation(1, 0, PAIRS, A)])
@@ -612,6 +719,10 @@ def test_a_draft_row_whose_allowed_tokens_the_draft_vocabulary_misses_is_left_un
             dec.execute_draft_batch(logits, d2t, draft_step=k)
             rows.append(logits[0])
         assert dec.take_failed_requests() == []
+        if graph is not None:
+            stats = dec.host_node_stats
+            assert stats.draft_runs == 2 and stats.python_draft_runs == 0
+            graph.reset()
     else:
         dec = _decoder(factory, kind, 1, 2)
         assert _step(dec, [GuidedRequest.context(1, 0, PAIRS)])[0] == []

@@ -47,8 +47,9 @@ import os
 import sysconfig
 import threading
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from .. import jit
@@ -536,19 +537,23 @@ class HostNode:
         self._forget_slot = module.node_forget_slot
         self._pending = module.node_pending
         self._sync = module.node_sync_counts
-        self._launches: dict[tuple[int, int], int] = {}
+        self._launches: dict[tuple[int, int, int | None], tuple[int, np.ndarray | None]] = {}
         _shutdown_at_exit(module)
 
-    def launch(self, rows: int, draft_step: int = -1) -> int:
+    def launch(self, rows: int, draft_step: int = -1, reach: np.ndarray | None = None) -> int:
         """The address to launch the node's C functions with for a step that masks ``rows``
         logits rows (``draft_step``: the index of a drafting loop's step; -1 for a step or a
-        rollback). Made once per shape; it lives as long as the node."""
-        key = (rows, draft_step)
-        address = self._launches.get(key)
-        if address is None:
-            address = self._launches[key] = self._module.node_launch(self._capsule, rows,
-                                                                     draft_step)
-        return address
+        rollback; ``reach``: a draft step's pruned draft vocabulary as the int32 bitmask
+        words of the target ids it reaches, :meth:`LogitsChecks.reach
+        <capgraph.tensor_checks.LogitsChecks.reach>`: a draft row allowing none of them is
+        left unmasked). Made once per shape and table; it lives as long as the node."""
+        key = (rows, draft_step, None if reach is None else id(reach))
+        made = self._launches.get(key)
+        if made is None:  # (the table is kept with its address: its id names no other)
+            made = self._launches[key] = (self._module.node_launch(
+                self._capsule, rows, draft_step, None if reach is None else reach.tobytes()),
+                reach)
+        return made[0]
 
     def push(self, requests: list, offsets: list, draft_len: int, clear_rows: int, epoch: int,
              from_buffer: bool, ticketed: bool) -> tuple[list[int], list[int]] | None:
@@ -631,12 +636,22 @@ class HostNode:
         nothing on the host side but the counters and which batch ran."""
         return self._pending(self._capsule)
 
-    def sync_counts(self, advanced: list, drafted: list, trees: list) -> None:
+    def sync_counts(self, advanced: list, drafted: list, trees: list,
+                    due: Iterable[int]) -> None:
         """The node's per-slot advance and draft-advance counts from the decoder's lists
-        (after a Python stage changed them), and which slots hold a draft tree (``trees``,
+        (after a Python stage changed them), which slots hold a draft tree (``trees``,
         :attr:`SlotState.draft_trees <capgraph.build.slots.SlotState.draft_trees>`: not
-        None): the rollback of such a slot is Python's, until the node builds the slot."""
-        self._sync(self._capsule, advanced, drafted, trees)
+        None): the rollback of such a slot is Python's, until the node builds the slot; and
+        which slots are due: their last step advanced drafts and no rollback of rejected
+        tokens has run for them since, so the next step that runs one rolls it back to its
+        request's ``num_accepted_draft_tokens`` first (as the decoder's build settles a
+        rollback left out)."""
+        self._sync(self._capsule, advanced, drafted, trees, due)
+
+    def due(self) -> list[int]:
+        """The slots due now (see :meth:`sync_counts`), as the node's runs so far left
+        them: what a Python stage starts from."""
+        return self._module.node_due(self._capsule)
 
     def set_warmup(self, on: bool) -> None:
         """From now on the node's runs take no job and mask nothing (graph warm-up), or
