@@ -1848,6 +1848,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
         matchers = self.grammar_matchers
         for slot, matcher in put.installs:  # (installed by the node before the step ran)
             matchers[slot] = matcher
+        for slot in rolled or ():  # (its settling of a rollback left out: a matcher that had
+            m = matchers[slot]  # terminated and rolled back re-reads its state)
+            if m is not None and m.is_terminated():
+                m.sync_state()  # type: ignore[attr-defined]  # (a native slot's matcher)
         self.slots.forget_trees(batch.requests)  # (the node built these slots: see _build)
         self._masked_rows = masked
         if columns is not None:  # (the unusual requests' tokens, read from the buffer: the

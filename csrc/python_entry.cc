@@ -921,7 +921,8 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //   unusual requests alone (the ones a failure's report reads: nothing reads the others', and
 //   a later Python step refreshes its requests' tokens itself); rolled:
 //   for a rollback the slots whose matchers rolled back (a matcher that had terminated no
-//   longer has), for a loop's end every slot of its batch, else None; stale: a tuple of the
+//   longer has), for a loop's end every slot of its batch, for a step the slots its settling
+//   of a rollback left out rolled back (SettleEntries), else None; stale: a tuple of the
 //   batch indices of unusual requests whose slot holds another matcher by now.
 // node_pending(node) -> (records, latest_epoch, plain): the records node_take would return
 //   now, without taking them: how many, the newest one's epoch (-1 where none), and whether
@@ -998,6 +999,10 @@ struct NodeDone {
   std::vector<std::string> messages;  // per request the Builder ran: its fault / ms, or ""
   std::vector<int64_t> columns;  // per request reading the buffer: index, positions values
   std::vector<int64_t> installed;  // the slots whose matchers the job installed
+  // a step's: the slots whose matchers its settling rolled back (SettleEntries; a matcher
+  // that had terminated re-reads its state on the host), with their generations
+  std::vector<int64_t> settled;
+  std::vector<uint64_t> settled_gens;
 };
 
 struct HostNode;
@@ -1218,7 +1223,7 @@ bool CallRollback(HostNode* n, const ObjectRef& m, int64_t count, std::string* m
 // slot (its matcher installed for this step) is no longer due. Returns per entry the text
 // of its failure ("" where none); RunStep made the step Python's where a due slot's count
 // is not an int >= 0 or its draft tree's path is Python's to keep.
-std::vector<std::string> SettleEntries(HostNode* n, const NodeJob& job) {
+std::vector<std::string> SettleEntries(HostNode* n, const NodeJob& job, NodeDone* d) {
   const size_t k = job.entries.size();
   std::vector<std::string> failed(k);
   struct Due {
@@ -1265,7 +1270,11 @@ std::vector<std::string> SettleEntries(HostNode* n, const NodeJob& job) {
       }
       keep = x.advanced;  // (verification can accept past a draft stop token)
     }
-    if (keep < x.advanced && !CallRollback(n, x.matcher, x.advanced - keep, &message)) continue;
+    if (keep < x.advanced) {
+      if (!CallRollback(n, x.matcher, x.advanced - keep, &message)) continue;
+      d->settled.push_back(e.slot);
+      d->settled_gens.push_back(x.gen);
+    }
     std::lock_guard<std::mutex> lock(n->mu);
     if (n->slot_gen[e.slot] == x.gen) n->slot_advanced[e.slot] = static_cast<int32_t>(keep);
   }
@@ -1274,7 +1283,7 @@ std::vector<std::string> SettleEntries(HostNode* n, const NodeJob& job) {
 
 void RunNative(HostNode* n, const NodeJob& job, NodeDone* d, int64_t launch_rows) {
   Builder* b = n->builder;
-  std::vector<std::string> settled = SettleEntries(n, job);
+  std::vector<std::string> settled = SettleEntries(n, job, d);
   const int64_t k = static_cast<int64_t>(job.entries.size());
   std::vector<ObjectRef> refs(static_cast<size_t>(k));
   std::vector<uint64_t> gens(static_cast<size_t>(k));
@@ -2681,13 +2690,17 @@ PyObject* DoneTuple(const HostNode* n, const NodeDone& d, const std::vector<uint
   for (int64_t slot : d.installed) {  // (a slot reused since shows its later generation)
     if (slot < PyList_GET_SIZE(drafted)) SetCount(drafted, slot, 0);
   }
-  const bool rolls = d.kind == kDoneRollback || d.kind == kDoneDraftEnd;
+  const bool rolls = d.kind == kDoneRollback || d.kind == kDoneDraftEnd || !d.settled.empty();
   Ref unusual(Py_None);
   Py_INCREF(Py_None);
   std::vector<int64_t> stale;  // the unusual requests whose slot has another matcher by now
   std::vector<int64_t> wanted;  // every unusual request's batch index (their columns go back)
   Ref rolled(rolls ? PyList_New(0) : (Py_INCREF(Py_None), Py_None));
   if (!rolled) return nullptr;
+  for (size_t k = 0; k < d.settled.size(); ++k) {  // (a step's settling: SettleEntries)
+    const int64_t slot = d.settled[k];
+    if (gen_now[slot] == d.settled_gens[k] && !AppendInt(rolled.get(), slot)) return nullptr;
+  }
   for (size_t k = 0; k < d.slots.size(); ++k) {
     const int32_t* o = d.out.data() + k * 3;
     const int64_t slot = d.slots[k];
@@ -2795,7 +2808,9 @@ PyObject* NodeTake(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // Whether reading the record would change nothing on the host side but counters and which
 // batch ran (node_pending).
 bool PlainStep(const NodeDone& d) {
-  if (d.kind != kDoneStep || !d.error.empty() || !d.installed.empty()) return false;
+  if (d.kind != kDoneStep || !d.error.empty() || !d.installed.empty() || !d.settled.empty()) {
+    return false;
+  }
   for (size_t k = 0; k < d.slots.size(); ++k) {
     if (d.out[k * 3] != kOk) return false;
   }

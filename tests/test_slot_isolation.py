@@ -645,6 +645,37 @@ def test_a_forgotten_rollback_past_the_advances_fails_alike_on_both_host_nodes(f
     assert reports["python"][0][1] == message + " [request_id=1, seq_slot=0]"
 
 
+@pytest.mark.parametrize("host_node", ["python", "native"])
+def test_a_forgotten_rollback_past_a_draft_stop_token_leaves_the_matcher_running(factory,
+                                                                              host_node):
+    """A step with new token 1 and the draft stop token (the matcher terminates on it), no
+    draft accepted and rollback_rejected_batch left out: the next step settles the slot past
+    the stop token, and the host sees its matcher running again (not terminated), so the
+    step after it, a draft tree the Python build serves, masks both its rows to 1, 2 and the
+    stop token instead of skipping the slot as finished and leaving its rows unmasked."""
+    capt = _capturable(factory, host_node, 2)
+    graph = _serving(capt, host_node, [GuidedRequest.context(1, 0, DIGITS)], 3)
+    steps = [([GuidedRequest.context(1, 0, DIGITS)], 0, 1),
+             ([GuidedRequest.generation(1, 0, DIGITS, ONE, draft_tokens=[EOS])], 1, 2),
+             ([GuidedRequest.generation(1, 0, DIGITS, TWO, num_accepted_draft_tokens=0)], 0, 1)]
+    for requests, draft_len, rows in steps:
+        capt.add_batch(requests, runtime_draft_len=draft_len)
+        capt.execute(torch.zeros(rows, V))
+        assert capt.take_failed_requests() == []
+    assert not capt.grammar_matchers[0].is_terminated()
+    capt.add_batch([GuidedRequest.generation(1, 0, DIGITS, ONE, draft_tokens=[TWO],
+                                             draft_parents=[-1])], runtime_draft_len=1)
+    capt.rollback_rejected_batch(torch.tensor([1], dtype=torch.int32))
+    logits = torch.zeros(2, V)
+    capt.execute(logits)
+    assert capt.take_failed_requests() == []
+    assert [torch.isfinite(row).nonzero().flatten().tolist() for row in logits] \
+        == [[ONE, TWO, EOS]] * 2
+    if graph is not None:
+        graph.reset()
+    capt.close()
+
+
 class _PythonOnly:
     """A matcher wrapper forwarding everything: not xgrammar's matcher, so a slot holding it
     makes the native node's step Python's."""

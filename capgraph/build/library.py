@@ -625,7 +625,8 @@ class HostNode:
         matcher raised); ``columns``: None or ``[(batch index, [token, drafts...])]`` read
         from the token buffer, for the unusual requests alone (what their reports name);
         ``rolled``: for a rollback the slots whose matchers rolled back, for a loop end every
-        slot of its batch, else None. Their counters are written to ``advanced`` / ``guided``
+        slot of its batch, for a step the slots whose rollback left out it settled first (see
+        :meth:`sync_counts`), else None. Their counters are written to ``advanced`` / ``guided``
         / ``drafted`` (per slot), where the slot's matcher is still the one the run used."""
         return self._take(self._capsule, advanced, guided, drafted)
 
