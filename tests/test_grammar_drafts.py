@@ -208,6 +208,32 @@ def test_decoder_forced_tokens_after_the_steps_accept(tekken, factory):
         dec.close()
 
 
+def test_a_tool_calls_structural_tag_forces_the_call_after_its_trigger(tekken, factory):
+    """A structural tag of triggered tool calls (xgrammar's ``TagDispatch``: free text until
+    a trigger): its free text forces nothing, and once the trigger is written the rest of
+    the call's opening up to its arguments is forced text, drafted as the tokenizer's own
+    encoding."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"], "additionalProperties": False}
+    begin = '<tool_call>{"name": "get_weather", "arguments": '
+    guide = GuidedDecodingParams(GuideType.STRUCTURAL_TAG, json.dumps({
+        "type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": ["<tool_call>"],
+            "tags": [{"type": "tag", "begin": begin,
+                      "content": {"type": "json_schema", "json_schema": schema},
+                      "end": "}</tool_call>"}]}}))
+    matcher = factory.create(guide)
+    for token in tekken.encode("Let me check.", add_special_tokens=False):
+        assert matcher.forced_bytes(64) == b""  # (free text)
+        assert matcher.accept_token(token)
+    for token in tekken.encode(" <tool_call>", add_special_tokens=False):
+        assert matcher.accept_token(token)
+    forced = matcher.forced_bytes(4096)
+    assert forced.startswith(b'{"name": "get_weather", "arguments": {'), forced
+    encoder = ForcedTokenEncoder(tekken)
+    assert encoder(matcher, 64) == tekken.encode(forced.decode(), add_special_tokens=False)
+
+
 # -- the drafter -------------------------------------------------------------------------------
 
 def test_grammar_drafter_pads_and_hands_over_to_the_next_drafter(tekken, factory):
@@ -445,6 +471,14 @@ _INF = float("inf")
     ('root ::= "(" root ")"? | "x"', 2.0),  # (")" or the end: not forced past it)
     # rules nested without recursion add their tails up
     ('root ::= "<" a ">"\na ::= "<" b "..>"\nb ::= "<" c "...>"\nc ::= "x"', 12.0),
+    # a TagDispatch: free text forces nothing; the rule a trigger dispatches to is forced,
+    # then free text again (the loop) or the rest after the element ("<f": "xyz" "bcd")
+    ('root ::= TagDispatch(("<f", r), loop_after_dispatch=true, excludes=())\nr ::= "xyz"',
+     3.0),
+    ('root ::= "a" TagDispatch(("<f", r), loop_after_dispatch=false, excludes=("zz")) "bcd"'
+     '\nr ::= "xyz"', 6.0),
+    ('root ::= TagDispatch(("<f", r), loop_after_dispatch=true, excludes=('
+     + ", ".join(f'"q{c}"' for c in "abcdefghijklmno") + '))\nr ::= "x"', _INF),
 ])
 def test_forced_text_bound_reads_the_longest_forced_text(ebnf, bound):
     import xgrammar as xgr
@@ -529,11 +563,23 @@ def _byte_matcher_factory():
     return xgr.GrammarCompiler(info, cache_enabled=False)
 
 
-def _random_grammar(rng: random.Random) -> str:
+def _random_grammar(rng: random.Random, tag_dispatch: bool = False) -> str:
+    """A random EBNF grammar; ``tag_dispatch``: with ``TagDispatch`` elements (free text
+    with triggers, excluded strings, and with or without the loop after a dispatch)."""
     names = ["root"] + [f"r{i}" for i in range(1, rng.randint(1, 4))]
+
+    def dispatch() -> str:
+        entries = ", ".join(f'("{rng.choice(["a", "<", "x[", "ab", "{"])}", {rng.choice(names)})'
+                            for _ in range(rng.randint(1, 2)))
+        excludes = ", ".join(f'"{e}"' for e in rng.sample(["b", "]]", "xa", "}"],
+                                                          rng.randint(0, 2)))
+        return (f"TagDispatch({entries}, loop_after_dispatch="
+                f"{rng.choice(['true', 'false'])}, excludes=({excludes}))")
 
     def atom(depth: int) -> str:
         pick = rng.random()
+        if tag_dispatch and pick < 0.15:
+            return dispatch()
         if pick < 0.35:
             return '"' + "".join(rng.choice("ab[]{},x") for _ in range(rng.randint(1, 3))) + '"'
         if pick < 0.45:
@@ -551,21 +597,23 @@ def _random_grammar(rng: random.Random) -> str:
         for name in names)
 
 
-def test_forced_text_bound_holds_on_random_grammars_and_outputs():
-    """Soundness: on random grammars (recursion, repetition, classes, multibyte text), at
-    random outputs sampled from their masks, xgrammar's jump-forward string is never longer
-    than the bound; where the bound is inf nothing is walked (the walk could be endless)."""
+@pytest.mark.parametrize("tag_dispatch", [False, True], ids=["plain", "tag-dispatch"])
+def test_forced_text_bound_holds_on_random_grammars_and_outputs(tag_dispatch):
+    """Soundness: on random grammars (recursion, repetition, classes, multibyte text; with
+    ``TagDispatch`` free text, triggers and excluded strings), at random outputs sampled from
+    their masks, xgrammar's jump-forward string is never longer than the bound; where the
+    bound is inf nothing is walked (the walk could be endless)."""
     import numpy as np
     import xgrammar as xgr
     from capgraph.grammar.forced import forced_text_bound
     compiler = _byte_matcher_factory()
     bitmask = xgr.allocate_token_bitmask(1, 256)
-    walks = bounded = 0
+    walks = bounded = dispatching = 0
     tight = False
     for seed in range(400):
         rng = random.Random(seed)
         try:
-            grammar = xgr.Grammar.from_ebnf(_random_grammar(rng))
+            grammar = xgr.Grammar.from_ebnf(_random_grammar(rng, tag_dispatch))
             compiled = compiler.compile_grammar(grammar)
         except RuntimeError:
             continue  # (a grammar xgrammar refuses)
@@ -573,6 +621,7 @@ def test_forced_text_bound_holds_on_random_grammars_and_outputs():
         if bound == _INF:
             continue
         bounded += 1
+        dispatching += "TagDispatch" in str(grammar)
         for _ in range(3):
             matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
             for _ in range(rng.randint(0, 40)):
@@ -589,6 +638,7 @@ def test_forced_text_bound_holds_on_random_grammars_and_outputs():
                     break
                 assert matcher.accept_token(rng.choice(allowed))
     assert bounded > 50 and walks > 500 and tight  # (the test reached real forced text)
+    assert dispatching > 20 or not tag_dispatch
 
 
 def _nested_chain(levels: int, tail: int) -> str:

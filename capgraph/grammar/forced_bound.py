@@ -24,9 +24,17 @@ Where a cycle of references with no choice after them adds bytes
 (``r ::= "[" r "]" | "x"``: one ``]`` per ``[`` written), the forced text grows with the
 output's nesting and the bound is ``inf``: such grammars get no forced text. So does a
 grammar with a rule that never completes (``root ::= "ab" root``, where the walk never
-ends) or that this reader cannot read (a ``TagDispatch``). xgrammar prints a string or a
-regex only up to a NUL byte in it; :func:`grammar_hides_bytes` finds those grammars, whose
-printed text is not the grammar the matcher runs.
+ends) or that this reader cannot read. xgrammar prints a string or a regex only up to a NUL
+byte in it; :func:`grammar_hides_bytes` finds those grammars, whose printed text is not the
+grammar the matcher runs.
+
+A ``TagDispatch`` (structural tags' triggered tags and free text) is free text that may end
+at any character and that dispatches to a rule when a trigger string completes: every
+position of its free text is a choice (any character goes on, an excluded string removes
+one byte of the choice at a time, so up to ``_MAX_EXCLUDES`` of them leave two), a rule it
+dispatches to is read as a reference, and what follows that rule's end is a choice again
+(``loop_after_dispatch``: back to free text) or the rest after the element. Its shortest
+match is empty.
 
 xgrammar's lookahead assertions (``(= ...)``) are read as matching nothing and restricting
 nothing: its parser does not apply them (they serve its token-mask cache), so the walk's
@@ -73,13 +81,20 @@ _MAX_CODEPOINT = 0x10FFFF
 # in bytes, the bytes its matches may start with (those known: possibly fewer), and an upper
 # bound on what is left of a match from any position inside it (a regex's or a multibyte
 # character's); ("ref", name); ("rep", lo, hi, node) (hi -1: no upper bound); ("seq",
-# [nodes]); ("alt", [nodes]).
+# [nodes]); ("alt", [nodes]); ("tagd", (rule names), loop_after_dispatch, first) — a
+# TagDispatch, its first bytes two its free text may start with.
 _EMPTY = ("lit", 0.0, _NONE, 0.0)
 
 # xgrammar 0.2's expression codes in its serialized grammar (format "v18": the expressions'
 # start offsets, and per expression [code, length, data...]): a byte string's data are its
 # bytes, a regex's a flag then its pattern's bytes
 _BYTE_STRING, _REGEX, _SERIALIZED = 0, 12, "v18"
+
+
+#: The most excluded strings of a ``TagDispatch`` read: each removes at most one byte of
+#: the choice at a position, and the fewest bytes a position of free text can go on with are
+#: the 16 that may follow the UTF-8 lead byte 0xF4
+_MAX_EXCLUDES = 14
 
 
 class _Unreadable(ValueError):
@@ -355,6 +370,8 @@ class _Reader:
             self.close()
             return _EMPTY
         if kind == "call":
+            if text == "TagDispatch(":
+                return self.tag_dispatch()
             if text != "Regex(":
                 raise _Unreadable(f"unknown element {text}")
             kind, pattern, _ = self.take()
@@ -375,13 +392,68 @@ class _Reader:
         if self.take()[:2] != ("op", ")"):
             raise _Unreadable("missing ')'")
 
+    def tag_dispatch(self) -> tuple:
+        """The arguments of a ``TagDispatch(`` as xgrammar prints them: ``("trigger", rule)``
+        pairs, then ``loop_after_dispatch=true|false`` and ``excludes=("...", ...)``."""
+        triggers, rules, excludes = [], [], []
+        loop = None
+        while True:
+            kind, text, _ = self.take()
+            if (kind, text) == ("op", ")"):
+                break
+            if (kind, text) == ("op", ","):
+                continue
+            if (kind, text) == ("op", "("):  # ("trigger", rule)
+                kind, trigger, _ = self.take()
+                comma = self.take()[:2]
+                rule = self.take()
+                if kind != "str" or comma != ("op", ",") or rule[0] != "name":
+                    raise _Unreadable("a TagDispatch entry that is not (string, rule)")
+                self.close()
+                triggers.append(trigger[1:-1])
+                rules.append(rule[1])
+            elif kind == "name" and self.take()[:2] == ("op", "="):
+                if text == "loop_after_dispatch":
+                    value = self.take()[:2]
+                    if value not in (("name", "true"), ("name", "false")):
+                        raise _Unreadable(f"loop_after_dispatch={value[1]}")
+                    loop = value[1] == "true"
+                elif text == "excludes":
+                    if self.take()[:2] != ("op", "("):
+                        raise _Unreadable("excludes without '('")
+                    while (tok := self.take())[:2] != ("op", ")"):
+                        if tok[0] == "str":
+                            excludes.append(tok[1][1:-1])
+                        elif tok[:2] != ("op", ","):
+                            raise _Unreadable("excludes holding other than strings")
+                else:
+                    raise _Unreadable(f"a TagDispatch argument {text}")
+            else:
+                raise _Unreadable(f"unexpected {text!r} in a TagDispatch")
+        if loop is None or len(excludes) > _MAX_EXCLUDES:
+            raise _Unreadable("a TagDispatch without loop_after_dispatch, or with more "
+                              f"than {_MAX_EXCLUDES} excluded strings")
+        # two bytes its free text may start with and end after: no trigger starts with them
+        # and no excluded string is them
+        taken = {t[:1] for t in triggers} | set(excludes)
+        first = [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in taken][:2]
+        if len(first) < 2:
+            raise _Unreadable("a TagDispatch whose triggers start with most letters")
+        return ("tagd", tuple(rules), loop, frozenset(ord(c) for c in first))
+
 
 def _read_rules(grammar_text: str) -> dict[str, tuple] | None:
     """The rules of ``grammar_text`` by name, as nodes; None where the text cannot be read
     or holds no rule."""
     rules: dict[str, tuple] = {}
+    lines: list[str] = []
+    for line in grammar_text.splitlines():  # (a TagDispatch is printed over several lines)
+        if _RULE.match(line) is None and lines and line.strip():
+            lines[-1] += " " + line.strip()
+        else:
+            lines.append(line)
     try:
-        for line in grammar_text.splitlines():
+        for line in lines:
             if not line.strip():
                 continue
             m = _RULE.match(line)
@@ -500,6 +572,8 @@ class _Bound:
             return self.lengths[node[1]]
         if kind == "rep":
             return 0.0 if node[1] == 0 else node[1] * self._length(node[3])
+        if kind == "tagd":  # (its free text may end at once)
+            return 0.0
         if kind == "alt":
             return min(self._length(a) for a in node[1])
         return sum((self._length(n) for n in node[1]), 0.0)
@@ -518,6 +592,8 @@ class _Bound:
             return self.firsts[node[1]]
         if kind == "rep":
             return _NONE if node[2] == 0 else self._first(node[3])
+        if kind == "tagd":
+            return node[3]
         if kind == "alt":
             return frozenset().union(*(self._first(a) for a in node[1]))
         out: set[int] = set()
@@ -543,6 +619,15 @@ class _Bound:
         elif kind == "alt":
             for child in node[1]:
                 self._walk(name, child, tail, rest, head, edges)
+        elif kind == "tagd":
+            # its free text is a choice at every position (no forced byte: no head); a rule
+            # it dispatches to returns to free text (a choice: no edge) or, without the
+            # loop, ends the element: a reference here
+            if not node[2]:
+                follow, to_end = self._next_bytes(rest)
+                if len(follow) < 2:
+                    for rule in node[1]:
+                        edges[rule].append((name, tail, frozenset(follow), to_end))
         elif kind == "rep":  # (inside one pass: at most lo - 1 more must follow)
             inner = node[3]
             more = (node[1] - 1) * self._length(inner) if node[1] > 1 else 0.0
@@ -582,6 +667,8 @@ def _refs(node: tuple) -> Iterator[str]:
     elif kind in ("seq", "alt"):
         for child in node[1]:
             yield from _refs(child)
+    elif kind == "tagd":
+        yield from node[1]
     elif kind == "rep":
         yield from _refs(node[3])
 
