@@ -1209,8 +1209,6 @@ std::string PastRows(int64_t first, int64_t end, int64_t rows) {
          "batch layout): they would be sampled unmasked";
 }
 
-// One native job: the Builder's loop over the entries whose slot has a native matcher;
-// `launch_rows`: the logits rows the step masks (a request past them fails, PastRows).
 bool CallRollback(HostNode* n, const ObjectRef& m, int64_t count, std::string* message);
 
 // Before a step's build: each request of `job` whose slot is due (slot_due: its last step
@@ -1281,6 +1279,9 @@ std::vector<std::string> SettleEntries(HostNode* n, const NodeJob& job, NodeDone
   return failed;
 }
 
+// One native job: the Builder's loop over the entries whose slot has a native matcher, after
+// the settling of a rollback left out (SettleEntries); `launch_rows`: the logits rows the step
+// masks (a request past them fails, PastRows).
 void RunNative(HostNode* n, const NodeJob& job, NodeDone* d, int64_t launch_rows) {
   Builder* b = n->builder;
   std::vector<std::string> settled = SettleEntries(n, job, d);
