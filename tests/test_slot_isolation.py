@@ -567,6 +567,17 @@ def test_a_target_request_beside_drafts_settles_its_forgotten_rollback(factory, 
     dec.close()
 
 
+class _PythonOnly:
+    """A matcher wrapper forwarding everything: not xgrammar's matcher, so a slot holding it
+    makes the native node's step Python's."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
 def _serving(capt, host_node: str, requests: list, rows: int):
     """For ``host_node`` "native": capture one step of ``capt`` (shaped by ``requests``) on
     a HostGraph, after which the native node serves every step, eager calls included; the
@@ -581,20 +592,39 @@ def _serving(capt, host_node: str, requests: list, rows: int):
     return graph
 
 
-def _drafted_then(factory, host_node: str):
+def _drafted_then(factory, host_node: str, python_drafts: bool = False):
     """A capturable decoder on ``host_node`` whose slot 0 ("12x|112c") has had its context
     step and a step with new token 1 and drafts 1 2 (runtime draft length 2), verified with
-    no rollback_rejected_batch after it: ``(decoder, graph or None, grammar)``."""
+    no rollback_rejected_batch after it: ``(decoder, graph or None, grammar)``.
+    ``python_drafts``: the drafts' step is a Python step of the native node (the slot's
+    matcher wrapped as one only Python runs, and unwrapped after)."""
     grammar = GuidedDecodingParams(GuideType.REGEX, "12x|112c")
     capt = _capturable(factory, host_node, 2)
     graph = _serving(capt, host_node, [GuidedRequest.context(1, 0, grammar)], 3)
     capt.add_batch([GuidedRequest.context(1, 0, grammar)])
     capt.execute(torch.zeros(1, V))
+    if python_drafts:
+        capt.grammar_matchers[0] = _PythonOnly(capt.grammar_matchers[0])
     capt.add_batch([GuidedRequest.generation(1, 0, grammar, ONE, draft_tokens=[ONE, TWO])],
                    runtime_draft_len=2)
     capt.execute(torch.zeros(3, V))
     assert capt.take_failed_requests() == []
+    if python_drafts:
+        capt.grammar_matchers[0] = capt.grammar_matchers[0]._inner
     return capt, graph, grammar
+
+
+def _settling_step(capt, grammar, accepted) -> list[int]:
+    """The step after :func:`_drafted_then`'s, its rollback left out: new token 2, its
+    request saying ``accepted`` drafts were accepted; the tokens its row allows (the step
+    fails nothing)."""
+    capt.add_batch([GuidedRequest.generation(1, 0, grammar, TWO,
+                                             num_accepted_draft_tokens=accepted)],
+                   runtime_draft_len=0)
+    logits = torch.zeros(1, V)
+    capt.execute(logits)
+    assert capt.take_failed_requests() == []
+    return torch.isfinite(logits[0]).nonzero().flatten().tolist()
 
 
 @pytest.mark.parametrize("host_node", ["python", "native"])
@@ -606,13 +636,7 @@ def test_capturable_step_after_drafts_without_its_rollback_is_rolled_back_first(
     request says how many were accepted, and its step rolls the rest back first: its new
     token 2 makes "1 2" (x next) or "1 1 2" (c next). The node does it natively."""
     capt, graph, grammar = _drafted_then(factory, host_node)
-    capt.add_batch([GuidedRequest.generation(1, 0, grammar, TWO,
-                                             num_accepted_draft_tokens=accepted)],
-                   runtime_draft_len=0)
-    logits = torch.zeros(1, V)
-    capt.execute(logits)
-    assert capt.take_failed_requests() == []
-    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [after]
+    assert _settling_step(capt, grammar, accepted) == [after]
     if graph is not None:
         assert capt.host_node_stats.python_runs == 0
         graph.reset()
@@ -676,17 +700,6 @@ def test_a_forgotten_rollback_past_a_draft_stop_token_leaves_the_matcher_running
     capt.close()
 
 
-class _PythonOnly:
-    """A matcher wrapper forwarding everything: not xgrammar's matcher, so a slot holding it
-    makes the native node's step Python's."""
-
-    def __init__(self, inner):
-        self._inner = inner
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
 @pytest.mark.parametrize("accepted,after", [(0, X), (1, C)])
 def test_the_node_and_its_python_steps_hand_each_other_a_forgotten_rollback(factory,
                                                                            accepted, after):
@@ -697,29 +710,11 @@ def test_the_node_and_its_python_steps_hand_each_other_a_forgotten_rollback(fact
     Python)."""
     import numpy as np
 
-    grammar = GuidedDecodingParams(GuideType.REGEX, "12x|112c")
     for python_first in (True, False):
-        capt = _capturable(factory, "native", 2)
-        graph = _serving(capt, "native", [GuidedRequest.context(1, 0, grammar)], 3)
-        capt.add_batch([GuidedRequest.context(1, 0, grammar)])
-        capt.execute(torch.zeros(1, V))
-        if python_first:
-            capt.grammar_matchers[0] = _PythonOnly(capt.grammar_matchers[0])
-        capt.add_batch([GuidedRequest.generation(1, 0, grammar, ONE, draft_tokens=[ONE, TWO])],
-                       runtime_draft_len=2)
-        capt.execute(torch.zeros(3, V))
-        assert capt.take_failed_requests() == []
-        if python_first:
-            capt.grammar_matchers[0] = capt.grammar_matchers[0]._inner
+        capt, graph, grammar = _drafted_then(factory, "native", python_drafts=python_first)
         first = capt.host_node_stats.python_runs
         count = accepted if python_first else np.int64(accepted)
-        capt.add_batch([GuidedRequest.generation(1, 0, grammar, TWO,
-                                                 num_accepted_draft_tokens=count)],
-                       runtime_draft_len=0)
-        logits = torch.zeros(1, V)
-        capt.execute(logits)
-        assert capt.take_failed_requests() == []
-        assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [after]
+        assert _settling_step(capt, grammar, count) == [after]
         runs = capt.host_node_stats.python_runs
         assert (first, runs) == ((1, 1) if python_first else (0, 1)), (python_first, first, runs)
         graph.reset()
