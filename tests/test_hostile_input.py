@@ -23,12 +23,14 @@ from hypothesis import strategies as st
 import hostfunc
 from capgraph import (CapgraphError, ConfigError, GuidedDecodingConfig, GuidedDecodingParams,
                       GuideType, LayoutError, QueueEpochError, RequestError, TensorArgError)
+from capgraph.build import library as native_library
 from capgraph.capturable import CapturableGuidedDecoder
 from capgraph.decoder import GuidedDecoder
 from capgraph.grammar import GrammarMatcher, create_matcher_factory
 from capgraph.requests import GuidedRequest, as_int
 
-KINDS = ["eager", "capturable"]
+# "node": the capturable decoder with its native host node serving (a graph captured first)
+KINDS = ["eager", "capturable", "node"]
 VOCAB = [chr(97 + i) for i in range(26)] + ["</s>"]  # 'a'..'z' are ids 0..25
 EOS = 26
 V = 64  # padded: ids 27..63 are never allowed on a guided row
@@ -45,14 +47,34 @@ def factory():
     made.close()
 
 
+def new_decoder(factory, kind: str, seqs: int = 4, drafts: int = 2) -> GuidedDecoder:
+    """A decoder of ``kind`` (:data:`KINDS`); for "node" one step of unguided placeholders is
+    captured on a HostGraph first, so that the native node serves every step after (eager
+    calls included); the test skips where the native node is unavailable here."""
+    if kind == "eager":
+        return GuidedDecoder(factory.config, seqs, drafts, factory=factory)
+    if kind == "capturable":
+        return CapturableGuidedDecoder(factory.config, seqs, drafts, factory=factory)
+    reason = native_library.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"the native host node is unavailable here: {reason}")
+    dec = CapturableGuidedDecoder(factory.config, seqs, drafts, factory=factory,
+                                  host_node="native")
+    dec.add_batch([GuidedRequest.placeholder(-1)], runtime_draft_len=0)
+    graph = hostfunc.HostGraph()
+    with hostfunc.capture(graph):
+        dec.execute(torch.zeros(1, V))
+    dec._test_graph = graph  # type: ignore[attr-defined]  # (kept as long as the decoder)
+    return dec
+
+
 @pytest.fixture
 def make(factory):
-    """Decoders of either kind on the shared factory, closed afterwards."""
+    """Decoders of any kind on the shared factory, closed afterwards."""
     made: list[GuidedDecoder] = []
 
     def build(kind: str, seqs: int = 4, drafts: int = 2) -> GuidedDecoder:
-        cls = GuidedDecoder if kind == "eager" else CapturableGuidedDecoder
-        dec = cls(factory.config, seqs, drafts, factory=factory)
+        dec = new_decoder(factory, kind, seqs, drafts)
         made.append(dec)
         return dec
     yield build
@@ -1104,8 +1126,7 @@ def test_garbage_in_requests_and_step_tensors_is_named_and_isolated(factory, kin
     fields, logits, d2t = case
     assume(_int_or_none(fields.get("seq_slot")) not in (0, 2))  # (its own slot, not theirs)
     assume(_int_or_none(fields.get("request_id")) not in (10, 12))
-    cls = GuidedDecoder if kind == "eager" else CapturableGuidedDecoder
-    dec, clean = (cls(factory.config, 3, 1, factory=factory) for _ in range(2))
+    dec, clean = (new_decoder(factory, kind, 3, 1) for _ in range(2))
     try:
         # two guides, so that a mask leaking into another request's row would show
         for d in (dec, clean):  # a context step, then a step with a draft (rollback material)
@@ -1149,7 +1170,7 @@ def test_garbage_in_requests_and_step_tensors_is_named_and_isolated(factory, kin
                 values = None  # (a table accepted but not the one compared below)
         bad_id = as_int(fields.get("request_id", 11))
         assert {f[0] for f in failures} <= {-1, 11, bad_id}, failures
-        clean.add_batch(healthy, runtime_draft_len=1) if kind == "capturable" else \
+        clean.add_batch(healthy, runtime_draft_len=1) if kind != "eager" else \
             clean.add_batch(healthy, 1)
         if isinstance(clean, CapturableGuidedDecoder):
             clean.rollback_rejected_batch(torch.ones(2, dtype=torch.int32))
