@@ -818,3 +818,104 @@ def test_a_rollback_past_the_utf8_guards_history_is_a_request_error(tekken, capg
     assert grammar.num_accepted == RING + 4
     grammar.rollback(RING - 1)
     assert grammar.num_accepted == 5
+
+
+# A draft-tree walk written to the contract SGLang's speculative decoding calls a grammar with
+# (its ``traverse_tree``): node 0 is the committed token; each other node's draft is accepted
+# where its parent's row allows it, its own row filled unless the grammar terminated, its
+# children visited, then it is rolled back, then its siblings. It runs as a function of a
+# module in SGLang's speculative package, as SGLang's walk does, outside any try block.
+_WALK_SOURCE = '''
+def walk(grammar, tokens, children, mask):
+    def visit(node, parent):
+        if node:
+            token = tokens[node]
+            if not (int(mask[parent, token // 32]) >> (token % 32)) & 1:
+                return
+            grammar.accept_token(token)
+        if not grammar.is_terminated():
+            grammar.fill_vocab_mask(mask, node)
+            for child in children.get(node, ()):
+                visit(child, node)
+        if node:
+            grammar.rollback(1)
+    visit(0, -1)
+'''
+
+
+@pytest.fixture(scope="module")
+def tree_walk():
+    module = types.ModuleType("sglang.srt.speculative._capgraph_test_walk")
+    exec(_WALK_SOURCE, module.__dict__)
+    return module.walk
+
+
+def test_a_dead_end_under_a_draft_ends_its_branch_of_the_tree_walk(tekken, capgraph_backend,
+                                                                    tree_walk):
+    """SGLang's draft-tree walk over a grammar with a dead end after "a" (``x ::= x`` never
+    completes): the row under draft "a" allows only the stop token, and the walk accepts a
+    draft stop token there. That ends the branch (no exception out of the walk, which would
+    take down SGLang's scheduler); the sibling draft "b" is walked as usual and the grammar is
+    back where it started. When verification then brings the request down that branch, its
+    accept_token of the stop token raises the ValueError SGLang aborts the request with."""
+    g = _dispatch(capgraph_backend, "ebnf", 'root ::= "a" x | "b" "c"\nx ::= x')
+    V, eos = len(tekken), tekken.eos_token_id
+    a, b, c = (tekken.encode(ch, add_special_tokens=False)[0] for ch in "abc")
+    mask = g.allocate_vocab_mask(V, 4, "cpu")
+    tree_walk(g, [0, a, eos, b], {0: [1, 3], 1: [2]}, mask)
+    assert _allowed(mask[1], V) == [eos]  # (the dead end's row)
+    assert _allowed(mask[3], V) == [c]
+    assert g.num_accepted == 0 and not g.is_terminated()
+    g.accept_token(b)  # (verification took the sibling: the request goes on)
+    g.rollback(1)
+    g.accept_token(a)
+    with pytest.raises(ValueError, match="rejects token"):
+        g.accept_token(eos)
+
+
+def test_a_fill_failure_inside_the_tree_walk_fails_the_request_after_it(tekken,
+                                                                       capgraph_backend,
+                                                                       tree_walk):
+    """A matcher whose fill fails under one draft of the walk (llguidance's error state):
+    its row allows only the stop tokens, the walk goes on through the drafts after it (the
+    stop token under it, the sibling draft) without raising, and the request's next
+    accept_token, on its verified path, raises the kept error: SGLang aborts that request
+    alone."""
+    g = _dispatch(capgraph_backend, "regex", "[0-9]+")
+    V, eos = len(tekken), tekken.eos_token_id
+    one, two, three = (tekken.encode(ch, add_special_tokens=False)[0] for ch in "123")
+    fill, calls = g.matcher.fill_next_token_bitmask, []
+
+    def fails_second(bitmask, index):
+        calls.append(index)
+        if len(calls) == 2:
+            raise MatcherError("Current row has 2005 items; max is 2000", backend="llguidance")
+        return fill(bitmask, index)
+    g.matcher.fill_next_token_bitmask, g._handle = fails_second, None
+    g.accept_token(one)
+    mask = g.allocate_vocab_mask(V, 4, "cpu")
+    tree_walk(g, [one, two, eos, three], {0: [1, 3], 1: [2]}, mask)
+    assert calls == [0, 1] and _allowed(mask[1], V) == [eos]
+    with pytest.raises(ValueError, match="2005 items"):
+        g.accept_token(two)
+
+
+def test_outside_the_tree_walk_a_refused_draft_still_raises(tekken, capgraph_backend):
+    """The tree walk's leniency is the walk's alone: called from anywhere else (SGLang's
+    verified-token path), a token the grammar refuses raises at once and counts nothing."""
+    g = _dispatch(capgraph_backend, "regex", "[0-9]+")
+    with pytest.raises(ValueError, match="rejects token"):
+        g.accept_token(tekken.encode("x", add_special_tokens=False)[0])
+    assert g.num_accepted == 0 and not g.is_terminated()
+
+
+@pytest.mark.parametrize("dispatch", ["dispatch_json", "dispatch_structural_tag"])
+def test_a_guide_nested_too_deep_is_an_invalid_grammar_not_a_recursion_error(capgraph_backend,
+                                                                            dispatch):
+    """A guide nested 5000 levels deep (an array inside an array...) comes back as SGLang's
+    invalid grammar naming the depth, from the JSON and the structural-tag dispatchers alike
+    (the structural tag's repair read it with a recursive reader first and raised
+    RecursionError into SGLang's compile thread)."""
+    grammar = getattr(capgraph_backend, dispatch)("[" * 5000 + "]" * 5000)
+    assert isinstance(grammar, InvalidGrammarObject)
+    assert "nests 5000 levels deep" in grammar.error_message

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import threading
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
@@ -65,6 +66,17 @@ _ANY_JSON = "$$ANY$$"  # SGLang's key for "any JSON value"
 _TRANSIENT = TRANSIENT_COMPILE_ERRORS
 # bytes of guide text SGLang's grammar cache keeps (keys and parameters, no compiled grammars)
 _KEY_CACHE_BYTES = 64 << 20
+# SGLang's speculative package, whose draft-tree walk (``traverse_tree``) accepts and rolls
+# back each draft of a verify tree outside any try block: a call from there is that walk
+_TREE_WALK_PACKAGE = "sglang.srt.speculative"
+
+
+def _called_from_tree_walk(depth: int = 2) -> bool:
+    """Whether the caller ``depth`` frames up (of the CapgraphGrammar method calling this) is a
+    function of SGLang's speculative package: its draft-tree walk, where an exception is not
+    one request's abort but the scheduler's crash. Asked only where a method would raise."""
+    name = sys._getframe(depth).f_globals.get("__name__", "")
+    return name == _TREE_WALK_PACKAGE or name.startswith(_TREE_WALK_PACKAGE + ".")
 
 
 class CapgraphInvalidGrammar(InvalidGrammarObject):
@@ -108,6 +120,11 @@ class CapgraphGrammar(BaseGrammarObject):
         self._dead_end_logged = False
         # a failure of this request's matcher in a mask fill, raised at its next accept_token
         self._error: Optional[RequestError] = None
+        # drafts SGLang's tree walk accepted where they could not be (a refused token, or any
+        # token after a failure): counted, not fed to the matcher, undone by the walk's
+        # rollback; the branch ends there (is_terminated), and the request fails on its own
+        # path, at the accept_token that verification brings it to
+        self._walk_dead = 0
 
     # -- token state ---------------------------------------------------------------------------
     def accept_token(self, token: int) -> None:
@@ -117,13 +134,25 @@ class CapgraphGrammar(BaseGrammarObject):
         several EOS ids on a backend that takes one) ends the grammar where its stop token
         would.
 
+        Inside SGLang's draft-tree walk (its speculative package's ``traverse_tree``, which
+        runs outside any try block) nothing raises: a draft that would is counted as accepted
+        without reaching the matcher, the branch ends there (:meth:`is_terminated`) and the
+        walk's ``rollback`` undoes it; a matcher that raises keeps its error for the request's
+        next accept_token. So a dead end's stop-token row, or a failed fill, under one draft
+        of the tree ends that branch, and the request fails (aborted by SGLang) only where
+        verification brings it there.
+
         Raises:
             RequestError: (a ``ValueError``, which SGLang turns into an aborted request) the
                 grammar rejects the token, the matcher failed (llguidance's error state, for
                 example), or an earlier mask fill of this request failed.
         """
-        if self._error is not None:
-            raise self._error
+        if self._error is not None or self._walk_dead:
+            if self._walk_dead or _called_from_tree_walk():
+                self._walk_dead += 1
+                self.num_accepted += 1
+                return
+            raise self._error  # type: ignore[misc]
         if self.matcher.is_terminated():
             return
         self.current_token = token
@@ -133,17 +162,27 @@ class CapgraphGrammar(BaseGrammarObject):
                 ok = self.matcher.accept_token(stop) or self.matcher.accept_token(token)
             else:
                 ok = self.matcher.accept_token(token)
-        except ValueError:
-            raise
         except Exception as e:
-            raise RequestError(f"capgraph: the {self.compiled.params.guide_type.name} grammar "
-                               f"failed on token {token} after {self.num_accepted} accepted "
-                               f"tokens: {type(e).__name__}: {e} "
-                               f"(guide {_clip(self.key_string)!r})") from e
-        if not ok:
-            raise RequestError(f"capgraph: the {self.compiled.params.guide_type.name} grammar "
-                               f"rejects token {token} after {self.num_accepted} accepted "
-                               f"tokens (guide {_clip(self.key_string)!r})")
+            walking = _called_from_tree_walk()
+            if isinstance(e, ValueError) and not walking:
+                raise
+            failure = e if isinstance(e, RequestError) else RequestError(
+                f"capgraph: the {self.compiled.params.guide_type.name} grammar failed on "
+                f"token {token} after {self.num_accepted} accepted tokens: "
+                f"{type(e).__name__}: {e} (guide {_clip(self.key_string)!r})")
+            if not walking:
+                raise failure from e
+            failure.__cause__ = failure.__cause__ or e
+            self._error = failure  # (the request fails at its next accept_token)
+        else:
+            if ok:
+                self.num_accepted += 1
+                return
+            if not _called_from_tree_walk():
+                raise RequestError(f"capgraph: the {self.compiled.params.guide_type.name} "
+                                   f"grammar rejects token {token} after {self.num_accepted} "
+                                   f"accepted tokens (guide {_clip(self.key_string)!r})")
+        self._walk_dead += 1  # (the walk: this branch ends here)
         self.num_accepted += 1
 
     def rollback(self, k: int) -> None:
@@ -153,9 +192,16 @@ class CapgraphGrammar(BaseGrammarObject):
         Raises:
             RequestError: ``k`` is not an integer in ``[0, num_accepted]`` (nothing undone).
         """
+        count = as_int(k)
+        if self._walk_dead and count is not None and count > 0:  # (the walk's own first)
+            undone = min(count, self._walk_dead)
+            self._walk_dead -= undone
+            self.num_accepted -= undone
+            count -= undone
+            if count == 0:
+                return
         if self._error is not None:
             return
-        count = as_int(k)
         if count is None or not 0 <= count <= self.num_accepted:
             raise RequestError(f"capgraph: rollback({k!r}) of the "
                                f"{self.compiled.params.guide_type.name} grammar: expected an "
@@ -168,8 +214,9 @@ class CapgraphGrammar(BaseGrammarObject):
         self.num_accepted -= count
 
     def is_terminated(self) -> bool:
-        """True once the matcher has reached a stop (SGLang's question)."""
-        return self.matcher.is_terminated()
+        """True once the matcher has reached a stop (SGLang's question), and in SGLang's
+        draft-tree walk after a draft that could not be accepted (see :meth:`accept_token`)."""
+        return self._walk_dead > 0 or self.matcher.is_terminated()
 
     def copy(self) -> "CapgraphGrammar":
         """A grammar at the start of the same compiled guide (what SGLang caches and hands out)."""
@@ -553,13 +600,13 @@ def _current_tag_format(key_string: str) -> str:
     anything else unchanged (capgraph's compile reports what is wrong)."""
     try:
         tag = json.loads(key_string)
-    except ValueError:
-        return key_string
-    if not isinstance(tag, dict):
-        return key_string
-    if not ("structures" in tag and "triggers" in tag):
-        if isinstance(tag.get("format"), dict) and _sanitize_tag_format(tag["format"]):
-            return json.dumps(tag)
+        if not isinstance(tag, dict):
+            return key_string
+        if not ("structures" in tag and "triggers" in tag):
+            if isinstance(tag.get("format"), dict) and _sanitize_tag_format(tag["format"]):
+                return json.dumps(tag)
+            return key_string
+    except (ValueError, RecursionError):  # (nested too deep to read: the compile names it)
         return key_string
     import xgrammar as xgr
     from xgrammar.structural_tag import TriggeredTagsFormat
