@@ -234,6 +234,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         #: the prepared step's execute was refused (its logits): the next add_batch leaves it
         self._prepared_refused = False
         self._prepared_rows = 0  # the bitmask rows the step prepared copies (and masks)
+        self._prepared_d2t: torch.Tensor | None = None  # the d2t the prepared step guards for
         # the index of the current drafting loop's last step (its batch's runtime draft
         # length - 1, 0 for none; read when its first step runs)
         self._draft_last = 0
@@ -805,7 +806,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
     # -- the step ----------------------------------------------------------------------------
     @nvtx_range("CapturableGuidedDecoder.prepare")
     @_open_only
-    def prepare(self, num_rows: int | None = None) -> None:
+    def prepare(self, num_rows: int | None = None, d2t: torch.Tensor | None = None) -> None:
         """Enqueue this step's host work (fetch, init, build, copy) on the side stream now.
 
         Optional: ``execute`` does it when not done. On the CPU stand-in, call it before the
@@ -823,23 +824,35 @@ class CapturableGuidedDecoder(GuidedDecoder):
             num_rows: bitmask rows to copy to the device (the logits' rows); default all. A
                 request whose rows lie past them fails (a ``LayoutError`` from
                 :meth:`take_failed_requests`), and ``execute`` masks only these rows.
+            d2t: the draft-to-target table ``execute`` will be given (logits in a pruned draft
+                vocabulary), or None: the host work then leaves a row whose allowed tokens
+                the draft vocabulary misses unmasked, as ``execute`` does when it enqueues
+                the step; ``execute`` must be given the same tensor.
 
         Raises:
             LayoutError: ``num_rows`` is not an int in ``[1, bitmask rows]``, or the step is
                 prepared already for another number of rows; nothing is enqueued.
+            TensorArgError: a bad ``d2t`` (as for :meth:`execute`), or the step is prepared
+                already for another ``d2t``; nothing is enqueued.
         """
         rows = self.bitmask_host.shape[0]
         if num_rows is not None and (type(num_rows) is not int or not 1 <= num_rows <= rows):
             raise LayoutError(f"prepare: num_rows={num_rows!r} must be None or an int in "
                               f"[1, {rows}] (the bitmask's rows)")
+        if self._prepared and d2t is not self._prepared_d2t:
+            raise TensorArgError("prepare: the step is prepared already for another d2t (its "
+                                 "host work is enqueued)")
+        if d2t is not None:
+            self._tensors.check_table(d2t)
         if not self._prepared:
-            self._enqueue_step(num_rows, self._streams.is_capturing())
+            self._enqueue_step(num_rows, self._streams.is_capturing(), d2t)
         elif num_rows is not None and num_rows != self._prepared_rows:
             raise LayoutError(f"prepare: num_rows={num_rows} for a step prepared already for "
                               f"{self._prepared_rows} rows (its host work is enqueued; its "
                               "execute masks those rows)")
 
-    def _enqueue_step(self, num_rows: int | None, capturing: bool) -> None:
+    def _enqueue_step(self, num_rows: int | None, capturing: bool,
+                      d2t: torch.Tensor | None = None) -> None:
         if capturing:
             # the batch queued before capture only gave the shapes: no replay will fetch it
             self._consume_put()
@@ -857,14 +870,17 @@ class CapturableGuidedDecoder(GuidedDecoder):
         # replays run the apply right after it.
         node = self._node
         rows = self._prepared_rows = num_rows or self.bitmask_host.shape[0]
+        # (the build leaves a row its draft vocabulary cannot reach unmasked: _build)
+        self._prepared_d2t = d2t
+        self._draft_reach = reach = None if d2t is None else self._tensors.reach(d2t)
         if capturing:
             self._activate_node()
         with self._streams.side():
             self._streams.wait_tokens()
             if node is not None and self._node_active and (capturing or not self._warmup):
                 # the C++ host node (a warm-up run outside capture takes the Python step)
-                hostfunc.launch_native(node.run, node.launch(rows), retain=node.retain,
-                                       release=node.release)
+                hostfunc.launch_native(node.run, node.launch(rows, -1, reach),
+                                       retain=node.retain, release=node.release)
             else:  # fetch, init, build
                 self.host_step(self._async_build and not capturing, rows)
             self.copy_bitmask(rows)
@@ -940,6 +956,11 @@ class CapturableGuidedDecoder(GuidedDecoder):
         capturing = self._streams.is_capturing()
         self._prepared_refused = self._prepared  # (until the logits pass: see add_batch)
         self._check_logits(logits, d2t, None)
+        if self._prepared and d2t is not self._prepared_d2t:
+            raise TensorArgError(
+                f"execute: d2t is {'None' if d2t is None else 'a table'}, but the step was "
+                f"prepared {'without one' if self._prepared_d2t is None else 'for another'}: "
+                "its host work is enqueued for that table (pass the same d2t to prepare)")
         if not capturing and self.requests is not None and \
                 logits.shape[0] < self.requests.num_bitmask_tokens:
             raise TensorArgError(
@@ -961,7 +982,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 torch.argmax(logits, dim=-1, out=tokens)
             return tokens
         if not self._prepared:
-            self._enqueue_step(logits.shape[0], capturing)
+            self._enqueue_step(logits.shape[0], capturing, d2t)
         self._prepared = False
         # (rows past those prepare copied hold another step's mask: left untouched)
         self._join_and_apply(logits, d2t, capturing, min(logits.shape[0], self._prepared_rows),

@@ -25,6 +25,7 @@ from threading import get_ident
 from functools import update_wrapper
 from typing import Any, Callable, Collection, NoReturn, Sequence, TypeVar, cast
 
+import numpy as np
 import torch
 
 from ._nvtx import nvtx_range
@@ -808,18 +809,19 @@ class GuidedDecoder:
         return self._interpret(requests, outcomes) if outcomes else []
 
     def _unguide_unreachable(self, requests: GuidedRequests) -> None:
-        """After a draft step's build with a pruned draft vocabulary (``d2t``): a draft row
-        whose allowed tokens include none the draft vocabulary reaches is left unmasked (a
-        dead end in draft coordinates: masking it would leave no column, and a softmax of
-        it NaN), as the dead-end guard leaves a row that allows nothing."""
+        """After a build whose logits are in a pruned draft vocabulary (``d2t``: a draft step,
+        or any batch its caller masks through a draft table): a masked row whose allowed
+        tokens include none the draft vocabulary reaches is left unmasked (a dead end in
+        draft coordinates: masking it would leave no column, and a softmax of it NaN), as the
+        dead-end guard leaves a row that allows nothing."""
         reach = self._draft_reach
-        if reach is None or not requests.is_draft_step:
+        if reach is None:
             return
         marks, rows = self.slots.token_mask_np, self.slots.bitmask_np
-        words = reach.shape[0]
-        for req, row in requests.valid_requests_with_offsets():
-            if req.is_draft and marks[row] and not (rows[row, :words] & reach).any():
-                marks[row] = 0
+        masked = np.flatnonzero(marks[:requests.num_bitmask_tokens])
+        if masked.size:
+            dead = ~(rows[masked, :reach.shape[0]] & reach).any(axis=1)
+            marks[masked[dead]] = 0
 
     def _settle_drafts(self, requests: GuidedRequests) -> None:
         """Before a target build: the slots of ``requests`` whose last build advanced drafts

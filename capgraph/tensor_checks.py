@@ -8,7 +8,7 @@ is a call into torch, and they are read once each.
 from __future__ import annotations
 
 import weakref
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -32,9 +32,10 @@ class LogitsChecks:
         self.rank = rank
         self.max_rows = max_rows
         # on CUDA, the d2t tables whose values were read; on both, the bitmask words of the
-        # target ids each table's draft ids map to
+        # target ids each table's draft ids map to (on CPU with the values they were read
+        # from, which each read compares)
         self._d2t_checked: _Remembered[bool] = _Remembered(8)
-        self._d2t_reach: _Remembered[np.ndarray] = _Remembered(4)
+        self._d2t_reach: _Remembered[tuple[np.ndarray | None, np.ndarray]] = _Remembered(4)
 
     def check(self, logits: torch.Tensor, d2t: torch.Tensor | None, rows: int | None,
               min_rows: int = 0) -> None:
@@ -78,14 +79,7 @@ class LogitsChecks:
                                  f"{width}, e.g. an expand()ed tensor): each row is masked "
                                  "for its own request, so rows need memory of their own")
         if d2t is not None:
-            if isinstance(d2t, torch.Tensor) and d2t.layout is not torch.strided:
-                raise TensorArgError(f"d2t must be a dense (strided) tensor, got layout "
-                                     f"{d2t.layout}")
-            if not isinstance(d2t, torch.Tensor) or d2t.dim() != 1:
-                raise TensorArgError(f"d2t must be a 1-D tensor, got shape "
-                                     f"{tuple(getattr(d2t, 'shape', ()))}")
-            if d2t.dtype != torch.int32:
-                raise TensorArgError(f"d2t must be int32, got {d2t.dtype}")
+            self._table_form(d2t)
             if d2t.device != logits.device:
                 raise TensorArgError(f"d2t is on {d2t.device}, logits on {logits.device}")
             self.check_d2t(d2t)
@@ -106,6 +100,28 @@ class LogitsChecks:
             if self.rank >= tp_size:
                 raise TensorArgError(f"rank {self.rank} is outside the {tp_size} shards "
                                      f"implied by logits width {width}")
+
+    def check_table(self, d2t: torch.Tensor) -> None:
+        """Refuse a bad ``d2t`` given without its logits (``prepare``): as :meth:`check`
+        checks it, on the decoder's device."""
+        self._table_form(d2t)
+        if (not d2t.is_cpu) if self._on_cpu else (
+                d2t.device != self.device and not (d2t.device.type == "cuda"
+                                                   and self.device.index is None)):
+            raise TensorArgError(f"d2t is on {d2t.device}, the decoder on {self.device}")
+        self.check_d2t(d2t)
+
+    @staticmethod
+    def _table_form(d2t: Any) -> None:
+        """A dense 1-D int32 tensor, or TensorArgError."""
+        if isinstance(d2t, torch.Tensor) and d2t.layout is not torch.strided:
+            raise TensorArgError(f"d2t must be a dense (strided) tensor, got layout "
+                                 f"{d2t.layout}")
+        if not isinstance(d2t, torch.Tensor) or d2t.dim() != 1:
+            raise TensorArgError(f"d2t must be a 1-D tensor, got shape "
+                                 f"{tuple(getattr(d2t, 'shape', ()))}")
+        if d2t.dtype != torch.int32:
+            raise TensorArgError(f"d2t must be int32, got {d2t.dtype}")
 
     def check_d2t(self, d2t: torch.Tensor) -> None:
         """Check that every draft id ``g`` of ``d2t`` maps to a target id ``g + d2t[g]`` in
@@ -137,21 +153,24 @@ class LogitsChecks:
     def reach(self, d2t: torch.Tensor) -> np.ndarray | None:
         """The target ids the draft ids of ``d2t`` map to (``g + d2t[g]`` in range), as
         int32 bitmask words of a row: a draft row whose allowed tokens miss all of them
-        would be masked whole. Read once per table, remembered as :meth:`check_d2t`
-        remembers tables (on CUDA the read is a host sync); None inside a CUDA graph
-        capture for a table not read before."""
-        words = self._d2t_reach.get(d2t)
-        if words is not None:
-            return words
+        would be masked whole. Remembered per table as :meth:`check_d2t` remembers tables;
+        on CPU each call also compares the table's values with those it was read from (one
+        compare of the table, as the value check reads it on every call), so a write torch
+        does not count is seen; on CUDA (a read is a host sync) it is read once per table,
+        and None inside a CUDA graph capture for a table not read before."""
+        entry = self._d2t_reach.get(d2t)
+        if entry is not None:
+            values, words = entry
+            if values is None or np.array_equal(values, d2t.numpy()):
+                return words
         if not d2t.is_cpu and torch.cuda.is_current_stream_capturing():
             return None
-        host = (d2t if d2t.is_cpu else d2t.cpu()).numpy().astype(np.int64)
+        host = (d2t if d2t.is_cpu else d2t.cpu()).numpy()
         targets = np.arange(host.shape[0], dtype=np.int64) + host
-        targets = targets[(targets >= 0) & (targets < self.vocab_size_padded)]
-        bits = np.zeros(self.words, dtype=np.uint32)
-        np.bitwise_or.at(bits, targets >> 5, np.left_shift(1, targets & 31).astype(np.uint32))
-        words = bits.view(np.int32)
-        self._d2t_reach.put(d2t, words)
+        flags = np.zeros(self.words * 32, dtype=bool)
+        flags[targets[(targets >= 0) & (targets < self.vocab_size_padded)]] = True
+        words = np.packbits(flags, bitorder="little").view("<i4")
+        self._d2t_reach.put(d2t, (host.copy() if d2t.is_cpu else None, words))
         return words
 
     def _check_d2t_values(self, d2t: torch.Tensor) -> None:

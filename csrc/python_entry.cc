@@ -890,7 +890,7 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //   functions `void f(void*)` to launch with a launch's address (node_launch).
 // node_launch(node, rows, draft_step, reach) -> address: a launch shape (rows >= 0;
 //   draft_step: the index of a drafting loop's step, -1 for a step or a rollback; reach: None,
-//   or a draft step's pruned draft vocabulary as bytes of int32 bitmask words, NodeLaunch);
+//   or the step's pruned draft vocabulary as bytes of int32 bitmask words, NodeLaunch);
 //   it lives as long as the node.
 // node_push(node, fast, requests, offsets, draft_len, clear_rows, epoch, from_buffer,
 //           ticketed)
@@ -1015,9 +1015,9 @@ struct HostNode;
 struct NodeLaunch {
   HostNode* node;
   int64_t rows, draft_step;
-  // a drafting loop's step with a pruned draft vocabulary (d2t): the bitmask words of the
-  // target ids its draft ids reach (DraftBuild leaves a row that allows none of them
-  // unmasked); empty: none given
+  // a step or a drafting loop's step with a pruned draft vocabulary (d2t): the bitmask words
+  // of the target ids its draft ids reach (RunNative and DraftBuild leave a row that allows
+  // none of them unmasked); empty: none given
   std::vector<int32_t> reach;
 };
 
@@ -1279,10 +1279,24 @@ std::vector<std::string> SettleEntries(HostNode* n, const NodeJob& job, NodeDone
   return failed;
 }
 
+// Whether bitmask row `row` allows none of the target ids of `reach` (a launch's pruned draft
+// vocabulary, NodeLaunch): a dead end in draft coordinates, which is left unmasked (its masked
+// softmax would be NaN), as the Python build's GuidedDecoder._unguide_unreachable leaves it.
+bool Unreachable(const Builder* b, int64_t row, const std::vector<int32_t>& reach) {
+  const int32_t* bits = static_cast<const int32_t*>(b->bitmask.data_ptr()) + row * b->words;
+  const int64_t words = std::min<int64_t>(b->words, static_cast<int64_t>(reach.size()));
+  for (int64_t w = 0; w < words; ++w) {
+    if ((bits[w] & reach[w]) != 0) return false;
+  }
+  return true;
+}
+
 // One native job: the Builder's loop over the entries whose slot has a native matcher, after
 // the settling of a rollback left out (SettleEntries); `launch_rows`: the logits rows the step
-// masks (a request past them fails, PastRows).
-void RunNative(HostNode* n, const NodeJob& job, NodeDone* d, int64_t launch_rows) {
+// masks (a request past them fails, PastRows); `reach`: the launch's pruned draft vocabulary
+// (empty: none), whose dead ends are left unmasked (Unreachable).
+void RunNative(HostNode* n, const NodeJob& job, NodeDone* d, int64_t launch_rows,
+               const std::vector<int32_t>& reach) {
   Builder* b = n->builder;
   std::vector<std::string> settled = SettleEntries(n, job, d);
   const int64_t k = static_cast<int64_t>(job.entries.size());
@@ -1408,6 +1422,10 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d, int64_t launch_rows
       }
     } else if (o3[2]) {
       d->masked = true;
+      for (int64_t row = e.offset; !reach.empty() && row < e.offset + o3[2] && row < rows;
+           ++row) {
+        if (mask[row] && Unreachable(b, row, reach)) mask[row] = 0;
+      }
     }
     d->slots.push_back(e.slot);
     d->gens.push_back(gens[i]);
@@ -1661,8 +1679,8 @@ bool TakeLateJob(HostNode* n, NodeJob* job, NodeDone* d) {
 }
 
 // The host node: take the next job and run it (see the section's comment), masking `rows`
-// logits rows. Never throws.
-void RunStep(HostNode* n, int64_t rows) {
+// logits rows, with the launch's pruned draft vocabulary `reach` (RunNative). Never throws.
+void RunStep(HostNode* n, int64_t rows, const std::vector<int32_t>& reach) {
   std::lock_guard<std::mutex> serial(n->run_mu);
   const NodeRange range;
   int64_t t0 = NowNs();
@@ -1718,7 +1736,7 @@ void RunStep(HostNode* n, int64_t rows) {
   } else {
     try {
       if (d.error.empty()) {
-        RunNative(n, job, &d, rows);
+        RunNative(n, job, &d, rows, reach);
       } else {
         n->builder->BeginStep(n->builder->bitmask.size(0));  // a step out of step masks nothing
       }
@@ -1733,7 +1751,7 @@ void RunStep(HostNode* n, int64_t rows) {
 
 void RunNode(void* p) {
   const auto* l = static_cast<NodeLaunch*>(p);
-  RunStep(l->node, l->rows);
+  RunStep(l->node, l->rows, l->reach);
 }
 
 // Roll m back by `count` tokens through xgrammar's FFI rollback: true, or false with what it
@@ -1995,13 +2013,9 @@ void DraftBuild(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d,
         if (kind == kRejected || kind == kDeadEnd) n->slot_stopped[e.slot] = 1;
       }
     }
-    if (kind == kOk && o3[2] && !reach.empty() && e.index < rows && mask[e.index]) {
-      const int32_t* row =
-          static_cast<const int32_t*>(b->bitmask.data_ptr()) + e.index * b->words;
-      const int64_t words = std::min<int64_t>(b->words, static_cast<int64_t>(reach.size()));
-      bool any = false;
-      for (int64_t w = 0; w < words && !any; ++w) any = (row[w] & reach[w]) != 0;
-      if (!any) mask[e.index] = 0;
+    if (kind == kOk && o3[2] && !reach.empty() && e.index < rows && mask[e.index] &&
+        Unreachable(b, e.index, reach)) {
+      mask[e.index] = 0;
     }
     if (kind == kOk && o3[2]) d->masked = true;
     Report(d, e, gens[i], o3, std::move(messages[q]));

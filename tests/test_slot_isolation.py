@@ -10,6 +10,7 @@ import torch
 
 from capgraph import GuidedDecoder, GuidedDecodingConfig, GuidedDecodingParams, GuideType
 from capgraph.build import library as native
+from capgraph.errors import TensorArgError
 from capgraph.grammar import create_matcher_factory
 from capgraph.requests import GuidedRequest
 
@@ -722,14 +723,24 @@ def test_the_node_and_its_python_steps_hand_each_other_a_forgotten_rollback(fact
 
 
 @pytest.mark.parametrize("kind", [*BUILDS, "capturable", "capturable-native"])
+@pytest.mark.parametrize("table", ["one table", "written in place"])
 def test_a_draft_row_whose_allowed_tokens_the_draft_vocabulary_misses_is_left_unmasked(
-        factory, kind):
+        factory, kind, table):
     """A draft step with a pruned draft vocabulary (d2t: draft ids 0-3 are the target's b, d,
     1 and the stop token): after "a b" the grammar allows a, c and x, none of which the draft
     vocabulary holds. That row is left unmasked (a dead end in draft coordinates), not masked
     whole (a softmax of it is NaN); the row before it, which allows b, is masked as usual.
-    The native node's drafting loop does the same natively."""
-    d2t = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    The native node's drafting loop does the same natively. "written in place": the first
+    step's table maps draft ids 0-3 to b, a, c and x, and is rewritten to the table above
+    through ``.numpy()`` before the second step (a write torch does not count), which must
+    still see the second table's reach."""
+    d2t = torch.tensor([1, 2, 3, 4] if table == "one table" else [1, -1, 0, 1],
+                       dtype=torch.int32)
+
+    def tables(k: int) -> torch.Tensor:
+        if k == 1 and table == "written in place":
+            d2t.numpy()[:] = [1, 2, 3, 4]
+        return d2t
     rows = []
     graph = None
     if kind.startswith("capturable"):
@@ -742,7 +753,7 @@ def test_a_draft_row_whose_allowed_tokens_the_draft_vocabulary_misses_is_left_un
         for k, token in enumerate([A, B]):
             dec.add_draft_batch(torch.tensor([token]), torch.tensor([1]) if k == 0 else None, k)
             logits = torch.zeros(1, 4)
-            dec.execute_draft_batch(logits, d2t, draft_step=k)
+            dec.execute_draft_batch(logits, tables(k), draft_step=k)
             rows.append(logits[0])
         assert dec.take_failed_requests() == []
         if graph is not None:
@@ -754,15 +765,79 @@ def test_a_draft_row_whose_allowed_tokens_the_draft_vocabulary_misses_is_left_un
         assert _step(dec, [GuidedRequest.context(1, 0, PAIRS)])[0] == []
         dec.add_batch([GuidedRequest.generation(1, 0, PAIRS, A)])
         dec.rollback_rejected_tokens()
-        for token in (A, B):
+        for k, token in enumerate((A, B)):
             dec.add_batch([GuidedRequest(PAIRS, 1, 0, is_draft=True,
                                          is_generation_in_progress_state=True,
                                          new_token=token)])
             logits = torch.zeros(1, 4)
-            assert dec.execute(logits, d2t) == []
+            assert dec.execute(logits, tables(k)) == []
             rows.append(logits[0])
     assert torch.isfinite(rows[0]).nonzero().flatten().tolist() == [0]  # (b: draft id 0)
     assert bool(torch.isfinite(rows[1]).all())
+    dec.close()
+
+
+@pytest.mark.parametrize("kind", [*BUILDS, "capturable", "capturable-native"])
+def test_any_row_masked_through_a_draft_table_it_cannot_reach_is_left_unmasked(factory,
+                                                                               kind):
+    """Logits in a pruned draft vocabulary (d2t: b, d, 1 and the stop token) for a batch of
+    target requests, not a draft step: the context row of slot 0 (the grammar allows a and
+    c, which the table misses) is left unmasked rather than masked whole, and the
+    generation row of slot 1 after "a" (b allowed: draft id 0) is masked as usual; the
+    native node's step does the same natively."""
+    d2t = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    if kind.startswith("capturable"):
+        host_node = "native" if kind == "capturable-native" else "python"
+        dec = _capturable(factory, host_node, 0)
+        graph = _serving(dec, host_node, [GuidedRequest.context(2, 1, PAIRS)], 1)
+        dec.add_batch([GuidedRequest.context(2, 1, PAIRS)])
+        dec.execute(torch.zeros(1, V))
+        dec.add_batch([GuidedRequest.context(1, 0, PAIRS),
+                       GuidedRequest.generation(2, 1, PAIRS, A)])
+        logits = torch.zeros(2, 4)
+        dec.execute(logits, d2t)
+        assert dec.take_failed_requests() == []
+        if graph is not None:
+            assert dec.host_node_stats.python_runs == 0
+            graph.reset()
+    else:
+        dec = _decoder(factory, kind, 2, 0)
+        assert _step(dec, [GuidedRequest.context(2, 1, PAIRS)])[0] == []
+        dec.add_batch([GuidedRequest.context(1, 0, PAIRS),
+                       GuidedRequest.generation(2, 1, PAIRS, A)])
+        logits = torch.zeros(2, 4)
+        assert dec.execute(logits, d2t) == []
+    assert bool(torch.isfinite(logits[0]).all())
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [0]
+    dec.close()
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
+def test_a_step_prepared_for_a_draft_table_guards_its_rows_and_holds_execute_to_it(
+        factory, host_node):
+    """``prepare(rows, d2t)`` enqueues the step's host work for that table: its context
+    row, which the table cannot reach, is left unmasked when ``execute`` is given the same
+    table. ``execute`` with another table (or none) than the step was prepared for is a
+    TensorArgError before anything is masked, and so is preparing it again for another."""
+    d2t = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    dec = _capturable(factory, host_node, 0)
+    graph = _serving(dec, host_node, [GuidedRequest.context(1, 0, PAIRS)], 1)
+    dec.add_batch([GuidedRequest.context(1, 0, PAIRS)])
+    dec.prepare(1, d2t)
+    with pytest.raises(TensorArgError, match="prepared"):
+        dec.prepare(1, d2t.clone())
+    logits = torch.zeros(1, 4)
+    with pytest.raises(TensorArgError, match="prepared for another"):
+        dec.execute(logits, d2t.clone())
+    assert bool((logits == 0).all())
+    dec.execute(logits, d2t)
+    assert dec.take_failed_requests() == [] and bool(torch.isfinite(logits).all())
+    dec.add_batch([GuidedRequest.generation(1, 0, PAIRS, A)])
+    dec.prepare(1)
+    with pytest.raises(TensorArgError, match="prepared without one"):
+        dec.execute(torch.zeros(1, 4), d2t)
+    if graph is not None:
+        graph.reset()
     dec.close()
 
 

@@ -543,9 +543,9 @@ class HostNode:
     def launch(self, rows: int, draft_step: int = -1, reach: np.ndarray | None = None) -> int:
         """The address to launch the node's C functions with for a step that masks ``rows``
         logits rows (``draft_step``: the index of a drafting loop's step; -1 for a step or a
-        rollback; ``reach``: a draft step's pruned draft vocabulary as the int32 bitmask
+        rollback; ``reach``: the step's pruned draft vocabulary as the int32 bitmask
         words of the target ids it reaches, :meth:`LogitsChecks.reach
-        <capgraph.tensor_checks.LogitsChecks.reach>`: a draft row allowing none of them is
+        <capgraph.tensor_checks.LogitsChecks.reach>`: a row allowing none of them is
         left unmasked). Made once per shape and table; it lives as long as the node."""
         key = (rows, draft_step, None if reach is None else id(reach))
         made = self._launches.get(key)
