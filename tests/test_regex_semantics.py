@@ -74,7 +74,9 @@ NON_ECMA = [r"a\eb", r"a\ab", r"\p{L}+", r"\P{L}", r"\x{41}", r"\u{41}", "(?i)a"
             r"\01", r"[^\s\S]", r"a|[^\d\D]", r"[z-a]",
             # a quantifier right after a quantifier: possessive in PCRE and Python ("a++a"
             # matches nothing there; llguidance read it as "(a+)+a" and took "aa") or stacked
-            "a++a", "a*+", "a?+", "a{2}+", "a**", "a{2}{3}", "a+??", "a{1,2}?{3}"]
+            "a++a", "a*+", "a?+", "a{2}+", "a**", "a{2}{3}", "a+??", "a{1,2}?{3}",
+            # a backslash that ends the pattern (llguidance read it as nothing)
+            "\\", "a\\", "(a|b)\\"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -87,6 +89,26 @@ def test_non_ecma_regex_syntax_is_refused(factory_cache, backend, pattern):
     factory = factory_cache("tekken", backend)
     with pytest.raises(UnsupportedGuideError, match="at position"):
         factory.create(GuidedDecodingParams.regex(pattern))
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "auto"])
+def test_a_schema_pattern_ending_in_a_backslash_is_refused(factory_cache, tokenizer_cache,
+                                                          backend):
+    """A JSON schema ``pattern`` ending in a lone backslash (not a regex in ECMA-262) is
+    refused on every backend, "auto" included, rather than read as the pattern without it."""
+    schema = GuidedDecodingParams.json_schema(
+        '{"type": "string", "pattern": "^ab\\\\"}')
+    if backend == "auto":
+        factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
+            tokenizer_cache("tekken"), backend="auto"))
+    else:
+        factory = factory_cache("tekken", backend)
+    try:
+        with pytest.raises(UnsupportedGuideError, match="lone backslash"):
+            factory.create(schema)
+    finally:
+        if backend == "auto":
+            factory.close()
 
 
 def test_xgrammar_tag_regex_and_ebnf_regex_dot(factory_cache, tokenizer_cache):
@@ -239,7 +261,7 @@ def test_auto_refuses_what_either_backend_refuses(tokenizer_cache):
     config = GuidedDecodingConfig.from_tokenizer(tok, backend="auto")
     factory = create_matcher_factory(config)
     try:
-        for pattern in [r"\p{L}+", r"\x{41}", "(?i)a", "[[:alpha:]]x"]:
+        for pattern in [r"\p{L}+", r"\x{41}", "(?i)a", "a\\", "[[:alpha:]]x"]:
             params = GuidedDecodingParams.regex(pattern)
             if pattern == "[[:alpha:]]x":  # ECMA: a class, then "]x"
                 assert accepts(factory, tok, params, "a]x")

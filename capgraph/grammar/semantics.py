@@ -313,9 +313,10 @@ def ecma_regex(pattern: str, backend: str, guide_type: str = "REGEX", where: str
 
     def escape(at: int, in_class: bool) -> tuple[str, Any, int]:
         """The escape at ``at`` (a backslash): ("class", letter, end), ("char", code point,
-        end) or ("other", None, end) (kept as written; the backend reads or refuses it)."""
-        if at + 1 >= n:
-            return "other", None, n
+        end) or ("other", None, end) (kept as written; the backend reads or refuses it); a
+        backslash that ends the pattern is refused."""
+        if at + 1 >= n:  # (ECMA-262 refuses it; llguidance would read it as nothing)
+            raise refuse("a lone backslash at the end of the pattern", at)
         c = pattern[at + 1]
         if c in _REWRITE:
             return "class", c, at + 2
