@@ -872,7 +872,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         rows = self._prepared_rows = num_rows or self.bitmask_host.shape[0]
         # (the build leaves a row its draft vocabulary cannot reach unmasked: _build)
         self._prepared_d2t = d2t
-        self._draft_reach = reach = None if d2t is None else self._tensors.reach(d2t)
+        reach = None if d2t is None else self._tensors.reach(d2t)
         if capturing:
             self._activate_node()
         with self._streams.side():
@@ -882,7 +882,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
                 hostfunc.launch_native(node.run, node.launch(rows, -1, reach),
                                        retain=node.retain, release=node.release)
             else:  # fetch, init, build
-                self.host_step(self._async_build and not capturing, rows)
+                self.host_step(self._async_build and not capturing, rows, reach)
             self.copy_bitmask(rows)
             self._streams.record_bitmask()
         self._prepared = True
@@ -1228,7 +1228,7 @@ class CapturableGuidedDecoder(GuidedDecoder):
         _check_draft_step(draft_step)
         requests = self._require_batch()
         self._check_logits(logits, d2t, None, len(requests))  # (one row per request)
-        self._draft_reach = None if d2t is None else self._tensors.reach(d2t)
+        reach = None if d2t is None else self._tensors.reach(d2t)
         if draft_step == 0 and self._streams.is_capturing():
             self._consume_put()
         capturing = self._streams.is_capturing()
@@ -1238,11 +1238,10 @@ class CapturableGuidedDecoder(GuidedDecoder):
         with self._streams.side():
             self._streams.wait_tokens()
             if node is not None and self._node_active and (capturing or not self._warmup):
-                hostfunc.launch_native(node.run_draft,
-                                       node.launch(rows, draft_step, self._draft_reach),
+                hostfunc.launch_native(node.run_draft, node.launch(rows, draft_step, reach),
                                        retain=node.retain, release=node.release)
             else:
-                self.draft_host_step(draft_step, rows)
+                self.draft_host_step(draft_step, rows, reach)
             self.copy_bitmask(rows)
             self._streams.record_bitmask()
         self._join_and_apply(logits, d2t, self._streams.is_capturing())
@@ -1326,22 +1325,27 @@ class CapturableGuidedDecoder(GuidedDecoder):
             raise first
 
     @hostfunc.hostfunc
-    def host_step(self, asynchronous: bool = False, rows: int | None = None) -> None:
+    def host_step(self, asynchronous: bool = False, rows: int | None = None,
+                  reach: np.ndarray | None = None) -> None:
         """fetch_batch, init_disagg_gen_requests, build (``asynchronous``: see ``_build``;
-        ``rows``: the logits rows the step masks, default all)."""
+        ``rows``: the logits rows the step masks, default all; ``reach``: the step's pruned
+        draft vocabulary, :meth:`LogitsChecks.reach
+        <capgraph.tensor_checks.LogitsChecks.reach>`, or None)."""
         cls = CapturableGuidedDecoder
         self._stages((cls.fetch_batch, rows), (cls.init_disagg_gen_requests_hostfunc,),
-                     (cls.build_hostfunc, asynchronous))
+                     (cls.build_hostfunc, asynchronous, reach))
 
     @hostfunc.hostfunc
-    def draft_host_step(self, draft_step: int, rows: int | None = None) -> None:
+    def draft_host_step(self, draft_step: int, rows: int | None = None,
+                        reach: np.ndarray | None = None) -> None:
         """fetch_draft_batch, [rollback_rejected_tokens at step 0], build_draft (its requests
         past ``rows`` failed first, once the rollback has set the matchers as the build reads
-        them), rollback_draft_tokens (at the loop's last step)."""
+        them; ``reach`` as for :meth:`host_step`), rollback_draft_tokens (at the loop's last
+        step)."""
         cls = CapturableGuidedDecoder
         self._stages((cls.fetch_draft_batch, draft_step),
                      *([(cls.rollback_rejected_tokens_hostfunc,)] if draft_step == 0 else []),
-                     (cls.build_draft_hostfunc, rows),
+                     (cls.build_draft_hostfunc, rows, reach),
                      (cls.rollback_draft_tokens_hostfunc, draft_step))
 
     @hostfunc.hostfunc
@@ -1591,11 +1595,18 @@ class CapturableGuidedDecoder(GuidedDecoder):
             self._init_disagg_gen_requests(self.requests_hostfunc)
 
     @_callback("build")
-    def build_hostfunc(self, asynchronous: bool = False) -> None:
+    def build_hostfunc(self, asynchronous: bool = False, reach: np.ndarray | None = None
+                       ) -> None:
+        # (the step's own table, set in stream order once the build before it has ended)
+        self._await_build()
+        self._draft_reach = reach
         self._build_and_record(self.requests_hostfunc, asynchronous)
 
     @_callback("build_draft")
-    def build_draft_hostfunc(self, rows: int | None = None) -> None:
+    def build_draft_hostfunc(self, rows: int | None = None, reach: np.ndarray | None = None
+                             ) -> None:
+        self._await_build()
+        self._draft_reach = reach
         try:
             self._fail_past_rows(self._draft_requests, rows)
         except BaseException:
@@ -1992,22 +2003,26 @@ class CapturableGuidedDecoder(GuidedDecoder):
         finally:
             self._in_node = False
 
-    def _run_python_step(self, epoch: int, rows: int) -> None:
+    def _run_python_step(self, epoch: int, rows: int, launch: int) -> None:
         """A Python step of the native node (the node holds no GIL; this runs under it): the
         Python host step (its fetch reads the node's steps before it first) for a step that
-        masks ``rows`` logits rows; its errors go to the next drain."""
+        masks ``rows`` logits rows, with the pruned draft vocabulary of its ``launch``; its
+        errors go to the next drain."""
         try:
             with self._inside_node():
-                CapturableGuidedDecoder.host_step.__wrapped__(self, False, rows)
+                CapturableGuidedDecoder.host_step.__wrapped__(
+                    self, False, rows, self._node.reach_of(launch))  # type: ignore[union-attr]
         except BaseException as e:  # noqa: BLE001 - nothing may escape into the node
             hostfunc.record_error("CapturableGuidedDecoder.host_step", e, owner=self)
 
-    def _run_python_draft(self, draft_step: int, rows: int) -> None:
+    def _run_python_draft(self, draft_step: int, rows: int, launch: int) -> None:
         """A Python draft step of the native node (under the GIL, on the node's thread; the
-        node took the loop's batch off its queue itself); its errors go to the next drain."""
+        node took the loop's batch off its queue itself), with the pruned draft vocabulary of
+        its ``launch``; its errors go to the next drain."""
         try:
             with self._inside_node():
-                CapturableGuidedDecoder.draft_host_step.__wrapped__(self, draft_step, rows)
+                CapturableGuidedDecoder.draft_host_step.__wrapped__(
+                    self, draft_step, rows, self._node.reach_of(launch))  # type: ignore[union-attr]
         except BaseException as e:  # noqa: BLE001 - nothing may escape into the node
             hostfunc.record_error("CapturableGuidedDecoder.draft_host_step", e, owner=self)
 
@@ -2020,14 +2035,14 @@ class CapturableGuidedDecoder(GuidedDecoder):
             hostfunc.record_error("CapturableGuidedDecoder.accepted_host_step", e, owner=self)
 
 
-def _python_draft(decoder: CapturableGuidedDecoder) -> Callable[[int, int], None]:
+def _python_draft(decoder: CapturableGuidedDecoder) -> Callable[[int, int, int], None]:
     """The node's Python draft step, holding the decoder weakly."""
     ref = weakref.ref(decoder)
 
-    def draft(draft_step: int, rows: int) -> None:
+    def draft(draft_step: int, rows: int, launch: int) -> None:
         d = ref()
         if d is not None:
-            d._run_python_draft(draft_step, rows)
+            d._run_python_draft(draft_step, rows, launch)
     return draft
 
 
@@ -2042,14 +2057,14 @@ def _python_rollback(decoder: CapturableGuidedDecoder) -> Callable[[], None]:
     return rollback
 
 
-def _python_step(decoder: CapturableGuidedDecoder) -> Callable[[int, int], None]:
+def _python_step(decoder: CapturableGuidedDecoder) -> Callable[[int, int, int], None]:
     """The node's fallback, holding the decoder weakly (the node lives in the decoder)."""
     ref = weakref.ref(decoder)
 
-    def step(epoch: int, rows: int) -> None:
+    def step(epoch: int, rows: int, launch: int) -> None:
         d = ref()
         if d is not None:
-            d._run_python_step(epoch, rows)
+            d._run_python_step(epoch, rows, launch)
     return step
 
 

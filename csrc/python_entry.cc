@@ -863,7 +863,8 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 // runtime draft length) rolls the loop's draft advances back; the slots' draft advances and
 // drafting-stopped flags are the node's (copied from Python's after a Python stage, and to
 // Python's by node_take). A loop the node cannot run (the cases of the rollback, or a batch
-// with context requests) is Python's (`draft_fallback(draft_step, rows)`, under the GIL) from
+// with context requests) is Python's (`draft_fallback(draft_step, rows, launch)`, under the
+// GIL) from
 // its first step to its last.
 //
 // Each launch carries its shape (NodeLaunch, made by node_launch): the logits rows its step
@@ -880,12 +881,13 @@ PyObject* MakeFast(PyObject*, PyObject* args) {
 //   -> (capsule, run, retain, release, run_rollback, run_draft)
 //   fast: make_fast's state (its Builder and request field descriptors); new_tokens: the
 //   decoder's [positions, num_slots] int32 token buffer (a DLPack-capable CPU tensor) at
-//   `address`; fallback(epoch, rows): the Python host step of a Python step; counts: the decoder's
+//   `address`; fallback(epoch, rows, launch): the Python host step of a Python step (launch:
+//   its launch's address, node_launch); counts: the decoder's
 //   [num_slots] int32 accepted-count buffer at `counts_address`; rollback: xgrammar's matcher
 //   `rollback` tvm-ffi Function (held), whose FFI object is at `rollback_address`;
 //   rollback_fallback(): the Python rollback; drafts: the decoder's [num_slots] int32
-//   draft-token buffer at `drafts_address`; draft_fallback(draft_step, rows): the Python draft
-//   step; ticket: the decoder's one-element int32 step ticket at `ticket_address`, holding
+//   draft-token buffer at `drafts_address`; draft_fallback(draft_step, rows, launch): the
+//   Python draft step; ticket: the decoder's one-element int32 step ticket at `ticket_address`, holding
 //   epochs modulo ticket_ring. run/retain/release/run_rollback/run_draft: addresses of the C
 //   functions `void f(void*)` to launch with a launch's address (node_launch).
 // node_launch(node, rows, draft_step, reach) -> address: a launch shape (rows >= 0;
@@ -1075,7 +1077,7 @@ struct HostNode {
   // advances per slot, and the loop in progress (under mu)
   PyObject* draft_buffer = nullptr;  // owns `draft_tokens`
   const int32_t* draft_tokens = nullptr;  // [num_slots] int32, by batch position
-  PyObject* draft_fallback = nullptr;  // draft_fallback(draft_step, rows)
+  PyObject* draft_fallback = nullptr;  // draft_fallback(draft_step, rows, launch)
   std::vector<int32_t> slot_drafted;  // tokens the drafting loop advanced the slot's matcher
   bool draft_python = true;  // the loop in progress runs in Python (or none began)
   int64_t draft_epoch = 0;
@@ -1158,30 +1160,38 @@ void DestroyNode(PyObject* capsule) {
   BuryNodes();
 }
 
+// The address of a launch, as node_launch returned it (what a Python step is given, to find
+// the launch's pruned draft vocabulary).
+unsigned long long LaunchAddress(const NodeLaunch* l) {
+  return static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(l));
+}
+
 // A Python draft step: the decoder's Python draft step under the GIL (it reports its own
-// errors), with the step's index in its loop and its logits rows.
-void RunPythonDraft(HostNode* n, int64_t draft_step, int64_t rows) {
+// errors), with the step's index in its loop, its logits rows and its launch's address.
+void RunPythonDraft(HostNode* n, int64_t draft_step, const NodeLaunch* l) {
   if (g_node_shutdown.load()) return;
   n->python_draft_runs.fetch_add(1);
   PyGILState_STATE gil = PyGILState_Ensure();
-  PyObject* r = PyObject_CallFunction(n->draft_fallback, "LL",
+  PyObject* r = PyObject_CallFunction(n->draft_fallback, "LLK",
                                       static_cast<long long>(draft_step),
-                                      static_cast<long long>(rows));
+                                      static_cast<long long>(l->rows), LaunchAddress(l));
   if (r == nullptr) PyErr_WriteUnraisable(n->draft_fallback);
   Py_XDECREF(r);
   PyGILState_Release(gil);
 }
 
 // A Python step: the decoder's Python host step under the GIL (it reports its own errors),
-// with the step's epoch and logits rows; epoch < 0: the Python rollback.
-void RunPython(HostNode* n, int64_t epoch, int64_t rows = 0) {
+// with the step's epoch, its logits rows and its launch's address; epoch < 0 (no launch): the
+// Python rollback.
+void RunPython(HostNode* n, int64_t epoch, const NodeLaunch* l = nullptr) {
   if (g_node_shutdown.load()) return;  // (the interpreter is exiting: no thread may enter it)
   (epoch < 0 ? n->python_rollback_runs : n->python_runs).fetch_add(1);
   PyGILState_STATE gil = PyGILState_Ensure();
   PyObject* fn = epoch < 0 ? n->rollback_fallback : n->fallback;
   PyObject* r = epoch < 0 ? PyObject_CallNoArgs(fn)
-                          : PyObject_CallFunction(fn, "LL", static_cast<long long>(epoch),
-                                                  static_cast<long long>(rows));
+                          : PyObject_CallFunction(fn, "LLK", static_cast<long long>(epoch),
+                                                  static_cast<long long>(l->rows),
+                                                  LaunchAddress(l));
   if (r == nullptr) PyErr_WriteUnraisable(fn);  // (the fallbacks catch their own)
   Py_XDECREF(r);
   PyGILState_Release(gil);
@@ -1678,9 +1688,11 @@ bool TakeLateJob(HostNode* n, NodeJob* job, NodeDone* d) {
   return true;
 }
 
-// The host node: take the next job and run it (see the section's comment), masking `rows`
-// logits rows, with the launch's pruned draft vocabulary `reach` (RunNative). Never throws.
-void RunStep(HostNode* n, int64_t rows, const std::vector<int32_t>& reach) {
+// The host node: take the next job and run it (see the section's comment) for the launch `l`:
+// masking its logits rows, with its pruned draft vocabulary (RunNative). Never throws.
+void RunStep(HostNode* n, const NodeLaunch* l) {
+  const int64_t rows = l->rows;
+  const std::vector<int32_t>& reach = l->reach;
   std::lock_guard<std::mutex> serial(n->run_mu);
   const NodeRange range;
   int64_t t0 = NowNs();
@@ -1730,7 +1742,7 @@ void RunStep(HostNode* n, int64_t rows, const std::vector<int32_t>& reach) {
     else n->last_entries = job.entries;
   }
   if (python) {
-    RunPython(n, job.epoch, rows);  // (it takes its batch and reports itself: no record)
+    RunPython(n, job.epoch, l);  // (it takes its batch and reports itself: no record)
     std::lock_guard<std::mutex> lock(n->mu);
     n->draft_open = false;
   } else {
@@ -1751,7 +1763,7 @@ void RunStep(HostNode* n, int64_t rows, const std::vector<int32_t>& reach) {
 
 void RunNode(void* p) {
   const auto* l = static_cast<NodeLaunch*>(p);
-  RunStep(l->node, l->rows, l->reach);
+  RunStep(l->node, l);
 }
 
 // Roll m back by `count` tokens through xgrammar's FFI rollback: true, or false with what it
@@ -2058,7 +2070,9 @@ void DraftEnd(HostNode* n, const std::vector<NodeEntry>& entries, NodeDone* d) {
 // is Python's (the decoder's draft step under the GIL, from its first step to its last) where
 // its batch is a Python step's, after a Python step, or where a slot's matcher only Python
 // can run. A warm-up run masks nothing and takes nothing. Never throws.
-void RunDraft(HostNode* n, int64_t draft_step, int64_t rows, const std::vector<int32_t>& reach) {
+void RunDraft(HostNode* n, const NodeLaunch* l) {
+  const int64_t draft_step = l->draft_step, rows = l->rows;
+  const std::vector<int32_t>& reach = l->reach;
   std::lock_guard<std::mutex> serial(n->run_mu);
   if (n->warmup.load()) {
     ClearAll(n);
@@ -2102,7 +2116,7 @@ void RunDraft(HostNode* n, int64_t draft_step, int64_t rows, const std::vector<i
     last = n->draft_last;
   }
   if (python) {
-    RunPythonDraft(n, draft_step, rows);
+    RunPythonDraft(n, draft_step, l);
     if (draft_step >= last) {
       std::lock_guard<std::mutex> lock(n->mu);
       n->draft_open = false;
@@ -2140,7 +2154,7 @@ void RunDraft(HostNode* n, int64_t draft_step, int64_t rows, const std::vector<i
 
 void RunDraftStep(void* p) {
   const auto* l = static_cast<NodeLaunch*>(p);
-  RunDraft(l->node, l->draft_step, l->rows, l->reach);
+  RunDraft(l->node, l);
 }
 
 HostNode* NodeArg(PyObject* capsule) {

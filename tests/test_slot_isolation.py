@@ -813,6 +813,37 @@ def test_any_row_masked_through_a_draft_table_it_cannot_reach_is_left_unmasked(f
 
 
 @pytest.mark.parametrize("host_node", ["python", "native"])
+def test_each_captured_step_guards_with_its_own_draft_table(factory, host_node):
+    """Two graphs of one decoder: a step on full-vocabulary logits (no d2t), then a step on
+    logits in a pruned draft vocabulary (d2t: b, d, 1 and the stop token), captured after
+    it. Replayed in turn, each step's host work guards with its own table: the first one's
+    context row is masked to a and c (the second graph's table, which reaches neither,
+    would have left it unmasked), the second one's context row is left unmasked."""
+    import hostfunc
+
+    d2t = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    dec = _capturable(factory, host_node, 0)
+    steps = [(torch.zeros(1, V), None), (torch.zeros(1, 4), d2t)]
+    graphs = []
+    for slot, (logits, table) in enumerate(steps):
+        dec.add_batch([GuidedRequest.context(slot + 1, slot, PAIRS)])
+        graph = hostfunc.HostGraph()
+        with hostfunc.capture(graph):
+            dec.execute(logits, table)
+        graphs.append(graph)
+    for slot, (graph, (logits, _)) in enumerate(zip(graphs, steps)):
+        dec.add_batch([GuidedRequest.context(slot + 1, slot, PAIRS)])
+        graph.replay()
+        hostfunc.drain()
+        assert dec.take_failed_requests() == []
+    assert torch.isfinite(steps[0][0][0]).nonzero().flatten().tolist() == [A, C]
+    assert bool(torch.isfinite(steps[1][0][0]).all())
+    for graph in graphs:
+        graph.reset()
+    dec.close()
+
+
+@pytest.mark.parametrize("host_node", ["python", "native"])
 def test_a_step_prepared_for_a_draft_table_guards_its_rows_and_holds_execute_to_it(
         factory, host_node):
     """``prepare(rows, d2t)`` enqueues the step's host work for that table: its context

@@ -447,7 +447,7 @@ class HostNode:
 
     Per step: :meth:`push` (at ``add_batch``) reads the batch's requests into a native job, or
     declines a batch that is not the plain case, which :meth:`push_python` then queues as a
-    Python step (the node takes the GIL and calls ``fallback(epoch, rows)``); the node runs
+    Python step (the node takes the GIL and calls ``fallback(epoch, rows, launch)``); the node runs
     the job when the stream reaches it; :meth:`take` (after the step's sync) returns what it
     did. Each launch carries the logits rows its step masks (:meth:`launch`): a captured graph
     keeps those of its capture, and a request of a replayed batch whose bitmask rows lie past
@@ -468,15 +468,17 @@ class HostNode:
     (by batch position), the last rolls the loop's draft advances back; which step is the
     last is read from the loop's batch (its runtime draft length) when the step runs, and a
     step past it guides nothing. A loop the node cannot run (as for a rollback, or a batch
-    with context requests) is ``draft_fallback(draft_step, rows)`` under the GIL, from its
+    with context requests) is ``draft_fallback(draft_step, rows, launch)`` under the GIL, from its
     first step to its last.
 
     Args:
         fast: the decoder's :class:`FastPath` (its Builder and request fields).
         buffer: the decoder's pinned ``[positions, max_num_sequences]`` int32 token buffer,
             read by the node for requests whose tokens come from it.
-        fallback: ``fallback(epoch, rows)``, the decoder's Python host step (called under the
-            GIL on the node's thread; it must not raise).
+        fallback: ``fallback(epoch, rows, launch)``, the decoder's Python host step (called
+            under the GIL on the node's thread; it must not raise); ``launch``: the address of
+            the launch it runs for (:meth:`launch`; its pruned draft vocabulary:
+            :meth:`reach_of`).
         counts: the decoder's pinned ``[max_num_sequences]`` int32 accepted-count buffer.
         rollback: xgrammar's matcher rollback (:func:`matcher_rollback`).
         rollback_fallback: the decoder's Python rollback (as ``fallback``).
@@ -489,9 +491,9 @@ class HostNode:
     """
 
     def __init__(self, fast: FastPath, buffer: torch.Tensor,
-                 fallback: Callable[[int, int], None], counts: torch.Tensor, rollback: Any,
+                 fallback: Callable[[int, int, int], None], counts: torch.Tensor, rollback: Any,
                  rollback_fallback: Callable[[], None], drafts: torch.Tensor,
-                 draft_fallback: Callable[[int, int], None],
+                 draft_fallback: Callable[[int, int, int], None],
                  ticket: torch.Tensor, ticket_ring: int) -> None:
         module = python_module()
         if module is None or not hasattr(module, "node_create"):
@@ -538,6 +540,7 @@ class HostNode:
         self._pending = module.node_pending
         self._sync = module.node_sync_counts
         self._launches: dict[tuple[int, int, int | None], tuple[int, np.ndarray | None]] = {}
+        self._reaches: dict[int, np.ndarray | None] = {}  # by launch address
         _shutdown_at_exit(module)
 
     def launch(self, rows: int, draft_step: int = -1, reach: np.ndarray | None = None) -> int:
@@ -553,7 +556,13 @@ class HostNode:
             made = self._launches[key] = (self._module.node_launch(
                 self._capsule, rows, draft_step, None if reach is None else reach.tobytes()),
                 reach)
+            self._reaches[made[0]] = reach
         return made[0]
+
+    def reach_of(self, launch: int) -> np.ndarray | None:
+        """The pruned draft vocabulary :meth:`launch` made ``launch`` with (None: none): what a
+        Python step the node runs for that launch guards its rows with."""
+        return self._reaches.get(launch)
 
     def push(self, requests: list, offsets: list, draft_len: int, clear_rows: int, epoch: int,
              from_buffer: bool, ticketed: bool) -> tuple[list[int], list[int]] | None:
