@@ -407,6 +407,28 @@ def test_bad_num_accepted_draft_tokens_fails_alone_at_rollback(accepted, make):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("accepted", [-1, "1", 1.5, True, [1]])
+def test_bad_count_of_a_rollback_left_out_fails_alone_at_the_next_step(kind, accepted, make):
+    """The rollback of the last step's drafts left out (no rollback_rejected_tokens or
+    rollback_rejected_batch): the next step settles each slot by its request's
+    num_accepted_draft_tokens, and a request whose count is not an integer >= 0 fails alone
+    with a RequestError naming the field and the value, on every decoder kind (the native
+    node leaves that step to Python); the other request is settled and masked as usual."""
+    dec = make(kind)
+    assert step(dec, contexts((0, ABC), (1, ABC)), torch.zeros(2, V), 2) == []
+    assert step(dec, [gen(0, A, draft_tokens=[B, C]), gen(1, A, draft_tokens=[B, C])],
+                torch.zeros(6, V), 2) == []
+    logits = torch.zeros(2, V)
+    failed = step(dec, [gen(0, B, num_accepted_draft_tokens=0),
+                        gen(1, B, num_accepted_draft_tokens=accepted)], logits, 0)
+    assert [f[0] for f in failed] == [11], failed
+    assert f"num_accepted_draft_tokens={accepted!r}" in failed[0][1]
+    assert dec.num_advanced_tokens[0] == 1 and dec.grammar_matchers[1] is None
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [A, B, C, EOS]
+    assert bool(torch.isfinite(logits[1]).all())
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("drafts", [(B, C), torch.tensor([B, C]), np.array([B, C]),
                                     [np.int64(B), torch.tensor(C)]],
                          ids=["tuple", "tensor", "array", "mixed_integers"])
