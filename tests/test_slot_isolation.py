@@ -813,24 +813,26 @@ def test_any_row_masked_through_a_draft_table_it_cannot_reach_is_left_unmasked(f
 
 
 @pytest.mark.parametrize("host_node", ["python", "native"])
-def test_each_captured_step_guards_with_its_own_draft_table(factory, host_node):
-    """Two graphs of one decoder: a step on full-vocabulary logits (no d2t), then a step on
-    logits in a pruned draft vocabulary (d2t: b, d, 1 and the stop token), captured after
-    it. Replayed in turn, each step's host work guards with its own table: the first one's
-    context row is masked to a and c (the second graph's table, which reaches neither,
-    would have left it unmasked), the second one's context row is left unmasked."""
+@pytest.mark.parametrize("first", ["plain", "table"])
+def test_each_captured_step_guards_with_its_own_draft_table(factory, host_node, first):
+    """Two graphs of one decoder: a step on full-vocabulary logits (no d2t) and a step on
+    logits in a pruned draft vocabulary (d2t: b, d, 1 and the stop token), captured in
+    either order. Replayed in turn, each step's host work guards with its own table, not
+    the one captured last: the plain step's context row is masked to a and c (the table,
+    which reaches neither, would have left it unmasked), and the table step's context row
+    is left unmasked (without the guard it would be masked whole)."""
     import hostfunc
 
     d2t = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
     dec = _capturable(factory, host_node, 0)
     steps = [(torch.zeros(1, V), None), (torch.zeros(1, 4), d2t)]
-    graphs = []
-    for slot, (logits, table) in enumerate(steps):
+    graphs: list = [None, None]
+    for slot in ((0, 1) if first == "plain" else (1, 0)):
+        logits, table = steps[slot]
         dec.add_batch([GuidedRequest.context(slot + 1, slot, PAIRS)])
-        graph = hostfunc.HostGraph()
+        graph = graphs[slot] = hostfunc.HostGraph()
         with hostfunc.capture(graph):
             dec.execute(logits, table)
-        graphs.append(graph)
     for slot, (graph, (logits, _)) in enumerate(zip(graphs, steps)):
         dec.add_batch([GuidedRequest.context(slot + 1, slot, PAIRS)])
         graph.replay()
@@ -840,6 +842,29 @@ def test_each_captured_step_guards_with_its_own_draft_table(factory, host_node):
     assert bool(torch.isfinite(steps[1][0][0]).all())
     for graph in graphs:
         graph.reset()
+    dec.close()
+
+
+def test_a_draft_table_given_anew_each_step_makes_no_new_native_launch(factory):
+    """With the native node serving, steps given the same draft table as a new tensor each
+    time, or as one tensor rewritten through torch, share one launch of the node (its
+    launches live as long as the node: one per step would grow without bound)."""
+    dec = _capturable(factory, "native", 0)
+    graph = _serving(dec, "native", [GuidedRequest.context(1, 0, DIGITS)], 1)
+    dec.add_batch([GuidedRequest.context(1, 0, DIGITS)])
+    dec.execute(torch.zeros(1, V))
+    table = torch.tensor([5, 5, 5, 5], dtype=torch.int32)  # (draft ids 0-3: 1, 2, </s>, -)
+    rewritten = table.clone()
+    for step in range(40):
+        dec.add_batch([GuidedRequest.generation(1, 0, DIGITS, ONE)])
+        rewritten.copy_(table)
+        logits = torch.zeros(1, 4)
+        dec.execute(logits, table.clone() if step % 2 else rewritten)
+        assert dec.take_failed_requests() == []
+        assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [0, 1, 2]
+    assert len(dec._node._launches) == 2  # (the capture's, and the table's)
+    assert dec.host_node_stats.python_runs == 0
+    graph.reset()
     dec.close()
 
 

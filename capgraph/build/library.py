@@ -539,7 +539,7 @@ class HostNode:
         self._forget_slot = module.node_forget_slot
         self._pending = module.node_pending
         self._sync = module.node_sync_counts
-        self._launches: dict[tuple[int, int, int | None], tuple[int, np.ndarray | None]] = {}
+        self._launches: dict[tuple[int, int, bytes | None], int] = {}
         self._reaches: dict[int, np.ndarray | None] = {}  # by launch address
         _shutdown_at_exit(module)
 
@@ -549,15 +549,15 @@ class HostNode:
         rollback; ``reach``: the step's pruned draft vocabulary as the int32 bitmask
         words of the target ids it reaches, :meth:`LogitsChecks.reach
         <capgraph.tensor_checks.LogitsChecks.reach>`: a row allowing none of them is
-        left unmasked). Made once per shape and table; it lives as long as the node."""
-        key = (rows, draft_step, None if reach is None else id(reach))
-        made = self._launches.get(key)
-        if made is None:  # (the table is kept with its address: its id names no other)
-            made = self._launches[key] = (self._module.node_launch(
-                self._capsule, rows, draft_step, None if reach is None else reach.tobytes()),
-                reach)
-            self._reaches[made[0]] = reach
-        return made[0]
+        left unmasked). Made once per shape and table contents (a table given anew each
+        step makes no new launch); it lives as long as the node."""
+        key = (rows, draft_step, None if reach is None else reach.tobytes())
+        address = self._launches.get(key)
+        if address is None:
+            address = self._launches[key] = self._module.node_launch(self._capsule, rows,
+                                                                     draft_step, key[2])
+            self._reaches[address] = reach
+        return address
 
     def reach_of(self, launch: int) -> np.ndarray | None:
         """The pruned draft vocabulary :meth:`launch` made ``launch`` with (None: none): what a
