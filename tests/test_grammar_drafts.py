@@ -264,6 +264,34 @@ def test_grammar_drafter_pads_and_hands_over_to_the_next_drafter(tekken, factory
     assert alone.num_forced == len(forced) and alone.num_refused == 0
 
 
+@pytest.mark.parametrize("fails_in", ["accept_token", "forced_bytes"])
+def test_a_drafter_matcher_that_raises_stops_drafting_for_its_sequence_alone(tekken, factory,
+                                                                            fails_in):
+    """The drafter's own matcher for one sequence raises (llguidance's error state, say) in
+    its accept or its forced-text query: that sequence drafts nothing from the grammar from
+    then on (counted in num_refused), its proposal is padded as an unguided one's, and the
+    other sequence's forced drafts are unchanged; nothing escapes into the batch's step."""
+    params = GuidedDecodingParams.json_schema(SCHEMA)
+    factory.compile(params)
+    prompt = [1, 2, 3]
+    forced = tekken.encode('{"name":"', add_special_tokens=False)
+    k = len(forced)
+    drafter = GrammarDrafter(factory, tekken, k)
+    drafter.start(0, prompt, params)
+    drafter.start(1, prompt, params)
+    assert drafter.propose([0, 1], [prompt, prompt]) == [forced, forced]
+    matcher = drafter._slots[0].matcher
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("llguidance error: the matcher is in its error state")
+    setattr(matcher, fails_in, broken)
+    context = prompt + forced[:1]
+    out = drafter.propose([0, 1], [context, context])
+    assert out == [[context[-1]] * k, forced[1:] + [forced[-1]]]
+    assert drafter.num_refused == 1
+    assert drafter.propose([0], [context])[0] == [context[-1]] * k
+
+
 @pytest.mark.parametrize("draft", ["grammar", "grammar+ngram", "grammar+model"])
 @pytest.mark.parametrize("decoder", ["eager", "capturable"])
 def test_grammar_drafts_equal_greedy_generation(tekken, model, factory, greedy, draft, decoder):

@@ -190,8 +190,10 @@ class GrammarDrafter(Drafter):
     with the eager and the capturable decoder (whose matchers belong to the build's host
     callbacks) and costs one accept per accepted token plus one forced-text query per sequence
     and step (a few microseconds with xgrammar). A compile not finished yet, an unguided
-    sequence, or a matcher that refuses an accepted token (it then stops drafting for that
-    sequence; see :attr:`num_refused`) drafts nothing from the grammar.
+    sequence, or a matcher that refuses an accepted token or raises (llguidance's error state,
+    for example: it then stops drafting for that sequence, which the decoder's own matcher
+    fails or serves; see :attr:`num_refused`) drafts nothing from the grammar, and never
+    affects the other sequences' drafts.
 
     Every proposal has exactly ``num_draft_tokens`` tokens: the forced prefix (the
     tokenizer's encoding, :class:`~capgraph.grammar.forced.ForcedTokenEncoder`), then
@@ -219,7 +221,8 @@ class GrammarDrafter(Drafter):
         self.encoder = encoder or ForcedTokenEncoder(tokenizer)
         self._slots: dict[int, _GrammarSlot] = {}
         self.num_forced = 0  #: tokens drafted from the grammar
-        self.num_refused = 0  #: sequences whose matcher refused an accepted token
+        #: sequences whose matcher refused an accepted token or raised
+        self.num_refused = 0
 
     def start(self, slot: int, prompt: Sequence[int],
               guide: GuidedDecodingParams | None = None) -> None:
@@ -242,13 +245,18 @@ class GrammarDrafter(Drafter):
         if matcher is None:
             return []
         output = context[state.prompt_len:]
-        while state.fed < len(output):
-            if not matcher.accept_token(output[state.fed]):
-                self.num_refused += 1
-                del self._slots[slot]
-                return []
-            state.fed += 1
-        return self.encoder(matcher, self.num_draft_tokens)
+        try:
+            while state.fed < len(output):
+                if not matcher.accept_token(output[state.fed]):
+                    break
+                state.fed += 1
+            else:
+                return self.encoder(matcher, self.num_draft_tokens)
+        except Exception:  # noqa: BLE001 - this drafter's own matcher: it drafts no more
+            pass
+        self.num_refused += 1
+        del self._slots[slot]
+        return []
 
     def _matcher(self, state: _GrammarSlot) -> GrammarMatcher | None:
         if state.matcher is None and state.handle is not None and state.handle.done() \
