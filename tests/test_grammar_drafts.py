@@ -234,6 +234,37 @@ def test_a_tool_calls_structural_tag_forces_the_call_after_its_trigger(tekken, f
     assert encoder(matcher, 64) == tekken.encode(forced.decode(), add_special_tokens=False)
 
 
+@pytest.mark.parametrize("mode,own,spaces", [("compact", None, 0), ("any", None, 9),
+                                              ("bounded", None, 8), ("compact", 2, 2)])
+def test_a_structural_tags_json_schema_takes_the_factorys_json_whitespace(tekken, mode, own,
+                                                                         spaces):
+    """The JSON-schema body of a structural tag's call gets the factory's ``json_whitespace``,
+    as a JSON-schema guide does (compact: none, so a model cannot loop on whitespace there;
+    bounded: at most ``json_max_whitespace``), unless the element gives its own
+    ``max_whitespace_cnt``: the most spaces accepted after the body's opening brace."""
+    element: dict = {"type": "json_schema", "json_schema": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    if own is not None:
+        element["max_whitespace_cnt"] = own
+    guide = GuidedDecodingParams(GuideType.STRUCTURAL_TAG, json.dumps({
+        "type": "structural_tag", "format": {"type": "tag", "begin": "<c>",
+                                             "content": element, "end": "</c>"}}))
+    factory = create_matcher_factory(GuidedDecodingConfig.from_tokenizer(
+        tekken, json_whitespace=mode))
+    space = tekken.encode(" ", add_special_tokens=False)
+    assert len(space) == 1
+    try:
+        matcher = factory.create(guide)
+        for token in tekken.encode("<c>{", add_special_tokens=False):
+            assert matcher.accept_token(token)
+        taken = 0
+        while taken < 9 and matcher.accept_token(space[0]):
+            taken += 1
+        assert taken == spaces
+    finally:
+        factory.close()
+
+
 # -- the drafter -------------------------------------------------------------------------------
 
 def test_grammar_drafter_pads_and_hands_over_to_the_next_drafter(tekken, factory):

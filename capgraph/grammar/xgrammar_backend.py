@@ -298,16 +298,19 @@ def _tag_regexes_faster(tag: str) -> str:
     return changed_tag(tag, change)
 
 
-def _tag_schemas_repaired(tag: str) -> str:
+def _tag_schemas_repaired(tag: str, whitespace: dict[str, Any] | None = None) -> str:
     """The structural tag ``tag`` (JSON text, its schemas prepared:
     :func:`_tag_schemas_prepared`) with each plain ``json_schema`` element
     (:func:`~capgraph.grammar.schema_policy.plain_tag_schema`) written as a ``grammar``
     element holding the grammar a JSON-schema guide of its schema compiles to, repaired
-    (:func:`_repaired`), with the whitespace xgrammar gives such an element (any, up to its
-    ``max_whitespace_cnt``). xgrammar converts a ``json_schema`` element with the same
-    converter but none of capgraph's repairs: raw control characters in a length-limited
-    string, a listed name spelled with an escape as an additional one, the slow automata of
-    patterns. Run inside the conversion's capture (the converter's warnings are the tag's).
+    (:func:`_repaired`). Its whitespace: any up to the element's own ``max_whitespace_cnt``
+    where it gives one (xgrammar's reading of it), else ``whitespace``
+    (:func:`json_whitespace_options` of the factory's ``json_whitespace``, as its JSON-schema
+    guides get; None: any, as xgrammar gives an element). xgrammar converts a
+    ``json_schema`` element with the same converter but none of capgraph's repairs: raw
+    control characters in a length-limited string, a listed name spelled with an escape as
+    an additional one, the slow automata of patterns. Run inside the conversion's capture
+    (the converter's warnings are the tag's).
 
     Raises:
         GrammarShapeError: a repaired grammar's text does not read back as printed.
@@ -315,9 +318,11 @@ def _tag_schemas_repaired(tag: str) -> str:
     def change(node: dict[str, Any], _: str) -> bool:
         if not plain_tag_schema(node):
             return False
+        own = node.get("max_whitespace_cnt")
+        options = whitespace if own is None and whitespace is not None else \
+            {"any_whitespace": True, "max_whitespace_cnt": own}
         printed = str(xgr.Grammar.from_json_schema(
-            json.dumps(node["json_schema"]), any_whitespace=True, strict_mode=True,
-            max_whitespace_cnt=node.get("max_whitespace_cnt")))
+            json.dumps(node["json_schema"]), strict_mode=True, **options))
         node.clear()
         node.update(type="grammar", grammar=_edited(printed, _repaired_text(printed)))
         return True
@@ -984,11 +989,13 @@ _UNREAD = (GuideType.EBNF_GRAMMAR, GuideType.REGEX, GuideType.STRUCTURAL_TAG)
 _NUL_SPELLINGS = ("\x00", "\\0", "\\x00", "\\u0000", "\\U00000000", "\\c@")
 
 
-def _tag_converted(tag: str) -> tuple[xgr.Grammar, list[str]]:
+def _tag_converted(tag: str, whitespace: dict[str, Any] | None = None
+                   ) -> tuple[xgr.Grammar, list[str]]:
     """A structural tag (as :meth:`XGrammarFactory._tag_text` makes it) converted by
-    xgrammar, with the warnings its converter logged."""
+    xgrammar, with the warnings its converter logged; ``whitespace``: its JSON-schema
+    elements' (:func:`_tag_schemas_repaired`)."""
     return _converted(lambda: xgr.Grammar.from_structural_tag(
-        _tag_schemas_repaired(_tag_regexes_faster(tag))))
+        _tag_schemas_repaired(_tag_regexes_faster(tag), whitespace)))
 
 
 def _refuse_tag_drops(tag: str) -> None:
@@ -1237,7 +1244,8 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
             if grammar is not None:
                 pass
             elif gt is GuideType.STRUCTURAL_TAG:
-                grammar, _ = _tag_converted(self._tag_text(params.guide)[0])
+                grammar, _ = _tag_converted(self._tag_text(params.guide)[0],
+                                            self._json_options)
             else:
                 grammar, _ = _converted(lambda: _ebnf_grammar(ecma_ebnf(params.guide))
                                         if gt is GuideType.EBNF_GRAMMAR
@@ -1306,7 +1314,7 @@ class XGrammarMatcherFactory(GrammarMatcherFactory):
                 self._refuse_ignored_in_tag(tag)
                 if refuse:  # the JSON schemas a tag embeds: as JSON-schema guides
                     self._refuse_unenforced_in_tag(_tag_schemas_prepared(guide, patterns=False))
-                grammar, warned = _tag_converted(tag)
+                grammar, warned = _tag_converted(tag, self._json_options)
                 if warned and refuse:
                     _refuse("; ".join(f"xgrammar reported: {w}" for w in warned), gt)
                 compiled = self._compile_grammar(self._compiler_placing(placed), grammar,
