@@ -597,9 +597,9 @@ def test_the_graph_step_enqueues_its_host_work_before_the_forward(sp, model, fac
     events: list[tuple[str, int]] = []
     enqueue, forward_step = CapturableGuidedDecoder._enqueue_step, ModelRunner.forward_step
 
-    def spy_enqueue(self, num_rows, capturing):
+    def spy_enqueue(self, num_rows, capturing, *rest):
         events.append(("host work", num_rows))
-        return enqueue(self, num_rows, capturing)
+        return enqueue(self, num_rows, capturing, *rest)
 
     def spy_forward(self, bs):
         events.append(("forward", bs))
