@@ -88,7 +88,10 @@ def generate(prompts: Sequence[str | Sequence[int]],
             guide forces next, :class:`~capgraph.runtime.drafter.GrammarDrafter`), or
             ``"grammar+ngram"`` / ``"grammar+model"`` (the forced tokens first, the other
             drafter after them). Needs greedy decoding; the output equals non-speculative
-            greedy output token for token.
+            greedy output token for token (a request with drafts fills up to
+            ``1 + num_draft_tokens`` rows a step within the same ``host_step_budget_ms``, so
+            a guide whose fills are slow can fail by its budget where it would finish
+            without drafts).
         num_draft_tokens: drafts per sequence per step (an integer >= 1; unused with
             ``draft="none"``).
         draft_model: the draft LM of ``draft="model"`` / ``"grammar+model"``, with the
