@@ -593,6 +593,19 @@ def _serving(capt, host_node: str, requests: list, rows: int):
     return graph
 
 
+def _capturable_after_context(factory, kind: str, drafts: int, request_id: int, slot: int):
+    """A capturable decoder of ``kind`` ("capturable": the Python host step;
+    "capturable-native": its native node serving) whose ``slot`` has had request
+    ``request_id``'s context step on PAIRS: ``(decoder, graph or None)``."""
+    host_node = "native" if kind == "capturable-native" else "python"
+    dec = _capturable(factory, host_node, drafts)
+    context = [GuidedRequest.context(request_id, slot, PAIRS)]
+    graph = _serving(dec, host_node, context, 1 + drafts)
+    dec.add_batch(context)
+    dec.execute(torch.zeros(1, V))
+    return dec, graph
+
+
 def _drafted_then(factory, host_node: str, python_drafts: bool = False):
     """A capturable decoder on ``host_node`` whose slot 0 ("12x|112c") has had its context
     step and a step with new token 1 and drafts 1 2 (runtime draft length 2), verified with
@@ -744,11 +757,7 @@ def test_a_draft_row_whose_allowed_tokens_the_draft_vocabulary_misses_is_left_un
     rows = []
     graph = None
     if kind.startswith("capturable"):
-        host_node = "native" if kind == "capturable-native" else "python"
-        dec = _capturable(factory, host_node, 2)
-        graph = _serving(dec, host_node, [GuidedRequest.context(1, 0, PAIRS)], 3)
-        dec.add_batch([GuidedRequest.context(1, 0, PAIRS)])
-        dec.execute(torch.zeros(1, V))
+        dec, graph = _capturable_after_context(factory, kind, 2, 1, 0)
         dec.add_batch([GuidedRequest.generation(1, 0, PAIRS, A)])
         for k, token in enumerate([A, B]):
             dec.add_draft_batch(torch.tensor([token]), torch.tensor([1]) if k == 0 else None, k)
@@ -787,11 +796,7 @@ def test_any_row_masked_through_a_draft_table_it_cannot_reach_is_left_unmasked(f
     native node's step does the same natively."""
     d2t = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
     if kind.startswith("capturable"):
-        host_node = "native" if kind == "capturable-native" else "python"
-        dec = _capturable(factory, host_node, 0)
-        graph = _serving(dec, host_node, [GuidedRequest.context(2, 1, PAIRS)], 1)
-        dec.add_batch([GuidedRequest.context(2, 1, PAIRS)])
-        dec.execute(torch.zeros(1, V))
+        dec, graph = _capturable_after_context(factory, kind, 0, 2, 1)
         dec.add_batch([GuidedRequest.context(1, 0, PAIRS),
                        GuidedRequest.generation(2, 1, PAIRS, A)])
         logits = torch.zeros(2, 4)
