@@ -234,18 +234,24 @@ def test_a_tool_calls_structural_tag_forces_the_call_after_its_trigger(tekken, f
     assert encoder(matcher, 64) == tekken.encode(forced.decode(), add_special_tokens=False)
 
 
-@pytest.mark.parametrize("mode,own,spaces", [("compact", None, 0), ("any", None, 9),
-                                              ("bounded", None, 8), ("compact", 2, 2)])
-def test_a_structural_tags_json_schema_takes_the_factorys_json_whitespace(tekken, mode, own,
-                                                                         spaces):
+@pytest.mark.parametrize("mode,own,excludes,spaces", [
+    ("compact", None, False, 0), ("any", None, False, 9), ("bounded", None, False, 8),
+    ("compact", 2, False, 2), ("compact", None, True, 1), ("bounded", None, True, 8),
+    ("any", None, True, 9)])
+def test_a_structural_tags_json_schema_takes_the_factorys_json_whitespace(
+        tekken, mode, own, excludes, spaces):
     """The JSON-schema body of a structural tag's call gets the factory's ``json_whitespace``,
     as a JSON-schema guide does (compact: none, so a model cannot loop on whitespace there;
     bounded: at most ``json_max_whitespace``), unless the element gives its own
-    ``max_whitespace_cnt``: the most spaces accepted after the body's opening brace."""
+    ``max_whitespace_cnt``: the most spaces accepted after the body's opening brace. An
+    element xgrammar converts itself (here one with ``excludes``) is bounded too, compact
+    reading as one (the least xgrammar's element takes)."""
     element: dict = {"type": "json_schema", "json_schema": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
     if own is not None:
         element["max_whitespace_cnt"] = own
+    if excludes:
+        element["excludes"] = ["zz"]
     guide = GuidedDecodingParams(GuideType.STRUCTURAL_TAG, json.dumps({
         "type": "structural_tag", "format": {"type": "tag", "begin": "<c>",
                                              "content": element, "end": "</c>"}}))

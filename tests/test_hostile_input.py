@@ -418,9 +418,12 @@ def test_bad_count_of_a_rollback_left_out_fails_alone_at_the_next_step(kind, acc
     assert step(dec, contexts((0, ABC), (1, ABC)), torch.zeros(2, V), 2) == []
     assert step(dec, [gen(0, A, draft_tokens=[B, C]), gen(1, A, draft_tokens=[B, C])],
                 torch.zeros(6, V), 2) == []
+    python_runs = dec.host_node_stats.python_runs if kind == "node" else 0
     logits = torch.zeros(2, V)
     failed = step(dec, [gen(0, B, num_accepted_draft_tokens=0),
                         gen(1, B, num_accepted_draft_tokens=accepted)], logits, 0)
+    if kind == "node":
+        assert dec.host_node_stats.python_runs == python_runs + 1
     assert [f[0] for f in failed] == [11], failed
     assert f"num_accepted_draft_tokens={accepted!r}" in failed[0][1]
     assert dec.num_advanced_tokens[0] == 1 and dec.grammar_matchers[1] is None

@@ -850,6 +850,47 @@ def test_each_captured_step_guards_with_its_own_draft_table(factory, host_node, 
     dec.close()
 
 
+@pytest.mark.parametrize("first", ["plain", "table"])
+def test_the_native_nodes_python_steps_guard_with_their_launchs_draft_table(factory, first):
+    """As above on the native node, with slot 0's matcher one only Python runs, so that the
+    node hands each replayed step to its Python host step: that step guards with the table
+    of the launch it runs for, whichever graph was captured last: after "a" the table
+    step's row allows b (draft id 0); after "a b" it allows a, c and x, which the table
+    cannot reach, and is left unmasked; after "a b c" the plain step's row allows d."""
+    import hostfunc
+
+    d2t = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    dec = _capturable(factory, "native", 0)
+    steps = {"plain": (torch.zeros(1, V), None), "table": (torch.zeros(1, 4), d2t)}
+    graphs = {}
+    for name in ((first, "table") if first == "plain" else (first, "plain")):
+        logits, table = steps[name]
+        dec.add_batch([GuidedRequest.context(1, 0, PAIRS)])
+        graphs[name] = hostfunc.HostGraph()
+        with hostfunc.capture(graphs[name]):
+            dec.execute(logits, table)
+
+    def run(name: str, request) -> list[int]:
+        logits = steps[name][0]
+        logits.zero_()
+        dec.add_batch([request])
+        graphs[name].replay()
+        hostfunc.drain()
+        assert dec.take_failed_requests() == []
+        return torch.isfinite(logits[0]).nonzero().flatten().tolist()
+
+    assert run("plain", GuidedRequest.context(1, 0, PAIRS)) == [A, C]
+    dec.grammar_matchers[0] = _PythonOnly(dec.grammar_matchers[0])
+    runs = dec.host_node_stats.python_runs
+    assert run("table", GuidedRequest.generation(1, 0, PAIRS, A)) == [0]  # (b: draft id 0)
+    assert run("table", GuidedRequest.generation(1, 0, PAIRS, B)) == [0, 1, 2, 3]
+    assert run("plain", GuidedRequest.generation(1, 0, PAIRS, C)) == [D]
+    assert dec.host_node_stats.python_runs - runs == 3
+    for graph in graphs.values():
+        graph.reset()
+    dec.close()
+
+
 def test_a_draft_table_given_anew_each_step_makes_no_new_native_launch(factory):
     """With the native node serving, steps given the same draft table as a new tensor each
     time, or as one tensor rewritten through torch, share one launch of the node (its

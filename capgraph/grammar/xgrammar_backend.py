@@ -317,7 +317,7 @@ def _tag_schemas_repaired(tag: str, whitespace: dict[str, Any] | None = None) ->
     """
     def change(node: dict[str, Any], _: str) -> bool:
         if not plain_tag_schema(node):
-            return False
+            return _bound_tag_whitespace(node, whitespace)
         own = node.get("max_whitespace_cnt")
         options = whitespace if own is None and whitespace is not None else \
             {"any_whitespace": True, "max_whitespace_cnt": own}
@@ -327,6 +327,23 @@ def _tag_schemas_repaired(tag: str, whitespace: dict[str, Any] | None = None) ->
         node.update(type="grammar", grammar=_edited(printed, _repaired_text(printed)))
         return True
     return changed_tag(tag, change)
+
+
+def _bound_tag_whitespace(node: dict[str, Any], whitespace: dict[str, Any] | None) -> bool:
+    """A structural tag's JSON-schema element that xgrammar converts itself (not plain: an
+    ``excludes``, a boolean schema, other keys), written JSON-style with no
+    ``max_whitespace_cnt`` of its own: given the factory's bound on whitespace runs
+    (``json_whitespace`` "bounded": its ``json_max_whitespace``; "compact": 1, the least
+    xgrammar's element takes), so a model cannot loop on whitespace there either. Whether
+    ``node`` changed."""
+    if whitespace is None or node.get("type") != "json_schema" \
+            or node.get("style", "json") != "json" or node.get("max_whitespace_cnt") is not None:
+        return False
+    cap = whitespace.get("max_whitespace_cnt")
+    if cap is None and whitespace.get("any_whitespace", True):
+        return False  # ("any": xgrammar's own reading)
+    node["max_whitespace_cnt"] = cap or 1
+    return True
 
 
 def _refuse(what: str, guide_type: GuideType = GuideType.JSON_SCHEMA) -> None:
