@@ -914,8 +914,8 @@ def test_a_guide_nested_too_deep_is_an_invalid_grammar_not_a_recursion_error(cap
                                                                             dispatch):
     """A guide nested 5000 levels deep (an array inside an array...) comes back as SGLang's
     invalid grammar naming the depth, from the JSON and the structural-tag dispatchers alike
-    (the structural tag's repair read it with a recursive reader first and raised
-    RecursionError into SGLang's compile thread)."""
+    (the structural tag's repair reads it first, with a reader that recurses: its
+    RecursionError must not reach SGLang's compile thread)."""
     grammar = getattr(capgraph_backend, dispatch)("[" * 5000 + "]" * 5000)
     assert isinstance(grammar, InvalidGrammarObject)
     assert "nests 5000 levels deep" in grammar.error_message
