@@ -900,6 +900,29 @@ def test_a_fill_failure_inside_the_tree_walk_fails_the_request_after_it(tekken,
         g.accept_token(two)
 
 
+def test_a_matcher_raising_inside_the_tree_walk_fails_the_request_after_it(
+        tekken, capgraph_backend, tree_walk):
+    """A matcher whose accept raises under one draft of the walk: nothing raises out of the
+    walk (the sibling draft is walked), and the request's next accept_token raises a
+    ValueError naming the failure, its cause the matcher's own exception."""
+    g = _dispatch(capgraph_backend, "regex", "[0-9]+")
+    V = len(tekken)
+    one, two, three = (tekken.encode(ch, add_special_tokens=False)[0] for ch in "123")
+    accept = g.matcher.accept_token
+
+    def raises_on_two(token):
+        if token == two:
+            raise RuntimeError("matcher state lost")
+        return accept(token)
+    g.matcher.accept_token, g._handle = raises_on_two, None
+    g.accept_token(one)
+    mask = g.allocate_vocab_mask(V, 3, "cpu")
+    tree_walk(g, [one, two, three], {0: [1, 2]}, mask)
+    with pytest.raises(ValueError, match="matcher state lost") as raised:
+        g.accept_token(three)
+    assert isinstance(raised.value.__cause__, RuntimeError)
+
+
 def test_outside_the_tree_walk_a_refused_draft_still_raises(tekken, capgraph_backend):
     """The tree walk's leniency is the walk's alone: called from anywhere else (SGLang's
     verified-token path), a token the grammar refuses raises at once and counts nothing."""

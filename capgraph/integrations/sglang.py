@@ -137,10 +137,11 @@ class CapgraphGrammar(BaseGrammarObject):
         Inside SGLang's draft-tree walk (its speculative package's ``traverse_tree``, which
         runs outside any try block) nothing raises: a draft that would is counted as accepted
         without reaching the matcher, the branch ends there (:meth:`is_terminated`) and the
-        walk's ``rollback`` undoes it; a matcher that raises keeps its error for the request's
-        next accept_token. So a dead end's stop-token row, or a failed fill, under one draft
-        of the tree ends that branch, and the request fails (aborted by SGLang) only where
-        verification brings it there.
+        walk's ``rollback`` undoes it. So the stop token under a dead end's stop-token row ends
+        that branch, and the request fails (aborted by SGLang) only where verification brings
+        it there; a matcher that raises, or a fill that failed, keeps its error, every later
+        draft of the walk ends its branch, and the request fails at its next accept_token on
+        whichever branch.
 
         Raises:
             RequestError: (a ``ValueError``, which SGLang turns into an aborted request) the
@@ -172,7 +173,8 @@ class CapgraphGrammar(BaseGrammarObject):
                 f"{type(e).__name__}: {e} (guide {_clip(self.key_string)!r})")
             if not walking:
                 raise failure from e
-            failure.__cause__ = failure.__cause__ or e
+            if failure is not e:
+                failure.__cause__ = e
             self._error = failure  # (the request fails at its next accept_token)
         else:
             if ok:
