@@ -1220,6 +1220,7 @@ std::string PastRows(int64_t first, int64_t end, int64_t rows) {
 }
 
 bool CallRollback(HostNode* n, const ObjectRef& m, int64_t count, std::string* message);
+void DropFailed(HostNode* n, int64_t slot, uint64_t gen);
 
 // Before a step's build: each request of `job` whose slot is due (slot_due: its last step
 // advanced drafts, and no rollback of rejected tokens ran for it since) is first rolled back
@@ -1234,6 +1235,7 @@ bool CallRollback(HostNode* n, const ObjectRef& m, int64_t count, std::string* m
 std::vector<std::string> SettleEntries(HostNode* n, const NodeJob& job, NodeDone* d) {
   const size_t k = job.entries.size();
   std::vector<std::string> failed(k);
+  if (n->max_drafts <= 0) return failed;  // (no step advances drafts: none is ever due)
   struct Due {
     size_t entry;
     ObjectRef matcher;
@@ -1422,14 +1424,8 @@ void RunNative(HostNode* n, const NodeJob& job, NodeDone* d, int64_t launch_rows
       // a failed request: the rows it filled before the failure stay unmasked, and its
       // matcher runs no later step (Python drops it when it reads this step)
       for (int64_t row = e.offset; row < e.offset + o3[2] && row < rows; ++row) mask[row] = 0;
-      ObjectRef dropped;
       std::lock_guard<std::mutex> lock(n->mu);
-      // (refs[i] is none for a slot whose drafting stopped, which its settling can fail)
-      if (n->slot_kind[e.slot] == 1 && (n->slot_matcher[e.slot].same_as(refs[i]) ||
-                                        n->slot_gen[e.slot] == gens[i])) {
-        std::swap(n->slot_matcher[e.slot], dropped);
-        n->slot_kind[e.slot] = 0;
-      }
+      DropFailed(n, e.slot, gens[i]);
     } else if (o3[2]) {
       d->masked = true;
       for (int64_t row = e.offset; !reach.empty() && row < e.offset + o3[2] && row < rows;
@@ -2351,7 +2347,7 @@ bool PushOne(HostNode* n, FastState* st, PyObject* request_obj, int64_t index, i
   NodeEntry e{slot, -1, offset, static_cast<int64_t>(job->drafts.size()), 0, index, buffered,
               false, false};
   e.fresh = first_step == 1;
-  {
+  if (n->max_drafts > 0) {  // (read for the settling of a rollback left out: SettleEntries)
     Ref accepted(request.Read(RecordField::kAccepted));
     e.accepted = !accepted                 ? -1
                  : accepted.get() == Py_None ? 0
